@@ -1,0 +1,1 @@
+"""vapo actors package."""

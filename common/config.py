@@ -1,0 +1,463 @@
+"""The one config tree of vapo: dataclasses, YAML + dotted overrides, strict validation.
+
+Every process loads the same tree:
+
+    cfg = load_config("ops/configs/default.yaml", ["learner.total_steps=50", "run.seed=1"])
+
+Unknown keys and values of the wrong type are errors that name the dotted key. The resolved config is
+written into the run directory (``save_config``) and can be loaded back unchanged.
+
+``python -m common.config [config.yaml] [key=value ...]`` prints the resolved tree; ``--help`` lists every
+field with its documentation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the dotted key."""
+
+
+def f(default: Any, doc: str) -> Any:
+    """A documented dataclass field (the doc shows in ``--help`` and error messages)."""
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+def sub(cls: type, doc: str) -> Any:
+    """A documented nested section."""
+    return field(default_factory=cls, metadata={"doc": doc})
+
+
+# --------------------------------------------------------------------------------------------- sections
+
+
+@dataclass
+class RunConfig:
+    name: str = f("default", "run name; everything the run writes goes to <root>/<name>/")
+    root: str = f("runs", "parent directory of run directories (relative to the repo root or absolute)")
+    seed: int = f(0, "global seed (task sampling, model init, sampling RNGs)")
+    device: str = f("cpu", "compute device for engines and learner: cpu | cuda")
+    max_wall_seconds: float = f(0.0, "stop the run after this many seconds of RL (0 = no limit)")
+    log_level: str = f("INFO", "Python logging level for every process")
+
+
+@dataclass
+class TaskConfig:
+    name: str = f("addition", "task: addition | reasoning_gym:<generator> | jsonl:<path>")
+    min_digits: int = f(1, "addition: fewest digits per operand")
+    max_digits: int = f(6, "addition: most digits per operand (response length grows with digits)")
+    eval_buckets: int = f(10, "held-out split = operands whose hash falls in bucket 0 of this many")
+    eval_size: int = f(256, "number of held-out prompts used for evaluation")
+    train_size: int = f(0, "reasoning_gym/jsonl: number of training items (0 = generator/file default)")
+    seed: int = f(1234, "task seed (fixed so the held-out split is the same across runs)")
+
+
+@dataclass
+class BootstrapConfig:
+    hidden_size: int = f(128, "tiny Qwen2 hidden size")
+    num_layers: int = f(3, "tiny Qwen2 decoder layers")
+    num_heads: int = f(4, "attention heads")
+    num_kv_heads: int = f(2, "key/value heads (GQA)")
+    intermediate_size: int = f(384, "MLP width")
+    max_position_embeddings: int = f(256, "longest prompt + response the model supports")
+    teacher_error_rate: float = f(0.1, "probability that a teacher trace makes a wrong column step")
+    seconds: float = f(240.0, "SFT wall-clock budget in seconds")
+    max_steps: int = f(100000, "SFT step limit (whichever of seconds/max_steps comes first)")
+    batch_size: int = f(64, "SFT batch size (sequences)")
+    lr: float = f(3e-3, "SFT peak learning rate")
+    threads: int = f(2, "torch threads for SFT")
+
+
+@dataclass
+class ModelConfig:
+    path: str = f("runs/_base/addition-tiny", "HF model dir of the base policy; built by learner.sft if missing")
+    dtype: str = f("float32", "parameter dtype for engines and learner: float32 | bfloat16 | float16")
+    bootstrap: BootstrapConfig = sub(BootstrapConfig, "how learner.sft builds the embedded base policy")
+
+
+@dataclass
+class EngineConfig:
+    kind: str = f("rollout_server", "engine: rollout_server (CPU/CUDA, ours) | sglang (GPU) | external")
+    urls: list[str] = f([], "kind=external: engine base URLs to use as given (one actor each)")
+    host: str = f("127.0.0.1", "bind address of engines started by vapo")
+    base_port: int = f(30000, "first engine port; engine i listens on base_port + i")
+    max_batch_size: int = f(256, "rollout_server: most sequences decoded together")
+    batch_wait_ms: float = f(2.0, "rollout_server: how long to gather concurrent requests into a batch")
+    threads: int = f(1, "rollout_server: torch threads per engine process")
+    startup_timeout_s: float = f(120.0, "seconds to wait for an engine's /health before giving up")
+    max_restarts: int = f(3, "restarts of a dead engine before the actor gives up")
+    sglang_mem_fraction_static: float = f(0.8, "sglang: --mem-fraction-static")
+    sglang_tp_size: int = f(1, "sglang: --tp-size")
+    sglang_extra_args: list[str] = f([], "sglang: extra command-line arguments for sglang.launch_server")
+
+
+@dataclass
+class ActorsConfig:
+    num_actors: int = f(1, "rollout workers (each bound to one engine)")
+    group_size: int = f(8, "G: samples per prompt")
+    prompts_in_flight: int = f(16, "prompts each worker keeps outstanding at its engine")
+    temperature: float = f(1.0, "sampling temperature")
+    top_p: float = f(1.0, "nucleus sampling p")
+    top_k: int = f(-1, "top-k sampling (-1 = off)")
+    max_new_tokens: int = f(96, "response token limit")
+    weight_sync: str = f("wait", "in-flight requests on a weight update: wait (finish on old weights) | abort")
+    send_timeout_s: float = f(10.0, "seconds before an unacknowledged group is re-sent with the same group_id")
+    metrics_base_port: int = f(9300, "actor i serves /metrics on metrics_base_port + i")
+
+
+@dataclass
+class CurveConfig:
+    server_secret_key: str = f("", "path to the server's CurveZMQ secret key file (needed for non-loopback binds)")
+    server_public_key: str = f("", "path to the server's public key (clients need it)")
+    client_secret_key: str = f("", "path to this client's secret key file")
+    authorized_clients_dir: str = f("", "directory of allowed client public keys")
+
+
+@dataclass
+class BufferConfig:
+    path: str = f("", "LMDB directory (empty = <run dir>/buffer)")
+    ingest_addr: str = f("tcp://127.0.0.1:5555", "ROUTER address where actors send groups")
+    serve_addr: str = f("tcp://127.0.0.1:5556", "REP address where the learner asks for batches")
+    max_staleness: int = f(1, "serve only groups with weight_version >= learner version - max_staleness (0 = sync)")
+    capacity_groups: int = f(4096, "most groups held before admission stops")
+    capacity_bytes: int = f(8 << 30, "most bytes of group data held before admission stops")
+    positives_capacity: int = f(20000, "verified-correct samples kept for NLL replay (oldest evicted)")
+    filter_uniform_groups: bool = f(False, "drop groups whose rewards are all equal (DAPO dynamic sampling)")
+    max_frame_bytes: int = f(64 << 20, "largest accepted wire frame")
+    map_size_bytes: int = f(1 << 30, "initial LMDB map size (grows automatically)")
+    commit_batch: int = f(64, "most groups written in one LMDB transaction")
+    metrics_port: int = f(9200, "buffer /metrics port")
+    curve: CurveConfig = sub(CurveConfig, "CurveZMQ keys, required when binding to a non-loopback address")
+
+
+@dataclass
+class LearnerConfig:
+    batch_groups: int = f(32, "prompts (groups) per learner step")
+    total_steps: int = f(60, "learner steps (weight versions) to run")
+    ppo_epochs: int = f(1, "passes over each batch")
+    mini_batches: int = f(2, "optimizer steps per epoch (batch split into this many mini-batches)")
+    micro_batch_size: int = f(64, "sequences per forward/backward (gradient accumulation inside a mini-batch)")
+    actor_lr: float = f(1e-4, "policy learning rate")
+    critic_lr: float = f(2e-4, "critic learning rate")
+    warmup_steps: int = f(0, "linear lr warmup (optimizer steps) for the policy")
+    critic_warmup_steps: int = f(0, "linear lr warmup (optimizer steps) for the critic")
+    weight_decay: float = f(0.0, "AdamW weight decay")
+    grad_clip: float = f(1.0, "gradient norm clip (0 = off)")
+    zero_stage: int = f(0, "DeepSpeed ZeRO stage 0-3")
+    precision: str = f("fp32", "fp32 | bf16 | fp16 (values and GAE are always fp32)")
+    off_policy: str = f("behaviour", "off-policy correction: behaviour | decoupled")
+    decoupled_weight_cap: float = f(5.0, "decoupled: clamp of the behaviour importance weight")
+    value_head_init_std: float = f(0.0, "std of the value head's weight init (0 = zeros, output starts at bias)")
+    value_head_init_bias: float = f(0.5, "initial value head bias (prior mean reward)")
+    publish_addr: str = f("tcp://127.0.0.1:5557", "PUB address for WeightUpdate")
+    query_addr: str = f("tcp://127.0.0.1:5558", "REP address where late subscribers ask for the latest weights")
+    weights_every: int = f(1, "publish weights every N steps")
+    keep_weights: int = f(3, "newest weight versions kept on disk")
+    checkpoint_every: int = f(10, "full checkpoint (both engines + optimizer + cursors) every N steps")
+    keep_checkpoints: int = f(2, "newest checkpoints kept")
+    resume: str = f("auto", "auto (newest complete checkpoint) | never | <checkpoint path>")
+    eval_every: int = f(10, "held-out evaluation every N steps (0 = off)")
+    eval_k: int = f(8, "samples per held-out prompt for avg@k")
+    batch_timeout_s: float = f(600.0, "seconds to wait for a batch before failing")
+    metrics_port: int = f(9100, "learner /metrics port")
+    threads: int = f(2, "torch threads of the learner process")
+
+
+@dataclass
+class AlgoConfig:
+    advantage: str = f("gae", "advantage estimator: gae (critic) | grpo (group-normalised, no critic)")
+    gamma: float = f(1.0, "discount γ")
+    lambda_critic: float = f(1.0, "λ for critic targets (decoupled GAE: 1.0 = Monte-Carlo)")
+    lambda_actor: float = f(0.95, "λ for policy advantages when length_adaptive is off")
+    length_adaptive: bool = f(True, "policy λ = 1 - 1/(alpha * response length), per sample")
+    alpha: float = f(0.05, "length-adaptive λ coefficient α (paper 0.05)")
+    clip_low: float = f(0.2, "ε_low: ratio lower clip 1 - ε_low")
+    clip_high: float = f(0.28, "ε_high: ratio upper clip 1 + ε_high (clip-higher)")
+    loss_agg: str = f("token_mean", "policy loss aggregation: token_mean | seq_mean")
+    value_clip: float = f(0.0, "value clipping range around old values (0 = off)")
+    whiten_advantages: bool = f(True, "normalise advantages to zero mean, unit std over the batch's tokens")
+    entropy_coef: float = f(0.0, "entropy bonus coefficient")
+    grpo_std_normalize: bool = f(True, "grpo: divide group-centred rewards by the group std")
+    overlong_buffer: int = f(0, "DAPO overlong shaping: soft penalty over the last N tokens before the limit (0 = off)")
+    overlong_penalty: float = f(1.0, "DAPO overlong shaping: largest penalty")
+
+
+@dataclass
+class ValuePretrainConfig:
+    enabled: bool = f(True, "fit the critic before RL with the policy frozen")
+    steps: int = f(50, "most critic updates")
+    batch_groups: int = f(32, "groups per value-pretraining step")
+    lr: float = f(5e-4, "critic lr during value pretraining")
+    patience: int = f(10, "stop when explained variance has not improved for this many steps")
+    min_explained_variance: float = f(0.0, "warn (and record) when the final explained variance is below this")
+    eval_groups: int = f(32, "fresh groups held out to measure explained variance")
+
+
+@dataclass
+class NLLConfig:
+    coef: float = f(0.1, "μ: weight of the positive-example NLL loss")
+    replay_fraction: float = f(0.0, "extra stored positives per batch positive (0 = batch positives only)")
+
+
+@dataclass
+class MetricsConfig:
+    host: str = f("127.0.0.1", "address every /metrics server binds to")
+    jsonl: bool = f(True, "append learner metrics to <run dir>/metrics.jsonl")
+    prometheus: bool = f(True, "serve Prometheus /metrics in every process")
+    plots: bool = f(True, "write PNG plots to <run dir>/plots at the end")
+
+
+@dataclass
+class Config:
+    run: RunConfig = sub(RunConfig, "run identity and global settings")
+    task: TaskConfig = sub(TaskConfig, "task registry: prompts and verifier")
+    model: ModelConfig = sub(ModelConfig, "base policy")
+    engine: EngineConfig = sub(EngineConfig, "rollout engines (SGLang or rollout_server)")
+    actors: ActorsConfig = sub(ActorsConfig, "rollout workers")
+    buffer: BufferConfig = sub(BufferConfig, "durable replay buffer")
+    learner: LearnerConfig = sub(LearnerConfig, "DeepSpeed learner")
+    algo: AlgoConfig = sub(AlgoConfig, "VAPO algorithm terms")
+    value_pretrain: ValuePretrainConfig = sub(ValuePretrainConfig, "value pretraining before RL")
+    nll: NLLConfig = sub(NLLConfig, "positive-example NLL loss")
+    metrics: MetricsConfig = sub(MetricsConfig, "observability")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.root) / self.run.name
+
+    @property
+    def buffer_path(self) -> Path:
+        return Path(self.buffer.path) if self.buffer.path else self.run_dir / "buffer"
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "run.device": ("cpu", "cuda"),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "engine.kind": ("rollout_server", "sglang", "external"),
+    "actors.weight_sync": ("wait", "abort"),
+    "learner.precision": ("fp32", "bf16", "fp16"),
+    "learner.off_policy": ("behaviour", "decoupled"),
+    "algo.advantage": ("gae", "grpo"),
+    "algo.loss_agg": ("token_mean", "seq_mean"),
+}
+
+
+def _validate(cfg: Config) -> None:
+    for key, allowed in _CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in allowed:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+    checks: list[tuple[str, bool, str]] = [
+        ("actors.group_size", cfg.actors.group_size >= 1, "must be >= 1"),
+        ("actors.num_actors", cfg.actors.num_actors >= 1, "must be >= 1"),
+        ("actors.max_new_tokens", cfg.actors.max_new_tokens >= 1, "must be >= 1"),
+        ("actors.temperature", cfg.actors.temperature >= 0, "must be >= 0"),
+        ("actors.top_p", 0 < cfg.actors.top_p <= 1, "must be in (0, 1]"),
+        ("buffer.max_staleness", cfg.buffer.max_staleness >= 0, "must be >= 0"),
+        ("learner.batch_groups", cfg.learner.batch_groups >= 1, "must be >= 1"),
+        ("learner.mini_batches", cfg.learner.mini_batches >= 1, "must be >= 1"),
+        ("learner.ppo_epochs", cfg.learner.ppo_epochs >= 1, "must be >= 1"),
+        ("learner.micro_batch_size", cfg.learner.micro_batch_size >= 1, "must be >= 1"),
+        ("learner.zero_stage", 0 <= cfg.learner.zero_stage <= 3, "must be 0..3"),
+        ("algo.gamma", 0 <= cfg.algo.gamma <= 1, "must be in [0, 1]"),
+        ("algo.lambda_critic", 0 <= cfg.algo.lambda_critic <= 1, "must be in [0, 1]"),
+        ("algo.lambda_actor", 0 <= cfg.algo.lambda_actor <= 1, "must be in [0, 1]"),
+        ("algo.alpha", cfg.algo.alpha > 0, "must be > 0"),
+        ("algo.clip_low", 0 <= cfg.algo.clip_low < 1, "must be in [0, 1)"),
+        ("algo.clip_high", cfg.algo.clip_high >= 0, "must be >= 0"),
+        ("nll.coef", cfg.nll.coef >= 0, "must be >= 0"),
+        ("nll.replay_fraction", cfg.nll.replay_fraction >= 0, "must be >= 0"),
+        ("task.min_digits", 1 <= cfg.task.min_digits <= cfg.task.max_digits, "must satisfy 1 <= min <= max_digits"),
+    ]
+    for key, ok, why in checks:
+        if not ok:
+            raise ConfigError(f"{key}: {why}")
+
+
+# ------------------------------------------------------------------------------------- typed merging
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, tp: Any, value: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; allow int -> float, nothing else implicit."""
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(f"{key}[{i}]", item_tp, v) for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, arg, value)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: {value!r} does not match {tp}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected a bool, got {type(value).__name__} {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an int, got {type(value).__name__} {value!r}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a float, got {type(value).__name__} {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
+    raise ConfigError(f"{key}: unsupported field type {_type_name(tp)}")
+
+
+def _merge(obj: Any, data: dict[str, Any], prefix: str = "") -> None:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or '<root>'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(type(obj))
+    names = {fl.name for fl in dataclasses.fields(obj)}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if k not in names:
+            close = [n for n in names if n.startswith(str(k)[:3])]
+            hint = f" (did you mean {', '.join(sorted(close))}?)" if close else ""
+            raise ConfigError(f"{key}: unknown config key{hint}")
+        current = getattr(obj, k)
+        if dataclasses.is_dataclass(current):
+            _merge(current, v, key + ".")
+        else:
+            setattr(obj, k, _coerce(key, hints[k], v))
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected key=value (e.g. learner.total_steps=10)")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: empty key")
+    value = yaml.safe_load(raw) if raw.strip() != "" else ""
+    return key.split("."), value
+
+
+def _nest(path: list[str], value: Any) -> dict[str, Any]:
+    out: Any = value
+    for part in reversed(path):
+        out = {part: out}
+    return out
+
+
+def _coerce_override(cfg: Config, path: list[str], value: Any) -> Any:
+    """YAML parses `x=1e-4` as a string and `x=3` as int; coerce to what the field wants."""
+    obj: Any = cfg
+    for part in path[:-1]:
+        obj = getattr(obj, part, None)
+        if obj is None or not dataclasses.is_dataclass(obj):
+            return value
+    hints = typing.get_type_hints(type(obj)) if dataclasses.is_dataclass(obj) else {}
+    tp = hints.get(path[-1])
+    if tp is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    if tp is str and value is not None and not isinstance(value, str):
+        return str(value)
+    return value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Build the config: defaults <- YAML file <- dotted ``key=value`` overrides, then validate."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: invalid YAML: {e}") from e
+        _merge(cfg, data)
+    for item in overrides or []:
+        keypath, value = _parse_override(item)
+        value = _coerce_override(cfg, keypath, value)
+        _merge(cfg, _nest(keypath, value))
+    _validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def save_config(cfg: Config, path: str | Path | None = None) -> Path:
+    """Write the resolved config (default ``<run dir>/config.yaml``) atomically."""
+    out = Path(path) if path is not None else cfg.run_dir / "config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(dump_yaml(cfg))
+    tmp.replace(out)
+    return out
+
+
+def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """(dotted key, type, default, doc) for every leaf field, in declaration order."""
+    rows: list[tuple[str, str, Any, str]] = []
+    inst = cls()
+    hints = typing.get_type_hints(cls)
+    for fl in dataclasses.fields(cls):
+        value = getattr(inst, fl.name)
+        if dataclasses.is_dataclass(value):
+            rows.extend(describe(type(value), f"{prefix}{fl.name}."))
+        else:
+            tp = hints[fl.name]
+            rows.append((f"{prefix}{fl.name}", _type_name(tp) if not typing.get_origin(tp) else str(tp), value, fl.metadata.get("doc", "")))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: python -m common.config [config.yaml] [key=value ...]\n")
+        print("Prints the resolved config. Fields:\n")
+        for key, tp, default, doc in describe():
+            print(f"  {key:<36} {tp:<10} {default!r:<28} {doc}")
+        return 0
+    path = argv[0] if argv and "=" not in argv[0] else None
+    overrides = argv[1:] if path else argv
+    try:
+        print(dump_yaml(load_config(path, overrides)), end="")
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Every Prometheus metric of vapo, declared once (DESIGN.md §6).
+
+Each process builds only its own component's metrics in its own registry and serves them:
+
+    m = Metrics("buffer")
+    m.serve(cfg.buffer.metrics_port, cfg.metrics.host)
+    m.depth_groups.set(12)
+    m.rejected_frames.labels(reason="oversized").inc()
+
+Full names are ``vapo_<component>_<name>``; counters get prometheus_client's ``_total`` suffix on the
+wire (``vapo_buffer_acked_total``). Learner health names follow verl's where verl has one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+Kind = Literal["counter", "gauge", "histogram"]
+COMPONENTS = ("buffer", "actor", "engine", "learner", "launcher")
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_STALENESS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    component: str
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+    @property
+    def full_name(self) -> str:
+        return f"vapo_{self.component}_{self.name}"
+
+    @property
+    def exposed_name(self) -> str:
+        """The sample name a PromQL query uses (counters carry ``_total``)."""
+        return self.full_name + ("_total" if self.kind == "counter" else "")
+
+
+def _c(comp: str, name: str, help: str, labels: tuple[str, ...] = ()) -> MetricSpec:
+    return MetricSpec(comp, name, "counter", help, labels)
+
+
+def _g(comp: str, name: str, help: str, labels: tuple[str, ...] = ()) -> MetricSpec:
+    return MetricSpec(comp, name, "gauge", help, labels)
+
+
+def _h(comp: str, name: str, help: str, buckets: tuple[float, ...] = _LATENCY, labels: tuple[str, ...] = ()) -> MetricSpec:
+    return MetricSpec(comp, name, "histogram", help, labels, buckets)
+
+
+SPECS: tuple[MetricSpec, ...] = (
+    # ---- buffer
+    _g("buffer", "depth_groups", "Groups stored and not yet served"),
+    _g("buffer", "depth_samples", "Samples stored and not yet served"),
+    _c("buffer", "ingested_groups", "Groups received from actors (including duplicates)"),
+    _c("buffer", "acked_groups", "Groups acknowledged after their LMDB commit"),
+    _c("buffer", "duplicate_groups", "Re-sent groups recognised by group_id and stored once"),
+    _c("buffer", "rejected_frames", "Frames rejected as malformed or hostile", ("reason",)),
+    _c("buffer", "stale_dropped_groups", "Groups dropped for exceeding max_staleness"),
+    _c("buffer", "filtered_groups", "Groups dropped by a filter", ("reason",)),
+    _c("buffer", "served_groups", "Groups served to the learner"),
+    _g("buffer", "positives_stored", "Verified-correct samples held for NLL replay"),
+    _c("buffer", "admission_waits", "Credit requests that had to wait for capacity"),
+    _g("buffer", "credit_outstanding", "Groups granted to actors and not yet received"),
+    _g("buffer", "learner_version", "Newest learner version the buffer has heard of"),
+    _g("buffer", "lmdb_bytes", "Bytes of the LMDB data file"),
+    _c("buffer", "storage_errors", "Failed LMDB writes (disk full, map full)", ("reason",)),
+    _h("buffer", "commit_latency_seconds", "LMDB transaction commit latency"),
+    _h("buffer", "batch_serve_seconds", "Time to assemble and send one learner batch"),
+    # ---- actors (one process per actor; label actor = actor id)
+    _c("actor", "samples", "Verified samples generated", ("actor",)),
+    _c("actor", "tokens", "Response tokens generated", ("actor",)),
+    _c("actor", "groups_sent", "Groups acknowledged by the buffer", ("actor",)),
+    _c("actor", "groups_resent", "Groups re-sent after a timeout or reconnect", ("actor",)),
+    _g("actor", "reward_mean", "Mean reward of the last group", ("actor",)),
+    _g("actor", "positives_rate", "Fraction of reward-1 samples in the last group", ("actor",)),
+    _h("actor", "generation_seconds", "Engine latency of one group's generation", labels=("actor",)),
+    _c("actor", "credit_wait_seconds", "Seconds blocked waiting for buffer credit", ("actor",)),
+    _g("actor", "weight_version", "Weight version the actor's engine serves", ("actor",)),
+    _h("actor", "weight_sync_seconds", "Learner publish to engine serving the new version", labels=("actor",)),
+    _c("actor", "weight_sync_failures", "Weight updates refused (checksum, load error)", ("actor", "reason")),
+    _c("actor", "engine_restarts", "Engine processes restarted after dying", ("actor",)),
+    _g("actor", "samples_per_second", "Verified samples per second over the last interval", ("actor",)),
+    # ---- engine (actors.rollout_server)
+    _c("engine", "requests", "Generate requests served", ("status",)),
+    _c("engine", "generated_tokens", "Tokens generated"),
+    _g("engine", "running_sequences", "Sequences currently decoding"),
+    _g("engine", "queued_sequences", "Sequences waiting for a batch slot"),
+    _h("engine", "batch_size", "Sequences per decode batch", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512)),
+    _g("engine", "weight_version", "Weight version being served"),
+    _c("engine", "weight_updates", "Weight updates applied or refused", ("status",)),
+    # ---- learner
+    _g("learner", "step", "Learner steps completed"),
+    _g("learner", "weight_version", "Policy version (published weights)"),
+    _g("learner", "last_step_timestamp_seconds", "Unix time when the last step finished"),
+    _g("learner", "critic_loss", "Critic value loss (last step)"),
+    _g("learner", "value_explained_variance", "Critic explained variance of the λ_critic returns"),
+    _g("learner", "value_mean", "Mean critic value over real tokens"),
+    _g("learner", "policy_loss", "Clipped policy loss (last step)"),
+    _g("learner", "nll_loss", "Positive-example NLL loss (last step)"),
+    _g("learner", "clip_fraction_low", "Fraction of tokens clipped at 1 - ε_low (negative advantage)"),
+    _g("learner", "clip_fraction_high", "Fraction of tokens clipped at 1 + ε_high (positive advantage)"),
+    _g("learner", "approx_kl", "Approximate KL(old || new) over tokens"),
+    _g("learner", "entropy", "Mean token entropy of the policy"),
+    _g("learner", "grad_norm", "Gradient norm before clipping", ("model",)),
+    _g("learner", "lr", "Current learning rate", ("model",)),
+    _g("learner", "lambda_actor_mean", "Mean length-adaptive λ of the batch"),
+    _g("learner", "reward_mean", "Mean reward of the batch"),
+    _g("learner", "positives_fraction", "Fraction of reward-1 samples in the batch"),
+    _g("learner", "response_length_mean", "Mean response length of the batch (tokens)"),
+    _h("learner", "staleness", "Learner version minus sample weight version", buckets=_STALENESS),
+    _c("learner", "data_wait_seconds", "Seconds spent waiting for batches"),
+    _g("learner", "tokens_per_second", "Trained tokens per second (last step)"),
+    _g("learner", "phase_seconds", "Seconds of the last step spent in each phase", ("phase",)),
+    _g("learner", "eval_accuracy", "Held-out accuracy", ("metric",)),
+    _g("learner", "eval_response_length", "Held-out mean response length"),
+    _c("learner", "samples", "Samples trained on"),
+    _c("learner", "weights_published", "Weight versions published"),
+    _g("learner", "value_pretrain_explained_variance", "Explained variance during value pretraining (fresh batches)"),
+    _g("learner", "value_pretrain_loss", "Critic loss during value pretraining"),
+    _g("learner", "value_pretrain_step", "Value pretraining steps done"),
+    # ---- launcher
+    _c("launcher", "component_restarts", "Children restarted by ops/launch.sh", ("component",)),
+    _g("launcher", "components_up", "Children running", ("component",)),
+)
+
+_BY_COMPONENT: dict[str, dict[str, MetricSpec]] = {}
+for _s in SPECS:
+    _BY_COMPONENT.setdefault(_s.component, {})
+    assert _s.name not in _BY_COMPONENT[_s.component], f"duplicate metric {_s.full_name}"
+    _BY_COMPONENT[_s.component][_s.name] = _s
+
+
+def specs(component: str | None = None) -> list[MetricSpec]:
+    return [s for s in SPECS if component is None or s.component == component]
+
+
+class Metrics:
+    """The metrics of one component, in their own registry; attribute access by short name."""
+
+    def __init__(self, component: str, registry: CollectorRegistry | None = None) -> None:
+        if component not in COMPONENTS:
+            raise ValueError(f"unknown metrics component {component!r}; one of {COMPONENTS}")
+        self.component = component
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._metrics: dict[str, Any] = {}
+        for spec in _BY_COMPONENT.get(component, {}).values():
+            kw: dict[str, Any] = {"registry": self.registry, "labelnames": spec.labels}
+            if spec.kind == "counter":
+                m: Any = Counter(spec.full_name, spec.help, **kw)
+            elif spec.kind == "gauge":
+                m = Gauge(spec.full_name, spec.help, **kw)
+            else:
+                m = Histogram(spec.full_name, spec.help, buckets=spec.buckets or _LATENCY, **kw)
+            self._metrics[spec.name] = m
+        self.port: int | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        metrics = self.__dict__.get("_metrics", {})
+        if name in metrics:
+            return metrics[name]
+        raise AttributeError(f"no metric vapo_{self.__dict__.get('component')}_{name} declared in common/metrics.py")
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve ``/metrics`` on host:port (port 0 picks a free one); returns the port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self.port = int(server.server_address[1])
+        return self.port

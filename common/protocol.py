@@ -1,0 +1,501 @@
+"""Wire protocol shared by actors, buffer and learner (DESIGN.md §4).
+
+Every frame is one msgpack map ``{"v": PROTOCOL_VERSION, "type": <message name>, ...fields}``. Arrays
+travel as ``{"dtype": "<i4", "n": N, "data": <N * itemsize raw little-endian bytes>}``; nothing is ever
+pickled. ``decode`` validates everything it reads (version, message type, exact field set, types, bounds,
+array lengths, finiteness, frame size) and raises :class:`ProtocolError` — and only ``ProtocolError`` —
+on any bad input, with a short ``reason`` suitable as a metric label.
+
+Groups inside a :class:`BatchReply` travel as nested, already-encoded ``SampleGroup`` frames so the
+buffer can serve what it stored without re-encoding (``encode_batch_reply``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_FRAME_BYTES = 64 << 20
+MAX_ARRAY_LEN = 1 << 20  # tokens in one prompt or response
+MAX_GROUP_SIZE = 4096  # samples per group
+MAX_LIST_LEN = 1 << 16  # groups per batch, samples per positives reply
+MAX_STR_LEN = 512
+MAX_STATS = 1024
+FINISH_REASONS = ("stop", "length", "abort")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+class ProtocolError(ValueError):
+    """A frame that does not follow the protocol. ``reason`` is a short metric label."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+# ------------------------------------------------------------------------------------------ field kinds
+
+
+def _err(reason: str, msg: str) -> ProtocolError:
+    return ProtocolError(reason, msg)
+
+
+def _check_int(name: str, v: Any, lo: int = _INT64[0], hi: int = _INT64[1]) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise _err("bad_type", f"{name} must be an int, got {type(v).__name__}")
+    if not lo <= v <= hi:
+        raise _err("bad_value", f"{name}={v} out of range [{lo}, {hi}]")
+    return v
+
+
+def _check_float(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise _err("bad_type", f"{name} must be a number, got {type(v).__name__}")
+    v = float(v)
+    if not math.isfinite(v):
+        raise _err("not_finite", f"{name} is not finite")
+    return v
+
+
+def _check_str(name: str, v: Any, max_len: int = MAX_STR_LEN) -> str:
+    if not isinstance(v, str):
+        raise _err("bad_type", f"{name} must be a string, got {type(v).__name__}")
+    if len(v) > max_len:
+        raise _err("bad_value", f"{name} longer than {max_len}")
+    return v
+
+
+def _check_bool(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise _err("bad_type", f"{name} must be a bool, got {type(v).__name__}")
+    return v
+
+
+def _pack_array(a: np.ndarray, dtype: str) -> dict[str, Any]:
+    a = np.ascontiguousarray(a, dtype=np.dtype(dtype))
+    return {"dtype": dtype, "n": int(a.shape[0]), "data": a.tobytes()}
+
+
+def _unpack_array(name: str, v: Any, dtype: str) -> np.ndarray:
+    if not isinstance(v, dict):
+        raise _err("bad_type", f"{name} must be an array map")
+    if set(v) != {"dtype", "n", "data"}:
+        raise _err("bad_type", f"{name}: array map needs exactly dtype, n, data")
+    if v["dtype"] != dtype:
+        raise _err("bad_type", f"{name}: dtype {v['dtype']!r}, expected {dtype!r}")
+    n = v["n"]
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise _err("bad_type", f"{name}: n must be an int")
+    if n < 0 or n > MAX_ARRAY_LEN:
+        raise _err("bad_length", f"{name}: length {n} outside [0, {MAX_ARRAY_LEN}]")
+    data = v["data"]
+    if not isinstance(data, bytes):
+        raise _err("bad_type", f"{name}: data must be bytes")
+    dt = np.dtype(dtype)
+    if len(data) != n * dt.itemsize:
+        raise _err("length_mismatch", f"{name}: {len(data)} bytes for {n} x {dt.itemsize}")
+    return np.frombuffer(data, dtype=dt)
+
+
+# ------------------------------------------------------------------------------------------- messages
+
+
+@dataclass(eq=False)
+class Message:
+    """Base of every top-level frame; subclasses declare fields and ``_decode_fields``."""
+
+    TYPE: ClassVar[str] = ""
+
+    def to_wire(self) -> dict[str, Any]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Message:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and _wire_equal(self.to_wire(), other.to_wire())  # type: ignore[attr-defined]
+
+
+def _wire_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_wire_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_wire_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _expect_fields(name: str, d: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(d, dict):
+        raise _err("bad_type", f"{name} must be a map")
+    keys = set(d)
+    missing = [k for k in names if k not in keys]
+    if missing:
+        raise _err("missing_field", f"{name}: missing {', '.join(missing)}")
+    extra = keys - set(names)
+    if extra:
+        raise _err("extra_field", f"{name}: unexpected {', '.join(sorted(map(str, extra)))}")
+    return d
+
+
+@dataclass(eq=False)
+class Sample(Message):
+    """One response to a prompt. ``output_logprobs`` are the behaviour policy's logprobs (engine)."""
+
+    prompt_ids: np.ndarray  # [P] int32
+    output_ids: np.ndarray  # [L] int32
+    output_logprobs: np.ndarray  # [L] float32
+    reward: float
+    finish_reason: str
+    weight_version: int
+    response_length: int
+
+    TYPE: ClassVar[str] = "Sample"
+    _FIELDS: ClassVar[tuple[str, ...]] = (
+        "prompt_ids", "output_ids", "output_logprobs", "reward", "finish_reason", "weight_version",
+        "response_length",
+    )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "prompt_ids": _pack_array(self.prompt_ids, "<i4"),
+            "output_ids": _pack_array(self.output_ids, "<i4"),
+            "output_logprobs": _pack_array(self.output_logprobs, "<f4"),
+            "reward": float(self.reward),
+            "finish_reason": self.finish_reason,
+            "weight_version": int(self.weight_version),
+            "response_length": int(self.response_length),
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Sample:
+        d = _expect_fields("Sample", d, cls._FIELDS)
+        prompt_ids = _unpack_array("prompt_ids", d["prompt_ids"], "<i4")
+        output_ids = _unpack_array("output_ids", d["output_ids"], "<i4")
+        logprobs = _unpack_array("output_logprobs", d["output_logprobs"], "<f4")
+        if prompt_ids.size and int(prompt_ids.min()) < 0:
+            raise _err("bad_value", "prompt_ids has negative token ids")
+        if output_ids.size and int(output_ids.min()) < 0:
+            raise _err("bad_value", "output_ids has negative token ids")
+        if logprobs.shape != output_ids.shape:
+            raise _err("length_mismatch", f"{logprobs.shape[0]} logprobs for {output_ids.shape[0]} tokens")
+        if logprobs.size and not bool(np.isfinite(logprobs).all()):
+            raise _err("not_finite", "output_logprobs has non-finite values")
+        length = _check_int("response_length", d["response_length"], 0, MAX_ARRAY_LEN)
+        if length != output_ids.shape[0]:
+            raise _err("length_mismatch", f"response_length {length} != {output_ids.shape[0]} output tokens")
+        reason = _check_str("finish_reason", d["finish_reason"])
+        if reason not in FINISH_REASONS:
+            raise _err("bad_value", f"finish_reason {reason!r} not in {FINISH_REASONS}")
+        return cls(
+            prompt_ids=prompt_ids,
+            output_ids=output_ids,
+            output_logprobs=logprobs,
+            reward=_check_float("reward", d["reward"]),
+            finish_reason=reason,
+            weight_version=_check_int("weight_version", d["weight_version"], 0),
+            response_length=length,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * (self.prompt_ids.size + 2 * self.output_ids.size) + 64
+
+
+@dataclass(eq=False)
+class SampleGroup(Message):
+    """G samples of one prompt. ``group_id`` is unique and makes re-sends idempotent."""
+
+    group_id: str
+    prompt_id: str
+    task: str
+    actor_id: int
+    samples: list[Sample]
+    created_at: float
+
+    TYPE: ClassVar[str] = "SampleGroup"
+    _FIELDS: ClassVar[tuple[str, ...]] = ("group_id", "prompt_id", "task", "actor_id", "samples", "created_at")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "group_id": self.group_id,
+            "prompt_id": self.prompt_id,
+            "task": self.task,
+            "actor_id": int(self.actor_id),
+            "samples": [s.to_wire() for s in self.samples],
+            "created_at": float(self.created_at),
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> SampleGroup:
+        d = _expect_fields("SampleGroup", d, cls._FIELDS)
+        group_id = _check_str("group_id", d["group_id"])
+        if not group_id:
+            raise _err("bad_value", "group_id is empty")
+        samples = d["samples"]
+        if not isinstance(samples, list):
+            raise _err("bad_type", "samples must be a list")
+        if not 1 <= len(samples) <= MAX_GROUP_SIZE:
+            raise _err("bad_length", f"group of {len(samples)} samples outside [1, {MAX_GROUP_SIZE}]")
+        return cls(
+            group_id=group_id,
+            prompt_id=_check_str("prompt_id", d["prompt_id"]),
+            task=_check_str("task", d["task"]),
+            actor_id=_check_int("actor_id", d["actor_id"], 0, 1 << 20),
+            samples=[Sample.from_wire(s) for s in samples],
+            created_at=_check_float("created_at", d["created_at"]),
+        )
+
+    @property
+    def weight_version(self) -> int:
+        """The group's version: the oldest weights any of its samples was generated with."""
+        return min(s.weight_version for s in self.samples)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.samples)
+
+
+def _simple(type_name: str, spec: dict[str, str]) -> type[Message]:
+    """Build a flat message class from {field: kind}; kinds: int, nonneg, float, str, bool, sha256."""
+
+    names = tuple(spec)
+
+    def to_wire(self: Any) -> dict[str, Any]:
+        out = {}
+        for k, kind in spec.items():
+            v = getattr(self, k)
+            out[k] = int(v) if kind in ("int", "nonneg") else float(v) if kind == "float" else v
+        return out
+
+    @classmethod  # type: ignore[misc]
+    def from_wire(cls: Any, d: dict[str, Any]) -> Any:
+        d = _expect_fields(type_name, d, names)
+        vals = {}
+        for k, kind in spec.items():
+            v = d[k]
+            if kind == "int":
+                vals[k] = _check_int(k, v)
+            elif kind == "nonneg":
+                vals[k] = _check_int(k, v, 0)
+            elif kind == "float":
+                vals[k] = _check_float(k, v)
+            elif kind == "bool":
+                vals[k] = _check_bool(k, v)
+            elif kind == "sha256":
+                s = _check_str(k, v)
+                if not _SHA256.match(s):
+                    raise _err("bad_value", f"{k} is not a lowercase hex sha256")
+                vals[k] = s
+            elif kind == "longstr":
+                vals[k] = _check_str(k, v, 4096)
+            else:
+                vals[k] = _check_str(k, v)
+        return cls(**vals)
+
+    annotations = {
+        k: {"int": int, "nonneg": int, "float": float, "bool": bool}.get(kind, str) for k, kind in spec.items()
+    }
+    ns: dict[str, Any] = {
+        "__annotations__": annotations,
+        "TYPE": type_name,
+        "to_wire": to_wire,
+        "from_wire": from_wire,
+        "__module__": __name__,
+        "__qualname__": type_name,
+    }
+    return dataclass(eq=False)(type(type_name, (Message,), ns))
+
+
+# Actor -> buffer (DEALER -> ROUTER)
+IngestAck = _simple("IngestAck", {"group_id": "str", "committed": "bool", "duplicate": "bool", "error": "longstr"})
+CreditRequest = _simple("CreditRequest", {"actor_id": "nonneg", "n": "nonneg"})
+CreditGrant = _simple("CreditGrant", {"n": "nonneg", "learner_version": "nonneg"})
+# Learner -> buffer (REQ -> REP)
+BatchRequest = _simple("BatchRequest", {"learner_version": "nonneg", "n_groups": "nonneg", "timeout_ms": "nonneg"})
+PositivesRequest = _simple("PositivesRequest", {"n": "nonneg"})
+StatsRequest = _simple("StatsRequest", {})
+# Learner -> actors (PUB -> SUB; and REQ -> REP for late subscribers)
+WeightUpdate = _simple(
+    "WeightUpdate", {"version": "nonneg", "path": "longstr", "sha256": "sha256", "created_at": "float"}
+)
+WeightQuery = _simple("WeightQuery", {})
+# Any server -> client when a request cannot be served
+ErrorReply = _simple("ErrorReply", {"reason": "str", "message": "longstr"})
+
+
+@dataclass(eq=False)
+class BatchReply(Message):
+    """Groups for one learner step, oldest weight version first, plus what was dropped on the way."""
+
+    groups: list[SampleGroup]
+    stale_dropped: int
+    filtered: int
+
+    TYPE: ClassVar[str] = "BatchReply"
+    _FIELDS: ClassVar[tuple[str, ...]] = ("groups", "stale_dropped", "filtered")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "groups": [encode(g) for g in self.groups],
+            "stale_dropped": int(self.stale_dropped),
+            "filtered": int(self.filtered),
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> BatchReply:
+        d = _expect_fields("BatchReply", d, cls._FIELDS)
+        frames = d["groups"]
+        if not isinstance(frames, list) or len(frames) > MAX_LIST_LEN:
+            raise _err("bad_type", "groups must be a list of at most %d frames" % MAX_LIST_LEN)
+        groups = []
+        for fr in frames:
+            if not isinstance(fr, bytes):
+                raise _err("bad_type", "groups must hold encoded SampleGroup frames")
+            g = decode(fr, max_frame_bytes=len(fr))
+            if not isinstance(g, SampleGroup):
+                raise _err("bad_type", "groups must hold SampleGroup frames")
+            groups.append(g)
+        return cls(
+            groups=groups,
+            stale_dropped=_check_int("stale_dropped", d["stale_dropped"], 0),
+            filtered=_check_int("filtered", d["filtered"], 0),
+        )
+
+
+@dataclass(eq=False)
+class PositivesReply(Message):
+    """Stored verified-correct samples for NLL replay."""
+
+    samples: list[Sample]
+
+    TYPE: ClassVar[str] = "PositivesReply"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"samples": [s.to_wire() for s in self.samples]}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> PositivesReply:
+        d = _expect_fields("PositivesReply", d, ("samples",))
+        if not isinstance(d["samples"], list) or len(d["samples"]) > MAX_LIST_LEN:
+            raise _err("bad_type", "samples must be a list")
+        return cls(samples=[Sample.from_wire(s) for s in d["samples"]])
+
+
+@dataclass(eq=False)
+class StatsReply(Message):
+    """Named numeric counters of a server (buffer depth, drops, ...)."""
+
+    stats: dict[str, float] = field(default_factory=dict)
+
+    TYPE: ClassVar[str] = "StatsReply"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"stats": {k: float(v) for k, v in self.stats.items()}}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> StatsReply:
+        d = _expect_fields("StatsReply", d, ("stats",))
+        st = d["stats"]
+        if not isinstance(st, dict) or len(st) > MAX_STATS:
+            raise _err("bad_type", "stats must be a map")
+        return cls(stats={_check_str("stats key", k): _check_float(f"stats[{k}]", v) for k, v in st.items()})
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        Sample, SampleGroup, IngestAck, CreditRequest, CreditGrant, BatchRequest, BatchReply,
+        PositivesRequest, PositivesReply, StatsRequest, StatsReply, WeightUpdate, WeightQuery, ErrorReply,
+    )
+}
+
+
+# ------------------------------------------------------------------------------------ encode / decode
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise _err("malformed", f"msgpack ext type {code} not allowed")
+
+
+def encode(msg: Message) -> bytes:
+    """One frame: the message's fields plus version and type."""
+    body = msg.to_wire()
+    body["v"] = PROTOCOL_VERSION
+    body["type"] = msg.TYPE
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def encode_batch_reply(group_frames: list[bytes], stale_dropped: int, filtered: int) -> bytes:
+    """A BatchReply from already-encoded SampleGroup frames (what the buffer stores)."""
+    body = {"groups": list(group_frames), "stale_dropped": int(stale_dropped), "filtered": int(filtered)}
+    body["v"] = PROTOCOL_VERSION
+    body["type"] = BatchReply.TYPE
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
+    """Parse and validate one frame; raises ProtocolError on anything else."""
+    if not isinstance(frame, bytes | bytearray | memoryview):
+        raise _err("bad_type", "frame must be bytes")
+    if len(frame) > max_frame_bytes:
+        raise _err("oversized", f"frame of {len(frame)} bytes exceeds {max_frame_bytes}")
+    try:
+        body = msgpack.unpackb(
+            frame,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            ext_hook=_no_ext,
+            max_bin_len=max_frame_bytes,
+            max_str_len=1 << 20,
+            max_array_len=max(MAX_LIST_LEN, MAX_GROUP_SIZE),
+            max_map_len=MAX_STATS + 16,
+            max_ext_len=0,
+        )
+    except ProtocolError:
+        raise
+    except Exception as e:  # msgpack raises many types (ExtraData, ValueError, UnicodeDecodeError, ...)
+        raise _err("malformed", f"not a msgpack frame ({type(e).__name__})") from None
+    if not isinstance(body, dict):
+        raise _err("malformed", "frame is not a map")
+    version = body.pop("v", None)
+    if version != PROTOCOL_VERSION:
+        raise _err("version", f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
+    type_name = body.pop("type", None)
+    cls = MESSAGE_TYPES.get(type_name) if isinstance(type_name, str) else None
+    if cls is None:
+        raise _err("unknown_type", f"unknown message type {type_name!r}")
+    try:
+        return cls.from_wire(body)
+    except ProtocolError:
+        raise
+    except RecursionError:
+        raise _err("malformed", "nesting too deep") from None
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:
+        raise _err("bad_value", f"{type_name}: {type(e).__name__}: {e}") from None
+
+
+def decode_as(frame: bytes, cls: type[Message], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Any:
+    """Decode and require a given message type (an ErrorReply is raised as ProtocolError('remote'))."""
+    msg = decode(frame, max_frame_bytes)
+    if isinstance(msg, cls):
+        return msg
+    if isinstance(msg, ErrorReply):
+        raise _err("remote", f"{msg.reason}: {msg.message}")  # type: ignore[attr-defined]
+    raise _err("unexpected_type", f"expected {cls.TYPE}, got {msg.TYPE}")
+
+
+__all__ = [
+    "PROTOCOL_VERSION", "DEFAULT_MAX_FRAME_BYTES", "ProtocolError", "Message", "Sample", "SampleGroup",
+    "IngestAck", "CreditRequest", "CreditGrant", "BatchRequest", "BatchReply", "PositivesRequest",
+    "PositivesReply", "StatsRequest", "StatsReply", "WeightUpdate", "WeightQuery", "ErrorReply",
+    "encode", "encode_batch_reply", "decode", "decode_as", "FINISH_REASONS",
+]

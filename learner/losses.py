@@ -1,0 +1,165 @@
+"""VAPO loss terms (pure torch): clip-higher token-level policy loss, value loss, positive-example NLL.
+
+Shapes are ``[B, T]`` over response tokens with ``mask`` 1 on real tokens. Every loss takes an optional
+``normalizer``: the caller passes the real-token count of the whole mini-batch summed over micro-batches
+and data-parallel ranks, so that gradient accumulation gives exactly the token-level mean of DESIGN.md §3
+(PITFALLS: token-level normalisation). Without it the local count is used.
+
+- Policy (VAPO §3.3 / DAPO eq. 8-10, clip-higher): L = −Σ_t min(r_t·A_t, clip(r_t, 1−ε_low, 1+ε_high)·A_t) / N,
+  r_t = exp(logp_t − logp_old_t); ``loss_agg="seq_mean"`` gives the vanilla per-sequence mean instead.
+- Value: ½(V − R)², optionally clipped around the old values (PPO value clipping).
+- NLL (VAPO §3.4, eq. 10): −Σ logp over tokens of reward-1 samples / number of those tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    m = mask.to(x.dtype)
+    return (x * m).sum() if dim is None else (x * m).sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None, eps: float = 0.0) -> Tensor:
+    """Mean of ``x`` over real tokens; 0 where there are none (never NaN)."""
+    m = mask.to(x.dtype)
+    total = (x * m).sum() if dim is None else (x * m).sum(dim)
+    count = m.sum() if dim is None else m.sum(dim)
+    return total / count.clamp(min=1.0) if eps == 0.0 else total / (count + eps)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        n = mask.to(x.dtype).sum()
+        var = var * (n / (n - 1).clamp(min=1.0))
+    return var
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """(x − mean) / std over real tokens (mean kept when ``shift_mean`` is False); 0 on padding."""
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask.to(x.dtype)
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """1 − Var[R − V] / Var[R] over real tokens (1 = perfect, 0 = no better than the mean, < 0 worse)."""
+    var_r = masked_var(returns, mask)
+    var_res = masked_var(returns - values, mask)
+    if float(var_r) <= 1e-12:
+        return torch.zeros((), dtype=values.dtype, device=values.device)
+    return 1.0 - var_res / var_r
+
+
+def _aggregate(per_token: Tensor, mask: Tensor, loss_agg: str, normalizer: Tensor | float | None) -> Tensor:
+    m = mask.to(per_token.dtype)
+    if loss_agg == "token_mean":
+        denom = m.sum() if normalizer is None else normalizer
+        return (per_token * m).sum() / torch.as_tensor(denom, dtype=per_token.dtype, device=per_token.device).clamp(min=1.0)
+    if loss_agg == "seq_mean":
+        # normalizer (if given) is the number of sequences across micro-batches / ranks.
+        seq = (per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+        has = (m.sum(-1) > 0).to(per_token.dtype)
+        denom = has.sum() if normalizer is None else normalizer
+        return (seq * has).sum() / torch.as_tensor(denom, dtype=per_token.dtype, device=per_token.device).clamp(min=1.0)
+    raise ValueError(f"loss_agg must be token_mean or seq_mean, got {loss_agg!r}")
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    loss_agg: str = "token_mean",
+    normalizer: Tensor | float | None = None,
+    importance_weight: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clip-higher PPO surrogate. All inputs ``[B, T]``.
+
+    ``old_logprobs`` are the logprobs the ratio is taken against (behaviour, or the recomputed proximal
+    policy for AReaL's decoupled objective); ``importance_weight`` (decoupled only) multiplies each token's
+    objective by the clamped behaviour weight π_prox/π_behav and carries no gradient.
+
+    Returns (loss, stats) with stats: clip_fraction_low, clip_fraction_high, approx_kl, ratio_mean
+    (detached token means over real tokens of this call).
+    """
+    log_ratio = (logprobs - old_logprobs) * mask.to(logprobs.dtype)
+    ratio = torch.exp(log_ratio)
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    obj = torch.minimum(ratio * advantages, clipped * advantages)
+    if importance_weight is not None:
+        obj = obj * importance_weight.detach()
+    loss = _aggregate(-obj, mask, loss_agg, normalizer)
+    with torch.no_grad():
+        low = ((ratio < 1.0 - clip_low) & (advantages < 0)).to(logprobs.dtype)
+        high = ((ratio > 1.0 + clip_high) & (advantages > 0)).to(logprobs.dtype)
+        stats = {
+            "clip_fraction_low": masked_mean(low, mask),
+            "clip_fraction_high": masked_mean(high, mask),
+            # k1 estimator of KL(old || new), as verl's ppo_kl.
+            "approx_kl": masked_mean(-log_ratio, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    old_values: Tensor | None = None,
+    clip: float = 0.0,
+    normalizer: Tensor | float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """½(V − R)² token mean; with ``clip > 0`` and ``old_values`` the PPO clipped variant
+    max((V − R)², (clip(V, V_old ± clip) − R)²). Returns (loss, stats: value_clip_fraction)."""
+    err = (values - returns) ** 2
+    clip_frac = torch.zeros((), dtype=values.dtype, device=values.device)
+    if clip > 0.0 and old_values is not None:
+        v_clipped = old_values + (values - old_values).clamp(-clip, clip)
+        err_clipped = (v_clipped - returns) ** 2
+        with torch.no_grad():
+            clip_frac = masked_mean((err_clipped > err).to(values.dtype), mask)
+        err = torch.maximum(err, err_clipped)
+    loss = 0.5 * _aggregate(err, mask, "token_mean", normalizer)
+    return loss, {"value_clip_fraction": clip_frac}
+
+
+def nll_loss(
+    logprobs: Tensor, mask: Tensor, rewards: Tensor, normalizer: Tensor | float | None = None, threshold: float = 1.0
+) -> Tensor:
+    """Positive-example LM loss: −Σ logp over the tokens of samples with reward ≥ ``threshold`` divided by
+    those tokens' count (``normalizer`` if given: the count across micro-batches and ranks).
+
+    logprobs, mask ``[B, T]``; rewards ``[B]``. With no positive sample the loss is an exact 0 that keeps
+    the graph (gradient 0), never NaN."""
+    pos = (rewards >= threshold).to(logprobs.dtype).unsqueeze(-1) * mask.to(logprobs.dtype)
+    total = -(logprobs * pos).sum()
+    denom = pos.sum() if normalizer is None else torch.as_tensor(normalizer, dtype=logprobs.dtype, device=logprobs.device)
+    return total / denom.clamp(min=1.0)
+
+
+def positive_token_count(mask: Tensor, rewards: Tensor, threshold: float = 1.0) -> Tensor:
+    """Number of response tokens belonging to reward ≥ threshold samples (the NLL normaliser)."""
+    return ((rewards >= threshold).to(mask.dtype).unsqueeze(-1) * mask).sum()
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Per-token entropy ``[B, T]`` of the categorical distributions in ``logits`` ``[B, T, V]``."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
+    """log π(tokens) from logits ``[B, T, V]`` aligned with ``tokens`` ``[B, T]`` → ``[B, T]`` fp32."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return torch.gather(logp, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
