@@ -1,0 +1,113 @@
+"""HF-format tokenizer and model helpers shared by the SFT bootstrap, engines and learner.
+
+The embedded default uses a character-level tokenizer (``tokenizers`` WordLevel over single characters,
+wrapped in ``PreTrainedTokenizerFast``) and a tiny Qwen2 (``transformers``), both saved with
+``save_pretrained`` so that SGLang, ``actors.rollout_server`` and the learner load them like any HF
+checkpoint (``AutoTokenizer`` / ``AutoModelForCausalLM``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+# Every character the embedded tasks print: digits, operators, separators, a few letters for words.
+CHARSET = list("0123456789+-*=:;,.()[]{}<>?!/ \n") + list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ") + ["#", "|", "_"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; one of {', '.join(_DTYPES)}") from None
+
+
+def build_char_tokenizer(charset: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: ids 0..2 are <pad>, <s>, </s>; then one id per character."""
+    chars = charset or CHARSET
+    vocab = {PAD: 0, BOS: 1, EOS: 2}
+    for ch in chars:
+        if ch not in vocab:
+            vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
+    # Split into single characters, keeping whitespace characters as tokens.
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=PAD, clean_up_tokenization_spaces=False
+    )
+    return fast
+
+
+def decode_chars(tokenizer: PreTrainedTokenizerFast, ids: list[int]) -> str:
+    """Decode without the spaces WordLevel's decoder would put between tokens; drops special tokens."""
+    special = set(tokenizer.all_special_ids)
+    return "".join(tokenizer.convert_ids_to_tokens([i for i in ids if i not in special]))
+
+
+def build_tiny_qwen2(
+    vocab_size: int,
+    hidden_size: int = 128,
+    num_layers: int = 3,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 384,
+    max_position_embeddings: int = 256,
+    seed: int = 0,
+    pad_token_id: int = 0,
+    bos_token_id: int = 1,
+    eos_token_id: int = 2,
+) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=pad_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        attention_dropout=0.0,
+        use_sliding_window=False,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def save_hf(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, path: str | Path, extra: dict | None = None) -> Path:
+    """save_pretrained (safetensors) of model and tokenizer into ``path`` atomically (tmp dir + rename)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if extra:
+        (tmp / "vapo_info.json").write_text(json.dumps(extra, indent=2))
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype))
+    return model.to(device)
