@@ -1,0 +1,264 @@
+"""DeepSpeed engines of the learner: the policy (any HF causal LM) and the critic (HF backbone + value head).
+
+Used by ``learner.train`` and ``learner.value_pretrain``; not a CLI. ``setup_distributed`` must run before
+the first engine is built (it is idempotent):
+
+    setup_distributed(cfg)
+    policy = build_policy_engine(cfg)
+    critic = build_critic_engine(cfg)            # backbone initialised from the base policy
+
+Both engines use ``managed_gradient_accumulation = false``: ``engine.backward`` only accumulates, and
+``engine.step`` reduces across ranks and applies one optimizer update. The caller therefore owns the
+micro-batch loop and the loss normaliser (token counts over micro-batches AND ranks, DESIGN.md §3).
+DeepSpeed averages gradients over data-parallel ranks; ``loss_scale_for_dp`` returns the factor that
+turns that average back into the sum a globally normalised loss needs.
+
+CPU: gloo, and the optimizer is a plain ``torch.optim.AdamW`` instance (a DeepSpeed-config optimizer
+JIT-builds a C++ op on CPU). DeepSpeed 0.19 also JIT-compiles a shared-memory all-reduce op on the first
+``initialize`` (~80 s). A single process has nothing to all-reduce, so we mark that op incompatible in
+``deepspeed.ops.__compatible_ops__`` (key ``deepspeed_shm_comm``) and nothing is compiled; multi-rank CPU
+runs build it once into ``TORCH_EXTENSIONS_DIR`` (ops/test.sh and ops/launch.sh export a persistent one)
+unless ``VAPO_DS_SHM=0`` forces plain gloo. CUDA uses NCCL and the same code.
+
+Deviation from the paper: none in the model; the value head is a fp32 ``Linear(hidden, 1)`` initialised
+deliberately (weight ~ N(0, std²), bias = prior mean reward; learner.value_head_init_*), with every
+dropout probability of the backbone config set to 0 (PITFALLS Algorithm 4).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from common.config import Config
+
+log = logging.getLogger(__name__)
+
+SHM_OP_KEY = "deepspeed_shm_comm"  # ShareMemCommBuilder.NAME in deepspeed/ops/op_builder/cpu/comm.py
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def device_for(cfg: Config) -> torch.device:
+    if cfg.run.device == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def setup_distributed(cfg: Config) -> None:
+    """Initialise torch.distributed through DeepSpeed (gloo on CPU, NCCL on CUDA); idempotent.
+
+    Without a launcher the process is rank 0 of 1 on a free loopback port."""
+    if cfg.run.device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_SIZE", os.environ["WORLD_SIZE"])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+    import deepspeed
+    import deepspeed.ops
+
+    ws = int(os.environ["WORLD_SIZE"])
+    if cfg.run.device == "cpu" and (ws == 1 or os.environ.get("VAPO_DS_SHM", "1") == "0"):
+        # Accessing the attribute runs DeepSpeed's (cheap) probe once; the dict it caches is what
+        # deepspeed/comm/torch.py:build_shm_op consults.
+        ops = deepspeed.ops.__compatible_ops__
+        if SHM_OP_KEY not in ops:
+            raise RuntimeError(f"DeepSpeed op key {SHM_OP_KEY!r} not found; the shm-op bypass needs updating")
+        ops[SHM_OP_KEY] = False
+    if cfg.run.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        deepspeed.init_distributed(dist_backend="gloo" if cfg.run.device == "cpu" else "nccl",
+                                   auto_mpi_discovery=False)
+
+
+def loss_scale_for_dp() -> float:
+    """DeepSpeed averages gradients over ranks; losses normalised by global counts need the sum."""
+    return float(world_size())
+
+
+def _ds_config(cfg: Config, grad_clip: float) -> dict[str, Any]:
+    lc = cfg.learner
+    conf: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": lc.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {"stage": lc.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if lc.precision == "bf16":
+        conf["bf16"] = {"enabled": True}
+    elif lc.precision == "fp16":
+        conf["fp16"] = {"enabled": True, "initial_scale_power": 12}
+    return conf
+
+
+def _no_dropout(config: Any) -> None:
+    for name in list(vars(config)):
+        if "dropout" in name and isinstance(getattr(config, name), float):
+            setattr(config, name, 0.0)
+
+
+class Critic(nn.Module):
+    """V(s) for every position: an HF backbone (no LM head) + a fp32 ``Linear(hidden, 1)`` value head.
+
+    ``forward(input_ids, attention_mask) -> [B, S]`` fp32: values[b, s] is the value of the state that
+    ends with token s (the caller reads position prompt_len + t − 1 for V(s_t))."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int, init_std: float, init_bias: float) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1, dtype=torch.float32)
+        with torch.no_grad():
+            if init_std > 0:
+                self.value_head.weight.normal_(0.0, init_std)
+            else:
+                self.value_head.weight.zero_()
+            self.value_head.bias.fill_(init_bias)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        h = out.last_hidden_state.float()
+        # The head computes in fp32 even when the engine keeps its parameters in bf16/fp16.
+        w, b = self.value_head.weight.float(), self.value_head.bias.float()
+        return torch.nn.functional.linear(h, w, b).squeeze(-1)
+
+
+def load_policy_module(path: str | Path, dtype: str = "float32") -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from common.modeling import torch_dtype
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype))
+    _no_dropout(model.config)
+    model.config.use_cache = False
+    return model
+
+
+def load_critic_module(cfg: Config, path: str | Path | None = None) -> Critic:
+    """The critic initialised from the base policy (``path`` defaults to cfg.model.path); when ``path``
+    holds a saved critic (``save_critic``), its value head is loaded too."""
+    from transformers import AutoConfig, AutoModel
+
+    from common.modeling import torch_dtype
+
+    src = Path(path or cfg.model.path)
+    hf_cfg = AutoConfig.from_pretrained(str(src))
+    _no_dropout(hf_cfg)
+    backbone = AutoModel.from_pretrained(str(src), config=hf_cfg, dtype=torch_dtype(cfg.model.dtype))
+    critic = Critic(backbone, hf_cfg.hidden_size, cfg.learner.value_head_init_std, cfg.learner.value_head_init_bias)
+    head = src / "value_head.safetensors"
+    if head.is_file():
+        from safetensors.torch import load_file
+
+        critic.value_head.load_state_dict(load_file(str(head)))
+    return critic
+
+
+def save_critic(critic: Critic, path: str | Path) -> Path:
+    """Backbone with save_pretrained + ``value_head.safetensors``, atomically (tmp dir + rename)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    critic.backbone.save_pretrained(tmp, safe_serialization=True)
+    save_file({k: v.detach().float().cpu().contiguous() for k, v in critic.value_head.state_dict().items()},
+              str(tmp / "value_head.safetensors"))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def _warmup(steps: int) -> Any:
+    return lambda s: min(1.0, (s + 1) / steps) if steps > 0 else 1.0
+
+
+def build_engine(cfg: Config, module: nn.Module, lr: float, warmup_steps: int = 0, grad_clip: float | None = None) -> Any:
+    """Wrap ``module`` in a DeepSpeed engine with a torch AdamW (and a linear warmup when asked)."""
+    import deepspeed
+
+    setup_distributed(cfg)
+    module = module.to(device_for(cfg))
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.learner.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup(warmup_steps)) if warmup_steps > 0 else None
+    clip = cfg.learner.grad_clip if grad_clip is None else grad_clip
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, lr_scheduler=sched,
+                                           config=_ds_config(cfg, clip))
+    if not engine.zero_optimization() and not engine.bfloat16_enabled() and not engine.fp16_enabled():
+        # DeepSpeed's fp32 ZeRO-0 path clips but drops the norm it computed; keep it for the metrics.
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        def _clip_and_record() -> None:
+            engine._global_grad_norm = clip_grad_norm_(parameters=engine.module.parameters(),
+                                                       max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+
+        engine.clip_fp32_gradients = _clip_and_record
+    return engine
+
+
+def build_policy_engine(cfg: Config, path: str | Path | None = None) -> Any:
+    return build_engine(cfg, load_policy_module(path or cfg.model.path, cfg.model.dtype), cfg.learner.actor_lr,
+                        cfg.learner.warmup_steps)
+
+
+def build_critic_engine(cfg: Config, path: str | Path | None = None, lr: float | None = None) -> Any:
+    return build_engine(cfg, load_critic_module(cfg, path), cfg.learner.critic_lr if lr is None else lr,
+                        cfg.learner.critic_warmup_steps)
+
+
+def grad_norm(engine: Any) -> float:
+    """Global gradient norm of the last ``step`` (before clipping); NaN when DeepSpeed has none."""
+    g = engine.get_global_grad_norm()
+    if g is None:
+        return float("nan")
+    return float(g.item() if torch.is_tensor(g) else g)
+
+
+def current_lr(engine: Any) -> float:
+    return float(engine.get_lr()[0])
+
+
+def full_state_dict(engine: Any) -> dict[str, Tensor]:
+    """The unwrapped module's full state dict on CPU (gathers ZeRO-3 partitions on every rank)."""
+    module = engine.module
+    if engine.zero_optimization_stage() == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    return {k: v.detach().cpu() for k, v in module.state_dict().items()}
