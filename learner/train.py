@@ -1,0 +1,269 @@
+"""The VAPO learner loop: one step = a short list of named, timed phases (read this file first).
+
+    python -m learner [config.yaml] [key=value ...]                 # one process (CPU: gloo, no compile)
+    deepspeed --num_gpus 2 -m learner ops/configs/default.yaml       # data-parallel ranks (CUDA)
+    torchrun --nproc_per_node 2 -m learner ...                       # CPU ranks
+
+Step (DESIGN.md §3; VAPO arXiv 2504.05118 §3):
+
+    fetch            groups with weight_version >= version - max_staleness (rank 0 asks the buffer,
+                     broadcasts to the other ranks), + stored positives for NLL replay (optional)
+    values           V(s_t) of the batch from the critic before its update
+    critic_update    fit V to λ_critic (= 1: Monte-Carlo) returns, epochs × mini-batches
+    fresh_values     V(s_t) again, from the updated critic (critic-then-actor)
+    advantages       decoupled GAE with per-sample length-adaptive λ_actor = 1 − 1/(α·l); or GRPO
+    proximal         (learner.off_policy=decoupled only) logprobs of the current policy, AReaL-style
+    actor_update     clip-higher token-level PPO + μ·NLL on the batch's verified positives
+    version += 1     then checkpoint (every N) → publish weights (every N) → evaluate (every N)
+
+Deviations from the paper: mini-batches are cut from one seeded permutation per step and reused by every
+epoch; the ratio is taken against the engine's behaviour logprobs (``behaviour``) unless ``decoupled`` is
+set; tiny-model hyper-parameters live in ops/configs/default.yaml. ``algo.advantage=grpo`` (no critic) and
+``algo.loss_agg=seq_mean`` turn the same loop into the GRPO / vanilla-PPO baselines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common import protocol
+from common.config import Config
+from common.metrics import Metrics
+from learner.advantages import (
+    decoupled_gae,
+    group_normalized_advantages,
+    length_adaptive_lambda,
+    terminal_rewards,
+)
+from learner.batch import Batch, collate, collate_samples, concat
+from learner.data import DataSource
+from learner.engines import build_critic_engine, build_policy_engine, rank, setup_distributed
+from learner.update import (
+    actor_update,
+    all_reduce_sum,
+    broadcast_bytes,
+    compute_logprobs,
+    compute_values,
+    critic_update,
+    minibatch_rows,
+    my_share,
+)
+
+log = logging.getLogger("learner")
+
+
+class Phases:
+    """Wall-clock seconds per named phase of one step."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+def pad_token_id(model_path: str | Path) -> int:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(model_path))
+        return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _global_stats(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """(explained variance, mean value) over the real tokens of every rank's rows."""
+    m = mask.double()
+    v, r = values.double() * m, returns.double() * m
+    d = (r - v) * m
+    s = all_reduce_sum(torch.stack([m.sum(), r.sum(), (r * r).sum(), d.sum(), (d * d).sum(), v.sum()]))
+    n = float(s[0])
+    if n < 2:
+        return 0.0, float(s[5] / max(n, 1.0))
+    var_r = (float(s[2]) - float(s[1]) ** 2 / n) / (n - 1)
+    var_d = (float(s[4]) - float(s[3]) ** 2 / n) / (n - 1)
+    ev = 0.0 if var_r <= 1e-12 else 1.0 - var_d / var_r
+    return ev, float(s[5]) / n
+
+
+def _whiten(adv: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """masked_whiten with mean/variance over the real tokens of every rank's rows."""
+    m = mask.double()
+    a = adv.double() * m
+    s = all_reduce_sum(torch.stack([m.sum(), a.sum(), (a * a).sum()]))
+    n = float(s[0])
+    if n < 1:
+        return adv * mask
+    mean = float(s[1]) / n
+    var = (float(s[2]) - n * mean * mean) / max(n - 1.0, 1.0)
+    return ((adv - mean) * torch.rsqrt(torch.tensor(var + eps, dtype=adv.dtype))) * mask
+
+
+class Learner:
+    """Policy + critic engines, the data source and the version counter; ``step()`` is one VAPO update."""
+
+    def __init__(self, cfg: Config, source: DataSource | None, critic_path: str | Path | None = None) -> None:
+        setup_distributed(cfg)
+        self.cfg = cfg
+        self.source = source
+        torch.manual_seed(cfg.run.seed)
+        self.policy = build_policy_engine(cfg)
+        self.critic = build_critic_engine(cfg, critic_path) if cfg.algo.advantage == "gae" else None
+        self.pad_id = pad_token_id(cfg.model.path)
+        self.version = 0
+        self.samples_seen = 0
+        self.metrics = Metrics("learner")
+        self.last: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------------------------------ phases
+
+    def fetch(self) -> tuple[list[protocol.SampleGroup], list[protocol.Sample]]:
+        """Rank 0 asks the source; every rank gets the same groups (and replay positives)."""
+        lc = self.cfg.learner
+        frame = reply = None
+        if rank() == 0:
+            assert self.source is not None, "rank 0 needs a data source"
+            groups = self.source.get_batch(self.version, lc.batch_groups, lc.batch_timeout_s)
+            n_pos = sum(1 for g in groups for s in g.samples if s.reward >= 1.0)
+            extra = self.source.positives(int(round(self.cfg.nll.replay_fraction * n_pos)))
+            frame = protocol.encode_batch_reply([protocol.encode(g) for g in groups], 0, 0)
+            reply = protocol.encode(protocol.PositivesReply(samples=extra))
+        groups = protocol.decode_as(broadcast_bytes(frame), protocol.BatchReply).groups  # type: ignore[attr-defined]
+        extra = protocol.decode_as(broadcast_bytes(reply), protocol.PositivesReply).samples  # type: ignore[attr-defined]
+        return groups, extra
+
+    def make_batch(self, groups: list[protocol.SampleGroup], extra: list[protocol.Sample]) -> Batch:
+        kw = {"max_new_tokens": self.cfg.actors.max_new_tokens, "overlong_buffer": self.cfg.algo.overlong_buffer,
+              "overlong_penalty_value": self.cfg.algo.overlong_penalty}
+        batch = collate(groups, self.pad_id, **kw)
+        if extra:
+            batch = concat(batch, collate_samples(extra, self.pad_id, is_replay=True), self.pad_id)
+        return batch
+
+    def advantages_grpo(self, batch: Batch) -> torch.Tensor:
+        adv = torch.zeros(batch.mask.shape)
+        for g in batch.group_index.unique().tolist():
+            if g < 0:
+                continue
+            rows = (batch.group_index == g).nonzero().squeeze(-1)
+            a = group_normalized_advantages(batch.scores[rows], len(rows), self.cfg.algo.grpo_std_normalize)
+            adv[rows] = a.unsqueeze(-1)
+        return adv * batch.ppo_mask
+
+    # ------------------------------------------------------------------------------------------- step
+
+    def step(self, groups: list[protocol.SampleGroup] | None = None, extra: list[protocol.Sample] | None = None) -> dict[str, Any]:
+        """One VAPO update; ``groups`` given directly bypasses the fetch (tests, benchmarks)."""
+        cfg, lc, ac = self.cfg, self.cfg.learner, self.cfg.algo
+        t = Phases()
+        t_start = time.perf_counter()
+        with t("fetch"):
+            if groups is None:
+                groups, extra = self.fetch()
+            batch = self.make_batch(groups, extra or [])
+        mbs = lc.micro_batch_size
+        minibatches = minibatch_rows(batch.size, lc.mini_batches, cfg.run.seed, self.version)
+        mine = torch.cat([my_share(mb) for mb in minibatches])
+        ppo_mask = batch.ppo_mask
+        rewards_tok = terminal_rewards(batch.scores, batch.mask) * ppo_mask
+        stats: dict[str, Any] = {}
+
+        if ac.advantage == "gae":
+            assert self.critic is not None
+            with t("values"):
+                old_values = compute_values(self.critic, batch, mine, mbs)
+                _, returns = decoupled_gae(rewards_tok, old_values, ppo_mask, ac.gamma, ac.lambda_actor, ac.lambda_critic)
+                stats["value_explained_variance"], stats["value_mean"] = _global_stats(old_values[mine], returns[mine], ppo_mask[mine])
+            with t("critic_update"):
+                stats.update(critic_update(self.critic, batch, minibatches, returns, old_values, lc.ppo_epochs, mbs, ac.value_clip))
+            with t("fresh_values"):
+                values = compute_values(self.critic, batch, mine, mbs)
+            with t("advantages"):
+                lam = length_adaptive_lambda(batch.lengths, ac.alpha) if ac.length_adaptive else torch.full((batch.size,), ac.lambda_actor)
+                advantages, _ = decoupled_gae(rewards_tok, values, ppo_mask, ac.gamma, lam, ac.lambda_critic)
+                if ac.whiten_advantages:
+                    advantages[mine] = _whiten(advantages[mine], ppo_mask[mine]).to(advantages.dtype)
+                real = ~batch.is_replay
+                stats["lambda_actor_mean"] = float(lam[real].mean()) if real.any() else 0.0
+        else:
+            with t("advantages"):
+                advantages = self.advantages_grpo(batch)
+                if ac.whiten_advantages:
+                    advantages[mine] = _whiten(advantages[mine], ppo_mask[mine]).to(advantages.dtype)
+
+        importance_weight = None
+        old_logprobs = batch.behaviour_logprobs
+        if lc.off_policy == "decoupled":
+            with t("proximal"):
+                prox = compute_logprobs(self.policy, batch, mine, mbs)
+                importance_weight = torch.exp(prox - batch.behaviour_logprobs).clamp(max=lc.decoupled_weight_cap) * batch.mask
+                old_logprobs = prox
+        with t("actor_update"):
+            stats.update(actor_update(self.policy, batch, minibatches, advantages, old_logprobs, importance_weight,
+                                      lc.ppo_epochs, mbs, ac.clip_low, ac.clip_high, ac.loss_agg,
+                                      cfg.nll.coef, ac.entropy_coef))
+        self.version += 1
+        real = ~batch.is_replay
+        n_real = max(int(real.sum()), 1)
+        staleness = (self.version - 1 - batch.weight_version[real]).clamp(min=0)
+        tokens = int((batch.prompt_lengths + batch.lengths).sum())
+        busy = time.perf_counter() - t_start - t.seconds.get("fetch", 0.0)
+        stats.update({
+            "step": self.version, "weight_version": self.version, "time": time.time(),
+            "reward_mean": float(batch.rewards[real].sum()) / n_real,
+            "positives_fraction": float((batch.rewards[real] >= 1.0).sum()) / n_real,
+            "response_length_mean": float(batch.lengths[real].sum()) / n_real,
+            "truncated_fraction": float(batch.truncated[real].sum()) / n_real,
+            "samples": n_real, "replay_positives": int(batch.is_replay.sum()),
+            "staleness_mean": float(staleness.float().mean()) if len(staleness) else 0.0,
+            "tokens": tokens, "tokens_per_second": tokens / max(busy, 1e-9),
+            "actor_lr": float(self.policy.get_lr()[0]),
+            "phase_seconds": dict(t.seconds), "step_seconds": time.perf_counter() - t_start,
+        })
+        if self.critic is not None:
+            stats["critic_lr"] = float(self.critic.get_lr()[0])
+        self.samples_seen += n_real
+        self._export(stats, staleness)
+        self.last = stats
+        return stats
+
+    def _export(self, s: dict[str, Any], staleness: torch.Tensor) -> None:
+        m = self.metrics
+        m.step.set(s["step"])
+        m.last_step_timestamp_seconds.set(s["time"])
+        for key in ("critic_loss", "value_explained_variance", "value_mean", "policy_loss", "nll_loss",
+                    "clip_fraction_low", "clip_fraction_high", "approx_kl", "entropy", "lambda_actor_mean",
+                    "reward_mean", "positives_fraction", "response_length_mean", "tokens_per_second"):
+            if key in s:
+                getattr(m, key).set(s[key])
+        m.grad_norm.labels(model="actor").set(s.get("actor_grad_norm", float("nan")))
+        m.lr.labels(model="actor").set(s["actor_lr"])
+        if "critic_lr" in s:
+            m.grad_norm.labels(model="critic").set(s.get("critic_grad_norm", float("nan")))
+            m.lr.labels(model="critic").set(s["critic_lr"])
+        for v in staleness.tolist():
+            m.staleness.observe(v)
+        m.data_wait_seconds.inc(s["phase_seconds"].get("fetch", 0.0))
+        for phase, sec in s["phase_seconds"].items():
+            m.phase_seconds.labels(phase=phase).set(sec)
+        m.samples.inc(s["samples"])
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        fh.write(json.dumps(record, default=float) + "\n")
