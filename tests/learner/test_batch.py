@@ -1,0 +1,54 @@
+"""Collation: alignment of logits/values with response tokens, padding, truncation, replay rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from common.protocol import Sample
+from learner.advantages import terminal_rewards
+from learner.batch import collate, collate_samples, concat, gather_positions
+from tests.learner.synth import synth_groups
+
+
+def _sample(prompt: list[int], out: list[int], reward: float, reason: str = "stop") -> Sample:
+    return Sample(prompt_ids=np.array(prompt, np.int32), output_ids=np.array(out, np.int32),
+                  output_logprobs=-np.arange(1, len(out) + 1, dtype=np.float32) / 10, reward=reward,
+                  finish_reason=reason, weight_version=3, response_length=len(out))
+
+
+def test_positions_point_at_the_token_before_each_response_token() -> None:
+    b = collate_samples([_sample([5, 6, 7], [8, 9], 1.0), _sample([5], [10, 11, 12, 2], 0.0, "length")], pad_id=0)
+    assert b.positions[0, :2].tolist() == [2, 3] and b.positions[1].tolist() == [0, 1, 2, 3]
+    # The token right after each scoring position is the response token it scores.
+    nxt = b.input_ids.gather(1, (b.positions + 1).clamp(max=b.input_ids.shape[1] - 1))
+    assert torch.equal(nxt * b.mask.long(), b.response_ids * b.mask.long())
+    assert b.mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert b.attention_mask.sum(-1).tolist() == [5, 5]
+    assert b.truncated.tolist() == [False, True] and b.lengths.tolist() == [2, 4]
+    # Reward only on the last real token; padding carries nothing.
+    r = terminal_rewards(b.scores, b.mask)
+    assert r.tolist() == [[0, 1, 0, 0], [0, 0, 0, 0]]
+    assert torch.allclose(b.behaviour_logprobs[0], torch.tensor([-0.1, -0.2, 0.0, 0.0]))
+    x = torch.arange(10).view(2, 5)
+    assert gather_positions(x, b.positions)[0, :2].tolist() == [2, 3]
+
+
+def test_select_trims_and_concat_pads() -> None:
+    groups = synth_groups(3, 2, 40, seed=0)
+    b = collate(groups, pad_id=0)
+    assert b.group_index.tolist() == [0, 0, 1, 1, 2, 2]
+    sub = b.select([0, 1])
+    assert sub.input_ids.shape[1] == int((sub.prompt_lengths + sub.lengths).max())
+    assert sub.mask.shape[1] == int(sub.lengths.max())
+    rep = collate_samples([_sample([4], [9] * 20, 1.0)], pad_id=0, is_replay=True)
+    both = concat(b, rep, pad_id=0)
+    assert both.size == 7 and both.is_replay.tolist() == [False] * 6 + [True]
+    assert both.ppo_mask[-1].sum() == 0 and both.mask[-1].sum() == 20
+
+
+def test_overlong_penalty_changes_scores_not_rewards() -> None:
+    b = collate_samples([_sample([4], [9] * 10, 1.0), _sample([4], [9] * 4, 1.0)], pad_id=0,
+                        max_new_tokens=10, overlong_buffer=4, overlong_penalty_value=1.0)
+    assert b.rewards.tolist() == [1.0, 1.0]
+    assert b.scores.tolist() == [0.0, 1.0]
