@@ -354,7 +354,7 @@ class BatchReply(Message):
         d = _expect_fields("BatchReply", d, cls._FIELDS)
         frames = d["groups"]
         if not isinstance(frames, list) or len(frames) > MAX_LIST_LEN:
-            raise _err("bad_type", "groups must be a list of at most %d frames" % MAX_LIST_LEN)
+            raise _err("bad_type", f"groups must be a list of at most {MAX_LIST_LEN} frames")
         groups = []
         for fr in frames:
             if not isinstance(fr, bytes):

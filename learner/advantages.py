@@ -10,15 +10,15 @@ VAPO (arXiv 2504.05118, §3.2, eq. 7): the policy uses λ_policy = 1 − 1/(α·
 decoupled GAE (VC-PPO) trains the critic on λ_critic = 1 returns.
 
 The backward recursion A_t = δ_t + c·A_{t+1} (c = γλ per row) is evaluated without a Python loop over
-tokens and without the overflowing c^{-t} rescaling: time is split into chunks of K tokens, each chunk
-is solved by a small triangular matmul with entries c^{j-i} ≤ 1, and the chunks are joined by a second
-triangular matmul over chunk starts with entries (c^K)^{m-n}. Cost O(B·T·K), memory O(B·T + B·K²).
-Every power is ≤ 1, so nothing overflows for any λ ∈ [0, 1]; it runs unchanged on CUDA tensors.
+tokens and without the overflowing c^{-t} rescaling (PITFALLS 7): a log-depth doubling scan
+(Hillis-Steele), y ← y + c^s·shift(y, s) for s = 1, 2, 4, ..., whose coefficients c^s are all ≤ 1 (they may
+underflow to 0, which is exact truncation). On CPU the batch is processed in row blocks of ~128k elements
+so the log2(T) passes run out of cache and memory traffic stays near one read of the inputs and one write
+of the outputs. λ = γ = 1 is a reverse cumulative sum. The same code runs on CUDA tensors (one block, no
+host synchronisation).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor
@@ -30,92 +30,85 @@ def length_adaptive_lambda(lengths: Tensor, alpha: float) -> Tensor:
     lengths: ``[B]`` response lengths (real tokens per sample). Returns ``[B]`` float.
     A zero-length row gets λ = 0 (it has no tokens, so λ is irrelevant).
     """
-    l = lengths.to(torch.float32) if not lengths.is_floating_point() else lengths
-    lam = 1.0 - 1.0 / (alpha * l.clamp(min=1e-12))
+    length = lengths.to(torch.float32) if not lengths.is_floating_point() else lengths
+    lam = 1.0 - 1.0 / (alpha * length.clamp(min=1e-12))
     return lam.clamp(0.0, 1.0)
 
 
-def _td_errors(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float) -> Tensor:
-    """δ_t = r_t + γ·V(s_{t+1})·m_{t+1} − V(s_t), zero on padding. ``[B, T]``."""
-    m = mask.to(values.dtype)
-    v = values * m
-    next_v = torch.zeros_like(v)
-    next_v[:, :-1] = v[:, 1:]
-    return (rewards * m + gamma * next_v - v) * m
+_BLOCK_ELEMENTS = 1 << 17  # ~512 KiB of fp32 per array: a row block's scan passes stay in L2
 
 
-def _chunk_size(T: int) -> int:
-    # K ≈ sqrt(T) balances the in-chunk (B·T·K) and cross-chunk (B·(T/K)²) matmuls.
-    return max(4, min(128, 1 << max(2, math.ceil(math.log2(max(T, 1)) / 2))))
+def _reverse_cumsum_into(x: Tensor, out: Tensor) -> Tensor:
+    """out_t = Σ_{k≥t} x_k along dim 1, as total − prefix + x (no flips, two passes)."""
+    torch.cumsum(x, 1, out=out)
+    return out.neg_().add_(x).add_(x.sum(1, keepdim=True))
 
 
-def _powers(c: Tensor, n: int) -> Tensor:
-    """[B, n] with c^0 .. c^{n-1} (0^0 = 1)."""
-    exps = torch.arange(n, device=c.device, dtype=c.dtype)
-    return torch.pow(c.unsqueeze(-1), exps)
+def _scan_into(x: Tensor, c: Tensor, out: Tensor, buf: Tensor) -> Tensor:
+    """out_t = Σ_{k≥0} c^k x_{t+k} for x ``[b, T]`` and c ``[b, 1]`` by doubling; x is not modified."""
+    T = x.shape[1]
+    shifts = []
+    s = 1
+    while s < T:
+        shifts.append(s)
+        s *= 2
+    if not shifts:
+        return out.copy_(x)
+    # Ping-pong between two buffers, arranged so that the last pass writes into ``out``.
+    targets = (out, buf) if len(shifts) % 2 == 1 else (buf, out)
+    y, cp = x, c
+    for i, s in enumerate(shifts):
+        dst = targets[i % 2]
+        torch.addcmul(y[:, :-s], y[:, s:], cp, out=dst[:, :-s])
+        dst[:, -s:] = y[:, -s:]
+        y, cp = dst, cp * cp
+    return out
 
 
-def _upper_toeplitz(powers: Tensor) -> Tensor:
-    """[B, K, K] matrix M[b, i, j] = powers[b, j − i] for j ≥ i, else 0."""
-    K = powers.shape[-1]
-    idx = torch.arange(K, device=powers.device)
-    diff = idx.unsqueeze(0) - idx.unsqueeze(1)  # [K, K] = j - i
-    upper = diff >= 0
-    M = powers[:, diff.clamp(min=0)]
-    return M * upper.to(powers.dtype)
+def _td_errors_into(rewards: Tensor, values: Tensor, m: Tensor, gamma: float, out: Tensor) -> Tensor:
+    """δ_t = r_t + γ·V(s_{t+1})·m_{t+1} − V(s_t), zero on padding."""
+    torch.sub(rewards, values, out=out)
+    out[:, :-1].addcmul_(values[:, 1:], m[:, 1:], value=gamma)
+    return out.mul_(m)
+
+
+def _row_blocks(B: int, T: int, device: torch.device) -> int:
+    if device.type != "cpu":
+        return max(B, 1)
+    return max(1, _BLOCK_ELEMENTS // max(T, 1))
 
 
 def discounted_reverse_cumsum(x: Tensor, c: Tensor | float) -> Tensor:
     """y_t = Σ_{k≥0} c^k x_{t+k} along the last dim of ``x`` ``[B, T]``; ``c`` scalar or ``[B]`` in [0, 1]."""
     B, T = x.shape
+    out = torch.empty_like(x)
     if T == 0 or B == 0:
-        return torch.zeros_like(x)
-    if not torch.is_tensor(c):
-        if c == 1.0:
-            return torch.flip(torch.cumsum(torch.flip(x, (-1,)), -1), (-1,))
-        c = torch.full((B,), float(c), dtype=x.dtype, device=x.device)
-    c = c.to(dtype=x.dtype, device=x.device).reshape(B)
-    K = _chunk_size(T)
-    N = -(-T // K)
-    pad = N * K - T
-    xs = torch.nn.functional.pad(x, (0, pad)).view(B, N, K)
-    pw = _powers(c, K + 1)  # c^0 .. c^K
-    M = _upper_toeplitz(pw[:, :K])  # [B, K, K]
-    local = torch.bmm(xs, M.transpose(1, 2))  # [B, N, K]: sums within each chunk
-    if N > 1:
-        starts = local[:, :, 0]  # [B, N]: local sum from each chunk start
-        M2 = _upper_toeplitz(_powers(pw[:, K], N))  # [B, N, N] with (c^K)^{m-n}
-        full_starts = torch.bmm(M2, starts.unsqueeze(-1)).squeeze(-1)  # y at each chunk start
-        carry = torch.zeros_like(full_starts)
-        carry[:, :-1] = full_starts[:, 1:]  # y at the start of the next chunk
-        tail = torch.flip(pw[:, 1:], (-1,))  # c^{K-i} for i = 0..K-1
-        local = local + tail.unsqueeze(1) * carry.unsqueeze(-1)
-    return local.reshape(B, N * K)[:, :T]
+        return out
+    if not torch.is_tensor(c) and c == 1.0:
+        return _reverse_cumsum_into(x, out)
+    cc = c.to(dtype=x.dtype, device=x.device).reshape(B, 1) if torch.is_tensor(c) else torch.full((B, 1), float(c), dtype=x.dtype, device=x.device)
+    rows = _row_blocks(B, T, x.device)
+    buf = torch.empty((min(rows, B), T), dtype=x.dtype, device=x.device)
+    for i in range(0, B, rows):
+        j = min(i + rows, B)
+        _scan_into(x[i:j], cc[i:j], out[i:j], buf[: j - i])
+    return out
 
 
-def gae(
-    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float | Tensor
-) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation over right-padded responses.
+def _lambda_rows(lam: float | Tensor, gamma: float, B: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """c = γ·λ as a ``[B, 1]`` tensor."""
+    if torch.is_tensor(lam):
+        return (gamma * lam.to(device=device, dtype=dtype).clamp(0.0, 1.0)).reshape(B, 1)
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lambda must be in [0, 1], got {lam}")
+    return torch.full((B, 1), gamma * lam, dtype=dtype, device=device)
 
-    rewards, values, mask: ``[B, T]``; lam: float or ``[B]`` per-sample λ.
-    Returns (advantages ``[B, T]``, returns ``[B, T]`` = advantages + values), both 0 on padding.
-    """
+
+def _check(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float) -> None:
     if rewards.shape != values.shape or values.shape != mask.shape or values.dim() != 2:
         raise ValueError(f"rewards, values, mask must share a [B, T] shape, got {rewards.shape}, {values.shape}, {mask.shape}")
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
-    m = mask.to(values.dtype)
-    delta = _td_errors(rewards.to(values.dtype), values, mask, gamma)
-    if torch.is_tensor(lam):
-        c = gamma * lam.to(device=values.device, dtype=values.dtype).clamp(0.0, 1.0)
-    else:
-        if not 0.0 <= lam <= 1.0:
-            raise ValueError(f"lambda must be in [0, 1], got {lam}")
-        c = gamma * lam
-    adv = discounted_reverse_cumsum(delta, c) * m
-    returns = (adv + values) * m
-    return adv, returns
 
 
 def decoupled_gae(
@@ -129,11 +122,59 @@ def decoupled_gae(
     """Decoupled GAE (VC-PPO, used by VAPO): policy advantages with ``lam_actor`` (a float or a ``[B]``
     tensor of length-adaptive λ), critic targets with ``lam_critic`` (default 1: Monte-Carlo returns).
 
-    Returns (advantages ``[B, T]`` for the policy, returns ``[B, T]`` for the critic).
+    rewards, values, mask: ``[B, T]``. Returns (advantages ``[B, T]`` for the policy, returns ``[B, T]``
+    for the critic), both 0 on padding.
     """
-    advantages, _ = gae(rewards, values, mask, gamma, lam_actor)
-    _, returns = gae(rewards, values, mask, gamma, lam_critic)
-    return advantages, returns
+    _check(rewards, values, mask, gamma)
+    B, T = values.shape
+    dtype, device = values.dtype, values.device
+    adv = torch.empty_like(values)
+    ret = torch.empty_like(values)
+    if B == 0 or T == 0:
+        return adv, ret
+    c_actor = _lambda_rows(lam_actor, gamma, B, dtype, device)
+    monte_carlo = lam_critic == 1.0 and gamma == 1.0
+    c_critic = None if monte_carlo else _lambda_rows(lam_critic, gamma, B, dtype, device)
+    m = mask.to(dtype)
+    r = rewards.to(dtype)
+    rows = _row_blocks(B, T, device)
+    delta = torch.empty((min(rows, B), T), dtype=dtype, device=device)
+    buf = torch.empty_like(delta)
+    tmp = torch.empty_like(delta)
+    for i in range(0, B, rows):
+        j, n = min(i + rows, B), min(i + rows, B) - i
+        rb, vb, mb = r[i:j], values[i:j], m[i:j]
+        d = _td_errors_into(rb, vb, mb, gamma, delta[:n])
+        _scan_into(d, c_actor[i:j], adv[i:j], buf[:n])  # zero on padding because δ is
+        if monte_carlo:
+            # γ = λ = 1: the critic target is the reward-to-go (δ telescopes), PITFALLS 1.
+            _reverse_cumsum_into(torch.mul(rb, mb, out=tmp[:n]), ret[i:j]).mul_(mb)
+        else:
+            _scan_into(d, c_critic[i:j], tmp[:n], buf[:n])  # type: ignore[index]
+            torch.add(tmp[:n], vb, out=ret[i:j]).mul_(mb)
+    return adv, ret
+
+
+def gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float | Tensor
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over right-padded responses.
+
+    rewards, values, mask: ``[B, T]``; lam: float or ``[B]`` per-sample λ.
+    Returns (advantages ``[B, T]``, returns ``[B, T]`` = advantages + values), both 0 on padding.
+    """
+    _check(rewards, values, mask, gamma)
+    if not torch.is_tensor(lam) and not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lambda must be in [0, 1], got {lam}")
+    # Returns of λ are the critic-side output of decoupled GAE with λ_critic = λ; here we need both sides
+    # with the same λ, so advantages are recovered from the returns.
+    if torch.is_tensor(lam):
+        adv, _ = decoupled_gae(rewards, values, mask, gamma, lam, 1.0)
+        m = mask.to(values.dtype)
+        return adv, (adv + values) * m
+    _, ret = decoupled_gae(rewards, values, mask, gamma, 0.0, lam)
+    m = mask.to(values.dtype)
+    return (ret - values) * m, ret
 
 
 def terminal_rewards(scores: Tensor, mask: Tensor) -> Tensor:

@@ -53,9 +53,9 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     """1 − Var[R − V] / Var[R] over real tokens (1 = perfect, 0 = no better than the mean, < 0 worse)."""
     var_r = masked_var(returns, mask)
     var_res = masked_var(returns - values, mask)
-    if float(var_r) <= 1e-12:
-        return torch.zeros((), dtype=values.dtype, device=values.device)
-    return 1.0 - var_res / var_r
+    # torch.where instead of a Python branch: no device-to-host sync on the GPU path.
+    degenerate = var_r <= 1e-12
+    return torch.where(degenerate, torch.zeros_like(var_r), 1.0 - var_res / torch.where(degenerate, torch.ones_like(var_r), var_r))
 
 
 def _aggregate(per_token: Tensor, mask: Tensor, loss_agg: str, normalizer: Tensor | float | None) -> Tensor:

@@ -1,0 +1,231 @@
+"""common.protocol: round trips, strict validation, and fuzzing that only ever raises ProtocolError."""
+
+from __future__ import annotations
+
+import pickle
+import random
+import time
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.protocol import (
+    PROTOCOL_VERSION,
+    BatchReply,
+    BatchRequest,
+    CreditGrant,
+    CreditRequest,
+    ErrorReply,
+    IngestAck,
+    PositivesReply,
+    ProtocolError,
+    Sample,
+    SampleGroup,
+    StatsReply,
+    StatsRequest,
+    WeightQuery,
+    WeightUpdate,
+    decode,
+    decode_as,
+    encode,
+    encode_batch_reply,
+)
+
+token_ids = st.lists(st.integers(0, 2**31 - 1), max_size=40)
+names = st.text(max_size=40)
+
+
+@st.composite
+def samples(draw) -> Sample:
+    out = draw(token_ids)
+    lps = draw(st.lists(st.floats(-50, 0, width=32), min_size=len(out), max_size=len(out)))
+    return Sample(
+        prompt_ids=np.array(draw(token_ids), dtype=np.int32),
+        output_ids=np.array(out, dtype=np.int32),
+        output_logprobs=np.array(lps, dtype=np.float32),
+        reward=draw(st.floats(-10, 10)),
+        finish_reason=draw(st.sampled_from(["stop", "length", "abort"])),
+        weight_version=draw(st.integers(0, 2**40)),
+        response_length=len(out),
+    )
+
+
+@st.composite
+def groups(draw) -> SampleGroup:
+    return SampleGroup(
+        group_id=draw(st.text(min_size=1, max_size=64)),
+        prompt_id=draw(names),
+        task=draw(names),
+        actor_id=draw(st.integers(0, 1000)),
+        samples=draw(st.lists(samples(), min_size=1, max_size=5)),
+        created_at=draw(st.floats(0, 2e9)),
+    )
+
+
+def make_group(n: int = 3, length: int = 5, version: int = 2, gid: str = "g-1") -> SampleGroup:
+    s = [
+        Sample(
+            prompt_ids=np.arange(4, dtype=np.int32),
+            output_ids=np.arange(length, dtype=np.int32) + i,
+            output_logprobs=np.full(length, -0.5, dtype=np.float32),
+            reward=float(i % 2),
+            finish_reason="stop",
+            weight_version=version + i,
+            response_length=length,
+        )
+        for i in range(n)
+    ]
+    return SampleGroup(gid, "p-1", "addition", 0, s, time.time())
+
+
+@settings(max_examples=150, deadline=None)
+@given(groups())
+def test_sample_group_round_trip(g: SampleGroup) -> None:
+    back = decode(encode(g))
+    assert back == g
+    assert back.weight_version == min(s.weight_version for s in g.samples)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.one_of(
+        st.builds(IngestAck, group_id=names, committed=st.booleans(), duplicate=st.booleans(), error=names),
+        st.builds(CreditRequest, actor_id=st.integers(0, 2**31), n=st.integers(0, 2**31)),
+        st.builds(CreditGrant, n=st.integers(0, 2**31), learner_version=st.integers(0, 2**40)),
+        st.builds(BatchRequest, learner_version=st.integers(0, 2**40), n_groups=st.integers(0, 10**6), timeout_ms=st.integers(0, 10**9)),
+        st.builds(WeightUpdate, version=st.integers(0, 2**40), path=names,
+                  sha256=st.text("0123456789abcdef", min_size=64, max_size=64), created_at=st.floats(0, 2e9)),
+        st.builds(ErrorReply, reason=names, message=names),
+        st.builds(StatsReply, stats=st.dictionaries(names, st.floats(-1e9, 1e9), max_size=5)),
+        st.builds(PositivesReply, samples=st.lists(samples(), max_size=3)),
+        st.just(StatsRequest()),
+        st.just(WeightQuery()),
+    )
+)
+def test_message_round_trip(msg) -> None:
+    assert decode(encode(msg)) == msg
+
+
+def test_batch_reply_from_stored_frames_round_trips() -> None:
+    gs = [make_group(gid=f"g{i}", version=i) for i in range(3)]
+    frame = encode_batch_reply([encode(g) for g in gs], stale_dropped=2, filtered=1)
+    reply = decode_as(frame, BatchReply)
+    assert reply.groups == gs and reply.stale_dropped == 2 and reply.filtered == 1
+    assert decode(encode(reply)) == reply
+
+
+def _raw(body: dict) -> bytes:
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def _group_body(**changes) -> dict:
+    body = msgpack.unpackb(encode(make_group()), raw=False)
+    body.update(changes)
+    return body
+
+
+def _sample_body(**changes) -> dict:
+    body = _group_body()
+    body["samples"][0].update(changes)
+    return body
+
+
+@pytest.mark.parametrize(
+    "frame, reason",
+    [
+        (_raw(_group_body(v=PROTOCOL_VERSION + 1)), "version"),
+        (_raw({k: v for k, v in _group_body().items() if k != "v"}), "version"),
+        (_raw(_group_body(type="Nope")), "unknown_type"),
+        (_raw({k: v for k, v in _group_body().items() if k != "task"}), "missing_field"),
+        (_raw(_group_body(extra=1)), "extra_field"),
+        (_raw(_group_body(actor_id="zero")), "bad_type"),
+        (_raw(_group_body(actor_id=True)), "bad_type"),
+        (_raw(_group_body(samples=[])), "bad_length"),
+        (_raw(_group_body(group_id="")), "bad_value"),
+        (_raw(_sample_body(response_length=-1)), "bad_value"),
+        (_raw(_sample_body(response_length=4)), "length_mismatch"),
+        (_raw(_sample_body(finish_reason="eos")), "bad_value"),
+        (_raw(_sample_body(reward=float("nan"))), "not_finite"),
+        (_raw(_sample_body(output_logprobs={"dtype": "<f4", "n": 5, "data": np.array([0, 0, np.inf, 0, 0], "<f4").tobytes()})), "not_finite"),
+        (_raw(_sample_body(output_logprobs={"dtype": "<f4", "n": 4, "data": np.zeros(4, "<f4").tobytes()})), "length_mismatch"),
+        (_raw(_sample_body(output_ids={"dtype": "<i4", "n": -3, "data": b""})), "bad_length"),
+        (_raw(_sample_body(output_ids={"dtype": "<i4", "n": 10**9, "data": b""})), "bad_length"),
+        (_raw(_sample_body(output_ids={"dtype": "<i4", "n": 5, "data": b"\x00" * 19})), "length_mismatch"),
+        (_raw(_sample_body(output_ids={"dtype": "<i8", "n": 5, "data": b"\x00" * 40})), "bad_type"),
+        (_raw(_sample_body(output_ids={"dtype": "<i4", "n": 5, "data": np.array([1, 2, -1, 3, 4], "<i4").tobytes()})), "bad_value"),
+        (_raw(_sample_body(weight_version=-1)), "bad_value"),
+        (_raw({"v": PROTOCOL_VERSION, "type": "WeightUpdate", "version": 1, "path": "/w", "sha256": "xyz", "created_at": 0.0}), "bad_value"),
+        (_raw([1, 2, 3]), "malformed"),
+        (b"\xc1", "malformed"),
+        (encode(make_group())[:-3], "malformed"),
+        (encode(make_group()) + b"\x00", "malformed"),
+        (pickle.dumps({"v": 1, "type": "StatsRequest"}), "malformed"),
+        (msgpack.packb(msgpack.ExtType(1, b"x")), "malformed"),
+    ],
+)
+def test_rejections_name_the_reason(frame: bytes, reason: str) -> None:
+    with pytest.raises(ProtocolError) as e:
+        decode(frame)
+    assert e.value.reason == reason
+
+
+def test_oversized_frames_are_rejected_before_parsing() -> None:
+    frame = encode(make_group(length=1000))
+    with pytest.raises(ProtocolError) as e:
+        decode(frame, max_frame_bytes=len(frame) - 1)
+    assert e.value.reason == "oversized"
+    assert decode(frame, max_frame_bytes=len(frame)) == decode(frame)
+
+
+def test_decode_as_checks_type_and_raises_remote_errors() -> None:
+    with pytest.raises(ProtocolError) as e:
+        decode_as(encode(StatsRequest()), WeightUpdate)
+    assert e.value.reason == "unexpected_type"
+    with pytest.raises(ProtocolError) as e:
+        decode_as(encode(ErrorReply(reason="full", message="buffer full")), BatchReply)
+    assert e.value.reason == "remote" and "buffer full" in str(e.value)
+
+
+def _mutate(frame: bytes, rng: random.Random) -> bytes:
+    b = bytearray(frame)
+    op = rng.randrange(5)
+    if op == 0 and b:  # flip bytes
+        for _ in range(rng.randint(1, 8)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+    elif op == 1 and b:  # truncate
+        b = b[: rng.randrange(len(b))]
+    elif op == 2:  # insert junk
+        pos = rng.randrange(len(b) + 1)
+        b[pos:pos] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
+    elif op == 3:  # pure garbage
+        b = bytearray(rng.randbytes(rng.randint(0, 64)))
+    else:  # duplicate a slice
+        if b:
+            i = rng.randrange(len(b))
+            b = b + b[i : i + rng.randint(1, 32)]
+    return bytes(b)
+
+
+def test_ten_thousand_random_or_mutated_frames_only_raise_protocol_error() -> None:
+    rng = random.Random(0)
+    seeds = [
+        encode(make_group()),
+        encode(make_group(n=1, length=0)),
+        encode(WeightUpdate(version=3, path="/w", sha256="0" * 64, created_at=1.0)),
+        encode(BatchRequest(learner_version=1, n_groups=4, timeout_ms=10)),
+        encode_batch_reply([encode(make_group())], 0, 0),
+        encode(StatsReply(stats={"a": 1.0})),
+    ]
+    accepted = rejected = 0
+    for _ in range(10_000):
+        frame = _mutate(rng.choice(seeds), rng)
+        try:
+            decode(frame, max_frame_bytes=1 << 16)
+            accepted += 1
+        except ProtocolError:
+            rejected += 1
+    assert accepted + rejected == 10_000
+    assert rejected > 9_000  # almost every mutation must be caught; the rest decoded into valid messages

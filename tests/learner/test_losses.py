@@ -1,0 +1,148 @@
+"""learner.losses: token-level vs sequence-mean aggregation, clip-higher gradients, NLL on positives."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from learner.losses import (
+    entropy_from_logits,
+    explained_variance,
+    masked_mean,
+    masked_whiten,
+    nll_loss,
+    policy_loss,
+    positive_token_count,
+    token_logprobs,
+    value_loss,
+)
+
+# Uneven batch: sequence 0 has 1 real token, sequence 1 has 3.
+MASK = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+ADV = torch.tensor([[3.0, 9.0, 9.0], [1.0, 1.0, 1.0]])
+
+
+def _loss(agg: str, normalizer=None) -> torch.Tensor:
+    logp = torch.zeros(2, 3, requires_grad=True)
+    loss, _ = policy_loss(logp, torch.zeros(2, 3), ADV, MASK, 0.2, 0.28, loss_agg=agg, normalizer=normalizer)
+    return loss
+
+
+def test_token_mean_vs_seq_mean_on_uneven_batch() -> None:
+    # ratio = 1 everywhere, so the per-token objective is A.
+    # token mean: −(3 + 1 + 1 + 1) / 4 real tokens = −1.5
+    torch.testing.assert_close(_loss("token_mean"), torch.tensor(-1.5))
+    # seq mean: −((3 / 1) + (3 / 3)) / 2 sequences = −2.0
+    torch.testing.assert_close(_loss("seq_mean"), torch.tensor(-2.0))
+    with pytest.raises(ValueError):
+        _loss("bogus")
+
+
+def test_global_normalizer_makes_micro_batches_add_up_to_the_full_batch_token_mean() -> None:
+    # PITFALLS 5: summing micro-batch losses normalised by the global token count == full-batch token mean.
+    full = _loss("token_mean")
+    n = MASK.sum()
+    parts = []
+    for i in range(2):
+        logp = torch.zeros(1, 3, requires_grad=True)
+        loss, _ = policy_loss(logp, torch.zeros(1, 3), ADV[i : i + 1], MASK[i : i + 1], normalizer=n)
+        parts.append(loss)
+    torch.testing.assert_close(sum(parts), full)
+    # The naive per-micro-batch mean gives a different (wrong) answer on this uneven batch: −(3 + 1)/2 = −2.
+    naive = sum(policy_loss(torch.zeros(1, 3), torch.zeros(1, 3), ADV[i : i + 1], MASK[i : i + 1])[0] for i in range(2)) / 2
+    assert not torch.isclose(naive, full)
+
+
+@pytest.mark.parametrize(
+    "log_ratio, adv, clipped",
+    [
+        (math.log(1.5), 1.0, True),  # ratio 1.5 > 1 + 0.28 with A > 0: clipped, no gradient
+        (math.log(1.2), 1.0, False),  # inside the clip-higher range (1.2 < 1.28): gradient flows
+        (math.log(0.7), -1.0, True),  # ratio 0.7 < 1 − 0.2 with A < 0: clipped
+        (math.log(0.7), 1.0, False),  # ratio low but A > 0: min() picks the unclipped term, gradient flows
+        (math.log(1.5), -1.0, False),  # ratio high but A < 0: unclipped term, gradient flows
+    ],
+)
+def test_clip_higher_gradient(log_ratio: float, adv: float, clipped: bool) -> None:
+    logp = torch.tensor([[log_ratio]], requires_grad=True)
+    loss, stats = policy_loss(logp, torch.zeros(1, 1), torch.tensor([[adv]]), torch.ones(1, 1), 0.2, 0.28)
+    loss.backward()
+    if clipped:
+        assert logp.grad.abs().item() == 0.0
+        key = "clip_fraction_high" if adv > 0 else "clip_fraction_low"
+        assert stats[key].item() == 1.0
+    else:
+        # d/dlogp of −r·A = −r·A
+        assert logp.grad.item() == pytest.approx(-math.exp(log_ratio) * adv, rel=1e-5)
+        assert stats["clip_fraction_high"].item() == 0.0 and stats["clip_fraction_low"].item() == 0.0
+
+
+def test_policy_stats_and_importance_weight() -> None:
+    logp = torch.log(torch.tensor([[1.1, 0.9]]))
+    _, stats = policy_loss(logp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2))
+    assert stats["ratio_mean"].item() == pytest.approx(1.0, abs=1e-6)
+    assert stats["approx_kl"].item() == pytest.approx(-(math.log(1.1) + math.log(0.9)) / 2, rel=1e-5)
+    w = torch.tensor([[2.0, 0.0]])
+    loss_w, _ = policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), importance_weight=w)
+    torch.testing.assert_close(loss_w, torch.tensor(-1.0))  # −(2·1 + 0·1) / 2
+
+
+def test_nll_ignores_non_positive_samples() -> None:
+    logp = torch.tensor([[-1.0, -2.0, -9.0], [-5.0, -5.0, -5.0], [-3.0, 0.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    rewards = torch.tensor([1.0, 0.0, 1.0])
+    loss = nll_loss(logp, mask, rewards)
+    # positive tokens: row 0 (−1, −2) and row 2 (−3) → 6 / 3 = 2
+    torch.testing.assert_close(loss, torch.tensor(2.0))
+    assert positive_token_count(mask, rewards).item() == 3
+    loss.backward()
+    assert torch.all(logp.grad[1] == 0) and logp.grad[0, 2] == 0
+
+
+def test_nll_with_no_positives_is_zero_not_nan() -> None:
+    logp = torch.randn(2, 3, requires_grad=True)
+    loss = nll_loss(logp, torch.ones(2, 3), torch.zeros(2))
+    assert loss.item() == 0.0 and not torch.isnan(loss)
+    loss.backward()
+    assert torch.all(logp.grad == 0)
+
+
+def test_value_loss_and_clipping() -> None:
+    values = torch.tensor([[0.9, 0.1]], requires_grad=True)
+    returns = torch.tensor([[1.0, 1.0]])
+    loss, _ = value_loss(values, returns, torch.ones(1, 2))
+    torch.testing.assert_close(loss, torch.tensor(0.5 * (0.01 + 0.81) / 2))
+    # Clipped around old 0.5 by ±0.2: V0 = 0.9 → 0.7, (0.7−1)² = .09 > .01, the clipped term wins;
+    # V1 = 0.1 → 0.3, (0.3−1)² = .49 < .81, the unclipped term stays. Clip fraction 1/2.
+    loss_c, stats = value_loss(values, returns, torch.ones(1, 2), old_values=torch.full((1, 2), 0.5), clip=0.2)
+    torch.testing.assert_close(loss_c, torch.tensor(0.5 * (0.09 + 0.81) / 2))
+    assert stats["value_clip_fraction"].item() == 0.5
+
+
+def test_explained_variance() -> None:
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    returns = torch.tensor([[0.0, 1.0, 2.0, 99.0]])
+    assert explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
+    assert explained_variance(torch.full_like(returns, 1.0), returns, mask).item() == pytest.approx(0.0, abs=1e-6)
+    assert explained_variance(-returns, returns, mask).item() < 0
+    assert explained_variance(returns, torch.ones(1, 4), mask).item() == 0.0  # constant returns
+
+
+def test_masked_mean_and_whiten() -> None:
+    x = torch.tensor([[1.0, 3.0, 100.0]])
+    m = torch.tensor([[1.0, 1.0, 0.0]])
+    assert masked_mean(x, m).item() == 2.0
+    assert masked_mean(x, torch.zeros(1, 3)).item() == 0.0
+    w = masked_whiten(x, m)
+    assert w[0, 2].item() == 0.0
+    assert masked_mean(w, m).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_token_logprobs_and_entropy() -> None:
+    logits = torch.log(torch.tensor([[[0.5, 0.25, 0.25], [1 / 3, 1 / 3, 1 / 3]]]))
+    lp = token_logprobs(logits, torch.tensor([[0, 2]]))
+    torch.testing.assert_close(lp, torch.log(torch.tensor([[0.5, 1 / 3]])))
+    ent = entropy_from_logits(logits)
+    torch.testing.assert_close(ent, torch.tensor([[1.5 * math.log(2), math.log(3)]]))
