@@ -96,6 +96,8 @@ class EngineConfig:
     max_batch_size: int = f(256, "rollout_server: most sequences decoded together")
     batch_wait_ms: float = f(2.0, "rollout_server: how long to gather concurrent requests into a batch")
     threads: int = f(1, "rollout_server: torch threads per engine process")
+    context_length: int = f(0, "rollout_server: longest prompt + response per sequence (0 = model max_position_embeddings)")
+    logprobs: str = f("original", "rollout_server: original = log_softmax(logits) as the learner computes | scaled = by 1/T (SGLang default)")
     startup_timeout_s: float = f(120.0, "seconds to wait for an engine's /health before giving up")
     max_restarts: int = f(3, "restarts of a dead engine before the actor gives up")
     sglang_mem_fraction_static: float = f(0.8, "sglang: --mem-fraction-static")
@@ -249,6 +251,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "actors.weight_sync": ("wait", "abort"),
     "learner.precision": ("fp32", "bf16", "fp16"),
     "learner.off_policy": ("behaviour", "decoupled"),
+    "engine.logprobs": ("original", "scaled"),
     "algo.advantage": ("gae", "grpo"),
     "algo.loss_agg": ("token_mean", "seq_mean"),
 }

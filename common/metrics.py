@@ -97,6 +97,8 @@ SPECS: tuple[MetricSpec, ...] = (
     _h("engine", "batch_size", "Sequences per decode batch", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512)),
     _g("engine", "weight_version", "Weight version being served"),
     _c("engine", "weight_updates", "Weight updates applied or refused", ("status",)),
+    _h("engine", "step_seconds", "Wall time of one engine step (admission prefill + batched decode)"),
+    _c("engine", "bad_requests", "Requests refused with a 4xx", ("endpoint",)),
     # ---- learner
     _g("learner", "step", "Learner steps completed"),
     _g("learner", "weight_version", "Policy version (published weights)"),

@@ -1,0 +1,472 @@
+"""rollout_server: a small real inference engine that serves SGLang's native HTTP API (CPU, or CUDA).
+
+    python -m actors.rollout_server --model-path runs/_base/addition-tiny --port 30000 [--device cpu]
+
+Endpoints and field names follow SGLang (``python/sglang/srt/entrypoints/http_server.py``,
+``managers/io_struct.py``; shapes recorded in ``tests/actors/fixtures/sglang_api.json``):
+``POST /generate``, ``POST /update_weights_from_disk``, ``POST /pause_generation``,
+``POST /continue_generation``, ``GET|POST /flush_cache``, ``POST /abort_request``, ``GET /health``,
+``GET /health_generate``, ``GET /get_model_info``, ``GET /get_weight_version``, ``GET /get_server_info``
+and ``GET /metrics`` (``vapo_engine_*``). Value errors answer 400 ``{"error": {"message"}}``, malformed
+bodies 400 ``{"object": "error", "message", "type": "Bad Request", "param": null, "code": 400}``, as SGLang
+does; the server keeps serving.
+
+The engine (``actors/engine.py``) batches concurrently arriving requests continuously with a KV cache.
+
+Deviations from SGLang, on purpose:
+- Output logprobs default to log_softmax(logits) at temperature 1 (``--logprobs original``), what the
+  learner recomputes; SGLang returns that only with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` and otherwise the
+  temperature-scaled log_softmax(logits / T) (``--logprobs scaled``). At temperature 1 both agree.
+- ``meta_info.output_token_weight_versions`` (extension) gives the weight version of every output token,
+  so a request that straddled an in-place weight update can be stamped with the oldest version;
+  ``meta_info.weight_version`` keeps SGLang's meaning (the version served when the response was built).
+- No streaming, no stop strings, no penalties, no prefix cache; those requests get a 400.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from actors.engine import PAUSE_MODES, Engine, RequestError, SamplingParams, Sequence, new_rid
+from common.config import EngineConfig
+from common.metrics import Metrics
+
+log = logging.getLogger("vapo.rollout_server")
+
+HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's default SGLANG_HEALTH_CHECK_TIMEOUT
+FLUSH_CACHE_TEXT = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+                    "waiting requests, the operation will not be performed.)\n")
+
+
+class BadRequest(Exception):
+    """Request body that does not validate (SGLang: pydantic RequestValidationError)."""
+
+
+def _validation_error(message: str) -> web.Response:
+    body = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+    return web.json_response(body, status=400)
+
+
+def _value_error(message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=400)
+
+
+async def _json_body(request: web.Request, required: bool = True) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw.strip():
+        if required:
+            raise BadRequest("Field required: request body is empty")
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"JSON decode error: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"Input should be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _is_int_list(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+class Server:
+    """HTTP front end: parses SGLang requests, hands sequences to the engine, builds SGLang responses."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, model_path: str, tokenizer_path: str,
+                 metrics: Metrics) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.tokenizer_path = tokenizer_path
+        self.metrics = metrics
+        self._update_lock = asyncio.Lock()
+        self.started = time.time()
+
+    # ------------------------------------------------------------------ /generate
+
+    def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
+        text, ids = body.get("text"), body.get("input_ids")
+        if body.get("input_embeds") is not None:
+            raise RequestError("input_embeds is not supported by rollout_server")
+        if (text is None) == (ids is None):
+            raise RequestError("Either text, input_ids or input_embeds should be provided.")
+        if ids is not None:
+            if not isinstance(ids, list):
+                raise BadRequest("input_ids: Input should be a valid list")
+            if len(ids) == 0:
+                raise RequestError("input_ids cannot be empty.")
+            if _is_int_list(ids):
+                return [ids], True
+            if all(_is_int_list(x) for x in ids):
+                return ids, False
+            raise BadRequest("input_ids: Input should be a list of integers or a list of lists of integers")
+        if self.tokenizer is None:
+            raise RequestError("text input needs a tokenizer; the server runs with --skip-tokenizer-init")
+        if isinstance(text, str):
+            return [self.tokenizer(text)["input_ids"]], True
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return [self.tokenizer(t)["input_ids"] for t in text], False
+        raise BadRequest("text: Input should be a valid string or list of strings")
+
+    @staticmethod
+    def _per_item(value: Any, n: int, name: str, default: Any) -> list[Any]:
+        if value is None:
+            return [default] * n
+        if isinstance(value, list):
+            if len(value) != n:
+                raise RequestError(f"The length of {name} should be equal to the batch size ({n}), got {len(value)}.")
+            return [default if v is None else v for v in value]
+        return [value] * n
+
+    async def generate(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request)
+            if body.get("stream"):
+                raise RequestError("stream=true is not supported by rollout_server")
+            prompts, is_single = self._prompts(body)
+            b = len(prompts)
+            sp_raw = body.get("sampling_params")
+            if sp_raw is not None and not isinstance(sp_raw, dict | list):
+                raise BadRequest("sampling_params: Input should be a valid dictionary or list")
+            sps = self._per_item(sp_raw, b, "sampling_params", {})
+            if not all(isinstance(s, dict) for s in sps):
+                raise BadRequest("sampling_params: each item should be a valid dictionary")
+            params = [SamplingParams.from_dict(s, self.engine.vocab_size) for s in sps]
+            n = params[0].n
+            if any(p.n != n for p in params):
+                raise RequestError("The parallel_sample_num should be the same for all samples in sample params.")
+            if n > 1:
+                is_single = False
+            ret_lp = self._per_item(body.get("return_logprob"), b, "return_logprob", False)
+            if not all(isinstance(x, bool) for x in ret_lp):
+                raise BadRequest("return_logprob: Input should be a valid boolean")
+            for key in ("logprob_start_len", "top_logprobs_num"):
+                vals = self._per_item(body.get(key), b, key, -1 if key == "logprob_start_len" else 0)
+                if any(v not in (-1, 0) or isinstance(v, bool) for v in vals) and key == "top_logprobs_num":
+                    raise RequestError("top_logprobs_num > 0 is not supported by rollout_server")
+                if key == "logprob_start_len" and any(v != -1 for v in vals):
+                    raise RequestError("logprob_start_len other than -1 is not supported by rollout_server")
+            if body.get("token_ids_logprob"):
+                raise RequestError("token_ids_logprob is not supported by rollout_server")
+            text_in_lp = bool(body.get("return_text_in_logprobs", False))
+            rid = body.get("rid")
+            if rid is None:
+                rids = [new_rid() for _ in range(b)]
+            elif isinstance(rid, str):
+                rids = [rid] if is_single and n == 1 else [f"{rid}_{i}" for i in range(b)]
+            elif isinstance(rid, list) and len(rid) == b and all(isinstance(r, str) for r in rid):
+                rids = rid
+            else:
+                raise RequestError("The rid should be a string or a list of strings of the batch size.")
+            for ids, p in zip(prompts, params, strict=True):
+                self.engine.validate_prompt(ids, p)
+        except BadRequest as e:
+            self.metrics.bad_requests.labels(endpoint="generate").inc()
+            return _validation_error(str(e))
+        except RequestError as e:
+            self.metrics.bad_requests.labels(endpoint="generate").inc()
+            return _value_error(str(e))
+
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future] = []
+        seqs: list[Sequence] = []
+        items: list[tuple[int, bool]] = []
+        for i in range(b):  # prompt-major expansion of n, as SGLang's tokenizer manager does
+            for j in range(n):
+                fut = loop.create_future()
+
+                def on_done(s: Sequence, fut: asyncio.Future = fut) -> None:
+                    loop.call_soon_threadsafe(_resolve, fut, s)
+
+                seq_rid = rids[i] if n == 1 else f"{rids[i]}-{j}"
+                seqs.append(Sequence(rid=seq_rid, prompt_ids=list(prompts[i]), params=params[i], on_done=on_done))
+                futures.append(fut)
+                items.append((i, ret_lp[i]))
+        try:
+            self.engine.submit(seqs)
+        except RuntimeError as e:
+            return web.json_response({"error": {"message": str(e)}}, status=503)
+        try:
+            done = await asyncio.gather(*futures)
+        except asyncio.CancelledError:  # client went away: free the slots
+            self.engine.abort({s.rid for s in seqs}, "Request is disconnected from the client side.")
+            raise
+        outs = [self._output(s, lp, text_in_lp) for s, (_, lp) in zip(done, items, strict=True)]
+        return web.json_response(outs[0] if is_single else outs, dumps=_dumps)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _output(self, s: Sequence, return_logprob: bool, text_in_lp: bool) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": s.rid,
+            "finish_reason": s.finish,
+            "prompt_tokens": len(s.prompt_ids),
+            "weight_version": self.engine.weight_version,
+            "total_retractions": s.retractions,
+            "output_token_weight_versions": s.versions,
+        }
+        if return_logprob:
+            texts = ([self._decode([t]) for t in s.output_ids] if text_in_lp and self.tokenizer is not None
+                     else [None] * len(s.output_ids))
+            meta["input_token_logprobs"] = [[None, s.prompt_ids[-1], None]]
+            meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x in zip(s.logprobs, s.output_ids, texts, strict=True)]
+        meta["completion_tokens"] = len(s.output_ids)
+        meta["cached_tokens"] = 0
+        meta["e2e_latency"] = s.finished_at - s.created
+        out: dict[str, Any] = {"output_ids": s.output_ids, "meta_info": meta}
+        if self.tokenizer is not None:
+            out = {"text": self._decode(s.output_ids), **out}
+        return out
+
+    # ------------------------------------------------------------------ control endpoints
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request)
+            path = body.get("model_path")
+            if not isinstance(path, str) or not path:
+                raise BadRequest("model_path: Field required (a non-empty string)")
+            version = body.get("weight_version")
+            if version is not None and not isinstance(version, str | int) or isinstance(version, bool):
+                raise BadRequest("weight_version: Input should be a valid string")
+            abort_all = body.get("abort_all_requests", False)
+            if not isinstance(abort_all, bool):
+                raise BadRequest("abort_all_requests: Input should be a valid boolean")
+            load_format = body.get("load_format")
+        except BadRequest as e:
+            self.metrics.bad_requests.labels(endpoint="update_weights_from_disk").inc()
+            return _validation_error(str(e))
+        version = None if version is None else str(version)
+        async with self._update_lock:
+            if load_format not in (None, "auto", "safetensors"):
+                ok, msg = False, f"Failed to update weights: load_format {load_format!r} is not supported (auto | safetensors)."
+            else:
+                if abort_all:
+                    await asyncio.wrap_future(self.engine.abort(None, "Aborted for a weight update."))
+                loop = asyncio.get_running_loop()
+                fut = await loop.run_in_executor(None, self.engine.update_weights, path, version)
+                ok, msg = await asyncio.wrap_future(fut)
+            if ok:
+                self.model_path = path
+                if version is not None:
+                    msg += f" Weight version updated to {version}."
+        self.metrics.weight_updates.labels(status="ok" if ok else "failed").inc()
+        (log.info if ok else log.warning)("update_weights_from_disk %s: %s", path, msg)
+        return web.json_response({"success": ok, "message": msg, "num_paused_requests": 0},
+                                 status=200 if ok else 400)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request, required=False)
+            mode = body.get("mode", "abort")
+            if mode not in PAUSE_MODES:
+                raise BadRequest(f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
+        except BadRequest as e:
+            self.metrics.bad_requests.labels(endpoint="pause_generation").inc()
+            return _validation_error(str(e))
+        await asyncio.wrap_future(self.engine.pause(mode))
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await asyncio.wrap_future(self.engine.resume())
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        ok = await asyncio.wrap_future(self.engine.flush_cache())
+        return web.Response(text=FLUSH_CACHE_TEXT, status=200 if ok else 400)
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request)
+        except BadRequest as e:
+            return _validation_error(str(e))
+        rid, abort_all = body.get("rid", ""), bool(body.get("abort_all", False))
+        if abort_all:
+            await asyncio.wrap_future(self.engine.abort(None, "Aborted by abort_request."))
+        elif isinstance(rid, str) and rid:
+            # SGLang matches by prefix so that a batch rid aborts all of its items.
+            await asyncio.wrap_future(self.engine.call(lambda: self.engine._abort(
+                {s.rid for s in list(self.engine.running) + list(self.engine._waiting) if s.rid.startswith(rid)},
+                "Aborted by abort_request.")))
+        return web.Response(status=200)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.engine.alive else 503)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        if not self.engine.alive:
+            return web.Response(status=503)
+        if self.engine.running and time.time() - self.engine.last_step_at < HEALTH_CHECK_TIMEOUT_S:
+            return web.Response(status=200)  # busy and making progress, as SGLang skips the probe
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        rid = f"HEALTH_CHECK_{time.time()}"
+        params = SamplingParams(max_new_tokens=1, top_k=1)
+        self.engine.submit([Sequence(rid=rid, prompt_ids=[0], params=params,
+                                     on_done=lambda s: loop.call_soon_threadsafe(_resolve, fut, s))])
+        try:
+            await asyncio.wait_for(fut, HEALTH_CHECK_TIMEOUT_S)
+            return web.Response(status=200)
+        except TimeoutError:
+            self.engine.abort({rid})
+            return web.Response(status=503)
+
+    async def get_model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.model_path,
+            "tokenizer_path": self.tokenizer_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.engine.weight_version,
+        })
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.engine.weight_version})
+
+    async def get_server_info(self, request: web.Request) -> web.Response:
+        e = self.engine
+        return web.json_response({
+            "model_path": self.model_path, "weight_version": e.weight_version, "max_running_requests": e.max_batch_size,
+            "context_length": e.context_length, "device": str(e.device), "paused": e.paused,
+            "running_requests": len(e.running), "waiting_requests": e.num_waiting(), "steps": e.steps,
+            "logprobs": "scaled" if e.scaled_logprobs else "original", "engine": "vapo.rollout_server",
+        })
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=256 << 20)
+        r = app.router
+        r.add_post("/generate", self.generate)
+        r.add_put("/generate", self.generate)
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_get("/flush_cache", self.flush_cache)
+        r.add_post("/flush_cache", self.flush_cache)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
+        r.add_get("/get_model_info", self.get_model_info)
+        r.add_get("/get_weight_version", self.get_weight_version)
+        r.add_get("/get_server_info", self.get_server_info)
+        r.add_get("/metrics", self.metrics_endpoint)
+        return app
+
+
+def _resolve(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = EngineConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m actors.rollout_server",
+        description="Serve an HF causal LM through SGLang's native HTTP API (/generate, /update_weights_from_disk, "
+                    "/pause_generation, ...) with continuous batching on CPU or CUDA. Flags are named like "
+                    "sglang.launch_server's.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model-path", required=True, help="HF model directory (config.json + *.safetensors)")
+    p.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: --model-path)")
+    p.add_argument("--skip-tokenizer-init", action="store_true", help="no tokenizer: input_ids only, no 'text' in outputs")
+    p.add_argument("--host", default=d.host, help="bind address")
+    p.add_argument("--port", type=int, default=d.base_port, help="port (0 = pick a free one; printed on the ready line)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="compute device")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="parameter dtype")
+    p.add_argument("--max-batch-size", "--max-running-requests", dest="max_batch_size", type=int,
+                   default=d.max_batch_size, help="most sequences decoded together (KV-cache slots)")
+    p.add_argument("--context-length", type=int, default=d.context_length,
+                   help="longest prompt + response (0 = the model's max_position_embeddings)")
+    p.add_argument("--max-prefill-tokens", type=int, default=16384, help="most prompt tokens in one batched prefill")
+    p.add_argument("--batch-wait-ms", type=float, default=d.batch_wait_ms,
+                   help="when idle, wait this long for concurrent requests to share the first prefill")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads (CPU)")
+    p.add_argument("--weight-version", default="default", help="initial weight version (SGLang's --weight-version)")
+    p.add_argument("--random-seed", type=int, default=0, help="sampling RNG seed")
+    p.add_argument("--logprobs", default=d.logprobs, choices=("original", "scaled"),
+                   help="original: log_softmax(logits) (what the learner recomputes; SGLang with "
+                        "SGLANG_RETURN_ORIGINAL_LOGPROB=1); scaled: log_softmax(logits / temperature) (SGLang default)")
+    p.add_argument("--log-level", default="info", help="logging level")
+    return p
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    import torch
+
+    from common.modeling import load_model, load_tokenizer
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    torch.set_num_threads(max(1, args.threads))
+    t0 = time.time()
+    log.info("loading %s (%s, %s)", args.model_path, args.device, args.dtype)
+    model = load_model(args.model_path, dtype=args.dtype, device=args.device)
+    tok_path = args.tokenizer_path or args.model_path
+    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(tok_path)
+    eos: set[int] = set()
+    for src in (model.config, getattr(model, "generation_config", None)):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        eos.update([e] if isinstance(e, int) else list(e or []))
+    metrics = Metrics("engine")
+    engine = Engine(model, max_batch_size=args.max_batch_size, context_length=args.context_length,
+                    weight_version=args.weight_version, eos_token_ids=eos, seed=args.random_seed,
+                    scaled_logprobs=args.logprobs == "scaled", batch_wait_ms=args.batch_wait_ms,
+                    metrics=metrics, max_prefill_tokens=args.max_prefill_tokens)
+    server = Server(engine, tokenizer, args.model_path, tok_path, metrics)
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"rollout_server ready on http://{args.host}:{port} model={args.model_path} params={n_params} "
+          f"device={args.device} slots={args.max_batch_size} context={engine.context_length} "
+          f"weight_version={engine.weight_version} load_s={time.time() - t0:.1f}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    await runner.cleanup()
+    engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.max_batch_size < 1:
+        raise SystemExit("--max-batch-size must be >= 1")
+    try:
+        asyncio.run(_serve(args))
+    except (OSError, RuntimeError) as e:
+        raise SystemExit(f"rollout_server: {e}") from e
+
+
+if __name__ == "__main__":
+    main()
