@@ -73,11 +73,17 @@ class BootstrapConfig:
     intermediate_size: int = f(384, "MLP width")
     max_position_embeddings: int = f(256, "longest prompt + response the model supports")
     teacher_error_rate: float = f(0.1, "probability that a teacher trace makes a wrong column step")
-    seconds: float = f(240.0, "SFT wall-clock budget in seconds")
-    max_steps: int = f(100000, "SFT step limit (whichever of seconds/max_steps comes first)")
+    seconds: float = f(240.0, "SFT wall-clock safety cap in seconds (hitting it makes the result machine-dependent)")
+    max_steps: int = f(100000, "SFT steps; the run stops here (deterministic) unless the seconds cap comes first")
     batch_size: int = f(64, "SFT batch size (sequences)")
     lr: float = f(3e-3, "SFT peak learning rate")
     threads: int = f(2, "torch threads for SFT")
+    seed: int = f(0, "SFT seed (model init, teacher errors); the base model does not depend on run.seed")
+    warmup_fraction: float = f(0.05, "fraction of max_steps with linear lr warmup")
+    min_lr_ratio: float = f(0.1, "cosine decay floor as a fraction of lr")
+    weight_decay: float = f(0.01, "AdamW weight decay")
+    eval_k: int = f(8, "samples per held-out prompt for the closing evaluation (0 = skip it)")
+    log_every_s: float = f(10.0, "seconds between progress lines")
 
 
 @dataclass
@@ -140,6 +146,9 @@ class BufferConfig:
     max_frame_bytes: int = f(64 << 20, "largest accepted wire frame")
     map_size_bytes: int = f(1 << 30, "initial LMDB map size (grows automatically)")
     commit_batch: int = f(64, "most groups written in one LMDB transaction")
+    max_map_size_bytes: int = f(0, "LMDB map size ceiling; past it writes fail as storage errors (0 = free disk)")
+    positive_reward: float = f(1.0, "samples with reward >= this are verified-correct positives")
+    credit_ttl_s: float = f(600.0, "seconds after which a granted, unused credit stops counting as in flight")
     metrics_port: int = f(9200, "buffer /metrics port")
     curve: CurveConfig = sub(CurveConfig, "CurveZMQ keys, required when binding to a non-loopback address")
 
@@ -248,10 +257,10 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "run.device": ("cpu", "cuda"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "engine.kind": ("rollout_server", "sglang", "external"),
+    "engine.logprobs": ("original", "scaled"),
     "actors.weight_sync": ("wait", "abort"),
     "learner.precision": ("fp32", "bf16", "fp16"),
     "learner.off_policy": ("behaviour", "decoupled"),
-    "engine.logprobs": ("original", "scaled"),
     "algo.advantage": ("gae", "grpo"),
     "algo.loss_agg": ("token_mean", "seq_mean"),
 }
@@ -270,6 +279,13 @@ def _validate(cfg: Config) -> None:
         ("actors.temperature", cfg.actors.temperature >= 0, "must be >= 0"),
         ("actors.top_p", 0 < cfg.actors.top_p <= 1, "must be in (0, 1]"),
         ("buffer.max_staleness", cfg.buffer.max_staleness >= 0, "must be >= 0"),
+        ("buffer.capacity_groups", cfg.buffer.capacity_groups >= 1, "must be >= 1"),
+        ("buffer.capacity_bytes", cfg.buffer.capacity_bytes >= 1, "must be >= 1"),
+        ("buffer.positives_capacity", cfg.buffer.positives_capacity >= 0, "must be >= 0"),
+        ("buffer.max_frame_bytes", cfg.buffer.max_frame_bytes >= 1024, "must be >= 1024"),
+        ("buffer.map_size_bytes", cfg.buffer.map_size_bytes >= 1 << 20, "must be >= 1 MiB"),
+        ("buffer.commit_batch", cfg.buffer.commit_batch >= 1, "must be >= 1"),
+        ("buffer.credit_ttl_s", cfg.buffer.credit_ttl_s > 0, "must be > 0"),
         ("learner.batch_groups", cfg.learner.batch_groups >= 1, "must be >= 1"),
         ("learner.mini_batches", cfg.learner.mini_batches >= 1, "must be >= 1"),
         ("learner.ppo_epochs", cfg.learner.ppo_epochs >= 1, "must be >= 1"),

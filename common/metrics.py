@@ -75,6 +75,13 @@ SPECS: tuple[MetricSpec, ...] = (
     _c("buffer", "storage_errors", "Failed LMDB writes (disk full, map full)", ("reason",)),
     _h("buffer", "commit_latency_seconds", "LMDB transaction commit latency"),
     _h("buffer", "batch_serve_seconds", "Time to assemble and send one learner batch"),
+    _g("buffer", "depth_bytes", "Bytes of group frames stored and not yet served"),
+    _c("buffer", "positives_duplicates", "Positives not stored again (same prompt and output tokens)"),
+    _c("buffer", "positives_evicted", "Positives evicted oldest-first at buffer.positives_capacity"),
+    _c("buffer", "credit_granted", "Credits (groups) granted to actors"),
+    _g("buffer", "credit_waiting", "Actors waiting for credit"),
+    _g("buffer", "admission_capacity", "Groups the buffer would admit now (staleness bound minus queued and in flight)"),
+    _c("buffer", "batch_timeouts", "Batch requests answered with a timeout error"),
     # ---- actors (one process per actor; label actor = actor id)
     _c("actor", "samples", "Verified samples generated", ("actor",)),
     _c("actor", "tokens", "Response tokens generated", ("actor",)),

@@ -1,0 +1,485 @@
+"""Clients of the buffer server: the actors' group senders and the learner's batch client.
+
+Actors (DEALER -> the buffer's ROUTER at ``buffer.ingest_addr``)::
+
+    sender = GroupSender(cfg.buffer.ingest_addr, actor_id, curve=client_curve_keys(cfg.buffer.curve))
+    grant = sender.acquire(n=1, timeout_s=None)   # CreditGrant: blocks until the buffer admits work
+    ...generate grant.n groups with weights >= grant.learner_version...
+    ack = sender.send(group, timeout_s=None)      # IngestAck, returned only after the LMDB commit
+    acks = sender.send_many(groups)               # pipelined (a window of unacknowledged groups)
+
+    sender = AsyncGroupSender(addr, actor_id)      # the same API for asyncio programs (zmq.asyncio);
+    grant = await sender.acquire(1)                # safe to call from many tasks at once
+    ack = await sender.send(group)
+
+- ``acquire(n, timeout_s)`` returns as soon as at least one credit is available: ``grant.n <= n`` is how
+  many groups the caller may generate, ``grant.learner_version`` the learner's version at grant time
+  (generate with weights at least that new and the groups will never be dropped as stale). Credits the
+  buffer grants beyond what callers took are pooled and handed out by later ``acquire`` calls.
+  ``TimeoutError`` after ``timeout_s`` (``None`` = wait forever).
+- ``send(group, timeout_s)`` re-sends the same encoded frame (same group_id) every ``ack_timeout_s``
+  without an ack, and after two silent intervals reconnects with a fresh socket; the buffer stores a
+  group_id once, so a re-send is harmless. An ack with ``committed=False`` (buffer full, storage error)
+  is retried after a short back-off. Returns the first ``IngestAck`` with ``committed=True``
+  (``duplicate=True`` if a previous copy had already arrived; ``error`` non-empty when the buffer recorded
+  the group but will not serve it: ``"stale"``, ``"filtered:uniform_reward"``). ``TimeoutError`` after
+  ``timeout_s``; ``ProtocolError`` if the buffer answers ``ErrorReply`` (a frame it could not accept).
+  ``resent`` counts re-sends (for ``vapo_actor_groups_resent``).
+
+Learner (REQ -> the buffer's REP at ``buffer.serve_addr``; lazy pirate: a REQ socket that timed out is
+closed and recreated)::
+
+    client = BatchClient(cfg.buffer.serve_addr, curve=...)
+    reply = client.get_batch(learner_version, n_groups, timeout_s)  # BatchReply, groups oldest first
+    samples = client.positives(n)                                   # list[Sample], random, distinct
+    stats = client.stats()                                          # dict[str, float]
+
+``get_batch`` raises ``TimeoutError`` when the buffer had fewer than ``n_groups`` groups within
+``timeout_s`` (nothing is consumed) or did not answer; it never re-sends a batch request by itself (a
+lost reply after the buffer served would otherwise skip a batch), so callers loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from common.protocol import (
+    BatchReply,
+    BatchRequest,
+    CreditGrant,
+    CreditRequest,
+    ErrorReply,
+    IngestAck,
+    PositivesReply,
+    PositivesRequest,
+    ProtocolError,
+    Sample,
+    SampleGroup,
+    StatsReply,
+    StatsRequest,
+    decode,
+    decode_as,
+    encode,
+)
+from common.security import ClientKeys, apply_client_curve
+
+_REPLY_MAX_BYTES = 1 << 40  # replies come from our own buffer; a 512-group batch exceeds 64 MiB
+_RETRY_BACKOFF_S = 0.2
+
+
+def _deadline(timeout_s: float | None) -> float:
+    return float("inf") if timeout_s is None else time.monotonic() + timeout_s
+
+
+def _dealer(ctx: zmq.Context, addr: str, curve: ClientKeys | None) -> zmq.Socket:
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    s.immediate = True  # never queue frames for a peer that is not connected: they would go stale
+    s.sndhwm = 1000
+    apply_client_curve(s, curve)
+    s.connect(addr)
+    return s
+
+
+class GroupSender:
+    """Blocking sender of SampleGroups for one actor (see module docstring)."""
+
+    def __init__(
+        self,
+        addr: str,
+        actor_id: int,
+        *,
+        curve: ClientKeys | None = None,
+        ack_timeout_s: float = 10.0,
+        window: int = 16,
+        ctx: zmq.Context | None = None,
+    ) -> None:
+        self.addr, self.actor_id, self.curve = addr, actor_id, curve
+        self.ack_timeout_s, self.window = ack_timeout_s, window
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.Context()
+        self.sock = _dealer(self.ctx, addr, curve)
+        self._credits = 0
+        self.learner_version = 0
+        self.resent = 0
+        self.reconnects = 0
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _reconnect(self) -> None:
+        self.sock.close(linger=0)
+        self.sock = _dealer(self.ctx, self.addr, self.curve)
+        self.reconnects += 1
+
+    def _try_send(self, frame: bytes) -> bool:
+        try:
+            self.sock.send(frame, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False  # not connected yet (immediate) or high-water mark: retry from the loop
+
+    def _recv(self, timeout_s: float) -> Any | None:
+        """One decoded message, or None after ``timeout_s``. Grants go to the credit pool here."""
+        if not self.sock.poll(max(0, int(timeout_s * 1000))):
+            return None
+        msg = decode(self.sock.recv(), _REPLY_MAX_BYTES)
+        if isinstance(msg, CreditGrant):
+            self._credits += msg.n
+            self.learner_version = max(self.learner_version, msg.learner_version)
+        return msg
+
+    # ------------------------------------------------------------------ credit
+
+    @property
+    def credits(self) -> int:
+        return self._credits
+
+    def _take(self, n: int) -> Any:
+        k = min(n, self._credits)
+        self._credits -= k
+        return CreditGrant(n=k, learner_version=self.learner_version)
+
+    def acquire(self, n: int = 1, timeout_s: float | None = None) -> Any:
+        """Block until the buffer grants credit; returns a CreditGrant with 1 <= grant.n <= n."""
+        if n < 1:
+            raise ValueError("acquire needs n >= 1")
+        while self._recv(0) is not None:  # absorb grants already delivered
+            pass
+        if self._credits:
+            return self._take(n)
+        deadline = _deadline(timeout_s)
+        last_req = -float("inf")
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                self._try_send(encode(CreditRequest(actor_id=self.actor_id, n=0)))  # withdraw
+                raise TimeoutError(f"no credit from {self.addr} within {timeout_s} s")
+            if now - last_req >= self.ack_timeout_s:
+                # Re-asking is safe: a waiting request is replaced, not added to.
+                if self._try_send(encode(CreditRequest(actor_id=self.actor_id, n=n))):
+                    last_req = now
+            msg = self._recv(min(deadline - now, 0.05 if last_req < 0 else self.ack_timeout_s, 1.0))
+            if isinstance(msg, ErrorReply):
+                raise ProtocolError("remote", f"{msg.reason}: {msg.message}")
+            if self._credits:
+                return self._take(n)
+
+    # ------------------------------------------------------------------ groups
+
+    def send(self, group: SampleGroup, timeout_s: float | None = None) -> Any:
+        """Send one group and return its IngestAck (committed)."""
+        return self.send_many([group], timeout_s)[0]
+
+    def send_many(self, groups: list[SampleGroup], timeout_s: float | None = None) -> list[Any]:
+        """Send groups with up to ``window`` unacknowledged; returns their acks in order."""
+        frames = OrderedDict((g.group_id, encode(g)) for g in groups)
+        if len(frames) != len(groups):
+            raise ValueError("send_many: duplicate group_id in one call")
+        deadline = _deadline(timeout_s)
+        acks: dict[str, Any] = {}
+        queue = list(frames)  # not yet sent (or due for a re-send)
+        sent_at: dict[str, float] = {}  # in flight -> time of last send
+        silent_since = time.monotonic()
+        timeouts_in_row = 0
+        while len(acks) < len(frames):
+            now = time.monotonic()
+            if now >= deadline:
+                raise TimeoutError(f"{len(frames) - len(acks)} groups unacknowledged by {self.addr} after {timeout_s} s")
+            while queue and len(sent_at) < self.window:
+                gid = queue[0]
+                if not self._try_send(frames[gid]):
+                    break
+                queue.pop(0)
+                sent_at[gid] = time.monotonic()
+            wait = 0.05 if queue and len(sent_at) < self.window else min(
+                [t + self.ack_timeout_s for t in sent_at.values()] + [now + 1.0]) - now
+            msg = self._recv(min(max(wait, 0.0), max(deadline - now, 0.0)))
+            if msg is not None:
+                silent_since = time.monotonic()
+                timeouts_in_row = 0
+                if isinstance(msg, ErrorReply):
+                    raise ProtocolError("remote", f"{msg.reason}: {msg.message}")
+                gid = msg.group_id if isinstance(msg, IngestAck) else None
+                if gid is not None and gid in frames and gid not in acks:
+                    if msg.committed:  # possibly the ack of an earlier copy: the group is stored either way
+                        acks[gid] = msg
+                        sent_at.pop(gid, None)
+                        if gid in queue:
+                            queue.remove(gid)
+                    elif gid in sent_at:  # full or storage error: try again after a back-off
+                        sent_at[gid] = time.monotonic() - self.ack_timeout_s + _RETRY_BACKOFF_S
+                continue
+            now = time.monotonic()
+            overdue = [gid for gid, t in sent_at.items() if now - t >= self.ack_timeout_s]
+            if overdue:
+                if now - silent_since >= 2 * self.ack_timeout_s and timeouts_in_row >= 1:
+                    self._reconnect()  # the peer may have restarted behind a dead connection
+                    silent_since = now
+                    overdue = list(sent_at)
+                timeouts_in_row += 1
+                for gid in overdue:
+                    del sent_at[gid]
+                    self.resent += 1
+                queue[:0] = overdue
+        return [acks[gid] for gid in frames]
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        if self._own_ctx:
+            self.ctx.term()
+
+    def __enter__(self) -> GroupSender:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class AsyncGroupSender:
+    """asyncio twin of GroupSender; ``acquire``/``send`` may run concurrently from many tasks."""
+
+    def __init__(
+        self,
+        addr: str,
+        actor_id: int,
+        *,
+        curve: ClientKeys | None = None,
+        ack_timeout_s: float = 10.0,
+        ctx: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.addr, self.actor_id, self.curve, self.ack_timeout_s = addr, actor_id, curve, ack_timeout_s
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.asyncio.Context()
+        self.sock: Any = _dealer(self.ctx, addr, curve)
+        self._generation = 0
+        self._acks: dict[str, asyncio.Future[Any]] = {}
+        self._credits = 0
+        self._demand = 0
+        self._cond: asyncio.Condition | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._closed = False
+        self.learner_version = 0
+        self.resent = 0
+        self.reconnects = 0
+
+    def _ensure_reader(self) -> None:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop(self.sock))
+
+    async def _read_loop(self, sock: Any) -> None:
+        while not self._closed:
+            try:
+                frame = await sock.recv()
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            try:
+                msg = decode(frame, _REPLY_MAX_BYTES)
+            except ProtocolError:
+                continue  # a garbled reply: the affected send will time out and re-send
+            if isinstance(msg, IngestAck):
+                fut = self._acks.get(msg.group_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            elif isinstance(msg, CreditGrant):
+                assert self._cond is not None
+                async with self._cond:
+                    self._credits += msg.n
+                    self.learner_version = max(self.learner_version, msg.learner_version)
+                    self._cond.notify_all()
+            elif isinstance(msg, ErrorReply):
+                err = ProtocolError("remote", f"{msg.reason}: {msg.message}")
+                for fut in self._acks.values():
+                    if not fut.done():
+                        fut.set_exception(err)
+
+    async def _reconnect(self, generation: int) -> None:
+        if generation != self._generation:
+            return  # another task already reconnected
+        self._generation += 1
+        old = self.sock
+        self.sock = _dealer(self.ctx, self.addr, self.curve)
+        if self._reader is not None:
+            self._reader.cancel()
+        old.close(linger=0)
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop(self.sock))
+        self.reconnects += 1
+
+    async def _send_frame(self, frame: bytes, deadline: float) -> None:
+        while True:
+            try:
+                await self.sock.send(frame, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"cannot reach {self.addr}") from None
+                await asyncio.sleep(0.05)  # not connected yet: poll again (no event exists for it)
+
+    @property
+    def credits(self) -> int:
+        return self._credits
+
+    async def acquire(self, n: int = 1, timeout_s: float | None = None) -> Any:
+        """Wait until the buffer grants credit; returns a CreditGrant with 1 <= grant.n <= n."""
+        if n < 1:
+            raise ValueError("acquire needs n >= 1")
+        self._ensure_reader()
+        assert self._cond is not None
+        deadline = _deadline(timeout_s)
+        self._demand += n
+        try:
+            last_req = -float("inf")
+            async with self._cond:
+                while self._credits == 0:
+                    now = time.monotonic()
+                    if now >= deadline:
+                        raise TimeoutError(f"no credit from {self.addr} within {timeout_s} s")
+                    if now - last_req >= self.ack_timeout_s:
+                        await self._send_frame(encode(CreditRequest(actor_id=self.actor_id, n=self._demand)), deadline)
+                        last_req = now
+                    try:
+                        await asyncio.wait_for(self._cond.wait(), min(self.ack_timeout_s, deadline - now))
+                    except TimeoutError:
+                        pass
+                k = min(n, self._credits)
+                self._credits -= k
+                return CreditGrant(n=k, learner_version=self.learner_version)
+        finally:
+            self._demand -= n
+            if self._demand == 0 and self._credits == 0 and time.monotonic() >= deadline:
+                try:
+                    await self.sock.send(encode(CreditRequest(actor_id=self.actor_id, n=0)), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+
+    async def send(self, group: SampleGroup, timeout_s: float | None = None) -> Any:
+        """Send one group; returns its committed IngestAck (see module docstring)."""
+        self._ensure_reader()
+        frame = encode(group)
+        deadline = _deadline(timeout_s)
+        gid = group.group_id
+        silent = 0
+        try:
+            while True:
+                fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+                self._acks[gid] = fut
+                generation = self._generation
+                await self._send_frame(frame, deadline)
+                wait = min(self.ack_timeout_s, deadline - time.monotonic())
+                try:
+                    ack = await asyncio.wait_for(fut, max(wait, 0.0))
+                except TimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"group {gid} unacknowledged by {self.addr} after {timeout_s} s") from None
+                    silent += 1
+                    self.resent += 1
+                    if silent >= 2:
+                        await self._reconnect(generation)
+                        silent = 0
+                    continue
+                if ack.committed:
+                    return ack
+                await asyncio.sleep(_RETRY_BACKOFF_S)  # full / storage error: back off, then re-send
+                self.resent += 1
+        finally:
+            self._acks.pop(gid, None)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+        self.sock.close(linger=0)
+        if self._own_ctx:
+            self.ctx.term()
+
+    async def __aenter__(self) -> AsyncGroupSender:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+class BatchClient:
+    """The learner's REQ client of the buffer's serve socket (lazy pirate)."""
+
+    def __init__(
+        self,
+        addr: str,
+        *,
+        curve: ClientKeys | None = None,
+        request_timeout_s: float = 30.0,
+        ctx: zmq.Context | None = None,
+    ) -> None:
+        self.addr, self.curve, self.request_timeout_s = addr, curve, request_timeout_s
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.Context()
+        self.sock: zmq.Socket | None = None
+
+    def _socket(self) -> zmq.Socket:
+        if self.sock is None:
+            s = self.ctx.socket(zmq.REQ)
+            s.linger = 0
+            apply_client_curve(s, self.curve)
+            s.connect(self.addr)
+            self.sock = s
+        return self.sock
+
+    def _drop(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+
+    def _request(self, frame: bytes, timeout_s: float, retries: int) -> bytes:
+        for _ in range(retries + 1):
+            s = self._socket()
+            s.send(frame)
+            if s.poll(int(timeout_s * 1000)):
+                return s.recv()
+            self._drop()  # a REQ socket that missed its reply is stuck: recreate it
+        raise TimeoutError(f"buffer at {self.addr} did not answer within {timeout_s} s")
+
+    def get_batch(self, learner_version: int, n_groups: int, timeout_s: float) -> Any:
+        """``n_groups`` groups with weight_version >= learner_version - max_staleness, oldest first."""
+        req = BatchRequest(learner_version=learner_version, n_groups=n_groups, timeout_ms=int(timeout_s * 1000))
+        raw = self._request(encode(req), timeout_s + self.request_timeout_s, retries=0)
+        msg = decode(raw, _REPLY_MAX_BYTES)
+        if isinstance(msg, ErrorReply):
+            if msg.reason == "timeout":
+                raise TimeoutError(f"buffer: {msg.message}")
+            raise ProtocolError("remote", f"{msg.reason}: {msg.message}")
+        if not isinstance(msg, BatchReply):
+            raise ProtocolError("unexpected_type", f"expected BatchReply, got {msg.TYPE}")
+        return msg
+
+    def positives(self, n: int) -> list[Sample]:
+        raw = self._request(encode(PositivesRequest(n=n)), self.request_timeout_s, retries=2)
+        return decode_as(raw, PositivesReply, _REPLY_MAX_BYTES).samples
+
+    def stats(self) -> dict[str, float]:
+        raw = self._request(encode(StatsRequest()), self.request_timeout_s, retries=2)
+        return decode_as(raw, StatsReply, _REPLY_MAX_BYTES).stats
+
+    def close(self) -> None:
+        self._drop()
+        if self._own_ctx:
+            self.ctx.term()
+
+    def __enter__(self) -> BatchClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+__all__ = ["GroupSender", "AsyncGroupSender", "BatchClient"]

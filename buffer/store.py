@@ -1,0 +1,428 @@
+"""The buffer's durable state: one LMDB environment, no sockets (DESIGN.md §1).
+
+Used by ``buffer.server`` (the only writer) and ``buffer.inspect`` (read-only, safe while the server runs).
+
+Databases:
+
+- ``groups``: key = big-endian ``(weight_version, seq)`` (8 + 8 bytes), so a cursor walks groups oldest
+  weight version first, arrival order within a version. Value = 4-byte big-endian sample count + the
+  group's encoded ``SampleGroup`` frame exactly as received (served without re-encoding through
+  ``common.protocol.encode_batch_reply``).
+- ``gindex``: group_id -> outcome byte (``S`` stored, ``F`` filtered, ``X`` stale on arrival) + group key.
+  Re-sent group_ids find their entry and are acknowledged again without a second copy. Entries are kept
+  after a group is served, so a late re-send is still recognised (about 40 bytes per group ever seen).
+- ``positives``: key = big-endian seq; value = 16-byte hash + encoded ``Sample`` frame. Keys are contiguous
+  from ``pos_head`` to ``pos_next - 1``; eviction removes the oldest (head) first.
+- ``pindex``: blake2b-128(len(prompt) | prompt ids | output ids) -> positives key (deduplication).
+- ``meta``: named signed 64-bit counters (depth, totals, learner version, sequence numbers) written in the
+  same transaction as the data they describe, so they are exact after any crash; the server re-seeds its
+  admission control from them on start.
+
+Every write is one transaction (a batch of groups, a batch take); callers acknowledge only after
+:meth:`BufferStore.put_groups` returns, i.e. after the commit. ``MapFullError`` grows the map (doubling,
+up to ``max_map_size`` when set) and retries the transaction; any other LMDB failure (disk full, file size
+limit, I/O error) aborts the transaction, leaves the previous committed state intact, and raises
+:class:`StorageError` with a short ``reason`` for the ``vapo_buffer_storage_errors`` metric.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import random
+import struct
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+
+_GKEY = struct.Struct(">QQ")
+_U32 = struct.Struct(">I")
+_Q = struct.Struct(">Q")
+_I64 = struct.Struct(">q")
+HASH_BYTES = 16
+
+STORED, FILTERED, STALE = b"S", b"F", b"X"
+OUTCOMES = {STORED: "stored", FILTERED: "filtered", STALE: "stale"}
+
+COUNTERS = (
+    "next_seq",  # next group sequence number
+    "depth_groups", "depth_samples", "depth_bytes",  # groups waiting to be served
+    "accepted_groups", "accepted_samples",  # ever stored
+    "served_groups", "served_batches",
+    "stale_dropped",  # groups removed or refused for staleness
+    "filtered",  # groups refused by a filter
+    "duplicates",  # re-sent group_ids
+    "learner_version",  # newest learner version seen
+    "pos_next", "pos_head",  # positives key range
+    "positives_duplicates", "positives_evicted",
+)
+
+
+class StorageError(RuntimeError):
+    """An LMDB write failed; nothing of the failed transaction was committed."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+@dataclass
+class GroupRecord:
+    """One validated group as the server hands it to the store."""
+
+    group_id: str
+    frame: bytes  # the encoded SampleGroup, stored verbatim
+    weight_version: int
+    n_samples: int
+    positives: list[tuple[bytes, bytes]]  # (hash, encoded Sample) of verified-correct samples
+    fate: bytes = STORED  # STORED, FILTERED or STALE, applied only if the group_id is new
+
+
+def positive_hash(prompt_ids: np.ndarray, output_ids: np.ndarray) -> bytes:
+    """Dedup key of a positive: same prompt tokens and same output tokens."""
+    h = hashlib.blake2b(digest_size=HASH_BYTES)
+    h.update(_U32.pack(int(prompt_ids.shape[0])))
+    h.update(np.ascontiguousarray(prompt_ids, dtype="<i4").tobytes())
+    h.update(np.ascontiguousarray(output_ids, dtype="<i4").tobytes())
+    return h.digest()
+
+
+def _classify(e: Exception) -> str:
+    msg = str(e).lower()
+    code = getattr(e, "errno", None)
+    if code == errno.ENOSPC or "no space" in msg:
+        return "disk_full"
+    if code == errno.EFBIG or "file too large" in msg:
+        return "file_too_large"
+    if isinstance(e, lmdb.MapFullError):
+        return "map_full"
+    if isinstance(e, lmdb.PanicError):
+        return "panic"
+    return "lmdb_error"
+
+
+class BufferStore:
+    """Single-writer LMDB store of groups, positives and counters."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        map_size: int = 1 << 30,
+        max_map_size: int = 0,
+        positives_capacity: int = 20000,
+        on_commit: Callable[[float], None] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.max_map_size = max_map_size
+        self.positives_capacity = positives_capacity
+        self.on_commit = on_commit
+        self._map_size = map_size if not max_map_size else min(map_size, max_map_size)
+        self._open()
+        self.counters = self._read_counters()
+
+    # ------------------------------------------------------------------ environment
+
+    def _open(self) -> None:
+        self.env = lmdb.open(
+            str(self.path), map_size=self._map_size, max_dbs=8, subdir=True, sync=True, metasync=True,
+            readahead=False, meminit=False, max_readers=256,
+        )
+        # LMDB keeps the larger of the requested and the stored map size.
+        self._map_size = self.env.info()["map_size"]
+        self.groups = self.env.open_db(b"groups")
+        self.gindex = self.env.open_db(b"gindex")
+        self.positives = self.env.open_db(b"positives")
+        self.pindex = self.env.open_db(b"pindex")
+        self.meta = self.env.open_db(b"meta")
+
+    def close(self) -> None:
+        self.env.close()
+
+    def _read_counters(self) -> dict[str, int]:
+        with self.env.begin() as txn:
+            out = {}
+            for name in COUNTERS:
+                v = txn.get(name.encode(), db=self.meta)
+                out[name] = _I64.unpack(v)[0] if v is not None else 0
+            return out
+
+    @staticmethod
+    def _put_counters(txn: lmdb.Transaction, meta: Any, c: dict[str, int], old: dict[str, int]) -> None:
+        for k, v in c.items():
+            if old.get(k) != v or txn.get(k.encode(), db=meta) is None:
+                txn.put(k.encode(), _I64.pack(v), db=meta)
+
+    def _grow(self) -> None:
+        new = self._map_size * 2
+        if self.max_map_size:
+            if self._map_size >= self.max_map_size:
+                raise StorageError("map_full", f"LMDB map is at buffer.max_map_size_bytes={self.max_map_size}")
+            new = min(new, self.max_map_size)
+        self.env.set_mapsize(new)
+        self._map_size = new
+
+    def _write(self, fn: Callable[[lmdb.Transaction, dict[str, int]], Any]) -> Any:
+        """Run ``fn(txn, counters)`` in one write transaction; counters are committed with it."""
+        while True:
+            c = dict(self.counters)
+            try:
+                txn = self.env.begin(write=True)
+                try:
+                    result = fn(txn, c)
+                    self._put_counters(txn, self.meta, c, self.counters)
+                except BaseException:
+                    txn.abort()
+                    raise
+                t0 = time.perf_counter()
+                txn.commit()
+                if self.on_commit is not None:
+                    self.on_commit(time.perf_counter() - t0)
+            except lmdb.MapFullError:
+                self._grow()
+                continue
+            except StorageError:
+                raise
+            except lmdb.Error as e:
+                reason = _classify(e)
+                # A failed commit can leave the environment unusable (MDB_PANIC); reopening is safe because
+                # this process is the only writer and LMDB never exposes a partial transaction.
+                try:
+                    self.env.close()
+                finally:
+                    self._open()
+                    self.counters = self._read_counters()
+                raise StorageError(reason, f"LMDB write failed at {self.path}: {e}") from None
+            except OSError as e:
+                raise StorageError(_classify(e), f"LMDB write failed at {self.path}: {e}") from None
+            self.counters = c
+            return result
+
+    # ------------------------------------------------------------------ groups
+
+    def put_groups(self, records: Iterable[GroupRecord]) -> list[tuple[str, bool]]:
+        """Store a batch in one transaction; returns ``(outcome, duplicate)`` per record after the commit.
+
+        ``outcome`` is ``stored``, ``filtered`` or ``stale`` (for a duplicate: the first copy's outcome).
+        """
+        records = list(records)
+
+        def fn(txn: lmdb.Transaction, c: dict[str, int]) -> list[tuple[str, bool]]:
+            out = []
+            for r in records:
+                gid = r.group_id.encode()
+                prev = txn.get(gid, db=self.gindex)
+                if prev is not None:
+                    c["duplicates"] += 1
+                    out.append((OUTCOMES.get(prev[:1], "stored"), True))
+                    continue
+                key = b""
+                if r.fate == STORED:
+                    key = _GKEY.pack(r.weight_version, c["next_seq"])
+                    c["next_seq"] += 1
+                    txn.put(key, _U32.pack(r.n_samples) + r.frame, db=self.groups, overwrite=False, append=False)
+                    c["depth_groups"] += 1
+                    c["depth_samples"] += r.n_samples
+                    c["depth_bytes"] += len(r.frame)
+                    c["accepted_groups"] += 1
+                    c["accepted_samples"] += r.n_samples
+                elif r.fate == FILTERED:
+                    c["filtered"] += 1
+                else:
+                    c["stale_dropped"] += 1
+                txn.put(gid, r.fate + key, db=self.gindex)
+                for h, frame in r.positives:
+                    self._add_positive(txn, c, h, frame)
+                out.append((OUTCOMES[r.fate], False))
+            self._evict_positives(txn, c)
+            return out
+
+        return self._write(fn)
+
+    def _drop_stale_in(self, txn: lmdb.Transaction, c: dict[str, int], min_version: int) -> int:
+        dropped = 0
+        cur = txn.cursor(db=self.groups)
+        while cur.first():
+            version, _ = _GKEY.unpack(cur.key())
+            if version >= min_version:
+                break
+            v = cur.value()
+            c["depth_groups"] -= 1
+            c["depth_samples"] -= _U32.unpack(v[:4])[0]
+            c["depth_bytes"] -= len(v) - 4
+            c["stale_dropped"] += 1
+            cur.delete()
+            dropped += 1
+        return dropped
+
+    def drop_stale(self, min_version: int) -> int:
+        """Delete every group with weight_version < min_version; returns how many."""
+        if min_version <= 0 or self.counters["depth_groups"] == 0 or self.min_version() >= min_version:
+            return 0
+        return self._write(lambda txn, c: self._drop_stale_in(txn, c, min_version))
+
+    def take_groups(self, n: int, min_version: int = 0, partial: bool = False) -> tuple[list[bytes], int]:
+        """Atomically drop stale groups, then remove and return the ``n`` oldest frames.
+
+        Returns ``([], dropped)`` when fewer than ``n`` remain and ``partial`` is false (nothing is taken).
+        """
+
+        def fn(txn: lmdb.Transaction, c: dict[str, int]) -> tuple[list[bytes], int]:
+            dropped = self._drop_stale_in(txn, c, min_version) if min_version > 0 else 0
+            if c["depth_groups"] < n and not partial:
+                return [], dropped
+            frames: list[bytes] = []
+            cur = txn.cursor(db=self.groups)
+            while len(frames) < n and cur.first():
+                v = cur.value()
+                frames.append(v[4:])
+                c["depth_groups"] -= 1
+                c["depth_samples"] -= _U32.unpack(v[:4])[0]
+                c["depth_bytes"] -= len(v) - 4
+                cur.delete()
+            if frames:
+                c["served_groups"] += len(frames)
+                c["served_batches"] += 1
+            return frames, dropped
+
+        if self.counters["depth_groups"] < n and not partial and (
+            min_version <= 0 or self.counters["depth_groups"] == 0 or self.min_version() >= min_version
+        ):
+            return [], 0  # nothing to do: skip an empty write transaction
+        return self._write(fn)
+
+    def set_learner_version(self, version: int) -> None:
+        if version > self.counters["learner_version"]:
+            def fn(txn: lmdb.Transaction, c: dict[str, int]) -> None:
+                c["learner_version"] = version
+            self._write(fn)
+
+    def min_version(self) -> int:
+        """Oldest weight version waiting (-1 when empty)."""
+        return _version_bound(self.env, self.groups, last=False)
+
+    def max_version(self) -> int:
+        return _version_bound(self.env, self.groups, last=True)
+
+    # ------------------------------------------------------------------ positives
+
+    def _add_positive(self, txn: lmdb.Transaction, c: dict[str, int], h: bytes, frame: bytes) -> None:
+        if self.positives_capacity <= 0:
+            return
+        if txn.get(h, db=self.pindex) is not None:
+            c["positives_duplicates"] += 1
+            return
+        key = _Q.pack(c["pos_next"])
+        c["pos_next"] += 1
+        txn.put(key, h + frame, db=self.positives)
+        txn.put(h, key, db=self.pindex)
+
+    def _evict_positives(self, txn: lmdb.Transaction, c: dict[str, int]) -> None:
+        while c["pos_next"] - c["pos_head"] > self.positives_capacity:
+            key = _Q.pack(c["pos_head"])
+            v = txn.get(key, db=self.positives)
+            if v is not None:
+                txn.delete(v[:HASH_BYTES], db=self.pindex)
+                txn.delete(key, db=self.positives)
+            c["pos_head"] += 1
+            c["positives_evicted"] += 1
+
+    @property
+    def positives_count(self) -> int:
+        return self.counters["pos_next"] - self.counters["pos_head"]
+
+    def sample_positives(self, n: int, rng: random.Random | None = None) -> list[bytes]:
+        """Up to ``n`` distinct stored positives (encoded Sample frames), uniformly at random."""
+        rng = rng or random.Random()
+        head, count = self.counters["pos_head"], self.positives_count
+        picks = rng.sample(range(count), min(n, count)) if count else []
+        out = []
+        with self.env.begin() as txn:
+            for i in picks:
+                v = txn.get(_Q.pack(head + i), db=self.positives)
+                if v is not None:
+                    out.append(v[HASH_BYTES:])
+        return out
+
+    def iter_positives(self) -> list[bytes]:
+        """Every stored positive, oldest first (tests, tools)."""
+        with self.env.begin() as txn:
+            return [bytes(v[HASH_BYTES:]) for _, v in txn.cursor(db=self.positives)]
+
+    # ------------------------------------------------------------------ reading
+
+    def iter_group_frames(self) -> list[bytes]:
+        """Every waiting group frame in serving order (tests, tools)."""
+        with self.env.begin() as txn:
+            return [bytes(v[4:]) for _, v in txn.cursor(db=self.groups)]
+
+    def data_bytes(self) -> int:
+        return _file_bytes(self.path)
+
+    @property
+    def map_size(self) -> int:
+        return self._map_size
+
+
+def _version_bound(env: lmdb.Environment, db: Any, last: bool) -> int:
+    with env.begin() as txn:
+        cur = txn.cursor(db=db)
+        ok = cur.last() if last else cur.first()
+        return _GKEY.unpack(cur.key())[0] if ok else -1
+
+
+def _file_bytes(path: Path) -> int:
+    try:
+        st = os.stat(path / "data.mdb")
+    except FileNotFoundError:
+        return 0
+    return int(st.st_blocks) * 512
+
+
+def inspect(path: str | Path) -> dict[str, Any]:
+    """Summary of a buffer directory from one read-only snapshot (works while the server writes)."""
+    p = Path(path)
+    if not (p / "data.mdb").is_file():
+        raise FileNotFoundError(f"{p} is not an LMDB buffer directory (no data.mdb)")
+    env = lmdb.open(str(p), readonly=True, lock=True, max_dbs=8, subdir=True, readahead=False)
+    try:
+        with env.begin() as txn:
+            dbs = {}
+            for name in ("groups", "gindex", "positives", "pindex", "meta"):
+                try:
+                    dbs[name] = env.open_db(name.encode(), txn=txn, create=False)
+                except lmdb.NotFoundError:
+                    raise FileNotFoundError(f"{p}: database {name!r} missing; not a vapo buffer") from None
+            counters = {}
+            for name in COUNTERS:
+                v = txn.get(name.encode(), db=dbs["meta"])
+                counters[name] = _I64.unpack(v)[0] if v is not None else 0
+            cur = txn.cursor(db=dbs["groups"])
+            min_v = _GKEY.unpack(cur.key())[0] if cur.first() else None
+            max_v = _GKEY.unpack(cur.key())[0] if cur.last() else None
+            n_groups = txn.stat(dbs["groups"])["entries"]
+            n_pos = txn.stat(dbs["positives"])["entries"]
+        info = env.info()
+    finally:
+        env.close()
+    st = os.stat(p / "data.mdb")
+    return {
+        "path": str(p),
+        "groups": n_groups,
+        "samples": counters["depth_samples"],
+        "group_bytes": counters["depth_bytes"],
+        "positives": n_pos,
+        "min_weight_version": min_v,
+        "max_weight_version": max_v,
+        "learner_version": counters["learner_version"],
+        "bytes_on_disk": int(st.st_blocks) * 512,
+        "file_size": int(st.st_size),
+        "map_size": int(info["map_size"]),
+        "counters": counters,
+    }

@@ -1,0 +1,130 @@
+"""Helpers for buffer tests: sample groups and the buffer server as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from common.protocol import Sample, SampleGroup
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make_sample(version: int = 0, reward: float = 0.0, length: int = 8, prompt_len: int = 4, seed: int = 0) -> Sample:
+    rng = np.random.default_rng(seed)
+    return Sample(
+        prompt_ids=rng.integers(0, 100, prompt_len).astype(np.int32),
+        output_ids=rng.integers(0, 100, length).astype(np.int32),
+        output_logprobs=-rng.random(length).astype(np.float32),
+        reward=reward, finish_reason="stop", weight_version=version, response_length=length,
+    )
+
+
+def make_group(gid: str | None = None, version: int = 0, g: int = 4, length: int = 8,
+               rewards: list[float] | None = None, actor_id: int = 0, seed: int | None = None) -> SampleGroup:
+    rewards = rewards if rewards is not None else [float(i % 2) for i in range(g)]
+    base = seed if seed is not None else int(uuid.uuid4().int % (1 << 30))
+    return SampleGroup(
+        group_id=gid or uuid.uuid4().hex, prompt_id=f"p{base}", task="test", actor_id=actor_id,
+        samples=[make_sample(version, rewards[i], length, seed=base * 64 + i) for i in range(g)],
+        created_at=time.time(),
+    )
+
+
+def wait_for(cond: Any, timeout_s: float = 20.0, what: str = "condition", interval_s: float = 0.02) -> Any:
+    """Poll ``cond()`` until it returns something truthy; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+class BufferProc:
+    """``python -m buffer`` in a subprocess with ipc:// sockets in a short private directory."""
+
+    def __init__(self, workdir: Path, overrides: list[str] | None = None) -> None:
+        self.sockdir = Path(tempfile.mkdtemp(prefix="vb", dir="/tmp"))
+        self.path = workdir / "lmdb"
+        self.ingest_addr = f"ipc://{self.sockdir}/ingest"
+        self.serve_addr = f"ipc://{self.sockdir}/serve"
+        self.overrides = [
+            f"buffer.path={self.path}", f"buffer.ingest_addr={self.ingest_addr}",
+            f"buffer.serve_addr={self.serve_addr}", "buffer.metrics_port=0", "run.log_level=WARNING",
+        ] + list(overrides or [])
+        self.log = workdir / "buffer.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.info: dict[str, Any] = {}
+
+    def start(self, timeout_s: float = 30.0) -> BufferProc:
+        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "buffer", *self.overrides], cwd=REPO, env=env,
+                                         stdout=subprocess.PIPE, stderr=log)
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        line = b""
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or self.proc.poll() is not None:
+                raise AssertionError(f"buffer did not start: rc={self.proc.poll()} log:\n{self.log.read_text()}")
+            r, _, _ = select.select([self.proc.stdout], [], [], left)
+            if r:
+                ch = os.read(self.proc.stdout.fileno(), 1)
+                if not ch:
+                    continue
+                line += ch
+        assert line.startswith(b"BUFFER READY "), line
+        self.info = json.loads(line[len(b"BUFFER READY "):])
+        return self
+
+    def kill(self, sig: int = signal.SIGKILL) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout=30)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        return rc
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill(signal.SIGKILL)
+        elif self.proc is not None and self.proc.stdout:
+            self.proc.stdout.close()
+        shutil.rmtree(self.sockdir, ignore_errors=True)
+
+
+@pytest.fixture
+def buffer_proc(tmp_path: Path) -> Iterator[Any]:
+    """Factory: ``buffer_proc(overrides)`` starts a server; every one is killed at teardown."""
+    procs: list[BufferProc] = []
+
+    def start(overrides: list[str] | None = None) -> BufferProc:
+        p = BufferProc(tmp_path, overrides)
+        procs.append(p)
+        return p.start()
+
+    yield start
+    for p in procs:
+        p.cleanup()
