@@ -113,6 +113,24 @@ def _whiten(adv: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.T
     return ((adv - mean) * torch.rsqrt(torch.tensor(var + eps, dtype=adv.dtype))) * mask
 
 
+def fetch_groups(source: DataSource | None, version: int, n_groups: int, timeout_s: float,
+                 replay_fraction: float = 0.0) -> tuple[list[protocol.SampleGroup], list[protocol.Sample]]:
+    """Rank 0 asks the source; every rank gets the same groups (and stored positives for NLL replay:
+    ``replay_fraction`` per verified positive of the batch). Frames travel as protocol bytes."""
+    frame = reply = None
+    if rank() == 0:
+        assert source is not None, "rank 0 needs a data source"
+        groups = source.get_batch(version, n_groups, timeout_s)
+        n_pos = sum(1 for g in groups for s in g.samples if s.reward >= 1.0)
+        extra = source.positives(int(round(replay_fraction * n_pos)))
+        frame = protocol.encode_batch_reply([protocol.encode(g) for g in groups], 0, 0)
+        reply = protocol.encode(protocol.PositivesReply(samples=extra))
+    frame, reply = broadcast_bytes(frame), broadcast_bytes(reply)
+    groups = protocol.decode_as(frame, protocol.BatchReply, max_frame_bytes=len(frame)).groups
+    extra = protocol.decode_as(reply, protocol.PositivesReply, max_frame_bytes=len(reply)).samples
+    return groups, extra
+
+
 class Learner:
     """Policy + critic engines, the data source and the version counter; ``step()`` is one VAPO update."""
 
@@ -132,19 +150,8 @@ class Learner:
     # ------------------------------------------------------------------------------------------ phases
 
     def fetch(self) -> tuple[list[protocol.SampleGroup], list[protocol.Sample]]:
-        """Rank 0 asks the source; every rank gets the same groups (and replay positives)."""
         lc = self.cfg.learner
-        frame = reply = None
-        if rank() == 0:
-            assert self.source is not None, "rank 0 needs a data source"
-            groups = self.source.get_batch(self.version, lc.batch_groups, lc.batch_timeout_s)
-            n_pos = sum(1 for g in groups for s in g.samples if s.reward >= 1.0)
-            extra = self.source.positives(int(round(self.cfg.nll.replay_fraction * n_pos)))
-            frame = protocol.encode_batch_reply([protocol.encode(g) for g in groups], 0, 0)
-            reply = protocol.encode(protocol.PositivesReply(samples=extra))
-        groups = protocol.decode_as(broadcast_bytes(frame), protocol.BatchReply).groups  # type: ignore[attr-defined]
-        extra = protocol.decode_as(broadcast_bytes(reply), protocol.PositivesReply).samples  # type: ignore[attr-defined]
-        return groups, extra
+        return fetch_groups(self.source, self.version, lc.batch_groups, lc.batch_timeout_s, self.cfg.nll.replay_fraction)
 
     def make_batch(self, groups: list[protocol.SampleGroup], extra: list[protocol.Sample]) -> Batch:
         kw = {"max_new_tokens": self.cfg.actors.max_new_tokens, "overlong_buffer": self.cfg.algo.overlong_buffer,
@@ -267,3 +274,174 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as fh:
         fh.write(json.dumps(record, default=float) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------- loop
+
+
+def _load_tokenizer(path: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def resolve_checkpoint(cfg: Config) -> Path | None:
+    from learner import checkpoint
+
+    if cfg.learner.resume == "never":
+        return None
+    if cfg.learner.resume == "auto":
+        return checkpoint.latest_checkpoint(cfg.run_dir / "checkpoints")
+    p = Path(cfg.learner.resume)
+    if not p.is_dir():
+        raise FileNotFoundError(f"learner.resume: checkpoint {p} does not exist")
+    return p
+
+
+class Runner:
+    """The learner process: resume → (publish) → steps with checkpoint / weight push / eval → jsonl."""
+
+    def __init__(self, cfg: Config, source: DataSource | None, critic_path: str | Path | None = None) -> None:
+        from learner import checkpoint
+        from learner.weights import WeightPublisher, latest_update, prune
+
+        self.cfg = cfg
+        self.run_dir = cfg.run_dir
+        self.weights_root = self.run_dir / "weights"
+        self.ckpt_root = self.run_dir / "checkpoints"
+        ckpt = resolve_checkpoint(cfg)
+        pretrained = self.run_dir / "critic_pretrained"
+        if critic_path is None and pretrained.is_dir():
+            critic_path = pretrained
+        self.learner = Learner(cfg, source, critic_path=critic_path)
+        self.tokenizer = _load_tokenizer(cfg.model.path)
+        self.task: Any = None
+        if ckpt is not None:
+            checkpoint.load(ckpt, self.learner)
+            log.info("resumed from %s at version %d", ckpt, self.learner.version)
+        self.publisher = None
+        if rank() == 0:
+            self.weights_root.mkdir(parents=True, exist_ok=True)
+            prune(self.weights_root, cfg.learner.keep_weights)  # drops *.tmp left by a crash
+            published = latest_update(self.weights_root)
+            if published is not None and published.version > self.learner.version:
+                # Versions published after the last checkpoint came from updates that are lost; skip their
+                # numbers so that versions stay monotonic and none is published twice.
+                log.warning("weights v%d exist beyond checkpoint v%d; continuing at v%d",
+                            published.version, self.learner.version, published.version)
+            self.publisher = WeightPublisher(cfg.learner.publish_addr, cfg.learner.query_addr, cfg.buffer.curve,
+                                             latest=published)
+            if cfg.metrics.prometheus:
+                self.learner.metrics.serve(cfg.learner.metrics_port, cfg.metrics.host)
+        # Every rank continues at the same version: the checkpoint's, or the newest published one.
+        mine = self.publisher.latest.version if self.publisher is not None and self.publisher.latest else -1
+        published_v = int(all_reduce_sum(torch.tensor([mine if rank() == 0 else 0]))[0])
+        self.learner.version = max(self.learner.version, published_v)
+        if published_v < self.learner.version:
+            self.publish()
+        self.learner.metrics.weight_version.set(self.learner.version)
+
+    def publish(self) -> None:
+        from learner.weights import publish_policy
+
+        update = publish_policy(self.learner.policy, self.tokenizer, self.weights_root, self.learner.version,
+                                self.cfg.learner.keep_weights, self.publisher)
+        if update is not None:
+            self.learner.metrics.weights_published.inc()
+            self.learner.metrics.weight_version.set(update.version)
+
+    def evaluate(self) -> dict[str, Any]:
+        from common.tasks import get_task
+        from learner.evaluate import evaluate
+
+        if self.task is None:
+            self.task = get_task(self.cfg.task)
+        rep = evaluate(self.learner.policy.module, self.tokenizer, self.task, k=self.cfg.learner.eval_k,
+                       max_new_tokens=self.cfg.actors.max_new_tokens, temperature=self.cfg.actors.temperature,
+                       seed=self.cfg.run.seed)
+        m = self.learner.metrics
+        for key in ("avg_at_k", "pass_at_k", "greedy_accuracy"):
+            if key in rep:
+                m.eval_accuracy.labels(metric=key).set(rep[key])
+        if "mean_response_length" in rep:
+            m.eval_response_length.set(rep["mean_response_length"])
+        return {k: v for k, v in rep.items() if isinstance(v, int | float | str)}
+
+    def run(self) -> Learner:
+        from learner import checkpoint
+
+        cfg, lc, L = self.cfg, self.cfg.learner, self.learner
+        t_end = time.monotonic() + cfg.run.max_wall_seconds if cfg.run.max_wall_seconds > 0 else float("inf")
+        try:
+            while L.version < lc.total_steps and time.monotonic() < t_end:
+                stats = L.step()
+                t0 = time.perf_counter()
+                if lc.checkpoint_every > 0 and L.version % lc.checkpoint_every == 0:
+                    checkpoint.save(self.ckpt_root, L, lc.keep_checkpoints)
+                stats["phase_seconds"]["checkpoint"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                if L.version % max(lc.weights_every, 1) == 0 or L.version >= lc.total_steps:
+                    self.publish()
+                stats["phase_seconds"]["publish"] = time.perf_counter() - t0
+                if lc.eval_every > 0 and L.version % lc.eval_every == 0 and rank() == 0:
+                    t0 = time.perf_counter()
+                    stats["eval"] = self.evaluate()
+                    stats["phase_seconds"]["eval"] = time.perf_counter() - t0
+                if rank() == 0:
+                    if cfg.metrics.jsonl:
+                        append_jsonl(self.run_dir / "metrics.jsonl", {"kind": "learner_step", **stats})
+                    log.info("v%d reward %.3f critic %.4f EV %.3f policy %.4f nll %.3f len %.1f %.0f tok/s %.2fs",
+                             L.version, stats["reward_mean"], stats.get("critic_loss", float("nan")),
+                             stats.get("value_explained_variance", float("nan")), stats["policy_loss"],
+                             stats["nll_loss"], stats["response_length_mean"], stats["tokens_per_second"],
+                             stats["step_seconds"])
+            if lc.checkpoint_every > 0 and L.version % lc.checkpoint_every != 0:
+                checkpoint.save(self.ckpt_root, L, lc.keep_checkpoints)
+        finally:
+            if self.publisher is not None:
+                self.publisher.close()
+        return L
+
+
+USAGE = """usage: python -m learner [config.yaml] [key=value ...]
+
+Runs the VAPO learner: value pretraining (if enabled and no critic/checkpoint exists yet), then
+learner.total_steps critic-then-actor steps on batches from the buffer at buffer.serve_addr, publishing
+weights to <run dir>/weights and checkpointing to <run dir>/checkpoints (resume with learner.resume=auto).
+Multi-rank: launch under `deepspeed` or `torchrun`; rank 0 talks to the buffer and publishes.
+Fields: python -m common.config --help (sections learner, algo, value_pretrain, nll)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    from common.config import ConfigError, load_config, save_config
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = [a for a in argv if not a.startswith("--local_rank")]  # added by the deepspeed launcher
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    path = argv[0] if argv and "=" not in argv[0] else None
+    try:
+        cfg = load_config(path, argv[1:] if path else argv)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.run.log_level, format=f"%(asctime)s learner[{rank()}] %(levelname)s %(message)s")
+    torch.set_num_threads(cfg.learner.threads)
+    if not Path(cfg.model.path).is_dir():
+        print(f"model.path {cfg.model.path} does not exist; build it first (python -m learner.sft)", file=sys.stderr)
+        return 2
+    from learner.data import BufferSource
+
+    source = BufferSource(cfg.buffer.serve_addr, cfg.buffer.max_staleness) if rank() == 0 else None
+    if rank() == 0:
+        save_config(cfg, cfg.run_dir / "learner_config.yaml")
+    critic_path = None
+    if (cfg.value_pretrain.enabled and cfg.algo.advantage == "gae" and resolve_checkpoint(cfg) is None):
+        from learner.value_pretrain import pretrain_critic
+
+        critic_path = pretrain_critic(cfg, source)
+    Runner(cfg, source, critic_path=critic_path).run()
+    return 0

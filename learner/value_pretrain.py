@@ -1,0 +1,132 @@
+"""Value pretraining (VAPO §3.1): fit the critic to λ = 1 Monte-Carlo targets with the policy frozen.
+
+    python -m learner.value_pretrain [config.yaml] [key=value ...]     # standalone
+    (``python -m learner`` runs it first when value_pretrain.enabled and no checkpoint exists)
+
+The actors sample from the initial policy (nothing new is published while this runs, so every group is
+version 0) and the buffer serves their groups. ``value_pretrain.eval_groups`` groups are held out first;
+each step trains the critic on a fresh batch of ``value_pretrain.batch_groups`` groups (mini-batches
+from learner.mini_batches, one epoch) and measures the explained variance of its values on the held-out
+groups. It stops after ``value_pretrain.steps`` or when that explained variance has not improved for
+``value_pretrain.patience`` steps, then saves the critic to ``<run dir>/critic_pretrained`` (HF backbone +
+``value_head.safetensors``), where the RL learner picks it up. EV and loss go to metrics
+(``vapo_learner_value_pretrain_*``) and ``metrics.jsonl``.
+
+Deviation: the critic's own learning rate here is ``value_pretrain.lr``; with γ = 1 and λ = 1 the target
+at every real token is the sample's final reward (PITFALLS Algorithm 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.config import Config
+from common.metrics import Metrics
+from learner.advantages import gae, terminal_rewards
+from learner.batch import collate
+from learner.data import DataSource
+from learner.engines import build_critic_engine, rank, save_critic
+from learner.train import _global_stats, append_jsonl, fetch_groups, pad_token_id
+from learner.update import compute_values, critic_update, minibatch_rows, my_share
+
+log = logging.getLogger("learner.value_pretrain")
+
+
+def _targets(batch: Any, values: torch.Tensor, gamma: float) -> torch.Tensor:
+    _, returns = gae(terminal_rewards(batch.scores, batch.mask), values, batch.mask, gamma, 1.0)
+    return returns
+
+
+def heldout_ev(critic: Any, batch: Any, gamma: float, mbs: int) -> tuple[float, float]:
+    """(explained variance, value mean) of the critic on ``batch`` (rows shared across ranks)."""
+    rows = my_share(torch.arange(batch.size))
+    values = compute_values(critic, batch, rows, mbs)
+    return _global_stats(values[rows], _targets(batch, values, gamma)[rows], batch.mask[rows])
+
+
+def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = None,
+                    metrics: Metrics | None = None) -> Path:
+    """Run value pretraining and return the saved critic's directory (reused if it already exists)."""
+    vp, lc = cfg.value_pretrain, cfg.learner
+    out = out or cfg.run_dir / "critic_pretrained"
+    if out.is_dir() and (out / "value_head.safetensors").is_file():
+        log.info("value pretraining: reusing %s", out)
+        return out
+    m = metrics or Metrics("learner")
+    pad = pad_token_id(cfg.model.path)
+    critic = build_critic_engine(cfg, lr=vp.lr)
+    mbs = lc.micro_batch_size
+    held, _ = fetch_groups(source, 0, vp.eval_groups, lc.batch_timeout_s)
+    held_batch = collate(held, pad)
+    ev0, _ = heldout_ev(critic, held_batch, cfg.algo.gamma, mbs)
+    best, since_best, step = ev0, 0, 0
+    log.info("value pretraining: held-out EV %.4f before training", ev0)
+    history: list[dict[str, Any]] = []
+    while step < vp.steps and since_best < vp.patience:
+        t0 = time.perf_counter()
+        groups, _ = fetch_groups(source, 0, vp.batch_groups, lc.batch_timeout_s)
+        batch = collate(groups, pad)
+        minibatches = minibatch_rows(batch.size, lc.mini_batches, cfg.run.seed + 7919, step)
+        mine = torch.cat([my_share(mb) for mb in minibatches])
+        old = compute_values(critic, batch, mine, mbs)
+        returns = _targets(batch, old, cfg.algo.gamma)
+        train_ev, _ = _global_stats(old[mine], returns[mine], batch.mask[mine])
+        st = critic_update(critic, batch, minibatches, returns, old, 1, mbs, 0.0)
+        step += 1
+        ev, vmean = heldout_ev(critic, held_batch, cfg.algo.gamma, mbs)
+        if ev > best + 1e-4:
+            best, since_best = ev, 0
+        else:
+            since_best += 1
+        rec = {"kind": "value_pretrain", "step": step, "loss": st["critic_loss"], "explained_variance": ev,
+               "train_explained_variance": train_ev, "value_mean": vmean, "best_explained_variance": best,
+               "grad_norm": st.get("critic_grad_norm", float("nan")), "seconds": time.perf_counter() - t0,
+               "time": time.time()}
+        history.append(rec)
+        m.value_pretrain_step.set(step)
+        m.value_pretrain_loss.set(st["critic_loss"])
+        m.value_pretrain_explained_variance.set(ev)
+        if rank() == 0:
+            if cfg.metrics.jsonl:
+                append_jsonl(cfg.run_dir / "metrics.jsonl", rec)
+            log.info("value pretraining %d/%d: loss %.4f held-out EV %.4f (best %.4f) V̄ %.3f",
+                     step, vp.steps, st["critic_loss"], ev, best, vmean)
+    if best < vp.min_explained_variance:
+        log.warning("value pretraining ended with explained variance %.4f < %.4f", best, vp.min_explained_variance)
+    if rank() == 0:
+        save_critic(critic.module, out)
+        log.info("value pretraining: saved critic to %s after %d steps (EV %.4f)", out, step, ev if history else ev0)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    from common.config import ConfigError, load_config
+    from learner.data import BufferSource
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    path = argv[0] if argv and "=" not in argv[0] else None
+    try:
+        cfg = load_config(path, argv[1:] if path else argv)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.run.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    source = BufferSource(cfg.buffer.serve_addr, cfg.buffer.max_staleness) if rank() == 0 else None
+    print(pretrain_critic(cfg, source))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
