@@ -1,0 +1,270 @@
+"""Asyncio client for SGLang's native HTTP API: the only code in vapo that knows the endpoints.
+
+Used unchanged against real SGLang servers (``python -m sglang.launch_server``) and against
+``python -m actors.rollout_server``:
+
+    async with SGLangClient("http://127.0.0.1:30000") as c:
+        outs = await c.generate([[5, 6, 7]], {"temperature": 1.0, "max_new_tokens": 64, "n": 8})
+        await c.update_weights_from_disk("runs/x/weights/v3", weight_version=3)
+
+Field names follow SGLang's ``io_struct.py`` / ``http_server.py`` (shapes in
+``tests/actors/fixtures/sglang_api.json``). Errors raise ``SGLangError`` carrying the HTTP status and the
+server's own message, whichever of SGLang's two error shapes it used.
+
+Weight versions: SGLang's ``weight_version`` is a string; vapo sends ``str(int)`` and parses it back.
+``GenerateOutput.min_weight_version`` is the oldest version among the output tokens when the server reports
+per-token versions (rollout_server's ``output_token_weight_versions``), else the response's
+``weight_version``. For exact stamping with real SGLang, update weights without in-place pausing (SGLang
+then lets running requests finish on the old weights, so the reported version is the one that produced
+every token) or pause with ``mode="abort"`` and resubmit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+
+class SGLangError(RuntimeError):
+    """An SGLang endpoint answered with an error (or not at all)."""
+
+    def __init__(self, endpoint: str, status: int | None, message: str, body: Any = None) -> None:
+        super().__init__(f"{endpoint}: HTTP {status}: {message}" if status is not None else f"{endpoint}: {message}")
+        self.endpoint = endpoint
+        self.status = status
+        self.message = message
+        self.body = body
+
+
+@dataclass
+class GenerateOutput:
+    """One sample of a /generate answer."""
+
+    output_ids: list[int]
+    output_logprobs: list[float] | None
+    finish_reason: str  # stop | length | abort
+    finish_info: dict[str, Any] | None
+    weight_version: str | None
+    min_weight_version: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    text: str | None = None
+    rid: str | None = None
+    meta_info: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def weight_version_int(self) -> int | None:
+        """``min_weight_version`` as an int (None when the server's version is not numeric, e.g. 'default')."""
+        return _as_int(self.min_weight_version)
+
+
+def _as_int(v: Any) -> int | None:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _min_version(versions: list[Any], fallback: Any) -> str | None:
+    vals = [str(v) for v in versions if v is not None]
+    if not vals:
+        return None if fallback is None else str(fallback)
+    ints = [_as_int(v) for v in vals]
+    if all(i is not None for i in ints):
+        return str(min(i for i in ints if i is not None))
+    return vals[0]  # non-numeric versions: the first token's
+
+
+def error_message(body: Any, text: str = "") -> str:
+    """The message of either SGLang error shape ({"error": {"message"}} or ErrorResponse{"message"})."""
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        if "message" in body:
+            return str(body["message"])
+        if "detail" in body:
+            return str(body["detail"])
+    return text.strip() or "(empty response)"
+
+
+def parse_output(item: dict[str, Any]) -> GenerateOutput:
+    """One /generate result dict → GenerateOutput; raises ValueError on a shape it does not understand."""
+    if not isinstance(item, dict) or "meta_info" not in item or "output_ids" not in item:
+        raise ValueError(f"not a /generate result: {str(item)[:200]}")
+    meta = item["meta_info"]
+    out_ids = [int(t) for t in item["output_ids"]]
+    fr = meta.get("finish_reason")
+    if isinstance(fr, dict):
+        reason = str(fr.get("type"))
+    elif isinstance(fr, str):  # some versions/paths give a bare string
+        reason, fr = fr, {"type": fr}
+    else:
+        reason = "abort"  # an unfinished request only reaches us when it was cut off
+    lps = None
+    triples = meta.get("output_token_logprobs")
+    if triples is not None:
+        lps = [float(t[0]) if t[0] is not None else float("nan") for t in triples]
+        ids = [int(t[1]) for t in triples]
+        if len(ids) != len(out_ids):
+            raise ValueError(f"{len(ids)} output logprobs for {len(out_ids)} output tokens")
+        if ids != out_ids:
+            raise ValueError("output_token_logprobs token ids do not match output_ids")
+    version = meta.get("weight_version")
+    per_token = meta.get("output_token_weight_versions")
+    min_version = _min_version(per_token, version) if per_token else (None if version is None else str(version))
+    return GenerateOutput(
+        output_ids=out_ids, output_logprobs=lps, finish_reason=reason, finish_info=fr,
+        weight_version=None if version is None else str(version), min_weight_version=min_version,
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        completion_tokens=int(meta.get("completion_tokens", len(out_ids))),
+        text=item.get("text"), rid=meta.get("id"), meta_info=meta)
+
+
+def parse_generate_response(body: Any) -> list[GenerateOutput]:
+    """A /generate body (one dict or a list of dicts) → outputs in SGLang's order (prompt-major with n)."""
+    items = body if isinstance(body, list) else [body]
+    return [parse_output(x) for x in items]
+
+
+class SGLangClient:
+    """One engine's native API. Safe to share between tasks of one event loop."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
+                 session: aiohttp.ClientSession | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
+        self._session = session
+        self._own_session = session is None
+
+    async def __aenter__(self) -> SGLangClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # No connection cap: many concurrent /generate calls are how the engine's batches stay full.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=self.timeout)
+            self._own_session = True
+        return self._session
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None and not self._session.closed:
+            await self._session.close()
+
+    async def _request(self, method: str, endpoint: str, payload: Any = None,
+                       timeout_s: float | None = None, ok_statuses: tuple[int, ...] = (200,)) -> tuple[int, Any, str]:
+        url = f"{self.base_url}/{endpoint}"
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+        try:
+            async with self._sess().request(method, url, json=payload, timeout=timeout) as resp:
+                text = await resp.text()
+                try:
+                    body = await resp.json(content_type=None) if text.strip() else None
+                except ValueError:
+                    body = None
+                if resp.status not in ok_statuses:
+                    raise SGLangError(endpoint, resp.status, error_message(body, text), body)
+                return resp.status, body, text
+        except TimeoutError as e:
+            raise SGLangError(endpoint, None, f"timed out after {timeout_s or self.timeout.total} s") from e
+        except aiohttp.ClientError as e:
+            raise SGLangError(endpoint, None, f"cannot reach {url}: {e}") from e
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, input_ids: list[list[int]] | list[int], sampling_params: dict[str, Any] | list[dict[str, Any]],
+                       return_logprob: bool = True, rid: str | list[str] | None = None,
+                       timeout_s: float | None = None) -> list[GenerateOutput]:
+        """Generate for one prompt or a batch; with ``n`` in sampling_params, n samples per prompt, prompt-major."""
+        if not input_ids:
+            raise ValueError("input_ids is empty")
+        payload: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params,
+                                   "return_logprob": return_logprob}
+        if rid is not None:
+            payload["rid"] = rid
+        _, body, _ = await self._request("POST", "generate", payload, timeout_s)
+        try:
+            outs = parse_generate_response(body)
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise SGLangError("generate", 200, f"unexpected response shape: {e}", body) from e
+        n = (sampling_params.get("n") or 1) if isinstance(sampling_params, dict) else (sampling_params[0].get("n") or 1)
+        expected = (1 if isinstance(input_ids[0], int) else len(input_ids)) * n
+        if len(outs) != expected:
+            raise SGLangError("generate", 200, f"expected {expected} outputs, got {len(outs)}", body)
+        return outs
+
+    # ------------------------------------------------------------------ weights and control
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None,
+                                       abort_all_requests: bool = False, load_format: str | None = None,
+                                       timeout_s: float | None = None) -> str:
+        """Load new weights; returns the server's message, raises SGLangError (with it) on failure."""
+        payload: dict[str, Any] = {"model_path": str(model_path), "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)  # SGLang's field is Optional[str]
+        if load_format is not None:
+            payload["load_format"] = load_format
+        status, body, text = await self._request("POST", "update_weights_from_disk", payload, timeout_s,
+                                                 ok_statuses=(200, 400))
+        if not isinstance(body, dict) or not body.get("success"):
+            raise SGLangError("update_weights_from_disk", status, error_message(body, text), body)
+        return str(body.get("message", ""))
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """SGLang modes: abort (abort in-flight requests), retract, in_place (keep them, KV cache kept)."""
+        await self._request("POST", "pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._request("POST", "continue_generation", {})
+
+    async def flush_cache(self) -> bool:
+        """True when flushed; False when the server refused because requests are running or waiting."""
+        status, _, _ = await self._request("POST", "flush_cache", None, ok_statuses=(200, 400))
+        return status == 200
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        await self._request("POST", "abort_request", {"rid": rid, "abort_all": abort_all})
+
+    # ------------------------------------------------------------------ introspection
+
+    async def health(self, timeout_s: float = 5.0) -> bool:
+        try:
+            await self._request("GET", "health", timeout_s=timeout_s)
+            return True
+        except SGLangError:
+            return False
+
+    async def health_generate(self, timeout_s: float = 30.0) -> bool:
+        try:
+            await self._request("GET", "health_generate", timeout_s=timeout_s)
+            return True
+        except SGLangError:
+            return False
+
+    async def get_model_info(self) -> dict[str, Any]:
+        _, body, _ = await self._request("GET", "get_model_info")
+        return body
+
+    async def get_weight_version(self) -> str | None:
+        info = await self.get_model_info()
+        v = info.get("weight_version")
+        return None if v is None else str(v)
+
+    async def wait_healthy(self, timeout_s: float = 120.0, poll_s: float = 0.2) -> None:
+        """Poll /health until it answers 200; SGLangError after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if await self.health(timeout_s=min(5.0, max(0.1, deadline - time.monotonic()))):
+                return
+            if time.monotonic() >= deadline:
+                raise SGLangError("health", None, f"{self.base_url} not healthy after {timeout_s} s")
+            await asyncio.sleep(poll_s)
