@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Run vapo end to end: `ops/launch.sh [config.yaml] [key=value ...]` (no arguments: the embedded default).
+# Run vapo end to end: `ops/launch.sh [config.yaml] [key=value ...] [--resume]`.
+# No arguments: the embedded CPU default (ops/configs/default.yaml). `ops/launch.sh --help` for more.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ops/setup.sh
-echo "ops/launch.sh: the pipeline is not implemented yet (see the open issues)." >&2
-exit 1
+export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/vapo/torch_extensions}
+export TOKENIZERS_PARALLELISM=false
+export HF_HUB_OFFLINE=1
+exec .venv/bin/python ops/launch.py "$@"

@@ -1,0 +1,439 @@
+"""Run a whole vapo pipeline: bootstrap → buffer → engines/actors → learner → summary and plots.
+
+    ops/launch.sh [config.yaml] [key=value ...] [--resume] [--no-setup]
+
+(``ops/launch.sh`` runs ``ops/setup.sh`` and then this file with the project's venv.) With no arguments it
+runs the embedded CPU default, ``ops/configs/default.yaml``. Each component is a child process in its own
+process group, logging to ``runs/<name>/logs/<component>.log``; the launcher waits for each stage to be
+healthy before the next, prints one progress line per learner step, restarts a failed actor or the buffer a
+bounded number of times (``vapo_launcher_component_restarts``), stops every child on Ctrl-C or when the
+learner finishes, and exits non-zero naming the component that failed for good. At the end it prints a
+summary table and writes PNG plots to ``runs/<name>/plots/``.
+
+Multi-host: run the buffer and learner here with ``buffer.ingest_addr`` / ``learner.publish_addr`` /
+``learner.query_addr`` bound to a routable address (CurveZMQ keys required, see README), and on each actor
+host ``.venv/bin/python -m actors CONFIG --actor-id I`` with the same addresses and the client keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from common.config import Config, ConfigError, load_config, save_config  # noqa: E402
+from common.metrics import Metrics  # noqa: E402
+
+PY = sys.executable
+STOP_GRACE_S = 6.0
+
+
+@dataclass
+class Child:
+    """One supervised process (its own process group, so its engine children stop with it)."""
+
+    name: str
+    cmd: list[str]
+    log_path: Path
+    max_restarts: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+        log.write(f"\n=== {time.strftime('%H:%M:%S')} start: {' '.join(self.cmd)}\n".encode())
+        log.flush()
+        env = {**os.environ, **self.env}
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        self.started_at = time.time()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def signal(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join("    " + line for line in text[-lines:])
+
+
+class LaunchError(RuntimeError):
+    def __init__(self, component: str, message: str) -> None:
+        super().__init__(f"{component}: {message}")
+        self.component = component
+
+
+def say(msg: str) -> None:
+    print(f"[vapo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------ health
+
+
+def buffer_healthy(cfg: Config, timeout_s: float = 1.0) -> bool:
+    """The buffer answers a StatsRequest on its learner socket."""
+    import zmq
+
+    from common import protocol
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        _apply_client_curve(sock, cfg)
+        sock.connect(cfg.buffer.serve_addr)
+        sock.send(protocol.encode(protocol.StatsRequest()))
+        if sock.poll(int(timeout_s * 1000)):
+            protocol.decode_as(sock.recv(), protocol.StatsReply)
+            return True
+        return False
+    except Exception:
+        return False
+    finally:
+        sock.close(0)
+
+
+def _apply_client_curve(sock: Any, cfg: Config) -> None:
+    curve = cfg.buffer.curve
+    if not (curve.client_secret_key and curve.server_public_key):
+        return
+    try:
+        from common.security import apply_client_curve  # type: ignore[attr-defined]
+    except ImportError:
+        return
+    apply_client_curve(sock, curve)
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - loopback/config URLs
+            return 200 <= r.status < 300
+    except Exception:
+        return False
+
+
+def wait_until(what: str, ok: Any, child: Child | None, timeout_s: float) -> None:
+    deadline = time.time() + timeout_s
+    delay = 0.05
+    while time.time() < deadline:
+        if ok():
+            return
+        if child is not None and not child.alive():
+            raise LaunchError(child.name, f"exited with code {child.returncode} while starting\n{child.tail()}")
+        time.sleep(delay)  # polling a health condition with a deadline, not synchronising on time
+        delay = min(delay * 1.5, 1.0)
+    raise LaunchError(what, f"not healthy after {timeout_s:.0f} s" + (f"\n{child.tail()}" if child else ""))
+
+
+# ----------------------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """Follows <run dir>/metrics.jsonl and prints one line per learner step and per evaluation."""
+
+    def __init__(self, path: Path, total_steps: int) -> None:
+        self.path = path
+        self.offset = 0
+        self.total = total_steps
+        self.t0 = time.time()
+        self.records: list[dict[str, Any]] = []
+        self.last_eval: float | None = None
+        self.base_eval: float | None = None
+
+    def poll(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        cut = data.rfind(b"\n") + 1  # only whole lines; a line being written is read next time
+        self.offset += cut
+        new = []
+        for line in data[:cut].splitlines():
+            try:
+                new.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        self.records.extend(new)
+        for r in new:
+            self._print(r)
+        return new
+
+    def _print(self, r: dict[str, Any]) -> None:
+        kind = r.get("kind", "")
+        ev = r if kind == "eval" else r.get("eval")
+        if kind == "value_pretrain":
+            say(f"value pretraining step {r.get('step', '?')}: explained variance (fresh groups) "
+                f"{_fmt(r.get('explained_variance'))}  loss {_fmt(r.get('loss'), 4)}")
+        elif kind == "learner_step":
+            step = int(r.get("version", r.get("step", 0)))
+            elapsed = time.time() - self.t0
+            eta = elapsed / max(step, 1) * max(self.total - step, 0)
+            say(
+                f"step {step}/{self.total}  reward {_fmt(r.get('reward_mean'))}"
+                f"  ev {_fmt(r.get('value_explained_variance'))}  staleness {_fmt(r.get('staleness_mean'), 2)}"
+                f"  samples/s {_fmt(r.get('samples_per_second'), 1)}  len {_fmt(r.get('response_length_mean'), 1)}"
+                f"  ETA {int(eta // 60)}m{int(eta % 60):02d}s"
+            )
+        if isinstance(ev, dict):
+            acc = ev.get("avg_at_k")
+            if isinstance(acc, int | float):
+                if self.base_eval is None:
+                    self.base_eval = float(acc)
+                self.last_eval = float(acc)
+            say(f"eval  v{r.get('version', r.get('step', '?'))}: held-out avg@k {_fmt(acc)}"
+                f"  greedy {_fmt(ev.get('greedy_accuracy'))}  length {_fmt(ev.get('mean_response_length'), 1)}")
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if isinstance(v, int | float):
+        return f"{v:.{digits}f}"
+    return "-"
+
+
+# ------------------------------------------------------------------------------------------ launcher
+
+
+def resolve_run(cfg_path: str | None, overrides: list[str], resume: bool) -> tuple[Config, list[str]]:
+    cfg = load_config(cfg_path, overrides)
+    run_dir = ROOT / cfg.run_dir if not Path(cfg.run.root).is_absolute() else cfg.run_dir
+    if not resume and run_dir.exists() and any(run_dir.iterdir()):
+        # Never delete a previous run: start this one under a new name.
+        new_name = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        say(f"{run_dir} exists; this run is '{new_name}' (use --resume to continue '{cfg.run.name}')")
+        overrides = [*overrides, f"run.name={new_name}"]
+        cfg = load_config(cfg_path, overrides)
+    if resume and not run_dir.exists():
+        raise LaunchError("launcher", f"--resume: no run at {run_dir}")
+    return cfg, overrides
+
+
+def write_prometheus_config(cfg: Config, path: Path) -> None:
+    host = cfg.metrics.host
+    targets = {
+        "buffer": [f"{host}:{cfg.buffer.metrics_port}"],
+        "learner": [f"{host}:{cfg.learner.metrics_port}"],
+        "actors": [f"{host}:{cfg.actors.metrics_base_port + i}" for i in range(cfg.actors.num_actors)],
+        "launcher": [f"{host}:{cfg.metrics.launcher_port}"],
+    }
+    if cfg.engine.kind == "rollout_server":
+        targets["engines"] = [f"{cfg.engine.host}:{cfg.engine.base_port + i}" for i in range(cfg.actors.num_actors)]
+    lines = ["# Generated by ops/launch.py for this run; start with: prometheus --config.file=" + str(path),
+             "global:", "  scrape_interval: 2s", "  evaluation_interval: 2s", "scrape_configs:"]
+    for job, tgts in targets.items():
+        lines += [f"  - job_name: vapo_{job}", "    static_configs:", f"      - targets: [{', '.join(repr(t) for t in tgts)}]",
+                  f"        labels: {{run: {cfg.run.name!r}}}"]
+    path.write_text("\n".join(lines) + "\n")
+
+
+class Launcher:
+    def __init__(self, cfg: Config, cfg_file: Path, resume: bool) -> None:
+        self.cfg = cfg
+        self.cfg_file = cfg_file
+        self.resume = resume
+        self.run_dir = cfg_file.parent
+        self.logs = self.run_dir / "logs"
+        self.children: dict[str, Child] = {}
+        self.metrics = Metrics("launcher")
+        self.stopping = False
+        self.t0 = time.time()
+
+    def child(self, name: str, module: str, *extra: str, max_restarts: int = 0) -> Child:
+        c = Child(name, [PY, "-m", module, str(self.cfg_file), *extra], self.logs / f"{name}.log", max_restarts,
+                  env={"PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")})
+        self.children[name] = c
+        return c
+
+    def start(self, c: Child) -> None:
+        c.start()
+        self.metrics.components_up.labels(component=c.name).set(1)
+
+    # --- stages
+    def bootstrap(self) -> None:
+        model = Path(self.cfg.model.path)
+        model = model if model.is_absolute() else ROOT / model
+        if (model / "config.json").exists():
+            say(f"base model: {model}")
+            return
+        if self.cfg.engine.kind != "rollout_server" and self.cfg.task.name != "addition":
+            raise LaunchError("bootstrap", f"model.path {model} does not exist (GPU configs need a local HF checkpoint)")
+        say(f"base model missing: bootstrapping {model} with learner.sft (progress below)")
+        rc = subprocess.call([PY, "-m", "learner.sft", str(self.cfg_file)], cwd=ROOT)
+        if rc != 0:
+            raise LaunchError("bootstrap", f"learner.sft exited with code {rc}")
+
+    def start_buffer(self) -> None:
+        c = self.child("buffer", "buffer", max_restarts=3)
+        self.start(c)
+        wait_until("buffer", lambda: buffer_healthy(self.cfg), c, 60)
+        say(f"buffer up ({self.cfg.buffer.ingest_addr}, {self.cfg.buffer.serve_addr})")
+
+    def start_engines(self) -> None:
+        if self.cfg.engine.kind != "sglang":
+            return  # rollout_server engines are started and supervised by their actor; external URLs are given
+        from actors.sglang_launcher import sglang_command  # type: ignore[import-not-found]
+
+        for i in range(self.cfg.actors.num_actors):
+            cmd, env = sglang_command(self.cfg, i)
+            c = Child(f"engine-{i}", cmd, self.logs / f"engine-{i}.log", self.cfg.engine.max_restarts, env=env)
+            self.children[c.name] = c
+            self.start(c)
+        for i in range(self.cfg.actors.num_actors):
+            url = f"http://{self.cfg.engine.host}:{self.cfg.engine.base_port + i}"
+            wait_until(f"engine-{i}", lambda u=url: http_ok(u + "/health"), self.children[f"engine-{i}"], self.cfg.engine.startup_timeout_s)
+        say(f"{self.cfg.actors.num_actors} SGLang engine(s) healthy")
+
+    def start_actors(self) -> None:
+        for i in range(self.cfg.actors.num_actors):
+            self.start(self.child(f"actor-{i}", "actors", "--actor-id", str(i), max_restarts=self.cfg.engine.max_restarts))
+        say(f"{self.cfg.actors.num_actors} actor(s) started (logs in {self.logs})")
+
+    def start_learner(self) -> None:
+        self.start(self.child("learner", "learner"))
+        say("learner started" + (" (resume=auto)" if self.resume else ""))
+
+    # --- supervision
+    def supervise(self) -> None:
+        progress = Progress(self.run_dir / "metrics.jsonl", self.cfg.learner.total_steps)
+        self.progress = progress
+        while True:
+            progress.poll()
+            learner = self.children["learner"]
+            if not learner.alive():
+                progress.poll()
+                if learner.returncode == 0:
+                    say("learner finished")
+                    return
+                raise LaunchError("learner", f"exited with code {learner.returncode}\n{learner.tail()}")
+            for c in list(self.children.values()):
+                if c.name == "learner" or c.alive():
+                    continue
+                if c.restarts >= c.max_restarts:
+                    raise LaunchError(c.name, f"exited with code {c.returncode} and was restarted {c.restarts} times\n{c.tail()}")
+                c.restarts += 1
+                self.metrics.component_restarts.labels(component=c.name).inc()
+                say(f"{c.name} exited with code {c.returncode}; restarting ({c.restarts}/{c.max_restarts})")
+                self.start(c)
+            if self.cfg.run.max_wall_seconds and time.time() - self.t0 > self.cfg.run.max_wall_seconds + 600:
+                raise LaunchError("learner", "run.max_wall_seconds exceeded by more than 10 minutes")
+            time.sleep(0.5)  # supervision tick
+
+    def stop_all(self) -> None:
+        self.stopping = True
+        # Learner first (it checkpoints on SIGTERM), then actors/engines, then the buffer.
+        order = sorted(self.children.values(), key=lambda c: (c.name != "learner", c.name == "buffer"))
+        for c in order:
+            if c.alive():
+                c.signal(signal.SIGTERM)
+        deadline = time.time() + STOP_GRACE_S
+        for c in order:
+            while c.alive() and time.time() < deadline:
+                time.sleep(0.05)
+            if c.alive():
+                c.signal(signal.SIGKILL)
+            if c.proc is not None:
+                try:
+                    c.proc.wait(timeout=2)
+                except subprocess.TimeoutExpired:
+                    pass
+            c.signal(signal.SIGKILL)  # any grandchild left in the group (engines)
+            self.metrics.components_up.labels(component=c.name).set(0)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="ops/launch.sh",
+        description="Run vapo end to end: bootstrap the base model if missing, start the buffer, engines, "
+        "actors and learner (value pretraining, then async VAPO), stream progress, and finish with a "
+        "summary table and plots in runs/<name>/. With no arguments: the embedded CPU default.",
+        epilog="examples:\n  ops/launch.sh\n  ops/launch.sh ops/configs/smoke.yaml\n"
+        "  ops/launch.sh ops/configs/default.yaml run.seed=1 buffer.max_staleness=2\n"
+        "  ops/launch.sh --resume run.name=default\n"
+        "  .venv/bin/python -m common.config --help   # every config key",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("config", nargs="?", help="YAML config (default: ops/configs/default.yaml)")
+    ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. learner.total_steps=20")
+    ap.add_argument("--resume", action="store_true", help="continue the run named by run.name from its newest checkpoint")
+    args = ap.parse_args(argv)
+    if args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+        args.overrides.insert(0, args.config)
+        args.config = None
+    if args.config is None:
+        args.config = str(ROOT / "ops/configs/default.yaml")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    os.chdir(ROOT)
+    try:
+        cfg, overrides = resolve_run(args.config, args.overrides, args.resume)
+    except (ConfigError, LaunchError) as e:
+        print(f"ops/launch.sh: {e}", file=sys.stderr)
+        return 2
+    cfg_file = save_config(cfg)
+    write_prometheus_config(cfg, cfg.run_dir / "prometheus.yml")
+    launcher = Launcher(cfg, cfg_file.resolve(), args.resume)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    say(f"run '{cfg.run.name}' in {cfg.run_dir} (config {args.config}; resolved {cfg_file})")
+    try:
+        if cfg.metrics.prometheus:
+            launcher.metrics.serve(cfg.metrics.launcher_port, cfg.metrics.host)
+        launcher.bootstrap()
+        launcher.start_buffer()
+        launcher.start_engines()
+        launcher.start_learner()
+        launcher.start_actors()
+        launcher.supervise()
+    except KeyboardInterrupt:
+        say("interrupted: stopping every component")
+        launcher.stop_all()
+        return 130
+    except LaunchError as e:
+        say(f"FAILED — {e}")
+        launcher.stop_all()
+        return 1
+    launcher.stop_all()
+    import report  # ops/report.py
+
+    report.finish(cfg, launcher.run_dir, time.time() - launcher.t0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT / "ops"))
+    sys.exit(main())

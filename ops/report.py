@@ -1,0 +1,174 @@
+"""End-of-run report: summary table and PNG plots from ``runs/<name>/metrics.jsonl``.
+
+    .venv/bin/python ops/report.py runs/<name>        # re-make the summary and plots of any run
+
+Called by ``ops/launch.py`` when a run finishes. Plots (``runs/<name>/plots/``): reward, held-out
+accuracy, value explained variance, response length, staleness, throughput; ``summary.json`` beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def load_records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash
+    return out
+
+
+def eval_points(records: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """(step, eval dict) for every evaluation, whether logged on its own or inside a step record."""
+    pts = []
+    for r in records:
+        if r.get("kind") == "eval":
+            pts.append((int(r.get("step", r.get("version", 0))), r))
+        elif isinstance(r.get("eval"), dict):
+            pts.append((int(r.get("version", r.get("step", 0))), r["eval"]))
+    return pts
+
+
+def eval_acc(e: dict[str, Any]) -> float | None:
+    for key in ("avg_at_k", "eval/avg@k", "accuracy"):
+        if isinstance(e.get(key), int | float):
+            return float(e[key])
+    return None
+
+
+def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in records:
+        if r.get("kind") != "learner_step":
+            continue
+        v = r.get(key)
+        if isinstance(v, int | float):
+            xs.append(int(r.get("version", r.get("step", len(xs)))))
+            ys.append(float(v))
+    return xs, ys
+
+
+def summarize(run_dir: Path, wall_s: float | None = None) -> dict[str, Any]:
+    records = load_records(run_dir)
+    steps = [r for r in records if r.get("kind") == "learner_step"]
+    evals = [(s, eval_acc(e)) for s, e in eval_points(records)]
+    evals = [(s, a) for s, a in evals if a is not None]
+    greedy = [(s, e.get("greedy_accuracy")) for s, e in eval_points(records)]
+    out: dict[str, Any] = {
+        "run": run_dir.name,
+        "steps": max((int(r.get("version", 0)) for r in steps), default=0),
+        "samples": int(sum(r.get("samples", 0) for r in steps)),
+        "base_accuracy": evals[0][1] if evals and evals[0][0] == 0 else None,
+        "final_accuracy": evals[-1][1] if evals else None,
+        "final_greedy_accuracy": greedy[-1][1] if greedy else None,
+        "evals": evals,
+        "wall_seconds": round(wall_s, 1) if wall_s is not None else None,
+    }
+    vp = [r for r in records if r.get("kind") == "value_pretrain"]
+    if vp:
+        out["value_pretrain_explained_variance"] = vp[-1].get("explained_variance")
+    return out
+
+
+PLOTS = {
+    "reward": ("reward_mean", "batch reward mean"),
+    "explained_variance": ("value_explained_variance", "critic explained variance"),
+    "response_length": ("response_length_mean", "response length (tokens)"),
+    "staleness": ("staleness_mean", "staleness (versions)"),
+    "throughput": ("samples_per_second", "samples / s"),
+}
+
+
+def plot(run_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = load_records(run_dir)
+    out_dir = run_dir / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def save(name: str, xs: list[int], ys: list[float], ylabel: str) -> None:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(xs, ys, marker="." if len(xs) < 50 else None)
+        ax.set_xlabel("learner step (weight version)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{run_dir.name}: {ylabel}")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / f"{name}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+
+    for name, (key, label) in PLOTS.items():
+        xs, ys = series(records, key)
+        if name == "throughput" and not ys:
+            xs, ys = series(records, "tokens_per_second")
+            label = "trained tokens / s"
+        save(name, xs, ys, label)
+    pts = [(s, eval_acc(e)) for s, e in eval_points(records)]
+    pts = [(s, a) for s, a in pts if a is not None]
+    save("heldout_accuracy", [s for s, _ in pts], [a for _, a in pts], "held-out avg@k accuracy")
+    return written
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"vapo run '{summary['run']}'")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+
+    def fmt(v: Any) -> str:
+        return f"{v:.3f}" if isinstance(v, float) else ("-" if v is None else str(v))
+
+    base, final = summary.get("base_accuracy"), summary.get("final_accuracy")
+    t.add_row("held-out accuracy, base (avg@k)", fmt(base))
+    t.add_row("held-out accuracy, final (avg@k)", fmt(final))
+    if isinstance(base, float) and isinstance(final, float):
+        t.add_row("change (points)", f"{100 * (final - base):+.1f}")
+    t.add_row("final greedy accuracy", fmt(summary.get("final_greedy_accuracy")))
+    if "value_pretrain_explained_variance" in summary:
+        t.add_row("critic explained variance after pretraining", fmt(summary["value_pretrain_explained_variance"]))
+    t.add_row("learner steps", fmt(summary["steps"]))
+    t.add_row("samples trained on", fmt(summary["samples"]))
+    t.add_row("wall time (s)", fmt(summary.get("wall_seconds")))
+    Console().print(t)
+
+
+def finish(cfg: Any, run_dir: Path, wall_s: float) -> dict[str, Any]:
+    summary = summarize(run_dir, wall_s)
+    if getattr(cfg.metrics, "plots", True):
+        summary["plots"] = [str(p) for p in plot(run_dir)]
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print_table(summary)
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    run_dir = Path(argv[0])
+    summary = summarize(run_dir)
+    summary["plots"] = [str(p) for p in plot(run_dir)]
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print_table(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
