@@ -228,6 +228,7 @@ class MetricsConfig:
     jsonl: bool = f(True, "append learner metrics to <run dir>/metrics.jsonl")
     prometheus: bool = f(True, "serve Prometheus /metrics in every process")
     plots: bool = f(True, "write PNG plots to <run dir>/plots at the end")
+    launcher_port: int = f(9400, "ops/launch.sh /metrics port (component restarts)")
 
 
 @dataclass
