@@ -122,7 +122,12 @@ class ActorsConfig:
     max_new_tokens: int = f(96, "response token limit")
     weight_sync: str = f("wait", "in-flight requests on a weight update: wait (finish on old weights) | abort")
     send_timeout_s: float = f(10.0, "seconds before an unacknowledged group is re-sent with the same group_id")
-    metrics_base_port: int = f(9300, "actor i serves /metrics on metrics_base_port + i")
+    metrics_base_port: int = f(9300, "actor i serves /metrics on metrics_base_port + i (0 = any free port)")
+    max_prompts: int = f(0, "stop each worker after this many of its prompts, counted across restarts (0 = run until stopped)")
+    weight_poll_s: float = f(5.0, "seconds between WeightQuery polls (catches a WeightUpdate the PUB socket dropped)")
+    weight_query_timeout_s: float = f(2.0, "seconds to wait for the learner's WeightQuery answer (none = keep current weights)")
+    generate_timeout_s: float = f(600.0, "seconds before a /generate call is abandoned and the prompt resubmitted")
+    max_worker_restarts: int = f(3, "python -m actors without --actor-id: restarts of a crashed worker process")
 
 
 @dataclass
@@ -279,6 +284,10 @@ def _validate(cfg: Config) -> None:
         ("actors.max_new_tokens", cfg.actors.max_new_tokens >= 1, "must be >= 1"),
         ("actors.temperature", cfg.actors.temperature >= 0, "must be >= 0"),
         ("actors.top_p", 0 < cfg.actors.top_p <= 1, "must be in (0, 1]"),
+        ("actors.prompts_in_flight", cfg.actors.prompts_in_flight >= 1, "must be >= 1"),
+        ("actors.max_prompts", cfg.actors.max_prompts >= 0, "must be >= 0"),
+        ("actors.weight_poll_s", cfg.actors.weight_poll_s > 0, "must be > 0"),
+        ("actors.send_timeout_s", cfg.actors.send_timeout_s > 0, "must be > 0"),
         ("buffer.max_staleness", cfg.buffer.max_staleness >= 0, "must be >= 0"),
         ("buffer.capacity_groups", cfg.buffer.capacity_groups >= 1, "must be >= 1"),
         ("buffer.capacity_bytes", cfg.buffer.capacity_bytes >= 1, "must be >= 1"),

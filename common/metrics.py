@@ -96,6 +96,9 @@ SPECS: tuple[MetricSpec, ...] = (
     _c("actor", "weight_sync_failures", "Weight updates refused (checksum, load error)", ("actor", "reason")),
     _c("actor", "engine_restarts", "Engine processes restarted after dying", ("actor",)),
     _g("actor", "samples_per_second", "Verified samples per second over the last interval", ("actor",)),
+    _g("actor", "prompts_in_flight", "Prompts between buffer credit and buffer ack", ("actor",)),
+    _c("actor", "resubmits", "Prompts generated again after an abort or an engine failure", ("actor", "reason")),
+    _c("actor", "prompts_skipped", "Prompts the engine refused (4xx) and that were skipped", ("actor",)),
     # ---- engine (actors.rollout_server)
     _c("engine", "requests", "Generate requests served", ("status",)),
     _c("engine", "generated_tokens", "Tokens generated"),

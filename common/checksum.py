@@ -1,0 +1,42 @@
+"""Checksum of a published weight directory, computed identically by the learner and the actors.
+
+``weights_sha256(path)`` = sha256 over the directory's ``*.safetensors`` files in sorted file-name
+order; for each file it hashes the file name (UTF-8), a NUL byte, the file size as 8 little-endian
+bytes, then the file's bytes. Hashing names and sizes means a renamed, split or truncated shard changes
+the digest even when the concatenated bytes would not. The learner puts the digest in
+``WeightUpdate.sha256``; an actor refuses weights whose digest differs (PITFALLS Systems 3).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+_CHUNK = 1 << 20
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The ``*.safetensors`` files of a weight directory, sorted by name (FileNotFoundError if none)."""
+    d = Path(path)
+    if not d.is_dir():
+        raise FileNotFoundError(f"weight directory {d} does not exist")
+    files = sorted((p for p in d.glob("*.safetensors") if p.is_file()), key=lambda p: p.name)
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {d}")
+    return files
+
+
+def weights_sha256(path: str | Path) -> str:
+    """Lowercase hex sha256 of the directory's safetensors files (names, sizes and bytes)."""
+    h = hashlib.sha256()
+    for p in weight_files(path):
+        h.update(p.name.encode())
+        h.update(b"\0")
+        h.update(p.stat().st_size.to_bytes(8, "little"))
+        with p.open("rb") as fh:
+            while chunk := fh.read(_CHUNK):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+__all__ = ["weight_files", "weights_sha256"]
