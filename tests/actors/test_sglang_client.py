@@ -1,0 +1,205 @@
+"""actors.sglang_client against SGLang's recorded shapes (replayed by an in-process fake) and a live rollout_server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from aiohttp import web
+
+from actors.sglang_client import SGLangClient, SGLangError, error_message, parse_generate_response
+from common.modeling import load_model
+from learner.losses import token_logprobs
+
+FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "sglang_api.json").read_text())
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+def test_parse_batched_fixture_response() -> None:
+    outs = parse_generate_response(FIXTURE["generate_response_batched"])
+    assert [o.finish_reason for o in outs] == ["stop", "length", "abort", "stop"]
+    a = outs[0]
+    assert a.output_ids == [10, 11, 2] and a.output_logprobs == [-0.51, -1.2, -0.05]
+    assert a.finish_info == {"type": "stop", "matched": 2}
+    assert a.weight_version == "7" and a.min_weight_version == "7" and a.weight_version_int == 7
+    assert a.prompt_tokens == 3 and a.completion_tokens == 3 and a.text == "12" and a.rid == "a1"
+    assert outs[1].finish_info == {"type": "length", "length": 4}
+    assert outs[2].finish_info["message"] == "Abort before prefill"
+
+
+def test_parse_single_fixture_response_and_non_numeric_version() -> None:
+    (o,) = parse_generate_response(FIXTURE["generate_response_single"])
+    assert o.output_ids == [10, 11] and o.text is None
+    assert o.weight_version == "default" and o.weight_version_int is None
+
+
+def test_min_weight_version_from_per_token_versions() -> None:
+    item = json.loads(json.dumps(FIXTURE["generate_response_batched"][1]))
+    item["meta_info"]["output_token_weight_versions"] = ["9", "10", "10", "11"]
+    item["meta_info"]["weight_version"] = "11"
+    (o,) = parse_generate_response(item)
+    assert o.weight_version == "11" and o.min_weight_version == "9" and o.weight_version_int == 9
+
+
+def test_parse_rejects_inconsistent_logprobs() -> None:
+    item = json.loads(json.dumps(FIXTURE["generate_response_batched"][0]))
+    item["meta_info"]["output_token_logprobs"] = item["meta_info"]["output_token_logprobs"][:2]
+    with pytest.raises(ValueError, match="output logprobs for 3"):
+        parse_generate_response(item)
+    with pytest.raises(ValueError, match="not a /generate result"):
+        parse_generate_response({"error": {"message": "x"}})
+
+
+def test_error_message_reads_both_sglang_error_shapes() -> None:
+    assert error_message(FIXTURE["error_value_error"]["body"]) == "top_p must be in (0, 1], got 1.5."
+    assert error_message(FIXTURE["error_validation"]["body"]).startswith("1 validation error")
+    assert error_message(None, "Internal Server Error\n") == "Internal Server Error"
+
+
+# --------------------------------------------------------------------------- fake SGLang (replays the fixture)
+
+
+async def _fake_sglang(scenario: dict[str, Any]) -> tuple[web.AppRunner, str]:
+    seen: list[tuple[str, Any]] = scenario.setdefault("seen", [])
+
+    def replay(name: str):
+        async def handler(request: web.Request) -> web.Response:
+            raw = await request.read()
+            seen.append((request.path, json.loads(raw) if raw else None))
+            rec = FIXTURE[scenario.get(name, name)]
+            if "body" in rec:
+                return web.json_response(rec["body"], status=rec["status"])
+            if "text" in rec:
+                return web.Response(text=rec["text"], status=rec["status"])
+            return web.json_response(rec)
+        return handler
+
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append((request.path, body))
+        if scenario.get("generate") == "error":
+            rec = FIXTURE["error_value_error"]
+            return web.json_response(rec["body"], status=rec["status"])
+        if scenario.get("generate") == "slow":
+            await asyncio.sleep(5)
+        return web.json_response(FIXTURE["generate_response_batched"][:2])
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/update_weights_from_disk", replay("update_weights"))
+    app.router.add_post("/pause_generation", replay("pause_generation_response"))
+    app.router.add_post("/continue_generation", replay("continue_generation_response"))
+    app.router.add_post("/flush_cache", replay("flush"))
+    app.router.add_get("/health", replay("health"))
+    app.router.add_get("/get_model_info", replay("get_model_info"))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def test_client_against_recorded_sglang_shapes() -> None:
+    async def main() -> None:
+        sc: dict[str, Any] = {"update_weights": "update_weights_from_disk_ok", "flush": "flush_cache_ok",
+                              "health": "health_ok"}
+        runner, url = await _fake_sglang(sc)
+        try:
+            async with SGLangClient(url, timeout_s=2) as c:
+                outs = await c.generate([[5, 6, 7]], {"max_new_tokens": 4, "n": 2})
+                assert [o.finish_reason for o in outs] == ["stop", "length"]
+                assert sc["seen"][-1] == ("/generate", {"input_ids": [[5, 6, 7]], "sampling_params": {"max_new_tokens": 4, "n": 2},
+                                                        "return_logprob": True})
+                with pytest.raises(SGLangError, match="expected 3 outputs, got 2"):
+                    await c.generate([[1], [2], [3]], {"max_new_tokens": 1})
+                msg = await c.update_weights_from_disk("/ckpt/v8", weight_version=8)
+                assert msg.endswith("Weight version updated to 8.")
+                assert sc["seen"][-1][1] == {"model_path": "/ckpt/v8", "abort_all_requests": False, "weight_version": "8"}
+                await c.pause_generation("in_place")
+                assert sc["seen"][-1] == ("/pause_generation", {"mode": "in_place"})
+                await c.continue_generation()
+                assert await c.flush_cache() is True
+                assert await c.health() is True
+                assert (await c.get_model_info())["weight_version"] == "8"
+                assert await c.get_weight_version() == "8"
+                sc.update({"update_weights": "update_weights_from_disk_failed", "flush": "flush_cache_refused",
+                           "health": "health_starting", "generate": "error"})
+                with pytest.raises(SGLangError, match="repository not found") as ei:
+                    await c.update_weights_from_disk("/ckpt/v9", weight_version="9")
+                assert ei.value.status == 400
+                assert await c.flush_cache() is False
+                assert await c.health() is False
+                with pytest.raises(SGLangError, match=r"HTTP 400: top_p must be in \(0, 1\], got 1.5.") as ei:
+                    await c.generate([5, 6], {"top_p": 1.5})
+                sc["generate"] = "slow"
+                with pytest.raises(SGLangError, match="timed out"):
+                    await c.generate([5, 6], {}, timeout_s=0.2)
+                with pytest.raises(SGLangError, match="not healthy"):
+                    await c.wait_healthy(timeout_s=0.3, poll_s=0.05)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_unreachable_server_is_a_clear_error() -> None:
+    async def main() -> None:
+        async with SGLangClient("http://127.0.0.1:9", timeout_s=2) as c:
+            with pytest.raises(SGLangError, match="cannot reach"):
+                await c.get_model_info()
+            assert await c.health(timeout_s=1) is False
+
+    asyncio.run(main())
+
+
+# --------------------------------------------------------------------------- live rollout_server
+
+
+def test_client_against_live_rollout_server(server_factory, tiny_model_dir: Path, tmp_path: Path) -> None:
+    srv = server_factory(tiny_model_dir, "--max-batch-size", "32", "--weight-version", "3")
+    torch.set_num_threads(1)
+    model = load_model(tiny_model_dir).eval()
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+
+    async def main() -> None:
+        async with SGLangClient(srv.url, timeout_s=60) as c:
+            await c.wait_healthy(timeout_s=30)
+            assert await c.health_generate()
+            info = await c.get_model_info()
+            assert info["is_generation"] and info["weight_version"] == "3"
+            outs = await c.generate(prompts, {"temperature": 1.0, "max_new_tokens": 12, "n": 4})
+            assert len(outs) == 8
+            for k, o in enumerate(outs):
+                p = prompts[k // 4]  # prompt-major
+                assert o.prompt_tokens == len(p) and o.completion_tokens == len(o.output_ids) > 0
+                assert o.finish_reason in ("stop", "length") and o.weight_version_int == 3
+                with torch.no_grad():
+                    logits = model(torch.tensor([p + o.output_ids])).logits[:, len(p) - 1 : -1]
+                ref = token_logprobs(logits, torch.tensor([o.output_ids]))[0]
+                assert o.output_logprobs is not None
+                assert max(abs(a - b) for a, b in zip(o.output_logprobs, ref.tolist(), strict=True)) <= 1e-4
+                assert all(math.isfinite(x) for x in o.output_logprobs)
+            msg = await c.update_weights_from_disk(str(tiny_model_dir), weight_version=4)
+            assert "Weight version updated to 4." in msg
+            assert await c.get_weight_version() == "4"
+            with pytest.raises(SGLangError, match="not a directory") as ei:
+                await c.update_weights_from_disk(str(tmp_path / "nope"), weight_version=5)
+            assert ei.value.status == 400 and await c.get_weight_version() == "4"
+            with pytest.raises(SGLangError, match="top_k must be -1") as ei:
+                await c.generate([5, 6], {"top_k": 0})
+            assert ei.value.status == 400
+            await c.pause_generation("abort")
+            await c.continue_generation()
+            assert await c.flush_cache() is True
+            (o,) = await c.generate([5, 6, 7], {"max_new_tokens": 5, "ignore_eos": True})
+            assert o.finish_reason == "length" and o.completion_tokens == 5 and o.min_weight_version == "4"
+
+    asyncio.run(main())
