@@ -31,6 +31,8 @@ import errno
 import hashlib
 import os
 import random
+import resource
+import shutil
 import struct
 import time
 from collections.abc import Callable, Iterable
@@ -93,13 +95,21 @@ def positive_hash(prompt_ids: np.ndarray, output_ids: np.ndarray) -> bytes:
     return h.digest()
 
 
-def _classify(e: Exception) -> str:
+def _classify(e: Exception, path: Path | None = None) -> str:
     msg = str(e).lower()
     code = getattr(e, "errno", None)
     if code == errno.ENOSPC or "no space" in msg:
         return "disk_full"
     if code == errno.EFBIG or "file too large" in msg:
         return "file_too_large"
+    if path is not None and (code == errno.EIO or "input/output" in msg):
+        # LMDB reports a short write (full disk, file size limit) as EIO: look at the likely causes.
+        if shutil.disk_usage(path).free < 64 << 20:
+            return "disk_full"
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if soft != resource.RLIM_INFINITY and _file_size(path) + (16 << 20) >= soft:
+            return "file_too_large"
+        return "io_error"
     if isinstance(e, lmdb.MapFullError):
         return "map_full"
     if isinstance(e, lmdb.PanicError):
@@ -190,7 +200,7 @@ class BufferStore:
             except StorageError:
                 raise
             except lmdb.Error as e:
-                reason = _classify(e)
+                reason = _classify(e, self.path)
                 # A failed commit can leave the environment unusable (MDB_PANIC); reopening is safe because
                 # this process is the only writer and LMDB never exposes a partial transaction.
                 try:
@@ -383,6 +393,13 @@ def _file_bytes(path: Path) -> int:
     except FileNotFoundError:
         return 0
     return int(st.st_blocks) * 512
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return os.stat(path / "data.mdb").st_size
+    except FileNotFoundError:
+        return 0
 
 
 def inspect(path: str | Path) -> dict[str, Any]:
