@@ -1,0 +1,97 @@
+"""Clients against a real server: asyncio sender under concurrency, re-send across a restart, lazy pirate."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+from typing import Any
+
+import pytest
+
+from buffer.client import AsyncGroupSender, BatchClient, GroupSender
+from tests.buffer.conftest import make_group, wait_for
+
+
+def test_async_sender_concurrent_tasks_credit_and_acks(buffer_proc: Any) -> None:
+    srv = buffer_proc(["buffer.max_staleness=1", "learner.batch_groups=4"])
+
+    async def main() -> list[Any]:
+        async with AsyncGroupSender(srv.ingest_addr, 3, ack_timeout_s=1.0) as s:
+            async def one(i: int) -> Any:
+                grant = await s.acquire(1, timeout_s=10)
+                assert grant.n == 1
+                return await s.send(make_group(f"t{i}", actor_id=3), timeout_s=10)
+
+            acks = await asyncio.gather(*(one(i) for i in range(4)))  # k*B = 4 credits, all at once
+            with pytest.raises(TimeoutError):
+                await s.acquire(1, timeout_s=0.5)  # no more capacity until the learner asks
+            dup = await s.send(make_group("t0", actor_id=3), timeout_s=10)
+            assert dup.duplicate and dup.committed
+            return acks
+
+    acks = asyncio.run(main())
+    assert sorted(a.group_id for a in acks) == [f"t{i}" for i in range(4)]
+    assert all(a.committed and not a.duplicate for a in acks)
+    with BatchClient(srv.serve_addr) as c:
+        st = c.stats()
+        assert st["accepted_groups"] == 4 and st["credit_outstanding"] == 0
+
+
+def test_async_sender_waits_for_credit_then_gets_it_when_learner_asks(buffer_proc: Any) -> None:
+    srv = buffer_proc(["buffer.max_staleness=0", "learner.batch_groups=2"])
+    got: list[Any] = []
+
+    async def actor() -> None:
+        async with AsyncGroupSender(srv.ingest_addr, 0, ack_timeout_s=0.5) as s:
+            grants = await asyncio.gather(s.acquire(1, timeout_s=20), s.acquire(1, timeout_s=20))
+            got.extend(grants)
+            for i in range(2):
+                await s.send(make_group(f"s{i}", version=grants[0].learner_version), timeout_s=10)
+
+    t = threading.Thread(target=lambda: asyncio.run(actor()))
+    t.start()
+    with BatchClient(srv.serve_addr) as c:
+        wait_for(lambda: c.stats()["credit_waiting"] == 1, 10, "the actor to wait for credit")
+        assert not got  # synchronous mode: no work before the learner asks
+        reply = c.get_batch(5, 2, timeout_s=20)
+    t.join(timeout=30)
+    assert [g.n for g in got] == [1, 1] and {g.learner_version for g in got} == {5}
+    assert [g.weight_version for g in reply.groups] == [5, 5]
+
+
+def test_async_sender_resends_across_server_restart(buffer_proc: Any) -> None:
+    srv = buffer_proc()
+
+    async def main() -> Any:
+        async with AsyncGroupSender(srv.ingest_addr, 0, ack_timeout_s=0.3) as s:
+            srv.proc.send_signal(signal.SIGSTOP)  # connected but silent: the frame is sent, no ack comes
+            task = asyncio.create_task(s.send(make_group("across"), timeout_s=30))
+            await asyncio.sleep(1.0)  # the sender times out and re-sends (simulated work, not sync)
+            assert not task.done()
+            srv.kill()  # the frames it received were never committed
+            await asyncio.get_running_loop().run_in_executor(None, srv.start)
+            ack = await task
+            return ack, s.resent
+
+    ack, resent = asyncio.run(main())
+    assert ack.committed and resent >= 1
+    with BatchClient(srv.serve_addr) as c:
+        assert c.stats()["accepted_groups"] == 1
+
+
+def test_batch_client_recovers_after_server_restart(buffer_proc: Any) -> None:
+    srv = buffer_proc(["learner.batch_groups=1"])
+    c = BatchClient(srv.serve_addr, request_timeout_s=0.5)
+    try:
+        assert c.stats()["depth_groups"] == 0
+        srv.kill()
+        with pytest.raises(TimeoutError):
+            c.stats()
+        srv.start()
+        with GroupSender(srv.ingest_addr, 0) as s:
+            s.send(make_group("r"), timeout_s=10)
+        assert c.stats()["depth_groups"] == 1  # a fresh REQ socket after the lost reply
+        assert c.get_batch(0, 1, 5).groups[0].group_id == "r"
+    finally:
+        c.close()
