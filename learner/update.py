@@ -148,8 +148,9 @@ def critic_update(
     scale = loss_scale_for_dp()
     for _ in range(epochs):
         for mbrows in minibatches:
-            n_tok = all_reduce_sum(ppo_mask[mbrows].sum())
-            share, w = _rows_or_dummy(my_share(mbrows), mbrows)
+            mine = my_share(mbrows)
+            n_tok = all_reduce_sum(ppo_mask[mine].sum())
+            share, w = _rows_or_dummy(mine, mbrows)
             mb_loss = 0.0
             for micro in micro_batches(share, mbs):
                 v = critic_values(critic, batch, micro)
@@ -190,12 +191,13 @@ def actor_update(
     scale = loss_scale_for_dp()
     for _ in range(epochs):
         for mbrows in minibatches:
+            mine = my_share(mbrows)
             counts = all_reduce_sum(torch.stack([
-                ppo_mask[mbrows].sum(), (ppo_mask[mbrows].sum(-1) > 0).sum().to(ppo_mask.dtype), pos_mask[mbrows].sum()
+                ppo_mask[mine].sum(), (ppo_mask[mine].sum(-1) > 0).sum().to(ppo_mask.dtype), pos_mask[mine].sum()
             ]))
             n_tok, n_seq, n_pos = counts[0], counts[1], counts[2]
             norm = n_tok if loss_agg == "token_mean" else n_seq
-            share, w = _rows_or_dummy(my_share(mbrows), mbrows)
+            share, w = _rows_or_dummy(mine, mbrows)
             parts = {"policy_loss": 0.0, "nll_loss": 0.0}
             for micro in micro_batches(share, mbs):
                 logits, sub = policy_logits(policy, batch, micro)

@@ -10,7 +10,15 @@ import zmq
 
 from common import protocol
 from common.modeling import load_model, load_tokenizer
-from learner.weights import STABLE, WeightPublisher, complete_versions, latest_update, prune, weights_sha256, write_version
+from learner.weights import (
+    STABLE,
+    WeightPublisher,
+    complete_versions,
+    latest_update,
+    prune,
+    weights_sha256,
+    write_version,
+)
 
 
 def _recv(sock: zmq.Socket, timeout_s: float = 10.0) -> bytes:
