@@ -1,0 +1,86 @@
+"""Command lines of the real SGLang servers used on GPUs (``engine.kind = sglang``), one per actor.
+
+    python -m actors.sglang_launcher [config.yaml] [key=value ...]   # print the commands (shell-quoted)
+
+``ops/launch.py`` calls ``sglang_command(cfg, i)`` for ``i < actors.num_actors`` and supervises the
+processes; actor ``i`` then talks to ``http://engine.host:engine.base_port + i``. Engine ``i`` gets the GPUs
+``i·tp .. i·tp + tp - 1`` through ``CUDA_VISIBLE_DEVICES`` (tp = ``engine.sglang_tp_size``), so N actors with
+tp 1 use N GPUs. Every flag is a real ``sglang.launch_server`` argument (checked against
+``python/sglang/srt/server_args.py``; the list is ``SGLANG_FLAGS_USED``). ``engine.logprobs = original``
+sets ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` so SGLang returns log_softmax(logits) before temperature, what the
+learner recomputes. The server starts at ``--weight-version 0``; the actor loads the newest published
+weights through ``/update_weights_from_disk`` before it generates.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+from common.config import Config, ConfigError, load_config
+
+# Flags this module emits, as named in SGLang's ServerArgs (field name -> --kebab-case flag).
+SGLANG_FLAGS_USED = (
+    "--model-path", "--host", "--port", "--tp-size", "--mem-fraction-static", "--dtype",
+    "--random-seed", "--weight-version", "--context-length",
+)
+_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def gpu_ids(cfg: Config, index: int) -> list[int]:
+    tp = cfg.engine.sglang_tp_size
+    return list(range(index * tp, (index + 1) * tp))
+
+
+def sglang_command(cfg: Config, index: int) -> tuple[list[str], dict[str, str]]:
+    """``(argv, extra environment)`` that starts SGLang engine ``index`` for actor ``index``."""
+    if not 0 <= index < cfg.actors.num_actors:
+        raise ValueError(f"engine index {index} outside [0, {cfg.actors.num_actors})")
+    e = cfg.engine
+    if e.sglang_tp_size < 1:
+        raise ConfigError("engine.sglang_tp_size: must be >= 1")
+    if not 0 < e.sglang_mem_fraction_static <= 1:
+        raise ConfigError("engine.sglang_mem_fraction_static: must be in (0, 1]")
+    if e.base_port <= 0:
+        raise ConfigError("engine.base_port: SGLang engines need fixed ports (> 0)")
+    argv = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", cfg.model.path,
+        "--host", e.host,
+        "--port", str(e.base_port + index),
+        "--tp-size", str(e.sglang_tp_size),
+        "--mem-fraction-static", str(e.sglang_mem_fraction_static),
+        "--dtype", _DTYPE[cfg.model.dtype],
+        "--random-seed", str(cfg.run.seed * 1000 + index),
+        "--weight-version", "0",
+    ]
+    if e.context_length > 0:
+        argv += ["--context-length", str(e.context_length)]
+    argv += list(e.sglang_extra_args)
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpu_ids(cfg, index))}
+    if e.logprobs == "original":
+        env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+    return argv, env
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__)
+        print("usage: python -m actors.sglang_launcher [config.yaml] [key=value ...]\n"
+              "Prints one shell command per engine (environment prefix included); ops/launch.sh runs them.")
+        return 0
+    path = args[0] if args and "=" not in args[0] else None
+    try:
+        cfg = load_config(path, args[1:] if path else args)
+        for i in range(cfg.actors.num_actors):
+            cmd, env = sglang_command(cfg, i)
+            print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))
+    except ConfigError as e:
+        print(f"actors.sglang_launcher: config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Weight watcher: learns about new policy versions from the learner and checks them before use.
+
+Not a CLI; ``actors.worker`` runs one per worker (DESIGN.md §1, §4):
+
+- SUB on ``learner.publish_addr`` receives every ``WeightUpdate`` the learner publishes.
+- REQ on ``learner.query_addr`` asks ``WeightQuery`` at start, after an engine restart and every
+  ``actors.weight_poll_s`` (ZeroMQ PUB drops messages silently: before the SUB is connected, past the
+  high-water mark — PITFALLS Systems 1 — so the poll is what makes delivery certain). A REQ that gets no
+  answer within ``actors.weight_query_timeout_s`` is closed and recreated (lazy pirate); no learner yet
+  means no update (the worker serves the base model as version 0).
+- ``verify_update`` recomputes ``common.checksum.weights_sha256`` of the update's directory and compares
+  it with ``WeightUpdate.sha256`` before any engine is told to load it (PITFALLS Systems 3).
+
+Both sockets use the buffer's CurveZMQ client keys (``buffer.curve``) when configured, like the learner's
+publisher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from common import protocol
+from common.checksum import weights_sha256
+from common.security import ClientKeys, apply_client_curve
+
+log = logging.getLogger("vapo.actors.weights")
+
+
+def verify_update(update: Any) -> tuple[str, str] | None:
+    """None when the update's files match its checksum, else ``(reason, message)``.
+
+    Reasons (``vapo_actor_weight_sync_failures{reason}``): ``missing`` (directory or files gone, e.g.
+    pruned by the learner), ``checksum`` (digest differs: partial copy, corruption, tampering).
+    """
+    try:
+        digest = weights_sha256(update.path)
+    except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
+        return "missing", str(e)
+    except OSError as e:
+        return "missing", f"cannot read {update.path}: {e}"
+    if digest != update.sha256:
+        return "checksum", f"sha256 of {update.path} is {digest}, WeightUpdate v{update.version} says {update.sha256}"
+    return None
+
+
+class WeightWatcher:
+    """Tracks the newest ``WeightUpdate`` announced by the learner; ``changed`` is set when it moves."""
+
+    def __init__(self, publish_addr: str, query_addr: str, *, curve: ClientKeys | None = None,
+                 poll_s: float = 5.0, query_timeout_s: float = 2.0, ctx: zmq.asyncio.Context | None = None) -> None:
+        self.publish_addr, self.query_addr = publish_addr, query_addr
+        self.curve, self.poll_s, self.query_timeout_s = curve, poll_s, query_timeout_s
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.asyncio.Context()
+        self.latest: Any = None  # newest WeightUpdate heard of
+        self.changed = asyncio.Event()
+        self.received_at: dict[int, float] = {}  # version -> when this worker first heard of it
+        self._req: Any = None
+        self._sub: Any = None
+        self._lock = asyncio.Lock()
+        self.bad_frames = 0
+
+    # ------------------------------------------------------------------ state
+
+    def offer(self, update: Any) -> bool:
+        """Record an update if it is newer than what we know; returns True when it is."""
+        if self.latest is not None and update.version <= self.latest.version:
+            return False
+        self.latest = update
+        self.received_at.setdefault(update.version, time.time())
+        self.changed.set()
+        return True
+
+    # ------------------------------------------------------------------ sockets
+
+    def _new_req(self) -> Any:
+        s = self.ctx.socket(zmq.REQ)
+        s.linger = 0
+        apply_client_curve(s, self.curve)
+        s.connect(self.query_addr)
+        return s
+
+    async def query(self, timeout_s: float | None = None) -> Any:
+        """Ask the learner for its latest WeightUpdate; None if it has none or does not answer in time."""
+        timeout = self.query_timeout_s if timeout_s is None else timeout_s
+        async with self._lock:
+            if self._req is None:
+                self._req = self._new_req()
+            try:
+                await self._req.send(protocol.encode(protocol.WeightQuery()))
+                if not await self._req.poll(int(timeout * 1000)):
+                    raise TimeoutError
+                frame = await self._req.recv()
+            except (TimeoutError, zmq.ZMQError):
+                self._req.close(linger=0)  # a REQ that missed its reply is stuck in the send state
+                self._req = None
+                return None
+        try:
+            msg = protocol.decode(frame)
+        except protocol.ProtocolError as e:
+            self.bad_frames += 1
+            log.warning("bad WeightQuery reply from %s: %s", self.query_addr, e)
+            return None
+        if isinstance(msg, protocol.WeightUpdate):
+            self.offer(msg)
+            return msg
+        if isinstance(msg, protocol.ErrorReply) and msg.reason != "no_weights":
+            log.warning("WeightQuery refused by %s: %s: %s", self.query_addr, msg.reason, msg.message)
+        return None
+
+    async def run(self) -> None:
+        """Receive published updates and poll the query socket until cancelled."""
+        self._sub = self.ctx.socket(zmq.SUB)
+        self._sub.linger = 0
+        apply_client_curve(self._sub, self.curve)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(self.publish_addr)
+        next_poll = time.monotonic() + self.poll_s
+        try:
+            while True:
+                wait_ms = max(0, int((next_poll - time.monotonic()) * 1000))
+                if await self._sub.poll(wait_ms):
+                    frame = await self._sub.recv()
+                    try:
+                        msg = protocol.decode(frame)
+                    except protocol.ProtocolError as e:
+                        self.bad_frames += 1
+                        log.warning("bad frame on %s: %s", self.publish_addr, e)
+                        continue
+                    if isinstance(msg, protocol.WeightUpdate):
+                        if self.offer(msg):
+                            log.info("weights v%d announced (%s)", msg.version, msg.path)
+                    continue
+                next_poll = time.monotonic() + self.poll_s
+                await self.query()
+        finally:
+            self._sub.close(linger=0)
+            self._sub = None
+
+    def close(self) -> None:
+        for s in (self._req, self._sub):
+            if s is not None:
+                s.close(linger=0)
+        self._req = self._sub = None
+        if self._own_ctx:
+            self.ctx.term()
+
+
+__all__ = ["WeightWatcher", "verify_update"]

@@ -1,0 +1,190 @@
+"""End-to-end tests of ``python -m actors``: real rollout_server engines, real buffer, real sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from actor_harness import FakeLearner, Stack, make_weights, metric, read_tagged, scrape, terminate, wait_for
+from common.config import load_config
+from common.modeling import load_model, load_tokenizer
+from common.tasks import decode_response, encode_prompt, get_task
+
+
+@pytest.fixture
+def stack(tmp_path: Path, tiny_model_dir: Path):
+    stacks: list[Stack] = []
+
+    def make(*extra: str) -> Stack:
+        s = Stack(tmp_path, tiny_model_dir, list(extra))
+        stacks.append(s)
+        return s
+
+    yield make
+    for s in stacks:
+        s.cleanup()
+
+
+def _hf_logprobs(model: torch.nn.Module, prompt: np.ndarray, output: np.ndarray) -> np.ndarray:
+    ids = torch.tensor(np.concatenate([prompt, output]).astype(np.int64))[None]
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    return lp.gather(1, torch.tensor(output.astype(np.int64))[:, None])[:, 0].numpy()
+
+
+def test_groups_have_g_samples_engine_logprobs_and_verifier_rewards(stack, tiny_model_dir: Path) -> None:
+    G, M = 4, 5
+    s = stack(f"actors.group_size={G}", f"actors.max_prompts={M}", "actors.max_new_tokens=12",
+              "actors.prompts_in_flight=3")
+    s.start_buffer()
+    with FakeLearner(s.publish, s.query):  # no weights published: the base model serves as version 0
+        p = s.start_actors("--actor-id", "0")
+        ready = read_tagged(p, "ACTOR READY", 120, s.tmp / "actors.log")
+        assert ready["weight_version"] == 0
+        done = read_tagged(p, "ACTOR DONE", 120, s.tmp / "actors.log")
+        assert p.wait(timeout=30) == 0
+    assert done["groups"] == M and done["fatal"] is None
+    groups = sorted(s.groups(M), key=lambda g: int(g.group_id.split("-p")[1]))
+    cfg = load_config(None, s.overrides)
+    task, tok = get_task(cfg.task), load_tokenizer(tiny_model_dir)
+    model = load_model(tiny_model_dir).eval()
+    assert [g.group_id for g in groups] == [f"a0-p{i}" for i in range(M)]
+    for i, g in enumerate(groups):
+        prompt = task.train_prompt(i)
+        assert g.prompt_id == prompt.prompt_id and g.actor_id == 0 and g.task == task.name
+        assert len(g.samples) == G
+        assert g.weight_version == 0
+        for smp in g.samples:
+            assert smp.prompt_ids.tolist() == encode_prompt(tok, prompt)
+            assert smp.response_length == len(smp.output_ids) > 0
+            assert smp.finish_reason in ("stop", "length")
+            if smp.finish_reason == "length":
+                assert smp.response_length == 12
+            expected = task.verify(prompt, decode_response(tok, smp.output_ids.tolist())).reward
+            assert smp.reward == expected
+            ref = _hf_logprobs(model, smp.prompt_ids, smp.output_ids)
+            np.testing.assert_allclose(smp.output_logprobs, ref, atol=2e-4)
+    # sampling, not one response copied G times
+    assert any(len({tuple(x.output_ids.tolist()) for x in g.samples}) > 1 for g in groups)
+
+
+@pytest.mark.parametrize("policy", ["abort", pytest.param("wait", marks=pytest.mark.slow)])
+def test_weight_update_reaches_every_worker_and_bad_checksum_is_refused(stack, tmp_path: Path, tiny_model_dir: Path,
+                                                                        policy: str) -> None:
+    s = stack("actors.num_actors=2", "actors.group_size=2", "actors.max_new_tokens=8", "actors.prompts_in_flight=2",
+              f"actors.weight_sync={policy}")
+    s.start_buffer()
+    learner = FakeLearner(s.publish, s.query)
+    try:
+        p = s.start_actors()  # no --actor-id: both workers as children of one process
+        ready = [read_tagged(p, "ACTOR READY", 150, s.tmp / "actors.log") for _ in range(2)]
+        ports = {r["actor_id"]: r["metrics_port"] for r in ready}
+        urls = {r["actor_id"]: r["engine_url"] for r in ready}
+        assert sorted(ports) == [0, 1]
+
+        def sent(a: int) -> float:
+            return metric(scrape(ports[a]), "vapo_actor_groups_sent_total", actor=str(a)) or 0.0
+
+        wait_for(lambda: all(sent(a) >= 1 for a in ports), 60, "a v0 group from each worker")
+        v1 = make_weights(tiny_model_dir, tmp_path / "weights" / "v1", 0.9, 1)
+        t_pub = time.time()
+        learner.publish(v1)
+        wait_for(lambda: all(metric(scrape(ports[a]), "vapo_actor_weight_version", actor=str(a)) == 1 for a in ports),
+                 60, "both workers on v1")
+        after_v1 = {a: sent(a) for a in ports}
+        wait_for(lambda: all(sent(a) >= after_v1[a] + 2 for a in ports), 60, "two more groups from each worker")
+        for a in ports:
+            text = scrape(ports[a])
+            assert metric(text, "vapo_actor_weight_sync_seconds_count", actor=str(a)) == 1
+            latency = metric(text, "vapo_actor_weight_sync_seconds_sum", actor=str(a))
+            assert latency is not None and 0 <= latency <= time.time() - t_pub + 1
+
+        # v2 announced with a checksum that does not match its files: refused, v1 keeps serving
+        v2 = make_weights(tiny_model_dir, tmp_path / "weights" / "v2", 1.1, 2)
+        v2.sha256 = "0" * 64
+        learner.publish(v2)
+        wait_for(lambda: all(metric(scrape(ports[a]), "vapo_actor_weight_sync_failures_total", actor=str(a),
+                                    reason="checksum") == 1 for a in ports), 60, "both workers refusing v2")
+        before = {a: sent(a) for a in ports}
+        wait_for(lambda: all(sent(a) >= before[a] + 1 for a in ports), 60, "groups after the refusal")
+        for a in ports:
+            assert metric(scrape(ports[a]), "vapo_actor_weight_version", actor=str(a)) == 1
+            with urllib.request.urlopen(urls[a] + "/get_model_info", timeout=5) as r:
+                import json
+
+                assert str(json.loads(r.read())["weight_version"]) == "1"
+        assert terminate(p) == 0
+    finally:
+        learner.close()
+    n = int(s.buffer_stats()["depth_groups"])
+    groups = s.groups(n)
+    for a in (0, 1):
+        mine = sorted((g for g in groups if g.actor_id == a), key=lambda g: g.created_at)
+        versions = [g.weight_version for g in mine]
+        assert 0 in versions and versions.count(1) >= 3, versions
+        assert max(versions) == 1 and mine[-1].weight_version == 1
+        assert all(len(g.samples) == 2 and g.group_id.startswith(f"a{a}-p") for g in mine)
+    assert len({g.group_id for g in groups}) == len(groups)
+
+
+def test_killed_engine_is_restarted_with_newest_weights_and_no_prompt_is_lost_or_repeated(
+        stack, tmp_path: Path, tiny_model_dir: Path) -> None:
+    M = 14
+    s = stack("actors.group_size=2", "actors.max_new_tokens=8", "actors.prompts_in_flight=3", f"actors.max_prompts={M}",
+              "actors.weight_sync=wait", "engine.max_restarts=2")
+    s.start_buffer()
+    learner = FakeLearner(s.publish, s.query)
+    try:
+        learner.publish(make_weights(tiny_model_dir, tmp_path / "weights" / "v1", 0.9, 1))  # published before start
+        p = s.start_actors("--actor-id", "0")
+        ready = read_tagged(p, "ACTOR READY", 120, s.tmp / "actors.log")
+        assert ready["weight_version"] == 1  # a late worker starts its engine on the newest weights
+        first_engine = ready["engine_pid"]
+        wait_for(lambda: s.cursor(0)["next"] >= 3, 60, "three prompts done")
+        os.kill(first_engine, signal.SIGKILL)
+        wait_for(lambda: s.worker_state(0).get("engine_pid") not in (None, first_engine), 90, "a new engine")
+        assert s.worker_state(0)["weight_version"] == 1
+        done_before = s.cursor(0)["next"]
+        wait_for(lambda: s.cursor(0)["next"] >= done_before + 2, 60, "progress after the restart")
+        # Kill the worker itself too: its cursor must resume without repeating or skipping prompts.
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+        old_engine = s.worker_state(0)["engine_pid"]
+        wait_for(lambda: not _alive(old_engine), 30, "the orphaned engine to exit with its worker")
+        p2 = s.start_actors("--actor-id", "0", log_name="actors2.log")
+        done = read_tagged(p2, "ACTOR DONE", 150, s.tmp / "actors2.log")
+        assert p2.wait(timeout=30) == 0
+    finally:
+        learner.close()
+    assert done["fatal"] is None and done["weight_version"] == 1 and done["prompts_done"] == M
+    log = (s.run_dir / "logs" / "engine-0.log").read_text()
+    starts = [line for line in log.splitlines() if line.startswith("=== ")]
+    assert len(starts) == 3  # first start, restart after the kill, start by the restarted worker
+    assert all("--weight-version 1" in line and str(tmp_path / "weights" / "v1") in line for line in starts)
+    stats = s.buffer_stats()
+    groups = s.groups(int(stats["depth_groups"]))
+    ids = sorted(int(g.group_id.split("-p")[1]) for g in groups)
+    assert ids == list(range(M))  # every prompt of the shard exactly once
+    task = get_task(load_config(None, s.overrides).task)
+    assert all(g.prompt_id == task.train_prompt(int(g.group_id.split("-p")[1])).prompt_id for g in groups)
+    assert all(g.weight_version == 1 and len(g.samples) == 2 for g in groups)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie still answers kill(0): look at its state
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
