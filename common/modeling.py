@@ -12,8 +12,14 @@ import json
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 # Every character the embedded tasks print: digits, operators, separators, a few letters for words.
@@ -29,26 +35,68 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; one of {', '.join(_DTYPES)}") from None
 
 
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable-unicode table (what the ByteLevel pre-tokenizer emits per byte)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _qwen2_pretokenize_regex() -> str:
+    try:
+        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+        return PRETOKENIZE_REGEX
+    except ImportError:  # older transformers: the same expression Qwen2's tokenizer.json carries
+        return r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
 def build_char_tokenizer(charset: list[str] | None = None) -> PreTrainedTokenizerFast:
-    """A character-level tokenizer: ids 0..2 are <pad>, <s>, </s>; then one id per character."""
+    """A character-level tokenizer: ids 0..2 are <pad>, <s>, </s>; then one id per (ASCII) character.
+
+    It is built as a byte-level BPE with no merges and Qwen2's normaliser, pre-tokeniser and decoder.
+    transformers 5 loads every ``model_type: qwen2`` checkpoint's tokenizer through ``Qwen2Tokenizer``,
+    which keeps the vocab and merges of tokenizer.json but replaces the rest of the pipeline with
+    Qwen2's; a tokenizer with any other pipeline (e.g. WordLevel) silently drops characters such as
+    newline after ``AutoTokenizer.from_pretrained``. With this construction both load paths (and SGLang's)
+    give the same ids, one per character.
+    """
     chars = charset or CHARSET
+    table = _byte_level_alphabet()
     vocab = {PAD: 0, BOS: 1, EOS: 2}
     for ch in chars:
-        if ch not in vocab:
-            vocab[ch] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
-    # Split into single characters, keeping whitespace characters as tokens.
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=PAD, clean_up_tokenization_spaces=False
+        encoded = ch.encode()
+        if len(encoded) != 1:
+            raise ValueError(f"char tokenizer: only single-byte characters are supported, got {ch!r}")
+        sym = table[encoded[0]]
+        if sym not in vocab:
+            vocab[sym] = len(vocab)
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=[], dropout=None, unk_token=None, continuing_subword_prefix="",
+                   end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
     )
-    return fast
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_qwen2_pretokenize_regex()), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        # unk_token is only recorded so that Qwen2Tokenizer does not append its own <|endoftext|> token;
+        # unknown characters are dropped by both load paths (byte-level BPE without byte fallback).
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=PAD,
+        clean_up_tokenization_spaces=False,
+    )
 
 
 def decode_chars(tokenizer: PreTrainedTokenizerFast, ids: list[int]) -> str:
-    """Decode without the spaces WordLevel's decoder would put between tokens; drops special tokens."""
-    special = set(tokenizer.all_special_ids)
-    return "".join(tokenizer.convert_ids_to_tokens([i for i in ids if i not in special]))
+    """Decode ids to text with special tokens dropped (kept for callers; same as ``tokenizer.decode``)."""
+    return tokenizer.decode([int(i) for i in ids], skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 def build_tiny_qwen2(

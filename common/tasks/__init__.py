@@ -1,0 +1,31 @@
+"""Task registry: prompts, held-out split and verifiers (``get_task(cfg.task)``).
+
+Tasks: ``addition`` (embedded default, step-by-step column addition), ``reasoning_gym:<generator>``
+(reasoning-gym's procedural generators and checkers) and ``jsonl:<path>`` (question/answer lines checked
+with math-verify). See ``common.tasks.base`` for the interface and the prompt encoding every part shares.
+"""
+
+from __future__ import annotations
+
+from common.config import TaskConfig
+from common.tasks.base import Prompt, Task, Verdict, decode_response, encode_prompt, stable_hash
+
+__all__ = ["Prompt", "Task", "Verdict", "decode_response", "encode_prompt", "get_task", "stable_hash"]
+
+
+def get_task(cfg: TaskConfig) -> Task:
+    """Build the task named by ``cfg.name`` (raises ValueError with the choices on a bad name)."""
+    name = cfg.name
+    if name == "addition":
+        from common.tasks.addition import AdditionTask
+
+        return AdditionTask(cfg)
+    if name.startswith("reasoning_gym:"):
+        from common.tasks.reasoning_gym_task import ReasoningGymTask
+
+        return ReasoningGymTask(name.split(":", 1)[1], cfg)
+    if name.startswith("jsonl:"):
+        from common.tasks.jsonl_task import JsonlTask
+
+        return JsonlTask(name.split(":", 1)[1], cfg)
+    raise ValueError(f"unknown task {name!r}; use addition | reasoning_gym:<generator> | jsonl:<path>")

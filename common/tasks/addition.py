@@ -1,0 +1,154 @@
+"""Step-by-step column addition: the embedded default task.
+
+Prompt ``Q:472+38\\n``. The expected response adds the columns right to left, one line per column with the
+carry in, then the final answer on its own last line::
+
+    2+8+0=10
+    7+3+1=11
+    4+0+1=5
+    A:510
+
+A response therefore has about 9 tokens per column: 12 tokens (with EOS) for one digit, 64 for six, so a
+batch mixes short and long responses (the regime VAPO's length-adaptive GAE is for). The reward is 1 when
+the last line is exactly ``A:<a+b>`` (no leading zeros, nothing after it), else 0; the steps are not graded.
+
+Held-out split: the unordered operand pair ``{a, b}`` is hashed with the task seed into ``eval_buckets``
+buckets; bucket 0 is evaluation-only. Training draws skip bucket 0, so neither ``a+b`` nor ``b+a`` of an
+evaluation item ever appears in training.
+
+``teacher_response`` writes the expected trace, optionally with wrong column sums (the imperfect teacher
+the SFT bootstrap learns from, so that the base policy leaves room for RL).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from common.config import TaskConfig
+from common.tasks.base import Prompt, Task, Verdict, in_eval_bucket, stable_hash
+
+_MAX_DRAWS = 1000  # a training index that keeps landing in the eval bucket this often means eval_buckets=1
+
+
+class AdditionTask(Task):
+    name = "addition"
+
+    def __init__(self, cfg: TaskConfig) -> None:
+        if not 1 <= cfg.min_digits <= cfg.max_digits:
+            raise ValueError(f"addition: need 1 <= min_digits <= max_digits, got {cfg.min_digits}, {cfg.max_digits}")
+        if cfg.eval_buckets < 2:
+            raise ValueError(f"addition: eval_buckets must be >= 2 (bucket 0 is held out), got {cfg.eval_buckets}")
+        self.min_digits = cfg.min_digits
+        self.max_digits = cfg.max_digits
+        self.eval_buckets = cfg.eval_buckets
+        self.eval_size = cfg.eval_size
+        self.seed = cfg.seed
+        self._eval: list[Prompt] | None = None
+
+    # ------------------------------------------------------------------------------------ items
+
+    def _draw(self, rng: random.Random) -> tuple[int, int]:
+        def number() -> int:
+            nd = rng.randint(self.min_digits, self.max_digits)
+            return rng.randint(0, 9) if nd == 1 else rng.randint(10 ** (nd - 1), 10**nd - 1)
+
+        return number(), number()
+
+    def is_eval_pair(self, a: int, b: int) -> bool:
+        lo, hi = min(a, b), max(a, b)
+        return in_eval_bucket(self.seed, self.eval_buckets, f"{lo}+{hi}")
+
+    def _prompt(self, a: int, b: int, split: str, index: int) -> Prompt:
+        cols = max(len(str(a)), len(str(b)))
+        return Prompt(
+            prompt_id=f"addition:{split}:{index}",
+            text=f"Q:{a}+{b}\n",
+            answer=str(a + b),
+            split=split,
+            index=index,
+            bucket=f"{cols}d",
+        )
+
+    def train_prompt(self, index: int) -> Prompt:
+        if index < 0:
+            raise ValueError(f"train_prompt: index must be >= 0, got {index}")
+        for attempt in range(_MAX_DRAWS):
+            a, b = self._draw(random.Random(stable_hash(self.seed, "train", index, attempt)))
+            if not self.is_eval_pair(a, b):
+                return self._prompt(a, b, "train", index)
+        raise RuntimeError(f"addition: no training pair found for index {index}; is the operand space too small?")
+
+    def eval_prompts(self) -> list[Prompt]:
+        if self._eval is None:
+            rng = random.Random(stable_hash(self.seed, "eval"))
+            seen: set[tuple[int, int]] = set()
+            out: list[Prompt] = []
+            # Small operand spaces (max_digits=1) hold fewer eval pairs than eval_size: stop after a bound.
+            for _ in range(max(self.eval_size, 1) * 200):
+                if len(out) >= self.eval_size:
+                    break
+                a, b = self._draw(rng)
+                key = (min(a, b), max(a, b))
+                if key in seen or not self.is_eval_pair(a, b):
+                    continue
+                seen.add(key)
+                out.append(self._prompt(a, b, "eval", len(out)))
+            if not out:
+                raise RuntimeError("addition: the held-out split is empty; widen the digit range")
+            self._eval = out
+        return list(self._eval)
+
+    # ------------------------------------------------------------------------------------ verifier
+
+    _FINAL = re.compile(r"(?:^|\n)A:([^\n]*)\Z")
+
+    @staticmethod
+    def parse(response: str) -> str | None:
+        """The final answer string: the last line must be ``A:<digits>`` (trailing whitespace allowed)."""
+        m = AdditionTask._FINAL.search(response.rstrip())
+        if m is None:
+            return None
+        ans = m.group(1)
+        return ans if re.fullmatch(r"[0-9]+", ans) else None
+
+    def verify(self, prompt: Prompt, response: str) -> Verdict:
+        parsed = self.parse(response)
+        return Verdict(reward=1.0 if parsed is not None and parsed == prompt.answer else 0.0, parsed=parsed)
+
+
+
+# ---------------------------------------------------------------------------------------- teacher
+
+
+def operands(prompt: Prompt) -> tuple[int, int]:
+    m = re.fullmatch(r"Q:(\d+)\+(\d+)\n", prompt.text)
+    if m is None:
+        raise ValueError(f"not an addition prompt: {prompt.text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def teacher_response(prompt: Prompt, rng: random.Random | None = None, error_rate: float = 0.0) -> str:
+    """The column-by-column trace for ``prompt``; each column sum is off by one with prob ``error_rate``.
+
+    A wrong column propagates like a human slip: its written digit and carry follow the wrong sum, so the
+    final answer of a trace with an error is wrong (and consistent with the trace).
+    """
+    a, b = operands(prompt)
+    sa, sb = str(a)[::-1], str(b)[::-1]
+    lines: list[str] = []
+    digits: list[int] = []
+    carry = 0
+    for i in range(max(len(sa), len(sb))):
+        da = int(sa[i]) if i < len(sa) else 0
+        db = int(sb[i]) if i < len(sb) else 0
+        s = da + db + carry
+        if error_rate > 0 and rng is not None and rng.random() < error_rate:
+            s = s + 1 if s == 0 else s - 1 if s == 19 else s + rng.choice((-1, 1))
+        lines.append(f"{da}+{db}+{carry}={s}")
+        digits.append(s % 10)
+        carry = s // 10
+    if carry:
+        digits.append(carry)
+    answer = str(int("".join(str(d) for d in reversed(digits))))
+    return "\n".join(lines) + f"\nA:{answer}"

@@ -1,0 +1,102 @@
+"""Task interface shared by every task: prompts, verdicts, the held-out split and prompt encoding.
+
+A task is a deterministic, infinite, indexable stream of training prompts (actors shard it by index), a
+fixed held-out list of evaluation prompts that is disjoint from training by construction (a stable hash
+bucket of the item decides its split, so no training index can ever produce an evaluation item), and a
+verifier that turns a decoded response into a reward of 1 or 0 plus the answer it parsed.
+
+``encode_prompt`` gives exactly the token ids the engine is sent; ``decode_response`` gives exactly the
+text ``verify`` receives. Both live here so actors, learner evaluation and the SFT bootstrap agree.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One task item. ``answer`` is the reference answer; ``bucket`` groups items for evaluation reports."""
+
+    prompt_id: str
+    text: str
+    answer: str
+    split: str = "train"  # "train" | "eval"
+    index: int = 0  # position in its split's stream (train) or list (eval)
+    bucket: str = ""  # difficulty / length bucket label, e.g. "3d" for 3-column additions
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The verifier's score (1.0 or 0.0 for the built-in tasks) and the answer it parsed (None = unparseable)."""
+
+    reward: float
+    parsed: str | None
+
+
+class Task(abc.ABC):
+    """A prompt source with a held-out split and a verifier."""
+
+    name: str
+
+    @abc.abstractmethod
+    def train_prompt(self, index: int) -> Prompt:
+        """The ``index``-th training prompt (any index >= 0; same index, same prompt, in every process)."""
+
+    @abc.abstractmethod
+    def eval_prompts(self) -> list[Prompt]:
+        """The held-out prompts (fixed list; never produced by ``train_prompt``)."""
+
+    @abc.abstractmethod
+    def verify(self, prompt: Prompt, response: str) -> Verdict:
+        """Score a decoded response to ``prompt``."""
+
+
+def stable_hash(*parts: Any) -> int:
+    """A 64-bit hash that is identical across processes and Python versions (unlike ``hash``)."""
+    data = "\x1f".join(str(p) for p in parts).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def in_eval_bucket(seed: int, buckets: int, key: str) -> bool:
+    """Whether the item identified by ``key`` belongs to the held-out split (bucket 0 of ``buckets``)."""
+    return stable_hash(seed, "split", key) % buckets == 0
+
+
+def _token_ids(x: Any) -> list[int]:
+    """apply_chat_template returns a list, a BatchEncoding or a dict depending on the transformers version."""
+    if isinstance(x, dict) or hasattr(x, "keys"):
+        x = x["input_ids"]
+    return [int(i) for i in x]
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """The token ids the engine is given for ``prompt``.
+
+    Tokenizers with a chat template (instruct models on GPU) get the prompt as one user turn plus the
+    generation prompt; plain tokenizers (the embedded char tokenizer, base models) get BOS + text.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        ids = _token_ids(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt.text}], add_generation_prompt=True, tokenize=True
+            )
+        )
+    else:
+        ids = _token_ids(tokenizer.encode(prompt.text, add_special_tokens=True))
+        bos = tokenizer.bos_token_id
+        if bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+    return ids
+
+
+def decode_response(tokenizer: Any, output_ids: list[int]) -> str:
+    """The text ``verify`` receives: output ids up to (not including) the first EOS, specials dropped."""
+    ids = [int(i) for i in output_ids]
+    eos = tokenizer.eos_token_id
+    if eos is not None and eos in ids:
+        ids = ids[: ids.index(eos)]
+    return tokenizer.decode(ids, skip_special_tokens=True)

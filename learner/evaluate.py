@@ -1,0 +1,309 @@
+"""Held-out evaluation: avg@k sampled accuracy, greedy accuracy, accuracy by bucket and by length.
+
+Library use (the learner calls it in-process every ``learner.eval_every`` steps)::
+
+    from learner.evaluate import evaluate
+    stats = evaluate(model, tokenizer, task, k=8, max_new_tokens=96)
+
+CLI::
+
+    python -m learner.evaluate --model runs/_base/addition-tiny [--task addition] [--k 8] [--config cfg.yaml]
+
+prints one JSON object. Sampling is a batched decode loop with the model's KV cache (left-padded prompts,
+per-sequence stopping at EOS), seeded with its own ``torch.Generator`` so a call is reproducible and does
+not disturb the caller's RNG. Prompts are encoded with ``common.tasks.encode_prompt`` and responses decoded
+with ``decode_response``, exactly as the actors do. Response length counts generated tokens including EOS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from common.tasks import Prompt, Task, decode_response, encode_prompt
+
+LENGTH_BINS = (16, 32, 48, 64, 96, 128)  # response-length bucket upper edges (tokens)
+
+
+def _length_bin(n: int) -> str:
+    lo = 0
+    for hi in LENGTH_BINS:
+        if n <= hi:
+            return f"{lo + 1}-{hi}"
+        lo = hi
+    return f">{LENGTH_BINS[-1]}"
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    """transformers 5.x renamed ``past_key_values`` to ``cache``; accept both generations."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _cache_of(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+@torch.inference_mode()
+def sample_batch(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
+    """Generate one response per prompt (temperature 0 = greedy); each list ends at its EOS (included)."""
+    device = next(model.parameters()).device
+    bsz, plen = len(prompts), max(len(p) for p in prompts)
+    input_ids = torch.full((bsz, plen), pad_id, dtype=torch.long, device=device)
+    attn = torch.zeros((bsz, plen), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        input_ids[i, plen - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        attn[i, plen - len(p) :] = 1
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
+    cache_kw = _cache_kwarg(model)
+    past, logits = _cache_of(out), out.logits[:, -1]
+    next_pos = pos[:, -1] + 1
+    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
+    finished = torch.zeros(bsz, dtype=torch.bool, device=device)
+    steps: list[torch.Tensor] = []
+    for t in range(max_new_tokens):
+        if temperature <= 0:
+            tok = logits.argmax(-1)
+        else:
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            tok = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        tok = torch.where(finished, torch.full_like(tok, pad_id), tok)
+        steps.append(tok)
+        finished |= torch.isin(tok, eos)
+        if bool(finished.all()) or t == max_new_tokens - 1:
+            break
+        attn = torch.cat([attn, torch.ones((bsz, 1), dtype=attn.dtype, device=device)], dim=1)
+        out = model(
+            input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+            use_cache=True, **{cache_kw: past},
+        )
+        past, logits = _cache_of(out), out.logits[:, -1]
+        next_pos = next_pos + 1
+    gen = torch.stack(steps, dim=1).tolist()
+    eos_set = set(int(e) for e in eos_ids)
+    result: list[list[int]] = []
+    for row in gen:
+        cut = next((j + 1 for j, x in enumerate(row) if x in eos_set), len(row))
+        result.append(row[:cut])
+    return result
+
+
+def generate(
+    model: torch.nn.Module,
+    prompt_ids: Sequence[Sequence[int]],
+    n: int,
+    max_new_tokens: int,
+    temperature: float,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    batch_size: int = 512,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[list[list[int]]]:
+    """``n`` responses for each prompt: result[prompt][sample] = output ids. Batches similar lengths."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    jobs = sorted(((len(p), i, s) for i, p in enumerate(prompt_ids) for s in range(n)))
+    out: list[list[list[int]]] = [[[] for _ in range(n)] for _ in prompt_ids]
+    for start in range(0, len(jobs), batch_size):
+        chunk = jobs[start : start + batch_size]
+        res = sample_batch(model, [prompt_ids[i] for _, i, _ in chunk], max_new_tokens, temperature, eos_ids, pad_id, gen)
+        for (_, i, s), ids in zip(chunk, res, strict=True):
+            out[i][s] = ids
+        if progress is not None:
+            progress(min(start + batch_size, len(jobs)), len(jobs))
+    return out
+
+
+def score(
+    task: Task, tokenizer: Any, prompts: Sequence[Prompt], sampled: Sequence[Sequence[Sequence[int]]],
+    greedy: Sequence[Sequence[int]] | None, eos_ids: Sequence[int],
+) -> dict[str, Any]:
+    """The evaluation report for already generated responses (separate from sampling so it can be tested)."""
+    eos_set = set(int(e) for e in eos_ids)
+    k = len(sampled[0]) if sampled else 0
+    rewards: list[float] = []
+    lengths: list[int] = []
+    truncated = 0
+    pass_k = 0
+    by_bucket: dict[str, list[float]] = defaultdict(list)
+    greedy_by_bucket: dict[str, list[float]] = defaultdict(list)
+    by_len: dict[str, list[float]] = defaultdict(list)
+    for p, samples in zip(prompts, sampled, strict=True):
+        rs = []
+        for ids in samples:
+            r = task.verify(p, decode_response(tokenizer, ids)).reward
+            rs.append(r)
+            lengths.append(len(ids))
+            truncated += int(not ids or ids[-1] not in eos_set)
+            by_len[_length_bin(len(ids))].append(r)
+        rewards.extend(rs)
+        by_bucket[p.bucket].extend(rs)
+        pass_k += int(max(rs, default=0.0) >= 1.0)
+    report: dict[str, Any] = {
+        "task": task.name,
+        "n_prompts": len(prompts),
+        "k": k,
+        "avg_at_k": _mean(rewards),
+        "pass_at_k": pass_k / max(len(prompts), 1),
+        "mean_response_length": _mean(lengths),
+        "min_response_length": min(lengths, default=0),
+        "max_response_length": max(lengths, default=0),
+        "truncated_fraction": truncated / max(len(lengths), 1),
+    }
+    if greedy is not None:
+        g_rewards, g_lengths = [], []
+        for p, ids in zip(prompts, greedy, strict=True):
+            r = task.verify(p, decode_response(tokenizer, ids)).reward
+            g_rewards.append(r)
+            g_lengths.append(len(ids))
+            greedy_by_bucket[p.bucket].append(r)
+        report["greedy_accuracy"] = _mean(g_rewards)
+        report["greedy_mean_response_length"] = _mean(g_lengths)
+    report["by_bucket"] = {
+        b: {"n_prompts": len(v) // max(k, 1), "avg_at_k": _mean(v),
+            **({"greedy_accuracy": _mean(greedy_by_bucket[b])} if greedy is not None else {})}
+        for b, v in sorted(by_bucket.items(), key=lambda kv: _bucket_order(kv[0]))
+    }
+    report["by_response_length"] = {
+        b: {"n_samples": len(v), "avg_at_k": _mean(v)} for b, v in sorted(by_len.items(), key=lambda kv: _bucket_order(kv[0]))
+    }
+    return report
+
+
+def _bucket_order(label: str) -> tuple[float, str]:
+    digits = "".join(ch for ch in label.split("-")[0] if ch.isdigit())
+    return (float(digits) if digits else math.inf, label)
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+def evaluate(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    task: Task,
+    k: int = 8,
+    max_new_tokens: int = 96,
+    temperature: float = 1.0,
+    batch_size: int = 512,
+    seed: int = 0,
+    greedy: bool = True,
+    prompts: Sequence[Prompt] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Sample ``k`` responses per held-out prompt (and one greedy) and report accuracy.
+
+    Keys: task, n_prompts, k, avg_at_k (mean reward over all k samples of every prompt), pass_at_k,
+    greedy_accuracy,
+    mean/min/max_response_length, truncated_fraction, by_bucket (task buckets, e.g. digits),
+    by_response_length, seconds. The model's train/eval mode is restored afterwards.
+    """
+    if k < 1:
+        raise ValueError(f"evaluate: k must be >= 1, got {k}")
+    t0 = time.perf_counter()
+    prompts = list(task.eval_prompts() if prompts is None else prompts)
+    ids = [encode_prompt(tokenizer, p) for p in prompts]
+    eos_ids = [tokenizer.eos_token_id]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    was_training = model.training
+    model.eval()
+    try:
+        sampled = generate(model, ids, k, max_new_tokens, temperature, eos_ids, pad_id, batch_size, seed, progress)
+        greedy_out = (
+            [g[0] for g in generate(model, ids, 1, max_new_tokens, 0.0, eos_ids, pad_id, batch_size, seed)]
+            if greedy else None
+        )
+    finally:
+        model.train(was_training)
+    report = score(task, tokenizer, prompts, sampled, greedy_out, eos_ids)
+    report["temperature"] = temperature
+    report["seconds"] = round(time.perf_counter() - t0, 3)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m learner.evaluate",
+        description="Evaluate an HF model on a task's held-out split; prints one JSON object "
+        "(avg@k sampled accuracy, greedy accuracy, accuracy by bucket and response length).",
+    )
+    ap.add_argument("--model", required=True, help="HF model directory (save_pretrained format)")
+    ap.add_argument("--config", default=None, help="config YAML (task and sampling settings); default: built-in defaults")
+    ap.add_argument("--task", default=None, help="task name, overrides task.name (addition | reasoning_gym:<gen> | jsonl:<path>)")
+    ap.add_argument("--k", type=int, default=8, help="samples per prompt for avg@k (default 8)")
+    ap.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: actors.temperature)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="response limit (default: actors.max_new_tokens)")
+    ap.add_argument("--n-prompts", type=int, default=None, help="evaluate only the first N held-out prompts")
+    ap.add_argument("--batch-size", type=int, default=512, help="sequences decoded together (default 512)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    ap.add_argument("--no-greedy", action="store_true", help="skip the greedy pass")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: learner.threads)")
+    ap.add_argument("overrides", nargs="*", help="config overrides key=value (e.g. task.eval_size=64)")
+    args = ap.parse_args(argv)
+
+    from common.config import ConfigError, load_config
+    from common.modeling import load_model, load_tokenizer
+    from common.tasks import get_task
+
+    try:
+        overrides = list(args.overrides) + ([f"task.name={args.task}"] if args.task else [])
+        cfg = load_config(args.config, overrides)
+        task = get_task(cfg.task)
+    except (ConfigError, ValueError) as e:
+        print(f"evaluate: {e}", file=sys.stderr)
+        return 2
+    if args.k < 1 or args.batch_size < 1:
+        print("evaluate: --k and --batch-size must be >= 1", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads or cfg.learner.threads)
+    try:
+        tokenizer = load_tokenizer(args.model)
+        model = load_model(args.model, cfg.model.dtype, cfg.run.device)
+    except (OSError, ValueError) as e:
+        print(f"evaluate: cannot load model from {args.model}: {e}", file=sys.stderr)
+        return 2
+    prompts = task.eval_prompts()
+    if args.n_prompts is not None:
+        prompts = prompts[: args.n_prompts]
+
+    def progress(done: int, total: int) -> None:
+        print(f"\r  sampled {done}/{total} sequences", end="", file=sys.stderr, flush=True)
+
+    report = evaluate(
+        model, tokenizer, task, k=args.k,
+        max_new_tokens=args.max_new_tokens or cfg.actors.max_new_tokens,
+        temperature=cfg.actors.temperature if args.temperature is None else args.temperature,
+        batch_size=args.batch_size, seed=args.seed, greedy=not args.no_greedy, prompts=prompts,
+        progress=progress,
+    )
+    print(file=sys.stderr)
+    report["model"] = str(args.model)
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Base policy bootstrap: supervised fine-tuning of a tiny Qwen2 on an imperfect teacher's addition traces.
+
+    python -m learner.sft [config.yaml] [key=value ...]      # e.g. python -m learner.sft ops/configs/default.yaml
+
+Builds the character tokenizer and a tiny Qwen2 (``common.modeling``), trains it with next-token loss on
+the response tokens of ``common.tasks.addition.teacher_response`` traces for training prompts, where the
+teacher makes a wrong column sum with probability ``model.bootstrap.teacher_error_rate``. The result is
+imperfect on purpose: it samples (temperature 1) mistakes at about that rate per column while its greedy
+answers are mostly right, which leaves RL room to sharpen the policy. Finally it evaluates the model on
+the held-out split and saves it with ``save_pretrained`` (atomic) to ``model.path``, with its bootstrap
+stats in ``vapo_info.json``.
+
+Deterministic given ``model.bootstrap.seed`` and ``model.bootstrap.threads``: the run stops after
+``max_steps``; ``seconds`` is only a safety cap (hitting it makes the result depend on machine speed and
+is reported as such). Not part of the VAPO paper, which starts from a pretrained LLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.config import Config, ConfigError, load_config, to_dict
+from common.modeling import build_char_tokenizer, build_tiny_qwen2, save_hf
+from common.tasks import Prompt, encode_prompt, get_task, stable_hash
+from common.tasks.addition import AdditionTask, teacher_response
+
+
+def make_example(tokenizer: Any, prompt: Prompt, seed: int, error_rate: float) -> tuple[list[int], int]:
+    """(token ids of prompt + teacher response + EOS, number of prompt tokens) for one training prompt."""
+    rng = random.Random(stable_hash(seed, "teacher", prompt.index))
+    response = teacher_response(prompt, rng, error_rate)
+    p_ids = encode_prompt(tokenizer, prompt)
+    r_ids = tokenizer.encode(response, add_special_tokens=False)
+    return p_ids + list(r_ids) + [tokenizer.eos_token_id], len(p_ids)
+
+
+def make_batch(
+    tokenizer: Any, task: AdditionTask, step: int, batch_size: int, seed: int, error_rate: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids [B,T] right-padded, loss mask [B,T-1] on response targets) for SFT step ``step``."""
+    examples = [
+        make_example(tokenizer, task.train_prompt(step * batch_size + j), seed, error_rate) for j in range(batch_size)
+    ]
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.full((batch_size, width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((batch_size, width - 1), dtype=torch.float32)
+    for i, (seq, plen) in enumerate(examples):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        # Target position t predicts token t+1: train on response tokens and the EOS only.
+        mask[i, plen - 1 : len(seq) - 1] = 1.0
+    return ids, mask
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    frac = (step - warmup) / max(total - warmup, 1)
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def train(cfg: Config, log: Any = print) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
+    """Run the SFT; returns (model, tokenizer, stats). Does not save."""
+    b = cfg.model.bootstrap
+    torch.set_num_threads(b.threads)
+    task = get_task(cfg.task)
+    if not isinstance(task, AdditionTask):
+        raise ValueError(f"learner.sft bootstraps the embedded addition task only, not {task.name!r}; "
+                         "for other tasks point model.path at a pretrained HF model")
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_qwen2(
+        len(tokenizer), hidden_size=b.hidden_size, num_layers=b.num_layers, num_heads=b.num_heads,
+        num_kv_heads=b.num_kv_heads, intermediate_size=b.intermediate_size,
+        max_position_embeddings=b.max_position_embeddings, seed=b.seed,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    torch.manual_seed(b.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=b.lr, betas=(0.9, 0.98), weight_decay=b.weight_decay)
+    warmup = max(1, int(b.warmup_fraction * b.max_steps))
+    model.train()
+    log(f"sft: {n_params:,} parameters, up to {b.max_steps} steps x {b.batch_size} traces "
+        f"(teacher error rate {b.teacher_error_rate:.0%}, cap {b.seconds:.0f} s, {b.threads} threads)")
+    t0 = time.perf_counter()
+    last_log = t0
+    tokens = 0
+    ema: float | None = None
+    step = 0
+    hit_cap = False
+    while step < b.max_steps:
+        if time.perf_counter() - t0 >= b.seconds:
+            hit_cap = True
+            break
+        ids, mask = make_batch(tokenizer, task, step, b.batch_size, b.seed, b.teacher_error_rate)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, b.max_steps, b.lr, warmup, b.min_lr_ratio)
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none"
+        ).view_as(mask)
+        loss = (nll * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        tokens += int(mask.sum())
+        step += 1
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        now = time.perf_counter()
+        if now - last_log >= b.log_every_s or step == b.max_steps:
+            el = now - t0
+            log(f"sft: step {step}/{b.max_steps}  loss {ema:.4f}  {step / el:.2f} steps/s  "
+                f"{tokens / el:,.0f} tok/s  {el:.0f}s")
+            last_log = now
+    seconds = time.perf_counter() - t0
+    if hit_cap:
+        log(f"sft: WARNING stopped by the {b.seconds:.0f} s cap at step {step}/{b.max_steps}; "
+            "the result now depends on machine speed (raise model.bootstrap.seconds or lower max_steps)")
+    stats = {
+        "parameters": n_params,
+        "steps": step,
+        "max_steps": b.max_steps,
+        "stopped_by_time_cap": hit_cap,
+        "sft_seconds": round(seconds, 2),
+        "steps_per_s": round(step / max(seconds, 1e-9), 3),
+        "response_tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+        "final_loss_ema": ema,
+        "threads": b.threads,
+    }
+    return model, tokenizer, stats
+
+
+def run(cfg: Config, log: Any = print) -> dict[str, Any]:
+    """Train, evaluate on the held-out split, save to ``cfg.model.path``; returns the saved stats."""
+    from learner.evaluate import evaluate
+
+    t_all = time.perf_counter()
+    model, tokenizer, stats = train(cfg, log)
+    b = cfg.model.bootstrap
+    task = get_task(cfg.task)
+    if b.eval_k > 0:
+        log(f"sft: evaluating on {len(task.eval_prompts())} held-out prompts x {b.eval_k} samples ...")
+        report = evaluate(model, tokenizer, task, k=b.eval_k, max_new_tokens=cfg.actors.max_new_tokens,
+                          temperature=1.0, seed=b.seed)
+        stats["eval"] = report
+        log(f"sft: held-out sampled avg@{b.eval_k} {report['avg_at_k']:.3f}  greedy {report['greedy_accuracy']:.3f}  "
+            f"response length {report['min_response_length']}-{report['max_response_length']} "
+            f"(mean {report['mean_response_length']:.1f})  [{report['seconds']:.1f} s]")
+    stats["total_seconds"] = round(time.perf_counter() - t_all, 2)
+    stats["task"] = to_dict(cfg.task)
+    stats["bootstrap"] = to_dict(b)
+    model.eval()
+    out = save_hf(model, tokenizer, cfg.model.path, extra={"bootstrap": stats})
+    log(f"sft: saved {out} ({stats['sft_seconds']:.0f} s of SFT, {stats['total_seconds']:.0f} s total)")
+    return stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m learner.sft",
+        description="Bootstrap the embedded base policy: SFT a tiny Qwen2 on an imperfect teacher's "
+        "step-by-step addition traces, evaluate it on the held-out split and save it (HF format) to "
+        "model.path. Settings: model.bootstrap.* (see python -m common.config --help).",
+    )
+    ap.add_argument("config", nargs="?", default=None, help="config YAML (default: built-in defaults)")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.bootstrap.max_steps=100")
+    ap.add_argument("--if-missing", action="store_true", help="do nothing when model.path already holds a model")
+    args = ap.parse_args(argv)
+    path, overrides = args.config, list(args.overrides)
+    if path is not None and "=" in path and not Path(path).is_file():
+        path, overrides = None, [path, *overrides]
+    try:
+        cfg = load_config(path, overrides)
+    except ConfigError as e:
+        print(f"sft: config error: {e}", file=sys.stderr)
+        return 2
+    if args.if_missing and (Path(cfg.model.path) / "config.json").is_file():
+        print(f"sft: {cfg.model.path} exists; nothing to do (--if-missing)")
+        return 0
+    try:
+        stats = run(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except ValueError as e:
+        print(f"sft: {e}", file=sys.stderr)
+        return 2
+    summary = {k: v for k, v in stats.items() if k not in ("task", "bootstrap", "eval")}
+    if "eval" in stats:
+        ev = stats["eval"]
+        summary.update({f"avg@{ev['k']}": ev["avg_at_k"], "greedy_accuracy": ev["greedy_accuracy"],
+                        "response_length": [ev["min_response_length"], ev["max_response_length"]]})
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
