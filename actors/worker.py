@@ -152,12 +152,13 @@ class RolloutWorker:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop)
         cfg = self.cfg
-        from common.modeling import load_tokenizer
-
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model.path)
         self.task = get_task(cfg.task)
         self.cursor = PromptCursor(self.state_dir / f"cursor-{self.actor_id}.json", self.actor_id,
                                    self.a.num_actors, limit=self.a.max_prompts)
+        if self.cursor.finished():
+            log.info("actor %d: all %d prompts of actors.max_prompts are done", self.actor_id, self.a.max_prompts)
+            self._emit("ACTOR DONE", self.summary())
+            return 0
         if cfg.metrics.prometheus:
             port = self.a.metrics_base_port + self.actor_id if self.a.metrics_base_port > 0 else 0
             try:
@@ -175,8 +176,13 @@ class RolloutWorker:
         tasks: list[asyncio.Task[Any]] = []
         try:
             await self.watcher.query()
-            async with self._control:
-                await self._connect_engine()
+
+            async def connect() -> None:
+                async with self._control:
+                    await self._connect_engine()
+
+            # The engine boots (seconds) while this process imports transformers for the tokenizer.
+            self.tokenizer, _ = await asyncio.gather(asyncio.to_thread(_load_tokenizer, cfg.model.path), connect())
             self._gate.set()
             self._emit("ACTOR READY", {"actor_id": self.actor_id, "pid": os.getpid(), "engine_url": self.client.base_url,
                                        "engine_pid": self.engine.pid if self.engine else None,
@@ -501,6 +507,12 @@ class RolloutWorker:
                      self.actor_id, self.counts["groups"], rate, self.version,
                      self.counts["positives"] / max(self.counts["samples"], 1), self.in_flight,
                      self.counts["engine_restarts"])
+
+
+def _load_tokenizer(path: str) -> Any:
+    from common.modeling import load_tokenizer
+
+    return load_tokenizer(path)
 
 
 def _as_version(v: Any) -> int:
