@@ -74,7 +74,7 @@ class PromptCursor:
         return self.limit > 0 and self.next >= self.limit
 
     def _peek(self) -> int:
-        k = self._issue_from
+        k = max(self._issue_from, self.next)  # everything below the watermark is done
         while k in self.done or k in self._issued:
             k += 1
         return k
