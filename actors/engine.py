@@ -179,7 +179,12 @@ def _read_state_dict(model_path: str | Path) -> dict[str, torch.Tensor]:
 
 
 class _Runner:
-    """Batched prefill/decode of a Llama-style HF model against a slot-major KV cache."""
+    """Batched prefill/decode of a Llama-style HF model against a slot-major KV cache.
+
+    The q/k/v and gate/up projection weights are re-seated as views into one fused tensor each, so a
+    decode step runs one matmul per fused group while ``named_parameters()`` (and weight updates that
+    ``copy_`` into them) keep working unchanged.
+    """
 
     def __init__(self, model: torch.nn.Module, max_slots: int, max_len: int, device: torch.device) -> None:
         base = getattr(model, "model", None)
@@ -200,81 +205,151 @@ class _Runner:
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.group = self.n_heads // self.n_kv
+        self.scale = self.head_dim ** -0.5
         self.max_slots = max_slots
         self.max_len = max_len
         self.device = device
         dtype = next(model.parameters()).dtype
+        self.fp32 = dtype == torch.float32
         shape = (max_slots, self.n_kv, max_len, self.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
         self._arange = torch.arange(max_len, device=device)
+        with torch.no_grad():
+            self.qkv = [self._fuse([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj]) for ly in self.layers]
+            mlps = [ly.mlp for ly in self.layers]
+            self.gate_up = [self._fuse([m.gate_proj, m.up_proj]) if hasattr(m, "gate_proj") and hasattr(m, "up_proj")
+                            and hasattr(m, "down_proj") and hasattr(m, "act_fn") else None for m in mlps]
+            # cos/sin for every position, computed by the model's own rotary module (same values it uses).
+            probe = torch.zeros(1, 1, device=device, dtype=dtype)
+            cos, sin = base.rotary_emb(probe, self._arange[None])
+            self.cos, self.sin = cos[0], sin[0]  # [max_len, D]
 
     @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rot * sin
+    def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        sizes = [lin.weight.shape[0] for lin in linears]
+        w = torch.cat([lin.weight.data for lin in linears], 0).contiguous()
+        has_bias = [lin.bias is not None for lin in linears]
+        b = torch.cat([lin.bias.data for lin in linears], 0).contiguous() if all(has_bias) else None
+        off = 0
+        for lin, n in zip(linears, sizes, strict=True):
+            lin.weight.data = w[off : off + n]
+            if b is not None:
+                lin.bias.data = b[off : off + n]
+            off += n
+        if any(has_bias) and b is None:  # mixed biases: keep separate modules (not seen in practice)
+            raise RuntimeError("q/k/v projections with partial biases are not supported")
+        return w, b, sizes
 
-    def _qkv(self, attn: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _norm(self, mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        eps = getattr(mod, "variance_epsilon", None)
+        if self.fp32 and eps is not None and type(mod).__name__.endswith("RMSNorm"):
+            return F.rms_norm(x, (x.shape[-1],), mod.weight, eps)
+        return mod(x)
+
+    def _qkv(self, li: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Roped q ``[b, t, H, D]``, roped k and v ``[b, t, KV, D]``."""
+        attn = self.layers[li].self_attn
+        w, bias, _ = self.qkv[li]
         b, t, _ = h.shape
-        q = attn.q_proj(h).view(b, t, -1, self.head_dim)
-        k = attn.k_proj(h).view(b, t, -1, self.head_dim)
-        v = attn.v_proj(h).view(b, t, -1, self.head_dim).transpose(1, 2)
-        if hasattr(attn, "q_norm"):  # Qwen3
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+        x = F.linear(h, w, bias).view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
+        qk, v = x[:, :, : self.n_heads + self.n_kv], x[:, :, self.n_heads + self.n_kv :]
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before rope
+            qk = torch.cat([attn.q_norm(qk[:, :, : self.n_heads]), attn.k_norm(qk[:, :, self.n_heads :])], dim=2)
+        half = self.head_dim // 2
+        rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+        qk = qk * cos + rot * sin
+        return qk[:, :, : self.n_heads], qk[:, :, self.n_heads :], v
 
-    def _layer_rest(self, layer: torch.nn.Module, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        b, _, t, _ = attn_out.shape
-        x = x + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, t, -1))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+    def _mlp_residual(self, li: int, x: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[li]
+        h = self._norm(layer.post_attention_layernorm, x)
+        fused = self.gate_up[li]
+        if fused is None:
+            return x + layer.mlp(h)
+        w, bias, sizes = fused
+        gu = F.linear(h, w, bias)
+        g, u = gu[..., : sizes[0]], gu[..., sizes[0] :]
+        return x + layer.mlp.down_proj(layer.mlp.act_fn(g) * u)
 
     def _logits(self, x_last: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.base.norm(x_last)).float()
+        return self.model.lm_head(self._norm(self.base.norm, x_last)).float()
 
     def prefill(self, slot0: int, contexts: list[list[int]]) -> torch.Tensor:
-        """Fill slots slot0.. with ``contexts`` (right-padded batch); logits of each last position [n, V]."""
+        """Fill slots slot0.. with ``contexts``; logits of each context's last position ``[n, V]``.
+
+        Identical contexts (the n samples of one prompt) are computed once and their KV rows copied to the
+        other slots, as SGLang's prefix cache would share them; HF generate recomputes every copy.
+        """
         n = len(contexts)
-        lens = torch.tensor([len(c) for c in contexts], device=self.device)
-        t = int(lens.max())
-        ids = torch.zeros((n, t), dtype=torch.long, device=self.device)
+        rep: dict[tuple[int, ...], int] = {}
+        uniq: list[int] = []  # index in ``contexts`` of each distinct context
+        which: list[int] = []  # for each context: its distinct context's position in ``uniq``
         for i, c in enumerate(contexts):
-            ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-        pos = self._arange[:t].unsqueeze(0).expand(n, t)
+            j = rep.setdefault(tuple(c), len(uniq))
+            if j == len(uniq):
+                uniq.append(i)
+            which.append(j)
+        u = len(uniq)
+        lens = torch.tensor([len(contexts[i]) for i in uniq], device=self.device)
+        t = int(lens.max())
+        ids = torch.zeros((u, t), dtype=torch.long)
+        for r, i in enumerate(uniq):
+            ids[r, : len(contexts[i])] = torch.tensor(contexts[i], dtype=torch.long)
+        ids = ids.to(self.device)
+        dst = None if u == n else torch.tensor(uniq, device=self.device) + slot0
         x = self.base.embed_tokens(ids)
-        cos, sin = self.base.rotary_emb(x, pos)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, sin = self.cos[:t][None, :, None, :], self.sin[:t][None, :, None, :]
         ar = self._arange[:t]
         mask = (ar[None, :] <= ar[:, None])[None, None] & (ar[None, None, None, :] < lens[:, None, None, None])
         for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer.self_attn, layer.input_layernorm(x), cos, sin)
-            self.k[li][slot0 : slot0 + n, :, :t] = k
-            self.v[li][slot0 : slot0 + n, :, :t] = v
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-            x = self._layer_rest(layer, x, out)
-        last = x[torch.arange(n, device=self.device), lens - 1]
-        return self._logits(last)
+            q, k, v = self._qkv(li, self._norm(layer.input_layernorm, x), cos, sin)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if dst is None:
+                self.k[li][slot0 : slot0 + n, :, :t] = k
+                self.v[li][slot0 : slot0 + n, :, :t] = v
+            else:
+                self.k[li][dst, :, :t] = k
+                self.v[li][dst, :, :t] = v
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.group > 1)
+            x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(u, t, -1))
+            x = self._mlp_residual(li, x)
+        logits = self._logits(x[torch.arange(u, device=self.device), lens - 1])
+        if dst is None:
+            return logits
+        copies = [(slot0 + i, slot0 + uniq[which[i]]) for i in range(n) if uniq[which[i]] != i]
+        to = torch.tensor([c[0] for c in copies], device=self.device)
+        frm = torch.tensor([c[1] for c in copies], device=self.device)
+        for cache in (*self.k, *self.v):
+            cache[to, :, :t] = cache[:, :, :t].index_select(0, frm)
+        return logits[torch.tensor(which, device=self.device)]
 
     def decode(self, tokens: list[int], lens: list[int]) -> torch.Tensor:
         """One step for slots 0..B-1: token i sits at position lens[i]; logits [B, V]."""
-        b = len(tokens)
-        tok = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(1)
-        pos = torch.tensor(lens, dtype=torch.long, device=self.device)
+        b, kv, d = len(tokens), self.n_kv, self.head_dim
+        tok = torch.tensor(tokens, dtype=torch.long).to(self.device).unsqueeze(1)
+        pos = torch.tensor(lens, dtype=torch.long).to(self.device)
         t = int(max(lens)) + 1
         x = self.base.embed_tokens(tok)
-        cos, sin = self.base.rotary_emb(x, pos.unsqueeze(1))
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, sin = self.cos[pos][:, None, None, :], self.sin[pos][:, None, None, :]
+        # Flat row index of (slot, kv head, position) in each [S*KV*T, D] cache view: one index_copy_ per tensor.
         rows = torch.arange(b, device=self.device)
-        mask = (self._arange[:t][None, :] <= pos[:, None])[:, None, None, :]
+        flat_idx = ((rows[:, None] * kv + torch.arange(kv, device=self.device)[None, :]) * self.max_len
+                    + pos[:, None]).reshape(-1)
+        neg = torch.zeros((b, 1, 1, t), dtype=x.dtype, device=self.device)
+        neg.masked_fill_((self._arange[:t][None, :] > pos[:, None])[:, None, None, :], float("-inf"))
         for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer.self_attn, layer.input_layernorm(x), cos, sin)
+            q, k, v = self._qkv(li, self._norm(layer.input_layernorm, x), cos, sin)
             kc, vc = self.k[li], self.v[li]
-            kc[rows, :, pos] = k[:, :, 0]
-            vc[rows, :, pos] = v[:, :, 0]
-            out = F.scaled_dot_product_attention(q, kc[:b, :, :t], vc[:b, :, :t], attn_mask=mask,
-                                                 enable_gqa=self.n_kv != self.n_heads)
-            x = self._layer_rest(layer, x, out)
+            kc.view(-1, d).index_copy_(0, flat_idx, k.reshape(b * kv, d))
+            vc.view(-1, d).index_copy_(0, flat_idx, v.reshape(b * kv, d))
+            # Grouped-query attention for one query position as two batched matmuls (no K/V repeat).
+            qg = q.reshape(b, kv, self.group, d)
+            scores = torch.matmul(qg, kc[:b, :, :t].transpose(-1, -2)) * self.scale + neg
+            out = torch.matmul(torch.softmax(scores, dim=-1), vc[:b, :, :t])
+            x = x + layer.self_attn.o_proj(out.reshape(b, 1, -1))
+            x = self._mlp_residual(li, x)
         return self._logits(x[:, 0])
 
     def move(self, src: int, dst: int, length: int) -> None:
