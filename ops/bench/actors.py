@@ -1,0 +1,207 @@
+"""Benchmark: end-to-end actor throughput (verified samples/s into the buffer) vs the engine's raw /generate.
+
+    .venv/bin/python ops/bench/actors.py [--seconds 20] [--model DIR] [key=value ...]
+
+One ``actors.rollout_server`` engine serves both phases, with the run's config (default
+``ops/configs/default.yaml``: G = 8, prompts_in_flight = 16, max_new_tokens = 96, temperature 1):
+
+- raw: ``prompts_in_flight`` concurrent asyncio loops POST ``/generate`` (n = G, return_logprob) for this
+  actor's prompts through ``actors.sglang_client``, and count samples — the engine's throughput with no
+  verification, no buffer, no credit;
+- actors: ``python -m actors --actor-id 0`` with ``engine.kind=external`` pointing at the same engine, a real
+  buffer (``python -m buffer``, LMDB) and no learner; throughput is the growth of the buffer's committed
+  ``accepted_samples`` counter.
+
+Each phase warms up (``--warmup`` s) and is then measured for ``--seconds``; the raw phase runs before and
+after the actor phase and the baseline is their mean, so drift in machine load affects both sides.
+Model: ``--model`` or a random Qwen2 of the config's bootstrap size (char tokenizer). Prints one JSON line.
+Target (issue 5): ratio >= 0.9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from actors.sglang_client import SGLangClient  # noqa: E402
+from common.config import Config, load_config  # noqa: E402
+
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+       "TOKENIZERS_PARALLELISM": "false"}
+
+
+def read_line(p: subprocess.Popen, prefix: str, timeout_s: float) -> str:
+    """The first stdout line of ``p`` starting with ``prefix``."""
+    assert p.stdout is not None
+    deadline, buf = time.monotonic() + timeout_s, b""
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([p.stdout], [], [], 1.0)
+        if not r:
+            if p.poll() is not None:
+                break
+            continue
+        ch = os.read(p.stdout.fileno(), 1)
+        if not ch:
+            break
+        buf += ch
+        if ch == b"\n":
+            line, buf = buf.decode(), b""
+            if line.startswith(prefix):
+                return line
+    raise RuntimeError(f"no {prefix!r} line from {' '.join(map(str, p.args))} (rc={p.poll()})")
+
+
+def read_tagged(p: subprocess.Popen, tag: str, timeout_s: float) -> dict[str, Any]:
+    """The JSON payload of the ``TAG {json}`` line (``BUFFER READY``, ``ACTOR DONE``, ...)."""
+    return json.loads(read_line(p, tag + " ", timeout_s)[len(tag) + 1:])
+
+
+def build_model(cfg: Config, out: Path) -> Path:
+    from common.modeling import build_char_tokenizer, build_tiny_qwen2, save_hf
+
+    b = cfg.model.bootstrap
+    tok = build_char_tokenizer()
+    model = build_tiny_qwen2(len(tok), hidden_size=b.hidden_size, num_layers=b.num_layers, num_heads=b.num_heads,
+                             num_kv_heads=b.num_kv_heads, intermediate_size=b.intermediate_size,
+                             max_position_embeddings=b.max_position_embeddings, seed=0)
+    return save_hf(model, tok, out)
+
+
+async def raw_phase(cfg: Config, url: str, prompts: list[list[int]], warmup_s: float, seconds: float) -> dict[str, float]:
+    """Samples/s of the engine alone under the actors' request pattern."""
+    a = cfg.actors
+    sp = {"n": a.group_size, "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k,
+          "max_new_tokens": a.max_new_tokens}
+    t_start = time.monotonic()
+    t0, t1 = t_start + warmup_s, t_start + warmup_s + seconds
+    counts = {"samples": 0, "tokens": 0}
+    nxt = 0
+
+    async def loop(client: SGLangClient) -> None:
+        nonlocal nxt
+        while time.monotonic() < t1:
+            ids = prompts[nxt % len(prompts)]
+            nxt += 1
+            outs = await client.generate(ids, sp, return_logprob=True)
+            now = time.monotonic()
+            if t0 <= now <= t1:
+                counts["samples"] += len(outs)
+                counts["tokens"] += sum(len(o.output_ids) for o in outs)
+
+    async with SGLangClient(url) as client:
+        await asyncio.gather(*(loop(client) for _ in range(a.prompts_in_flight)))
+    return {"samples_per_s": counts["samples"] / seconds, "tokens_per_s": counts["tokens"] / seconds}
+
+
+def actor_phase(overrides: list[str], tmp: Path, warmup_s: float, seconds: float) -> dict[str, Any]:
+    from buffer.client import BatchClient
+
+    buf = subprocess.Popen([sys.executable, "-m", "buffer", *overrides], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                           stderr=open(tmp / "buffer.log", "ab"))  # noqa: SIM115
+    procs = [buf]
+    try:
+        read_tagged(buf, "BUFFER READY", 60)
+        act = subprocess.Popen([sys.executable, "-m", "actors", *overrides, "--actor-id", "0"], cwd=REPO, env=ENV,
+                               stdout=subprocess.PIPE, stderr=open(tmp / "actor.log", "ab"))  # noqa: SIM115
+        procs.append(act)
+        read_tagged(act, "ACTOR READY", 120)
+        serve = next(o.split("=", 1)[1] for o in overrides if o.startswith("buffer.serve_addr="))
+        with BatchClient(serve) as bc:
+            time.sleep(warmup_s)  # benchmark phase timing, not synchronisation
+            s0, t0 = bc.stats(), time.monotonic()
+            time.sleep(seconds)
+            s1, t1 = bc.stats(), time.monotonic()
+        act.send_signal(signal.SIGTERM)
+        done = read_tagged(act, "ACTOR DONE", 60)
+        act.wait(timeout=60)
+        dt = t1 - t0
+        samples = s1["accepted_samples"] - s0["accepted_samples"]
+        groups = s1["accepted_groups"] - s0["accepted_groups"]
+        return {"samples_per_s": samples / dt, "groups_per_s": groups / dt, "credit_wait_s": done["credit_wait_s"],
+                "resubmits": done["resubmits"], "tokens_per_sample": done["tokens"] / max(done["samples"], 1)}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="key=value overrides apply to ops/configs/default.yaml (or --config)")
+    ap.add_argument("--config", default=str(REPO / "ops/configs/default.yaml"))
+    ap.add_argument("--seconds", type=float, default=20.0, help="measured seconds per phase")
+    ap.add_argument("--warmup", type=float, default=4.0, help="unmeasured seconds at the start of each phase")
+    ap.add_argument("--model", default="", help="HF model dir (default: a random model of the bootstrap size)")
+    args, overrides = ap.parse_known_args()
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        ap.error(f"unrecognised arguments: {' '.join(bad)}")
+    tmp = Path(tempfile.mkdtemp(prefix="vbench-actors-"))
+    sock = Path(tempfile.mkdtemp(prefix="vba", dir="/tmp"))
+    engine: subprocess.Popen | None = None
+    try:
+        cfg = load_config(args.config, overrides)
+        model = Path(args.model) if args.model else build_model(cfg, tmp / "model")
+        e = cfg.engine
+        engine = subprocess.Popen(
+            [sys.executable, "-m", "actors.rollout_server", "--model-path", str(model), "--skip-tokenizer-init",
+             "--port", "0", "--threads", str(e.threads), "--max-batch-size", str(e.max_batch_size),
+             "--batch-wait-ms", str(e.batch_wait_ms), "--weight-version", "0", "--log-level", "warning"],
+            cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=open(tmp / "engine.log", "ab"))  # noqa: SIM115
+        line = read_line(engine, "rollout_server ready", 120)
+        url = line.split("ready on ", 1)[1].split()[0]
+        from common.modeling import load_tokenizer
+        from common.tasks import encode_prompt, get_task
+
+        tok, task = load_tokenizer(model), get_task(cfg.task)
+        prompts = [encode_prompt(tok, task.train_prompt(i)) for i in range(512)]
+        run_overrides = [
+            *overrides, f"run.root={tmp / 'runs'}", "run.name=bench", f"model.path={model}", "engine.kind=external",
+            f"engine.urls=[{url}]", "actors.num_actors=1", f"buffer.ingest_addr=ipc://{sock}/in",
+            f"buffer.serve_addr=ipc://{sock}/serve", "buffer.metrics_port=0", "actors.metrics_base_port=0",
+            f"learner.publish_addr=ipc://{sock}/pub", f"learner.query_addr=ipc://{sock}/query",
+            "learner.batch_groups=100000", "buffer.capacity_groups=100000", "run.log_level=WARNING",
+            "actors.weight_query_timeout_s=0.5",
+        ]
+        cfg_arg = [args.config]
+        raw1 = asyncio.run(raw_phase(cfg, url, prompts, args.warmup, args.seconds))
+        act = actor_phase(cfg_arg + run_overrides, tmp, args.warmup, args.seconds)
+        raw2 = asyncio.run(raw_phase(cfg, url, prompts, args.warmup, args.seconds))
+        raw = (raw1["samples_per_s"] + raw2["samples_per_s"]) / 2
+        print(json.dumps({
+            "bench": "actors", "ratio": round(act["samples_per_s"] / raw, 4), "target": 0.9,
+            "actor_samples_per_s": round(act["samples_per_s"], 2), "raw_samples_per_s": round(raw, 2),
+            "raw_samples_per_s_before": round(raw1["samples_per_s"], 2),
+            "raw_samples_per_s_after": round(raw2["samples_per_s"], 2),
+            "raw_tokens_per_sample": round(raw1["tokens_per_s"] / max(raw1["samples_per_s"], 1e-9), 2),
+            "actor_tokens_per_sample": round(act["tokens_per_sample"], 2),
+            "actor_credit_wait_s": act["credit_wait_s"], "actor_resubmits": act["resubmits"],
+            "group_size": cfg.actors.group_size, "prompts_in_flight": cfg.actors.prompts_in_flight,
+            "max_new_tokens": cfg.actors.max_new_tokens, "seconds": args.seconds, "cpus": os.cpu_count(),
+        }))
+        return 0
+    finally:
+        if engine is not None and engine.poll() is None:
+            engine.terminate()
+            engine.wait(timeout=30)
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(sock, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
