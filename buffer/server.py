@@ -54,6 +54,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import random
 import signal
 import sys
@@ -94,6 +95,75 @@ def admission_capacity(max_staleness: int, batch_groups: int, pending_n: int, de
     return max_staleness * batch_groups + pending_n - depth - in_flight
 
 
+class _Writer:
+    """One thread that runs ``store.put_groups`` for a batch while the main thread validates the next.
+
+    LMDB commits (page writes + fsync) release the GIL, so decoding overlaps the disk. The main thread
+    touches LMDB only while the writer is idle (``BufferServer._wait_writer``); sockets stay on the main
+    thread, which is woken through an inproc PAIR socket.
+    """
+
+    def __init__(self, store: BufferStore, ctx: zmq.Context) -> None:
+        self.store = store
+        self.ctx = ctx
+        self.addr = f"inproc://buffer-writer-{id(self)}"
+        self.notify = ctx.socket(zmq.PAIR)
+        self.notify.bind(self.addr)
+        self.batch: list[tuple[GroupRecord, tuple[bytes, str, int]]] = []
+        self.busy = False
+        self._jobs: queue.Queue[tuple[list[Any], dict[str, int]] | None] = queue.Queue(maxsize=1)
+        self._done: deque[tuple[list[Any], dict[str, int], Any, Any]] = deque()
+        self._thread = threading.Thread(target=self._run, name="buffer-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        out = self.ctx.socket(zmq.PAIR)
+        out.connect(self.addr)
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                batch, before = job
+                try:
+                    results, err = self.store.put_groups([r for r, _ in batch]), None
+                except StorageError as e:
+                    results, err = None, e
+                except Exception as e:  # never let the writer die silently: report it as a storage error
+                    log.exception("writer failed")
+                    results, err = None, StorageError("internal", repr(e))
+                self._done.append((batch, before, results, err))
+                out.send(b"")
+        finally:
+            out.close(linger=0)
+
+    def submit(self, batch: list[Any], before: dict[str, int]) -> None:
+        assert not self.busy
+        self.busy = True
+        self.batch = batch
+        self._jobs.put((batch, before))
+
+    def wait(self) -> None:
+        self.notify.poll()  # blocks until the commit in progress is done
+
+    def collect(self) -> list[tuple[list[Any], dict[str, int], Any, Any]]:
+        out = []
+        while self.notify.poll(0):
+            self.notify.recv()
+            out.append(self._done.popleft())
+            self.busy = False
+            self.batch = []
+        return out
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            if self.busy:
+                self.wait()
+                self.collect()
+            self._jobs.put(None)
+            self._thread.join(timeout=30)
+
+
 class BufferServer:
     """Owns the store and both sockets; ``run()`` serves until ``stop()``."""
 
@@ -117,6 +187,8 @@ class BufferServer:
             raise
         self.ingest = self._socket(zmq.ROUTER, b.ingest_addr)
         self.serve = self._socket(zmq.REP, b.serve_addr)
+        self.writer = _Writer(self.store, self.ctx)
+        self._next: list[tuple[GroupRecord, tuple[bytes, str, int]]] = []  # validated, waiting for a commit
         self._stop = threading.Event()
         self._rng = random.Random(cfg.run.seed)
         # Admission state (in memory by design: see module docstring).
@@ -128,6 +200,7 @@ class BufferServer:
         self._rejected: dict[str, int] = {}
         self._timeouts = 0
         self._storage_errors = 0
+        self._ingest_commits = 0
         self._last_gauges = 0.0
         self._depth_changed = True
         self._update_gauges(force=True)
@@ -176,25 +249,28 @@ class BufferServer:
 
     def run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self.ingest, zmq.POLLIN)
-        poller.register(self.serve, zmq.POLLIN)
-        serve_registered = True
+        poller.register(self.writer.notify, zmq.POLLIN)
+        registered = {self.ingest: False, self.serve: False}
         try:
             while not self._stop.is_set():
                 # A REP socket must answer before it may receive again: stop polling it while a batch waits.
-                want_serve = self._pending is None
-                if want_serve != serve_registered:
-                    if want_serve:
-                        poller.register(self.serve, zmq.POLLIN)
-                    else:
-                        poller.unregister(self.serve)
-                    serve_registered = want_serve
+                # Stop reading ingest while the next batch is full (the ZeroMQ queues push back on senders).
+                want = {self.serve: self._pending is None,
+                        self.ingest: len(self._next) < self.cfg.buffer.commit_batch}
+                for sock, on in want.items():
+                    if on != registered[sock]:
+                        (poller.register(sock, zmq.POLLIN) if on else poller.unregister(sock))
+                        registered[sock] = on
                 timeout_ms = 100.0
                 if self._pending is not None:
                     timeout_ms = max(0.0, min(timeout_ms, (self._pending[1] - time.monotonic()) * 1000))
                 events = dict(poller.poll(timeout_ms))
+                if self.writer.notify in events:
+                    self._collect_writer()
                 if self.ingest in events:
                     self._drain_ingest()
+                if self._next and not self.writer.busy:
+                    self._submit()
                 if self._pending is None and self.serve in events:
                     self._handle_serve()
                 if self._pending is not None:
@@ -202,11 +278,13 @@ class BufferServer:
                 self._expire_credits()
                 self._grant_credits()
                 self._update_gauges()
+            self._wait_writer()
         finally:
             self.close()
 
     def close(self) -> None:
-        for s in (self.ingest, self.serve):
+        self.writer.stop()
+        for s in (self.ingest, self.serve, self.writer.notify):
             if not s.closed:
                 s.close(linger=0)
         self.curve.stop()
@@ -221,21 +299,21 @@ class BufferServer:
         return encode(ErrorReply(reason=reason, message=message[:4000]))
 
     def _drain_ingest(self) -> None:
-        records: list[GroupRecord] = []
-        origins: list[tuple[bytes, str, int]] = []  # (identity, group_id, actor_id) per record
+        """Read, validate and queue groups for the next commit; answer everything else at once."""
         credit_msgs: list[tuple[bytes, Any]] = []
-        batch_bytes = 0
         lv, pos_reward = self.learner_version, self.cfg.buffer.positive_reward
-        while len(records) < self.cfg.buffer.commit_batch and batch_bytes < 256 << 20:
+        for _ in range(4 * self.cfg.buffer.commit_batch):
+            if len(self._next) >= self.cfg.buffer.commit_batch:
+                break
             try:
-                parts = self.ingest.recv_multipart(zmq.NOBLOCK)
+                parts = self.ingest.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            ident, body = parts[0], parts[1:]
+            ident, body = parts[0].bytes, parts[1:]
             if len(body) != 1:
                 self._send_ingest(ident, self._reject("multipart", f"expected 1 frame, got {len(body)}"))
                 continue
-            frame = body[0]
+            frame = body[0].buffer  # zero-copy view; LMDB copies it once, into the page
             try:
                 msg = decode(frame, self.max_frame)
             except ProtocolError as e:
@@ -248,19 +326,34 @@ class BufferServer:
                 self._send_ingest(ident, self._reject("unexpected_type", f"{msg.TYPE} not accepted on ingest"))
                 continue
             rec = self._record(msg, frame, lv, pos_reward)
-            if rec.fate == STORED and not self._has_room(records, len(frame)):
-                if self._known(msg.group_id) is None:
+            if rec.fate == STORED and not self._has_room(len(frame)):
+                self._wait_writer()
+                if not self._has_room(len(frame)) and self._known(msg.group_id) is None:
                     self._send_ingest(ident, encode(IngestAck(
                         group_id=msg.group_id, committed=False, duplicate=False,
                         error=f"full: {self.store.counters['depth_groups']} groups waiting")))
                     continue
-            records.append(rec)
-            origins.append((ident, msg.group_id, msg.actor_id))
-            batch_bytes += len(frame)
-        if records:
-            self._commit(records, origins)
+            self._next.append((rec, (ident, msg.group_id, msg.actor_id)))
         for ident, req in credit_msgs:
             self._on_credit_request(ident, req)
+
+    def _submit(self) -> None:
+        batch, self._next = self._next, []
+        self.m.ingested_groups.inc(len(batch))
+        self.writer.submit(batch, dict(self.store.counters))
+
+    def _wait_writer(self) -> None:
+        """Finish the commit in progress; every main-thread LMDB access goes through here first.
+
+        Nothing is submitted again until the main loop's next turn, so the caller has LMDB to itself.
+        """
+        while self.writer.busy:
+            self.writer.wait()
+            self._collect_writer()
+
+    def _collect_writer(self) -> None:
+        for batch, before, results, err in self.writer.collect():
+            self._finish(batch, before, results, err)
 
     def _record(self, g: SampleGroup, frame: bytes, lv: int, pos_reward: float) -> GroupRecord:
         positives = [
@@ -273,37 +366,38 @@ class BufferServer:
             fate = FILTERED
         return GroupRecord(g.group_id, frame, g.weight_version, len(g.samples), positives, fate)
 
-    def _has_room(self, records: list[GroupRecord], nbytes: int) -> bool:
+    def _has_room(self, nbytes: int) -> bool:
         c = self.store.counters
-        new = [r for r in records if r.fate == STORED]
+        new = [r for r, _ in self._next + self.writer.batch if r.fate == STORED]
         groups = c["depth_groups"] + len(new)
         size = c["depth_bytes"] + sum(len(r.frame) for r in new) + nbytes
         return groups < self.cfg.buffer.capacity_groups and size <= self.cfg.buffer.capacity_bytes
 
     def _known(self, group_id: str) -> bytes | None:
+        self._wait_writer()
         with self.store.env.begin() as txn:
             return txn.get(group_id.encode(), db=self.store.gindex)
 
-    def _commit(self, records: list[GroupRecord], origins: list[tuple[bytes, str, int]]) -> None:
-        self.m.ingested_groups.inc(len(records))
-        before = dict(self.store.counters)
-        try:
-            results = self.store.put_groups(records)
-        except StorageError as e:
+    def _finish(self, batch: list[tuple[GroupRecord, tuple[bytes, str, int]]], before: dict[str, int],
+                results: list[tuple[str, bool]] | None, err: StorageError | None) -> None:
+        """Acknowledge a batch whose transaction has committed (or report its storage error)."""
+        if err is not None or results is None:
             self._storage_errors += 1
-            self.m.storage_errors.labels(reason=e.reason).inc()
-            log.error("storage error, %d groups not stored (senders will retry): %s", len(records), e)
-            for ident, gid, _ in origins:
+            reason = err.reason if err is not None else "unknown"
+            self.m.storage_errors.labels(reason=reason).inc()
+            log.error("storage error, %d groups not stored (senders will retry): %s", len(batch), err)
+            for _, (ident, gid, _) in batch:
                 self._send_ingest(ident, encode(IngestAck(
-                    group_id=gid, committed=False, duplicate=False, error=f"storage: {e}"[:4000])))
+                    group_id=gid, committed=False, duplicate=False, error=f"storage: {err}"[:4000])))
             return
+        self._ingest_commits += 1
         after = self.store.counters
-        for (ident, gid, actor_id), (outcome, dup) in zip(origins, results, strict=True):
+        for (_, (ident, gid, actor_id)), (outcome, dup) in zip(batch, results, strict=True):
             if not dup:
                 self._consume_credit(actor_id)
             note = "" if outcome == "stored" else ("filtered:uniform_reward" if outcome == "filtered" else outcome)
             self._send_ingest(ident, encode(IngestAck(group_id=gid, committed=True, duplicate=dup, error=note)))
-        self.m.acked_groups.inc(len(records))
+        self.m.acked_groups.inc(len(batch))
         self.m.duplicate_groups.inc(after["duplicates"] - before["duplicates"])
         n_filtered = after["filtered"] - before["filtered"]
         if n_filtered:
@@ -367,6 +461,7 @@ class BufferServer:
     # ------------------------------------------------------------------ learner requests
 
     def _handle_serve(self) -> None:
+        self._wait_writer()
         try:
             parts = self.serve.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
@@ -415,6 +510,7 @@ class BufferServer:
         if not self._depth_changed and now < deadline:
             return
         self._depth_changed = False
+        self._wait_writer()
         min_version = max(0, self.learner_version - self.k)
         try:
             frames, dropped = self.store.take_groups(req.n_groups, min_version)
@@ -427,7 +523,9 @@ class BufferServer:
             self.m.stale_dropped_groups.inc(dropped)
             self._dropped_since_reply += dropped
         if frames:
-            self.serve.send(encode_batch_reply(frames, self._dropped_since_reply, self._filtered_since_reply))
+            reply = encode_batch_reply(frames, self._dropped_since_reply, self._filtered_since_reply)
+            del frames
+            self.serve.send(reply, copy=False)  # tens of MB: hand the buffer to ZeroMQ instead of copying
             self._dropped_since_reply = self._filtered_since_reply = 0
             self.m.served_groups.inc(len(frames))
             self.m.batch_serve_seconds.observe(time.monotonic() - now)
@@ -456,6 +554,7 @@ class BufferServer:
             "rejected_total": float(sum(self._rejected.values())),
             "batch_timeouts": float(self._timeouts),
             "storage_errors": float(self._storage_errors),
+            "ingest_commits": float(self._ingest_commits),
             "lmdb_bytes": float(self.store.data_bytes()),
             "map_size": float(self.store.map_size),
             "metrics_port": float(self.m.port or 0),

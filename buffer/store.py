@@ -4,9 +4,9 @@ Used by ``buffer.server`` (the only writer) and ``buffer.inspect`` (read-only, s
 
 Databases:
 
-- ``groups``: key = big-endian ``(weight_version, seq)`` (8 + 8 bytes), so a cursor walks groups oldest
-  weight version first, arrival order within a version. Value = 4-byte big-endian sample count + the
-  group's encoded ``SampleGroup`` frame exactly as received (served without re-encoding through
+- ``groups``: key = big-endian ``(weight_version, seq, n_samples)`` (8 + 8 + 4 bytes), so a cursor walks
+  groups oldest weight version first, arrival order within a version. Value = the group's encoded
+  ``SampleGroup`` frame exactly as received (stored and served without a copy being re-encoded: see
   ``common.protocol.encode_batch_reply``).
 - ``gindex``: group_id -> outcome byte (``S`` stored, ``F`` filtered, ``X`` stale on arrival) + group key.
   Re-sent group_ids find their entry and are acknowledged again without a second copy. Entries are kept
@@ -34,6 +34,7 @@ import random
 import resource
 import shutil
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
-_GKEY = struct.Struct(">QQ")
+_GKEY = struct.Struct(">QQI")  # weight_version, seq, n_samples (never affects order: seq is unique)
 _U32 = struct.Struct(">I")
 _Q = struct.Struct(">Q")
 _I64 = struct.Struct(">q")
@@ -134,6 +135,7 @@ class BufferStore:
         self.positives_capacity = positives_capacity
         self.on_commit = on_commit
         self._map_size = map_size if not max_map_size else min(map_size, max_map_size)
+        self._lock = threading.RLock()
         self._open()
         self.counters = self._read_counters()
 
@@ -180,6 +182,10 @@ class BufferStore:
 
     def _write(self, fn: Callable[[lmdb.Transaction, dict[str, int]], Any]) -> Any:
         """Run ``fn(txn, counters)`` in one write transaction; counters are committed with it."""
+        with self._lock:  # one writer at a time, so the counters never lose an update
+            return self._write_locked(fn)
+
+    def _write_locked(self, fn: Callable[[lmdb.Transaction, dict[str, int]], Any]) -> Any:
         while True:
             c = dict(self.counters)
             try:
@@ -234,9 +240,9 @@ class BufferStore:
                     continue
                 key = b""
                 if r.fate == STORED:
-                    key = _GKEY.pack(r.weight_version, c["next_seq"])
+                    key = _GKEY.pack(r.weight_version, c["next_seq"], r.n_samples)
                     c["next_seq"] += 1
-                    txn.put(key, _U32.pack(r.n_samples) + r.frame, db=self.groups, overwrite=False, append=False)
+                    txn.put(key, r.frame, db=self.groups)
                     c["depth_groups"] += 1
                     c["depth_samples"] += r.n_samples
                     c["depth_bytes"] += len(r.frame)
@@ -259,13 +265,12 @@ class BufferStore:
         dropped = 0
         cur = txn.cursor(db=self.groups)
         while cur.first():
-            version, _ = _GKEY.unpack(cur.key())
+            version, _, n_samples = _GKEY.unpack(cur.key())
             if version >= min_version:
                 break
-            v = cur.value()
             c["depth_groups"] -= 1
-            c["depth_samples"] -= _U32.unpack(v[:4])[0]
-            c["depth_bytes"] -= len(v) - 4
+            c["depth_samples"] -= n_samples
+            c["depth_bytes"] -= len(cur.value())
             c["stale_dropped"] += 1
             cur.delete()
             dropped += 1
@@ -291,10 +296,10 @@ class BufferStore:
             cur = txn.cursor(db=self.groups)
             while len(frames) < n and cur.first():
                 v = cur.value()
-                frames.append(v[4:])
+                frames.append(v)
                 c["depth_groups"] -= 1
-                c["depth_samples"] -= _U32.unpack(v[:4])[0]
-                c["depth_bytes"] -= len(v) - 4
+                c["depth_samples"] -= _GKEY.unpack(cur.key())[2]
+                c["depth_bytes"] -= len(v)
                 cur.delete()
             if frames:
                 c["served_groups"] += len(frames)
@@ -370,7 +375,7 @@ class BufferStore:
     def iter_group_frames(self) -> list[bytes]:
         """Every waiting group frame in serving order (tests, tools)."""
         with self.env.begin() as txn:
-            return [bytes(v[4:]) for _, v in txn.cursor(db=self.groups)]
+            return [bytes(v) for _, v in txn.cursor(db=self.groups)]
 
     def data_bytes(self) -> int:
         return _file_bytes(self.path)
@@ -384,7 +389,7 @@ def _version_bound(env: lmdb.Environment, db: Any, last: bool) -> int:
     with env.begin() as txn:
         cur = txn.cursor(db=db)
         ok = cur.last() if last else cur.first()
-        return _GKEY.unpack(cur.key())[0] if ok else -1
+        return _Q.unpack(cur.key()[:8])[0] if ok else -1
 
 
 def _file_bytes(path: Path) -> int:
@@ -421,8 +426,8 @@ def inspect(path: str | Path) -> dict[str, Any]:
                 v = txn.get(name.encode(), db=dbs["meta"])
                 counters[name] = _I64.unpack(v)[0] if v is not None else 0
             cur = txn.cursor(db=dbs["groups"])
-            min_v = _GKEY.unpack(cur.key())[0] if cur.first() else None
-            max_v = _GKEY.unpack(cur.key())[0] if cur.last() else None
+            min_v = _Q.unpack(cur.key()[:8])[0] if cur.first() else None
+            max_v = _Q.unpack(cur.key()[:8])[0] if cur.last() else None
             n_groups = txn.stat(dbs["groups"])["entries"]
             n_pos = txn.stat(dbs["positives"])["entries"]
         info = env.info()

@@ -65,6 +65,7 @@ def test_async_sender_resends_across_server_restart(buffer_proc: Any) -> None:
 
     async def main() -> Any:
         async with AsyncGroupSender(srv.ingest_addr, 0, ack_timeout_s=0.3) as s:
+            assert (await s.send(make_group("warm"), timeout_s=10)).committed  # connected
             srv.proc.send_signal(signal.SIGSTOP)  # connected but silent: the frame is sent, no ack comes
             task = asyncio.create_task(s.send(make_group("across"), timeout_s=30))
             await asyncio.sleep(1.0)  # the sender times out and re-sends (simulated work, not sync)
@@ -77,7 +78,7 @@ def test_async_sender_resends_across_server_restart(buffer_proc: Any) -> None:
     ack, resent = asyncio.run(main())
     assert ack.committed and resent >= 1
     with BatchClient(srv.serve_addr) as c:
-        assert c.stats()["accepted_groups"] == 1
+        assert c.stats()["accepted_groups"] == 2
 
 
 def test_batch_client_recovers_after_server_restart(buffer_proc: Any) -> None:

@@ -1,0 +1,225 @@
+"""Buffer benchmark: ZeroMQ ingest into LMDB vs raw LMDB puts of the same bytes, plus batch-serve latency.
+
+    .venv/bin/python ops/bench/buffer.py [--groups-per-sender 600] [--senders 2] [--tokens 1000]
+
+Prints one JSON line. Workload: groups of 16 samples with 1,000-token responses (100-token prompts),
+rewards all 0 (no positives harvesting), sent by ``--senders`` processes through ``GroupSender.send_many``
+(``--window``, default 32) over TCP on 127.0.0.1 to ``python -m buffer`` (a subprocess), acknowledged after each LMDB
+commit (fsync on). Credit/admission is not exercised (the senders do not acquire). The baseline, in
+the same run: one process writing the same encoded frames to a fresh LMDB with the same key layout,
+``buffer.commit_batch`` groups per transaction, same sync settings. Then ``BatchClient.get_batch`` for
+512 groups, timed to bytes received and to decoded ``BatchReply``.
+
+Requirement figure: the paper's setting trains on 512 prompts x 16 = 8,192 samples per learner step; we
+assume a 60 s step (long-CoT 32B steps take minutes), i.e. 137 samples/s from one buffer; the target is
+100x that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+STEP_SECONDS_ASSUMED = 60.0
+PAPER_SAMPLES_PER_STEP = 512 * 16
+
+
+def build_groups(n: int, seed: int, prefix: str, g: int, tokens: int) -> list[Any]:
+    import numpy as np
+
+    from common.protocol import Sample, SampleGroup
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        samples = [
+            Sample(prompt_ids=rng.integers(0, 150000, 100, dtype=np.int32),
+                   output_ids=rng.integers(0, 150000, tokens, dtype=np.int32),
+                   output_logprobs=-rng.random(tokens, dtype=np.float32),
+                   reward=0.0, finish_reason="stop", weight_version=0, response_length=tokens)
+            for _ in range(g)
+        ]
+        out.append(SampleGroup(group_id=f"{prefix}-{i}", prompt_id=f"{prefix}-p{i}", task="bench", actor_id=seed,
+                               samples=samples, created_at=time.time()))
+    return out
+
+
+def sender_main(addr: str, actor: int, n: int, g: int, tokens: int, window: int, rounds: int, ready: Any,
+                starts: list[Any], results: Any) -> None:
+    from buffer.client import GroupSender
+
+    with GroupSender(addr, actor, ack_timeout_s=30.0, window=window) as s:
+        for r in range(rounds):
+            groups = build_groups(n, 1000 * r + actor, f"s{actor}-r{r}", g, tokens)
+            ready.put(actor)
+            starts[r].wait()
+            t0 = time.perf_counter()
+            acks = s.send_many(groups, timeout_s=600)
+            t1 = time.perf_counter()
+            assert all(a.committed for a in acks)
+            results.put((t0, t1, n, s.resent))
+            del groups
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def raw_lmdb(frames: list[bytes], commit_batch: int, path: Path) -> float:
+    import lmdb
+
+    env = lmdb.open(str(path), map_size=1 << 30, max_dbs=8, sync=True, metasync=True, readahead=False,
+                    meminit=False)
+    db = env.open_db(b"groups")
+    key = struct.Struct(">QQI")
+    t0 = time.perf_counter()
+    for i in range(0, len(frames), commit_batch):
+        while True:
+            try:
+                with env.begin(write=True) as txn:
+                    for j, f in enumerate(frames[i:i + commit_batch]):
+                        txn.put(key.pack(0, i + j, 16), f, db=db)
+                break
+            except lmdb.MapFullError:
+                env.set_mapsize(env.info()["map_size"] * 2)
+    dt = time.perf_counter() - t0
+    env.close()
+    return dt
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--senders", type=int, default=2)
+    ap.add_argument("--groups-per-sender", type=int, default=400, help="per sender and round")
+    ap.add_argument("--group-size", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=1000)
+    ap.add_argument("--serve-groups", type=int, default=512)
+    ap.add_argument("--commit-batch", type=int, default=64)
+    ap.add_argument("--window", type=int, default=32, help="unacknowledged groups per sender")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating ingest/raw rounds (medians reported)")
+    args = ap.parse_args()
+    n_total = args.senders * args.groups_per_sender
+    if n_total * args.rounds < 2 * args.serve_groups:
+        ap.error("need at least 2 x --serve-groups groups in total")
+
+    from buffer.client import BatchClient
+    from common.protocol import BatchReply, BatchRequest, decode, encode
+
+    work = Path(tempfile.mkdtemp(prefix="vapo-bench-buffer-"))
+    ingest, serve = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "buffer", f"buffer.path={work / 'buffer'}", f"buffer.ingest_addr={ingest}",
+         f"buffer.serve_addr={serve}", "buffer.metrics_port=0", f"buffer.commit_batch={args.commit_batch}",
+         "buffer.capacity_groups=1000000", "run.log_level=WARNING"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line.startswith(b"BUFFER READY"):
+            raise SystemExit(f"buffer failed to start: {proc.stderr.read().decode() if proc.stderr else ''}")
+        print(f"buffer up; building {n_total} groups in {args.senders} senders", file=sys.stderr)
+        ctx = mp.get_context("spawn")
+        ready, results = ctx.Queue(), ctx.Queue()
+        starts = [ctx.Event() for _ in range(args.rounds)]
+        senders = [ctx.Process(target=sender_main, args=(ingest, a, args.groups_per_sender, args.group_size,
+                                                         args.tokens, args.window, args.rounds, ready, starts,
+                                                         results))
+                   for a in range(args.senders)]
+        for p in senders:
+            p.start()
+        # The baseline's frames: same shapes and sizes (built once, not timed).
+        frames = [encode(g) for a in range(args.senders)
+                  for g in build_groups(args.groups_per_sender, 100 + a, f"r{a}", args.group_size, args.tokens)]
+        group_bytes = sum(len(f) for f in frames) / len(frames)
+        ingest_times, raw_times = [], []
+        for r in range(args.rounds):  # alternate, so load from other processes hits both sides alike
+            for _ in senders:
+                ready.get(timeout=600)  # every sender has built this round's groups
+            starts[r].set()
+            res = [results.get(timeout=900) for _ in senders]
+            ingest_times.append(max(x[1] for x in res) - min(x[0] for x in res))
+            raw_times.append(raw_lmdb(frames, args.commit_batch, work / f"raw{r}"))
+            shutil.rmtree(work / f"raw{r}", ignore_errors=True)
+            print(f"round {r}: ingest {ingest_times[-1]:.2f}s raw {raw_times[-1]:.2f}s", file=sys.stderr)
+        for p in senders:
+            p.join(timeout=60)
+        resent = sum(x[3] for x in res)
+        ingest_s = statistics.median(ingest_times)
+        raw_s = statistics.median(raw_times)
+        n_total_all = n_total * args.rounds
+
+        with BatchClient(serve, request_timeout_s=120) as c:
+            stats = c.stats()
+            assert stats["depth_groups"] == n_total_all, stats
+            t0 = time.perf_counter()
+            req = BatchRequest(learner_version=0, n_groups=args.serve_groups, timeout_ms=60000)
+            raw_reply = c._request(encode(req), 180, retries=0)  # bytes only: time the transfer alone
+            t_bytes = time.perf_counter() - t0
+            reply = decode(raw_reply, 1 << 40)
+            t_decoded = time.perf_counter() - t0
+            assert isinstance(reply, BatchReply) and len(reply.groups) == args.serve_groups
+            t1 = time.perf_counter()
+            reply2 = c.get_batch(0, args.serve_groups, 60)
+            t_get_batch = time.perf_counter() - t1
+            assert len(reply2.groups) > 0
+        ingest_gps = n_total / ingest_s
+        raw_gps = n_total / raw_s
+        need = PAPER_SAMPLES_PER_STEP / STEP_SECONDS_ASSUMED
+        out = {
+            "bench": "buffer",
+            "senders": args.senders, "groups_per_round": n_total, "group_size": args.group_size, "tokens": args.tokens,
+            "group_bytes": round(group_bytes),
+            "ingest_groups_per_s": round(ingest_gps, 1),
+            "ingest_samples_per_s": round(ingest_gps * args.group_size, 1),
+            "ingest_mb_per_s": round(ingest_gps * group_bytes / 1e6, 1),
+            "raw_lmdb_groups_per_s": round(raw_gps, 1),
+            "raw_lmdb_mb_per_s": round(raw_gps * group_bytes / 1e6, 1),
+            "ingest_vs_raw": round(ingest_gps / raw_gps, 3),
+            "target_vs_raw": 0.5,
+            "paper_need_samples_per_s": round(need, 1),
+            "assumed_step_s": STEP_SECONDS_ASSUMED,
+            "ingest_vs_paper_need": round(ingest_gps * args.group_size / need, 1),
+            "target_vs_paper_need": 100,
+            "serve_groups": args.serve_groups,
+            "serve_reply_mb": round(len(raw_reply) / 1e6, 1),
+            "serve_latency_bytes_s": round(t_bytes, 3),
+            "serve_latency_decoded_s": round(t_decoded, 3),
+            "get_batch_s": round(t_get_batch, 3),
+            "rounds": args.rounds,
+            "ingest_s_rounds": [round(t, 3) for t in ingest_times],
+            "raw_s_rounds": [round(t, 3) for t in raw_times],
+            "resent": resent,
+            "ingest_commits": int(stats["ingest_commits"]),
+            "cpus": os.cpu_count(),
+        }
+        print(json.dumps(out))
+        return 0
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
