@@ -61,11 +61,12 @@ class ListSource:
 class BufferSource:
     """Batches from the buffer server (``buffer.client.BatchClient``), collected until ``n_groups`` arrived."""
 
-    def __init__(self, addr: str, max_staleness: int, client: Any | None = None) -> None:
+    def __init__(self, addr: str, max_staleness: int, client: Any | None = None, curve: Any = None) -> None:
         if client is None:
             from buffer.client import BatchClient
+            from common.security import client_curve_keys
 
-            client = BatchClient(addr)
+            client = BatchClient(addr, curve=client_curve_keys(curve) if curve is not None else None)
         self.client = client
         self.max_staleness = max_staleness
         self.groups_consumed = 0
@@ -82,7 +83,11 @@ class BufferSource:
                 raise TimeoutError(
                     f"got {len(out)}/{n_groups} groups for learner version {learner_version} in {timeout_s:.0f} s; "
                     "are the actors and the buffer running?")
-            reply = self.client.get_batch(learner_version, n_groups - len(out), left)
+            try:
+                reply = self.client.get_batch(learner_version, n_groups - len(out), left)
+            except TimeoutError:
+                continue  # the buffer had too few groups in time; the deadline check above decides
+            self.stale_dropped += int(reply.stale_dropped)
             floor = learner_version - self.max_staleness
             for g in reply.groups:
                 if g.weight_version < floor:

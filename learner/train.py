@@ -134,13 +134,17 @@ def fetch_groups(source: DataSource | None, version: int, n_groups: int, timeout
 class Learner:
     """Policy + critic engines, the data source and the version counter; ``step()`` is one VAPO update."""
 
-    def __init__(self, cfg: Config, source: DataSource | None, critic_path: str | Path | None = None) -> None:
+    def __init__(self, cfg: Config, source: DataSource | None, critic_path: str | Path | None = None,
+                 engines: tuple[Any, Any] | None = None) -> None:
         setup_distributed(cfg)
         self.cfg = cfg
         self.source = source
         torch.manual_seed(cfg.run.seed)
-        self.policy = build_policy_engine(cfg)
-        self.critic = build_critic_engine(cfg, critic_path) if cfg.algo.advantage == "gae" else None
+        if engines is not None:  # (policy, critic) objects with the engine interface (benchmark baseline)
+            self.policy, self.critic = engines
+        else:
+            self.policy = build_policy_engine(cfg)
+            self.critic = build_critic_engine(cfg, critic_path) if cfg.algo.advantage == "gae" else None
         self.pad_id = pad_token_id(cfg.model.path)
         self.version = 0
         self.samples_seen = 0
@@ -435,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from learner.data import BufferSource
 
-    source = BufferSource(cfg.buffer.serve_addr, cfg.buffer.max_staleness) if rank() == 0 else None
+    source = BufferSource(cfg.buffer.serve_addr, cfg.buffer.max_staleness, curve=cfg.buffer.curve) if rank() == 0 else None
     if rank() == 0:
         save_config(cfg, cfg.run_dir / "learner_config.yaml")
     critic_path = None

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.run.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    source = BufferSource(cfg.buffer.serve_addr, cfg.buffer.max_staleness) if rank() == 0 else None
+    source = BufferSource(cfg.buffer.serve_addr, cfg.buffer.max_staleness, curve=cfg.buffer.curve) if rank() == 0 else None
     print(pretrain_critic(cfg, source))
     return 0
 

@@ -5,8 +5,8 @@ Not a CLI; ``learner.train`` calls ``publish_policy`` after every ``learner.weig
 - Atomic versions (PITFALLS Systems 3): ``save_pretrained`` into ``v<N>.tmp``, then a ``STABLE`` marker
   (JSON: version, sha256, files, created_at) is written inside it, then the directory is renamed to
   ``v<N>``. A directory named ``v<N>`` is therefore always complete; readers must still check ``STABLE``.
-- Checksum: ``weights_sha256(dir)`` = sha256 over the bytes of every ``*.safetensors`` file of the
-  directory in sorted file-name order (for a single-file model: ``sha256sum model.safetensors``).
+- Checksum: ``common.checksum.weights_sha256`` (names, sizes and bytes of the ``*.safetensors`` files),
+  the same function the actors verify with.
 - ``WeightUpdate`` goes out on a PUB socket (``learner.publish_addr``); a REP socket
   (``learner.query_addr``) answers ``WeightQuery`` with the latest ``WeightUpdate`` (or ``ErrorReply``
   ``no_weights``), so a late or reconnecting subscriber never depends on a PUB message it missed.
@@ -17,7 +17,6 @@ Not a CLI; ``learner.train`` calls ``publish_policy`` after every ``learner.weig
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -29,22 +28,10 @@ from typing import Any
 import zmq
 
 from common import protocol
+from common.checksum import weights_sha256
 
 log = logging.getLogger(__name__)
 STABLE = "STABLE"
-
-
-def weights_sha256(directory: str | Path) -> str:
-    """sha256 over every ``*.safetensors`` file's bytes, in sorted file-name order."""
-    h = hashlib.sha256()
-    files = sorted(Path(directory).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {directory}")
-    for p in files:
-        with p.open("rb") as fh:
-            for chunk in iter(lambda fh=fh: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 def version_dir(root: Path, version: int) -> Path:

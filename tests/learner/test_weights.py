@@ -9,6 +9,7 @@ from pathlib import Path
 import zmq
 
 from common import protocol
+from common.checksum import weights_sha256
 from common.modeling import load_model, load_tokenizer
 from learner.weights import (
     STABLE,
@@ -16,7 +17,6 @@ from learner.weights import (
     complete_versions,
     latest_update,
     prune,
-    weights_sha256,
     write_version,
 )
 
@@ -32,7 +32,8 @@ def test_write_version_is_complete_and_checksummed(tiny_model_dir: Path, tmp_pat
     up = write_version(root, 4, model, tok)
     d = Path(up.path)
     assert d.name == "v4" and (d / STABLE).is_file() and not (root / "v4.tmp").exists()
-    assert up.sha256 == hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest() == weights_sha256(d)
+    assert up.sha256 == weights_sha256(d)  # common.checksum: what the actors verify
+    assert up.sha256 != hashlib.sha256(b"").hexdigest()
     reloaded = load_model(d)
     assert all((a == b).all() for a, b in zip(model.state_dict().values(), reloaded.state_dict().values(), strict=True))
     # An interrupted write (no STABLE, .tmp name) is never reported and is cleaned up by prune.

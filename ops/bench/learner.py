@@ -1,0 +1,138 @@
+"""Benchmark: learner tokens/s of a full VAPO step (critic + actor) under DeepSpeed vs plain PyTorch.
+
+    .venv/bin/python ops/bench/learner.py [--groups 16] [--group-size 8] [--steps 3] [--threads 2]
+
+Prints one JSON line. Both sides run the same ``learner.train.Learner.step`` code (values → critic
+update → fresh values → advantages → actor update, same mini-/micro-batches, same losses); the baseline
+swaps the two DeepSpeed engines for a minimal wrapper around the bare module + ``torch.optim.AdamW`` +
+``clip_grad_norm_``, so the ratio is DeepSpeed's own overhead. Steps alternate between the two sides so
+machine contention hits both. Model: ``runs/_base/addition-tiny`` when it exists, otherwise a random tiny
+Qwen2 of the default shape (hidden 128, 3 layers); data: synthetic groups shaped like the addition task.
+Target: ratio ≥ 0.8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+
+class PlainEngine:
+    """The slice of the DeepSpeed engine interface that learner.update uses, on a bare module."""
+
+    def __init__(self, module: torch.nn.Module, lr: float, weight_decay: float, clip: float) -> None:
+        self.module = module
+        self.opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay)
+        self.clip = clip
+        self._norm: float | None = None
+
+    def __call__(self, *a: Any, **kw: Any) -> Any:
+        return self.module(*a, **kw)
+
+    def train(self) -> None:
+        self.module.train()
+
+    def eval(self) -> None:
+        self.module.eval()
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        if self.clip > 0:
+            self._norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def get_global_grad_norm(self) -> float | None:
+        return self._norm
+
+    def get_lr(self) -> list[float]:
+        return [self.opt.param_groups[0]["lr"]]
+
+
+def model_dir(tmp: Path) -> tuple[Path, str]:
+    base = REPO / "runs" / "_base" / "addition-tiny"
+    if (base / "config.json").is_file():
+        return base, "runs/_base/addition-tiny"
+    from common.modeling import build_char_tokenizer, build_tiny_qwen2, save_hf
+
+    tok = build_char_tokenizer()
+    return save_hf(build_tiny_qwen2(len(tok), hidden_size=128, num_layers=3), tok, tmp / "tiny"), "random tiny Qwen2 (128x3)"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--groups", type=int, default=16, help="groups per step (default 16)")
+    ap.add_argument("--group-size", type=int, default=8, help="samples per group (default 8)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per side after one warm-up (default 3)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from common.config import load_config
+    from learner.engines import load_critic_module, load_policy_module
+    from learner.train import Learner
+    from tests.learner.synth import synth_groups
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mdir, mdesc = model_dir(Path(tmp))
+        cfg = load_config(None, [f"model.path={mdir}", f"learner.batch_groups={args.groups}",
+                                 "metrics.prometheus=false"])
+        vocab = load_policy_module(mdir).config.vocab_size
+        batches = [synth_groups(args.groups, args.group_size, vocab, seed=100 + i, prompt_len=(8, 20),
+                                resp_len=(10, cfg.actors.max_new_tokens), max_new_tokens=cfg.actors.max_new_tokens)
+                   for i in range(args.steps + 1)]
+        ds = Learner(cfg, None)
+        lc = cfg.learner
+        plain = Learner(cfg, None, engines=(
+            PlainEngine(load_policy_module(mdir), lc.actor_lr, lc.weight_decay, lc.grad_clip),
+            PlainEngine(load_critic_module(cfg), lc.critic_lr, lc.weight_decay, lc.grad_clip)))
+        res: dict[str, list[dict[str, Any]]] = {"deepspeed": [], "plain": []}
+        for i, groups in enumerate(batches):
+            for name, learner in (("deepspeed", ds), ("plain", plain)) if i % 2 == 0 else (("plain", plain), ("deepspeed", ds)):
+                t0 = time.perf_counter()
+                st = learner.step(groups)
+                st["wall"] = time.perf_counter() - t0
+                if i > 0:  # step 0 is the warm-up
+                    res[name].append(st)
+
+    def tok_s(rows: list[dict[str, Any]]) -> float:
+        return sum(r["tokens"] for r in rows) / sum(r["wall"] for r in rows)
+
+    def phases(rows: list[dict[str, Any]]) -> dict[str, float]:
+        keys = rows[0]["phase_seconds"].keys()
+        return {k: round(statistics.mean(r["phase_seconds"][k] for r in rows), 4) for k in keys}
+
+    ds_tps, plain_tps = tok_s(res["deepspeed"]), tok_s(res["plain"])
+    out = {
+        "bench": "learner", "model": mdesc, "groups": args.groups, "group_size": args.group_size,
+        "steps": args.steps, "threads": args.threads,
+        "tokens_per_step": round(statistics.mean(r["tokens"] for r in res["deepspeed"]), 1),
+        "deepspeed_tokens_per_s": round(ds_tps, 1), "plain_torch_tokens_per_s": round(plain_tps, 1),
+        "ratio": round(ds_tps / plain_tps, 3), "target_ratio": 0.8,
+        "deepspeed_step_s": round(statistics.mean(r["wall"] for r in res["deepspeed"]), 3),
+        "plain_step_s": round(statistics.mean(r["wall"] for r in res["plain"]), 3),
+        "deepspeed_phase_s": phases(res["deepspeed"]), "plain_phase_s": phases(res["plain"]),
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
