@@ -195,6 +195,7 @@ class BufferServer:
         self._in_flight: dict[int, deque[list[float]]] = {}  # actor_id -> [[expiry, count], ...]
         self._waiting: OrderedDict[int, tuple[bytes, int]] = OrderedDict()  # actor_id -> (identity, n)
         self._pending: tuple[Any, float, float] | None = None  # (BatchRequest, deadline, t0)
+        self._owe_reply = False  # the REP socket received a request it has not answered yet
         self._dropped_since_reply = 0
         self._filtered_since_reply = 0
         self._rejected: dict[str, int] = {}
@@ -253,34 +254,45 @@ class BufferServer:
         registered = {self.ingest: False, self.serve: False}
         try:
             while not self._stop.is_set():
-                # A REP socket must answer before it may receive again: stop polling it while a batch waits.
-                # Stop reading ingest while the next batch is full (the ZeroMQ queues push back on senders).
-                want = {self.serve: self._pending is None,
-                        self.ingest: len(self._next) < self.cfg.buffer.commit_batch}
-                for sock, on in want.items():
-                    if on != registered[sock]:
-                        (poller.register(sock, zmq.POLLIN) if on else poller.unregister(sock))
-                        registered[sock] = on
-                timeout_ms = 100.0
-                if self._pending is not None:
-                    timeout_ms = max(0.0, min(timeout_ms, (self._pending[1] - time.monotonic()) * 1000))
-                events = dict(poller.poll(timeout_ms))
-                if self.writer.notify in events:
-                    self._collect_writer()
-                if self.ingest in events:
-                    self._drain_ingest()
-                if self._next and not self.writer.busy:
-                    self._submit()
-                if self._pending is None and self.serve in events:
-                    self._handle_serve()
-                if self._pending is not None:
-                    self._try_serve()
-                self._expire_credits()
-                self._grant_credits()
-                self._update_gauges()
+                try:
+                    self._turn(poller, registered)
+                except Exception as e:
+                    # A bug in one request must not take the buffer down: log, count, answer, carry on.
+                    log.exception("unexpected error in the buffer loop")
+                    self.m.storage_errors.labels(reason="internal").inc()
+                    if self._owe_reply:
+                        self._pending = None
+                        self._reply(encode(ErrorReply(reason="internal", message=repr(e)[:4000])))
             self._wait_writer()
         finally:
             self.close()
+
+    def _turn(self, poller: zmq.Poller, registered: dict[zmq.Socket, bool]) -> None:
+        # A REP socket must answer before it may receive again: stop polling it while a batch waits.
+        # Stop reading ingest while the next batch is full (the ZeroMQ queues push back on senders).
+        want = {self.serve: self._pending is None,
+                self.ingest: len(self._next) < self.cfg.buffer.commit_batch}
+        for sock, on in want.items():
+            if on != registered[sock]:
+                (poller.register(sock, zmq.POLLIN) if on else poller.unregister(sock))
+                registered[sock] = on
+        timeout_ms = 100.0
+        if self._pending is not None:
+            timeout_ms = max(0.0, min(timeout_ms, (self._pending[1] - time.monotonic()) * 1000))
+        events = dict(poller.poll(timeout_ms))
+        if self.writer.notify in events:
+            self._collect_writer()
+        if self.ingest in events:
+            self._drain_ingest()
+        if self._next and not self.writer.busy:
+            self._submit()
+        if self._pending is None and self.serve in events:
+            self._handle_serve()
+        if self._pending is not None:
+            self._try_serve()
+        self._expire_credits()
+        self._grant_credits()
+        self._update_gauges()
 
     def close(self) -> None:
         self.writer.stop()
@@ -460,34 +472,39 @@ class BufferServer:
 
     # ------------------------------------------------------------------ learner requests
 
+    def _reply(self, frame: bytes, copy: bool = True) -> None:
+        self._owe_reply = False
+        self.serve.send(frame, copy=copy)
+
     def _handle_serve(self) -> None:
         self._wait_writer()
         try:
             parts = self.serve.recv_multipart(zmq.NOBLOCK)
+            self._owe_reply = True
         except zmq.Again:
             return
         if len(parts) != 1:
-            self.serve.send(self._reject("multipart", f"expected 1 frame, got {len(parts)}"))
+            self._reply(self._reject("multipart", f"expected 1 frame, got {len(parts)}"))
             return
         try:
             msg = decode(parts[0], self.max_frame)
         except ProtocolError as e:
-            self.serve.send(self._reject(e.reason, str(e)))
+            self._reply(self._reject(e.reason, str(e)))
             return
         if isinstance(msg, BatchRequest):
             self._on_batch_request(msg)
         elif isinstance(msg, PositivesRequest):
             frames = self.store.sample_positives(min(msg.n, 1 << 16), self._rng)
             samples = [decode(f, len(f)) for f in frames]
-            self.serve.send(encode(PositivesReply(samples=[s for s in samples if isinstance(s, Sample)])))
+            self._reply(encode(PositivesReply(samples=[s for s in samples if isinstance(s, Sample)])))
         elif isinstance(msg, StatsRequest):
-            self.serve.send(encode(StatsReply(stats=self.stats())))
+            self._reply(encode(StatsReply(stats=self.stats())))
         else:
-            self.serve.send(self._reject("unexpected_type", f"{msg.TYPE} not accepted on serve"))
+            self._reply(self._reject("unexpected_type", f"{msg.TYPE} not accepted on serve"))
 
     def _on_batch_request(self, req: Any) -> None:
         if req.n_groups < 1 or req.n_groups > self.cfg.buffer.capacity_groups:
-            self.serve.send(self._reject(
+            self._reply(self._reject(
                 "bad_request", f"n_groups={req.n_groups} outside [1, buffer.capacity_groups="
                 f"{self.cfg.buffer.capacity_groups}]"))
             return
@@ -495,7 +512,7 @@ class BufferServer:
             self.store.set_learner_version(req.learner_version)
         except StorageError as e:
             self.m.storage_errors.labels(reason=e.reason).inc()
-            self.serve.send(encode(ErrorReply(reason="storage", message=str(e)[:4000])))
+            self._reply(encode(ErrorReply(reason="storage", message=str(e)[:4000])))
             return
         self.m.learner_version.set(self.learner_version)
         now = time.monotonic()
@@ -517,17 +534,18 @@ class BufferServer:
         except StorageError as e:
             self.m.storage_errors.labels(reason=e.reason).inc()
             self._pending = None
-            self.serve.send(encode(ErrorReply(reason="storage", message=str(e)[:4000])))
+            self._reply(encode(ErrorReply(reason="storage", message=str(e)[:4000])))
             return
         if dropped:
             self.m.stale_dropped_groups.inc(dropped)
             self._dropped_since_reply += dropped
         if frames:
+            n = len(frames)
             reply = encode_batch_reply(frames, self._dropped_since_reply, self._filtered_since_reply)
             del frames
-            self.serve.send(reply, copy=False)  # tens of MB: hand the buffer to ZeroMQ instead of copying
+            self._reply(reply, copy=False)  # tens of MB: hand the buffer to ZeroMQ instead of copying
             self._dropped_since_reply = self._filtered_since_reply = 0
-            self.m.served_groups.inc(len(frames))
+            self.m.served_groups.inc(n)
             self.m.batch_serve_seconds.observe(time.monotonic() - now)
             self._pending = None
             self._update_gauges(force=True)
@@ -536,7 +554,7 @@ class BufferServer:
             self.m.batch_timeouts.inc()
             self._pending = None
             depth = self.store.counters["depth_groups"]
-            self.serve.send(encode(ErrorReply(
+            self._reply(encode(ErrorReply(
                 reason="timeout", message=f"{depth} of {req.n_groups} groups after {req.timeout_ms} ms")))
 
     # ------------------------------------------------------------------ observability
