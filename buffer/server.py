@@ -601,6 +601,9 @@ class BufferServer:
 
 def serve_forever(cfg: Config, ready: Any = None) -> int:
     """Run a server until SIGTERM/SIGINT; prints ``BUFFER READY {json}`` once bound."""
+    # The writer thread releases the GIL for every LMDB put and commit; with the default 5 ms switch interval
+    # it would wait up to 5 ms per put behind the validating main thread (a GIL convoy).
+    sys.setswitchinterval(2e-4)
     metrics = Metrics("buffer")
     server = BufferServer(cfg, metrics)
     if cfg.metrics.prometheus:
