@@ -85,6 +85,7 @@ class RolloutWorker:
         if not 0 <= actor_id < cfg.actors.num_actors:
             raise WorkerError(f"--actor-id {actor_id} outside [0, actors.num_actors={cfg.actors.num_actors})")
         self.cfg, self.actor_id = cfg, actor_id
+        engine_url(cfg, actor_id)  # fail before any startup work when the engine address is missing
         self.a = cfg.actors
         self.metrics = Metrics("actor")
         self.label = str(actor_id)
