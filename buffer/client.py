@@ -15,7 +15,9 @@ Actors (DEALER -> the buffer's ROUTER at ``buffer.ingest_addr``)::
 - ``acquire(n, timeout_s)`` returns as soon as at least one credit is available: ``grant.n <= n`` is how
   many groups the caller may generate, ``grant.learner_version`` the learner's version at grant time
   (generate with weights at least that new and the groups will never be dropped as stale). Credits the
-  buffer grants beyond what callers took are pooled and handed out by later ``acquire`` calls.
+  buffer grants beyond what callers took are pooled and handed out by later ``acquire`` calls. The
+  buffer counts a credit as used when a group with ``group.actor_id == actor_id`` arrives, so stamp
+  groups with the sender's actor_id (unused credits stop counting after ``buffer.credit_ttl_s``).
   ``TimeoutError`` after ``timeout_s`` (``None`` = wait forever).
 - ``send(group, timeout_s)`` re-sends the same encoded frame (same group_id) every ``ack_timeout_s``
   without an ack, and after two silent intervals reconnects with a fresh socket; the buffer stores a

@@ -43,6 +43,10 @@ Bad frames on either socket are counted in ``vapo_buffer_rejected_frames{reason}
 reason, ``multipart``, ``unexpected_type``), answered with ``ErrorReply``, and the server keeps serving.
 Frames larger than 4 x ``buffer.max_frame_bytes`` are cut off by ZeroMQ itself (connection dropped).
 
+Threads: the main thread owns every socket and validates frames; one writer thread runs each batch's LMDB
+transaction (page writes and fsync release the GIL), so validation of the next batch overlaps the commit
+of the previous one. The main thread touches LMDB only while the writer is idle.
+
 Deviations: groups are deleted from LMDB when served (a learner crash loses at most its in-flight batch;
 the learner checkpoints its own progress); the DAPO uniform-reward filter runs at ingest, not at serve
 time, so filtered groups never take space; positives are harvested from every new group (also stale or
