@@ -345,8 +345,8 @@ class _Runner:
             kc.view(-1, d).index_copy_(0, flat_idx, k.reshape(b * kv, d))
             vc.view(-1, d).index_copy_(0, flat_idx, v.reshape(b * kv, d))
             # Grouped-query attention for one query position as two batched matmuls (no K/V repeat).
-            qg = q.reshape(b, kv, self.group, d)
-            scores = torch.matmul(qg, kc[:b, :, :t].transpose(-1, -2)) * self.scale + neg
+            qg = q.reshape(b, kv, self.group, d) * self.scale
+            scores = torch.matmul(qg, kc[:b, :, :t].transpose(-1, -2)) + neg
             out = torch.matmul(torch.softmax(scores, dim=-1), vc[:b, :, :t])
             x = x + layer.self_attn.o_proj(out.reshape(b, 1, -1))
             x = self._mlp_residual(li, x)
@@ -356,6 +356,12 @@ class _Runner:
         for kc, vc in zip(self.k, self.v, strict=True):
             kc[dst, :, :length] = kc[src, :, :length]
             vc[dst, :, :length] = vc[src, :, :length]
+
+
+def _race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row from unnormalised ``probs``: argmax p_i / E_i with E_i ~ Exp(1) (exact; no multinomial)."""
+    e = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / e).argmax(dim=-1)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator,
@@ -376,7 +382,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch.
         top_ks = [p.top_k if p.top_k > 0 else vocab for p in params]
         need_filter = any(k < vocab for k in top_ks) or any(p.top_p < 1.0 or p.min_p > 0.0 for p in params)
         if not need_filter:
-            nxt = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator).squeeze(1)
+            nxt = _race(torch.softmax(scaled, dim=-1), generator)
         else:
             sorted_logits, order = scaled.sort(dim=-1, descending=True)
             probs = torch.softmax(sorted_logits, dim=-1)
@@ -386,8 +392,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch.
             m_t = torch.tensor([p.min_p for p in params], device=logits.device)[:, None]
             drop = (rank >= k_t) | ((probs.cumsum(-1) - probs) > p_t) | (probs < m_t * probs[:, :1])
             probs = probs.masked_fill(drop, 0.0)
-            pick = torch.multinomial(probs, 1, generator=generator)
-            nxt = order.gather(1, pick).squeeze(1)
+            nxt = order.gather(1, _race(probs, generator)[:, None]).squeeze(1)
         greedy_rows = torch.tensor([p.greedy for p in params], device=logits.device)
         if bool(greedy_rows.any()):
             nxt = torch.where(greedy_rows, logits.argmax(dim=-1), nxt)

@@ -32,6 +32,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -93,6 +94,25 @@ class Server:
         self.metrics = metrics
         self._update_lock = asyncio.Lock()
         self.started = time.time()
+        # Finished sequences cross from the engine thread to the event loop in batches: one wake-up per
+        # engine step instead of one per sequence.
+        self._done_lock = threading.Lock()
+        self._done: list[tuple[asyncio.Future, Sequence]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _finished(self, fut: asyncio.Future, s: Sequence) -> None:
+        """Engine thread: queue a finished sequence; schedule one drain if none is pending."""
+        with self._done_lock:
+            self._done.append((fut, s))
+            first = len(self._done) == 1
+        if first and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._done_lock:
+            done, self._done = self._done, []
+        for fut, s in done:
+            _resolve(fut, s)
 
     # ------------------------------------------------------------------ /generate
 
@@ -180,6 +200,7 @@ class Server:
             return _value_error(str(e))
 
         loop = asyncio.get_running_loop()
+        self._loop = loop
         futures: list[asyncio.Future] = []
         seqs: list[Sequence] = []
         items: list[tuple[int, bool]] = []
@@ -188,7 +209,7 @@ class Server:
                 fut = loop.create_future()
 
                 def on_done(s: Sequence, fut: asyncio.Future = fut) -> None:
-                    loop.call_soon_threadsafe(_resolve, fut, s)
+                    self._finished(fut, s)
 
                 seq_rid = rids[i] if n == 1 else f"{rids[i]}-{j}"
                 seqs.append(Sequence(rid=seq_rid, prompt_ids=list(prompts[i]), params=params[i], on_done=on_done))
