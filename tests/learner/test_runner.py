@@ -1,0 +1,37 @@
+"""The learner process loop: metrics.jsonl records, Prometheus gauges, periodic held-out evaluation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prometheus_client import generate_latest
+
+from common.config import load_config
+from learner.data import ListSource
+from learner.train import Runner
+from tests.learner.synth import synth_groups
+
+
+def test_runner_logs_metrics_and_evaluates(tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg = load_config(None, [f"run.root={tmp_path}", "run.name=r", f"model.path={tiny_model_dir}",
+                             "learner.total_steps=2", "learner.batch_groups=2", "learner.eval_every=2",
+                             "learner.eval_k=1", "task.eval_size=4", "task.max_digits=2", "actors.max_new_tokens=8",
+                             "metrics.prometheus=false", "learner.checkpoint_every=0",
+                             "learner.publish_addr=tcp://127.0.0.1:0", "learner.query_addr=tcp://127.0.0.1:0"])
+    runner = Runner(cfg, ListSource(synth_groups(4, 3, 60, seed=6)))
+    learner = runner.run()
+    assert learner.version == 2  # v0 (the base policy), v1 and v2 were published
+    recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2]
+    for key in ("critic_loss", "value_explained_variance", "policy_loss", "nll_loss", "clip_fraction_low",
+                "clip_fraction_high", "approx_kl", "entropy", "actor_grad_norm", "critic_grad_norm",
+                "lambda_actor_mean", "reward_mean", "positives_fraction", "response_length_mean", "tokens_per_second"):
+        assert key in recs[0], key
+    assert "eval" not in recs[0] and 0.0 <= recs[1]["eval"]["avg_at_k"] <= 1.0
+    assert recs[1]["eval"]["n_prompts"] == 4
+    text = generate_latest(learner.metrics.registry).decode()
+    for name in ("vapo_learner_step 2.0", "vapo_learner_weight_version 2.0", 'vapo_learner_phase_seconds{phase="actor_update"}',
+                 'vapo_learner_eval_accuracy{metric="avg_at_k"}', "vapo_learner_staleness_bucket",
+                 'vapo_learner_grad_norm{model="critic"}', "vapo_learner_weights_published_total 3.0"):
+        assert name in text, name
