@@ -268,6 +268,7 @@ class RolloutWorker:
         await self.client.wait_healthy(self.cfg.engine.startup_timeout_s)
         served = _as_version(await self.client.get_weight_version())
         self._set_version(served, self.model_path if served == self.version else self.cfg.model.path)
+        await self._sync_locked(idle=True)  # newest weights before the first request
 
     async def _supervise(self) -> None:
         if self.engine is not None:
@@ -302,28 +303,36 @@ class RolloutWorker:
             self.watcher.changed.set()
 
     async def _supervise_remote(self) -> None:
-        """An engine we do not own stopped answering: wait for it, then re-sync its weights."""
+        """An engine we do not own stopped answering or went back to older weights (it was restarted):
+        wait for it, then re-sync the newest weights before generating again."""
         assert self.client is not None
         while True:
             await self._trouble.wait()
             self._trouble.clear()
-            if await self.client.health():
-                continue
             async with self._control:
-                self._gate.clear()
-                log.warning("actor %d: engine %s unreachable; waiting for it", self.actor_id, self.client.base_url)
+                if not await self.client.health():
+                    self._gate.clear()
+                    log.warning("actor %d: engine %s unreachable; waiting for it", self.actor_id, self.client.base_url)
+                    try:
+                        await self.client.wait_healthy(self.cfg.engine.startup_timeout_s * (self.cfg.engine.max_restarts + 1))
+                    except SGLangError as e:
+                        self._fail(f"engine {self.client.base_url} did not come back: {e}")
+                        return
                 try:
-                    await self.client.wait_healthy(self.cfg.engine.startup_timeout_s * (self.cfg.engine.max_restarts + 1))
-                except SGLangError as e:
-                    self._fail(f"engine {self.client.base_url} did not come back: {e}")
-                    return
-                served = _as_version(await self.client.get_weight_version())
-                if served != self.version:  # restarted underneath us (base weights again)
+                    served = _as_version(await self.client.get_weight_version())
+                except SGLangError:
+                    self._gate.set()
+                    continue  # a blip: requests will fail again and bring us back here
+                if served != self.version:
+                    self._gate.clear()
                     self.counts["engine_restarts"] += 1
                     self._m("engine_restarts").inc()
+                    log.warning("actor %d: engine serves v%d, expected v%d (restarted?); re-syncing", self.actor_id,
+                                served, self.version)
                     self._set_version(served, self.cfg.model.path)
+                    await self.watcher.query()
+                    await self._sync_locked(idle=True)
                 self._gate.set()
-            await self.watcher.query()
             self.watcher.changed.set()
 
     # ------------------------------------------------------------------ weights
@@ -345,42 +354,50 @@ class RolloutWorker:
 
     async def _sync_to_latest(self) -> None:
         async with self._control:
-            upd = self.watcher.latest
-            if upd is None or upd.version <= self.version or upd.version in self.refused:
-                return
-            if not self._gate.is_set():
-                return  # engine down: the restart loads the newest weights
-            bad = await asyncio.to_thread(verify_update, upd)
-            if bad is not None:
-                self._refuse(upd, *bad)
-                return
-            assert self.client is not None
-            client = self.client
-            try:
-                if self.a.weight_sync == "abort":
-                    self._gate.clear()
-                    try:
-                        await client.pause_generation("abort")
-                        await client.update_weights_from_disk(upd.path, weight_version=upd.version)
-                    finally:
-                        with contextlib.suppress(SGLangError):
-                            await client.continue_generation()
-                        self._gate.set()
-                else:
+            if self._gate.is_set():  # else the engine is down and its restart loads the newest weights
+                await self._sync_locked(idle=False)
+
+    async def _sync_locked(self, idle: bool) -> bool:
+        """Load the newest announced weights if they verify; caller holds ``_control``. True if loaded.
+
+        ``idle``: the gate is closed and nothing is generating (startup, after a restart), so the update
+        needs no pause whatever ``actors.weight_sync`` says.
+        """
+        upd = self.watcher.latest
+        if upd is None or upd.version <= self.version or upd.version in self.refused:
+            return False
+        bad = await asyncio.to_thread(verify_update, upd)
+        if bad is not None:
+            self._refuse(upd, *bad)
+            return False
+        assert self.client is not None
+        client = self.client
+        try:
+            if self.a.weight_sync == "abort" and not idle:
+                self._gate.clear()
+                try:
+                    await client.pause_generation("abort")
                     await client.update_weights_from_disk(upd.path, weight_version=upd.version)
-            except SGLangError as e:
-                if e.status is None:  # engine unreachable: the supervisor reloads the newest weights
-                    log.warning("actor %d: weight update v%d failed, engine unreachable: %s", self.actor_id, upd.version, e)
-                    self._trouble.set()
-                    return
-                self._refuse(upd, "load_error", e.message)
-                return
-            latency = max(0.0, time.time() - upd.created_at)
-            self._set_version(upd.version, upd.path)
-            self.counts["weight_syncs"] += 1
-            self.sync_latencies.append(latency)
-            self._m("weight_sync_seconds").observe(latency)
-            log.info("actor %d: serving weights v%d (%.3f s after publish)", self.actor_id, upd.version, latency)
+                finally:
+                    with contextlib.suppress(SGLangError):
+                        await client.continue_generation()
+                    self._gate.set()
+            else:
+                await client.update_weights_from_disk(upd.path, weight_version=upd.version)
+        except SGLangError as e:
+            if e.status is None:  # engine unreachable: the supervisor reloads the newest weights
+                log.warning("actor %d: weight update v%d failed, engine unreachable: %s", self.actor_id, upd.version, e)
+                self._trouble.set()
+                return False
+            self._refuse(upd, "load_error", e.message)
+            return False
+        latency = max(0.0, time.time() - upd.created_at)
+        self._set_version(upd.version, upd.path)
+        self.counts["weight_syncs"] += 1
+        self.sync_latencies.append(latency)
+        self._m("weight_sync_seconds").observe(latency)
+        log.info("actor %d: serving weights v%d (%.3f s after publish)", self.actor_id, upd.version, latency)
+        return True
 
     # ------------------------------------------------------------------ prompts
 
@@ -467,6 +484,9 @@ class RolloutWorker:
                 # Back off while the supervisor notices a dead engine (its exit or /health) and restarts it.
                 await asyncio.sleep(min(0.05 * 2 ** min(failures, 6), 2.0))
                 continue
+            reported = [o.weight_version_int for o in outs if o.weight_version_int is not None]
+            if self.engine is None and reported and min(reported) < v_before:
+                self._trouble.set()  # an engine we do not own lost our weights: re-sync (samples stay honest)
             if any(o.finish_reason == "abort" for o in outs):
                 self.counts["resubmits"] += 1
                 self._m("resubmits", reason="abort").inc()

@@ -206,3 +206,54 @@ def _alive(pid: int) -> bool:
             return fh.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_external_engine_restarted_underneath_is_resynced_and_samples_stay_honest(
+        stack, tmp_path: Path, tiny_model_dir: Path) -> None:
+    """engine.kind=external/sglang: vapo does not own the engine; the launcher restarts it on base weights."""
+    import subprocess
+    import sys
+
+    from actor_harness import REPO, env
+
+    port, M = _free_port(), 12
+    cmd = [sys.executable, "-m", "actors.rollout_server", "--model-path", str(tiny_model_dir), "--port", str(port),
+           "--skip-tokenizer-init", "--threads", "1", "--weight-version", "0", "--log-level", "warning"]
+
+    def start_engine() -> subprocess.Popen:
+        p = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        s.procs.append(p)
+        return p
+
+    s = stack("engine.kind=external", f"engine.urls=[http://127.0.0.1:{port}]", "actors.group_size=2",
+              "actors.max_new_tokens=8", "actors.prompts_in_flight=3", f"actors.max_prompts={M}")
+    s.start_buffer()
+    engine = start_engine()
+    v1_dir = tmp_path / "weights" / "v1"
+    with FakeLearner(s.publish, s.query) as learner:
+        learner.publish(make_weights(tiny_model_dir, v1_dir, 0.9, 1))
+        p = s.start_actors("--actor-id", "0")
+        ready = read_tagged(p, "ACTOR READY", 120, s.tmp / "actors.log")
+        assert ready["weight_version"] == 1  # synced before its first request
+        wait_for(lambda: s.cursor(0)["next"] >= 3, 60, "three prompts done")
+        engine.kill()
+        engine.wait()
+        start_engine()  # back on the base weights, as a restarted sglang server would be
+        done = read_tagged(p, "ACTOR DONE", 150, s.tmp / "actors.log")
+        assert p.wait(timeout=30) == 0
+    assert done["fatal"] is None and done["engine_restarts"] == 1 and done["weight_version"] == 1
+    assert done["weight_syncs"] == 2
+    groups = s.groups(int(s.buffer_stats()["depth_groups"]))
+    assert sorted(int(g.group_id.split("-p")[1]) for g in groups) == list(range(M))
+    # whatever raced the re-sync is stamped with the weights that really produced it
+    _check_groups(groups, {0: tiny_model_dir, 1: v1_dir}, s.overrides, 2, 8)
+    assert sum(g.weight_version == 1 for g in groups) >= M - 3
