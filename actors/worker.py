@@ -45,6 +45,7 @@ import math
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -86,6 +87,9 @@ class RolloutWorker:
             raise WorkerError(f"--actor-id {actor_id} outside [0, actors.num_actors={cfg.actors.num_actors})")
         self.cfg, self.actor_id = cfg, actor_id
         engine_url(cfg, actor_id)  # fail before any startup work when the engine address is missing
+        if cfg.engine.kind == "rollout_server" and not (Path(cfg.model.path) / "config.json").is_file():
+            raise WorkerError(f"model.path {cfg.model.path} is not an HF model directory (no config.json); "
+                              "build the embedded base model with `python -m learner.sft [config]`")
         self.a = cfg.actors
         self.metrics = Metrics("actor")
         self.label = str(actor_id)
@@ -98,7 +102,7 @@ class RolloutWorker:
         self.fatal: str | None = None
         self.metrics_port: int | None = None
         self.counts = {"groups": 0, "samples": 0, "tokens": 0, "positives": 0, "resubmits": 0, "engine_restarts": 0,
-                       "weight_syncs": 0, "weight_sync_failures": 0, "skipped": 0, "duplicates": 0}
+                       "weight_syncs": 0, "weight_sync_failures": 0, "skipped": 0, "duplicates": 0, "not_served": 0}
         self.sync_latencies: list[float] = []
         self.credit_wait_s = 0.0
         self.in_flight = 0
@@ -445,6 +449,9 @@ class RolloutWorker:
         self.counts["tokens"] += tokens
         self.counts["positives"] += n_pos
         self.counts["duplicates"] += int(bool(ack.duplicate))
+        if ack.error:  # committed but never served: "stale" or "filtered:<why>"
+            self.counts["not_served"] += 1
+            self._m("groups_not_served", reason=ack.error.split(":", 1)[0]).inc()
         self._m("groups_sent").inc()
         self._m("samples").inc(len(rewards))
         self._m("tokens").inc(tokens)
@@ -545,9 +552,8 @@ def _as_version(v: Any) -> int:
 
 
 def run_worker(cfg: Config, actor_id: int) -> int:
-    worker = RolloutWorker(cfg, actor_id)
     try:
-        return asyncio.run(worker.run())
+        return asyncio.run(RolloutWorker(cfg, actor_id).run())
     except WorkerError as e:
         log.error("actor %d: %s", actor_id, e)
         return 1

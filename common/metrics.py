@@ -99,6 +99,7 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("actor", "prompts_in_flight", "Prompts between buffer credit and buffer ack", ("actor",)),
     _c("actor", "resubmits", "Prompts generated again after an abort or an engine failure", ("actor", "reason")),
     _c("actor", "prompts_skipped", "Prompts the engine refused (4xx) and that were skipped", ("actor",)),
+    _c("actor", "groups_not_served", "Groups the buffer stored but will not serve (stale, filtered)", ("actor", "reason")),
     # ---- engine (actors.rollout_server)
     _c("engine", "requests", "Generate requests served", ("status",)),
     _c("engine", "generated_tokens", "Tokens generated"),
