@@ -28,3 +28,16 @@ def synth_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0, prom
         groups.append(SampleGroup(group_id=f"g{seed}-{g}", prompt_id=f"p{g}", task="synthetic", actor_id=0,
                                   samples=samples, created_at=0.0))
     return groups
+
+
+DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "CROSS_RANK", "CROSS_SIZE")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """os.environ for a learner subprocess, without the rendezvous variables this process set for itself."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    env.update(DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **extra)
+    return env

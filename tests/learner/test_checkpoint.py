@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -16,7 +15,7 @@ from common.config import load_config
 from learner.data import ListSource
 from learner.train import Runner
 from learner.weights import complete_versions
-from tests.learner.synth import synth_groups
+from tests.learner.synth import child_env, synth_groups
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,7 +25,7 @@ HARNESS = textwrap.dedent("""
     from common.config import load_config
     from learner.data import ListSource
     from learner.train import Runner
-    from tests.learner.synth import synth_groups
+    from tests.learner.synth import child_env, synth_groups
 
     root, model, name, kill_at = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 
@@ -45,7 +44,7 @@ HARNESS = textwrap.dedent("""
 
 
 def _run(harness: Path, root: Path, model: Path, name: str, kill_at: int) -> int:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = child_env()
     p = subprocess.run([sys.executable, str(harness), str(root), str(model), name, str(kill_at)], env=env,
                        capture_output=True, text=True, timeout=300, cwd=REPO)
     assert p.returncode in (0, -9), p.stderr[-3000:]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from learner.train import Learner
-from tests.learner.synth import synth_groups
+from tests.learner.synth import child_env, synth_groups
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,7 +30,7 @@ HARNESS = textwrap.dedent("""
     from learner.data import ListSource
     from learner.engines import rank
     from learner.train import Learner
-    from tests.learner.synth import synth_groups
+    from tests.learner.synth import child_env, synth_groups
 
     model, out = sys.argv[1], sys.argv[2]
     cfg = load_config(None, [f"model.path={{model}}", *{overrides!r}])
@@ -69,8 +68,7 @@ def _two_ranks(model: Path, tmp_path: Path, shm: bool) -> dict[str, torch.Tensor
     harness = tmp_path / "dist_harness.py"
     harness.write_text(HARNESS.format(repo=str(REPO), overrides=OVERRIDES))
     out = tmp_path / "two_ranks.safetensors"
-    env = dict(os.environ, DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               OMP_NUM_THREADS="1", VAPO_DS_SHM="1" if shm else "0")
+    env = child_env(OMP_NUM_THREADS="1", VAPO_DS_SHM="1" if shm else "0")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), str(harness), str(model), str(out)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
