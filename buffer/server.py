@@ -92,6 +92,7 @@ from common.protocol import (
 from common.security import server_curve
 
 log = logging.getLogger("vapo.buffer")
+_MAX_WAITING = 1 << 16  # actors with a deferred credit request
 
 
 def admission_capacity(max_staleness: int, batch_groups: int, pending_n: int, depth: int, in_flight: int) -> int:
@@ -438,6 +439,9 @@ class BufferServer:
     def _on_credit_request(self, ident: bytes, req: Any) -> None:
         self._waiting.pop(req.actor_id, None)
         if req.n == 0:
+            return
+        if len(self._waiting) >= _MAX_WAITING:  # bound memory against a flood of made-up actor ids
+            self._send_ingest(ident, self._reject("too_many_waiting", f"{_MAX_WAITING} actors already wait"))
             return
         self._waiting[req.actor_id] = (ident, req.n)
         if self.capacity() < req.n:
