@@ -85,6 +85,21 @@ class Stack:
         with BatchClient(self.serve) as c:
             return c.get_batch(0, n, timeout_s=20).groups
 
+    def drain_until(self, done: Callable[[], bool], timeout_s: float) -> list[protocol.SampleGroup]:
+        """Take groups out of the buffer (freeing admission credit, as a learner would) until ``done()``."""
+        out: list[protocol.SampleGroup] = []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            finished = done()
+            depth = int(self.buffer_stats()["depth_groups"])
+            if depth:
+                out += self.groups(depth)
+            if finished:
+                return out
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not done after {timeout_s} s of draining ({len(out)} groups taken)")
+            time.sleep(0.1)  # polling the buffer with a deadline
+
     def buffer_stats(self) -> dict[str, float]:
         from buffer.client import BatchClient
 

@@ -134,7 +134,7 @@ def test_weight_update_reaches_every_worker_and_bad_checksum_is_refused(stack, t
     for a in (0, 1):
         mine = sorted((g for g in groups if g.actor_id == a), key=lambda g: g.created_at)
         versions = [g.weight_version for g in mine]
-        assert 0 in versions and versions.count(1) >= 3, versions
+        assert 0 in versions and versions.count(1) >= 2, versions
         assert max(versions) == 1 and mine[-1].weight_version == 1
         assert all(g.group_id.startswith(f"a{a}-p") for g in mine)
         # actor a's shard: prompt indices a, a + 2, a + 4, ... (num_actors = 2)
@@ -146,8 +146,10 @@ def test_weight_update_reaches_every_worker_and_bad_checksum_is_refused(stack, t
 def test_killed_engine_is_restarted_with_newest_weights_and_no_prompt_is_lost_or_repeated(
         stack, tmp_path: Path, tiny_model_dir: Path) -> None:
     M = 10
+    # Admission of 6 groups (max_staleness 1 x batch_groups 6): the worker cannot finish before the test drains
+    # the buffer, so the kill always lands mid-run however fast the engine is.
     s = stack("actors.group_size=2", "actors.max_new_tokens=8", "actors.prompts_in_flight=3", f"actors.max_prompts={M}",
-              "actors.weight_sync=wait", "engine.max_restarts=2")
+              "actors.weight_sync=wait", "engine.max_restarts=2", "learner.batch_groups=6", "buffer.max_staleness=1")
     s.start_buffer()
     v1_dir = tmp_path / "weights" / "v1"
     with FakeLearner(s.publish, s.query) as learner:
@@ -158,17 +160,18 @@ def test_killed_engine_is_restarted_with_newest_weights_and_no_prompt_is_lost_or
         first_engine = ready["engine_pid"]
         wait_for(lambda: s.cursor(0)["next"] >= 3, 60, "three prompts done")
         os.kill(first_engine, signal.SIGKILL)
-        done = read_tagged(p, "ACTOR DONE", 150, s.tmp / "actors.log")
+        wait_for(lambda: s.worker_state(0).get("engine_pid") not in (None, first_engine), 120, "a new engine")
+        groups = s.drain_until(lambda: p.poll() is not None, 150)
+        done = read_tagged(p, "ACTOR DONE", 30, s.tmp / "actors.log")
         assert p.wait(timeout=30) == 0
     assert done["fatal"] is None and done["engine_restarts"] == 1 and done["weight_version"] == 1
     assert done["prompts_done"] == M and done["engine_pid"] != first_engine
     starts = [ln for ln in (s.run_dir / "logs" / "engine-0.log").read_text().splitlines() if ln.startswith("=== ")]
     assert len(starts) == 2 and all(f"--model-path {v1_dir} " in ln and "--weight-version 1 " in ln for ln in starts)
-    _check_buffer_holds_shard_once(s, M, version=1)
+    _check_shard_once(s, groups, M, version=1)
 
 
-def _check_buffer_holds_shard_once(s: Stack, m: int, version: int) -> None:
-    groups = s.groups(int(s.buffer_stats()["depth_groups"]))
+def _check_shard_once(s: Stack, groups: list, m: int, version: int) -> None:
     ids = sorted(int(g.group_id.split("-p")[1]) for g in groups)
     assert ids == list(range(m))  # every prompt of the shard exactly once
     task = get_task(load_config(None, s.overrides).task)
@@ -179,7 +182,8 @@ def _check_buffer_holds_shard_once(s: Stack, m: int, version: int) -> None:
 @pytest.mark.slow
 def test_killed_worker_resumes_its_cursor_without_repeating_or_skipping(stack, tmp_path: Path) -> None:
     M = 12
-    s = stack("actors.group_size=2", "actors.max_new_tokens=8", "actors.prompts_in_flight=4", f"actors.max_prompts={M}")
+    s = stack("actors.group_size=2", "actors.max_new_tokens=8", "actors.prompts_in_flight=4", f"actors.max_prompts={M}",
+              "learner.batch_groups=7", "buffer.max_staleness=1")  # at most 7 groups before the test drains
     s.start_buffer()
     with FakeLearner(s.publish, s.query):
         p = s.start_actors("--actor-id", "0")
@@ -190,10 +194,11 @@ def test_killed_worker_resumes_its_cursor_without_repeating_or_skipping(stack, t
         orphan = s.worker_state(0)["engine_pid"]
         wait_for(lambda: not _alive(orphan), 30, "the engine to exit with its killed worker")
         p2 = s.start_actors("--actor-id", "0", log_name="actors2.log")
-        done = read_tagged(p2, "ACTOR DONE", 150, s.tmp / "actors2.log")
+        groups = s.drain_until(lambda: p2.poll() is not None, 150)
+        done = read_tagged(p2, "ACTOR DONE", 30, s.tmp / "actors2.log")
         assert p2.wait(timeout=30) == 0
     assert done["fatal"] is None and done["prompts_done"] == M
-    _check_buffer_holds_shard_once(s, M, version=0)
+    _check_shard_once(s, groups, M, version=0)
 
 
 def _alive(pid: int) -> bool:
@@ -235,7 +240,8 @@ def test_external_engine_restarted_underneath_is_resynced_and_samples_stay_hones
         return p
 
     s = stack("engine.kind=external", f"engine.urls=[http://127.0.0.1:{port}]", "actors.group_size=2",
-              "actors.max_new_tokens=8", "actors.prompts_in_flight=3", f"actors.max_prompts={M}")
+              "actors.max_new_tokens=8", "actors.prompts_in_flight=3", f"actors.max_prompts={M}",
+              "learner.batch_groups=6", "buffer.max_staleness=1")  # the run cannot end before the test drains
     s.start_buffer()
     engine = start_engine()
     v1_dir = tmp_path / "weights" / "v1"
@@ -248,11 +254,11 @@ def test_external_engine_restarted_underneath_is_resynced_and_samples_stay_hones
         engine.kill()
         engine.wait()
         start_engine()  # back on the base weights, as a restarted sglang server would be
-        done = read_tagged(p, "ACTOR DONE", 150, s.tmp / "actors.log")
+        groups = s.drain_until(lambda: p.poll() is not None, 150)
+        done = read_tagged(p, "ACTOR DONE", 30, s.tmp / "actors.log")
         assert p.wait(timeout=30) == 0
     assert done["fatal"] is None and done["engine_restarts"] == 1 and done["weight_version"] == 1
     assert done["weight_syncs"] == 2
-    groups = s.groups(int(s.buffer_stats()["depth_groups"]))
     assert sorted(int(g.group_id.split("-p")[1]) for g in groups) == list(range(M))
     # whatever raced the re-sync is stamped with the weights that really produced it
     _check_groups(groups, {0: tiny_model_dir, 1: v1_dir}, s.overrides, 2, 8)
