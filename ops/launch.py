@@ -168,6 +168,7 @@ class Progress:
         self.records: list[dict[str, Any]] = []
         self.last_eval: float | None = None
         self.base_eval: float | None = None
+        self.last_time: float | None = None
 
     def poll(self) -> list[dict[str, Any]]:
         if not self.path.exists():
@@ -183,8 +184,12 @@ class Progress:
                 new.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
-        self.records.extend(new)
         for r in new:
+            if r.get("kind") == "learner_step" and isinstance(r.get("time"), int | float):
+                if self.last_time is not None and r["time"] > self.last_time:
+                    r.setdefault("samples_per_second", r.get("samples", 0) / (r["time"] - self.last_time))
+                self.last_time = r["time"]
+            self.records.append(r)
             self._print(r)
         return new
 
@@ -195,7 +200,7 @@ class Progress:
             say(f"value pretraining step {r.get('step', '?')}: explained variance (fresh groups) "
                 f"{_fmt(r.get('explained_variance'))}  loss {_fmt(r.get('loss'), 4)}")
         elif kind == "learner_step":
-            step = int(r.get("version", r.get("step", 0)))
+            step = int(r.get("weight_version", r.get("step", 0)))
             elapsed = time.time() - self.t0
             eta = elapsed / max(step, 1) * max(self.total - step, 0)
             say(
@@ -210,7 +215,7 @@ class Progress:
                 if self.base_eval is None:
                     self.base_eval = float(acc)
                 self.last_eval = float(acc)
-            say(f"eval  v{r.get('version', r.get('step', '?'))}: held-out avg@k {_fmt(acc)}"
+            say(f"eval  v{r.get('weight_version', r.get('version', '?'))}: held-out avg@k {_fmt(acc)}"
                 f"  greedy {_fmt(ev.get('greedy_accuracy'))}  length {_fmt(ev.get('mean_response_length'), 1)}")
 
 

@@ -24,7 +24,27 @@ def load_records(run_dir: Path) -> list[dict[str, Any]]:
             out.append(json.loads(line))
         except json.JSONDecodeError:
             continue  # a line cut by a crash
-    return out
+    return with_rates(out)
+
+
+def version_of(r: dict[str, Any]) -> int:
+    """The weight version a record belongs to (learner records carry weight_version and step)."""
+    for key in ("weight_version", "version", "step"):
+        if isinstance(r.get(key), int | float):
+            return int(r[key])
+    return 0
+
+
+def with_rates(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Adds samples_per_second to learner step records from consecutive timestamps."""
+    prev_t = None
+    for r in records:
+        if r.get("kind") != "learner_step" or not isinstance(r.get("time"), int | float):
+            continue
+        if prev_t is not None and r["time"] > prev_t and "samples_per_second" not in r:
+            r["samples_per_second"] = r.get("samples", 0) / (r["time"] - prev_t)
+        prev_t = r["time"]
+    return records
 
 
 def eval_points(records: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
@@ -32,9 +52,9 @@ def eval_points(records: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]
     pts = []
     for r in records:
         if r.get("kind") == "eval":
-            pts.append((int(r.get("step", r.get("version", 0))), r))
+            pts.append((version_of(r), r))
         elif isinstance(r.get("eval"), dict):
-            pts.append((int(r.get("version", r.get("step", 0))), r["eval"]))
+            pts.append((version_of(r), r["eval"]))
     return pts
 
 
@@ -52,7 +72,7 @@ def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[flo
             continue
         v = r.get(key)
         if isinstance(v, int | float):
-            xs.append(int(r.get("version", r.get("step", len(xs)))))
+            xs.append(version_of(r))
             ys.append(float(v))
     return xs, ys
 
@@ -65,7 +85,7 @@ def summarize(run_dir: Path, wall_s: float | None = None) -> dict[str, Any]:
     greedy = [(s, e.get("greedy_accuracy")) for s, e in eval_points(records)]
     out: dict[str, Any] = {
         "run": run_dir.name,
-        "steps": max((int(r.get("version", 0)) for r in steps), default=0),
+        "steps": max((version_of(r) for r in steps), default=0),
         "samples": int(sum(r.get("samples", 0) for r in steps)),
         "base_accuracy": evals[0][1] if evals and evals[0][0] == 0 else None,
         "final_accuracy": evals[-1][1] if evals else None,
