@@ -1,0 +1,70 @@
+"""Engines: critic construction, ZeRO stages and bf16 give the stage-0 update, ZeRO-3 weights publish whole."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from learner.engines import load_critic_module, save_critic
+from learner.train import Learner
+from learner.weights import publish_policy
+from tests.learner.synth import synth_groups
+from tests.learner.test_train import make_cfg
+
+
+def _step(model: Path, *extra: str) -> Learner:
+    learner = Learner(make_cfg(model, *extra), None)
+    learner.step(synth_groups(4, 4, 60, seed=9))
+    return learner
+
+
+def _params(learner: Learner) -> dict[str, torch.Tensor]:
+    from learner.engines import full_state_dict
+
+    return {**{"p." + k: v.float() for k, v in full_state_dict(learner.policy).items()},
+            **{"c." + k: v.float() for k, v in full_state_dict(learner.critic).items()}}
+
+
+def test_critic_head_init_no_dropout_and_save_roundtrip(tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg = make_cfg(tiny_model_dir, "learner.value_head_init_std=0", "learner.value_head_init_bias=0.25")
+    critic = load_critic_module(cfg)
+    assert critic.value_head.weight.dtype == torch.float32 and float(critic.value_head.weight.abs().sum()) == 0
+    assert not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in critic.modules())
+    assert all(v == 0.0 for k, v in vars(critic.backbone.config).items() if "dropout" in k and isinstance(v, float))
+    x = torch.randint(3, 50, (2, 7))
+    v = critic(x, torch.ones_like(x))
+    assert v.shape == (2, 7) and v.dtype == torch.float32 and torch.allclose(v, torch.full_like(v, 0.25))
+    with torch.no_grad():
+        critic.value_head.weight.normal_()
+    out = save_critic(critic, tmp_path / "critic")
+    again = load_critic_module(cfg, out)
+    assert torch.equal(again.value_head.weight, critic.value_head.weight)
+    assert torch.allclose(again(x, torch.ones_like(x)), critic(x, torch.ones_like(x)))
+
+
+@pytest.mark.slow
+def test_zero2_matches_stage0(tiny_model_dir: Path) -> None:
+    ref, got = _params(_step(tiny_model_dir)), _params(_step(tiny_model_dir, "learner.zero_stage=2"))
+    assert max(float((ref[k] - got[k]).abs().max()) for k in ref) < 2e-5
+
+
+def test_bf16_step_is_finite_and_close(tiny_model_dir: Path) -> None:
+    learner = _step(tiny_model_dir, "learner.precision=bf16")
+    assert all(torch.isfinite(v).all() for v in _params(learner).values())
+    assert math.isfinite(learner.last["critic_loss"]) and math.isfinite(learner.last["policy_loss"])
+
+
+def test_zero3_matches_stage0_and_publishes_full_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    ref = _params(_step(tiny_model_dir))
+    learner = _step(tiny_model_dir, "learner.zero_stage=3")
+    got = _params(learner)
+    assert max(float((ref[k] - got[k]).abs().max()) for k in ref) < 2e-5
+    up = publish_policy(learner.policy, AutoTokenizer.from_pretrained(str(tiny_model_dir)), tmp_path / "w", 1, 2, None)
+    saved = load_file(str(Path(up.path) / "model.safetensors"))
+    assert saved and all(v.numel() > 0 and torch.equal(v, got["p." + k]) for k, v in saved.items())
