@@ -171,8 +171,9 @@ class RolloutWorker:
             except OSError as e:
                 raise WorkerError(f"cannot serve /metrics on {cfg.metrics.host}:{port}: {e}") from e
         for name in ("samples", "tokens", "groups_sent", "groups_resent", "credit_wait_seconds", "engine_restarts",
-                     "prompts_skipped"):
-            self._m(name)  # export zeros from the start
+                     "prompts_skipped", "weight_sync_seconds", "generation_seconds", "weight_version",
+                     "samples_per_second", "prompts_in_flight"):
+            self._m(name)  # every series exists (zero) from the start, so dashboards show it before the first event
         curve = client_curve_keys(cfg.buffer.curve)
         self.watcher = WeightWatcher(cfg.learner.publish_addr, cfg.learner.query_addr, curve=curve,
                                      poll_s=self.a.weight_poll_s, query_timeout_s=self.a.weight_query_timeout_s)
