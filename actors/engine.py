@@ -509,9 +509,10 @@ class Engine:
             self._cv.notify_all()
         return fut
 
-    def abort(self, rids: set[str] | None, message: str = "Aborted by request.") -> cf.Future:
-        """Abort the given request ids (None = all): they finish with finish_reason abort."""
-        return self.call(lambda: self._abort(rids, message))
+    def abort(self, rids: set[str] | None, message: str = "Aborted by request.", prefix: str | None = None) -> cf.Future:
+        """Abort the given request ids (None = all; or those starting with ``prefix``, as SGLang matches a
+        batch rid): they finish with finish_reason abort. The future resolves to how many were aborted."""
+        return self.call(lambda: self._abort(rids, message, prefix))
 
     def pause(self, mode: str) -> cf.Future:
         if mode not in PAUSE_MODES:
@@ -590,19 +591,24 @@ class Engine:
             except ValueError:
                 pass
 
-    def _abort(self, rids: set[str] | None, message: str) -> int:
+    def _abort(self, rids: set[str] | None, message: str, prefix: str | None = None) -> int:
+        def hit_by(s: Sequence) -> bool:
+            if prefix is not None:
+                return s.rid.startswith(prefix)
+            return rids is None or s.rid in rids
+
         hit = 0
         with self._cv:
             keep: deque[Sequence] = deque()
             for s in self._waiting:
-                if rids is None or s.rid in rids:
+                if hit_by(s):
                     s.finish = {"type": "abort", "message": message, "status_code": None, "err_type": None}
                     self._done(s)
                     hit += 1
                 else:
                     keep.append(s)
             self._waiting = keep
-        gone = {i for i, s in enumerate(self.running) if rids is None or s.rid in rids}
+        gone = {i for i, s in enumerate(self.running) if hit_by(s)}
         for i in gone:
             self.running[i].finish = {"type": "abort", "message": message, "status_code": None, "err_type": None}
             self._done(self.running[i])

@@ -319,9 +319,7 @@ class Server:
             await asyncio.wrap_future(self.engine.abort(None, "Aborted by abort_request."))
         elif isinstance(rid, str) and rid:
             # SGLang matches by prefix so that a batch rid aborts all of its items.
-            await asyncio.wrap_future(self.engine.call(lambda: self.engine._abort(
-                {s.rid for s in list(self.engine.running) + list(self.engine._waiting) if s.rid.startswith(rid)},
-                "Aborted by abort_request.")))
+            await asyncio.wrap_future(self.engine.abort(None, "Aborted by abort_request.", prefix=rid))
         return web.Response(status=200)
 
     async def health(self, request: web.Request) -> web.Response:
@@ -457,7 +455,9 @@ async def _serve(args: argparse.Namespace) -> None:
                     scaled_logprobs=args.logprobs == "scaled", batch_wait_ms=args.batch_wait_ms,
                     metrics=metrics, max_prefill_tokens=args.max_prefill_tokens)
     server = Server(engine, tokenizer, args.model_path, tok_path, metrics)
-    runner = web.AppRunner(server.app(), access_log=None)
+    # handler_cancellation: a client that disconnects (or times out) cancels its handler, which aborts its
+    # sequences so they stop holding KV-cache slots.
+    runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()

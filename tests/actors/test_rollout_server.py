@@ -317,3 +317,34 @@ def test_pause_abort_returns_requests_and_holds_new_ones(server) -> None:
     assert flush_busy == 400  # SGLang refuses to flush with requests waiting
     assert call(url, "/flush_cache", method="POST")[0] == 200
     assert call(url, "/health_generate")[0] == 200
+
+
+def _abort_count(url: str) -> float:
+    metrics = call(url, "/metrics")[1]
+    line = next((ln for ln in metrics.splitlines() if ln.startswith('vapo_engine_requests_total{status="abort"}')), None)
+    return float(line.split()[-1]) if line else 0.0
+
+
+def test_abort_request_by_rid_prefix_and_client_disconnect(server) -> None:
+    url = server.url
+
+    async def main() -> tuple:
+        gen = asyncio.create_task(_post(url, "/generate", {**_long_request(url), "rid": "job7"}))
+        await asyncio.to_thread(wait_for, lambda: info(url)["running_requests"] > 0, 30, "running requests")
+        assert call(url, "/abort_request", {"rid": "job7"})[0] == 200
+        aborted = await gen
+        before = _abort_count(url)
+        timeout = aiohttp.ClientTimeout(total=0.3)
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            with pytest.raises(TimeoutError):
+                async with s.post(url + "/generate", json=_long_request(url)) as r:
+                    await r.read()
+        # The server notices the disconnect, aborts the 48 sequences and frees their slots.
+        await asyncio.to_thread(wait_for, lambda: _abort_count(url) >= before + 48, 30, "disconnect abort")
+        await asyncio.to_thread(wait_for, lambda: info(url)["running_requests"] == 0, 30, "slots freed")
+        return aborted
+
+    st, outs = asyncio.run(main())
+    assert st == 200 and len(outs) == 48
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
+    assert all(o["meta_info"]["id"].startswith("job7") for o in outs)
