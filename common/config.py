@@ -84,6 +84,7 @@ class BootstrapConfig:
     weight_decay: float = f(0.01, "AdamW weight decay")
     eval_k: int = f(8, "samples per held-out prompt for the closing evaluation (0 = skip it)")
     log_every_s: float = f(10.0, "seconds between progress lines")
+    length_group: int = f(8, "SFT batches sorted by length together (less padding; 1 = off)")
 
 
 @dataclass

@@ -1,16 +1,21 @@
 """Step-by-step column addition: the embedded default task.
 
-Prompt ``Q:472+38\\n``. The expected response adds the columns right to left, one line per column with the
-carry in, then the final answer on its own last line::
+Prompt ``Q:472+38\n``. The expected response adds one column per line, right to left. Each line writes the
+column's carry-out and sum digit, then what is left of the two operands once that column is consumed; the
+last line is the final answer::
 
-    2+8+0=10
-    7+3+1=11
-    4+0+1=5
+    10:47+3        2+8   = 10 -> carry 1, digit 0; 47 and 3 remain
+    11:4+          7+3+1 = 11 -> carry 1, digit 1; 4 and nothing remain
+    05:+           4+0+1 =  5 -> carry 0, digit 5; done
     A:510
 
-A response therefore has about 9 tokens per column: 12 tokens (with EOS) for one digit, 64 for six, so a
-batch mixes short and long responses (the regime VAPO's length-adaptive GAE is for). The reward is 1 when
-the last line is exactly ``A:<a+b>`` (no leading zeros, nothing after it), else 0; the steps are not graded.
+Every input of a column sits at a fixed landmark of the line above (its first character is the carry, the
+digits before ``+`` and before the newline are the next column's digits), so a tiny transformer can learn
+the procedure from a few minutes of SFT; a format that reads the i-th digit from the right of the prompt
+instead needs position counting that a 0.6M-parameter model does not learn in that budget. A response has
+10 tokens (with EOS) for one-digit operands and up to 70 for two six-digit ones, so a batch mixes short and
+long responses (the regime VAPO's length-adaptive GAE is for). The reward is 1 when the last line is exactly
+``A:<a+b>`` (no leading zeros, nothing after it), else 0; the steps are not graded.
 
 Held-out split: the unordered operand pair ``{a, b}`` is hashed with the task seed into ``eval_buckets``
 buckets; bucket 0 is evaluation-only. Training draws skip bucket 0, so neither ``a+b`` nor ``b+a`` of an
@@ -135,19 +140,18 @@ def teacher_response(prompt: Prompt, rng: random.Random | None = None, error_rat
     final answer of a trace with an error is wrong (and consistent with the trace).
     """
     a, b = operands(prompt)
-    sa, sb = str(a)[::-1], str(b)[::-1]
+    ra, rb = str(a), str(b)
     lines: list[str] = []
     digits: list[int] = []
     carry = 0
-    for i in range(max(len(sa), len(sb))):
-        da = int(sa[i]) if i < len(sa) else 0
-        db = int(sb[i]) if i < len(sb) else 0
-        s = da + db + carry
+    while ra or rb:
+        s = (int(ra[-1]) if ra else 0) + (int(rb[-1]) if rb else 0) + carry
         if error_rate > 0 and rng is not None and rng.random() < error_rate:
             s = s + 1 if s == 0 else s - 1 if s == 19 else s + rng.choice((-1, 1))
-        lines.append(f"{da}+{db}+{carry}={s}")
-        digits.append(s % 10)
+        ra, rb = ra[:-1], rb[:-1]
         carry = s // 10
+        digits.append(s % 10)
+        lines.append(f"{carry}{s % 10}:{ra}+{rb}")
     if carry:
         digits.append(carry)
     answer = str(int("".join(str(d) for d in reversed(digits))))

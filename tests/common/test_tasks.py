@@ -60,8 +60,15 @@ def test_addition_prompts_are_deterministic_and_well_formed() -> None:
 def test_addition_response_lengths_are_heterogeneous() -> None:
     task, tok = _addition(), build_char_tokenizer()
     lengths = [len(tok.encode(teacher_response(task.train_prompt(i)), add_special_tokens=False)) + 1 for i in range(500)]
-    assert 10 <= min(lengths) <= 14 and 60 <= max(lengths) <= 70
+    assert 9 <= min(lengths) <= 14 and 60 <= max(lengths) <= 70
     assert len(set(lengths)) > 20
+
+
+def test_teacher_trace_format() -> None:
+    p = Prompt("x", "Q:472+38\n", "510", "train", 0, "3d")
+    assert teacher_response(p) == "10:47+3\n11:4+\n05:+\nA:510"
+    assert teacher_response(Prompt("x", "Q:999999+999999\n", "1999998")).endswith("\n19:+\nA:1999998")
+    assert teacher_response(Prompt("x", "Q:0+0\n", "0")) == "00:+\nA:0"
 
 
 def test_addition_verifier_accepts_right_rejects_near_misses() -> None:
@@ -71,6 +78,7 @@ def test_addition_verifier_accepts_right_rejects_near_misses() -> None:
     assert right.endswith("\nA:510")
     assert task.verify(p, right) == Verdict(1.0, "510")
     assert task.verify(p, right + "\n").reward == 1.0  # trailing whitespace is not an answer
+    assert task.verify(p, right + " ").reward == 1.0
     assert task.verify(p, "A:510").reward == 1.0  # steps are not graded, only the final answer
     near_misses = [
         right[:-1] + "1",  # off by one
@@ -79,7 +87,6 @@ def test_addition_verifier_accepts_right_rejects_near_misses() -> None:
         right[:-3] + "0510",  # leading zero
         right[:-3] + "410",  # wrong carry
         right + "\nA:511",  # a later, wrong final answer wins
-        right + " ",  # fine (whitespace) -> checked below as accepted
         right + "0",
         right + "x",
         right.replace("A:", "A: "),
@@ -91,13 +98,10 @@ def test_addition_verifier_accepts_right_rejects_near_misses() -> None:
         "A:",
         "A:-510",
         "A:510.0",
+        "A:5 10",
     ]
     for resp in near_misses:
-        v = task.verify(p, resp)
-        if resp == right + " ":
-            assert v.reward == 1.0
-            continue
-        assert v.reward == 0.0, resp
+        assert task.verify(p, resp).reward == 0.0, resp
     assert task.verify(p, right[:-1] + "1").parsed == "511"
     assert task.verify(p, "garbage").parsed is None
 
@@ -109,7 +113,7 @@ def test_teacher_errors_are_near_misses_at_the_configured_rate() -> None:
     clean = [task.verify(p, teacher_response(p)).reward for p in prompts]
     assert all(r == 1.0 for r in clean)
     noisy = [task.verify(p, teacher_response(p, rng, 0.1)) for p in prompts]
-    cols = [len(teacher_response(p).splitlines()) - 1 for p in prompts]
+    cols = [len(teacher_response(p).splitlines()) - 1 for p in prompts]  # one line per column + answer
     expected = sum(0.9**c for c in cols) / len(cols)
     acc = sum(v.reward for v in noisy) / len(noisy)
     assert abs(acc - expected) < 0.04

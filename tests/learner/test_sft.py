@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from common.config import load_config
 from common.tasks import decode_response, encode_prompt, get_task
 from common.tasks.addition import teacher_response
-from learner.sft import make_batch, run, train
+from learner.sft import BatchMaker, run, train
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = [
@@ -24,19 +24,27 @@ TINY = [
 ]
 
 
-def test_batches_train_only_on_response_tokens() -> None:
+def test_batches_train_only_on_response_tokens_and_cover_the_stream() -> None:
     cfg = load_config(None, TINY)
     from common.modeling import build_char_tokenizer
 
     tok, task = build_char_tokenizer(), get_task(cfg.task)
-    ids, mask = make_batch(tok, task, 0, 4, 0, 0.0)  # type: ignore[arg-type]
-    for i in range(4):
-        p = task.train_prompt(i)
-        plen = len(encode_prompt(tok, p))
-        targets = ids[i, 1:][mask[i].bool()].tolist()
-        assert targets[-1] == tok.eos_token_id
-        assert decode_response(tok, targets) == teacher_response(p)
-        assert mask[i, : plen - 1].sum() == 0
+    make = BatchMaker(tok, task, 4, 0, 0.0, group=3)  # type: ignore[arg-type]
+    seen: list[int] = []
+    widths = []
+    for step in range(6):
+        ids, mask, idx = make(step)
+        widths.append(ids.shape[1])
+        seen.extend(idx)
+        for i, j in enumerate(idx):
+            p = task.train_prompt(j)
+            plen = len(encode_prompt(tok, p))
+            targets = ids[i, 1:][mask[i].bool()].tolist()
+            assert targets[-1] == tok.eos_token_id
+            assert decode_response(tok, targets) == teacher_response(p)
+            assert mask[i, : plen - 1].sum() == 0
+    assert sorted(seen) == list(range(24))  # every prompt exactly once, grouped by length
+    assert make(1)[2] == BatchMaker(tok, task, 4, 0, 0.0, group=3)(1)[2]
 
 
 def test_sft_is_deterministic_given_the_seed() -> None:
