@@ -34,6 +34,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -483,9 +484,13 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.max_batch_size < 1:
         raise SystemExit("--max-batch-size must be >= 1")
+    for flag, path in (("--model-path", args.model_path), ("--tokenizer-path", args.tokenizer_path)):
+        if path is not None and not (Path(path) / "config.json" if flag == "--model-path" else Path(path)).exists():
+            raise SystemExit(f"rollout_server: {flag} {path!r} is not an HF model directory (no config.json); "
+                             f"build the embedded base with `python -m learner.sft` or pass an existing checkpoint")
     try:
         asyncio.run(_serve(args))
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, ValueError) as e:
         raise SystemExit(f"rollout_server: {e}") from e
 
 
