@@ -1,6 +1,6 @@
 """Benchmark: learner tokens/s of a full VAPO step (critic + actor) under DeepSpeed vs plain PyTorch.
 
-    .venv/bin/python ops/bench/learner.py [--groups 16] [--group-size 8] [--steps 3] [--threads 2]
+    .venv/bin/python ops/bench/learner.py [--groups 8] [--group-size 8] [--steps 3] [--threads 2]
 
 Prints one JSON line. Both sides run the same ``learner.train.Learner.step`` code (values → critic
 update → fresh values → advantages → actor update, same mini-/micro-batches, same losses); the baseline
@@ -79,7 +79,7 @@ def model_dir(tmp: Path) -> tuple[Path, str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--groups", type=int, default=16, help="groups per step (default 16)")
+    ap.add_argument("--groups", type=int, default=8, help="groups per step (default 8)")
     ap.add_argument("--group-size", type=int, default=8, help="samples per group (default 8)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per side after one warm-up (default 3)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")

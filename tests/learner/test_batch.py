@@ -18,7 +18,7 @@ def _sample(prompt: list[int], out: list[int], reward: float, reason: str = "sto
 
 
 def test_positions_point_at_the_token_before_each_response_token() -> None:
-    b = collate_samples([_sample([5, 6, 7], [8, 9], 1.0), _sample([5], [10, 11, 12, 2], 0.0, "length")], pad_id=0)
+    b = collate_samples([_sample([5, 6, 7], [8, 9], 1.0), _sample([5], [10, 11, 12, 13], 1.0, "length")], pad_id=0)
     assert b.positions[0, :2].tolist() == [2, 3] and b.positions[1].tolist() == [0, 1, 2, 3]
     # The token right after each scoring position is the response token it scores.
     nxt = b.input_ids.gather(1, (b.positions + 1).clamp(max=b.input_ids.shape[1] - 1))
@@ -26,9 +26,10 @@ def test_positions_point_at_the_token_before_each_response_token() -> None:
     assert b.mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
     assert b.attention_mask.sum(-1).tolist() == [5, 5]
     assert b.truncated.tolist() == [False, True] and b.lengths.tolist() == [2, 4]
-    # Reward only on the last real token; padding carries nothing.
+    # Reward only on the last real token; padding carries nothing. The truncated row is terminal too:
+    # its verifier reward sits on its last token (nothing is bootstrapped past the length limit).
     r = terminal_rewards(b.scores, b.mask)
-    assert r.tolist() == [[0, 1, 0, 0], [0, 0, 0, 0]]
+    assert r.tolist() == [[0, 1, 0, 0], [0, 0, 0, 1]]
     assert torch.allclose(b.behaviour_logprobs[0], torch.tensor([-0.1, -0.2, 0.0, 0.0]))
     x = torch.arange(10).view(2, 5)
     assert gather_positions(x, b.positions)[0, :2].tolist() == [2, 3]
