@@ -217,8 +217,14 @@ class _Runner:
         dtype = next(model.parameters()).dtype
         self.fp32 = dtype == torch.float32
         shape = (max_slots, self.n_kv, max_len, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        kv_bytes = 2 * len(self.layers) * math.prod(shape) * torch.finfo(dtype).bits // 8
+        log.info("KV cache: %d slots x %d positions = %.1f MiB", max_slots, max_len, kv_bytes / 2**20)
+        try:
+            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        except (RuntimeError, MemoryError) as e:
+            raise RuntimeError(f"cannot allocate the KV cache ({kv_bytes / 2**30:.1f} GiB for {max_slots} slots x "
+                               f"{max_len} positions): lower --max-batch-size or --context-length ({e})") from e
         self._arange = torch.arange(max_len, device=device)
         with torch.no_grad():
             self.qkv = [self._fuse([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj]) for ly in self.layers]
