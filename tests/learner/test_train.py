@@ -180,3 +180,10 @@ def test_replayed_positives_feed_only_the_nll(tiny_model_dir: Path) -> None:
     assert stats["replay_positives"] == round(0.5 * n_pos) > 0
     assert stats["samples"] == 16  # replayed rows are not counted as trained samples
     assert math.isfinite(stats["nll_loss"]) and stats["nll_loss"] > 0
+    # With μ = 0 and one mini-batch, replayed rows must not change the PPO/critic update at all.
+    plain = Learner(make_cfg(tiny_model_dir, "nll.coef=0", "learner.mini_batches=1"), None)
+    plain.step(groups)
+    replay = Learner(make_cfg(tiny_model_dir, "nll.coef=0", "learner.mini_batches=1"), None)
+    replay.step(groups, stored[:3])
+    assert _max_diff(plain.policy.module.state_dict(), replay.policy.module.state_dict()) < 1e-6
+    assert _max_diff(plain.critic.module.state_dict(), replay.critic.module.state_dict()) < 1e-6
