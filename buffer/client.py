@@ -445,9 +445,13 @@ class BatchClient:
     def _request(self, frame: bytes, timeout_s: float, retries: int) -> bytes:
         for _ in range(retries + 1):
             s = self._socket()
-            s.send(frame)
-            if s.poll(int(timeout_s * 1000)):
-                return s.recv()
+            s.sndtimeo = int(timeout_s * 1000)  # no peer (e.g. a refused CURVE handshake) makes send block
+            try:
+                s.send(frame)
+                if s.poll(int(timeout_s * 1000)):
+                    return s.recv()
+            except zmq.Again:
+                pass
             self._drop()  # a REQ socket that missed its reply is stuck: recreate it
         raise TimeoutError(f"buffer at {self.addr} did not answer within {timeout_s} s")
 

@@ -153,9 +153,11 @@ def test_ten_thousand_hostile_frames_are_counted_and_valid_traffic_still_flows(b
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
     dealer.linger = 0
+    dealer.sndtimeo = 10_000  # a dead server fails the test instead of hanging it
     dealer.connect(srv.ingest_addr)
     req = ctx.socket(zmq.REQ)
     req.linger = 0
+    req.sndtimeo = 10_000
     req.connect(srv.serve_addr)
     n_ingest = 9000
     replies = 0
@@ -417,6 +419,7 @@ def test_disk_full_is_an_error_ack_and_a_metric_not_a_crash(tmp_path: Path) -> N
             acked = 0
             ctx_sock = s.sock
             failure: IngestAck | None = None
+            s.sock.sndtimeo = 20_000
             for i in range(200):  # 200 x ~64 KB: far past the limit
                 ctx_sock = s.sock
                 ctx_sock.send(encode(make_group(f"d{i}", g=8, length=2000)))
