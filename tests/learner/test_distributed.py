@@ -1,4 +1,4 @@
-"""Two CPU ranks (torchrun, gloo, real subprocesses) give the same update as one rank on the same batch."""
+"""Two CPU ranks (torchrun or the DeepSpeed launcher, gloo, real subprocesses) give the same update as one rank on the same batch."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ HARNESS = textwrap.dedent("""
     from learner.train import Learner
     from tests.learner.synth import child_env, synth_groups
 
-    model, out = sys.argv[1], sys.argv[2]
+    model, out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     cfg = load_config(None, [f"model.path={{model}}", *{overrides!r}])
     src = ListSource(synth_groups(4, 4, 60, seed=21)) if rank() == 0 else None
     learner = Learner(cfg, src)
@@ -64,13 +64,17 @@ def _one_rank(model: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _two_ranks(model: Path, tmp_path: Path, shm: bool) -> dict[str, torch.Tensor]:
+def _two_ranks(model: Path, tmp_path: Path, shm: bool, deepspeed_launcher: bool) -> dict[str, torch.Tensor]:
     harness = tmp_path / "dist_harness.py"
     harness.write_text(HARNESS.format(repo=str(REPO), overrides=OVERRIDES))
     out = tmp_path / "two_ranks.safetensors"
     env = child_env(OMP_NUM_THREADS="1", VAPO_DS_SHM="1" if shm else "0")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(harness), str(model), str(out)]
+    if deepspeed_launcher:  # adds --local_rank=N to our arguments; ~15 s slower to start than torchrun
+        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(_free_port()), str(harness), str(model), str(out)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(_free_port()), str(harness), str(model), str(out)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-4000:])
     return load_file(str(out))
@@ -84,12 +88,13 @@ def _compare(one: dict[str, torch.Tensor], two: dict[str, torch.Tensor]) -> None
 
 
 def test_two_ranks_equal_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
-    two = _two_ranks(tiny_model_dir, tmp_path, shm=False)
+    two = _two_ranks(tiny_model_dir, tmp_path, shm=False, deepspeed_launcher=False)
     _compare(_one_rank(tiny_model_dir), two)
 
 
 @pytest.mark.slow
-def test_two_ranks_with_deepspeed_shm_allreduce(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """Same, with DeepSpeed's shared-memory all-reduce op (built once into TORCH_EXTENSIONS_DIR)."""
-    two = _two_ranks(tiny_model_dir, tmp_path, shm=True)
+def test_two_ranks_deepspeed_launcher_with_shm_allreduce(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Same under the DeepSpeed launcher, with DeepSpeed's shared-memory all-reduce op (JIT-built once into
+    TORCH_EXTENSIONS_DIR: ~80 s the first time, which is why this is slow)."""
+    two = _two_ranks(tiny_model_dir, tmp_path, shm=True, deepspeed_launcher=True)
     _compare(_one_rank(tiny_model_dir), two)
