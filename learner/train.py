@@ -360,7 +360,18 @@ class Runner:
 
         if self.task is None:
             self.task = get_task(self.cfg.task)
-        rep = evaluate(self.learner.policy.module, self.tokenizer, self.task, k=self.cfg.learner.eval_k,
+        model = self.learner.policy.module
+        if self.learner.policy.zero_optimization_stage() == 3:
+            # Partitioned parameters: evaluate a gathered copy so that rank 0 alone can run forwards.
+            from learner.engines import full_state_dict, load_policy_module
+
+            state = full_state_dict(self.learner.policy)  # collective
+            if rank() != 0:
+                return {}
+            model = load_policy_module(self.cfg.model.path, self.cfg.model.dtype)
+            model.load_state_dict(state)
+            model.to(next(self.learner.policy.module.parameters()).device)
+        rep = evaluate(model, self.tokenizer, self.task, k=self.cfg.learner.eval_k,
                        max_new_tokens=self.cfg.actors.max_new_tokens, temperature=self.cfg.actors.temperature,
                        seed=self.cfg.run.seed)
         m = self.learner.metrics
@@ -387,7 +398,8 @@ class Runner:
                 if L.version % max(lc.weights_every, 1) == 0 or L.version >= lc.total_steps:
                     self.publish()
                 stats["phase_seconds"]["publish"] = time.perf_counter() - t0
-                if lc.eval_every > 0 and L.version % lc.eval_every == 0 and rank() == 0:
+                if lc.eval_every > 0 and L.version % lc.eval_every == 0 and (
+                        rank() == 0 or L.policy.zero_optimization_stage() == 3):
                     t0 = time.perf_counter()
                     stats["eval"] = self.evaluate()
                     stats["phase_seconds"]["eval"] = time.perf_counter() - t0

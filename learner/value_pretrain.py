@@ -30,7 +30,7 @@ from common.metrics import Metrics
 from learner.advantages import gae, terminal_rewards
 from learner.batch import collate
 from learner.data import DataSource
-from learner.engines import build_critic_engine, rank, save_critic
+from learner.engines import build_critic_engine, full_state_dict, load_critic_module, rank, save_critic
 from learner.train import _global_stats, append_jsonl, fetch_groups, pad_token_id
 from learner.update import compute_values, critic_update, minibatch_rows, my_share
 
@@ -98,8 +98,14 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
                      step, vp.steps, st["critic_loss"], ev, best, vmean)
     if best < vp.min_explained_variance:
         log.warning("value pretraining ended with explained variance %.4f < %.4f", best, vp.min_explained_variance)
+    module = critic.module
+    if critic.zero_optimization_stage() == 3:
+        state = full_state_dict(critic)  # collective: every rank gathers, rank 0 saves a whole copy
+        if rank() == 0:
+            module = load_critic_module(cfg)
+            module.load_state_dict(state)
     if rank() == 0:
-        save_critic(critic.module, out)
+        save_critic(module, out)
         log.info("value pretraining: saved critic to %s after %d steps (EV %.4f)", out, step, ev if history else ev0)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()
