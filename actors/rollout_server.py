@@ -17,8 +17,9 @@ Deviations from SGLang, on purpose:
 - Output logprobs default to log_softmax(logits) at temperature 1 (``--logprobs original``), what the
   learner recomputes; SGLang returns that only with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` and otherwise the
   temperature-scaled log_softmax(logits / T) (``--logprobs scaled``). At temperature 1 both agree.
-- ``meta_info.output_token_weight_versions`` (extension) gives the weight version of every output token,
-  so a request that straddled an in-place weight update can be stamped with the oldest version;
+- ``meta_info.output_weight_version_spans`` (extension, ``[[version, n_tokens], ...]`` in token order) says
+  which weights produced each output token, so a request that straddled an in-place weight update can be
+  stamped with the oldest version;
   ``meta_info.weight_version`` keeps SGLang's meaning (the version served when the response was built).
 - No streaming, no stop strings, no penalties, no prefix cache; those requests get a 400.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -41,6 +43,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from actors.engine import PAUSE_MODES, Engine, RequestError, SamplingParams, Sequence, new_rid
+from actors.sglang_client import gc_paused
 from common.config import EngineConfig
 from common.metrics import Metrics
 
@@ -225,32 +228,36 @@ class Server:
         except asyncio.CancelledError:  # client went away: free the slots
             self.engine.abort({s.rid for s in seqs}, "Request is disconnected from the client side.")
             raise
-        outs = [self._output(s, lp, text_in_lp) for s, (_, lp) in zip(done, items, strict=True)]
-        return web.json_response(outs[0] if is_single else outs, dumps=_dumps)
+        with gc_paused():  # thousands of small lists: keep GC passes out of the response path
+            texts = (self.tokenizer.batch_decode([s.output_ids for s in done], skip_special_tokens=True)
+                     if self.tokenizer is not None else [None] * len(done))
+            outs = [self._output(s, lp, text_in_lp, x) for s, (_, lp), x in zip(done, items, texts, strict=True)]
+            body = _dumps(outs[0] if is_single else outs)
+        return web.Response(text=body, content_type="application/json")
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
-    def _output(self, s: Sequence, return_logprob: bool, text_in_lp: bool) -> dict[str, Any]:
+    def _output(self, s: Sequence, return_logprob: bool, text_in_lp: bool, text: str | None) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": s.rid,
             "finish_reason": s.finish,
             "prompt_tokens": len(s.prompt_ids),
             "weight_version": self.engine.weight_version,
             "total_retractions": s.retractions,
-            "output_token_weight_versions": s.versions,
+            "output_weight_version_spans": _spans(s.versions),
         }
         if return_logprob:
             texts = ([self._decode([t]) for t in s.output_ids] if text_in_lp and self.tokenizer is not None
                      else [None] * len(s.output_ids))
-            meta["input_token_logprobs"] = [[None, s.prompt_ids[-1], None]]
-            meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x in zip(s.logprobs, s.output_ids, texts, strict=True)]
+            meta["input_token_logprobs"] = [(None, s.prompt_ids[-1], None)]
+            meta["output_token_logprobs"] = list(zip(s.logprobs, s.output_ids, texts, strict=True))
         meta["completion_tokens"] = len(s.output_ids)
         meta["cached_tokens"] = 0
         meta["e2e_latency"] = s.finished_at - s.created
         out: dict[str, Any] = {"output_ids": s.output_ids, "meta_info": meta}
-        if self.tokenizer is not None:
-            out = {"text": self._decode(s.output_ids), **out}
+        if text is not None:
+            out = {"text": text, **out}
         return out
 
     # ------------------------------------------------------------------ control endpoints
@@ -389,6 +396,17 @@ class Server:
         return app
 
 
+def _spans(versions: list[str]) -> list[list[Any]]:
+    """Run-length form of per-token weight versions: [[version, n_tokens], ...] in token order."""
+    out: list[list[Any]] = []
+    for v in versions:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    return out
+
+
 def _resolve(fut: asyncio.Future, value: Any) -> None:
     if not fut.done():
         fut.set_result(value)
@@ -456,6 +474,7 @@ async def _serve(args: argparse.Namespace) -> None:
                     scaled_logprobs=args.logprobs == "scaled", batch_wait_ms=args.batch_wait_ms,
                     metrics=metrics, max_prefill_tokens=args.max_prefill_tokens)
     server = Server(engine, tokenizer, args.model_path, tok_path, metrics)
+    gc.freeze()  # the model, tokenizer and imports never become garbage: keep them out of every GC pass
     # handler_cancellation: a client that disconnects (or times out) cancels its handler, which aborts its
     # sequences so they stop holding KV-cache slots.
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)

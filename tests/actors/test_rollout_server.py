@@ -220,7 +220,7 @@ def test_weight_update_switches_and_bad_paths_keep_old_weights(server, model, ti
     assert served_by(new_model) and not served_by(model)
     st, outs = call(url, "/generate", {"input_ids": ps, "sampling_params": {"max_new_tokens": 4}})
     assert all(o["meta_info"]["weight_version"] == "5" for o in outs)
-    assert all(set(o["meta_info"]["output_token_weight_versions"]) == {"5"} for o in outs)
+    assert all(o["meta_info"]["output_weight_version_spans"] == [["5", len(o["output_ids"])]] for o in outs)
     assert call(url, "/get_model_info")[1]["weight_version"] == "5"
 
     corrupt = tmp_path / "corrupt"
@@ -262,7 +262,7 @@ def test_update_waits_for_running_requests_then_applies(server, tiny_model_dir: 
     (st, outs), (ust, ubody) = asyncio.run(main())
     assert st == 200 and ust == 200 and ubody["success"]
     # SGLang semantics: in-flight requests finish on the old weights, the update applies afterwards.
-    assert all(set(o["meta_info"]["output_token_weight_versions"]) == {"0"} for o in outs)
+    assert all(o["meta_info"]["output_weight_version_spans"] == [["0", 240]] for o in outs)
     assert all(len(o["output_ids"]) == 240 for o in outs)
     assert info(url)["weight_version"] == "11"
     call(url, "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "0"})
@@ -287,9 +287,9 @@ def test_pause_update_continue_mixes_versions(server, tiny_model_dir: Path, mode
     (st, outs), ust, ubody = asyncio.run(main())
     assert ust == 200 and ubody["success"] and st == 200
     for o in outs:
-        versions = o["meta_info"]["output_token_weight_versions"]
-        assert len(o["output_ids"]) == 240 and len(versions) == 240
-        assert versions[0] == "0" and versions[-1] == "21" and versions == sorted(versions, key=int)
+        spans = o["meta_info"]["output_weight_version_spans"]
+        assert len(o["output_ids"]) == 240 and sum(n for _, n in spans) == 240
+        assert [v for v, _ in spans] == ["0", "21"] and all(n > 0 for _, n in spans)
         assert o["meta_info"]["total_retractions"] == (1 if mode == "retract" else 0)
     call(url, "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "0"})
 

@@ -42,7 +42,7 @@ def test_parse_single_fixture_response_and_non_numeric_version() -> None:
 
 def test_min_weight_version_from_per_token_versions() -> None:
     item = json.loads(json.dumps(FIXTURE["generate_response_batched"][1]))
-    item["meta_info"]["output_token_weight_versions"] = ["9", "10", "10", "11"]
+    item["meta_info"]["output_weight_version_spans"] = [["9", 1], ["10", 2], ["11", 1]]
     item["meta_info"]["weight_version"] = "11"
     (o,) = parse_generate_response(item)
     assert o.weight_version == "11" and o.min_weight_version == "9" and o.weight_version_int == 9
