@@ -199,6 +199,7 @@ class BufferServer:
         # Admission state (in memory by design: see module docstring).
         self._in_flight: dict[int, deque[list[float]]] = {}  # actor_id -> [[expiry, count], ...]
         self._waiting: OrderedDict[int, tuple[bytes, int]] = OrderedDict()  # actor_id -> (identity, n)
+        self._credit_holder: dict[int, bytes] = {}  # actor_id -> identity its in-flight credits were granted to
         self._pending: tuple[Any, float, float] | None = None  # (BatchRequest, deadline, t0)
         self._owe_reply = False  # the REP socket received a request it has not answered yet
         self._dropped_since_reply = 0
@@ -438,6 +439,15 @@ class BufferServer:
 
     def _on_credit_request(self, ident: bytes, req: Any) -> None:
         self._waiting.pop(req.actor_id, None)
+        holder = self._credit_holder.get(req.actor_id)
+        if holder is not None and holder != ident and self._in_flight.get(req.actor_id):
+            # A new connection for this actor id means the old process died or reset its socket: its
+            # unused grants would otherwise block admission until credit_ttl_s (a restarted actor that
+            # gets no credit is a deadlock). Groups from those grants are still accepted if they arrive.
+            log.info("actor %d reconnected: releasing %d unused credits of its previous connection",
+                     req.actor_id, sum(g for _, g in self._in_flight[req.actor_id]))
+            self._in_flight[req.actor_id].clear()
+        self._credit_holder[req.actor_id] = ident
         if req.n == 0:
             return
         if len(self._waiting) >= _MAX_WAITING:  # bound memory against a flood of made-up actor ids

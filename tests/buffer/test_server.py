@@ -501,3 +501,16 @@ def test_unused_credit_expires_and_withdrawn_requests_are_not_granted(buffer_pro
             c.get_batch(0, 2, 5)
             assert c.stats()["admission_capacity"] == 2
             assert other.credits == 0
+
+
+def test_restarted_actor_gets_credit_its_dead_predecessor_held(buffer_proc: Any) -> None:
+    # An actor killed after a grant must not block its replacement (same actor id) until credit_ttl_s.
+    srv = buffer_proc(["buffer.max_staleness=1", "learner.batch_groups=2", "buffer.credit_ttl_s=600"])
+    with BatchClient(srv.serve_addr) as c:
+        with GroupSender(srv.ingest_addr, 0, ack_timeout_s=0.2) as dead:
+            assert dead.acquire(2, timeout_s=5).n == 2
+        assert c.stats()["admission_capacity"] == 0
+        with GroupSender(srv.ingest_addr, 0, ack_timeout_s=0.2) as replacement:
+            assert replacement.acquire(2, timeout_s=5).n == 2
+            replacement.send_many([make_group(f"r{i}", actor_id=0) for i in range(2)], timeout_s=10)
+            assert len(c.get_batch(0, 2, 5).groups) == 2
