@@ -8,6 +8,7 @@ Step (DESIGN.md §3; VAPO arXiv 2504.05118 §3):
 
     fetch            groups with weight_version >= version - max_staleness (rank 0 asks the buffer,
                      broadcasts to the other ranks), + stored positives for NLL replay (optional)
+    collate          padded prompt+response tensors, response mask, behaviour logprobs (learner.batch)
     values           V(s_t) of the batch from the critic before its update
     critic_update    fit V to λ_critic (= 1: Monte-Carlo) returns, epochs × mini-batches
     fresh_values     V(s_t) again, from the updated critic (critic-then-actor)
@@ -182,10 +183,13 @@ class Learner:
         cfg, lc, ac = self.cfg, self.cfg.learner, self.cfg.algo
         t = Phases()
         t_start = time.perf_counter()
-        with t("fetch"):
-            if groups is None:
+        if groups is None:
+            with t("fetch"):
                 groups, extra = self.fetch()
+        with t("collate"):
             batch = self.make_batch(groups, extra or [])
+        real = ~batch.is_replay
+        staleness = (self.version - batch.weight_version[real]).clamp(min=0)
         mbs = lc.micro_batch_size
         minibatches = minibatch_rows(batch.size, lc.mini_batches, cfg.run.seed, self.version)
         mine = torch.cat([my_share(mb) for mb in minibatches])
@@ -208,7 +212,6 @@ class Learner:
                 advantages, _ = decoupled_gae(rewards_tok, values, ppo_mask, ac.gamma, lam, ac.lambda_critic)
                 if ac.whiten_advantages:
                     advantages[mine] = _whiten(advantages[mine], ppo_mask[mine]).to(advantages.dtype)
-                real = ~batch.is_replay
                 stats["lambda_actor_mean"] = float(lam[real].mean()) if real.any() else 0.0
         else:
             with t("advantages"):
@@ -228,9 +231,7 @@ class Learner:
                                       lc.ppo_epochs, mbs, ac.clip_low, ac.clip_high, ac.loss_agg,
                                       cfg.nll.coef, ac.entropy_coef))
         self.version += 1
-        real = ~batch.is_replay
         n_real = max(int(real.sum()), 1)
-        staleness = (self.version - 1 - batch.weight_version[real]).clamp(min=0)
         tokens = int((batch.prompt_lengths + batch.lengths).sum())
         busy = time.perf_counter() - t_start - t.seconds.get("fetch", 0.0)
         stats.update({
