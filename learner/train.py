@@ -389,6 +389,14 @@ class Runner:
         cfg, lc, L = self.cfg, self.cfg.learner, self.learner
         t_end = time.monotonic() + cfg.run.max_wall_seconds if cfg.run.max_wall_seconds > 0 else float("inf")
         try:
+            if lc.eval_every > 0 and L.version == 0 and rank() == 0:
+                # The base policy's held-out accuracy: the reference every later evaluation is read against.
+                t0 = time.perf_counter()
+                rep = self.evaluate()
+                log.info("base policy held-out: %s (%.1f s)", rep, time.perf_counter() - t0)
+                if cfg.metrics.jsonl:
+                    append_jsonl(self.run_dir / "metrics.jsonl",
+                                 {"kind": "eval", "weight_version": 0, "step": 0, "time": time.time(), **rep})
             while L.version < lc.total_steps and time.monotonic() < t_end:
                 stats = L.step()
                 t0 = time.perf_counter()
