@@ -389,6 +389,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("config", nargs="?", help="YAML config (default: ops/configs/default.yaml)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. learner.total_steps=20")
     ap.add_argument("--resume", action="store_true", help="continue the run named by run.name from its newest checkpoint")
+    ap.add_argument("--no-actors", action="store_true",
+                    help="start only the buffer and learner here (actors run on other hosts: see README)")
     args = ap.parse_args(argv)
     if args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
         args.overrides.insert(0, args.config)
@@ -420,9 +422,10 @@ def main(argv: list[str] | None = None) -> int:
             launcher.metrics.serve(cfg.metrics.launcher_port, cfg.metrics.host)
         launcher.bootstrap()
         launcher.start_buffer()
-        launcher.start_engines()
         launcher.start_learner()
-        launcher.start_actors()
+        if not args.no_actors:
+            launcher.start_engines()
+            launcher.start_actors()
         launcher.supervise()
     except KeyboardInterrupt:
         say("interrupted: stopping every component")
