@@ -691,13 +691,22 @@ class Engine:
                 if self.paused is None:
                     with torch.inference_mode():
                         self._step()
-        except BaseException as e:  # the server reports unhealthy; callers get an abort
+        except BaseException as e:  # the server reports unhealthy; every caller gets an answer
             self.error = e
             log.exception("engine thread died")
-            for s in self.running:
+            with self._cv:
+                pending = self.running + list(self._waiting)
+                self._waiting.clear()
+                commands = list(self._commands)
+                self._commands.clear()
+            self.running = []
+            for s in pending:
                 s.finish = {"type": "abort", "message": f"engine error: {e}", "status_code": 500, "err_type": None}
                 self._done(s)
-            self.running = []
+            for _, fut in commands:
+                fut.set_exception(RuntimeError(f"engine died: {e}"))
+            if self._pending_update is not None:
+                self._pending_update[2].set_result((False, f"engine died: {e}"))
 
     def _admit(self) -> list[Sequence]:
         with self._cv:
@@ -726,8 +735,8 @@ class Engine:
         if new:
             slot0 = len(self.running)
             contexts = [s.context for s in new]
+            self.running.extend(new)  # before the forward, so a failure still answers them
             logits = self.runner.prefill(slot0, contexts)
-            self.running.extend(new)
             for s, c in zip(new, contexts, strict=True):
                 s.cached_len = len(c)
             self._append(slot0, logits, finished)

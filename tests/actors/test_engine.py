@@ -121,3 +121,19 @@ def test_validate_prompt_and_bad_weights(model: torch.nn.Module, tmp_path: Path)
         assert not ok and "not a directory" in msg and engine.weight_version == "default"
     finally:
         engine.shutdown()
+
+
+def test_engine_failure_answers_every_caller(model: torch.nn.Module) -> None:
+    engine = Engine(model, max_batch_size=2)
+    try:
+        def boom(*_a, **_k):
+            raise RuntimeError("simulated forward failure")
+
+        engine.runner.prefill = boom  # type: ignore[method-assign]
+        seqs = run(engine, [seq([5, 6, 7], max_new_tokens=4) for _ in range(5)])
+        assert all(s.finish and s.finish["type"] == "abort" and "simulated" in s.finish["message"] for s in seqs)
+        assert not engine.alive
+        with pytest.raises(RuntimeError, match="not running"):
+            engine.submit([seq([5], max_new_tokens=1)])
+    finally:
+        engine.shutdown()
