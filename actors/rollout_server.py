@@ -228,6 +228,11 @@ class Server:
         except asyncio.CancelledError:  # client went away: free the slots
             self.engine.abort({s.rid for s in seqs}, "Request is disconnected from the client side.")
             raise
+        failed = next((s.finish for s in done if s.finish and s.finish.get("status_code") in (500, 503)), None)
+        if failed is not None:  # SGLang turns an engine-side abort with a 5xx status into an HTTP error
+            body = {"object": "error", "message": failed["message"], "type": str(failed["status_code"]),
+                    "param": None, "code": failed["status_code"]}
+            return web.json_response(body, status=failed["status_code"])
         with gc_paused():  # thousands of small lists: keep GC passes out of the response path
             texts = (self.tokenizer.batch_decode([s.output_ids for s in done], skip_special_tokens=True)
                      if self.tokenizer is not None else [None] * len(done))
