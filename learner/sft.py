@@ -49,11 +49,13 @@ class BatchMaker:
     The examples of ``group`` consecutive steps (training prompts ``[m*group*B, (m+1)*group*B)``) are
     sorted by length and cut into ``group`` batches, taken in a seeded order. Batches then hold similar
     lengths, which removes most padding (responses range from 9 to 70 tokens), while every ``group`` steps
-    still see the same mix of lengths (HF Trainer's ``group_by_length`` does the same).
+    still see the same mix of lengths (HF Trainer's ``group_by_length`` does the same). Off by default
+    (``group=1``): on this task it made steps ~1.5x cheaper but learning per step much slower (loss 0.41
+    vs 0.09 after 400-475 steps), a net loss.
     """
 
     def __init__(self, tokenizer: Any, task: AdditionTask, batch_size: int, seed: int, error_rate: float,
-                 group: int = 8) -> None:
+                 group: int = 1) -> None:
         self.tok, self.task, self.bsz, self.seed, self.err, self.group = tokenizer, task, batch_size, seed, error_rate, group
         self._block: tuple[int, list[list[tuple[list[int], int, int]]]] | None = None
 

@@ -9,13 +9,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 from common.config import TaskConfig
 from common.modeling import build_char_tokenizer, load_model, load_tokenizer
 from common.tasks import encode_prompt, get_task
 from common.tasks.addition import AdditionTask, teacher_response
-from learner.evaluate import evaluate, sample_batch, score
+from learner.evaluate import evaluate, main, sample_batch, score
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -139,6 +140,10 @@ def test_cli_prints_json(tiny_model_dir: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout.strip().splitlines()[-1])
     assert rep["n_prompts"] == 4 and rep["k"] == 2 and "greedy_accuracy" in rep and rep["model"] == str(tiny_model_dir)
-    bad = subprocess.run([sys.executable, "-m", "learner.evaluate", "--model", "/no/such/model"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "cannot load model" in bad.stderr
+
+
+def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", "/no/such/model"]) == 2
+    assert "cannot load model" in capsys.readouterr().err
+    assert main(["--model", "/no/such/model", "--task", "nope"]) == 2
+    assert "unknown task" in capsys.readouterr().err

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.config import load_config
 from common.tasks import decode_response, encode_prompt, get_task
 from common.tasks.addition import teacher_response
-from learner.sft import BatchMaker, run, train
+from learner.sft import BatchMaker, main, run, train
 
-REPO = Path(__file__).resolve().parents[2]
 TINY = [
     "model.bootstrap.hidden_size=32", "model.bootstrap.num_layers=1", "model.bootstrap.num_heads=2",
     "model.bootstrap.num_kv_heads=1", "model.bootstrap.intermediate_size=64", "model.bootstrap.max_steps=6",
@@ -72,9 +70,11 @@ def test_sft_saves_a_loadable_model_with_stats(tmp_path: Path) -> None:
     assert not (tmp_path / "base.tmp").exists()
 
 
-def test_cli_help_and_bad_config() -> None:
-    proc = subprocess.run([sys.executable, "-m", "learner.sft", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and "model.bootstrap" in proc.stdout
-    bad = subprocess.run([sys.executable, "-m", "learner.sft", "model.bootstrap.nope=1"], cwd=REPO,
-                         capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "model.bootstrap.nope" in bad.stderr
+def test_cli_help_and_bad_config(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0 and "model.bootstrap" in capsys.readouterr().out
+    assert main(["model.bootstrap.nope=1"]) == 2
+    assert "model.bootstrap.nope" in capsys.readouterr().err
+    assert main(["task.name=jsonl:/no/such.jsonl"]) == 2
+    assert "not found" in capsys.readouterr().err
