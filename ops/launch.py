@@ -35,6 +35,7 @@ from common.config import Config, ConfigError, load_config, save_config  # noqa:
 from common.metrics import Metrics  # noqa: E402
 
 PY = sys.executable
+_RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 STOP_GRACE_S = 6.0
 
 
@@ -56,7 +57,10 @@ class Child:
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
         log.write(f"\n=== {time.strftime('%H:%M:%S')} start: {' '.join(self.cmd)}\n".encode())
         log.flush()
-        env = {**os.environ, **self.env}
+        # A parent that ran torch.distributed leaves rendezvous variables behind; a child learner would try
+        # to reuse that (taken) MASTER_PORT. Each child sets up its own.
+        env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS_VARS}
+        env.update(self.env)
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         self.started_at = time.time()

@@ -22,8 +22,11 @@ def test_runner_logs_metrics_and_evaluates(tiny_model_dir: Path, tmp_path: Path)
     runner = Runner(cfg, ListSource(synth_groups(4, 3, 60, seed=6)))
     learner = runner.run()
     assert learner.version == 2  # v0 (the base policy), v1 and v2 were published
-    recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs] == [1, 2]
+    all_recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in all_recs] == [("eval", 0), ("learner_step", 1), ("learner_step", 2)]
+    base = all_recs[0]  # the base policy is evaluated before the first step
+    assert base["weight_version"] == 0 and 0.0 <= base["avg_at_k"] <= 1.0
+    recs = all_recs[1:]
     for key in ("critic_loss", "value_explained_variance", "policy_loss", "nll_loss", "clip_fraction_low",
                 "clip_fraction_high", "approx_kl", "entropy", "actor_grad_norm", "critic_grad_norm",
                 "lambda_actor_mean", "reward_mean", "positives_fraction", "response_length_mean", "tokens_per_second"):
