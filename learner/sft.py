@@ -14,6 +14,10 @@ Deterministic given ``model.bootstrap.seed`` and ``model.bootstrap.threads`` (1 
 differently): the run stops after
 ``max_steps``; ``seconds`` is only a safety cap (hitting it makes the result depend on machine speed and
 is reported as such). Not part of the VAPO paper, which starts from a pretrained LLM.
+
+Measured (ops/configs/default.yaml: 0.60M parameters, 800 steps x 64 traces, 12% teacher errors, 2 threads):
+held-out avg@8 0.451 sampled / 0.949 greedy, responses 9-74 tokens. On 2 cores shared with other jobs
+(load 4-5) the SFT ran 757 s at 1.06 steps/s; an idle 2-core machine runs ~4.5 steps/s (about 3 min).
 """
 
 from __future__ import annotations
