@@ -17,7 +17,8 @@ is reported as such). Not part of the VAPO paper, which starts from a pretrained
 
 Measured (ops/configs/default.yaml: 0.60M parameters, 800 steps x 64 traces, 12% teacher errors, 2 threads):
 held-out avg@8 0.451 sampled / 0.949 greedy, responses 9-74 tokens. On 2 cores shared with other jobs
-(load 4-5) the SFT ran 757 s at 1.06 steps/s; an idle 2-core machine runs ~4.5 steps/s (about 3 min).
+(load 4-5) the SFT ran 757 s at 1.06 steps/s. The only low-load measurement (load ~1.7, 20 steps) gave
+4.5 steps/s, i.e. about 3 min for 800 steps; an idle machine was not available to confirm it.
 """
 
 from __future__ import annotations
