@@ -178,6 +178,8 @@ class LearnerConfig:
     decoupled_weight_cap: float = f(5.0, "decoupled: clamp of the behaviour importance weight")
     value_head_init_std: float = f(0.0, "std of the value head's weight init (0 = zeros, output starts at bias)")
     value_head_init_bias: float = f(0.5, "initial value head bias (prior mean reward)")
+    value_head_lr_scale: float = f(1.0, "the critic's surprise MLP (value_head_surprise) trains at this multiple of the critic lr")
+    value_head_surprise: bool = f(False, "critic adds an MLP over the response's token logprobs under its own LM head (latest and running minimum): sees the first unlikely token")
     publish_addr: str = f("tcp://127.0.0.1:5557", "PUB address for WeightUpdate")
     query_addr: str = f("tcp://127.0.0.1:5558", "REP address where late subscribers ask for the latest weights")
     weights_every: int = f(1, "publish weights every N steps")

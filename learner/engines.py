@@ -131,10 +131,18 @@ def _no_dropout(config: Any) -> None:
 class Critic(nn.Module):
     """V(s) for every position: an HF backbone (no LM head) + a fp32 ``Linear(hidden, 1)`` value head.
 
-    ``forward(input_ids, attention_mask) -> [B, S]`` fp32: values[b, s] is the value of the state that
-    ends with token s (the caller reads position prompt_len + t − 1 for V(s_t))."""
+    ``forward(input_ids, attention_mask, response_start=None) -> [B, S]`` fp32: values[b, s] is the value
+    of the state that ends with token s (the caller reads position prompt_len + t − 1 for V(s_t)).
 
-    def __init__(self, backbone: nn.Module, hidden_size: int, init_std: float, init_bias: float) -> None:
+    With ``surprise`` (learner.value_head_surprise) a small fp32 MLP adds a term computed from two
+    features of each response prefix: the log-probability of its latest token and the running minimum of
+    its tokens' log-probabilities, both under the critic's own (tied) LM head and detached. On a
+    deterministic task a sampled mistake is an unlikely token, and the running minimum keeps the value low
+    after it; a linear head on the last hidden state has to re-derive that comparison (docs/CRITIC.md). The
+    MLP's last layer starts at zero, so the initial values are the plain head's."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int, init_std: float, init_bias: float,
+                 surprise: bool = False) -> None:
         super().__init__()
         self.backbone = backbone
         self.value_head = nn.Linear(hidden_size, 1, dtype=torch.float32)
@@ -144,13 +152,49 @@ class Critic(nn.Module):
             else:
                 self.value_head.weight.zero_()
             self.value_head.bias.fill_(init_bias)
+        self.surprise_head: nn.Sequential | None = None
+        if surprise:
+            self.surprise_head = nn.Sequential(nn.Linear(2, 32, dtype=torch.float32), nn.SiLU(),
+                                               nn.Linear(32, 1, dtype=torch.float32))
+            with torch.no_grad():
+                self.surprise_head[2].weight.zero_()
+                self.surprise_head[2].bias.zero_()
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    def head_state_dict(self) -> dict[str, Tensor]:
+        """Everything above the backbone (saved as ``value_head.safetensors``)."""
+        out = dict(self.value_head.state_dict())
+        if self.surprise_head is not None:
+            out.update({f"surprise.{k}": v for k, v in self.surprise_head.state_dict().items()})
+        return out
+
+    def load_head_state_dict(self, state: dict[str, Tensor]) -> None:
+        self.value_head.load_state_dict({k: v for k, v in state.items() if not k.startswith("surprise.")})
+        extra = {k[len("surprise."):]: v for k, v in state.items() if k.startswith("surprise.")}
+        if self.surprise_head is not None and extra:
+            self.surprise_head.load_state_dict(extra)
+
+    @torch.no_grad()
+    def _surprise_features(self, h: Tensor, input_ids: Tensor, attention_mask: Tensor,
+                           response_start: Tensor) -> Tensor:
+        emb = self.backbone.get_input_embeddings().weight
+        logp = torch.log_softmax(h[:, :-1] @ emb.t().to(h.dtype), dim=-1)  # predicts token s+1 from s
+        tok = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        tok = torch.cat([torch.zeros_like(tok[:, :1]), tok], dim=1)  # [B, S]: log p(token s | < s)
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        real = (pos[None, :] >= response_start.to(input_ids.device)[:, None]) & attention_mask.bool()
+        tok = tok.float() * real
+        return torch.stack([torch.cummin(tok, dim=1).values, tok], dim=-1)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, response_start: Tensor | None = None) -> Tensor:
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         h = out.last_hidden_state.float()
         # The head computes in fp32 even when the engine keeps its parameters in bf16/fp16.
         w, b = self.value_head.weight.float(), self.value_head.bias.float()
-        return torch.nn.functional.linear(h, w, b).squeeze(-1)
+        v = torch.nn.functional.linear(h, w, b).squeeze(-1)
+        if self.surprise_head is not None and response_start is not None:
+            feats = self._surprise_features(h.detach(), input_ids, attention_mask, response_start)
+            v = v + self.surprise_head(feats).squeeze(-1)
+        return v
 
 
 def load_policy_module(path: str | Path, dtype: str = "float32") -> nn.Module:
@@ -175,12 +219,13 @@ def load_critic_module(cfg: Config, path: str | Path | None = None) -> Critic:
     hf_cfg = AutoConfig.from_pretrained(str(src))
     _no_dropout(hf_cfg)
     backbone = AutoModel.from_pretrained(str(src), config=hf_cfg, dtype=torch_dtype(cfg.model.dtype))
-    critic = Critic(backbone, hf_cfg.hidden_size, cfg.learner.value_head_init_std, cfg.learner.value_head_init_bias)
+    critic = Critic(backbone, hf_cfg.hidden_size, cfg.learner.value_head_init_std, cfg.learner.value_head_init_bias,
+                    surprise=cfg.learner.value_head_surprise)
     head = src / "value_head.safetensors"
     if head.is_file():
         from safetensors.torch import load_file
 
-        critic.value_head.load_state_dict(load_file(str(head)))
+        critic.load_head_state_dict(load_file(str(head)))
     return critic
 
 
@@ -195,7 +240,7 @@ def save_critic(critic: Critic, path: str | Path) -> Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     critic.backbone.save_pretrained(tmp, safe_serialization=True)
-    save_file({k: v.detach().float().cpu().contiguous() for k, v in critic.value_head.state_dict().items()},
+    save_file({k: v.detach().float().cpu().contiguous() for k, v in critic.head_state_dict().items()},
               str(tmp / "value_head.safetensors"))
     if out.exists():
         shutil.rmtree(out)
@@ -207,13 +252,22 @@ def _warmup(steps: int) -> Any:
     return lambda s: min(1.0, (s + 1) / steps) if steps > 0 else 1.0
 
 
-def build_engine(cfg: Config, module: nn.Module, lr: float, warmup_steps: int = 0, grad_clip: float | None = None) -> Any:
-    """Wrap ``module`` in a DeepSpeed engine with a torch AdamW (and a linear warmup when asked)."""
+def build_engine(cfg: Config, module: nn.Module, lr: float, warmup_steps: int = 0, grad_clip: float | None = None,
+                 head_lr_scale: float = 1.0) -> Any:
+    """Wrap ``module`` in a DeepSpeed engine with a torch AdamW (and a linear warmup when asked).
+
+    A :class:`Critic`'s surprise MLP gets ``lr * head_lr_scale``: Adam moves a parameter by about lr per
+    step whatever its gradient, and that small, freshly initialised MLP must move its output by ~0.5 in a
+    few dozen steps (the linear value head on 128 features does not need it and overshoots with it)."""
     import deepspeed
 
     setup_distributed(cfg)
     module = module.to(device_for(cfg))
-    params = [p for p in module.parameters() if p.requires_grad]
+    params: Any = [p for p in module.parameters() if p.requires_grad]
+    if isinstance(module, Critic) and head_lr_scale != 1.0:
+        head_ids = {id(p) for n, p in module.named_parameters() if n.startswith("surprise_head.")}
+        params = [{"params": [p for p in params if id(p) not in head_ids], "lr": lr},
+                  {"params": [p for p in params if id(p) in head_ids], "lr": lr * head_lr_scale}]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.learner.weight_decay, betas=(0.9, 0.999), eps=1e-8)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup(warmup_steps)) if warmup_steps > 0 else None
     clip = cfg.learner.grad_clip if grad_clip is None else grad_clip
@@ -241,7 +295,7 @@ def build_policy_engine(cfg: Config, path: str | Path | None = None) -> Any:
 
 def build_critic_engine(cfg: Config, path: str | Path | None = None, lr: float | None = None) -> Any:
     return build_engine(cfg, load_critic_module(cfg, path), cfg.learner.critic_lr if lr is None else lr,
-                        cfg.learner.critic_warmup_steps)
+                        cfg.learner.critic_warmup_steps, head_lr_scale=cfg.learner.value_head_lr_scale)
 
 
 def grad_norm(engine: Any) -> float:

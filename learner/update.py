@@ -71,7 +71,7 @@ def _dev(engine: Any) -> torch.device:
 def critic_values(critic: Any, batch: Batch, rows: Tensor) -> Tensor:
     """V(s_t) ``[len(rows), T_rows]`` fp32 with grad (T trimmed to those rows)."""
     sub = batch.select(rows).to(_dev(critic))
-    v = critic(sub.input_ids, sub.attention_mask)
+    v = critic(sub.input_ids, sub.attention_mask, sub.prompt_lengths)
     return gather_positions(v, sub.positions).float()
 
 

@@ -68,3 +68,33 @@ def test_zero3_matches_stage0_and_publishes_full_weights(tiny_model_dir: Path, t
     up = publish_policy(learner.policy, AutoTokenizer.from_pretrained(str(tiny_model_dir)), tmp_path / "w", 1, 2, None)
     saved = load_file(str(Path(up.path) / "model.safetensors"))
     assert saved and all(v.numel() > 0 and torch.equal(v, got["p." + k]) for k, v in saved.items())
+
+
+def test_surprise_head_sees_unlikely_tokens_saves_and_gets_its_lr(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from learner.engines import build_critic_engine
+
+    cfg = make_cfg(tiny_model_dir, "learner.value_head_surprise=true", "learner.value_head_lr_scale=100",
+                   "learner.value_head_init_std=0",
+                   "learner.value_head_init_bias=0.5")
+    critic = load_critic_module(cfg)
+    x = torch.randint(3, 50, (2, 9))
+    start = torch.tensor([4, 6])
+    # The MLP's last layer starts at zero: the initial values are the plain head's.
+    assert torch.allclose(critic(x, torch.ones_like(x), start), torch.full((2, 9), 0.5))
+    with torch.no_grad():
+        h = critic.backbone(input_ids=x, attention_mask=torch.ones_like(x)).last_hidden_state
+        feats = critic._surprise_features(h, x, torch.ones_like(x), start)
+    assert feats.shape == (2, 9, 2)
+    assert torch.all(feats[0, :4] == 0) and torch.all(feats[1, :6] == 0)  # prompt tokens carry no surprise
+    assert torch.all(feats[0, 4:, 1] < 0)  # log-probabilities of the response tokens
+    assert torch.all(feats[..., 0].diff(dim=1) <= 0)  # running minimum never rises
+    assert torch.allclose(feats[0, :, 0], torch.cummin(feats[0, :, 1], 0).values)
+    with torch.no_grad():
+        critic.surprise_head[2].weight.normal_()
+    v = critic(x, torch.ones_like(x), start)
+    assert not torch.allclose(v, torch.full_like(v, 0.5))
+    again = load_critic_module(cfg, save_critic(critic, tmp_path / "critic"))
+    assert torch.allclose(again(x, torch.ones_like(x), start), v)
+    engine = build_critic_engine(cfg, lr=1e-4)
+    lrs = sorted(g["lr"] for g in engine.optimizer.param_groups)
+    assert lrs == pytest.approx([1e-4, 1e-2])
