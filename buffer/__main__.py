@@ -28,13 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
-    from common.config import ConfigError, load_config
+    from common.config import ConfigError, load_config_args
     from common.security import SecurityError
 
-    path = argv[0] if argv and "=" not in argv[0] else None
-    overrides = argv[1:] if path else argv
     try:
-        cfg = load_config(path, overrides)
+        cfg = load_config_args(argv)
     except ConfigError as e:
         print(f"buffer: config error: {e}", file=sys.stderr)
         return 2

@@ -440,6 +440,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+def load_config_args(argv: list[str]) -> Config:
+    """``[config.yaml] [key=value ...]`` as every vapo CLI takes them (raises ConfigError)."""
+    path = argv[0] if argv and "=" not in argv[0] else None
+    return load_config(path, argv[1:] if path else argv)
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
@@ -481,10 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         for key, tp, default, doc in describe():
             print(f"  {key:<36} {tp:<10} {default!r:<28} {doc}")
         return 0
-    path = argv[0] if argv and "=" not in argv[0] else None
-    overrides = argv[1:] if path else argv
     try:
-        print(dump_yaml(load_config(path, overrides)), end="")
+        print(dump_yaml(load_config_args(argv)), end="")
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -440,16 +440,15 @@ Fields: python -m common.config --help (sections learner, algo, value_pretrain, 
 def main(argv: list[str] | None = None) -> int:
     import sys
 
-    from common.config import ConfigError, load_config, save_config
+    from common.config import ConfigError, load_config_args, save_config
 
     argv = list(sys.argv[1:] if argv is None else argv)
     argv = [a for a in argv if not a.startswith("--local_rank")]  # added by the deepspeed launcher
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
-    path = argv[0] if argv and "=" not in argv[0] else None
     try:
-        cfg = load_config(path, argv[1:] if path else argv)
+        cfg = load_config_args(argv)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

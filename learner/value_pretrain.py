@@ -115,16 +115,15 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
 def main(argv: list[str] | None = None) -> int:
     import sys
 
-    from common.config import ConfigError, load_config
+    from common.config import ConfigError, load_config_args
     from learner.data import BufferSource
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
-    path = argv[0] if argv and "=" not in argv[0] else None
     try:
-        cfg = load_config(path, argv[1:] if path else argv)
+        cfg = load_config_args(argv)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
