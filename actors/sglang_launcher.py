@@ -17,7 +17,7 @@ from __future__ import annotations
 import shlex
 import sys
 
-from common.config import Config, ConfigError, load_config
+from common.config import Config, ConfigError, load_config_args
 
 # Flags this module emits, as named in SGLang's ServerArgs (field name -> --kebab-case flag).
 SGLANG_FLAGS_USED = (
@@ -70,9 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m actors.sglang_launcher [config.yaml] [key=value ...]\n"
               "Prints one shell command per engine (environment prefix included); ops/launch.sh runs them.")
         return 0
-    path = args[0] if args and "=" not in args[0] else None
     try:
-        cfg = load_config(path, args[1:] if path else args)
+        cfg = load_config_args(args)
         for i in range(cfg.actors.num_actors):
             cmd, env = sglang_command(cfg, i)
             print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))

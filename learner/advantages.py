@@ -166,15 +166,10 @@ def gae(
     _check(rewards, values, mask, gamma)
     if not torch.is_tensor(lam) and not 0.0 <= lam <= 1.0:
         raise ValueError(f"lambda must be in [0, 1], got {lam}")
-    # Returns of λ are the critic-side output of decoupled GAE with λ_critic = λ; here we need both sides
-    # with the same λ, so advantages are recovered from the returns.
-    if torch.is_tensor(lam):
-        adv, _ = decoupled_gae(rewards, values, mask, gamma, lam, 1.0)
-        m = mask.to(values.dtype)
-        return adv, (adv + values) * m
-    _, ret = decoupled_gae(rewards, values, mask, gamma, 0.0, lam)
-    m = mask.to(values.dtype)
-    return (ret - values) * m, ret
+    # One scan with per-row c = γλ; the Monte-Carlo critic side of decoupled_gae is a cheap cumsum.
+    lam_rows = lam if torch.is_tensor(lam) else torch.full((values.shape[0],), float(lam), dtype=values.dtype, device=values.device)
+    adv, _ = decoupled_gae(rewards, values, mask, gamma, lam_rows, 1.0)
+    return adv, (adv + values) * mask.to(values.dtype)
 
 
 def terminal_rewards(scores: Tensor, mask: Tensor) -> Tensor:

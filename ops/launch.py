@@ -125,14 +125,9 @@ def buffer_healthy(cfg: Config, timeout_s: float = 1.0) -> bool:
 
 
 def _apply_client_curve(sock: Any, cfg: Config) -> None:
-    curve = cfg.buffer.curve
-    if not (curve.client_secret_key and curve.server_public_key):
-        return
-    try:
-        from common.security import apply_client_curve  # type: ignore[attr-defined]
-    except ImportError:
-        return
-    apply_client_curve(sock, curve)
+    from common.security import apply_client_curve, client_curve_keys
+
+    apply_client_curve(sock, client_curve_keys(cfg.buffer.curve))
 
 
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:
@@ -309,7 +304,7 @@ class Launcher:
     def start_engines(self) -> None:
         if self.cfg.engine.kind != "sglang":
             return  # rollout_server engines are started and supervised by their actor; external URLs are given
-        from actors.sglang_launcher import sglang_command  # type: ignore[import-not-found]
+        from actors.sglang_launcher import sglang_command
 
         for i in range(self.cfg.actors.num_actors):
             cmd, env = sglang_command(self.cfg, i)

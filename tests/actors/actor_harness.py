@@ -31,15 +31,6 @@ from common.checksum import weights_sha256
 REPO = Path(__file__).resolve().parents[2]
 
 
-def wait_for(cond: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval_s)  # polling a condition with a deadline
 
 
 def env() -> dict[str, str]:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ import torch
 
 from common.modeling import build_char_tokenizer, build_tiny_qwen2, load_model, save_hf
 from learner.losses import token_logprobs
+from tests.polling import wait_for
 
 EOS = 2
 
@@ -36,12 +35,6 @@ def call(url: str, path: str, payload: Any = None, raw: bytes | None = None, met
         return status, body.decode()
 
 
-def wait_for(cond: Callable[[], bool], timeout_s: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
 
 
 def info(url: str) -> dict[str, Any]:

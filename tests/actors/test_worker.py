@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from actor_harness import FakeLearner, Stack, make_weights, metric, read_tagged, scrape, terminate, wait_for
+from actor_harness import FakeLearner, Stack, make_weights, metric, read_tagged, scrape, terminate
 
 from common.config import load_config
 from common.modeling import load_model, load_tokenizer
 from common.tasks import decode_response, encode_prompt, get_task
+from tests.polling import wait_for
 
 
 @pytest.fixture

@@ -45,16 +45,6 @@ def make_group(gid: str | None = None, version: int = 0, g: int = 4, length: int
     )
 
 
-def wait_for(cond: Any, timeout_s: float = 20.0, what: str = "condition", interval_s: float = 0.02) -> Any:
-    """Poll ``cond()`` until it returns something truthy; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval_s)
 
 
 class BufferProc:

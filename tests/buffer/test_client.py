@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from buffer.client import AsyncGroupSender, BatchClient, GroupSender
-from tests.buffer.conftest import make_group, wait_for
+from tests.buffer.conftest import make_group
+from tests.polling import wait_for
 
 
 def test_async_sender_concurrent_tasks_credit_and_acks(buffer_proc: Any) -> None:

@@ -28,7 +28,8 @@ from common.protocol import (
     decode,
     encode,
 )
-from tests.buffer.conftest import REPO, BufferProc, make_group, make_sample, wait_for
+from tests.buffer.conftest import REPO, BufferProc, make_group, make_sample
+from tests.polling import wait_for
 
 
 def stored_group_ids(path: Path) -> list[str]:

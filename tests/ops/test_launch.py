@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.polling import wait_for
+
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "ops" / "launch.sh"
 
@@ -57,13 +59,6 @@ def processes_mentioning(text: str) -> list[str]:
     return out
 
 
-def wait_for(cond, timeout_s: float, what: str) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)  # polling a condition with a deadline
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def promql_range(port: int, expr: str, start: float, end: float) -> list:
@@ -182,3 +177,26 @@ def test_sigint_stops_every_child_within_ten_seconds(tmp_path: Path) -> None:
     wait_for(lambda: processes_mentioning(str(run_dir)) == [], 10 - min(time.time() - t0, 9), "every child to stop")
     assert time.time() - t0 <= 10.5
     assert proc.returncode == 130
+
+
+def test_launcher_health_check_uses_the_configured_curve_client_keys(tmp_path: Path) -> None:
+    import importlib.util
+
+    import zmq
+
+    from common.config import load_config
+    from common.security import generate_keypair
+
+    spec = importlib.util.spec_from_file_location("launch_mod2", ROOT / "ops" / "launch.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules["launch_mod2"] = mod
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    server_pub, _ = generate_keypair(tmp_path, "server")
+    _, client_secret = generate_keypair(tmp_path, "client")
+    cfg = load_config(None, [f"buffer.curve.server_public_key={server_pub}", f"buffer.curve.client_secret_key={client_secret}"])
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    try:
+        mod._apply_client_curve(sock, cfg)
+        assert sock.getsockopt(zmq.MECHANISM) == zmq.CURVE
+    finally:
+        sock.close(0)
