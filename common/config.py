@@ -199,6 +199,7 @@ class AlgoConfig:
     advantage: str = f("gae", "advantage estimator: gae (critic) | grpo (group-normalised, no critic)")
     gamma: float = f(1.0, "discount γ")
     lambda_critic: float = f(1.0, "λ for critic targets (decoupled GAE: 1.0 = Monte-Carlo)")
+    decoupled_gae: bool = f(True, "critic targets use lambda_critic; false (ablation): the actor's λ, as in plain PPO")
     lambda_actor: float = f(0.95, "λ for policy advantages when length_adaptive is off")
     length_adaptive: bool = f(True, "policy λ = 1 - 1/(alpha * response length), per sample")
     alpha: float = f(0.05, "length-adaptive λ coefficient α (paper 0.05)")

@@ -71,6 +71,7 @@ class BufferSource:
         self.max_staleness = max_staleness
         self.groups_consumed = 0
         self.stale_dropped = 0
+        self.filtered = 0  # uniform-reward groups the buffer dropped (DAPO dynamic sampling): generated, never trained
         self.wait_seconds = 0.0
 
     def get_batch(self, learner_version: int, n_groups: int, timeout_s: float) -> list[SampleGroup]:
@@ -88,6 +89,7 @@ class BufferSource:
             except TimeoutError:
                 continue  # the buffer had too few groups in time; the deadline check above decides
             self.stale_dropped += int(reply.stale_dropped)
+            self.filtered += int(reply.filtered)
             floor = learner_version - self.max_staleness
             for g in reply.groups:
                 if g.weight_version < floor:
@@ -103,8 +105,10 @@ class BufferSource:
 
     def state_dict(self) -> dict[str, Any]:
         # The buffer itself owns what was served (durable); the learner records how much it consumed.
-        return {"groups_consumed": self.groups_consumed, "stale_dropped": self.stale_dropped}
+        return {"groups_consumed": self.groups_consumed, "stale_dropped": self.stale_dropped,
+                "filtered": self.filtered}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.groups_consumed = int(state.get("groups_consumed", 0))
         self.stale_dropped = int(state.get("stale_dropped", 0))
+        self.filtered = int(state.get("filtered", 0))

@@ -40,6 +40,7 @@ from common.config import Config
 from common.metrics import Metrics
 from learner.advantages import (
     decoupled_gae,
+    gae,
     group_normalized_advantages,
     length_adaptive_lambda,
     terminal_rewards,
@@ -199,16 +200,19 @@ class Learner:
 
         if ac.advantage == "gae":
             assert self.critic is not None
+            lam = length_adaptive_lambda(batch.lengths, ac.alpha) if ac.length_adaptive else torch.full((batch.size,), ac.lambda_actor)
             with t("values"):
                 old_values = compute_values(self.critic, batch, mine, mbs)
-                _, returns = decoupled_gae(rewards_tok, old_values, ppo_mask, ac.gamma, ac.lambda_actor, ac.lambda_critic)
+                if ac.decoupled_gae:
+                    _, returns = decoupled_gae(rewards_tok, old_values, ppo_mask, ac.gamma, ac.lambda_actor, ac.lambda_critic)
+                else:  # ablation: the critic regresses on the actor's λ-returns, A^λ + V
+                    _, returns = gae(rewards_tok, old_values, ppo_mask, ac.gamma, lam)
                 stats["value_explained_variance"], stats["value_mean"] = _global_stats(old_values[mine], returns[mine], ppo_mask[mine])
             with t("critic_update"):
                 stats.update(critic_update(self.critic, batch, minibatches, returns, old_values, lc.ppo_epochs, mbs, ac.value_clip))
             with t("fresh_values"):
                 values = compute_values(self.critic, batch, mine, mbs)
             with t("advantages"):
-                lam = length_adaptive_lambda(batch.lengths, ac.alpha) if ac.length_adaptive else torch.full((batch.size,), ac.lambda_actor)
                 advantages, _ = decoupled_gae(rewards_tok, values, ppo_mask, ac.gamma, lam, ac.lambda_critic)
                 if ac.whiten_advantages:
                     advantages[mine] = _whiten(advantages[mine], ppo_mask[mine]).to(advantages.dtype)
@@ -413,6 +417,11 @@ class Runner:
                     stats["eval"] = self.evaluate()
                     stats["phase_seconds"]["eval"] = time.perf_counter() - t0
                 if rank() == 0:
+                    # Cumulative groups the source dropped: with dynamic sampling these were generated
+                    # (paid for) but never trained on, so samples-to-accuracy must count them.
+                    for key in ("groups_consumed", "stale_dropped", "filtered"):
+                        if hasattr(self.source, key):
+                            stats[f"{key}_total"] = int(getattr(self.source, key))
                     if cfg.metrics.jsonl:
                         append_jsonl(self.run_dir / "metrics.jsonl", {"kind": "learner_step", **stats})
                     log.info("v%d reward %.3f critic %.4f EV %.3f policy %.4f nll %.3f len %.1f %.0f tok/s %.2fs",

@@ -26,8 +26,26 @@ def make_cfg(model_dir: Path, *extra: str):
     ])
 
 
-def reference_update(cfg, policy_state, critic_state, groups, pad_id: int):
-    """The VAPO step written out in plain torch, one forward per mini-batch, python-loop GAE."""
+def lambda_gae_loop(b, vals: torch.Tensor, alpha: float) -> torch.Tensor:
+    """GAE with per-sample λ = 1 - 1/(α l), γ = 1, terminal reward, as a backward python loop: [B, T]."""
+    B, T = b.mask.shape
+    adv = torch.zeros(B, T)
+    for i in range(B):
+        n = int(b.lengths[i])
+        lam = min(1.0, max(0.0, 1.0 - 1.0 / (alpha * n)))
+        a = 0.0
+        for t in reversed(range(n)):
+            r = float(b.scores[i]) if t == n - 1 else 0.0
+            nxt = float(vals[i, t + 1]) if t + 1 < n else 0.0
+            delta = r + nxt - float(vals[i, t])
+            a = delta + lam * a
+            adv[i, t] = a
+    return adv
+
+
+def reference_update(cfg, policy_state, critic_state, groups, pad_id: int, coupled: bool = False):
+    """The VAPO step written out in plain torch, one forward per mini-batch, python-loop GAE.
+    ``coupled``: the critic's targets are the actor's λ-returns A^λ + V (the no-decoupled-GAE ablation)."""
     policy = load_policy_module(cfg.model.path)
     policy.load_state_dict(policy_state)
     critic = load_critic_module(cfg)
@@ -44,6 +62,10 @@ def reference_update(cfg, policy_state, critic_state, groups, pad_id: int):
 
     # Critic first: Monte-Carlo targets (λ_critic = 1, γ = 1): the final reward at every real token.
     returns = b.scores.unsqueeze(-1) * b.mask
+    if coupled:
+        with torch.no_grad():
+            v_old = values(torch.arange(B)) * b.mask
+        returns = (lambda_gae_loop(b, v_old, ac.alpha) + v_old) * b.mask
     opt_c = torch.optim.AdamW(critic.parameters(), lr=lc.critic_lr, weight_decay=lc.weight_decay)
     for rows in mbs:
         v = values(rows)
@@ -56,17 +78,7 @@ def reference_update(cfg, policy_state, critic_state, groups, pad_id: int):
     # Advantages from the UPDATED critic, per-sample λ = 1 - 1/(α l), backward recursion.
     with torch.no_grad():
         vals = values(torch.arange(B)) * b.mask
-    adv = torch.zeros(B, T)
-    for i in range(B):
-        n = int(b.lengths[i])
-        lam = min(1.0, max(0.0, 1.0 - 1.0 / (ac.alpha * n)))
-        a = 0.0
-        for t in reversed(range(n)):
-            r = float(b.scores[i]) if t == n - 1 else 0.0
-            nxt = float(vals[i, t + 1]) if t + 1 < n else 0.0
-            delta = r + nxt - float(vals[i, t])
-            a = delta + lam * a
-            adv[i, t] = a
+    adv = lambda_gae_loop(b, vals, ac.alpha)
     m = b.mask
     mean = (adv * m).sum() / m.sum()
     var = (((adv - mean) ** 2) * m).sum() / (m.sum() - 1)
@@ -97,8 +109,9 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-def test_step_matches_plain_torch_reference(tiny_model_dir: Path) -> None:
-    cfg = make_cfg(tiny_model_dir)
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_step_matches_plain_torch_reference(tiny_model_dir: Path, decoupled: bool) -> None:
+    cfg = make_cfg(tiny_model_dir, f"algo.decoupled_gae={str(decoupled).lower()}")
     learner = Learner(cfg, None)
     p0 = {k: v.clone() for k, v in learner.policy.module.state_dict().items()}
     c0 = {k: v.clone() for k, v in learner.critic.module.state_dict().items()}
@@ -106,7 +119,7 @@ def test_step_matches_plain_torch_reference(tiny_model_dir: Path) -> None:
     assert torch.equal(c0["backbone.embed_tokens.weight"], p0["model.embed_tokens.weight"])
     groups = synth_groups(4, 4, VOCAB, seed=3, max_new_tokens=cfg.actors.max_new_tokens)
     stats = learner.step(groups)
-    ref_p, ref_c = reference_update(cfg, p0, c0, groups, learner.pad_id)
+    ref_p, ref_c = reference_update(cfg, p0, c0, groups, learner.pad_id, coupled=not decoupled)
     got_p = learner.policy.module.state_dict()
     got_c = learner.critic.module.state_dict()
     assert _max_diff(p0, got_p) > 1e-4 and _max_diff(c0, got_c) > 1e-4  # the step changed both models

@@ -1,0 +1,485 @@
+"""Issue-8 experiment suite: VAPO against vanilla PPO, GRPO and DAPO at the same sample budget, VAPO with
+each component removed, async against synchronous training, the staleness sweep and an α sweep, all on
+the embedded default task (addition, the 0.6M-parameter base). Writes ``docs/RESULTS.md`` and
+``docs/results/*.png``.
+
+    .venv/bin/python ops/bench/experiments.py                    # run what is missing, then write the report
+    .venv/bin/python ops/bench/experiments.py --list             # the suite and what is done
+    .venv/bin/python ops/bench/experiments.py --only vapo grpo   # some experiments (all their seeds)
+    .venv/bin/python ops/bench/experiments.py --report-only      # re-make docs/RESULTS.md from finished runs
+    .venv/bin/python ops/bench/experiments.py --jobs 2           # runs in parallel, each on its own ports
+
+Every run is a plain ``ops/launch.sh <config> run.root=runs/exp run.name=<exp>-s<seed> ...``; its
+directory is the record. Resumable: a run with ``summary.json`` is done and skipped, a run with a checkpoint
+is continued with ``--resume``, anything else is started afresh (its partial directory moved aside).
+
+Cost is counted in *generated* samples: trained samples plus the groups the buffer dropped as stale or
+filtered (DAPO's dynamic sampling pays for groups it never trains on). On 2 cores one default VAPO run
+takes ~9 minutes, so the default is one run at a time: two runs at once would each get half the cores
+and skew every wall-time figure. ``--jobs`` is for machines with more cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+FULL_STEPS = 60   # the default's budget: 60 steps x 32 prompts x G=8 = 15,360 samples
+SHORT_STEPS = 40  # ablations and sweeps (1 seed): 10,240 samples, compared with VAPO at the same samples
+TARGET = 0.70     # the stated held-out avg@8 for samples-to-accuracy (base 0.451)
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    group: str              # baselines | ablations | staleness | alpha
+    label: str              # what the row is, for the report
+    config: str = "ops/configs/default.yaml"
+    overrides: tuple[str, ...] = ()
+    seeds: tuple[int, ...] = (0,)
+    steps: int = FULL_STEPS
+
+
+SEEDS3 = (0, 1, 2)
+SUITE: tuple[Experiment, ...] = (
+    Experiment("vapo", "baselines", "VAPO (default)", seeds=SEEDS3),
+    Experiment("stale0", "staleness", "VAPO, synchronous (buffer.max_staleness=0)",
+               overrides=("buffer.max_staleness=0",), steps=SHORT_STEPS),
+    Experiment("stale2", "staleness", "VAPO, buffer.max_staleness=2",
+               overrides=("buffer.max_staleness=2",), steps=SHORT_STEPS),
+    Experiment("stale4", "staleness", "VAPO, buffer.max_staleness=4",
+               overrides=("buffer.max_staleness=4",), steps=SHORT_STEPS),
+    Experiment("grpo", "baselines", "GRPO", "ops/configs/grpo.yaml", seeds=SEEDS3),
+    Experiment("dapo", "baselines", "DAPO", "ops/configs/dapo.yaml", seeds=SEEDS3),
+    Experiment("ppo", "baselines", "vanilla PPO", "ops/configs/ppo.yaml", seeds=SEEDS3),
+    Experiment("no_value_pretrain", "ablations", "VAPO − value pretraining",
+               overrides=("value_pretrain.enabled=false",), steps=SHORT_STEPS),
+    Experiment("no_decoupled_gae", "ablations", "VAPO − decoupled GAE (critic λ = actor's length-adaptive λ)",
+               overrides=("algo.decoupled_gae=false",), steps=SHORT_STEPS),
+    Experiment("no_length_adaptive", "ablations", "VAPO − length-adaptive λ (λ_actor = 0.95)",
+               overrides=("algo.length_adaptive=false",), steps=SHORT_STEPS),
+    Experiment("no_clip_higher", "ablations", "VAPO − clip-higher (ε_high = 0.2)",
+               overrides=("algo.clip_high=0.2",), steps=SHORT_STEPS),
+    Experiment("no_token_level", "ablations", "VAPO − token-level loss (sequence mean)",
+               overrides=("algo.loss_agg=seq_mean",), steps=SHORT_STEPS),
+    Experiment("no_nll", "ablations", "VAPO − positive-example NLL",
+               overrides=("nll.coef=0",), steps=SHORT_STEPS),
+    Experiment("no_group_sampling", "ablations", "VAPO − group sampling (256 prompts × G=1)",
+               overrides=("actors.group_size=1", "learner.batch_groups=256", "value_pretrain.batch_groups=256",
+                          "value_pretrain.eval_groups=256"), steps=SHORT_STEPS),
+    Experiment("alpha0.3", "alpha", "VAPO, α = 0.3", overrides=("algo.alpha=0.3",), steps=SHORT_STEPS),
+    Experiment("alpha3", "alpha", "VAPO, α = 3", overrides=("algo.alpha=3.0",), steps=SHORT_STEPS),
+)
+BY_NAME = {e.name: e for e in SUITE}
+
+
+def run_name(e: Experiment, seed: int) -> str:
+    return f"{e.name}-s{seed}"
+
+
+# --------------------------------------------------------------------------------------------- running
+
+def port_overrides(slot: int) -> list[str]:
+    """Every listening port of one run, shifted by slot so parallel runs never collide (slot 0 = defaults)."""
+    if slot == 0:
+        return []
+    d = 20 * slot
+    return [f"engine.base_port={30000 + d}", f"actors.metrics_base_port={9300 + d}",
+            f"buffer.ingest_addr=tcp://127.0.0.1:{5555 + d}", f"buffer.serve_addr=tcp://127.0.0.1:{5556 + d}",
+            f"buffer.metrics_port={9200 + d}", f"learner.publish_addr=tcp://127.0.0.1:{5557 + d}",
+            f"learner.query_addr=tcp://127.0.0.1:{5558 + d}", f"learner.metrics_port={9100 + d}",
+            f"metrics.launcher_port={9400 + d}"]
+
+
+def status(root: Path, e: Experiment, seed: int) -> str:
+    d = root / run_name(e, seed)
+    if (d / "summary.json").exists():
+        return "done"
+    if (d / "checkpoints").exists() and any((d / "checkpoints").iterdir()):
+        return "resumable"
+    return "partial" if d.exists() else "todo"
+
+
+def run_one(root: Path, e: Experiment, seed: int, slot: int, log: Any) -> tuple[str, int, float]:
+    name, st = run_name(e, seed), status(root, e, seed)
+    d = root / name
+    if st == "partial":  # nothing to resume from; keep it for inspection, start clean
+        aside = root / f"{name}.failed-{int(time.time())}"
+        d.rename(aside)
+        log(f"{name}: moved a partial run without a checkpoint to {aside.name}")
+    cmd = [str(REPO / "ops" / "launch.sh"), str(REPO / e.config), f"run.root={root}", f"run.name={name}",
+           f"run.seed={seed}", f"learner.total_steps={e.steps}", *e.overrides, *port_overrides(slot)]
+    if st == "resumable":
+        cmd.append("--resume")
+    t0 = time.monotonic()
+    with open(root / f"{name}.launch.log", "a") as out:
+        out.write(f"$ {' '.join(cmd)}\n")
+        out.flush()
+        rc = subprocess.call(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    return name, rc, time.monotonic() - t0
+
+
+def run_suite(root: Path, todo: list[tuple[Experiment, int]], jobs: int) -> int:
+    def log(msg: str) -> None:
+        print(f"[experiments {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    failures = 0
+    if not todo:
+        log("nothing to run: every selected run is done")
+        return 0
+    log(f"{len(todo)} runs to do ({jobs} at a time): " + ", ".join(run_name(e, s) for e, s in todo))
+    slots = list(range(jobs))
+    t_all = time.monotonic()
+
+    def work(i: int, e: Experiment, seed: int) -> tuple[str, int, float]:
+        slot = slots.pop()
+        try:
+            log(f"[{i + 1}/{len(todo)}] {run_name(e, seed)} started ({e.label}, {e.steps} steps; "
+                f"log {root / run_name(e, seed)}.launch.log)")
+            return run_one(root, e, seed, slot, log)
+        finally:
+            slots.append(slot)
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(work, i, e, s) for i, (e, s) in enumerate(todo)]
+        for n, f in enumerate(futures, 1):
+            name, rc, secs = f.result()
+            summary = root / name / "summary.json"
+            acc = json.loads(summary.read_text()).get("final_accuracy") if summary.exists() else None
+            failures += rc != 0
+            elapsed = time.monotonic() - t_all
+            eta = elapsed / n * (len(todo) - n)
+            log(f"{name}: {'ok' if rc == 0 else f'FAILED rc={rc}'} in {secs:.0f} s, final avg@8 "
+                f"{acc if acc is None else f'{acc:.3f}'}; {n}/{len(todo)} done, ETA {eta / 60:.0f} min")
+    return failures
+
+
+# --------------------------------------------------------------------------------------------- analysis
+
+@dataclass
+class Run:
+    name: str
+    group_size: int
+    bootstrap_seconds: float | None
+    points: list[dict[str, float]] = field(default_factory=list)  # one per eval: step, samples, gen, t, acc
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    pretrain_ev: float | None = None
+    wall_seconds: float | None = None
+
+    @property
+    def base(self) -> float:
+        return self.points[0]["acc"]
+
+    def at_step(self, step: int) -> dict[str, float] | None:
+        return next((p for p in self.points if p["step"] == step), None)
+
+    def final(self, step: int | None = None) -> dict[str, float]:
+        return self.at_step(step) if step is not None and self.at_step(step) else self.points[-1]
+
+    def crossing(self, target: float, key: str) -> float | None:
+        """``key`` (gen samples or seconds) at which held-out accuracy first reaches ``target``, linearly
+        interpolated between evaluations; None if it never does."""
+        prev = None
+        for p in self.points:
+            if p["acc"] >= target:
+                if prev is None:
+                    return p[key]
+                f = (target - prev["acc"]) / max(p["acc"] - prev["acc"], 1e-12)
+                return prev[key] + f * (p[key] - prev[key])
+            prev = p
+        return None
+
+    def throughput(self, upto: int) -> float:
+        """Generated samples per second of learner wall time from the start of RL to step ``upto``."""
+        s = [r for r in self.steps if r["step"] <= upto]
+        return s[-1]["gen"] / max(s[-1]["t"], 1e-9) if s else float("nan")
+
+
+def load_run(d: Path) -> Run | None:
+    import yaml
+
+    if not (d / "summary.json").exists() or not (d / "metrics.jsonl").exists():
+        return None
+    cfg = yaml.safe_load((d / "config.yaml").read_text())
+    g = int(cfg["actors"]["group_size"])
+    recs = []
+    for line in (d / "metrics.jsonl").read_text().splitlines():
+        try:
+            recs.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    base = next((r for r in recs if r.get("kind") == "eval"), None)
+    if base is None:
+        return None
+    # RL starts at the base evaluation (after value pretraining): t counts learner time from there, the
+    # same starting line for every method; value pretraining is reported separately.
+    t0 = base["time"]
+    run = Run(d.name, g, None)
+    summary = json.loads((d / "summary.json").read_text())
+    run.pretrain_ev = summary.get("value_pretrain_explained_variance")
+    run.wall_seconds = summary.get("wall_seconds")
+    run.points.append({"step": 0, "samples": 0, "gen": 0, "t": 0.0, "acc": base["avg_at_k"],
+                       "greedy": base.get("greedy_accuracy", float("nan")), "len": base.get("mean_response_length")})
+    trained = 0
+    for r in recs:
+        if r.get("kind") != "learner_step":
+            continue
+        trained += int(r.get("samples", 0))
+        if "groups_consumed_total" in r:
+            gen = g * (r["groups_consumed_total"] + r.get("stale_dropped_total", 0) + r.get("filtered_total", 0))
+        else:  # runs recorded before the learner logged dropped groups: no filtering, counted as trained
+            gen = trained
+        # Held-out evaluation time is excluded: it is the same for every method and not training.
+        ev_s = (r.get("phase_seconds") or {}).get("eval", 0.0)
+        row = {"step": r["step"], "samples": trained, "gen": gen, "t": r["time"] - t0, "eval_s": ev_s,
+               "ev": r.get("value_explained_variance"), "len": r.get("response_length_mean"),
+               "entropy": r.get("entropy"), "staleness": r.get("staleness_mean"), "reward": r.get("reward_mean")}
+        run.steps.append(row)
+        if isinstance(r.get("eval"), dict):
+            e = r["eval"]
+            run.points.append({"step": r["step"], "samples": trained, "gen": gen, "t": r["time"] - t0,
+                               "acc": e["avg_at_k"], "greedy": e.get("greedy_accuracy", float("nan")),
+                               "len": e.get("mean_response_length")})
+    # Wall time net of evaluations so far (eval pauses the learner, and the eval cadence is not the method).
+    ev_cum = 0.0
+    for row in run.steps:
+        ev_cum += row["eval_s"]
+        row["t"] -= ev_cum
+        for p in run.points:
+            if p["step"] == row["step"]:
+                p["t"] = row["t"]
+    return run
+
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    if not xs:
+        return float("nan"), float("nan")
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def fmt(x: float | None, nd: int = 3) -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def fmt_k(x: float | None) -> str:
+    return "not reached" if x is None else f"{x / 1000:.1f}k"
+
+
+def plot_curves(path: Path, series: dict[str, list[Run]], xkey: str, xlabel: str, title: str,
+                upto_step: int | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for label, runs in series.items():
+        if not runs:
+            continue
+        steps = sorted({p["step"] for p in runs[0].points if upto_step is None or p["step"] <= upto_step})
+        xs, ys, lo, hi = [], [], [], []
+        for s in steps:
+            pts = [r.at_step(s) for r in runs]
+            pts = [p for p in pts if p is not None]
+            if len(pts) != len(runs):
+                continue
+            xs.append(statistics.fmean(p[xkey] for p in pts) / (1000 if xkey in ("gen", "samples") else 1))
+            acc = [p["acc"] for p in pts]
+            ys.append(statistics.fmean(acc))
+            lo.append(min(acc))
+            hi.append(max(acc))
+        (line,) = ax.plot(xs, ys, marker="o", ms=3, label=f"{label} ({len(runs)} seed{'s' * (len(runs) > 1)})")
+        if len(runs) > 1:
+            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
+    ax.axhline(TARGET, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("held-out avg@8 (sampled)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_report(root: Path, out: Path, notes: Path) -> str:
+    runs: dict[str, list[Run]] = {}
+    for e in SUITE:
+        got = [load_run(root / run_name(e, s)) for s in e.seeds]
+        runs[e.name] = [r for r in got if r is not None]
+    figdir = out.parent / "results"
+    lines = ["# Results: VAPO in miniature", "",
+             "Generated by `.venv/bin/python ops/bench/experiments.py` (re-make the tables and plots from the finished "
+             "runs with `--report-only`). Task: the embedded default (step-by-step addition, 1–6 digits; the "
+             "0.6M-parameter SFT base samples 45% correct on the held-out split). Every run: 32 prompts × G = 8 "
+             "samples per step, one actor with the CPU rollout engine, one learner, 2 CPU cores. "
+             "\"Samples\" are *generated* samples (groups dropped as stale or uniform are paid for). "
+             "Accuracy is held-out avg@8 (256 prompts × 8 samples at temperature 1); wall times are learner time "
+             "from the base evaluation, net of held-out evaluations.", ""]
+    if notes.exists():
+        lines += [notes.read_text().rstrip(), ""]
+
+    # 1. baselines
+    lines += ["## VAPO against the baselines (same budget: 60 steps, 15,360 samples)", "",
+              f"| method | seeds | final avg@8 mean ± sd (min–max) | greedy | samples to {TARGET:.2f} (mean; per seed) "
+              f"| learner s to {TARGET:.2f} | generated samples/s |",
+              "|---|---|---|---|---|---|---|"]
+    for name in ("vapo", "dapo", "grpo", "ppo"):
+        rs = runs.get(name, [])
+        if not rs:
+            lines.append(f"| {BY_NAME[name].label} | 0 | not run yet | | | | |")
+            continue
+        finals = [r.final(FULL_STEPS)["acc"] for r in rs]
+        m, sd = mean_std(finals)
+        cross = [r.crossing(TARGET, "gen") for r in rs]
+        tcross = [r.crossing(TARGET, "t") for r in rs]
+        reached = [c for c in cross if c is not None]
+        cm = statistics.fmean(reached) if len(reached) == len(rs) else None
+        tm = statistics.fmean(tcross) if all(t is not None for t in tcross) else None
+        thr = statistics.fmean(r.throughput(FULL_STEPS) for r in rs)
+        lines.append(f"| {BY_NAME[name].label} | {len(rs)} | {m:.3f} ± {sd:.3f} ({min(finals):.3f}–{max(finals):.3f}) "
+                     f"| {statistics.fmean(r.final(FULL_STEPS)['greedy'] for r in rs):.3f} "
+                     f"| {fmt_k(cm)}; {', '.join(fmt_k(c) for c in cross)} | {fmt(tm, 0)} | {thr:.1f} |")
+    lines.append("")
+    plot_curves(figdir / "baselines_samples.png", {BY_NAME[n].label: runs.get(n, []) for n in ("vapo", "dapo", "grpo", "ppo")},
+                "gen", "generated samples (thousands)", "Held-out accuracy vs samples (mean, band = min–max over seeds)")
+    plot_curves(figdir / "baselines_time.png", {BY_NAME[n].label: runs.get(n, []) for n in ("vapo", "dapo", "grpo", "ppo")},
+                "t", "learner wall seconds (net of evaluation)", "Held-out accuracy vs wall time")
+    lines += ["![accuracy vs samples](results/baselines_samples.png)", "",
+              "![accuracy vs wall time](results/baselines_time.png)", ""]
+
+    # 2. default-run acceptance (issue 8, deliverable 1)
+    vr = runs.get("vapo", [])
+    if vr:
+        lines += ["## The default run (`ops/launch.sh`, 3 seeds)", "",
+                  "| seed | base | final | lowest after first eval | length (min–max of step means) | entropy (min–max) "
+                  "| EV after value pretraining | run wall s (launcher) |", "|---|---|---|---|---|---|---|---|"]
+        for r in vr:
+            lens = [s["len"] for s in r.steps if s["len"] is not None]
+            ents = [s["entropy"] for s in r.steps if s["entropy"] is not None]
+            lowest = min(p["acc"] for p in r.points[1:]) if len(r.points) > 1 else float("nan")
+            lines.append(f"| {r.name} | {r.base:.3f} | {r.final(FULL_STEPS)['acc']:.3f} | {lowest:.3f} "
+                         f"| {min(lens):.1f}–{max(lens):.1f} | {min(ents):.3f}–{max(ents):.3f} | {fmt(r.pretrain_ev)} "
+                         f"| {fmt(r.wall_seconds, 0)} |")
+        lines.append("")
+
+    # 3. ablations
+    vapo_short = [r.final(SHORT_STEPS)["acc"] for r in vr]
+    vm, vsd = mean_std(vapo_short)
+    lines += [f"## Ablations (1 seed each, marked; {SHORT_STEPS} steps = 10,240 samples)", "",
+              f"Reference: VAPO at step {SHORT_STEPS}, {len(vr)} seeds: **{vm:.3f} ± {vsd:.3f}**.", "",
+              f"| variant | seed | avg@8 at {SHORT_STEPS} steps | Δ vs VAPO mean | samples to {TARGET:.2f} | EV (mean over steps) |",
+              "|---|---|---|---|---|---|"]
+    for e in SUITE:
+        if e.group != "ablations":
+            continue
+        for r in runs.get(e.name, []):
+            a = r.final(SHORT_STEPS)["acc"]
+            evs = [s["ev"] for s in r.steps if s["ev"] is not None]
+            lines.append(f"| {e.label} | {r.name[-1]} (1 seed) | {a:.3f} | {a - vm:+.3f} | {fmt_k(r.crossing(TARGET, 'gen'))} "
+                         f"| {fmt(statistics.fmean(evs) if evs else None)} |")
+        if not runs.get(e.name):
+            lines.append(f"| {e.label} | — | not run yet | | | |")
+    lines.append("")
+    abl = {"VAPO": vr} | {e.label: runs[e.name] for e in SUITE if e.group == "ablations" and runs.get(e.name)}
+    plot_curves(figdir / "ablations.png", abl, "gen", "generated samples (thousands)",
+                "VAPO with one component removed (1 seed each)", upto_step=SHORT_STEPS)
+    lines += ["![ablations](results/ablations.png)", ""]
+
+    # 4. async vs sync and the staleness sweep
+    lines += [f"## Async vs synchronous, staleness sweep ({SHORT_STEPS} steps = 10,240 samples, seed 0 unless marked)", "",
+              "| buffer.max_staleness | runs | generated samples/s | speed-up vs sync | mean staleness of trained groups "
+              f"| learner s to {TARGET:.2f} | avg@8 at {SHORT_STEPS} steps |", "|---|---|---|---|---|---|---|"]
+    sweep: list[tuple[int, list[Run]]] = [(0, runs.get("stale0", [])), (1, vr), (2, runs.get("stale2", [])),
+                                          (4, runs.get("stale4", []))]
+    sync_thr = statistics.fmean(r.throughput(SHORT_STEPS) for r in sweep[0][1]) if sweep[0][1] else None
+    for k, rs in sweep:
+        if not rs:
+            lines.append(f"| {k} | 0 | not run yet | | | | |")
+            continue
+        thr = statistics.fmean(r.throughput(SHORT_STEPS) for r in rs)
+        st = statistics.fmean(statistics.fmean(s["staleness"] or 0.0 for s in r.steps if s["step"] <= SHORT_STEPS)
+                              for r in rs)
+        tc = [r.crossing(TARGET, "t") for r in rs]
+        tcm = statistics.fmean(tc) if all(t is not None for t in tc) else None
+        acc = mean_std([r.final(SHORT_STEPS)["acc"] for r in rs])
+        lines.append(f"| {k}{' (default)' if k == 1 else ''}{' (sync)' if k == 0 else ''} | {len(rs)} | {thr:.1f} "
+                     f"| {fmt(thr / sync_thr if sync_thr else None, 2)}× | {st:.2f} | {fmt(tcm, 0)} "
+                     f"| {acc[0]:.3f}{f' ± {acc[1]:.3f}' if len(rs) > 1 else ''} |")
+    lines.append("")
+    plot_curves(figdir / "staleness_time.png", {f"max_staleness={k}": rs for k, rs in sweep if rs}, "t",
+                "learner wall seconds (net of evaluation)", "Async vs synchronous", upto_step=SHORT_STEPS)
+    lines += ["![staleness](results/staleness_time.png)", ""]
+
+    # 5. alpha
+    lines += [f"## α sweep (length-adaptive λ = 1 − 1/(α·l); 1 seed, {SHORT_STEPS} steps)", "",
+              f"| α | λ at l = 10 / 40 / 70 | avg@8 at {SHORT_STEPS} steps | samples to {TARGET:.2f} |", "|---|---|---|---|"]
+
+    def lam(a: float, n: int) -> str:
+        return f"{max(0.0, 1 - 1 / (a * n)):.2f}"
+
+    for a, rs in [(0.3, runs.get("alpha0.3", [])), (1.0, vr[:1]), (3.0, runs.get("alpha3", []))]:
+        if not rs:
+            lines.append(f"| {a} | {lam(a, 10)} / {lam(a, 40)} / {lam(a, 70)} | not run yet | |")
+            continue
+        r = rs[0]
+        lines.append(f"| {a}{' (default, seed 0)' if a == 1.0 else ''} | {lam(a, 10)} / {lam(a, 40)} / {lam(a, 70)} "
+                     f"| {r.final(SHORT_STEPS)['acc']:.3f} | {fmt_k(r.crossing(TARGET, 'gen'))} |")
+    lines.append("")
+    text = "\n".join(lines) + "\n"
+    out.write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", default="runs/exp", help="parent directory of the experiment runs (default runs/exp)")
+    ap.add_argument("--only", nargs="+", metavar="NAME", help=f"experiments to run: {', '.join(BY_NAME)}")
+    ap.add_argument("--group", nargs="+", choices=["baselines", "ablations", "staleness", "alpha"],
+                    help="run only these groups of the suite")
+    ap.add_argument("--seeds", nargs="+", type=int, help="override the seeds of the selected experiments")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (default 1: on 2 cores more skews wall times)")
+    ap.add_argument("--list", action="store_true", help="print the suite and each run's state, then exit")
+    ap.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
+    ap.add_argument("--out", default="docs/RESULTS.md", help="report path (plots go to <its dir>/results/)")
+    ap.add_argument("--notes", default="docs/results/notes.md", help="hand-written reading included in the report")
+    args = ap.parse_args(argv)
+    root = (REPO / args.root).resolve()
+    if args.jobs < 1:
+        ap.error("--jobs must be at least 1")
+    unknown = [n for n in args.only or [] if n not in BY_NAME]
+    if unknown:
+        ap.error(f"unknown experiment(s) {unknown}; choose from {list(BY_NAME)}")
+    chosen = [e for e in SUITE if (not args.only or e.name in args.only) and (not args.group or e.group in args.group)]
+    todo = [(e, s) for e in chosen for s in (args.seeds or e.seeds)]
+    if args.list:
+        for e, s in todo:
+            print(f"{run_name(e, s):24s} {status(root, e, s):10s} {e.steps:3d} steps  {e.label}")
+        return 0
+    failures = 0
+    if not args.report_only:
+        root.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        failures = run_suite(root, [(e, s) for e, s in todo if status(root, e, s) != "done"], args.jobs)
+    write_report(root, REPO / args.out, REPO / args.notes)
+    print(json.dumps({"bench": "experiments", "report": args.out, "failed_runs": failures,
+                      "done": sum(status(root, e, s) == "done" for e in SUITE for s in e.seeds),
+                      "total": sum(len(e.seeds) for e in SUITE)}))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
