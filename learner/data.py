@@ -43,6 +43,10 @@ class ListSource:
         self.cursor += n_groups
         return out
 
+    @property
+    def groups_consumed(self) -> int:
+        return self.cursor
+
     def positives(self, n: int) -> list[Sample]:
         if not self._positives or n <= 0:
             return []

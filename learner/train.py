@@ -420,8 +420,8 @@ class Runner:
                     # Cumulative groups the source dropped: with dynamic sampling these were generated
                     # (paid for) but never trained on, so samples-to-accuracy must count them.
                     for key in ("groups_consumed", "stale_dropped", "filtered"):
-                        if hasattr(self.source, key):
-                            stats[f"{key}_total"] = int(getattr(self.source, key))
+                        if hasattr(L.source, key):
+                            stats[f"{key}_total"] = int(getattr(L.source, key))
                     if cfg.metrics.jsonl:
                         append_jsonl(self.run_dir / "metrics.jsonl", {"kind": "learner_step", **stats})
                     log.info("v%d reward %.3f critic %.4f EV %.3f policy %.4f nll %.3f len %.1f %.0f tok/s %.2fs",

@@ -31,6 +31,8 @@ def test_runner_logs_metrics_and_evaluates(tiny_model_dir: Path, tmp_path: Path)
                 "clip_fraction_high", "approx_kl", "entropy", "actor_grad_norm", "critic_grad_norm",
                 "lambda_actor_mean", "reward_mean", "positives_fraction", "response_length_mean", "tokens_per_second"):
         assert key in recs[0], key
+    # Cumulative data accounting (generated-sample counts for experiments): what the source reports.
+    assert [r["groups_consumed_total"] for r in recs] == [2, 4] and "filtered_total" not in recs[0]
     assert "eval" not in recs[0] and 0.0 <= recs[1]["eval"]["avg_at_k"] <= 1.0
     assert recs[1]["eval"]["n_prompts"] == 4
     text = generate_latest(learner.metrics.registry).decode()
