@@ -1,0 +1,130 @@
+"""ops/bench/experiments.py: run bookkeeping, generated-sample accounting, interpolated samples-to-accuracy,
+wall time net of evaluation, per-slot ports, and the report it writes (from hand-made run directories)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import yaml
+
+from common.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def exp() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("experiments_mod", ROOT / "ops" / "bench" / "experiments.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["experiments_mod"] = mod  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def make_run(d: Path, accs: dict[int, float], group_size: int = 8, filtered_per_step: int = 0,
+             step_s: float = 10.0, eval_s: float = 3.0, base_time: float = 1000.0) -> None:
+    """A finished run: base eval at ``base_time``, one step every ``step_s`` seconds (plus ``eval_s`` when it
+    evaluates), 4 groups consumed per step, ``filtered_per_step`` uniform groups dropped per step."""
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump({"actors": {"group_size": group_size}, "model": {"path": "x/y"}}))
+    recs = [{"kind": "value_pretrain", "step": 1, "explained_variance": 0.4, "time": base_time - 5},
+            {"kind": "eval", "weight_version": 0, "step": 0, "time": base_time, "avg_at_k": accs[0],
+             "greedy_accuracy": 0.9}]
+    t = base_time
+    for step in range(1, max(accs) + 1):
+        evals = step in accs
+        t += step_s + (eval_s if evals else 0.0)
+        r = {"kind": "learner_step", "step": step, "weight_version": step, "time": t, "samples": 4 * group_size,
+             "groups_consumed_total": 4 * step, "stale_dropped_total": 0, "filtered_total": filtered_per_step * step,
+             "phase_seconds": {"eval": eval_s} if evals else {}, "value_explained_variance": 0.3,
+             "response_length_mean": 40.0 + step, "entropy": 0.1, "staleness_mean": 0.5, "reward_mean": 0.5}
+        if evals:
+            r["eval"] = {"avg_at_k": accs[step], "greedy_accuracy": 0.95}
+        recs.append(r)
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n{cut by a cra")
+    (d / "summary.json").write_text(json.dumps({"value_pretrain_explained_variance": 0.4, "wall_seconds": 99.0}))
+
+
+def test_accounting_crossing_and_net_wall_time(exp: ModuleType, tmp_path: Path) -> None:
+    make_run(tmp_path / "dapo-s0", {0: 0.4, 2: 0.6, 4: 0.8}, filtered_per_step=1)
+    run = exp.load_run(tmp_path / "dapo-s0")
+    assert [(p["step"], p["acc"]) for p in run.points] == [(0, 0.4), (2, 0.6), (4, 0.8)]
+    # Generated = G x (consumed + stale + filtered): 8 x (4 + 1) per step, not the 32 trained on.
+    assert [p["gen"] for p in run.points] == [0, 80, 160] and run.points[-1]["samples"] == 128
+    # Evaluation pauses are not training time: 10 s per step.
+    assert [p["t"] for p in run.points] == pytest.approx([0.0, 20.0, 40.0])
+    # 0.7 is halfway from step 2 to step 4.
+    assert run.crossing(0.7, "gen") == pytest.approx(120.0)
+    assert run.crossing(0.7, "t") == pytest.approx(30.0)
+    assert run.crossing(0.4, "gen") == 0 and run.crossing(0.81, "gen") is None
+    assert run.throughput(4) == pytest.approx(160 / 40.0)
+    assert run.final(2)["acc"] == 0.6 and run.final()["acc"] == 0.8 and run.base == 0.4
+
+
+def test_unfinished_run_is_not_loaded_and_status(exp: ModuleType, tmp_path: Path) -> None:
+    e = exp.BY_NAME["grpo"]
+    assert exp.status(tmp_path, e, 0) == "todo"
+    (tmp_path / "grpo-s0" / "checkpoints" / "step-2").mkdir(parents=True)
+    assert exp.status(tmp_path, e, 0) == "resumable"
+    assert exp.load_run(tmp_path / "grpo-s0") is None
+    (tmp_path / "grpo-s1").mkdir()
+    assert exp.status(tmp_path, e, 1) == "partial"
+    make_run(tmp_path / "grpo-s2", {0: 0.4, 2: 0.5})
+    assert exp.status(tmp_path, e, 2) == "done"
+
+
+def test_every_experiment_resolves_and_slots_have_distinct_ports(exp: ModuleType) -> None:
+    def ports(cfg) -> set[int]:
+        return {cfg.engine.base_port, cfg.actors.metrics_base_port, cfg.buffer.metrics_port, cfg.learner.metrics_port,
+                cfg.metrics.launcher_port, *(int(a.rsplit(":", 1)[1]) for a in (
+                    cfg.buffer.ingest_addr, cfg.buffer.serve_addr, cfg.learner.publish_addr, cfg.learner.query_addr))}
+
+    seen: set[int] = set()
+    for slot in range(3):
+        p = ports(load_config(ROOT / "ops/configs/default.yaml", exp.port_overrides(slot)))
+        assert len(p) == 9 and not p & seen
+        seen |= p
+    for e in exp.SUITE:  # every override is a real, valid config key
+        cfg = load_config(ROOT / e.config, [*e.overrides, f"learner.total_steps={e.steps}"])
+        assert cfg.learner.total_steps == e.steps
+    assert load_config(ROOT / "ops/configs/default.yaml", list(exp.BY_NAME["no_group_sampling"].overrides)).actors.group_size == 1
+
+
+def test_report_tables_and_plots(exp: ModuleType, tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    for s, top in enumerate((0.8, 0.7, 0.75)):
+        make_run(root / f"vapo-s{s}", {0: 0.45, 20: 0.6, 40: 0.7, 60: top})
+    make_run(root / "grpo-s0", {0: 0.45, 20: 0.55, 40: 0.6, 60: 0.65})
+    make_run(root / "stale0-s0", {0: 0.45, 20: 0.6, 40: 0.7}, step_s=20.0)
+    make_run(root / "no_nll-s0", {0: 0.45, 20: 0.5, 40: 0.55})
+    notes = tmp_path / "notes.md"
+    notes.write_text("## Reading\nhand-written")
+    out = tmp_path / "docs" / "RESULTS.md"
+    text = exp.write_report(root, out, notes)
+    assert out.read_text() == text and "## Reading\nhand-written" in text
+    assert "| VAPO (default) | 3 | 0.750 ± 0.050 (0.700–0.800) |" in text
+    assert "| GRPO | 1 | 0.650 ± 0.000 (0.650–0.650) |" in text and "not reached" in text
+    assert "| DAPO | 0 | not run yet |" in text
+    assert "**0.700 ± 0.000**" in text  # VAPO at step 40 over 3 seeds
+    assert "| VAPO − positive-example NLL | 0 (1 seed) | 0.550 | -0.150 |" in text
+    # vapo steps take 10 s, the synchronous run 20 s: async is 2x the sync throughput.
+    assert "| 1 (default) | 3 | 3.2 | 2.00× |" in text and "| 0 (sync) | 1 | 1.6 | 1.00× |" in text
+    for png in ("baselines_samples", "baselines_time", "ablations", "staleness_time"):
+        assert (out.parent / "results" / f"{png}.png").stat().st_size > 5000
+
+
+def test_cli_list(tmp_path: Path) -> None:
+    make_run(tmp_path / "vapo-s0", {0: 0.45, 60: 0.8})
+    out = subprocess.run([sys.executable, str(ROOT / "ops/bench/experiments.py"), "--root", str(tmp_path), "--list",
+                          "--only", "vapo"], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert [ln.split()[:2] for ln in out] == [["vapo-s0", "done"], ["vapo-s1", "todo"], ["vapo-s2", "todo"]]
+    bad = subprocess.run([sys.executable, str(ROOT / "ops/bench/experiments.py"), "--only", "nope", "--list"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown experiment" in bad.stderr
