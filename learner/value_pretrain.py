@@ -18,6 +18,7 @@ at every real token is the sample's final reward (PITFALLS Algorithm 1).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -49,6 +50,10 @@ def heldout_ev(critic: Any, batch: Any, gamma: float, mbs: int) -> tuple[float, 
     return _global_stats(values[rows], _targets(batch, values, gamma)[rows], batch.mask[rows])
 
 
+def _cpu_copy(state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    return None if state is None else {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
 def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = None,
                     metrics: Metrics | None = None) -> Path:
     """Run value pretraining and return the saved critic's directory (reused if it already exists)."""
@@ -64,7 +69,11 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
     held, _ = fetch_groups(source, 0, vp.eval_groups, lc.batch_timeout_s)
     held_batch = collate(held, pad)
     ev0, _ = heldout_ev(critic, held_batch, cfg.algo.gamma, mbs)
-    best, since_best, step = ev0, 0, 0
+    best, since_best, step, best_step = ev0, 0, 0, 0
+    # The critic that goes on to RL is the best one on the held-out groups, not the last: patience stops
+    # after a run of non-improving steps, and those steps can have made it worse.
+    best_state = full_state_dict(critic) if rank() == 0 or critic.zero_optimization_stage() == 3 else None
+    best_state = _cpu_copy(best_state)
     log.info("value pretraining: held-out EV %.4f before training", ev0)
     history: list[dict[str, Any]] = []
     while step < vp.steps and since_best < vp.patience:
@@ -80,7 +89,9 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
         step += 1
         ev, vmean = heldout_ev(critic, held_batch, cfg.algo.gamma, mbs)
         if ev > best + 1e-4:
-            best, since_best = ev, 0
+            best, since_best, best_step = ev, 0, step
+            state = full_state_dict(critic) if rank() == 0 or critic.zero_optimization_stage() == 3 else None
+            best_state = _cpu_copy(state)
         else:
             since_best += 1
         rec = {"kind": "value_pretrain", "step": step, "loss": st["critic_loss"], "explained_variance": ev,
@@ -98,15 +109,14 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
                      step, vp.steps, st["critic_loss"], ev, best, vmean)
     if best < vp.min_explained_variance:
         log.warning("value pretraining ended with explained variance %.4f < %.4f", best, vp.min_explained_variance)
-    module = critic.module
-    if critic.zero_optimization_stage() == 3:
-        state = full_state_dict(critic)  # collective: every rank gathers, rank 0 saves a whole copy
-        if rank() == 0:
-            module = load_critic_module(cfg)
-            module.load_state_dict(state)
     if rank() == 0:
+        module = load_critic_module(cfg)
+        assert best_state is not None
+        module.load_state_dict(best_state)
         save_critic(module, out)
-        log.info("value pretraining: saved critic to %s after %d steps (EV %.4f)", out, step, ev if history else ev0)
+        (out / "value_pretrain.json").write_text(json.dumps(
+            {"steps": step, "best_step": best_step, "explained_variance": best, "initial_explained_variance": ev0}))
+        log.info("value pretraining: saved the critic of step %d/%d (held-out EV %.4f) to %s", best_step, step, best, out)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()
     return out

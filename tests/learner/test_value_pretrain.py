@@ -39,3 +39,40 @@ def test_value_pretraining_learns_and_saves(tiny_model_dir: Path, tmp_path: Path
     assert (out / "value_head.safetensors").is_file()
     assert float(critic.value_head.weight.detach().abs().sum()) > 0  # init std is 0: training moved the head
     assert pretrain_critic(cfg, None) == out  # idempotent: reuses the saved critic
+
+
+def test_the_best_critic_is_saved_not_the_last(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Held-out EV peaks at step 19 of 20 here (0.74, then 0.68); the critic handed to RL is the peak's."""
+    from learner.batch import collate
+    from learner.engines import build_critic_engine
+    from learner.train import pad_token_id
+    from learner.value_pretrain import heldout_ev
+
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run.root={tmp_path}", "run.name=vp",
+                             "value_pretrain.steps=20", "value_pretrain.batch_groups=8", "value_pretrain.eval_groups=16",
+                             "value_pretrain.lr=3e-3", "value_pretrain.patience=20", "learner.mini_batches=1",
+                             "learner.micro_batch_size=32", "metrics.prometheus=false"])
+    groups = learnable_groups(48, seed=2)
+    out = pretrain_critic(cfg, ListSource(groups))
+    recs = [json.loads(x) for x in (tmp_path / "vp" / "metrics.jsonl").read_text().splitlines()]
+    info = json.loads((out / "value_pretrain.json").read_text())
+    evs = [r["explained_variance"] for r in recs]
+    assert info["steps"] == len(recs) and info["explained_variance"] == max(evs + [info["initial_explained_variance"]])
+    assert 0 < info["best_step"] < len(recs) and evs[-1] < info["explained_variance"] - 0.01  # last is worse
+    # Reloaded, the saved critic scores the recorded best on the same held-out groups (ListSource serves
+    # the first eval_groups groups first).
+    held = collate(groups[:16], pad_token_id(cfg.model.path))
+    ev, _ = heldout_ev(build_critic_engine(cfg, out), held, cfg.algo.gamma, 32)
+    assert abs(ev - info["explained_variance"]) < 1e-4
+
+
+def test_zero3_pretraining_saves_a_whole_critic(tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run.root={tmp_path}", "run.name=vp3",
+                             "learner.zero_stage=3", "value_pretrain.steps=3", "value_pretrain.batch_groups=8",
+                             "value_pretrain.eval_groups=8", "value_pretrain.lr=3e-3", "learner.mini_batches=1",
+                             "learner.micro_batch_size=32", "metrics.prometheus=false"])
+    out = pretrain_critic(cfg, ListSource(learnable_groups(24, seed=3)))
+    critic = load_critic_module(cfg, out)  # full shapes: the ZeRO-3 partitions were gathered before saving
+    ref = load_critic_module(cfg)
+    assert {k: v.shape for k, v in critic.state_dict().items()} == {k: v.shape for k, v in ref.state_dict().items()}
+    assert json.loads((out / "value_pretrain.json").read_text())["steps"] == 3
