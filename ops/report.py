@@ -95,7 +95,8 @@ def summarize(run_dir: Path, wall_s: float | None = None) -> dict[str, Any]:
     }
     vp = [r for r in records if r.get("kind") == "value_pretrain"]
     if vp:
-        out["value_pretrain_explained_variance"] = vp[-1].get("explained_variance")
+        # The critic RL starts from is the best on the held-out groups (learner.value_pretrain).
+        out["value_pretrain_explained_variance"] = vp[-1].get("best_explained_variance", vp[-1].get("explained_variance"))
     return out
 
 
