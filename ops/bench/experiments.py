@@ -78,6 +78,8 @@ SUITE: tuple[Experiment, ...] = (
     Experiment("no_group_sampling", "ablations", "VAPO − group sampling (256 prompts × G=1)",
                overrides=("actors.group_size=1", "learner.batch_groups=256", "value_pretrain.batch_groups=256",
                           "value_pretrain.eval_groups=256"), steps=SHORT_STEPS),
+    Experiment("grpo_sync", "staleness", "GRPO, synchronous (buffer.max_staleness=0)", "ops/configs/grpo.yaml",
+               overrides=("buffer.max_staleness=0",), steps=SHORT_STEPS),
     Experiment("alpha0.3", "alpha", "VAPO, α = 0.3", overrides=("algo.alpha=0.3",), steps=SHORT_STEPS),
     Experiment("alpha3", "alpha", "VAPO, α = 3", overrides=("algo.alpha=3.0",), steps=SHORT_STEPS),
 )
@@ -420,6 +422,18 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
                      f"| {fmt(thr / sync_thr if sync_thr else None, 2)}× | {st:.2f} | {fmt(tcm, 0)} "
                      f"| {acc[0]:.3f}{f' ± {acc[1]:.3f}' if len(rs) > 1 else ''} |")
     lines.append("")
+    gs, ga = runs.get("grpo_sync", []), runs.get("grpo", [])
+    if gs and ga:
+        # The same comparison where generation and training take similar time (no critic to train).
+        thr_s = statistics.fmean(r.throughput(SHORT_STEPS) for r in gs)
+        thr_a = statistics.fmean(r.throughput(SHORT_STEPS) for r in ga)
+        acc_s = mean_std([r.final(SHORT_STEPS)["acc"] for r in gs])
+        acc_a = mean_std([r.final(SHORT_STEPS)["acc"] for r in ga])
+        lines += ["GRPO (no critic, so a learner step costs about as much as generating its batch):", "",
+                  f"| GRPO | runs | generated samples/s | speed-up vs sync | avg@8 at {SHORT_STEPS} steps |", "|---|---|---|---|---|",
+                  f"| max_staleness=0 (sync) | {len(gs)} | {thr_s:.1f} | 1.00× | {acc_s[0]:.3f} |",
+                  f"| max_staleness=1 | {len(ga)} | {thr_a:.1f} | {thr_a / thr_s:.2f}× | {acc_a[0]:.3f}"
+                  f"{f' ± {acc_a[1]:.3f}' if len(ga) > 1 else ''} |", ""]
     plot_curves(figdir / "staleness_time.png", {f"max_staleness={k}": rs for k, rs in sweep if rs}, "t",
                 "learner wall seconds (net of evaluation)", "Async vs synchronous", upto_step=SHORT_STEPS)
     lines += ["![staleness](results/staleness_time.png)", ""]

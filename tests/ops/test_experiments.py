@@ -103,6 +103,7 @@ def test_report_tables_and_plots(exp: ModuleType, tmp_path: Path) -> None:
         make_run(root / f"vapo-s{s}", {0: 0.45, 20: 0.6, 40: 0.7, 60: top})
     make_run(root / "grpo-s0", {0: 0.45, 20: 0.55, 40: 0.6, 60: 0.65})
     make_run(root / "stale0-s0", {0: 0.45, 20: 0.6, 40: 0.7}, step_s=20.0)
+    make_run(root / "grpo_sync-s0", {0: 0.45, 20: 0.55, 40: 0.6}, step_s=20.0)
     make_run(root / "no_nll-s0", {0: 0.45, 20: 0.5, 40: 0.55})
     notes = tmp_path / "notes.md"
     notes.write_text("## Reading\nhand-written")
@@ -116,6 +117,7 @@ def test_report_tables_and_plots(exp: ModuleType, tmp_path: Path) -> None:
     assert "| VAPO − positive-example NLL | 0 (1 seed) | 0.550 | -0.150 |" in text
     # vapo steps take 10 s, the synchronous run 20 s: async is 2x the sync throughput.
     assert "| 1 (default) | 3 | 3.2 | 2.00× |" in text and "| 0 (sync) | 1 | 1.6 | 1.00× |" in text
+    assert "| max_staleness=1 | 1 | 3.2 | 2.00× | 0.600 |" in text
     for png in ("baselines_samples", "baselines_time", "ablations", "staleness_time"):
         assert (out.parent / "results" / f"{png}.png").stat().st_size > 5000
 
