@@ -24,11 +24,16 @@ def learnable_groups(n: int, seed: int) -> list:
     return groups
 
 
+def vp_config(model_dir: Path, root: Path, steps: int, eval_groups: int, *extra: str):
+    return load_config(None, [f"model.path={model_dir}", f"run.root={root}", "run.name=vp",
+                              f"value_pretrain.steps={steps}", f"value_pretrain.patience={steps}",
+                              "value_pretrain.batch_groups=8", f"value_pretrain.eval_groups={eval_groups}",
+                              "value_pretrain.lr=3e-3", "learner.mini_batches=1", "learner.micro_batch_size=32",
+                              "metrics.prometheus=false", *extra])
+
+
 def test_value_pretraining_learns_and_saves(tiny_model_dir: Path, tmp_path: Path) -> None:
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run.root={tmp_path}", "run.name=vp",
-                             "value_pretrain.steps=16", "value_pretrain.batch_groups=8", "value_pretrain.eval_groups=16",
-                             "value_pretrain.lr=3e-3", "value_pretrain.patience=16", "learner.mini_batches=1",
-                             "learner.micro_batch_size=32", "metrics.prometheus=false"])
+    cfg = vp_config(tiny_model_dir, tmp_path, 16, 16)
     out = pretrain_critic(cfg, ListSource(learnable_groups(48, seed=1)))
     recs = [json.loads(x) for x in (tmp_path / "vp" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(1, len(recs) + 1))
@@ -48,10 +53,7 @@ def test_the_best_critic_is_saved_not_the_last(tiny_model_dir: Path, tmp_path: P
     from learner.train import pad_token_id
     from learner.value_pretrain import heldout_ev
 
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run.root={tmp_path}", "run.name=vp",
-                             "value_pretrain.steps=20", "value_pretrain.batch_groups=8", "value_pretrain.eval_groups=16",
-                             "value_pretrain.lr=3e-3", "value_pretrain.patience=20", "learner.mini_batches=1",
-                             "learner.micro_batch_size=32", "metrics.prometheus=false"])
+    cfg = vp_config(tiny_model_dir, tmp_path, 20, 16)
     groups = learnable_groups(48, seed=2)
     out = pretrain_critic(cfg, ListSource(groups))
     recs = [json.loads(x) for x in (tmp_path / "vp" / "metrics.jsonl").read_text().splitlines()]
@@ -67,10 +69,7 @@ def test_the_best_critic_is_saved_not_the_last(tiny_model_dir: Path, tmp_path: P
 
 
 def test_zero3_pretraining_saves_a_whole_critic(tiny_model_dir: Path, tmp_path: Path) -> None:
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run.root={tmp_path}", "run.name=vp3",
-                             "learner.zero_stage=3", "value_pretrain.steps=3", "value_pretrain.batch_groups=8",
-                             "value_pretrain.eval_groups=8", "value_pretrain.lr=3e-3", "learner.mini_batches=1",
-                             "learner.micro_batch_size=32", "metrics.prometheus=false"])
+    cfg = vp_config(tiny_model_dir, tmp_path, 3, 8, "learner.zero_stage=3")
     out = pretrain_critic(cfg, ListSource(learnable_groups(24, seed=3)))
     critic = load_critic_module(cfg, out)  # full shapes: the ZeRO-3 partitions were gathered before saving
     ref = load_critic_module(cfg)
