@@ -177,6 +177,7 @@ class Run:
     points: list[dict[str, float]] = field(default_factory=list)  # one per eval: step, samples, gen, t, acc
     steps: list[dict[str, Any]] = field(default_factory=list)
     pretrain_ev: float | None = None
+    pretrain_samples: int = 0
     wall_seconds: float | None = None
 
     @property
@@ -190,7 +191,7 @@ class Run:
         return self.at_step(step) if step is not None and self.at_step(step) else self.points[-1]
 
     def crossing(self, target: float, key: str) -> float | None:
-        """``key`` (gen samples or seconds) at which held-out accuracy first reaches ``target``, linearly
+        """``key`` (``cost`` samples or ``t`` seconds) at which held-out accuracy first reaches ``target``, linearly
         interpolated between evaluations; None if it never does."""
         prev = None
         for p in self.points:
@@ -203,9 +204,16 @@ class Run:
         return None
 
     def throughput(self, upto: int) -> float:
-        """Generated samples per second of learner wall time from the start of RL to step ``upto``."""
+        """Trained samples per second of learner wall time (net of evaluation) from RL start to step ``upto``."""
         s = [r for r in self.steps if r["step"] <= upto]
-        return s[-1]["gen"] / max(s[-1]["t"], 1e-9) if s else float("nan")
+        return s[-1]["samples"] / max(s[-1]["t"], 1e-9) if s else float("nan")
+
+    def stale_share(self, upto: int) -> float | None:
+        """Share of the groups that reached the learner which it dropped as too stale (None: not recorded)."""
+        s = [r for r in self.steps if r["step"] <= upto]
+        if not s or s[-1]["gen"] is None:
+            return None
+        return s[-1]["stale_groups"] * self.group_size / max(s[-1]["gen"], 1)
 
 
 def load_run(d: Path) -> Run | None:
@@ -228,29 +236,36 @@ def load_run(d: Path) -> Run | None:
     # same starting line for every method; value pretraining is reported separately.
     t0 = base["time"]
     run = Run(d.name, g, None)
+    # Samples a method pays for: trained on, spent on value pretraining (its batches and held-out groups),
+    # or generated and discarded by DAPO's dynamic sampling. Stale drops are a property of the async system,
+    # not of the method; they are reported in the staleness table (runs before the learner logged them lack it).
+    n_vp = sum(1 for r in recs if r.get("kind") == "value_pretrain")
+    vp = cfg.get("value_pretrain", {})
+    pretrain = (n_vp * int(vp.get("batch_groups", 0)) + int(vp.get("eval_groups", 0))) * g if n_vp else 0
+    run.pretrain_samples = pretrain
     summary = json.loads((d / "summary.json").read_text())
     run.pretrain_ev = summary.get("value_pretrain_explained_variance")
     run.wall_seconds = summary.get("wall_seconds")
-    run.points.append({"step": 0, "samples": 0, "gen": 0, "t": 0.0, "acc": base["avg_at_k"],
+    run.points.append({"step": 0, "samples": 0, "cost": pretrain, "gen": None, "t": 0.0, "acc": base["avg_at_k"],
                        "greedy": base.get("greedy_accuracy", float("nan")), "len": base.get("mean_response_length")})
     trained = 0
     for r in recs:
         if r.get("kind") != "learner_step":
             continue
         trained += int(r.get("samples", 0))
-        if "groups_consumed_total" in r:
-            gen = g * (r["groups_consumed_total"] + r.get("stale_dropped_total", 0) + r.get("filtered_total", 0))
-        else:  # runs recorded before the learner logged dropped groups: no filtering, counted as trained
-            gen = trained
+        cost = trained + pretrain + g * int(r.get("filtered_total", 0))
+        gen = (g * (r["groups_consumed_total"] + r.get("stale_dropped_total", 0) + r.get("filtered_total", 0))
+               if "groups_consumed_total" in r else None)
         # Held-out evaluation time is excluded: it is the same for every method and not training.
         ev_s = (r.get("phase_seconds") or {}).get("eval", 0.0)
-        row = {"step": r["step"], "samples": trained, "gen": gen, "t": r["time"] - t0, "eval_s": ev_s,
+        row = {"step": r["step"], "samples": trained, "cost": cost, "gen": gen, "t": r["time"] - t0, "eval_s": ev_s,
+               "stale_groups": r.get("stale_dropped_total", 0),
                "ev": r.get("value_explained_variance"), "len": r.get("response_length_mean"),
                "entropy": r.get("entropy"), "staleness": r.get("staleness_mean"), "reward": r.get("reward_mean")}
         run.steps.append(row)
         if isinstance(r.get("eval"), dict):
             e = r["eval"]
-            run.points.append({"step": r["step"], "samples": trained, "gen": gen, "t": r["time"] - t0,
+            run.points.append({"step": r["step"], "samples": trained, "cost": cost, "gen": gen, "t": r["time"] - t0,
                                "acc": e["avg_at_k"], "greedy": e.get("greedy_accuracy", float("nan")),
                                "len": e.get("mean_response_length")})
     # Wall time net of evaluations so far (eval pauses the learner, and the eval cadence is not the method).
@@ -297,7 +312,7 @@ def plot_curves(path: Path, series: dict[str, list[Run]], xkey: str, xlabel: str
             pts = [p for p in pts if p is not None]
             if len(pts) != len(runs):
                 continue
-            xs.append(statistics.fmean(p[xkey] for p in pts) / (1000 if xkey in ("gen", "samples") else 1))
+            xs.append(statistics.fmean(p[xkey] for p in pts) / (1000 if xkey in ("cost", "samples") else 1))
             acc = [p["acc"] for p in pts]
             ys.append(statistics.fmean(acc))
             lo.append(min(acc))
@@ -328,7 +343,9 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
              "runs with `--report-only`). Task: the embedded default (step-by-step addition, 1–6 digits; the "
              "0.6M-parameter SFT base samples 45% correct on the held-out split). Every run: 32 prompts × G = 8 "
              "samples per step, one actor with the CPU rollout engine, one learner, 2 CPU cores. "
-             "\"Samples\" are *generated* samples (groups dropped as stale or uniform are paid for). "
+             "\"Samples\" are the samples a method pays for: trained on, spent on value pretraining (VAPO: "
+             "10 batches + 1 held-out batch = 2,816 before its first step), or generated and discarded by dynamic "
+             "sampling (DAPO). "
              "Accuracy is held-out avg@8 (256 prompts × 8 samples at temperature 1); wall times are learner time "
              "from the base evaluation, net of held-out evaluations.", ""]
     if notes.exists():
@@ -337,7 +354,7 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
     # 1. baselines
     lines += ["## VAPO against the baselines (same budget: 60 steps, 15,360 samples)", "",
               f"| method | seeds | final avg@8 mean ± sd (min–max) | greedy | samples to {TARGET:.2f} (mean; per seed) "
-              f"| learner s to {TARGET:.2f} | generated samples/s |",
+              f"| learner s to {TARGET:.2f} | trained samples/s |",
               "|---|---|---|---|---|---|---|"]
     for name in ("vapo", "dapo", "grpo", "ppo"):
         rs = runs.get(name, [])
@@ -346,7 +363,7 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
             continue
         finals = [r.final(FULL_STEPS)["acc"] for r in rs]
         m, sd = mean_std(finals)
-        cross = [r.crossing(TARGET, "gen") for r in rs]
+        cross = [r.crossing(TARGET, "cost") for r in rs]
         tcross = [r.crossing(TARGET, "t") for r in rs]
         reached = [c for c in cross if c is not None]
         cm = statistics.fmean(reached) if len(reached) == len(rs) else None
@@ -357,7 +374,7 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
                      f"| {fmt_k(cm)}; {', '.join(fmt_k(c) for c in cross)} | {fmt(tm, 0)} | {thr:.1f} |")
     lines.append("")
     plot_curves(figdir / "baselines_samples.png", {BY_NAME[n].label: runs.get(n, []) for n in ("vapo", "dapo", "grpo", "ppo")},
-                "gen", "generated samples (thousands)", "Held-out accuracy vs samples (mean, band = min–max over seeds)")
+                "cost", "samples paid for (thousands)", "Held-out accuracy vs samples (mean, band = min–max over seeds)")
     plot_curves(figdir / "baselines_time.png", {BY_NAME[n].label: runs.get(n, []) for n in ("vapo", "dapo", "grpo", "ppo")},
                 "t", "learner wall seconds (net of evaluation)", "Held-out accuracy vs wall time")
     lines += ["![accuracy vs samples](results/baselines_samples.png)", "",
@@ -391,26 +408,27 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
         for r in runs.get(e.name, []):
             a = r.final(SHORT_STEPS)["acc"]
             evs = [s["ev"] for s in r.steps if s["ev"] is not None]
-            lines.append(f"| {e.label} | {r.name[-1]} (1 seed) | {a:.3f} | {a - vm:+.3f} | {fmt_k(r.crossing(TARGET, 'gen'))} "
+            lines.append(f"| {e.label} | {r.name[-1]} (1 seed) | {a:.3f} | {a - vm:+.3f} | {fmt_k(r.crossing(TARGET, 'cost'))} "
                          f"| {fmt(statistics.fmean(evs) if evs else None)} |")
         if not runs.get(e.name):
             lines.append(f"| {e.label} | — | not run yet | | | |")
     lines.append("")
     abl = {"VAPO": vr} | {e.label: runs[e.name] for e in SUITE if e.group == "ablations" and runs.get(e.name)}
-    plot_curves(figdir / "ablations.png", abl, "gen", "generated samples (thousands)",
+    plot_curves(figdir / "ablations.png", abl, "cost", "samples paid for (thousands)",
                 "VAPO with one component removed (1 seed each)", upto_step=SHORT_STEPS)
     lines += ["![ablations](results/ablations.png)", ""]
 
     # 4. async vs sync and the staleness sweep
     lines += [f"## Async vs synchronous, staleness sweep ({SHORT_STEPS} steps = 10,240 samples, seed 0 unless marked)", "",
-              "| buffer.max_staleness | runs | generated samples/s | speed-up vs sync | mean staleness of trained groups "
-              f"| learner s to {TARGET:.2f} | avg@8 at {SHORT_STEPS} steps |", "|---|---|---|---|---|---|---|"]
+              "| buffer.max_staleness | runs | trained samples/s | speed-up vs sync | mean staleness of trained groups "
+              f"| groups dropped as stale | learner s to {TARGET:.2f} | avg@8 at {SHORT_STEPS} steps |",
+              "|---|---|---|---|---|---|---|---|"]
     sweep: list[tuple[int, list[Run]]] = [(0, runs.get("stale0", [])), (1, vr), (2, runs.get("stale2", [])),
                                           (4, runs.get("stale4", []))]
     sync_thr = statistics.fmean(r.throughput(SHORT_STEPS) for r in sweep[0][1]) if sweep[0][1] else None
     for k, rs in sweep:
         if not rs:
-            lines.append(f"| {k} | 0 | not run yet | | | | |")
+            lines.append(f"| {k} | 0 | not run yet | | | | | |")
             continue
         thr = statistics.fmean(r.throughput(SHORT_STEPS) for r in rs)
         st = statistics.fmean(statistics.fmean(s["staleness"] or 0.0 for s in r.steps if s["step"] <= SHORT_STEPS)
@@ -418,8 +436,10 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
         tc = [r.crossing(TARGET, "t") for r in rs]
         tcm = statistics.fmean(tc) if all(t is not None for t in tc) else None
         acc = mean_std([r.final(SHORT_STEPS)["acc"] for r in rs])
+        shares = [x for x in (r.stale_share(SHORT_STEPS) for r in rs) if x is not None]
+        drop = f"{100 * statistics.fmean(shares):.0f}%" + (f" ({len(shares)} of {len(rs)} runs)" if len(shares) < len(rs) else "") if shares else "—"
         lines.append(f"| {k}{' (default)' if k == 1 else ''}{' (sync)' if k == 0 else ''} | {len(rs)} | {thr:.1f} "
-                     f"| {fmt(thr / sync_thr if sync_thr else None, 2)}× | {st:.2f} | {fmt(tcm, 0)} "
+                     f"| {fmt(thr / sync_thr if sync_thr else None, 2)}× | {st:.2f} | {drop} | {fmt(tcm, 0)} "
                      f"| {acc[0]:.3f}{f' ± {acc[1]:.3f}' if len(rs) > 1 else ''} |")
     lines.append("")
     gs, ga = runs.get("grpo_sync", []), runs.get("grpo", [])
@@ -430,7 +450,7 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
         acc_s = mean_std([r.final(SHORT_STEPS)["acc"] for r in gs])
         acc_a = mean_std([r.final(SHORT_STEPS)["acc"] for r in ga])
         lines += ["GRPO (no critic, so a learner step costs about as much as generating its batch):", "",
-                  f"| GRPO | runs | generated samples/s | speed-up vs sync | avg@8 at {SHORT_STEPS} steps |", "|---|---|---|---|---|",
+                  f"| GRPO | runs | trained samples/s | speed-up vs sync | avg@8 at {SHORT_STEPS} steps |", "|---|---|---|---|---|",
                   f"| max_staleness=0 (sync) | {len(gs)} | {thr_s:.1f} | 1.00× | {acc_s[0]:.3f} |",
                   f"| max_staleness=1 | {len(ga)} | {thr_a:.1f} | {thr_a / thr_s:.2f}× | {acc_a[0]:.3f}"
                   f"{f' ± {acc_a[1]:.3f}' if len(ga) > 1 else ''} |", ""]
@@ -451,7 +471,7 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
             continue
         r = rs[0]
         lines.append(f"| {a}{' (default, seed 0)' if a == 1.0 else ''} | {lam(a, 10)} / {lam(a, 40)} / {lam(a, 70)} "
-                     f"| {r.final(SHORT_STEPS)['acc']:.3f} | {fmt_k(r.crossing(TARGET, 'gen'))} |")
+                     f"| {r.final(SHORT_STEPS)['acc']:.3f} | {fmt_k(r.crossing(TARGET, 'cost'))} |")
     lines.append("")
     text = "\n".join(lines) + "\n"
     out.write_text(text)

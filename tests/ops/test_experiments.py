@@ -33,7 +33,8 @@ def make_run(d: Path, accs: dict[int, float], group_size: int = 8, filtered_per_
     """A finished run: base eval at ``base_time``, one step every ``step_s`` seconds (plus ``eval_s`` when it
     evaluates), 4 groups consumed per step, ``filtered_per_step`` uniform groups dropped per step."""
     d.mkdir(parents=True)
-    (d / "config.yaml").write_text(yaml.safe_dump({"actors": {"group_size": group_size}, "model": {"path": "x/y"}}))
+    (d / "config.yaml").write_text(yaml.safe_dump({"actors": {"group_size": group_size}, "model": {"path": "x/y"},
+                                                   "value_pretrain": {"batch_groups": 2, "eval_groups": 1}}))
     recs = [{"kind": "value_pretrain", "step": 1, "explained_variance": 0.4, "time": base_time - 5},
             {"kind": "eval", "weight_version": 0, "step": 0, "time": base_time, "avg_at_k": accs[0],
              "greedy_accuracy": 0.9}]
@@ -42,7 +43,7 @@ def make_run(d: Path, accs: dict[int, float], group_size: int = 8, filtered_per_
         evals = step in accs
         t += step_s + (eval_s if evals else 0.0)
         r = {"kind": "learner_step", "step": step, "weight_version": step, "time": t, "samples": 4 * group_size,
-             "groups_consumed_total": 4 * step, "stale_dropped_total": 0, "filtered_total": filtered_per_step * step,
+             "groups_consumed_total": 4 * step + 3, "stale_dropped_total": step, "filtered_total": filtered_per_step * step,
              "phase_seconds": {"eval": eval_s} if evals else {}, "value_explained_variance": 0.3,
              "response_length_mean": 40.0 + step, "entropy": 0.1, "staleness_mean": 0.5, "reward_mean": 0.5}
         if evals:
@@ -56,15 +57,17 @@ def test_accounting_crossing_and_net_wall_time(exp: ModuleType, tmp_path: Path) 
     make_run(tmp_path / "dapo-s0", {0: 0.4, 2: 0.6, 4: 0.8}, filtered_per_step=1)
     run = exp.load_run(tmp_path / "dapo-s0")
     assert [(p["step"], p["acc"]) for p in run.points] == [(0, 0.4), (2, 0.6), (4, 0.8)]
-    # Generated = G x (consumed + stale + filtered): 8 x (4 + 1) per step, not the 32 trained on.
-    assert [p["gen"] for p in run.points] == [0, 80, 160] and run.points[-1]["samples"] == 128
+    # Paid for = trained + value pretraining ((1 step x 2 + 1 held-out) groups x G = 24) + filtered (8 per step).
+    assert [p["cost"] for p in run.points] == [24, 24 + 80, 24 + 160] and run.points[-1]["samples"] == 128
+    # Everything that reached the learner, stale drops included: G x (consumed + stale + filtered).
+    assert run.points[-1]["gen"] == 8 * (19 + 4 + 4) and run.stale_share(4) == pytest.approx(32 / 216)
     # Evaluation pauses are not training time: 10 s per step.
     assert [p["t"] for p in run.points] == pytest.approx([0.0, 20.0, 40.0])
     # 0.7 is halfway from step 2 to step 4.
-    assert run.crossing(0.7, "gen") == pytest.approx(120.0)
+    assert run.crossing(0.7, "cost") == pytest.approx(24 + 120.0)
     assert run.crossing(0.7, "t") == pytest.approx(30.0)
-    assert run.crossing(0.4, "gen") == 0 and run.crossing(0.81, "gen") is None
-    assert run.throughput(4) == pytest.approx(160 / 40.0)
+    assert run.crossing(0.4, "cost") == 24 and run.crossing(0.81, "cost") is None
+    assert run.throughput(4) == pytest.approx(128 / 40.0)  # trained samples per learner second
     assert run.final(2)["acc"] == 0.6 and run.final()["acc"] == 0.8 and run.base == 0.4
 
 
