@@ -133,3 +133,16 @@ def test_cli_list(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, str(ROOT / "ops/bench/experiments.py"), "--only", "nope", "--list"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown experiment" in bad.stderr
+
+
+def test_wall_from_launch_adds_the_suites_bootstrap(exp: ModuleType, tmp_path: Path) -> None:
+    import os
+
+    make_run(tmp_path / "vapo-s0", {0: 0.45, 2: 0.6}, step_s=10.0, eval_s=3.0, base_time=1000.0)
+    os.utime(tmp_path / "vapo-s0" / "config.yaml", (950.0, 950.0))  # launched 50 s before the base eval
+    info = tmp_path / "_base" / "addition-tiny" / "vapo_info.json"
+    info.parent.mkdir(parents=True)
+    info.write_text(json.dumps({"bootstrap": {"sft_seconds": 300.0}}))
+    run = exp.load_run(tmp_path / "vapo-s0")
+    # Step 2 is logged at 1000 + 10 + 13; from the launch that is 73 s, plus the 300 s bootstrap.
+    assert run.bootstrap_seconds == 300.0 and run.launch_to[2] == pytest.approx(73.0 + 300.0)
