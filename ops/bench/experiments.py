@@ -78,6 +78,8 @@ SUITE: tuple[Experiment, ...] = (
     Experiment("no_group_sampling", "ablations", "VAPO − group sampling (256 prompts × G=1)",
                overrides=("actors.group_size=1", "learner.batch_groups=256", "value_pretrain.batch_groups=256",
                           "value_pretrain.eval_groups=256"), steps=SHORT_STEPS),
+    Experiment("stale4_decoupled", "staleness", "VAPO, buffer.max_staleness=4, AReaL's decoupled PPO objective",
+               overrides=("buffer.max_staleness=4", "learner.off_policy=decoupled"), steps=SHORT_STEPS),
     Experiment("grpo_sync", "staleness", "GRPO, synchronous (buffer.max_staleness=0)", "ops/configs/grpo.yaml",
                overrides=("buffer.max_staleness=0",), steps=SHORT_STEPS),
     Experiment("alpha0.3", "alpha", "VAPO, α = 0.3", overrides=("algo.alpha=0.3",), steps=SHORT_STEPS),
@@ -456,8 +458,9 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
               "| buffer.max_staleness | runs | trained samples/s | speed-up vs sync | mean staleness of trained groups "
               f"| groups dropped as stale | learner s to {TARGET:.2f} | avg@8 at {SHORT_STEPS} steps |",
               "|---|---|---|---|---|---|---|---|"]
-    sweep: list[tuple[int, list[Run]]] = [(0, runs.get("stale0", [])), (1, vr), (2, runs.get("stale2", [])),
-                                          (4, runs.get("stale4", []))]
+    sweep: list[tuple[str, list[Run]]] = [
+        ("0 (sync)", runs.get("stale0", [])), ("1 (default)", vr), ("2", runs.get("stale2", [])),
+        ("4", runs.get("stale4", [])), ("4, learner.off_policy=decoupled", runs.get("stale4_decoupled", []))]
     sync_thr = statistics.fmean(r.throughput(SHORT_STEPS) for r in sweep[0][1]) if sweep[0][1] else None
     for k, rs in sweep:
         if not rs:
@@ -471,7 +474,7 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
         acc = mean_std([r.final(SHORT_STEPS)["acc"] for r in rs])
         shares = [x for x in (r.stale_share(SHORT_STEPS) for r in rs) if x is not None]
         drop = f"{100 * statistics.fmean(shares):.0f}%" + (f" ({len(shares)} of {len(rs)} runs)" if len(shares) < len(rs) else "") if shares else "—"
-        lines.append(f"| {k}{' (default)' if k == 1 else ''}{' (sync)' if k == 0 else ''} | {len(rs)} | {thr:.1f} "
+        lines.append(f"| {k} | {len(rs)} | {thr:.1f} "
                      f"| {fmt(thr / sync_thr if sync_thr else None, 2)}× | {st:.2f} | {drop} | {fmt(tcm, 0)} "
                      f"| {acc[0]:.3f}{f' ± {acc[1]:.3f}' if len(rs) > 1 else ''} |")
     lines.append("")
