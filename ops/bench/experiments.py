@@ -78,6 +78,8 @@ SUITE: tuple[Experiment, ...] = (
     Experiment("no_group_sampling", "ablations", "VAPO − group sampling (256 prompts × G=1)",
                overrides=("actors.group_size=1", "learner.batch_groups=256", "value_pretrain.batch_groups=256",
                           "value_pretrain.eval_groups=256"), steps=SHORT_STEPS),
+    Experiment("plus_dynamic_sampling", "ablations", "VAPO + dynamic sampling (DAPO's uniform-group filter)",
+               overrides=("buffer.filter_uniform_groups=true",), steps=SHORT_STEPS),
     Experiment("stale4_decoupled", "staleness", "VAPO, buffer.max_staleness=4, AReaL's decoupled PPO objective",
                overrides=("buffer.max_staleness=4", "learner.off_policy=decoupled"), steps=SHORT_STEPS),
     Experiment("grpo_sync", "staleness", "GRPO, synchronous (buffer.max_staleness=0)", "ops/configs/grpo.yaml",
