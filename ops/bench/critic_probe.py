@@ -194,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="name:key=value,key=value (config keys, or steps=N / pool=N); repeatable")
     ap.add_argument("--plot", default=None, help="PNG of V(s_t) along fresh responses (best variant)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--critic", default=None,
+                    help="a saved critic (e.g. runs/<name>/critic_pretrained): no training, report its EV on fresh "
+                         "groups of prompts from --first-index on and --plot its values")
+    ap.add_argument("--first-index", type=int, default=0,
+                    help="first training-prompt index sampled (use a large one so --critic sees unseen prompts)")
     ap.add_argument("overrides", nargs="*", help="config key=value for every variant")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
@@ -211,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         frame = Path(args.cache).read_bytes()
         groups = protocol.decode_as(frame, protocol.BatchReply, max_frame_bytes=len(frame)).groups
     else:
-        groups = sample_groups(cfg, 0, n_all, cfg.run.seed)
+        groups = sample_groups(cfg, args.first_index, n_all, cfg.run.seed)
         if args.cache:
             Path(args.cache).write_bytes(protocol.encode_batch_reply([protocol.encode(g) for g in groups], 0, 0))
     if len(groups) < n_all:
@@ -228,6 +233,19 @@ def main(argv: list[str] | None = None) -> int:
     fresh = collate(fresh_groups, pad)
     rewards = [s.reward for g in groups[:n_all] for s in g.samples]
     log.info("sampled %d groups in %.0f s, mean reward %.3f", n_all, sample_s, float(np.mean(rewards)))
+    if args.critic:
+        from learner.engines import build_critic_engine
+        from learner.value_pretrain import heldout_ev
+
+        critic = build_critic_engine(cfg, args.critic)
+        ev, vmean = heldout_ev(critic, fresh, cfg.algo.gamma, cfg.learner.micro_batch_size)
+        out = {"bench": "critic_probe", "critic": args.critic, "fresh_groups": args.fresh_groups,
+               "first_index": args.first_index, "base_reward_mean": round(float(np.mean(rewards)), 4),
+               "fresh_ev": round(ev, 4), "value_mean": round(vmean, 4)}
+        if args.plot:
+            out["plot"] = plot_values(critic, fresh_groups, fresh, cfg, Path(args.plot))
+        print(json.dumps(out))
+        return 0
     variants = [("baseline", "")] + [tuple(v.split(":", 1)) if ":" in v else (v, "") for v in args.variant]
     results: dict[str, Any] = {}
     best_name, best_critic, best_ev = None, None, -1e9
