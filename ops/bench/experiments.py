@@ -270,9 +270,11 @@ def load_run(d: Path) -> Run | None:
         gen = (g * (r["groups_consumed_total"] + r.get("stale_dropped_total", 0) + r.get("filtered_total", 0))
                if "groups_consumed_total" in r else None)
         # Held-out evaluation time is excluded: it is the same for every method and not training.
-        ev_s = (r.get("phase_seconds") or {}).get("eval", 0.0)
+        phases = r.get("phase_seconds") or {}
+        ev_s = phases.get("eval", 0.0)
         row = {"step": r["step"], "samples": trained, "cost": cost, "gen": gen, "t": r["time"] - t0, "eval_s": ev_s,
-               "stale_groups": r.get("stale_dropped_total", 0),
+               "stale_groups": r.get("stale_dropped_total", 0), "fetch_s": phases.get("fetch", 0.0),
+               "busy_s": sum(v for k, v in phases.items() if k not in ("fetch", "eval")),
                "ev": r.get("value_explained_variance"), "len": r.get("response_length_mean"),
                "entropy": r.get("entropy"), "staleness": r.get("staleness_mean"), "reward": r.get("reward_mean")}
         run.steps.append(row)
@@ -457,16 +459,17 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
 
     # 4. async vs sync and the staleness sweep
     lines += [f"## Async vs synchronous, staleness sweep ({SHORT_STEPS} steps = 10,240 samples, seed 0 unless marked)", "",
-              "| buffer.max_staleness | runs | trained samples/s | speed-up vs sync | mean staleness of trained groups "
+              "| buffer.max_staleness | runs | trained samples/s | speed-up vs sync | learner s/step waiting for data "
+              "| learner s/step computing | mean staleness of trained groups "
               f"| groups dropped as stale | learner s to {TARGET:.2f} | avg@8 at {SHORT_STEPS} steps |",
-              "|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|"]
     sweep: list[tuple[str, list[Run]]] = [
         ("0 (sync)", runs.get("stale0", [])), ("1 (default)", vr), ("2", runs.get("stale2", [])),
         ("4", runs.get("stale4", [])), ("4, learner.off_policy=decoupled", runs.get("stale4_decoupled", []))]
     sync_thr = statistics.fmean(r.throughput(SHORT_STEPS) for r in sweep[0][1]) if sweep[0][1] else None
     for k, rs in sweep:
         if not rs:
-            lines.append(f"| {k} | 0 | not run yet | | | | | |")
+            lines.append(f"| {k} | 0 | not run yet | | | | | | | |")
             continue
         thr = statistics.fmean(r.throughput(SHORT_STEPS) for r in rs)
         st = statistics.fmean(statistics.fmean(s["staleness"] or 0.0 for s in r.steps if s["step"] <= SHORT_STEPS)
@@ -476,8 +479,10 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
         acc = mean_std([r.final(SHORT_STEPS)["acc"] for r in rs])
         shares = [x for x in (r.stale_share(SHORT_STEPS) for r in rs) if x is not None]
         drop = f"{100 * statistics.fmean(shares):.0f}%" + (f" ({len(shares)} of {len(rs)} runs)" if len(shares) < len(rs) else "") if shares else "—"
+        wait, busy = (statistics.fmean(statistics.fmean(s[key] for s in r.steps if s["step"] <= SHORT_STEPS) for r in rs)
+                      for key in ("fetch_s", "busy_s"))
         lines.append(f"| {k} | {len(rs)} | {thr:.1f} "
-                     f"| {fmt(thr / sync_thr if sync_thr else None, 2)}× | {st:.2f} | {drop} | {fmt(tcm, 0)} "
+                     f"| {fmt(thr / sync_thr if sync_thr else None, 2)}× | {wait:.2f} | {busy:.2f} | {st:.2f} | {drop} | {fmt(tcm, 0)} "
                      f"| {acc[0]:.3f}{f' ± {acc[1]:.3f}' if len(rs) > 1 else ''} |")
     lines.append("")
     gs, ga = runs.get("grpo_sync", []), runs.get("grpo", [])

@@ -44,7 +44,8 @@ def make_run(d: Path, accs: dict[int, float], group_size: int = 8, filtered_per_
         t += step_s + (eval_s if evals else 0.0)
         r = {"kind": "learner_step", "step": step, "weight_version": step, "time": t, "samples": 4 * group_size,
              "groups_consumed_total": 4 * step + 3, "stale_dropped_total": step, "filtered_total": filtered_per_step * step,
-             "phase_seconds": {"eval": eval_s} if evals else {}, "value_explained_variance": 0.3,
+             "phase_seconds": {"fetch": 0.5, "actor_update": 9.5} | ({"eval": eval_s} if evals else {}),
+             "value_explained_variance": 0.3,
              "response_length_mean": 40.0 + step, "entropy": 0.1, "staleness_mean": 0.5, "reward_mean": 0.5}
         if evals:
             r["eval"] = {"avg_at_k": accs[step], "greedy_accuracy": 0.95}
@@ -119,7 +120,7 @@ def test_report_tables_and_plots(exp: ModuleType, tmp_path: Path) -> None:
     assert "**0.700 ± 0.000**" in text  # VAPO at step 40 over 3 seeds
     assert "| VAPO − positive-example NLL | 0 (1 seed) | 0.550 | -0.150 |" in text
     # vapo steps take 10 s, the synchronous run 20 s: async is 2x the sync throughput.
-    assert "| 1 (default) | 3 | 3.2 | 2.00× |" in text and "| 0 (sync) | 1 | 1.6 | 1.00× |" in text
+    assert "| 1 (default) | 3 | 3.2 | 2.00× | 0.50 | 9.50 |" in text and "| 0 (sync) | 1 | 1.6 | 1.00× |" in text
     assert "| max_staleness=1 | 1 | 3.2 | 2.00× | 0.600 |" in text
     for png in ("baselines_samples", "baselines_time", "ablations", "staleness_time"):
         assert (out.parent / "results" / f"{png}.png").stat().st_size > 5000
