@@ -405,9 +405,13 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
     lines.append("")
     plot_curves(figdir / "baselines_samples.png", {BY_NAME[n].label: runs.get(n, []) for n in ("vapo", "dapo", "grpo", "ppo")},
                 "cost", "samples paid for (thousands)", "Held-out accuracy vs samples (mean, band = min–max over seeds)")
+    plot_curves(figdir / "baselines_trained.png", {BY_NAME[n].label: runs.get(n, []) for n in ("vapo", "dapo", "grpo", "ppo")},
+                "samples", "samples trained on (thousands)", "Held-out accuracy vs trained samples (value pretraining and "
+                "discarded groups not counted)")
     plot_curves(figdir / "baselines_time.png", {BY_NAME[n].label: runs.get(n, []) for n in ("vapo", "dapo", "grpo", "ppo")},
                 "t", "learner wall seconds (net of evaluation)", "Held-out accuracy vs wall time")
     lines += ["![accuracy vs samples](results/baselines_samples.png)", "",
+              "![accuracy vs trained samples](results/baselines_trained.png)", "",
               "![accuracy vs wall time](results/baselines_time.png)", ""]
 
     # 2. default-run acceptance (issue 8, deliverable 1)

@@ -122,7 +122,7 @@ def test_report_tables_and_plots(exp: ModuleType, tmp_path: Path) -> None:
     # vapo steps take 10 s, the synchronous run 20 s: async is 2x the sync throughput.
     assert "| 1 (default) | 3 | 3.2 | 2.00× | 0.50 | 9.50 |" in text and "| 0 (sync) | 1 | 1.6 | 1.00× |" in text
     assert "| max_staleness=1 | 1 | 3.2 | 2.00× | 0.600 |" in text
-    for png in ("baselines_samples", "baselines_time", "ablations", "staleness_time"):
+    for png in ("baselines_samples", "baselines_trained", "baselines_time", "ablations", "staleness_time"):
         assert (out.parent / "results" / f"{png}.png").stat().st_size > 5000
 
 
