@@ -454,7 +454,7 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
         for r in runs.get(e.name, []):
             a = r.final(SHORT_STEPS)["acc"]
             evs = [s["ev"] for s in r.steps if s["ev"] is not None]
-            lines.append(f"| {e.label} | {r.name[-1]} (1 seed) | {a:.3f} | {a - vm:+.3f} | {fmt_k(r.crossing(TARGET, 'cost'))} "
+            lines.append(f"| {e.label}<br>`{' '.join(e.overrides)}` | {r.name[-1]} (1 seed) | {a:.3f} | {a - vm:+.3f} | {fmt_k(r.crossing(TARGET, 'cost'))} "
                          f"| {fmt(statistics.fmean(evs) if evs else None)} |")
         if not runs.get(e.name):
             lines.append(f"| {e.label} | — | not run yet | | | |")
@@ -551,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     todo = [(e, s) for e in chosen for s in (args.seeds or e.seeds)]
     if args.list:
         for e, s in todo:
-            print(f"{run_name(e, s):24s} {status(root, e, s):10s} {e.steps:3d} steps  {e.label}")
+            print(f"{run_name(e, s):24s} {status(root, e, s):10s} {e.steps:3d} steps  {e.label}\n"
+                  f"{'':24s} ops/launch.sh {e.config} run.seed={s} learner.total_steps={e.steps} {' '.join(e.overrides)}")
         return 0
     failures = 0
     if not args.report_only:

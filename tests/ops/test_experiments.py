@@ -118,7 +118,7 @@ def test_report_tables_and_plots(exp: ModuleType, tmp_path: Path) -> None:
     assert "| GRPO | 1 | 0.650 ± 0.000 (0.650–0.650) |" in text and "not reached" in text
     assert "| DAPO | 0 | not run yet |" in text
     assert "**0.700 ± 0.000**" in text  # VAPO at step 40 over 3 seeds
-    assert "| VAPO − positive-example NLL | 0 (1 seed) | 0.550 | -0.150 |" in text
+    assert "| VAPO − positive-example NLL<br>`nll.coef=0` | 0 (1 seed) | 0.550 | -0.150 |" in text
     # vapo steps take 10 s, the synchronous run 20 s: async is 2x the sync throughput.
     assert "| 1 (default) | 3 | 3.2 | 2.00× | 0.50 | 9.50 |" in text and "| 0 (sync) | 1 | 1.6 | 1.00× |" in text
     assert "| max_staleness=1 | 1 | 3.2 | 2.00× | 0.600 |" in text
@@ -130,7 +130,9 @@ def test_cli_list(tmp_path: Path) -> None:
     make_run(tmp_path / "vapo-s0", {0: 0.45, 60: 0.8})
     out = subprocess.run([sys.executable, str(ROOT / "ops/bench/experiments.py"), "--root", str(tmp_path), "--list",
                           "--only", "vapo"], capture_output=True, text=True, check=True).stdout.splitlines()
-    assert [ln.split()[:2] for ln in out] == [["vapo-s0", "done"], ["vapo-s1", "todo"], ["vapo-s2", "todo"]]
+    assert [ln.split()[:2] for ln in out[::2]] == [["vapo-s0", "done"], ["vapo-s1", "todo"], ["vapo-s2", "todo"]]
+    # Every run is a plain launch a user can repeat.
+    assert out[3].split() == ["ops/launch.sh", "ops/configs/default.yaml", "run.seed=1", "learner.total_steps=60"]
     bad = subprocess.run([sys.executable, str(ROOT / "ops/bench/experiments.py"), "--only", "nope", "--list"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown experiment" in bad.stderr
