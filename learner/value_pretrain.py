@@ -50,8 +50,12 @@ def heldout_ev(critic: Any, batch: Any, gamma: float, mbs: int) -> tuple[float, 
     return _global_stats(values[rows], _targets(batch, values, gamma)[rows], batch.mask[rows])
 
 
-def _cpu_copy(state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
-    return None if state is None else {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+def _snapshot(critic: Any) -> dict[str, torch.Tensor] | None:
+    """A CPU copy of the critic's full weights on rank 0 (None elsewhere); collective under ZeRO-3."""
+    if rank() != 0 and critic.zero_optimization_stage() != 3:
+        return None
+    state = full_state_dict(critic)
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()} if rank() == 0 else None
 
 
 def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = None,
@@ -72,8 +76,7 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
     best, since_best, step, best_step = ev0, 0, 0, 0
     # The critic that goes on to RL is the best one on the held-out groups, not the last: patience stops
     # after a run of non-improving steps, and those steps can have made it worse.
-    best_state = full_state_dict(critic) if rank() == 0 or critic.zero_optimization_stage() == 3 else None
-    best_state = _cpu_copy(best_state)
+    best_state = _snapshot(critic)
     log.info("value pretraining: held-out EV %.4f before training", ev0)
     history: list[dict[str, Any]] = []
     while step < vp.steps and since_best < vp.patience:
@@ -90,8 +93,7 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
         ev, vmean = heldout_ev(critic, held_batch, cfg.algo.gamma, mbs)
         if ev > best + 1e-4:
             best, since_best, best_step = ev, 0, step
-            state = full_state_dict(critic) if rank() == 0 or critic.zero_optimization_stage() == 3 else None
-            best_state = _cpu_copy(state)
+            best_state = _snapshot(critic)
         else:
             since_best += 1
         rec = {"kind": "value_pretrain", "step": step, "loss": st["critic_loss"], "explained_variance": ev,
