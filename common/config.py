@@ -238,6 +238,7 @@ class MetricsConfig:
     prometheus: bool = f(True, "serve Prometheus /metrics in every process")
     plots: bool = f(True, "write PNG plots to <run dir>/plots at the end")
     launcher_port: int = f(9400, "ops/launch.sh /metrics port (component restarts)")
+    final_scrape_wait_s: float = f(20.0, "a scraped learner waits up to this long for one last scrape before exiting (0 = never)")
 
 
 @dataclass
@@ -313,6 +314,7 @@ def _validate(cfg: Config) -> None:
         ("algo.clip_high", cfg.algo.clip_high >= 0, "must be >= 0"),
         ("nll.coef", cfg.nll.coef >= 0, "must be >= 0"),
         ("nll.replay_fraction", cfg.nll.replay_fraction >= 0, "must be >= 0"),
+        ("metrics.final_scrape_wait_s", cfg.metrics.final_scrape_wait_s >= 0, "must be >= 0"),
         ("task.min_digits", 1 <= cfg.task.min_digits <= cfg.task.max_digits, "must satisfy 1 <= min <= max_digits"),
     ]
     for key, ok, why in checks:

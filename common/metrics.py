@@ -13,6 +13,9 @@ wire (``vapo_buffer_acked_total``). Learner health names follow verl's where ver
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -175,6 +178,9 @@ class Metrics:
                 m = Histogram(spec.full_name, spec.help, buckets=spec.buckets or _LATENCY, **kw)
             self._metrics[spec.name] = m
         self.port: int | None = None
+        self._scraped = threading.Condition()
+        self.last_scrape: float = 0.0  # time.time() of the last /metrics collection, 0 = never
+        self.registry.register(_ScrapeClock(self))
 
     def __getattr__(self, name: str) -> Any:
         metrics = self.__dict__.get("_metrics", {})
@@ -187,3 +193,34 @@ class Metrics:
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         self.port = int(server.server_address[1])
         return self.port
+
+    def _on_scrape(self) -> None:
+        with self._scraped:
+            self.last_scrape = time.time()
+            self._scraped.notify_all()
+
+    def wait_for_scrape(self, after: float, timeout_s: float) -> bool:
+        """Block until ``/metrics`` is collected at or after ``after`` (a ``time.time()``), or ``timeout_s``.
+
+        A short-lived process calls this before it exits so that Prometheus records its final values
+        (a pull model never sees what changed after its last scrape). Returns whether a scrape came.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._scraped:
+            while self.last_scrape < after:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._scraped.wait(left)
+        return True
+
+
+class _ScrapeClock:
+    """A collector with no samples: every collection of the registry notes the time on its Metrics."""
+
+    def __init__(self, owner: Metrics) -> None:
+        self.owner = owner
+
+    def collect(self) -> Iterator[Any]:
+        self.owner._on_scrape()
+        return iter(())

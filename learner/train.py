@@ -137,7 +137,7 @@ class Learner:
     """Policy + critic engines, the data source and the version counter; ``step()`` is one VAPO update."""
 
     def __init__(self, cfg: Config, source: DataSource | None, critic_path: str | Path | None = None,
-                 engines: tuple[Any, Any] | None = None) -> None:
+                 engines: tuple[Any, Any] | None = None, metrics: Metrics | None = None) -> None:
         setup_distributed(cfg)
         self.cfg = cfg
         self.source = source
@@ -150,7 +150,7 @@ class Learner:
         self.pad_id = pad_token_id(cfg.model.path)
         self.version = 0
         self.samples_seen = 0
-        self.metrics = Metrics("learner")
+        self.metrics = metrics or Metrics("learner")
         self.last: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------------------ phases
@@ -310,7 +310,8 @@ def resolve_checkpoint(cfg: Config) -> Path | None:
 class Runner:
     """The learner process: resume → (publish) → steps with checkpoint / weight push / eval → jsonl."""
 
-    def __init__(self, cfg: Config, source: DataSource | None, critic_path: str | Path | None = None) -> None:
+    def __init__(self, cfg: Config, source: DataSource | None, critic_path: str | Path | None = None,
+                 metrics: Metrics | None = None) -> None:
         from learner import checkpoint
         from learner.weights import WeightPublisher, latest_update, prune
 
@@ -322,7 +323,7 @@ class Runner:
         pretrained = self.run_dir / "critic_pretrained"
         if critic_path is None and pretrained.is_dir():
             critic_path = pretrained
-        self.learner = Learner(cfg, source, critic_path=critic_path)
+        self.learner = Learner(cfg, source, critic_path=critic_path, metrics=metrics)
         self.tokenizer = _load_tokenizer(cfg.model.path)
         self.task: Any = None
         if ckpt is not None:
@@ -340,8 +341,6 @@ class Runner:
                             published.version, self.learner.version, published.version)
             self.publisher = WeightPublisher(cfg.learner.publish_addr, cfg.learner.query_addr, cfg.buffer.curve,
                                              latest=published)
-            if cfg.metrics.prometheus:
-                self.learner.metrics.serve(cfg.learner.metrics_port, cfg.metrics.host)
         # Every rank continues at the same version: the checkpoint's, or the newest published one.
         mine = self.publisher.latest.version if self.publisher is not None and self.publisher.latest else -1
         published_v = int(all_reduce_sum(torch.tensor([mine if rank() == 0 else 0]))[0])
@@ -469,12 +468,23 @@ def main(argv: list[str] | None = None) -> int:
     from learner.data import BufferSource
 
     source = BufferSource(cfg.buffer.serve_addr, cfg.buffer.max_staleness, curve=cfg.buffer.curve) if rank() == 0 else None
+    # One registry for the whole process, served from the start: value pretraining's metrics go to the
+    # same /metrics as the RL steps', and Prometheus sees the learner during its slow startup too.
+    metrics = Metrics("learner")
     if rank() == 0:
         save_config(cfg, cfg.run_dir / "learner_config.yaml")
+        if cfg.metrics.prometheus:
+            metrics.serve(cfg.learner.metrics_port, cfg.metrics.host)
     critic_path = None
     if (cfg.value_pretrain.enabled and cfg.algo.advantage == "gae" and resolve_checkpoint(cfg) is None):
         from learner.value_pretrain import pretrain_critic
 
-        critic_path = pretrain_critic(cfg, source)
-    Runner(cfg, source, critic_path=critic_path).run()
+        critic_path = pretrain_critic(cfg, source, metrics=metrics)
+    Runner(cfg, source, critic_path=critic_path, metrics=metrics).run()
+    if metrics.last_scrape > 0 and cfg.metrics.final_scrape_wait_s > 0:
+        # Pull-based monitoring never sees values set after its last scrape: stay for one more, so that
+        # the final step (and a short run's only steps) reach Grafana. Only when someone is scraping.
+        if not metrics.wait_for_scrape(time.time(), cfg.metrics.final_scrape_wait_s):
+            log.warning("no Prometheus scrape within metrics.final_scrape_wait_s=%.0f s of the last step",
+                        cfg.metrics.final_scrape_wait_s)
     return 0

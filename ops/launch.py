@@ -358,18 +358,20 @@ class Launcher:
         for c in order:
             if c.alive():
                 c.signal(signal.SIGTERM)
+        # One deadline for all of them (not one per child), so that stopping is bounded however many
+        # children are slow: SIGTERM grace, then SIGKILL every process group at once.
         deadline = time.time() + STOP_GRACE_S
+        while any(c.alive() for c in order) and time.time() < deadline:
+            time.sleep(0.05)  # poll interval while children shut down
         for c in order:
-            while c.alive() and time.time() < deadline:
-                time.sleep(0.05)
-            if c.alive():
-                c.signal(signal.SIGKILL)
+            c.signal(signal.SIGKILL)  # the survivor, and any grandchild left in its group (engines)
+        reap_deadline = time.time() + 2.0
+        for c in order:
             if c.proc is not None:
                 try:
-                    c.proc.wait(timeout=2)
+                    c.proc.wait(timeout=max(reap_deadline - time.time(), 0.01))
                 except subprocess.TimeoutExpired:
                     pass
-            c.signal(signal.SIGKILL)  # any grandchild left in the group (engines)
             self.metrics.components_up.labels(component=c.name).set(0)
 
 

@@ -38,3 +38,23 @@ def test_undeclared_metric_is_a_clear_error() -> None:
         Metrics("learner").nope  # noqa: B018
     with pytest.raises(ValueError):
         Metrics("nobody")
+
+
+def test_wait_for_scrape_returns_once_an_http_scrape_comes_after_the_mark() -> None:
+    import threading
+    import time
+
+    m = Metrics("learner")
+    port = m.serve(0)
+    assert m.last_scrape == 0.0
+    assert m.wait_for_scrape(time.time(), timeout_s=0.05) is False  # nobody scraping: bounded, no hang
+    mark = time.time()
+    got: list[str] = []
+    t = threading.Thread(target=lambda: got.append(
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()))
+    t.start()
+    assert m.wait_for_scrape(mark, timeout_s=10) is True
+    t.join(timeout=10)
+    assert m.last_scrape >= mark
+    assert "vapo_learner_weight_version" in got[0]  # the clock adds no samples of its own
+    assert m.wait_for_scrape(mark, timeout_s=0) is True  # already satisfied: no wait
