@@ -9,7 +9,9 @@ Per worker, on one asyncio loop:
   ``<run dir>/actors/cursor-<id>.json`` so a restart neither repeats nor skips a prompt.
 - **Generation**: ``actors.prompts_in_flight`` loops each take one buffer credit (``AsyncGroupSender.acquire``,
   before generating, so a full buffer makes actors wait instead of producing groups that would be thrown
-  away), ask the engine for ``n = G`` samples of the prompt with ``return_logprob``, verify every response
+  away), wait until the engine serves the grant's learner version (the learner publishes a version before
+  it asks for the batch the grant is for, but the grant can overtake the ``WeightUpdate``; a group started
+  on older weights could be born stale), ask the engine for ``n = G`` samples of the prompt with ``return_logprob``, verify every response
   (``Task.verify`` on ``decode_response``), and send the ``SampleGroup`` (ack after the buffer's LMDB commit;
   ``group_id = a<actor>-p<index>``, so re-sends and re-generations are stored once).
 - **Version stamp**: each sample carries the oldest weight version among its tokens (``GenerateOutput.
@@ -105,6 +107,8 @@ class RolloutWorker:
                        "weight_syncs": 0, "weight_sync_failures": 0, "skipped": 0, "duplicates": 0, "not_served": 0}
         self.sync_latencies: list[float] = []
         self.credit_wait_s = 0.0
+        self.weight_wait_s = 0.0
+        self._version_changed = asyncio.Event()  # replaced (and the old one set) on every version change
         self.in_flight = 0
         self._started = time.monotonic()
 
@@ -117,6 +121,11 @@ class RolloutWorker:
         self.version, self.model_path = version, path
         self._m("weight_version").set(version)
         self._write_state()
+        self._wake_version_waiters()
+
+    def _wake_version_waiters(self) -> None:
+        ev, self._version_changed = self._version_changed, asyncio.Event()
+        ev.set()
 
     def _write_state(self) -> None:
         state = {"actor_id": self.actor_id, "pid": os.getpid(), "engine_pid": self.engine.pid if self.engine else None,
@@ -140,7 +149,8 @@ class RolloutWorker:
         elapsed = time.monotonic() - self._started
         return {"actor_id": self.actor_id, **self.counts, "weight_version": self.version,
                 "refused_versions": sorted(self.refused), "prompts_done": self.cursor.completed,
-                "credit_wait_s": round(self.credit_wait_s, 3), "elapsed_s": round(elapsed, 3),
+                "credit_wait_s": round(self.credit_wait_s, 3), "weight_wait_s": round(self.weight_wait_s, 3),
+                "elapsed_s": round(elapsed, 3),
                 "weight_sync_latency_s": [round(x, 4) for x in self.sync_latencies],
                 "engine_pid": self.engine.pid if self.engine else None, "fatal": self.fatal}
 
@@ -170,7 +180,8 @@ class RolloutWorker:
                 self.metrics_port = self.metrics.serve(port, cfg.metrics.host)
             except OSError as e:
                 raise WorkerError(f"cannot serve /metrics on {cfg.metrics.host}:{port}: {e}") from e
-        for name in ("samples", "tokens", "groups_sent", "groups_resent", "credit_wait_seconds", "engine_restarts",
+        for name in ("samples", "tokens", "groups_sent", "groups_resent", "credit_wait_seconds", "weight_wait_seconds",
+                     "engine_restarts",
                      "prompts_skipped", "weight_sync_seconds", "generation_seconds", "weight_version",
                      "samples_per_second", "prompts_in_flight"):
             self._m(name)  # every series exists (zero) from the start, so dashboards show it before the first event
@@ -350,6 +361,7 @@ class RolloutWorker:
         self._m("weight_sync_failures", reason=reason).inc()
         log.error("actor %d: refusing weights v%d (%s): %s; still serving v%d", self.actor_id, upd.version, reason,
                   message, self.version)
+        self._wake_version_waiters()  # prompts held for this version go ahead on the current weights
 
     async def _sync_loop(self) -> None:
         while True:
@@ -411,10 +423,11 @@ class RolloutWorker:
             if self.cursor.exhausted():
                 return
             t0 = time.monotonic()
-            await self.sender.acquire(1)
+            grant = await self.sender.acquire(1)
             waited = time.monotonic() - t0
             self.credit_wait_s += waited
             self._m("credit_wait_seconds").inc(waited)
+            await self._await_weights(grant.learner_version)
             k = self.cursor.take()
             if k is None:
                 return  # the unused credit lapses after buffer.credit_ttl_s
@@ -440,6 +453,38 @@ class RolloutWorker:
                 self.in_flight -= 1
                 self._m("prompts_in_flight").set(self.in_flight)
         return
+
+    async def _await_weights(self, needed: int) -> None:
+        """Hold a granted prompt until the engine serves weights ``>= needed`` (the grant's learner version).
+
+        Only a version that has been announced and not refused is waited for (one that was never published,
+        with ``learner.weights_every > 1``, is not), and never longer than ``actors.weight_wait_s``. A grant
+        that overtook its ``WeightUpdate`` triggers an immediate ``WeightQuery`` rather than waiting for the
+        next poll.
+        """
+        if self.version >= needed or self.a.weight_wait_s <= 0:
+            return
+        t0 = time.monotonic()
+        latest = self.watcher.latest
+        if latest is None or latest.version < needed:
+            await self.watcher.query()  # the PUB message is on its way or was dropped: ask
+            latest = self.watcher.latest
+        if latest is None:
+            return
+        target = min(needed, latest.version)
+        deadline = t0 + self.a.weight_wait_s
+        while self.version < target and target not in self.refused and latest.version not in self.refused:
+            changed = self._version_changed
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("actor %d: still serving v%d %.0f s after a grant for learner v%d; generating anyway "
+                            "(actors.weight_wait_s)", self.actor_id, self.version, self.a.weight_wait_s, needed)
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), left)
+        waited = time.monotonic() - t0
+        self.weight_wait_s += waited
+        self._m("weight_wait_seconds").inc(waited)
 
     def _record(self, group: SampleGroup, ack: Any, resent: int) -> None:
         rewards = [s.reward for s in group.samples]

@@ -126,6 +126,7 @@ class ActorsConfig:
     metrics_base_port: int = f(9300, "actor i serves /metrics on metrics_base_port + i (0 = any free port)")
     max_prompts: int = f(0, "stop each worker after this many of its prompts, counted across restarts (0 = run until stopped)")
     weight_poll_s: float = f(5.0, "seconds between WeightQuery polls (catches a WeightUpdate the PUB socket dropped)")
+    weight_wait_s: float = f(30.0, "longest a granted prompt waits for the engine to serve the grant's announced learner version (0 = never wait)")
     weight_query_timeout_s: float = f(2.0, "seconds to wait for the learner's WeightQuery answer (none = keep current weights)")
     generate_timeout_s: float = f(600.0, "seconds before a /generate call is abandoned and the prompt resubmitted")
     max_worker_restarts: int = f(3, "python -m actors without --actor-id: restarts of a crashed worker process")
@@ -292,6 +293,7 @@ def _validate(cfg: Config) -> None:
         ("actors.prompts_in_flight", cfg.actors.prompts_in_flight >= 1, "must be >= 1"),
         ("actors.max_prompts", cfg.actors.max_prompts >= 0, "must be >= 0"),
         ("actors.weight_poll_s", cfg.actors.weight_poll_s > 0, "must be > 0"),
+        ("actors.weight_wait_s", cfg.actors.weight_wait_s >= 0, "must be >= 0"),
         ("actors.send_timeout_s", cfg.actors.send_timeout_s > 0, "must be > 0"),
         ("buffer.max_staleness", cfg.buffer.max_staleness >= 0, "must be >= 0"),
         ("buffer.capacity_groups", cfg.buffer.capacity_groups >= 1, "must be >= 1"),

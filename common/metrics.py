@@ -94,6 +94,7 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("actor", "positives_rate", "Fraction of reward-1 samples in the last group", ("actor",)),
     _h("actor", "generation_seconds", "Engine latency of one group's generation", labels=("actor",)),
     _c("actor", "credit_wait_seconds", "Seconds blocked waiting for buffer credit", ("actor",)),
+    _c("actor", "weight_wait_seconds", "Seconds granted prompts waited for the engine to serve the grant's learner version", ("actor",)),
     _g("actor", "weight_version", "Weight version the actor's engine serves", ("actor",)),
     _h("actor", "weight_sync_seconds", "Learner publish to engine serving the new version", labels=("actor",)),
     _c("actor", "weight_sync_failures", "Weight updates refused (checksum, load error)", ("actor", "reason")),

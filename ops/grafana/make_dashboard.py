@@ -37,7 +37,7 @@ PANELS: dict[str, list[tuple[str, str, list[tuple[str, str]]]]] = {
         ("Buffer depth", "short", [("vapo_buffer_depth_groups", "groups"), ("vapo_buffer_credit_outstanding", "credit outstanding")]),
         ("Staleness (mean versions)", "short", [("vapo_learner_staleness_sum / clamp_min(vapo_learner_staleness_count, 1)", "mean staleness")]),
         ("Stale drops", "short", [("vapo_buffer_stale_dropped_groups_total", "stale groups dropped"), ("sum(vapo_buffer_filtered_groups_total) or vector(0)", "filtered")]),
-        ("Time waiting for data", "s", [("vapo_learner_data_wait_seconds_total", "learner wait (total)"), ("sum(vapo_actor_credit_wait_seconds_total) or vector(0)", "actors blocked on credit")]),
+        ("Time waiting for data", "s", [("vapo_learner_data_wait_seconds_total", "learner wait (total)"), ("sum(vapo_actor_credit_wait_seconds_total) or vector(0)", "actors blocked on credit"), ("sum(vapo_actor_weight_wait_seconds_total) or vector(0)", "actors waiting for granted weights")]),
         ("Weight-sync latency", "s", [("sum(vapo_actor_weight_sync_seconds_sum) / clamp_min(sum(vapo_actor_weight_sync_seconds_count), 1) or vector(0)", "mean publish → serving")]),
         ("Step time by phase", "s", [("vapo_learner_phase_seconds", "{{phase}}")]),
     ],

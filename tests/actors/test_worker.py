@@ -264,3 +264,36 @@ def test_external_engine_restarted_underneath_is_resynced_and_samples_stay_hones
     # whatever raced the re-sync is stamped with the weights that really produced it
     _check_groups(groups, {0: tiny_model_dir, 1: v1_dir}, s.overrides, 2, 8)
     assert sum(g.weight_version == 1 for g in groups) >= M - 3
+
+
+def test_grant_that_overtakes_its_weight_update_waits_for_those_weights(stack, tmp_path: Path,
+                                                                        tiny_model_dir: Path) -> None:
+    """Synchronous mode (max_staleness = 0): the learner publishes v1, then asks for the v1 batch. The
+    buffer's grant (learner_version = 1) reaches the actor before the WeightUpdate does (here: the PUB
+    message is never sent and the next poll is a minute away). The actor must ask for the weights and
+    generate on v1; generating on v0 would make groups the buffer drops as stale."""
+    from buffer.client import BatchClient
+
+    s = stack("buffer.max_staleness=0", "actors.group_size=2", "actors.max_new_tokens=8", "actors.prompts_in_flight=2",
+              "actors.weight_poll_s=60")
+    s.start_buffer()
+    learner = FakeLearner(s.publish, s.query)
+    try:
+        p = s.start_actors("--actor-id", "0")
+        ready = read_tagged(p, "ACTOR READY", 150, s.tmp / "actors.log")
+        assert ready["weight_version"] == 0
+        with BatchClient(s.serve) as c:
+            first = c.get_batch(0, 2, timeout_s=60).groups
+            assert [g.weight_version for g in first] == [0, 0]
+            learner.latest = make_weights(tiny_model_dir, tmp_path / "weights" / "v1", 0.9, 1)  # not published on PUB
+            queries = learner.queries
+            second = c.get_batch(1, 2, timeout_s=60).groups
+            stats = c.stats()
+        assert [g.weight_version for g in second] == [1, 1]
+        assert stats["stale_dropped"] == 0
+        assert learner.queries > queries  # asked at once, not at the next poll
+        waited = metric(scrape(ready["metrics_port"]), "vapo_actor_weight_wait_seconds_total", actor="0")
+        assert waited is not None and waited > 0
+        assert terminate(p) == 0
+    finally:
+        learner.close()
