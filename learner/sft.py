@@ -122,6 +122,11 @@ def train(cfg: Config, log: Any = print) -> tuple[torch.nn.Module, Any, dict[str
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
     n_params = sum(p.numel() for p in model.parameters())
+    if cfg.run.device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("run.device=cuda but torch sees no CUDA device")
+        model = model.to("cuda")  # the base differs from a CPU-built one (other kernels): record, do not mix
+    device = next(model.parameters()).device
     torch.manual_seed(b.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=b.lr, betas=(0.9, 0.98), weight_decay=b.weight_decay)
     warmup = max(1, int(b.warmup_fraction * b.max_steps))
@@ -140,6 +145,7 @@ def train(cfg: Config, log: Any = print) -> tuple[torch.nn.Module, Any, dict[str
             hit_cap = True
             break
         ids, mask, _ = batches(step)
+        ids, mask = ids.to(device), mask.to(device)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, b.max_steps, b.lr, warmup, b.min_lr_ratio)
         logits = model(input_ids=ids).logits[:, :-1].float()
@@ -174,6 +180,7 @@ def train(cfg: Config, log: Any = print) -> tuple[torch.nn.Module, Any, dict[str
         "response_tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
         "final_loss_ema": ema,
         "threads": b.threads,
+        "device": str(device),
     }
     return model, tokenizer, stats
 
@@ -197,7 +204,7 @@ def run(cfg: Config, log: Any = print) -> dict[str, Any]:
     stats["total_seconds"] = round(time.perf_counter() - t_all, 2)
     stats["task"] = to_dict(cfg.task)
     stats["bootstrap"] = to_dict(b)
-    model.eval()
+    model.eval().to("cpu")
     out = save_hf(model, tokenizer, cfg.model.path, extra={"bootstrap": stats})
     log(f"sft: saved {out} ({stats['sft_seconds']:.0f} s of SFT, {stats['total_seconds']:.0f} s total)")
     return stats

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,27 +21,14 @@ from pathlib import Path
 import pytest
 
 from tests.polling import wait_for
+from tests.ports import free_port, port_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "ops" / "launch.sh"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def smoke_overrides(root: Path, name: str) -> list[str]:
-    """Fresh ports for every socket so the test never collides with a run on the default ports."""
-    p = [free_port() for _ in range(8)]
-    return [
-        f"run.root={root}", f"run.name={name}",
-        f"buffer.ingest_addr=tcp://127.0.0.1:{p[0]}", f"buffer.serve_addr=tcp://127.0.0.1:{p[1]}",
-        f"learner.publish_addr=tcp://127.0.0.1:{p[2]}", f"learner.query_addr=tcp://127.0.0.1:{p[3]}",
-        f"buffer.metrics_port={p[4]}", f"learner.metrics_port={p[5]}", f"actors.metrics_base_port={p[6]}",
-        f"metrics.launcher_port={p[7]}", f"engine.base_port={free_port()}",
-    ]
+    return [f"run.root={root}", f"run.name={name}", *port_overrides()]
 
 
 def processes_mentioning(text: str) -> list[str]:
