@@ -27,6 +27,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "ops"))
+
+from report import load_records  # noqa: E402  (ops/report.py: metrics.jsonl, crash-cut lines skipped)
 
 
 def overrides(a: argparse.Namespace) -> list[str]:
@@ -45,16 +48,6 @@ def overrides(a: argparse.Namespace) -> list[str]:
     ]
 
 
-def _records(run_dir: Path) -> list[dict[str, Any]]:
-    out = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
 def _tagged(log: Path, tag: str) -> dict[str, Any]:
     for line in reversed(log.read_text(errors="replace").splitlines()):
         if line.startswith(tag + " "):
@@ -64,7 +57,7 @@ def _tagged(log: Path, tag: str) -> dict[str, Any]:
 
 def figures(run_dir: Path, model_dir: Path, device: str) -> dict[str, Any]:
     """What the note needs, read back from the run directory."""
-    recs = _records(run_dir)
+    recs = load_records(run_dir)
     steps = [r for r in recs if r.get("kind") == "learner_step"]
     evals = [r for r in recs if r.get("kind") == "eval"] + [
         {"step": r["step"], **r["eval"]} for r in steps if isinstance(r.get("eval"), dict)]
