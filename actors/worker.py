@@ -12,8 +12,9 @@ Per worker, on one asyncio loop:
   away), wait until the engine serves the grant's learner version (the learner publishes a version before
   it asks for the batch the grant is for, but the grant can overtake the ``WeightUpdate``; a group started
   on older weights could be born stale), ask the engine for ``n = G`` samples of the prompt with
-  ``return_logprob``, verify every response (``Task.verify`` on ``decode_response``), and send the ``SampleGroup`` (ack after the buffer's LMDB commit;
-  ``group_id = a<actor>-p<index>``, so re-sends and re-generations are stored once).
+  ``return_logprob``, verify every response (``Task.verify`` on ``decode_response``), and send the
+  ``SampleGroup`` (ack after the buffer's LMDB commit; ``group_id = a<actor>-p<index>``, so re-sends and
+  re-generations are stored once).
 - **Version stamp**: each sample carries the oldest weight version among its tokens (``GenerateOutput.
   min_weight_version``: rollout_server reports per-token versions; SGLang's ``meta_info.weight_version``
   otherwise); the group's version is the minimum over its samples.
