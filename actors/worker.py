@@ -182,8 +182,7 @@ class RolloutWorker:
             except OSError as e:
                 raise WorkerError(f"cannot serve /metrics on {cfg.metrics.host}:{port}: {e}") from e
         for name in ("samples", "tokens", "groups_sent", "groups_resent", "credit_wait_seconds", "weight_wait_seconds",
-                     "engine_restarts",
-                     "prompts_skipped", "weight_sync_seconds", "generation_seconds", "weight_version",
+                     "engine_restarts", "prompts_skipped", "weight_sync_seconds", "generation_seconds", "weight_version",
                      "samples_per_second", "prompts_in_flight"):
             self._m(name)  # every series exists (zero) from the start, so dashboards show it before the first event
         curve = client_curve_keys(cfg.buffer.curve)
@@ -474,7 +473,8 @@ class RolloutWorker:
             return
         target = min(needed, latest.version)
         deadline = t0 + self.a.weight_wait_s
-        while self.version < target and target not in self.refused and latest.version not in self.refused:
+        # The sync loop loads only the newest announced update: while that one is refused, nothing moves.
+        while self.version < target and self.watcher.latest.version not in self.refused:
             changed = self._version_changed
             left = deadline - time.monotonic()
             if left <= 0:

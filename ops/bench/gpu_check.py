@@ -61,10 +61,11 @@ def figures(run_dir: Path, model_dir: Path, device: str) -> dict[str, Any]:
     steps = [r for r in recs if r.get("kind") == "learner_step"]
     evals = [r for r in recs if r.get("kind") == "eval"] + [
         {"step": r["step"], **r["eval"]} for r in steps if isinstance(r.get("eval"), dict)]
+    timed = steps[1:] or steps  # the first step includes warm-up (allocator, kernels)
     phases: dict[str, float] = {}
-    for r in steps[1:] or steps:  # the first step includes warm-up (allocator, kernels)
+    for r in timed:
         for k, v in (r.get("phase_seconds") or {}).items():
-            phases[k] = phases.get(k, 0.0) + v / max(len(steps) - 1, 1)
+            phases[k] = phases.get(k, 0.0) + v / len(timed)
     info = json.loads((model_dir / "vapo_info.json").read_text()).get("bootstrap", {})
     actor = _tagged(run_dir / "logs" / "actor-0.log", "ACTOR DONE")
     engine_cmd = next((ln for ln in (run_dir / "logs" / "engine-0.log").read_text(errors="replace").splitlines()
@@ -77,8 +78,7 @@ def figures(run_dir: Path, model_dir: Path, device: str) -> dict[str, Any]:
         "engine_device": engine_device, "learner_steps": len(steps),
         "learner_step_seconds": round(sum(v for k, v in phases.items() if k not in ("fetch", "eval")), 3),
         "learner_phase_seconds": {k: round(v, 3) for k, v in phases.items()},
-        "learner_tokens_per_s": round(sum(r["tokens_per_second"] for r in steps[1:] or steps) / max(len(steps[1:] or steps), 1), 1)
-        if steps else None,
+        "learner_tokens_per_s": round(sum(r["tokens_per_second"] for r in timed) / len(timed), 1) if timed else None,
         "actor_samples_per_s": round(actor["samples"] / actor["elapsed_s"], 1) if actor.get("elapsed_s") else None,
         "weight_sync_latency_s_mean": round(sum(syncs) / len(syncs), 4) if syncs else None,
         "heldout_avg_at_k": [(e["step"], round(e["avg_at_k"], 4)) for e in evals if "avg_at_k" in e],

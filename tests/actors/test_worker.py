@@ -17,6 +17,7 @@ from common.config import load_config
 from common.modeling import load_model, load_tokenizer
 from common.tasks import decode_response, encode_prompt, get_task
 from tests.polling import wait_for
+from tests.ports import free_port
 
 
 @pytest.fixture
@@ -214,14 +215,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        return sk.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_external_engine_restarted_underneath_is_resynced_and_samples_stay_honest(
         stack, tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -231,7 +224,7 @@ def test_external_engine_restarted_underneath_is_resynced_and_samples_stay_hones
 
     from actor_harness import REPO, env
 
-    port, M = _free_port(), 12
+    port, M = free_port(), 12
     cmd = [sys.executable, "-m", "actors.rollout_server", "--model-path", str(tiny_model_dir), "--port", str(port),
            "--skip-tokenizer-init", "--threads", "1", "--weight-version", "0", "--log-level", "warning"]
 

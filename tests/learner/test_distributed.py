@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ from safetensors.torch import load_file
 
 from learner.train import Learner
 from tests.learner.synth import child_env, synth_groups
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,12 +45,6 @@ HARNESS = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _one_rank(model: Path) -> dict[str, torch.Tensor]:
     from common.config import load_config
     from learner.data import ListSource
@@ -71,10 +65,10 @@ def _two_ranks(model: Path, tmp_path: Path, shm: bool, deepspeed_launcher: bool)
     env = child_env(OMP_NUM_THREADS="1", VAPO_DS_SHM="1" if shm else "0")
     if deepspeed_launcher:  # adds --local_rank=N to our arguments; ~15 s slower to start than torchrun
         cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(_free_port()), str(harness), str(model), str(out)]
+               "--master_port", str(free_port()), str(harness), str(model), str(out)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(_free_port()), str(harness), str(model), str(out)]
+               "--master_port", str(free_port()), str(harness), str(model), str(out)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-4000:])
     return load_file(str(out))

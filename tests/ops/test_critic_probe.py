@@ -54,7 +54,7 @@ def test_train_mode_reports_an_ev_curve_and_plots_values(tiny_model_dir: Path, t
         assert [p["step"] for p in v["curve"]] == [0, 1, 2]
         assert v["final_fresh_ev"] == v["curve"][-1]["fresh_ev"]
     assert out["best_variant"] in ("baseline", "fast")
-    assert out["plot"]["failed_checked"] >= 0 and (tmp_path / "v.png").stat().st_size > 1000
+    assert "mean_value_change_at_first_wrong_digit" in out["plot"] and (tmp_path / "v.png").stat().st_size > 1000
     assert cache.stat().st_size > 0  # sampled groups stored for the next probe
 
 

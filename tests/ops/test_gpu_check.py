@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.ports import port_overrides
@@ -35,7 +36,7 @@ def test_cpu_dry_run_reports_every_figure(tmp_path: Path) -> None:
 
 def test_cuda_without_a_gpu_is_a_clear_refusal(tmp_path: Path) -> None:
     if torch.cuda.is_available():
-        return  # a GPU machine runs the real check instead
+        pytest.skip("a GPU machine runs the real check instead")
     rc, out = _run("--device", "cuda", "--root", str(tmp_path))
     assert rc == 2 and out["ok"] is False and "no CUDA device" in out["error"]
     assert not any(tmp_path.iterdir())  # nothing launched

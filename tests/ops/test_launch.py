@@ -47,14 +47,6 @@ def processes_mentioning(text: str) -> list[str]:
 
 
 
-def http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 def promql_range(port: int, expr: str, start: float, end: float) -> list:
     q = urllib.parse.urlencode({"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": "1"})
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query_range?{q}", timeout=10) as r:
@@ -91,7 +83,7 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory):
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
         # A Prometheus still opening its TSDB when the learner's short life ends would record nothing.
-        wait_for(lambda: http_ok(f"http://127.0.0.1:{prom_port}/-/ready"), 60, "prometheus to be ready")
+        wait_for(lambda: mod.http_ok(f"http://127.0.0.1:{prom_port}/-/ready"), 60, "prometheus to be ready")
     proc = subprocess.Popen([str(LAUNCH), "ops/configs/smoke.yaml", *overrides], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
