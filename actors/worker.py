@@ -47,6 +47,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,13 @@ from common.tasks import Prompt, decode_response, encode_prompt, get_task
 
 log = logging.getLogger("vapo.actors.worker")
 REPORT_EVERY_S = 10.0
+
+
+def emit_tagged(tag: str, obj: dict[str, Any]) -> None:
+    """Print ``TAG {json}`` as one write: sibling workers share their parent's stdout pipe, unbuffered under
+    ``PYTHONUNBUFFERED``, where ``print``'s separate newline write lets two workers' lines run together."""
+    sys.stdout.write(f"{tag} {json.dumps(obj)}\n")
+    sys.stdout.flush()
 
 
 class WorkerError(RuntimeError):
@@ -252,7 +260,7 @@ class RolloutWorker:
             await self.engine.stop()
 
     def _emit(self, tag: str, obj: dict[str, Any]) -> None:
-        print(f"{tag} {json.dumps(obj)}", flush=True)
+        emit_tagged(tag, obj)
 
     # ------------------------------------------------------------------ engine
 

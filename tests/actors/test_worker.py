@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -290,3 +293,31 @@ def test_grant_that_overtakes_its_weight_update_waits_for_those_weights(stack, t
         assert terminate(p) == 0
     finally:
         learner.close()
+
+
+_EMITTER = """
+import sys
+from actors.worker import emit_tagged
+sys.stdin.readline()  # start together, so the writes of all siblings overlap
+for n in range(4000):
+    emit_tagged("ACTOR READY", {"actor_id": int(sys.argv[1]), "n": n, "engine_url": "http://127.0.0.1:41013" * 3})
+"""
+
+
+def test_sibling_workers_sharing_an_unbuffered_stdout_never_run_their_lines_together() -> None:
+    # `python -m actors` starts its workers with the parent's stdout; PYTHONUNBUFFERED (set by the launcher) makes
+    # each write reach the pipe at once, so a tagged line must be one write or siblings' lines interleave.
+    rd, wr = os.pipe()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", _EMITTER, str(i)], stdin=subprocess.PIPE, stdout=wr, env=env)
+             for i in range(3)]
+    os.close(wr)
+    for p in procs:
+        p.stdin.write(b"go\n")
+        p.stdin.close()
+    with os.fdopen(rd, "rb") as out:
+        lines = out.read().decode().splitlines()
+    assert [p.wait(timeout=60) for p in procs] == [0, 0, 0]
+    seen = [json.loads(line.removeprefix("ACTOR READY ")) for line in lines if line.startswith("ACTOR READY {")]
+    assert len(seen) == len(lines) == 3 * 4000
+    assert sorted((d["actor_id"], d["n"]) for d in seen) == [(i, n) for i in range(3) for n in range(4000)]
