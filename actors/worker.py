@@ -181,7 +181,7 @@ class RolloutWorker:
                                    self.a.num_actors, limit=self.a.max_prompts)
         if self.cursor.finished():
             log.info("actor %d: all %d prompts of actors.max_prompts are done", self.actor_id, self.a.max_prompts)
-            self._emit("ACTOR DONE", self.summary())
+            emit_tagged("ACTOR DONE", self.summary())
             return 0
         if cfg.metrics.prometheus:
             port = self.a.metrics_base_port + self.actor_id if self.a.metrics_base_port > 0 else 0
@@ -209,10 +209,10 @@ class RolloutWorker:
             # The engine boots (seconds) while this process imports transformers for the tokenizer.
             self.tokenizer, _ = await asyncio.gather(asyncio.to_thread(_load_tokenizer, cfg.model.path), connect())
             self._gate.set()
-            self._emit("ACTOR READY", {"actor_id": self.actor_id, "pid": os.getpid(), "engine_url": self.client.base_url,
-                                       "engine_pid": self.engine.pid if self.engine else None,
-                                       "metrics_port": self.metrics_port, "weight_version": self.version,
-                                       "prompts_done": self.cursor.completed})
+            emit_tagged("ACTOR READY", {"actor_id": self.actor_id, "pid": os.getpid(), "engine_url": self.client.base_url,
+                                        "engine_pid": self.engine.pid if self.engine else None,
+                                        "metrics_port": self.metrics_port, "weight_version": self.version,
+                                        "prompts_done": self.cursor.completed})
             tasks = [loop.create_task(self.watcher.run(), name="weights"),
                      loop.create_task(self._sync_loop(), name="sync"),
                      loop.create_task(self._supervise(), name="supervise"),
@@ -245,7 +245,7 @@ class RolloutWorker:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
             await self._shutdown()
-        self._emit("ACTOR DONE", self.summary())
+        emit_tagged("ACTOR DONE", self.summary())
         return 1 if self.fatal else 0
 
     async def _shutdown(self) -> None:
@@ -258,9 +258,6 @@ class RolloutWorker:
                 await self.client.close()
         if self.engine is not None:
             await self.engine.stop()
-
-    def _emit(self, tag: str, obj: dict[str, Any]) -> None:
-        emit_tagged(tag, obj)
 
     # ------------------------------------------------------------------ engine
 
