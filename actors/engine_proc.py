@@ -6,23 +6,22 @@ from the server's ready line). It is started with the newest verified weights (`
 weights directory, ``--weight-version`` = its version) or the base model as version 0, without a tokenizer
 (the worker tokenises and detokenises itself). Its stderr goes to ``<run dir>/logs/engine-<i>.log``.
 
-The child stays in the worker's process group (a launcher that signals the group stops both) and, on
-Linux, gets SIGTERM when the worker dies (``PR_SET_PDEATHSIG``), so a killed worker never leaves an engine
-holding its port.
+The child stays in the worker's process group (a launcher that signals the group stops both) and is
+spawned through ``common.lifeline``: it gets SIGKILL when the worker dies, however the worker dies, so a
+killed worker never leaves an engine holding its port.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 
 from actors.sglang_client import SGLangClient
+from common import lifeline
 from common.config import Config
 
 log = logging.getLogger("vapo.actors.engine")
@@ -31,13 +30,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 class EngineStartError(RuntimeError):
     """The engine exited or did not become healthy within ``engine.startup_timeout_s``."""
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def rollout_server_command(cfg: Config, actor_id: int, model_path: str, weight_version: int,
@@ -93,8 +85,7 @@ class RolloutServerProcess:
             errf.write(f"\n=== {time.strftime('%H:%M:%S')} start: {' '.join(cmd)}\n".encode())
             errf.flush()
             self.proc = await asyncio.create_subprocess_exec(
-                *cmd, cwd=str(REPO), env=env, stdout=asyncio.subprocess.PIPE, stderr=errf,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                *cmd, cwd=str(REPO), stdout=asyncio.subprocess.PIPE, stderr=errf, **lifeline.popen_kwargs(env))
         timeout = self.cfg.engine.startup_timeout_s
         try:
             self.url = await asyncio.wait_for(self._ready_url(), timeout)

@@ -31,6 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common import lifeline  # noqa: E402
 from common.config import Config, ConfigError, load_config, save_config  # noqa: E402
 from common.metrics import Metrics  # noqa: E402
 
@@ -61,7 +62,9 @@ class Child:
         # to reuse that (taken) MASTER_PORT. Each child sets up its own.
         env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS_VARS}
         env.update(self.env)
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # lifeline: the child (and, transitively, its own children) dies with this launcher, even on SIGKILL.
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     **lifeline.popen_kwargs(env))
         log.close()
         self.started_at = time.time()
 
@@ -291,7 +294,7 @@ class Launcher:
         if self.cfg.engine.kind != "rollout_server" and self.cfg.task.name != "addition":
             raise LaunchError("bootstrap", f"model.path {model} does not exist (GPU configs need a local HF checkpoint)")
         say(f"base model missing: bootstrapping {model} with learner.sft (progress below)")
-        rc = subprocess.call([PY, "-m", "learner.sft", str(self.cfg_file)], cwd=ROOT)
+        rc = subprocess.call([PY, "-m", "learner.sft", str(self.cfg_file)], cwd=ROOT, **lifeline.popen_kwargs())
         if rc != 0:
             raise LaunchError("bootstrap", f"learner.sft exited with code {rc}")
 
