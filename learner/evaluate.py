@@ -1,9 +1,10 @@
 """Held-out evaluation: avg@k sampled accuracy, greedy accuracy, accuracy by bucket and by length.
 
-Library use (the learner calls it in-process every ``learner.eval_every`` steps)::
+Library use (the learner calls it every ``learner.eval_every`` steps)::
 
-    from learner.evaluate import evaluate
-    stats = evaluate(model, tokenizer, task, k=8, max_new_tokens=96)
+    from learner.evaluate import evaluate, evaluate_on_engine
+    stats = evaluate(model, tokenizer, task, k=8, max_new_tokens=96)          # in-process (one CPU learner)
+    stats = evaluate_on_engine("http://127.0.0.1:30000", tokenizer, task, version=10, k=8)   # on a rollout engine
 
 CLI::
 
@@ -18,6 +19,7 @@ with ``decode_response``, exactly as the actors do. Response length counts gener
 from __future__ import annotations
 
 import argparse
+import asyncio
 import inspect
 import json
 import math
@@ -240,6 +242,117 @@ def evaluate(
         model.train(was_training)
     report = score(task, tokenizer, prompts, sampled, greedy_out, eos_ids)
     report["temperature"] = temperature
+    report["seconds"] = round(time.perf_counter() - t0, 3)
+    return report
+
+
+def eval_target(cfg: Any, world: int) -> tuple[str, str]:
+    """(``local`` | ``engine``, engine URL) for ``learner.eval_via`` with ``world`` learner ranks.
+
+    Generating through the training model is right only for one process: under ZeRO-3 every forward is a
+    collective that all ranks must join, so a rank-0-only evaluation would hang the others (and a gathered
+    copy of a large policy does not fit one rank). Anything else evaluates on a rollout engine."""
+    from common.config import ConfigError
+
+    lc, e = cfg.learner, cfg.engine
+    mode = lc.eval_via
+    if mode == "auto":
+        mode = "local" if world == 1 and cfg.run.device == "cpu" else "engine"
+    if mode == "local":
+        if world > 1:
+            raise ConfigError(f"learner.eval_via=local: the learner has {world} ranks; in-process evaluation needs one "
+                              "(use engine or auto)")
+        return "local", ""
+    url = lc.eval_engine_url or (e.urls[0] if e.kind == "external" and e.urls else "")
+    if not url:
+        if e.base_port <= 0:
+            raise ConfigError("learner.eval_engine_url: evaluating on an engine needs its URL; engine.base_port=0 gives "
+                              "engines random ports (set engine.base_port or learner.eval_engine_url)")
+        url = f"http://{e.host}:{e.base_port}"
+    return "engine", url.rstrip("/")
+
+
+class EngineEvalError(RuntimeError):
+    """The engine did not serve the requested weights, or failed while generating, within the deadline."""
+
+
+async def _engine_generate(url: str, ids: Sequence[Sequence[int]], k: int, max_new_tokens: int, temperature: float,
+                           seed: int, version: int, timeout_s: float, concurrency: int) -> tuple[list[list[list[int]]], list[list[int]], str]:
+    from actors.sglang_client import SGLangClient, SGLangError
+
+    deadline = time.monotonic() + timeout_s
+    async with SGLangClient(url, timeout_s=timeout_s) as client:
+        # The engine's actor loads each published version; evaluate only once it serves ``version``.
+        served: str | None = None
+        delay = 0.05
+        while True:
+            try:
+                served = await client.get_weight_version()
+            except SGLangError:
+                served = None
+            v = _as_int(served)
+            if v is not None and v >= version:
+                break
+            if time.monotonic() > deadline:
+                raise EngineEvalError(f"{url} still serves weight version {served!r}, not {version}, after {timeout_s:.0f} s")
+            await asyncio.sleep(delay)  # polling the engine's state with a deadline
+            delay = min(delay * 2, 2.0)
+        gate = asyncio.Semaphore(max(1, concurrency))
+
+        async def one(p: Sequence[int], n: int, temp: float, i: int) -> list[list[int]]:
+            sp: dict[str, Any] = {"n": n, "temperature": temp, "max_new_tokens": max_new_tokens}
+            if temp > 0:
+                sp["sampling_seed"] = seed * 1_000_003 + i  # SGLang's per-request seed (reproducible where supported)
+            async with gate:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise EngineEvalError(f"evaluation on {url} did not finish within {timeout_s:.0f} s")
+                outs = await client.generate(list(p), sp, return_logprob=False, timeout_s=left)
+            return [o.output_ids for o in outs]
+
+        try:
+            sampled = await asyncio.gather(*(one(p, k, temperature, i) for i, p in enumerate(ids)))
+            greedy = await asyncio.gather(*(one(p, 1, 0.0, i) for i, p in enumerate(ids)))
+        except SGLangError as e:
+            raise EngineEvalError(f"evaluation on {url}: {e}") from e
+    return list(sampled), [g[0] for g in greedy], str(served)
+
+
+def _as_int(v: Any) -> int | None:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def evaluate_on_engine(
+    url: str,
+    tokenizer: Any,
+    task: Task,
+    version: int,
+    k: int = 8,
+    max_new_tokens: int = 96,
+    temperature: float = 1.0,
+    seed: int = 0,
+    timeout_s: float = 3600.0,
+    concurrency: int = 64,
+    prompts: Sequence[Prompt] | None = None,
+) -> dict[str, Any]:
+    """The same report as :func:`evaluate`, generated by a rollout engine (SGLang's native API) once it
+    serves weight ``version`` or newer: how a sharded (ZeRO-3) or multi-rank learner evaluates, since
+    generating through its training model would need every rank in every forward. ``k`` samples per
+    prompt in one request (``n = k``) plus a greedy one; responses end at the engine's EOS."""
+    if k < 1:
+        raise ValueError(f"evaluate_on_engine: k must be >= 1, got {k}")
+    t0 = time.perf_counter()
+    prompts = list(task.eval_prompts() if prompts is None else prompts)
+    ids = [encode_prompt(tokenizer, p) for p in prompts]
+    sampled, greedy, served = asyncio.run(_engine_generate(url, ids, k, max_new_tokens, temperature, seed, version,
+                                                           timeout_s, concurrency))
+    report = score(task, tokenizer, prompts, sampled, greedy, [tokenizer.eos_token_id])
+    report["temperature"] = temperature
+    report["engine_url"] = url
+    report["engine_weight_version"] = served
     report["seconds"] = round(time.perf_counter() - t0, 3)
     return report
 

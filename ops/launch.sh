@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Run vapo end to end: `ops/launch.sh [config.yaml] [key=value ...] [--resume]`.
+# Run vapo end to end: `ops/launch.sh [config.yaml] [key=value ...] [--resume] [--dry-run]`.
 # No arguments: the embedded CPU default (ops/configs/default.yaml). `ops/launch.sh --help` for more.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ops/setup.sh
-export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+# No DS_ACCELERATOR default here: ops/launch.py gives each process the accelerator of its device
+# (cpu for run.device=cpu, cuda for the DeepSpeed ranks of a GPU run), from the process plan.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/vapo/torch_extensions}
 export TOKENIZERS_PARALLELISM=false
 export HF_HUB_OFFLINE=1

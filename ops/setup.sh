@@ -1,35 +1,106 @@
 #!/usr/bin/env bash
-# Idempotent environment setup: .venv with the CPU torch build, then vapo in editable mode.
-# Returns in seconds when nothing changed (a stamp of pyproject.toml + this file is kept in .venv).
+# Idempotent environment setup of .venv: vapo in editable mode on the right torch.
+#
+#   ops/setup.sh            CPU machines (default): the CPU torch build, DeepSpeed; no SGLang
+#   ops/setup.sh --cuda     GPU machines: the CUDA torch that the SGLang release pins, SGLang, DeepSpeed
+#   ops/setup.sh --cpu      go back to the CPU build in an existing .venv
+#
+# Without a flag the mode of an existing .venv is kept (ops/launch.sh and ops/test.sh call this with none),
+# so a GPU machine set up once with --cuda stays on CUDA. Returns in seconds when nothing changed (a stamp of
+# pyproject.toml + this file + the mode is kept in .venv). Variables: PYTHON (interpreter for the venv),
+# VAPO_VENV (venv directory, default .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-VENV="$ROOT/.venv"
+VENV=${VAPO_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
-TORCH_VERSION=${VAPO_TORCH_VERSION:-2.13.0}
-STAMP="$VENV/.vapo-setup-stamp"
-want=$(cat pyproject.toml ops/setup.sh | sha256sum | cut -d' ' -f1)
+CPU_TORCH=2.13.0          # the CPU build these machines carry on disk
+SGLANG_VERSION=0.5.23     # GPU: the SGLang release vapo's client follows (actors/sglang_client.py)
+DEEPSPEED_VERSION=0.19.8
+MODE_FILE="$VENV/.vapo-mode"
 
+usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; }
+MODE=""
+for arg in "$@"; do
+  case "$arg" in
+    --cuda) MODE=cuda ;;
+    --cpu) MODE=cpu ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "ops/setup.sh: unknown argument '$arg' (see ops/setup.sh --help)" >&2; exit 2 ;;
+  esac
+done
+if [ -z "$MODE" ]; then
+  MODE=$(cat "$MODE_FILE" 2>/dev/null || echo cpu)
+fi
+STAMP="$VENV/.vapo-setup-stamp"
+want=$( (cat pyproject.toml ops/setup.sh; echo "$MODE") | sha256sum | cut -d' ' -f1)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
   exit 0
 fi
 
-echo "[setup] preparing $VENV (torch $TORCH_VERSION CPU build, vapo editable)" >&2
+die() { echo "ops/setup.sh: $*" >&2; exit 1; }
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
-# torch first, pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
-if ! "$VENV/bin/python" -c "import torch,sys; sys.exit(0 if torch.__version__.split('+')[0]=='$TORCH_VERSION' else 1)" 2>/dev/null; then
-  "${PIP[@]}" "torch==$TORCH_VERSION"
+VPY="$VENV/bin/python"
+PIP=("$VPY" -m pip install --quiet --disable-pip-version-check)
+torch_is() {  # torch_is VERSION cpu|cuda: the installed torch is that version and build
+  "$VPY" - "$1" "$2" <<'EOF' 2>/dev/null
+import sys, torch
+want, kind = sys.argv[1], sys.argv[2]
+ok = torch.__version__.split("+")[0] == want and (torch.version.cuda is None) == (kind == "cpu")
+sys.exit(0 if ok else 1)
+EOF
+}
+
+if [ "$MODE" = cpu ]; then
+  echo "[setup] preparing $VENV (torch $CPU_TORCH CPU build, vapo editable)" >&2
+  # torch first, pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
+  if ! torch_is "$CPU_TORCH" cpu; then
+    "${PIP[@]}" "torch==$CPU_TORCH"
+  fi
+  "${PIP[@]}" "setuptools>=68" wheel
+  # DeepSpeed ships only an sdist whose setup imports torch: build it against the torch above, without ops
+  # (DS_BUILD_OPS=0; they are JIT-built only when used) and without build isolation (which would fetch torch).
+  if ! "$VPY" -c "import importlib.metadata as m; assert m.version('deepspeed')=='$DEEPSPEED_VERSION'" 2>/dev/null; then
+    DS_BUILD_OPS=0 "${PIP[@]}" --no-build-isolation "deepspeed==$DEEPSPEED_VERSION"
+  fi
+  "${PIP[@]}" --no-build-isolation -e ".[dev]"
+  torch_is "$CPU_TORCH" cpu || die "a dependency replaced torch $CPU_TORCH (CPU) with $("$VPY" -c 'import torch; print(torch.__version__, torch.version.cuda)'); on a GPU machine use ops/setup.sh --cuda"
+else
+  echo "[setup] preparing $VENV for GPUs (SGLang $SGLANG_VERSION, its CUDA torch, DeepSpeed $DEEPSPEED_VERSION)" >&2
+  command -v nvidia-smi >/dev/null 2>&1 || echo "[setup] warning: nvidia-smi not found; installing anyway (the CUDA torch only runs where a driver is)" >&2
+  "${PIP[@]}" "setuptools>=68" wheel packaging
+  # The torch that this SGLang release pins, read from its own metadata (not guessed): everything else
+  # must agree with it.
+  "$VPY" -m pip download --quiet --disable-pip-version-check --no-deps -d "$VENV/.sglang-wheel" "sglang==$SGLANG_VERSION" \
+    || die "cannot download sglang==$SGLANG_VERSION from the package index"
+  TORCH_PIN=$("$VPY" - "$VENV/.sglang-wheel" <<'EOF'
+import sys, zipfile, pathlib, re
+whl = next(pathlib.Path(sys.argv[1]).glob("sglang-*.whl"))
+meta = next(n for n in zipfile.ZipFile(whl).namelist() if n.endswith(".dist-info/METADATA"))
+for line in zipfile.ZipFile(whl).read(meta).decode().splitlines():
+    m = re.match(r"Requires-Dist: torch\s*==\s*([0-9][^;\s]*)", line)
+    if m:
+        print(m.group(1)); break
+EOF
+)
+  [ -n "$TORCH_PIN" ] || die "sglang==$SGLANG_VERSION does not pin torch; cannot choose a CUDA build"
+  if ! torch_is "$TORCH_PIN" cuda; then
+    "${PIP[@]}" --force-reinstall "torch==$TORCH_PIN"
+  fi
+  torch_is "$TORCH_PIN" cuda || die "pip installed $("$VPY" -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)') instead of the CUDA build of torch $TORCH_PIN that sglang $SGLANG_VERSION needs (a local pip cap or index?)"
+  "${PIP[@]}" "sglang==$SGLANG_VERSION"
+  if ! "$VPY" -c "import importlib.metadata as m; assert m.version('deepspeed')=='$DEEPSPEED_VERSION'" 2>/dev/null; then
+    DS_BUILD_OPS=0 "${PIP[@]}" --no-build-isolation "deepspeed==$DEEPSPEED_VERSION"
+  fi
+  "${PIP[@]}" --no-build-isolation -e ".[dev,sglang]"
+  torch_is "$TORCH_PIN" cuda || die "installing SGLang/DeepSpeed/vapo replaced torch: now $("$VPY" -c 'import torch; print(torch.__version__, torch.version.cuda)'), SGLang $SGLANG_VERSION needs $TORCH_PIN (CUDA)"
+  "$VPY" -m pip check >/tmp/vapo-pip-check.$$ 2>&1 || { cat /tmp/vapo-pip-check.$$ >&2; rm -f /tmp/vapo-pip-check.$$; die "the installed packages disagree (pip check above): SGLang $SGLANG_VERSION, torch $TORCH_PIN and DeepSpeed $DEEPSPEED_VERSION cannot be installed together as pinned"; }
+  rm -f /tmp/vapo-pip-check.$$
+  "$VPY" -c "import sglang, deepspeed, torch; print(f'[setup] torch {torch.__version__} (CUDA {torch.version.cuda}), sglang {sglang.__version__}, deepspeed {deepspeed.__version__}')" >&2 \
+    || die "SGLang or DeepSpeed does not import with torch $TORCH_PIN"
 fi
-"${PIP[@]}" "setuptools>=68" wheel
-# DeepSpeed ships only an sdist whose setup imports torch: build it against the torch above, without ops
-# (DS_BUILD_OPS=0; they are JIT-built only when used) and without build isolation (which would fetch torch).
-if ! "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('deepspeed')=='0.19.8'" 2>/dev/null; then
-  DS_BUILD_OPS=0 "${PIP[@]}" --no-build-isolation "deepspeed==0.19.8"
-fi
-"${PIP[@]}" --no-build-isolation -e ".[dev]"
-"$VENV/bin/python" -c "import torch; assert torch.__version__.split('+')[0]=='$TORCH_VERSION', torch.__version__; assert not torch.version.cuda or '${VAPO_ALLOW_CUDA_TORCH:-0}'=='1', 'CUDA torch pulled in'" 
+echo "$MODE" > "$MODE_FILE"
 echo "$want" > "$STAMP"
-echo "[setup] done" >&2
+echo "[setup] done ($MODE)" >&2

@@ -1,0 +1,381 @@
+"""Process placement: which host and which GPUs run the buffer, each learner rank, each engine and actor.
+
+    plan = build_plan(cfg, "runs/x/config.yaml")      # pure: reads the config (and model config.json)
+    print(plan.render())                               # what `ops/launch.sh CONFIG --dry-run` prints
+
+The launcher (``ops/launch.py``) starts exactly the processes of the plan; nothing else decides placement.
+
+CPU (``run.device=cpu``): everything on this host; the learner is one ``python -m learner`` process and
+each actor supervises its own CPU engine. CUDA: ``placement.engine_gpus`` and ``placement.learner_gpus``
+name global GPU indices (GPU ``g`` is local GPU ``g % gpus_per_host`` of host ``g // gpus_per_host``).
+Engine ``i`` takes the next ``engine.sglang_tp_size`` engine GPUs (one for ``rollout_server`` engines) and
+its actor runs on the same host, talking to it over loopback. The learner is started through DeepSpeed's
+launcher, one rank per learner GPU: ``--include`` on one host, ``--hostfile`` plus pdsh (``placement.remote
+= ssh``) or srun (``slurm``) across hosts. Engines and learner never share a GPU unless
+``placement.share_gpus`` says so (the one-GPU config). Processes on other hosts start through ssh or srun
+from host 0; such a run needs routable, CurveZMQ-protected buffer and weight addresses and a run directory
+on a filesystem every host sees (weights travel as files).
+
+Memory check: from the model's ``config.json`` the plan estimates each learner rank's model states
+(weights, gradients, Adam; divided by ZeRO stage) for policy and critic, and each engine GPU's weights, and
+refuses a placement that cannot hold them (``placement.gpu_memory_gib``,
+``placement.learner_memory_fraction``, ``engine.sglang_mem_fraction_static``).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.config import Config, ConfigError
+
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class Proc:
+    """One process the launcher starts (on ``host``; ``argv`` already wrapped in ssh/srun when remote)."""
+
+    name: str
+    role: str  # buffer | learner | engine | actor
+    host: str
+    argv: list[str]
+    env: dict[str, str]
+    gpus: tuple[int, ...] = ()  # global GPU indices
+    max_restarts: int = 0
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One learner rank: where DeepSpeed's launcher will put it."""
+
+    rank: int
+    host: str
+    local_gpu: int
+    gpu: int
+
+
+@dataclass
+class Plan:
+    device: str
+    procs: list[Proc]
+    ranks: list[Rank]
+    memory: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)  # run-dir relative name -> content the launcher writes
+    notes: list[str] = field(default_factory=list)
+
+    def proc(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
+
+    def render(self) -> str:
+        """The human-readable plan (``--dry-run``)."""
+        lines = [f"process plan ({self.device}; {len(self.procs)} processes, {len(self.ranks)} learner rank(s))"]
+        for p in self.procs:
+            gpus = ",".join(str(g) for g in p.gpus) if p.gpus else "-"
+            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p.env.items()))
+            lines.append(f"  {p.name:<10} host={p.host}  gpus={gpus}  restarts={p.max_restarts}")
+            lines.append(f"             env: {env or '-'}")
+            lines.append(f"             cmd: {shlex.join(p.argv)}")
+        for r in self.ranks:
+            lines.append(f"  learner rank {r.rank}: host={r.host} local GPU {r.local_gpu} (global {r.gpu})")
+        for name, text in self.files.items():
+            lines.append(f"  file <run dir>/{name}:")
+            lines += [f"    {ln}" for ln in text.splitlines()]
+        if self.memory:
+            lines.append("  memory: " + json.dumps(self.memory, sort_keys=True))
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "procs": [vars(p) | {"gpus": list(p.gpus)} for p in self.procs],
+                "ranks": [vars(r) for r in self.ranks], "memory": self.memory, "files": self.files,
+                "notes": self.notes}
+
+
+# ------------------------------------------------------------------------------------------ parsing
+
+
+def parse_gpus(spec: str, key: str) -> list[int]:
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11]; ConfigError naming ``key`` on anything else or repeats."""
+    out: list[int] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        try:
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                if hi < lo:
+                    raise ValueError
+                out.extend(range(lo, hi + 1))
+            else:
+                out.append(int(part))
+        except ValueError:
+            raise ConfigError(f"{key}: {spec!r} is not a GPU list like '0-3' or '0,2,5-7'") from None
+    if any(g < 0 for g in out):
+        raise ConfigError(f"{key}: GPU indices must be >= 0")
+    if len(set(out)) != len(out):
+        raise ConfigError(f"{key}: {spec!r} names a GPU twice")
+    return out
+
+
+def engine_tp(cfg: Config) -> int:
+    """GPUs per engine: SGLang's tensor-parallel size; our rollout_server uses one device."""
+    return cfg.engine.sglang_tp_size if cfg.engine.kind == "sglang" else 1
+
+
+def is_loopback(addr: str) -> bool:
+    from common.security import is_local_endpoint
+
+    return is_local_endpoint(addr)
+
+
+# ------------------------------------------------------------------------------------------- memory
+
+
+def count_parameters(hf_config: dict[str, Any]) -> dict[str, int]:
+    """Parameters of a Llama/Qwen2-style decoder from its HF ``config.json`` (policy, and critic = backbone
+    without an untied LM head + value head). Exact for Qwen2 (q/k/v biases), within 0.1% for Llama."""
+    c = hf_config.get("text_config", hf_config)
+    V, H, L = int(c["vocab_size"]), int(c["hidden_size"]), int(c["num_hidden_layers"])
+    inter = int(c.get("intermediate_size", 4 * H))
+    heads = int(c.get("num_attention_heads", 1))
+    kv = int(c.get("num_key_value_heads", heads))
+    hd = int(c.get("head_dim") or H // heads)
+    q, kvd = heads * hd, kv * hd
+    attn = H * q + q + 2 * (H * kvd + kvd) + q * H
+    layer = attn + 3 * H * inter + 2 * H
+    backbone = V * H + L * layer + H
+    tied = bool(c.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False)))
+    policy = backbone + (0 if tied else V * H)
+    return {"policy": policy, "critic": backbone + H + 1, "vocab": V, "hidden": H, "tied": int(tied)}
+
+
+def model_state_bytes(params: int, zero_stage: int, world: int, precision: str) -> float:
+    """Per-rank bytes of weights + gradients + AdamW states (16 bytes a parameter in all; mixed precision
+    keeps 2-byte weights/grads and a 12-byte fp32 master + moments, fp32 4 + 4 + 8), by ZeRO stage:
+    0 replicates all, 1 partitions optimizer states, 2 also gradients, 3 also weights."""
+    w = 4 if precision == "fp32" else 2
+    g, opt = w, 16 - 2 * w
+    n = max(world, 1)
+    per_param = {0: w + g + opt, 1: w + g + opt / n, 2: w + (g + opt) / n, 3: (w + g + opt) / n}[zero_stage]
+    return params * per_param
+
+
+def read_model_config(path: str | Path) -> dict[str, Any] | None:
+    p = Path(path) / "config.json"
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------------------------- plan
+
+
+def _wrap_remote(cfg: Config, host: str, argv: list[str], env: dict[str, str], root: Path) -> list[str]:
+    """``argv`` with ``env`` run on ``host`` from the same repository path (a shared filesystem)."""
+    inner = ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *argv]
+    if cfg.placement.remote == "srun":
+        # --overlap: the step shares the allocation's nodes with the others (engines, learner).
+        return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap", f"--chdir={root}", *inner]
+    return ["ssh", "-o", "BatchMode=yes", host, f"cd {shlex.quote(str(root))} && exec {shlex.join(inner)}"]
+
+
+def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, root: Path | None = None,
+               run_dir: Path | None = None, hf_config: dict[str, Any] | None = None) -> Plan:
+    """The processes of a run, validated. ``hf_config`` overrides reading ``model.path/config.json``."""
+    py = python or sys.executable
+    root = root or Path(__file__).resolve().parents[1]
+    run_dir = run_dir or cfg.run_dir
+    cfgf = str(cfg_file)
+    pl = cfg.placement
+    if cfg.run.device == "cpu":
+        return _cpu_plan(cfg, cfgf, py, {"PYTHONUNBUFFERED": "1"})
+    # Every process of a GPU run names its accelerator: an inherited DS_ACCELERATOR=cpu would build a CUDA
+    # learner on DeepSpeed's CPU accelerator.
+    base_env = {"PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cuda"}
+
+    # ---- CUDA: GPU bookkeeping
+    n_gpus = len(pl.hosts) * pl.gpus_per_host
+    engines_needed = cfg.engine.kind != "external"
+    eg = parse_gpus(pl.engine_gpus, "placement.engine_gpus")
+    lg = parse_gpus(pl.learner_gpus, "placement.learner_gpus")
+    if not lg:
+        raise ConfigError("placement.learner_gpus: run.device=cuda needs the learner's GPUs, e.g. placement.learner_gpus=0 "
+                          "(see ops/configs/gpu-small.yaml, gpu-node8.yaml)")
+    if engines_needed and not eg:
+        raise ConfigError("placement.engine_gpus: run.device=cuda needs the engines' GPUs, e.g. placement.engine_gpus=0")
+    for key, gs in (("placement.engine_gpus", eg), ("placement.learner_gpus", lg)):
+        bad = [g for g in gs if g >= n_gpus]
+        if bad:
+            raise ConfigError(f"{key}: GPU {bad[0]} does not exist: {len(pl.hosts)} host(s) x "
+                              f"placement.gpus_per_host={pl.gpus_per_host} = {n_gpus} GPUs (0-{n_gpus - 1})")
+    shared = sorted(set(eg) & set(lg))
+    if shared and not pl.share_gpus:
+        raise ConfigError(f"placement.engine_gpus/learner_gpus: GPU(s) {shared} are given to both engines and the "
+                          "learner; set placement.share_gpus=true to allow it (and size engine.sglang_mem_fraction_static)")
+    tp = engine_tp(cfg)
+    if engines_needed and len(eg) != cfg.actors.num_actors * tp:
+        raise ConfigError(f"placement.engine_gpus: {len(eg)} GPU(s) for actors.num_actors={cfg.actors.num_actors} engines "
+                          f"x {tp} GPU(s) each (engine.sglang_tp_size) = {cfg.actors.num_actors * tp}; make them match")
+
+    def host_of(g: int) -> str:
+        return pl.hosts[g // pl.gpus_per_host]
+
+    def local(g: int) -> int:
+        return g % pl.gpus_per_host
+
+    lg = sorted(lg, key=lambda g: (g // pl.gpus_per_host, g))  # DeepSpeed numbers ranks host-major
+    ranks = [Rank(r, host_of(g), local(g), g) for r, g in enumerate(lg)]
+    if ranks[0].host != pl.hosts[0]:
+        raise ConfigError(f"placement.learner_gpus: learner rank 0 must run on host 0 ({pl.hosts[0]}): it talks to the "
+                          "buffer and publishes the weights there")
+    learner_hosts = list(dict.fromkeys(r.host for r in ranks))
+    if pl.remote == "srun" and len(learner_hosts) > 1:
+        counts = {h: sorted(r.local_gpu for r in ranks if r.host == h) for h in learner_hosts}
+        if any(v != list(range(len(v))) for v in counts.values()) or len({len(v) for v in counts.values()}) > 1:
+            raise ConfigError("placement.learner_gpus: under placement.remote=srun DeepSpeed's Slurm launcher places "
+                              f"ranks by count, not by GPU id: give every learner host its first N GPUs (got {counts})")
+
+    procs: list[Proc] = []
+    notes: list[str] = []
+    files: dict[str, str] = {}
+    procs.append(Proc("buffer", "buffer", pl.hosts[0], [py, "-m", "buffer", cfgf], dict(base_env), (), 3))
+
+    # ---- learner: DeepSpeed's launcher, one rank per learner GPU
+    ds_env = {"DS_ACCELERATOR": "cuda", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    learner_env = {**base_env, **ds_env}
+    ds = [py, "-m", "deepspeed.launcher.runner", "--master_port", str(pl.master_port), "--no_local_rank"]
+    if len(learner_hosts) == 1:
+        ds += ["--include", "localhost:" + ",".join(str(r.local_gpu) for r in ranks), "--master_addr", "127.0.0.1"]
+    else:
+        include = "@".join(f"{h}:" + ",".join(str(r.local_gpu) for r in ranks if r.host == h) for h in learner_hosts)
+        files["hostfile"] = "".join(f"{h} slots={pl.gpus_per_host}\n" for h in learner_hosts)
+        # DeepSpeed forwards only a few variables to other hosts; the rest travel in this file.
+        files["deepspeed_env"] = "".join(f"{k}={v}\n" for k, v in sorted(ds_env.items()))
+        learner_env["DS_ENV_FILE"] = str((run_dir / "deepspeed_env").resolve())
+        ds += ["--hostfile", str((run_dir / "hostfile").resolve()), "--include", include,
+               "--master_addr", pl.hosts[0], "--launcher", "slurm" if pl.remote == "srun" else "pdsh"]
+        notes.append(f"learner spans {len(learner_hosts)} hosts: the torch.distributed store listens on "
+                     f"{pl.hosts[0]}:{pl.master_port}; keep that port inside the cluster network")
+    ds += ["--module", "learner", cfgf]
+    procs.append(Proc("learner", "learner", pl.hosts[0], ds, learner_env, tuple(lg), 0))
+
+    # ---- engines and actors: actor i beside engine i
+    remote_actor = False
+    for i in range(cfg.actors.num_actors):
+        gpus = eg[i * tp:(i + 1) * tp] if engines_needed else []
+        hosts = {host_of(g) for g in gpus}
+        if len(hosts) > 1:
+            raise ConfigError(f"placement.engine_gpus: engine {i} would span hosts {sorted(hosts)}; an engine's "
+                              f"{tp} tensor-parallel GPUs must be on one host")
+        host = hosts.pop() if hosts else pl.hosts[0]
+        visible = {"CUDA_VISIBLE_DEVICES": ",".join(str(local(g)) for g in gpus)} if gpus else {}
+        actor_env = dict(base_env)
+        if cfg.engine.kind == "sglang":
+            from actors.sglang_launcher import sglang_command
+
+            argv, env = sglang_command(cfg, i)
+            env = {**base_env, **env, **visible}
+            procs.append(_proc(cfg, f"engine-{i}", "engine", host, argv, env, tuple(gpus), cfg.engine.max_restarts, root))
+        elif cfg.engine.kind == "rollout_server":
+            actor_env.update(visible)  # the actor starts its engine, which inherits the devices
+        remote_actor |= host != pl.hosts[0]
+        procs.append(_proc(cfg, f"actor-{i}", "actor", host, [py, "-m", "actors", cfgf, "--actor-id", str(i)],
+                           actor_env, tuple(gpus) if cfg.engine.kind == "rollout_server" else (),
+                           cfg.engine.max_restarts, root))
+    if remote_actor:
+        local_addrs = [k for k, a in (("buffer.ingest_addr", cfg.buffer.ingest_addr),
+                                      ("learner.publish_addr", cfg.learner.publish_addr),
+                                      ("learner.query_addr", cfg.learner.query_addr)) if is_loopback(a)]
+        if local_addrs:
+            raise ConfigError(f"{', '.join(local_addrs)}: actors run on other hosts, so these must be addresses they can "
+                              "reach (e.g. tcp://0.0.0.0:5555 with CurveZMQ keys in buffer.curve.*; python -m buffer.keys)")
+        notes.append(f"actors on other hosts read weights from {run_dir}/weights: the run directory must be on a "
+                     "filesystem every host mounts at the same path")
+
+    if cfg.learner.eval_every > 0 and not cfg.learner.eval_engine_url and cfg.engine.kind != "external":
+        engine0 = next((p for p in procs if p.name in ("engine-0", "actor-0")), None)
+        if engine0 is not None and engine0.host != pl.hosts[0]:
+            raise ConfigError(f"learner.eval_engine_url: held-out evaluation runs on a rollout engine, and engine 0 is on "
+                              f"{engine0.host}, not on host 0 where learner rank 0 runs: give the URL of an engine that "
+                              "host 0 can reach, or learner.eval_every=0")
+    plan = Plan("cuda", procs, ranks, files=files, notes=notes)
+    plan.memory = check_memory(cfg, plan, eg, lg, hf_config)
+    return plan
+
+
+def _proc(cfg: Config, name: str, role: str, host: str, argv: list[str], env: dict[str, str],
+          gpus: tuple[int, ...], restarts: int, root: Path) -> Proc:
+    if host != cfg.placement.hosts[0]:
+        argv, env = _wrap_remote(cfg, host, argv, env, root), {}
+    return Proc(name, role, host, argv, env, gpus, restarts)
+
+
+def _cpu_plan(cfg: Config, cfgf: str, py: str, base_env: dict[str, str]) -> Plan:
+    pl = cfg.placement
+    for key, spec in (("placement.engine_gpus", pl.engine_gpus), ("placement.learner_gpus", pl.learner_gpus)):
+        if spec.strip():
+            raise ConfigError(f"{key}: set to {spec!r} but run.device=cpu (set run.device=cuda, or clear it)")
+    if len(pl.hosts) > 1:
+        raise ConfigError("placement.hosts: CPU runs use one host (GPU runs place processes across hosts)")
+    env = {**base_env, "DS_ACCELERATOR": "cpu"}
+    host = pl.hosts[0]
+    procs = [Proc("buffer", "buffer", host, [py, "-m", "buffer", cfgf], dict(env), (), 3),
+             Proc("learner", "learner", host, [py, "-m", "learner", cfgf], dict(env), (), 0)]
+    if cfg.engine.kind == "sglang":
+        from actors.sglang_launcher import sglang_command
+
+        for i in range(cfg.actors.num_actors):
+            argv, e = sglang_command(cfg, i)
+            procs.append(Proc(f"engine-{i}", "engine", host, argv, {**env, **e}, (), cfg.engine.max_restarts))
+    for i in range(cfg.actors.num_actors):
+        procs.append(Proc(f"actor-{i}", "actor", host, [py, "-m", "actors", cfgf, "--actor-id", str(i)], dict(env), (),
+                          cfg.engine.max_restarts))
+    return Plan("cpu", procs, [Rank(0, host, -1, -1)])
+
+
+def check_memory(cfg: Config, plan: Plan, engine_gpus: list[int], learner_gpus: list[int],
+                 hf_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Estimated GiB per GPU; ConfigError when the learner's model states or an engine's weights cannot fit."""
+    hf = hf_config if hf_config is not None else read_model_config(cfg.model.path)
+    if hf is None:
+        plan.notes.append(f"memory not checked: no config.json under model.path={cfg.model.path} on this host")
+        return {}
+    try:
+        n = count_parameters(hf)
+    except (KeyError, TypeError, ValueError) as e:
+        plan.notes.append(f"memory not checked: cannot read the model shape from config.json ({e})")
+        return {}
+    pl, lc = cfg.placement, cfg.learner
+    gpu = pl.gpu_memory_gib
+    world = len(learner_gpus)
+    policy = model_state_bytes(n["policy"], lc.zero_stage, world, lc.precision) / GIB
+    critic = model_state_bytes(n["critic"], lc.zero_stage, world, lc.precision) / GIB if cfg.algo.advantage == "gae" else 0.0
+    learner_states = policy + critic
+    wbytes = 4 if cfg.model.dtype == "float32" else 2
+    tp = engine_tp(cfg)
+    engine_weights = n["policy"] * wbytes / tp / GIB if engine_gpus else 0.0
+    engine_fraction = cfg.engine.sglang_mem_fraction_static if cfg.engine.kind == "sglang" else 0.0
+    shared = bool(set(engine_gpus) & set(learner_gpus))
+    learner_budget = gpu * (pl.learner_memory_fraction - (engine_fraction if shared else 0.0))
+    mem = {"policy_params_b": round(n["policy"] / 1e9, 3), "critic_params_b": round(n["critic"] / 1e9, 3),
+           "learner_states_gib_per_gpu": round(learner_states, 2), "learner_budget_gib_per_gpu": round(learner_budget, 2),
+           "engine_weights_gib_per_gpu": round(engine_weights, 2), "gpu_gib": gpu}
+    if learner_states > learner_budget:
+        raise ConfigError(
+            f"placement.learner_gpus: policy + critic model states need ~{learner_states:.1f} GiB per learner GPU "
+            f"({n['policy'] / 1e9:.2f}B + {n['critic'] / 1e9:.2f}B parameters, ZeRO-{lc.zero_stage} over {world} rank(s)) but "
+            f"{learner_budget:.1f} GiB is allowed (placement.gpu_memory_gib={gpu:g} x placement.learner_memory_fraction="
+            f"{pl.learner_memory_fraction:g}{' minus the engine share' if shared else ''}): add learner GPUs or raise "
+            "learner.zero_stage")
+    if cfg.engine.kind == "sglang" and engine_weights > gpu * engine_fraction * 0.9:
+        raise ConfigError(
+            f"engine.sglang_tp_size: the policy's weights need ~{engine_weights:.1f} GiB per engine GPU but "
+            f"engine.sglang_mem_fraction_static={engine_fraction:g} of {gpu:g} GiB leaves too little for them and a KV "
+            "cache: raise the tensor-parallel size or the memory fraction")
+    return mem
