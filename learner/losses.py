@@ -9,12 +9,20 @@ and data-parallel ranks, so that gradient accumulation gives exactly the token-l
   r_t = exp(logp_t − logp_old_t); ``loss_agg="seq_mean"`` gives the vanilla per-sequence mean instead.
 - Value: ½(V − R)², optionally clipped around the old values (PPO value clipping).
 - NLL (VAPO §3.4, eq. 10): −Σ logp over tokens of reward-1 samples / number of those tokens.
+
+Token log-probs and entropies come either from full logits (``token_logprobs``, ``entropy_from_logits``) or
+from final hidden states in chunks of positions (``chunked_token_logprobs``): the second never holds more
+than one chunk of ``[positions, vocab]`` logits, forward or backward, which is what lets a 20k-token
+response with a 152k vocabulary fit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -163,3 +171,39 @@ def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
     """log π(tokens) from logits ``[B, T, V]`` aligned with ``tokens`` ``[B, T]`` → ``[B, T]`` fp32."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return torch.gather(logp, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def _head_logprobs_entropy(hidden: Tensor, tokens: Tensor, head: Callable[[Tensor], Tensor],
+                           entropy: bool = True) -> tuple[Tensor, Tensor]:
+    """One chunk: hidden ``[n, H]`` → (log π(tokens) ``[n]``, entropy ``[n]`` or zeros), both fp32."""
+    logp = torch.log_softmax(head(hidden).float(), dim=-1)
+    lp = torch.gather(logp, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
+    return lp, -(logp.exp() * logp).sum(-1) if entropy else torch.zeros_like(lp)
+
+
+def chunked_token_logprobs(hidden: Tensor, head: Callable[[Tensor], Tensor], tokens: Tensor, chunks: int,
+                           recompute: bool = True, entropy: bool = True) -> tuple[Tensor, Tensor]:
+    """log π(tokens) and the entropy of π from final hidden states, ``chunks`` pieces of positions at a time.
+
+    hidden ``[N, H]`` (the states that score each token), tokens ``[N]``, ``head`` the LM head (``[n, H] →
+    [n, V]``) → (logprobs ``[N]``, entropy ``[N]``) fp32, equal to ``token_logprobs`` /
+    ``entropy_from_logits`` of ``head(hidden)``. With ``recompute`` (and autograd on), each chunk runs
+    under non-reentrant activation checkpointing: its ``[n, V]`` logits are freed after the forward and
+    rebuilt for the backward, one chunk at a time. The entropy is exact on every position (it reuses the
+    chunk's log-softmax, no second pass); it carries a gradient only when the caller uses it, and is
+    zeros when ``entropy`` is False.
+
+    ``chunks`` is a count, not a size, on purpose: under ZeRO-3 every call of ``head`` gathers its weight
+    across ranks, so all ranks must make the same number of calls for a micro-batch (the scheduler gives
+    every rank the same count; a chunk may be empty)."""
+    if hidden.shape[0] != tokens.shape[0]:
+        raise ValueError(f"hidden has {hidden.shape[0]} positions, tokens {tokens.shape[0]}")
+    lps, ents = [], []
+    for h, tok in zip(hidden.tensor_split(max(1, chunks)), tokens.tensor_split(max(1, chunks)), strict=True):
+        if recompute and torch.is_grad_enabled() and h.requires_grad:
+            lp, ent = checkpoint(_head_logprobs_entropy, h, tok, head, entropy, use_reentrant=False)
+        else:
+            lp, ent = _head_logprobs_entropy(h, tok, head, entropy)
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps), torch.cat(ents)

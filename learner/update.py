@@ -5,17 +5,31 @@ Used by ``learner.train`` (the phase list) and ``learner.value_pretrain``; not a
 micro-batches and data-parallel ranks.
 
 Data parallelism: every rank holds the whole batch (the groups are broadcast), the rows are permuted once
-per step (seeded by run seed and version, identical on every rank), cut into ``mini_batches``
-contiguous mini-batches, and rank r trains on rows ``mini_batch[r::world]``. Losses are divided by the
-real-token count of the whole mini-batch summed over ranks (all_reduce) and multiplied by the world size
-because DeepSpeed averages gradients; so N ranks compute exactly the one-rank update (PITFALLS
-Algorithm 5). Every epoch reuses the same mini-batches, so each rank only ever needs values and
-advantages for its own rows.
+per step (seeded by run seed and version, identical on every rank) and cut into ``mini_batches``
+contiguous mini-batches. Each mini-batch is dealt to the ranks longest row first, round-robin (``deal``),
+so ranks get similar token counts. Losses are divided by the real-token count of the whole mini-batch
+(every rank can count it: it holds every row) and multiplied by the world size because DeepSpeed averages
+gradients; so N ranks compute exactly the one-rank update. Every epoch reuses the same mini-batches, so
+each rank only ever needs values and advantages for its own rows.
+
+Micro-batches (``schedule``): a rank's rows, longest first, are cut greedily into micro-batches of at most
+``learner.micro_batch_size`` rows and, when ``learner.micro_batch_tokens`` > 0, at most that many padded
+tokens (rows × longest prompt + response), like verl's per-GPU token budget; sorting keeps the padding
+small. Under ZeRO-2/3 every forward and backward is a collective, so every rank must run the same number
+of micro-batches in every phase: every rank computes every rank's cut (all hold the whole batch) and pads
+its own list with weight-0 filler micro-batches (the shortest row, loss multiplied by 0). The LM head is
+applied in a number of chunks that is also the same on every rank for a given micro-batch (under ZeRO-3
+each call gathers its weight).
+
+Policy log-probs (``learner.logits_chunk_elements`` > 0): the policy returns its final hidden states and the
+LM head runs over the real response tokens only, in chunks of about ``logits_chunk_elements / vocab``
+tokens, recomputed in the backward (``learner.losses.chunked_token_logprobs``); 0 keeps the old path
+(full ``[B, S, V]`` logits), which the memory benchmark uses as its baseline.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +38,14 @@ from torch import Tensor
 
 from learner.batch import Batch, gather_positions
 from learner.engines import grad_norm, loss_scale_for_dp, rank, world_size
-from learner.losses import entropy_from_logits, nll_loss, policy_loss, token_logprobs, value_loss
+from learner.losses import (
+    chunked_token_logprobs,
+    entropy_from_logits,
+    nll_loss,
+    policy_loss,
+    token_logprobs,
+    value_loss,
+)
 
 
 def all_reduce_sum(x: Tensor) -> Tensor:
@@ -55,13 +76,109 @@ def minibatch_rows(n_rows: int, mini_batches: int, seed: int, version: int) -> l
     return [c for c in torch.tensor_split(perm, mini_batches) if len(c)]
 
 
-def my_share(rows: Tensor) -> Tensor:
-    return rows[rank() :: world_size()]
+# ------------------------------------------------------------------------------------------ scheduling
 
 
-def micro_batches(rows: Tensor, size: int) -> Iterator[Tensor]:
-    for i in range(0, len(rows), size):
-        yield rows[i : i + size]
+@dataclass(frozen=True)
+class MicroLimits:
+    """How micro-batches are cut (learner.micro_batch_size, micro_batch_tokens, logits_chunk_elements)."""
+
+    rows: int = 64
+    tokens: int = 0  # most padded tokens (rows × longest prompt + response) per micro-batch; 0 = no limit
+    logit_elements: int = 0  # tokens × vocab per LM-head chunk; 0 = full logits (the old path)
+
+    @classmethod
+    def of(cls, limits: MicroLimits | int) -> MicroLimits:
+        return limits if isinstance(limits, MicroLimits) else cls(rows=int(limits))
+
+    @classmethod
+    def from_config(cls, learner_cfg: Any) -> MicroLimits:
+        return cls(learner_cfg.micro_batch_size, learner_cfg.micro_batch_tokens, learner_cfg.logits_chunk_elements)
+
+
+@dataclass(frozen=True)
+class Micro:
+    """One micro-batch of this rank."""
+
+    rows: Tensor  # batch rows
+    weight: float  # 1, or 0 for a filler that only keeps the ranks' collectives matched
+    peak_tokens: int  # most real response tokens any rank has in its micro-batch of this index
+
+
+def seq_lengths(batch: Batch) -> Tensor:
+    """Tokens each row's forward processes: prompt + response ``[B]``."""
+    return batch.prompt_lengths + batch.lengths
+
+
+def _longest_first(rows: Tensor, seq_len: Tensor) -> Tensor:
+    return rows[torch.argsort(seq_len[rows], descending=True, stable=True)]
+
+
+def deal(rows: Tensor, seq_len: Tensor, world: int) -> list[Tensor]:
+    """Every rank's share of ``rows``: longest first, dealt round-robin (similar token counts per rank)."""
+    order = _longest_first(rows, seq_len)
+    return [order[r::world] for r in range(world)]
+
+
+def rank_rows(minibatches: list[Tensor], seq_len: Tensor, world: int) -> list[Tensor]:
+    """Each rank's rows over all ``minibatches`` (its share of each, concatenated)."""
+    shares = [deal(mb, seq_len, world) for mb in minibatches]
+    return [torch.cat([s[r] for s in shares]) if shares else torch.zeros(0, dtype=torch.long) for r in range(world)]
+
+
+def my_rows(minibatches: list[Tensor], batch: Batch) -> Tensor:
+    """The rows this rank trains on (and needs values and advantages for)."""
+    return rank_rows(minibatches, seq_lengths(batch), world_size())[rank()]
+
+
+def cut(rows: Tensor, seq_len: Tensor, max_rows: int, max_tokens: int = 0) -> list[Tensor]:
+    """``rows`` longest first, cut greedily: a micro-batch grows while it has at most ``max_rows`` rows and
+    (``max_tokens`` > 0) rows × its longest row ≤ ``max_tokens``. A row longer than the budget goes alone."""
+    order = _longest_first(rows, seq_len)
+    lens = seq_len[order].tolist()
+    out, start = [], 0
+    for i in range(1, len(lens)):
+        n = i - start + 1
+        if n > max_rows or (max_tokens > 0 and n * lens[start] > max_tokens):
+            out.append(order[start:i])
+            start = i
+    if len(lens):
+        out.append(order[start:])
+    return out
+
+
+def schedule(per_rank: list[Tensor], batch: Batch, limits: MicroLimits, me: int | None = None) -> list[Micro]:
+    """Rank ``me``'s micro-batches when rank r holds ``per_rank[r]``: every rank gets the same count (the
+    shorter lists end with weight-0 fillers: the batch's shortest row)."""
+    me = rank() if me is None else me
+    seq = seq_lengths(batch)
+    cuts = [cut(r, seq, max(1, limits.rows), limits.tokens) for r in per_rank]
+    n = max((len(c) for c in cuts), default=0)
+    if n == 0:
+        return []
+    everyone = torch.cat(list(per_rank))
+    filler = everyone[torch.argmin(seq[everyone])].reshape(1)
+    resp = batch.lengths
+
+    def tokens(c: list[Tensor], k: int) -> int:
+        return int(resp[c[k] if k < len(c) else filler].sum())
+
+    peaks = [max(tokens(c, k) for c in cuts) for k in range(n)]
+    mine = cuts[me]
+    return [Micro(mine[k], 1.0, peaks[k]) if k < len(mine) else Micro(filler, 0.0, peaks[k]) for k in range(n)]
+
+
+def micro_batches(minibatches: list[Tensor], batch: Batch, limits: MicroLimits | int) -> list[Micro]:
+    """This rank's micro-batches over its shares of ``minibatches`` (same count on every rank)."""
+    per_rank = rank_rows(minibatches, seq_lengths(batch), world_size())
+    return schedule(per_rank, batch, MicroLimits.of(limits))
+
+
+def _as_minibatches(rows: Tensor | list[Tensor]) -> list[Tensor]:
+    return [rows] if isinstance(rows, Tensor) else list(rows)
+
+
+# -------------------------------------------------------------------------------------------- forwards
 
 
 def _dev(engine: Any) -> torch.device:
@@ -75,11 +192,41 @@ def critic_values(critic: Any, batch: Batch, rows: Tensor) -> Tensor:
     return gather_positions(v, sub.positions).float()
 
 
-def policy_logits(policy: Any, batch: Batch, rows: Tensor) -> tuple[Tensor, Batch]:
-    """Logits that score each response token ``[len(rows), T_rows, V]`` and the rows' sub-batch."""
-    sub = batch.select(rows).to(_dev(policy))
-    logits = policy(input_ids=sub.input_ids, attention_mask=sub.attention_mask).logits
-    return gather_positions(logits, sub.positions), sub
+def head_chunks(policy: Any, peak_tokens: int, logit_elements: int) -> int:
+    """LM-head chunks for a micro-batch whose largest per-rank share has ``peak_tokens`` response tokens."""
+    head = policy.module.get_output_embeddings()
+    vocab = int(getattr(head, "out_features", 0) or policy.module.config.vocab_size)
+    return max(1, math.ceil(peak_tokens * vocab / max(1, logit_elements)))
+
+
+def policy_logprobs(policy: Any, batch: Batch, micro: Micro, logit_elements: int, entropy: bool = True,
+                    entropy_grad: bool = False) -> tuple[Tensor, Tensor | None, Batch]:
+    """log π of each response token ``[n, T_rows]`` fp32 (0 on padding), its entropy (or None) and the
+    rows' sub-batch. ``logit_elements`` > 0: chunked LM head over the real tokens (no ``[n, T, V]``);
+    0: full logits. ``entropy_grad``: the entropy enters the loss (old path only; the chunked entropy
+    carries a gradient whenever autograd is on)."""
+    sub = batch.select(micro.rows).to(_dev(policy))
+    if logit_elements <= 0:
+        logits = gather_positions(policy(input_ids=sub.input_ids, attention_mask=sub.attention_mask).logits,
+                                  sub.positions)
+        logp = token_logprobs(logits, sub.response_ids)
+        ent = None
+        if entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                ent = entropy_from_logits(logits)
+        return logp, ent, sub
+    # Only the last position's logits are computed; the final (normed) hidden states feed the chunked head.
+    out = policy(input_ids=sub.input_ids, attention_mask=sub.attention_mask, output_hidden_states=True,
+                 logits_to_keep=1)
+    h = out.hidden_states[-1]
+    del out
+    r, t = (sub.mask > 0).nonzero(as_tuple=True)
+    chunks = head_chunks(policy, micro.peak_tokens, logit_elements)
+    lp, ent_flat = chunked_token_logprobs(h[r, sub.positions[r, t]], policy.module.get_output_embeddings(),
+                                          sub.response_ids[r, t], chunks, entropy=entropy)
+    logp = lp.new_zeros(sub.mask.shape).index_put((r, t), lp)
+    ent = ent_flat.new_zeros(sub.mask.shape).index_put((r, t), ent_flat) if entropy else None
+    return logp, ent, sub
 
 
 def _put(dst: Tensor, rows: Tensor, x: Tensor) -> None:
@@ -87,24 +234,29 @@ def _put(dst: Tensor, rows: Tensor, x: Tensor) -> None:
 
 
 @torch.no_grad()
-def compute_values(critic: Any, batch: Batch, rows: Tensor, mbs: int) -> Tensor:
-    """Full-size ``[B, T]`` fp32 values, filled on ``rows`` (0 elsewhere)."""
+def compute_values(critic: Any, batch: Batch, rows: Tensor | list[Tensor], limits: MicroLimits | int) -> Tensor:
+    """Full-size ``[B, T]`` fp32 values, filled on this rank's share of ``rows`` (a tensor, or the
+    mini-batches, each dealt to the ranks as the updates deal it); 0 elsewhere."""
     out = torch.zeros(batch.mask.shape, dtype=torch.float32)
     critic.eval()
-    for mb in micro_batches(rows, mbs):
-        _put(out, mb, critic_values(critic, batch, mb))
+    for mb in micro_batches(_as_minibatches(rows), batch, limits):
+        v = critic_values(critic, batch, mb.rows)
+        if mb.weight > 0:
+            _put(out, mb.rows, v)
     critic.train()
     return out * batch.mask
 
 
 @torch.no_grad()
-def compute_logprobs(policy: Any, batch: Batch, rows: Tensor, mbs: int) -> Tensor:
-    """Full-size ``[B, T]`` current-policy logprobs of the response tokens on ``rows``."""
+def compute_logprobs(policy: Any, batch: Batch, rows: Tensor | list[Tensor], limits: MicroLimits | int) -> Tensor:
+    """Full-size ``[B, T]`` current-policy logprobs of the response tokens on this rank's share of ``rows``."""
     out = torch.zeros(batch.mask.shape, dtype=torch.float32)
+    lim = MicroLimits.of(limits)
     policy.eval()
-    for mb in micro_batches(rows, mbs):
-        logits, sub = policy_logits(policy, batch, mb)
-        _put(out, mb, token_logprobs(logits, sub.response_ids))
+    for mb in micro_batches(_as_minibatches(rows), batch, lim):
+        logp, _, _ = policy_logprobs(policy, batch, mb, lim.logit_elements, entropy=False)
+        if mb.weight > 0:
+            _put(out, mb.rows, logp)
     policy.train()
     return out * batch.mask
 
@@ -125,12 +277,6 @@ class Accum:
         return {k: float(vec[i, 0] / vec[i, 1]) if vec[i, 1] > 0 else 0.0 for i, k in enumerate(keys)}
 
 
-def _rows_or_dummy(share: Tensor, minibatch: Tensor) -> tuple[Tensor, float]:
-    """A rank without rows in this mini-batch still joins the gradient all-reduce: it runs one row with
-    loss weight 0."""
-    return (share, 1.0) if len(share) else (minibatch[:1], 0.0)
-
-
 def critic_update(
     critic: Any,
     batch: Batch,
@@ -138,29 +284,35 @@ def critic_update(
     returns: Tensor,
     old_values: Tensor,
     epochs: int,
-    mbs: int,
+    limits: MicroLimits | int,
     value_clip: float,
+    record: Tensor | None = None,
 ) -> dict[str, float]:
     """Fit V to ``returns`` [B, T] (λ_critic targets) over ``epochs`` × mini-batches; one optimizer step
-    per mini-batch. Returns critic_loss, value_clip_fraction, grad_norm, lr."""
+    per mini-batch. ``record`` ``[B, T]`` (optional) receives the values of the first epoch's forwards on
+    this rank's rows: each mini-batch's values just before its own optimizer step (what the explained
+    variance is read from when no separate value pass runs). Returns critic_loss, value_clip_fraction,
+    grad_norm, lr."""
     acc = Accum()
+    lim = MicroLimits.of(limits)
     ppo_mask = batch.ppo_mask
     scale = loss_scale_for_dp()
-    for _ in range(epochs):
+    for epoch in range(epochs):
         for mbrows in minibatches:
-            mine = my_share(mbrows)
-            n_tok = all_reduce_sum(ppo_mask[mine].sum())
-            share, w = _rows_or_dummy(mine, mbrows)
+            n_tok = ppo_mask[mbrows].double().sum()  # every rank holds every row: the global count
             mb_loss = 0.0
-            for micro in micro_batches(share, mbs):
-                v = critic_values(critic, batch, micro)
+            for micro in micro_batches([mbrows], batch, lim):
+                v = critic_values(critic, batch, micro.rows)
                 T = v.shape[1]
-                m = ppo_mask[micro, :T].to(v.device) * w
-                loss, st = value_loss(v, returns[micro, :T].to(v.device), m, old_values[micro, :T].to(v.device),
-                                      clip=value_clip, normalizer=n_tok.to(v.dtype))
+                m = ppo_mask[micro.rows, :T].to(v.device) * micro.weight
+                loss, st = value_loss(v, returns[micro.rows, :T].to(v.device), m,
+                                      old_values[micro.rows, :T].to(v.device), clip=value_clip,
+                                      normalizer=n_tok.to(v.dtype))
                 critic.backward(loss * scale, scale_wrt_gas=False)
                 mb_loss += float(loss.detach())
                 acc.add("value_clip_fraction", float(st["value_clip_fraction"]), float(m.sum()))
+                if record is not None and epoch == 0 and micro.weight > 0:
+                    _put(record, micro.rows, v)
             critic.step()
             acc.add("critic_loss", mb_loss * world_size(), 1.0)  # Σ over ranks of partial sums
             acc.add("critic_grad_norm", grad_norm(critic) if rank() == 0 else 0.0, 1.0 if rank() == 0 else 0.0)
@@ -175,7 +327,7 @@ def actor_update(
     old_logprobs: Tensor,
     importance_weight: Tensor | None,
     epochs: int,
-    mbs: int,
+    limits: MicroLimits | int,
     clip_low: float,
     clip_high: float,
     loss_agg: str,
@@ -186,37 +338,32 @@ def actor_update(
     per mini-batch. The PPO term is normalised by the mini-batch's real (non-replay) tokens across
     ranks (or its sequences for ``seq_mean``); the NLL by the mini-batch's positive tokens across ranks."""
     acc = Accum()
+    lim = MicroLimits.of(limits)
     ppo_mask = batch.ppo_mask
     pos_mask = batch.mask * (batch.rewards >= 1.0).to(batch.mask.dtype).unsqueeze(-1)
     scale = loss_scale_for_dp()
     for _ in range(epochs):
         for mbrows in minibatches:
-            mine = my_share(mbrows)
-            counts = all_reduce_sum(torch.stack([
-                ppo_mask[mine].sum(), (ppo_mask[mine].sum(-1) > 0).sum().to(ppo_mask.dtype), pos_mask[mine].sum()
-            ]))
-            n_tok, n_seq, n_pos = counts[0], counts[1], counts[2]
+            # Every rank holds every row, so the mini-batch's global counts need no collective.
+            pm = ppo_mask[mbrows].double()
+            n_tok, n_seq, n_pos = pm.sum(), (pm.sum(-1) > 0).sum().double(), pos_mask[mbrows].double().sum()
             norm = n_tok if loss_agg == "token_mean" else n_seq
-            share, w = _rows_or_dummy(mine, mbrows)
             parts = {"policy_loss": 0.0, "nll_loss": 0.0}
-            for micro in micro_batches(share, mbs):
-                logits, sub = policy_logits(policy, batch, micro)
-                T = logits.shape[1]
-                dev = logits.device
-                logp = token_logprobs(logits, sub.response_ids)
-                m = ppo_mask[micro, :T].to(dev) * w
-                iw = importance_weight[micro, :T].to(dev) if importance_weight is not None else None
-                pl, st = policy_loss(logp, old_logprobs[micro, :T].to(dev), advantages[micro, :T].to(dev), m,
-                                     clip_low=clip_low, clip_high=clip_high, loss_agg=loss_agg,
+            for micro in micro_batches([mbrows], batch, lim):
+                logp, ent, sub = policy_logprobs(policy, batch, micro, lim.logit_elements,
+                                                 entropy_grad=entropy_coef > 0)
+                assert ent is not None
+                T = logp.shape[1]
+                dev = logp.device
+                m = ppo_mask[micro.rows, :T].to(dev) * micro.weight
+                iw = importance_weight[micro.rows, :T].to(dev) if importance_weight is not None else None
+                pl, st = policy_loss(logp, old_logprobs[micro.rows, :T].to(dev), advantages[micro.rows, :T].to(dev),
+                                     m, clip_low=clip_low, clip_high=clip_high, loss_agg=loss_agg,
                                      normalizer=norm.to(logp.dtype), importance_weight=iw)
-                nll = nll_loss(logp, sub.mask * w, sub.rewards, normalizer=n_pos.to(logp.dtype))
+                nll = nll_loss(logp, sub.mask * micro.weight, sub.rewards, normalizer=n_pos.to(logp.dtype))
                 loss = pl + nll_coef * nll
                 if entropy_coef > 0:
-                    ent = entropy_from_logits(logits)
                     loss = loss - entropy_coef * (ent * m).sum() / n_tok.to(ent.dtype).clamp(min=1.0)
-                else:
-                    with torch.no_grad():
-                        ent = entropy_from_logits(logits)
                 policy.backward(loss * scale, scale_wrt_gas=False)
                 parts["policy_loss"] += float(pl.detach())
                 parts["nll_loss"] += float(nll.detach())

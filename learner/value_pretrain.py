@@ -31,9 +31,10 @@ from common.metrics import Metrics
 from learner.advantages import gae, terminal_rewards
 from learner.batch import collate
 from learner.data import DataSource
-from learner.engines import build_critic_engine, full_state_dict, load_critic_module, rank, save_critic
+from learner.engines import build_critic_engine, full_state_dict, rank, save_critic
 from learner.train import _global_stats, append_jsonl, fetch_groups, pad_token_id
-from learner.update import compute_values, critic_update, minibatch_rows, my_share
+from learner.update import MicroLimits, compute_values, critic_update, minibatch_rows, my_rows
+from learner.weights import load_host_tensors
 
 log = logging.getLogger("learner.value_pretrain")
 
@@ -43,19 +44,21 @@ def _targets(batch: Any, values: torch.Tensor, gamma: float) -> torch.Tensor:
     return returns
 
 
-def heldout_ev(critic: Any, batch: Any, gamma: float, mbs: int) -> tuple[float, float]:
+def heldout_ev(critic: Any, batch: Any, gamma: float, mbs: MicroLimits | int) -> tuple[float, float]:
     """(explained variance, value mean) of the critic on ``batch`` (rows shared across ranks)."""
-    rows = my_share(torch.arange(batch.size))
-    values = compute_values(critic, batch, rows, mbs)
+    everything = [torch.arange(batch.size)]
+    rows = my_rows(everything, batch)
+    values = compute_values(critic, batch, everything, mbs)
     return _global_stats(values[rows], _targets(batch, values, gamma)[rows], batch.mask[rows])
 
 
 def _snapshot(critic: Any) -> dict[str, torch.Tensor] | None:
-    """A CPU copy of the critic's full weights on rank 0 (None elsewhere); collective under ZeRO-3."""
-    if rank() != 0 and critic.zero_optimization_stage() != 3:
-        return None
-    state = full_state_dict(critic)
-    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()} if rank() == 0 else None
+    """A host copy of the critic's full weights on rank 0 (None elsewhere); collective under ZeRO-3.
+
+    Under ZeRO-3 the parameters are gathered a bounded group at a time and only rank 0 keeps a copy: a
+    copy on every rank would cost the critic's whole size in host memory per rank at every improvement."""
+    state = full_state_dict(critic, copy=True)
+    return state if rank() == 0 else None
 
 
 def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = None,
@@ -69,7 +72,7 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
     m = metrics or Metrics("learner")
     pad = pad_token_id(cfg.model.path)
     critic = build_critic_engine(cfg, lr=vp.lr)
-    mbs = lc.micro_batch_size
+    mbs = MicroLimits.from_config(lc)
     held, _ = fetch_groups(source, 0, vp.eval_groups, lc.batch_timeout_s)
     held_batch = collate(held, pad)
     ev0, _ = heldout_ev(critic, held_batch, cfg.algo.gamma, mbs)
@@ -84,11 +87,14 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
         groups, _ = fetch_groups(source, 0, vp.batch_groups, lc.batch_timeout_s)
         batch = collate(groups, pad)
         minibatches = minibatch_rows(batch.size, lc.mini_batches, cfg.run.seed + 7919, step)
-        mine = torch.cat([my_share(mb) for mb in minibatches])
-        old = compute_values(critic, batch, mine, mbs)
-        returns = _targets(batch, old, cfg.algo.gamma)
-        train_ev, _ = _global_stats(old[mine], returns[mine], batch.mask[mine])
-        st = critic_update(critic, batch, minibatches, returns, old, 1, mbs, 0.0)
+        mine = my_rows(minibatches, batch)
+        # λ = 1 targets do not depend on V: no value pass before the update; the training-batch explained
+        # variance is read from the update's own forwards (each mini-batch before its own step).
+        no_values = torch.zeros(batch.mask.shape)
+        returns = _targets(batch, no_values, cfg.algo.gamma)
+        seen = torch.zeros(batch.mask.shape)
+        st = critic_update(critic, batch, minibatches, returns, no_values, 1, mbs, 0.0, record=seen)
+        train_ev, _ = _global_stats(seen[mine], returns[mine], batch.mask[mine])
         step += 1
         ev, vmean = heldout_ev(critic, held_batch, cfg.algo.gamma, mbs)
         if ev > best + 1e-4:
@@ -111,11 +117,15 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
                      step, vp.steps, st["critic_loss"], ev, best, vmean)
     if best < vp.min_explained_variance:
         log.warning("value pretraining ended with explained variance %.4f < %.4f", best, vp.min_explained_variance)
+    # The best weights go back into the engine (rank 0 holds them; under ZeRO-3 each gathered group is
+    # handed to every rank's partition) and are saved from there, one group at a time: no rank builds a
+    # second whole critic.
+    if rank() == 0 and best_state is None:
+        raise RuntimeError("value pretraining: rank 0 has no snapshot of the best critic")
+    load_host_tensors(critic, best_state)
+    best_state = None
+    save_critic(critic, out)
     if rank() == 0:
-        module = load_critic_module(cfg)
-        assert best_state is not None
-        module.load_state_dict(best_state)
-        save_critic(module, out)
         (out / "value_pretrain.json").write_text(json.dumps(
             {"steps": step, "best_step": best_step, "explained_variance": best, "initial_explained_variance": ev0}))
         log.info("value pretraining: saved the critic of step %d/%d (held-out EV %.4f) to %s", best_step, step, best, out)
