@@ -139,12 +139,15 @@ class Critic(nn.Module):
     its tokens' log-probabilities, both under the critic's own (tied) LM head and detached. On a
     deterministic task a sampled mistake is an unlikely token, and the running minimum keeps the value low
     after it; a linear head on the last hidden state has to re-derive that comparison (docs/CRITIC.md). The
-    MLP's last layer starts at zero, so the initial values are the plain head's."""
+    MLP's last layer starts at zero, so the initial values are the plain head's. The LM head is the input
+    embedding matrix, so ``load_critic_module`` refuses a model with untied embeddings; the log-probs are
+    computed over the response tokens only, ``logit_chunk_elements`` (tokens × vocab) at a time."""
 
     def __init__(self, backbone: nn.Module, hidden_size: int, init_std: float, init_bias: float,
-                 surprise: bool = False) -> None:
+                 surprise: bool = False, logit_chunk_elements: int = 1 << 24) -> None:
         super().__init__()
         self.backbone = backbone
+        self.logit_chunk_elements = logit_chunk_elements
         self.value_head = nn.Linear(hidden_size, 1, dtype=torch.float32)
         with torch.no_grad():
             if init_std > 0:
@@ -176,13 +179,17 @@ class Critic(nn.Module):
     @torch.no_grad()
     def _surprise_features(self, h: Tensor, input_ids: Tensor, attention_mask: Tensor,
                            response_start: Tensor) -> Tensor:
+        from learner.losses import chunked_token_logprobs
+
         emb = self.backbone.get_input_embeddings().weight
-        logp = torch.log_softmax(h[:, :-1] @ emb.t().to(h.dtype), dim=-1)  # predicts token s+1 from s
-        tok = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-        tok = torch.cat([torch.zeros_like(tok[:, :1]), tok], dim=1)  # [B, S]: log p(token s | < s)
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)
         real = (pos[None, :] >= response_start.to(input_ids.device)[:, None]) & attention_mask.bool()
-        tok = tok.float() * real
+        real[:, 0] = False  # token 0 has no predecessor
+        b, s = real.nonzero(as_tuple=True)  # log p(token s | < s) is read from the hidden state at s − 1
+        chunks = max(1, -(-len(b) * emb.shape[0] // max(1, self.logit_chunk_elements)))
+        lp, _ = chunked_token_logprobs(h[b, s - 1], lambda x: x @ emb.t().to(x.dtype), input_ids[b, s], chunks,
+                                       recompute=False, entropy=False)
+        tok = torch.zeros(input_ids.shape, dtype=torch.float32, device=h.device).index_put((b, s), lp)  # [B, S]
         return torch.stack([torch.cummin(tok, dim=1).values, tok], dim=-1)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, response_start: Tensor | None = None) -> Tensor:
@@ -197,7 +204,17 @@ class Critic(nn.Module):
         return v
 
 
-def load_policy_module(path: str | Path, dtype: str = "float32") -> nn.Module:
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each transformer layer in the backward (learner.activation_checkpointing).
+
+    Non-reentrant checkpointing: the reentrant variant needs an input that requires grad (token ids do
+    not) and re-enters autograd in a way ZeRO-3's parameter hooks do not follow. The KV cache is off, as
+    it must be for recomputation (and is useless in training)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
+def load_policy_module(path: str | Path, dtype: str = "float32", activation_checkpointing: bool = False) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     from common.modeling import torch_dtype
@@ -205,6 +222,8 @@ def load_policy_module(path: str | Path, dtype: str = "float32") -> nn.Module:
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype))
     _no_dropout(model.config)
     model.config.use_cache = False
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
     return model
 
 
@@ -213,14 +232,23 @@ def load_critic_module(cfg: Config, path: str | Path | None = None) -> Critic:
     holds a saved critic (``save_critic``), its value head is loaded too."""
     from transformers import AutoConfig, AutoModel
 
+    from common.config import ConfigError
     from common.modeling import torch_dtype
 
     src = Path(path or cfg.model.path)
     hf_cfg = AutoConfig.from_pretrained(str(src))
+    if cfg.learner.value_head_surprise and not getattr(hf_cfg, "tie_word_embeddings", False):
+        # The surprise features read log-probs through the input embeddings, which are the LM head only
+        # when tied (Qwen2.5-7B/32B are not): with untied embeddings they would be meaningless numbers.
+        raise ConfigError(f"learner.value_head_surprise=true needs a model with tied input/output embeddings; "
+                          f"{src} has tie_word_embeddings=false (set learner.value_head_surprise=false)")
     _no_dropout(hf_cfg)
     backbone = AutoModel.from_pretrained(str(src), config=hf_cfg, dtype=torch_dtype(cfg.model.dtype))
+    if cfg.learner.activation_checkpointing:
+        enable_activation_checkpointing(backbone)
     critic = Critic(backbone, hf_cfg.hidden_size, cfg.learner.value_head_init_std, cfg.learner.value_head_init_bias,
-                    surprise=cfg.learner.value_head_surprise)
+                    surprise=cfg.learner.value_head_surprise,
+                    logit_chunk_elements=cfg.learner.logits_chunk_elements or 1 << 24)
     head = src / "value_head.safetensors"
     if head.is_file():
         from safetensors.torch import load_file
@@ -289,8 +317,8 @@ def build_engine(cfg: Config, module: nn.Module, lr: float, warmup_steps: int = 
 
 
 def build_policy_engine(cfg: Config, path: str | Path | None = None) -> Any:
-    return build_engine(cfg, load_policy_module(path or cfg.model.path, cfg.model.dtype), cfg.learner.actor_lr,
-                        cfg.learner.warmup_steps)
+    module = load_policy_module(path or cfg.model.path, cfg.model.dtype, cfg.learner.activation_checkpointing)
+    return build_engine(cfg, module, cfg.learner.actor_lr, cfg.learner.warmup_steps)
 
 
 def build_critic_engine(cfg: Config, path: str | Path | None = None, lr: float | None = None) -> Any:
