@@ -49,7 +49,6 @@ from learner.batch import Batch, collate, collate_samples, concat
 from learner.data import DataSource
 from learner.engines import build_critic_engine, build_policy_engine, rank, setup_distributed
 from learner.update import (
-    MicroLimits,
     actor_update,
     all_reduce_sum,
     broadcast_bytes,
@@ -57,7 +56,7 @@ from learner.update import (
     compute_values,
     critic_update,
     minibatch_rows,
-    my_rows,
+    my_share,
 )
 
 log = logging.getLogger("learner")
@@ -192,9 +191,9 @@ class Learner:
             batch = self.make_batch(groups, extra or [])
         real = ~batch.is_replay
         staleness = (self.version - batch.weight_version[real]).clamp(min=0)
-        mbs = MicroLimits.from_config(lc)
+        mbs = lc.micro_batch_size
         minibatches = minibatch_rows(batch.size, lc.mini_batches, cfg.run.seed, self.version)
-        mine = my_rows(minibatches, batch)
+        mine = torch.cat([my_share(mb) for mb in minibatches])
         ppo_mask = batch.ppo_mask
         rewards_tok = terminal_rewards(batch.scores, batch.mask) * ppo_mask
         stats: dict[str, Any] = {}
@@ -202,28 +201,17 @@ class Learner:
         if ac.advantage == "gae":
             assert self.critic is not None
             lam = length_adaptive_lambda(batch.lengths, ac.alpha) if ac.length_adaptive else torch.full((batch.size,), ac.lambda_actor)
-            # With λ_critic = 1 the targets are Monte-Carlo returns, which do not depend on V, and without
-            # value clipping nothing else reads the pre-update values: no separate value pass; the explained
-            # variance comes from the critic update's own forwards (each mini-batch before its own step).
-            needs_old = not (ac.decoupled_gae and ac.lambda_critic == 1.0 and ac.value_clip <= 0.0)
-            seen = None
             with t("values"):
-                old_values = compute_values(self.critic, batch, minibatches, mbs) if needs_old else torch.zeros(batch.mask.shape)
+                old_values = compute_values(self.critic, batch, mine, mbs)
                 if ac.decoupled_gae:
                     _, returns = decoupled_gae(rewards_tok, old_values, ppo_mask, ac.gamma, ac.lambda_actor, ac.lambda_critic)
                 else:  # ablation: the critic regresses on the actor's λ-returns, A^λ + V
                     _, returns = gae(rewards_tok, old_values, ppo_mask, ac.gamma, lam)
-                if needs_old:
-                    stats["value_explained_variance"], stats["value_mean"] = _global_stats(old_values[mine], returns[mine], ppo_mask[mine])
-                else:
-                    seen = torch.zeros(batch.mask.shape)
+                stats["value_explained_variance"], stats["value_mean"] = _global_stats(old_values[mine], returns[mine], ppo_mask[mine])
             with t("critic_update"):
-                stats.update(critic_update(self.critic, batch, minibatches, returns, old_values, lc.ppo_epochs, mbs,
-                                           ac.value_clip, record=seen))
-                if seen is not None:
-                    stats["value_explained_variance"], stats["value_mean"] = _global_stats(seen[mine], returns[mine], ppo_mask[mine])
+                stats.update(critic_update(self.critic, batch, minibatches, returns, old_values, lc.ppo_epochs, mbs, ac.value_clip))
             with t("fresh_values"):
-                values = compute_values(self.critic, batch, minibatches, mbs)
+                values = compute_values(self.critic, batch, mine, mbs)
             with t("advantages"):
                 advantages, _ = decoupled_gae(rewards_tok, values, ppo_mask, ac.gamma, lam, ac.lambda_critic)
                 if ac.whiten_advantages:
@@ -239,7 +227,7 @@ class Learner:
         old_logprobs = batch.behaviour_logprobs
         if lc.off_policy == "decoupled":
             with t("proximal"):
-                prox = compute_logprobs(self.policy, batch, minibatches, mbs)
+                prox = compute_logprobs(self.policy, batch, mine, mbs)
                 importance_weight = torch.exp(prox - batch.behaviour_logprobs).clamp(max=lc.decoupled_weight_cap) * batch.mask
                 old_logprobs = prox
         with t("actor_update"):
@@ -346,17 +334,19 @@ class Runner:
             self.weights_root.mkdir(parents=True, exist_ok=True)
             prune(self.weights_root, cfg.learner.keep_weights)  # drops *.tmp left by a crash
             published = latest_update(self.weights_root)
-            if published is not None and published.version > self.learner.version:
-                # Versions published after the last checkpoint came from updates that are lost; skip their
-                # numbers so that versions stay monotonic and none is published twice.
-                log.warning("weights v%d exist beyond checkpoint v%d; continuing at v%d",
-                            published.version, self.learner.version, published.version)
             self.publisher = WeightPublisher(cfg.learner.publish_addr, cfg.learner.query_addr, cfg.buffer.curve,
                                              latest=published)
-        # Every rank continues at the same version: the checkpoint's, or the newest published one.
+        # Every rank decides alike from the newest published version (rank 0 reads it).
         mine = self.publisher.latest.version if self.publisher is not None and self.publisher.latest else -1
         published_v = int(all_reduce_sum(torch.tensor([mine if rank() == 0 else 0]))[0])
-        self.learner.version = max(self.learner.version, published_v)
+        if published_v > self.learner.version:
+            # Weights were published after the last checkpoint, by updates that are now lost. The actors
+            # serve them, so continuing under their number with the checkpoint's weights would make
+            # groups from orphaned weights look fresh. Republish the checkpoint's weights under a new
+            # number instead: a version is never reused and never names two different sets of weights.
+            log.warning("weights v%d exist beyond checkpoint v%d; republishing the checkpoint's weights as v%d",
+                        published_v, self.learner.version, published_v + 1)
+            self.learner.version = published_v + 1
         if published_v < self.learner.version:
             self.publish()
         self.learner.metrics.weight_version.set(self.learner.version)
@@ -473,6 +463,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.run.log_level, format=f"%(asctime)s learner[{rank()}] %(levelname)s %(message)s")
+    # Ranks started by deepspeed/torchrun are not our launcher's children, so its parent-death signal
+    # does not reach them: they watch the launcher named in VAPO_LIFELINE themselves.
+    from common import lifeline
+
+    lifeline.watch_ancestor()
     torch.set_num_threads(cfg.learner.threads)
     if not Path(cfg.model.path).is_dir():
         print(f"model.path {cfg.model.path} does not exist; build it first (python -m learner.sft)", file=sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from prometheus_client import generate_latest
 
 from common.config import load_config
@@ -40,3 +41,41 @@ def test_runner_logs_metrics_and_evaluates(tiny_model_dir: Path, tmp_path: Path)
                  'vapo_learner_eval_accuracy{metric="avg_at_k"}', "vapo_learner_staleness_bucket",
                  'vapo_learner_grad_norm{model="critic"}', "vapo_learner_weights_published_total 3.0"):
         assert name in text, name
+
+
+def test_resume_republishes_the_checkpoint_weights_when_newer_ones_were_published(tiny_model_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from learner.weights import complete_versions, latest_update
+
+    cfg = load_config(None, [f"run.root={tmp_path}", "run.name=r", f"model.path={tiny_model_dir}",
+                             "learner.total_steps=3", "learner.batch_groups=2", "learner.checkpoint_every=2",
+                             "learner.eval_every=0", "learner.keep_weights=10", "metrics.prometheus=false",
+                             "learner.publish_addr=tcp://127.0.0.1:0", "learner.query_addr=tcp://127.0.0.1:0"])
+    groups = synth_groups(10, 2, 60, seed=4)
+    Runner(cfg, ListSource(groups)).run()  # publishes v0..v3, checkpoints v2 and (final) v3
+    # A crash after v3 was published but before its checkpoint was complete: resume finds checkpoint v2.
+    (tmp_path / "r" / "checkpoints" / "v3" / "COMPLETE").unlink()
+    weights = tmp_path / "r" / "weights"
+    stable_v3 = (weights / "v3" / "STABLE").read_text()
+
+    def tensors(v: int) -> dict:
+        return load_file(str(weights / f"v{v}" / "model.safetensors"))
+
+    cfg.learner.total_steps = 5
+    r = Runner(cfg, ListSource(groups))
+    # The actors serve v3 (trained past the checkpoint): the learner must not continue as v3 with v2's
+    # weights. It publishes what it holds, v2's weights, under the fresh number v4.
+    assert r.learner.version == 4
+    assert complete_versions(weights) == [0, 1, 2, 3, 4]
+    assert r.publisher is not None and r.publisher.latest is not None and r.publisher.latest.version == 4
+    assert latest_update(weights).version == 4  # what a (re)connecting actor's WeightQuery gets
+    v2, v3, v4 = tensors(2), tensors(3), tensors(4)
+    assert all(torch.equal(v2[k], v4[k]) for k in v2)
+    assert any(not torch.equal(v3[k], v4[k]) for k in v3)  # v3 really held other weights
+    assert (weights / "v3" / "STABLE").read_text() == stable_v3  # never rewritten
+    learner = r.run()
+    assert learner.version == 5 and complete_versions(weights)[-1] == 5
+    steps = [json.loads(x)["step"] for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 5]  # v4 is a republication, not an update
