@@ -49,6 +49,7 @@ from learner.batch import Batch, collate, collate_samples, concat
 from learner.data import DataSource
 from learner.engines import build_critic_engine, build_policy_engine, rank, setup_distributed
 from learner.update import (
+    MicroLimits,
     actor_update,
     all_reduce_sum,
     broadcast_bytes,
@@ -56,7 +57,7 @@ from learner.update import (
     compute_values,
     critic_update,
     minibatch_rows,
-    my_share,
+    my_rows,
 )
 
 log = logging.getLogger("learner")
@@ -191,9 +192,9 @@ class Learner:
             batch = self.make_batch(groups, extra or [])
         real = ~batch.is_replay
         staleness = (self.version - batch.weight_version[real]).clamp(min=0)
-        mbs = lc.micro_batch_size
+        mbs = MicroLimits.from_config(lc)
         minibatches = minibatch_rows(batch.size, lc.mini_batches, cfg.run.seed, self.version)
-        mine = torch.cat([my_share(mb) for mb in minibatches])
+        mine = my_rows(minibatches, batch)
         ppo_mask = batch.ppo_mask
         rewards_tok = terminal_rewards(batch.scores, batch.mask) * ppo_mask
         stats: dict[str, Any] = {}
@@ -201,17 +202,28 @@ class Learner:
         if ac.advantage == "gae":
             assert self.critic is not None
             lam = length_adaptive_lambda(batch.lengths, ac.alpha) if ac.length_adaptive else torch.full((batch.size,), ac.lambda_actor)
+            # With λ_critic = 1 the targets are Monte-Carlo returns, which do not depend on V, and without
+            # value clipping nothing else reads the pre-update values: no separate value pass; the explained
+            # variance comes from the critic update's own forwards (each mini-batch before its own step).
+            needs_old = not (ac.decoupled_gae and ac.lambda_critic == 1.0 and ac.value_clip <= 0.0)
+            seen = None
             with t("values"):
-                old_values = compute_values(self.critic, batch, mine, mbs)
+                old_values = compute_values(self.critic, batch, minibatches, mbs) if needs_old else torch.zeros(batch.mask.shape)
                 if ac.decoupled_gae:
                     _, returns = decoupled_gae(rewards_tok, old_values, ppo_mask, ac.gamma, ac.lambda_actor, ac.lambda_critic)
                 else:  # ablation: the critic regresses on the actor's λ-returns, A^λ + V
                     _, returns = gae(rewards_tok, old_values, ppo_mask, ac.gamma, lam)
-                stats["value_explained_variance"], stats["value_mean"] = _global_stats(old_values[mine], returns[mine], ppo_mask[mine])
+                if needs_old:
+                    stats["value_explained_variance"], stats["value_mean"] = _global_stats(old_values[mine], returns[mine], ppo_mask[mine])
+                else:
+                    seen = torch.zeros(batch.mask.shape)
             with t("critic_update"):
-                stats.update(critic_update(self.critic, batch, minibatches, returns, old_values, lc.ppo_epochs, mbs, ac.value_clip))
+                stats.update(critic_update(self.critic, batch, minibatches, returns, old_values, lc.ppo_epochs, mbs,
+                                           ac.value_clip, record=seen))
+                if seen is not None:
+                    stats["value_explained_variance"], stats["value_mean"] = _global_stats(seen[mine], returns[mine], ppo_mask[mine])
             with t("fresh_values"):
-                values = compute_values(self.critic, batch, mine, mbs)
+                values = compute_values(self.critic, batch, minibatches, mbs)
             with t("advantages"):
                 advantages, _ = decoupled_gae(rewards_tok, values, ppo_mask, ac.gamma, lam, ac.lambda_critic)
                 if ac.whiten_advantages:
@@ -227,7 +239,7 @@ class Learner:
         old_logprobs = batch.behaviour_logprobs
         if lc.off_policy == "decoupled":
             with t("proximal"):
-                prox = compute_logprobs(self.policy, batch, mine, mbs)
+                prox = compute_logprobs(self.policy, batch, minibatches, mbs)
                 importance_weight = torch.exp(prox - batch.behaviour_logprobs).clamp(max=lc.decoupled_weight_cap) * batch.mask
                 old_logprobs = prox
         with t("actor_update"):
