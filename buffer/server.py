@@ -12,13 +12,27 @@ Sockets (one thread, one ``zmq.Poller``):
   ``"stale"`` / ``"filtered:uniform_reward"`` when it was recorded but will never be served (still
   ``committed=True``: do not re-send), and ``"full: ..."`` / ``"storage: ..."`` with ``committed=False``
   when it was not stored (re-send later).
-- ``buffer.serve_addr`` (REP) — the learner sends ``BatchRequest(learner_version, n_groups, timeout_ms)``:
-  groups with ``weight_version < learner_version - max_staleness`` are deleted and counted, then the
-  ``n_groups`` oldest (weight version, then arrival) are removed and sent as one ``BatchReply``. If fewer
-  than ``n_groups`` arrive within ``timeout_ms`` the reply is ``ErrorReply(reason="timeout")`` and nothing
-  is taken (never a partial batch: a learner step always sees exactly ``n_groups``). ``n_groups`` above
-  ``buffer.capacity_groups`` is refused at once (``bad_request``). Also ``PositivesRequest(n)`` (up to n
-  distinct stored positives, random) and ``StatsRequest`` (counters as ``StatsReply``).
+- ``buffer.serve_addr`` (ROUTER; clients are REQ sockets, so the wire is what a REP socket spoke) — the
+  learner sends ``BatchRequest(learner_version, n_groups, timeout_ms)``: groups with
+  ``weight_version < learner_version - max_staleness`` are deleted and counted, then the ``n_groups``
+  oldest (weight version, then arrival) are removed and sent as one ``BatchReply``. If fewer than
+  ``n_groups`` arrive within ``timeout_ms`` the reply is ``ErrorReply(reason="timeout")`` and nothing is
+  taken (never a partial batch: a learner step always sees exactly ``n_groups``). A waiting batch request
+  sits in a wait list served by the event loop, so every other request (stats, positives, another batch)
+  is answered meanwhile, and a waiting request whose connection closes is dropped (it can no longer
+  swallow groups). ``n_groups`` above ``buffer.max_batch_groups`` or ``buffer.capacity_groups`` and
+  ``timeout_ms`` above ``buffer.max_batch_wait_s`` are refused at once (``bad_request``, naming the field
+  and the key). Also ``PositivesRequest(n)`` (up to n distinct stored positives, random) and
+  ``StatsRequest`` (counters as ``StatsReply``).
+
+The learner version is durable and only the learner should move it: every group older than it minus
+``max_staleness`` is dropped for good. A ``BatchRequest`` may raise it at most
+``buffer.learner_version_max_step`` past ``served_version``, the learner version at which the last full
+learner batch (``n_groups >= learner.batch_groups``) was served; the honest learner asks for version v+1
+only after its batch at v was served. Anything higher is refused (``ErrorReply(reason="learner_version")``)
+and nothing is recorded. A lower version than the stored one is served under the stored one (a learner
+resumed from an older checkpoint). ``python -m buffer.inspect PATH --set-learner-version N`` repairs it
+while the server is stopped.
 
 Admission control (AReaL's staleness bound): an actor asks ``CreditRequest(actor_id, n)`` — "I want n
 more groups' worth of credit" (replaces any earlier waiting request of that actor; n = 0 withdraws it)
@@ -27,11 +41,15 @@ more groups' worth of credit" (replaces any earlier waiting request of that acto
 is counted as the groups the learner has consumed (plus the batch it is waiting for), not the version
 number it reports, so ``accepted - consumed = depth``::
 
-    capacity = max_staleness * batch_groups + (n_groups of the pending BatchRequest, else 0)
+    capacity = max_staleness * batch_groups + (largest n_groups of the waiting BatchRequests, else 0)
                - (groups waiting in LMDB + credits in flight)
 
 also capped by ``buffer.capacity_groups`` / ``capacity_bytes``. Grants are deferred while capacity is
-zero. Counting consumption instead of the reported version keeps the bound right when the learner takes
+zero. No actor id holds more than ``buffer.max_credit_per_actor`` unused credits and no ingest connection
+more than ``buffer.max_credit_per_connection`` across its actor ids (a client inventing actor ids cannot
+take all capacity); a connection that closes gives back its unused credit at once (the socket monitor
+reports the closed descriptor, and every frame carries the descriptor it came on). With CurveZMQ an actor
+id belongs to the first client key that asks credit for it; another key asking for it is refused. Counting consumption instead of the reported version keeps the bound right when the learner takes
 several batches per version (value pretraining) or resumes from an older checkpoint; with
 ``max_staleness = 0`` actors work only while the learner waits, which makes the system synchronous.
 Every term is durable or re-derivable after a restart (AReaL bug #1388): depth, totals and the learner
@@ -68,8 +86,19 @@ from collections import OrderedDict, deque
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from buffer.store import FILTERED, STALE, STORED, BufferStore, GroupRecord, StorageError, positive_hash
+from buffer.store import (
+    FILTERED,
+    STALE,
+    STORED,
+    BufferStore,
+    GroupRecord,
+    StorageError,
+    lock_server,
+    positive_hash,
+    unlock_server,
+)
 from common.config import Config
 from common.metrics import Metrics
 from common.protocol import (
@@ -93,6 +122,60 @@ from common.security import server_curve
 
 log = logging.getLogger("vapo.buffer")
 _MAX_WAITING = 1 << 16  # actors with a deferred credit request
+_MAX_BATCH_WAITS = 1024  # batch requests waiting at once (one per serve connection)
+
+
+class _Peers:
+    """Which ROUTER identities arrived over which connection, so the state of a closed one can be dropped.
+
+    libzmq without its draft API never tells a ROUTER that a peer left. Its socket monitor reports the file
+    descriptor of a closed connection, and every received frame carries the descriptor it came on
+    (``ZMQ_SRCFD``), which links the two. libzmq queues the disconnect event before it closes the
+    descriptor, so draining the monitor before reading data (``gone`` first in every loop turn) never
+    mistakes a new connection that reuses the number for the old one.
+    """
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._fd_of: dict[bytes, int] = {}
+        self._ids_on: dict[int, set[bytes]] = {}
+
+    def seen(self, ident: bytes, frame: zmq.Frame) -> None:
+        try:
+            fd = int(frame.get(zmq.SRCFD))
+        except zmq.ZMQError:
+            return
+        if fd < 0:
+            return  # inproc: no descriptor, and no peer that can vanish without its context
+        old = self._fd_of.get(ident)
+        if old == fd:
+            return
+        if old is not None:
+            self._ids_on.get(old, set()).discard(ident)
+        self._fd_of[ident] = fd
+        self._ids_on.setdefault(fd, set()).add(ident)
+
+    def gone(self) -> list[bytes]:
+        out: list[bytes] = []
+        while self.monitor.poll(0):
+            ev = recv_monitor_message(self.monitor)
+            if ev["event"] == zmq.EVENT_DISCONNECTED:
+                for ident in self._ids_on.pop(int(ev["value"]), ()):
+                    self._fd_of.pop(ident, None)
+                    out.append(ident)
+        return out
+
+    def close(self) -> None:
+        self.monitor.close(linger=0)
+
+
+class _BatchWait:
+    """One BatchRequest waiting for groups: who asked (ROUTER identity + REQ envelope) and until when."""
+
+    __slots__ = ("ident", "envelope", "req", "deadline", "t0")
+
+    def __init__(self, ident: bytes, envelope: list[bytes], req: Any, deadline: float, t0: float) -> None:
+        self.ident, self.envelope, self.req, self.deadline, self.t0 = ident, envelope, req, deadline, t0
 
 
 def admission_capacity(max_staleness: int, batch_groups: int, pending_n: int, depth: int, in_flight: int) -> int:
@@ -179,19 +262,30 @@ class BufferServer:
         self.batch_groups = cfg.learner.batch_groups
         self.max_frame = b.max_frame_bytes
         self.m = metrics or Metrics("buffer")
-        self.store = BufferStore(
-            cfg.buffer_path, map_size=b.map_size_bytes, max_map_size=b.max_map_size_bytes,
-            positives_capacity=b.positives_capacity, on_commit=self.m.commit_latency_seconds.observe,
-        )
+        self.credit_per_actor = b.max_credit_per_actor or 2 * cfg.actors.prompts_in_flight
+        self.credit_per_conn = b.max_credit_per_connection or self.credit_per_actor
+        self.max_batch_groups = min(b.max_batch_groups, b.capacity_groups)
+        self._lock_fd = lock_server(cfg.buffer_path)  # one server per directory; an offline repair waits
+        try:
+            self.store = BufferStore(
+                cfg.buffer_path, map_size=b.map_size_bytes, max_map_size=b.max_map_size_bytes,
+                positives_capacity=b.positives_capacity, on_commit=self.m.commit_latency_seconds.observe,
+            )
+        except BaseException:
+            unlock_server(self._lock_fd)
+            raise
         self.ctx = zmq.Context()
         try:
             self.curve = server_curve(self.ctx, [b.ingest_addr, b.serve_addr], b.curve)
         except Exception:
             self.store.close()
             self.ctx.term()
+            unlock_server(self._lock_fd)
             raise
         self.ingest = self._socket(zmq.ROUTER, b.ingest_addr)
-        self.serve = self._socket(zmq.REP, b.serve_addr)
+        self.serve = self._socket(zmq.ROUTER, b.serve_addr)
+        self.ingest_peers = _Peers(self.ingest)
+        self.serve_peers = _Peers(self.serve)
         self.writer = _Writer(self.store, self.ctx)
         self._next: list[tuple[GroupRecord, tuple[bytes, str, int]]] = []  # validated, waiting for a commit
         self._stop = threading.Event()
@@ -200,8 +294,11 @@ class BufferServer:
         self._in_flight: dict[int, deque[list[float]]] = {}  # actor_id -> [[expiry, count], ...]
         self._waiting: OrderedDict[int, tuple[bytes, int]] = OrderedDict()  # actor_id -> (identity, n)
         self._credit_holder: dict[int, bytes] = {}  # actor_id -> identity its in-flight credits were granted to
-        self._pending: tuple[Any, float, float] | None = None  # (BatchRequest, deadline, t0)
-        self._owe_reply = False  # the REP socket received a request it has not answered yet
+        self._actors_of: dict[bytes, set[int]] = {}  # ingest identity -> actor ids it holds or waits credit for
+        self._actor_key: dict[int, str] = {}  # actor_id -> CURVE client key that owns it (CurveZMQ only)
+        self._credit_released = 0  # credits given back because their connection closed
+        self._waits: dict[bytes, _BatchWait] = {}  # serve identity -> its waiting BatchRequest, oldest first
+        self._waits_abandoned = 0
         self._dropped_since_reply = 0
         self._filtered_since_reply = 0
         self._rejected: dict[str, int] = {}
@@ -242,7 +339,7 @@ class BufferServer:
 
     def capacity(self) -> int:
         c = self.store.counters
-        pending_n = self._pending[0].n_groups if self._pending else 0
+        pending_n = max((w.req.n_groups for w in self._waits.values()), default=0)
         adm = admission_capacity(self.k, self.batch_groups, pending_n, c["depth_groups"], self.in_flight)
         room = self.cfg.buffer.capacity_groups - c["depth_groups"] - self.in_flight
         if c["depth_bytes"] >= self.cfg.buffer.capacity_bytes:
@@ -256,45 +353,45 @@ class BufferServer:
 
     def run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self.writer.notify, zmq.POLLIN)
-        registered = {self.ingest: False, self.serve: False}
+        for sock in (self.writer.notify, self.serve, self.ingest_peers.monitor, self.serve_peers.monitor):
+            poller.register(sock, zmq.POLLIN)
+        registered = {self.ingest: False}
         try:
             while not self._stop.is_set():
                 try:
                     self._turn(poller, registered)
                 except Exception as e:
-                    # A bug in one request must not take the buffer down: log, count, answer, carry on.
+                    # A bug must not take the buffer down: log, count, answer the waiting requests, carry on.
                     log.exception("unexpected error in the buffer loop")
                     self.m.storage_errors.labels(reason="internal").inc()
-                    if self._owe_reply:
-                        self._pending = None
-                        self._reply(encode(ErrorReply(reason="internal", message=repr(e)[:4000])))
+                    waits, self._waits = list(self._waits.values()), {}
+                    for w in waits:
+                        self._reply(w.ident, w.envelope, encode(ErrorReply(reason="internal", message=repr(e)[:4000])))
             self._wait_writer()
         finally:
             self.close()
 
     def _turn(self, poller: zmq.Poller, registered: dict[zmq.Socket, bool]) -> None:
-        # A REP socket must answer before it may receive again: stop polling it while a batch waits.
         # Stop reading ingest while the next batch is full (the ZeroMQ queues push back on senders).
-        want = {self.serve: self._pending is None,
-                self.ingest: len(self._next) < self.cfg.buffer.commit_batch}
-        for sock, on in want.items():
-            if on != registered[sock]:
-                (poller.register(sock, zmq.POLLIN) if on else poller.unregister(sock))
-                registered[sock] = on
+        on = len(self._next) < self.cfg.buffer.commit_batch
+        if on != registered[self.ingest]:
+            (poller.register(self.ingest, zmq.POLLIN) if on else poller.unregister(self.ingest))
+            registered[self.ingest] = on
         timeout_ms = 100.0
-        if self._pending is not None:
-            timeout_ms = max(0.0, min(timeout_ms, (self._pending[1] - time.monotonic()) * 1000))
+        if self._waits:
+            first = min(w.deadline for w in self._waits.values())
+            timeout_ms = max(0.0, min(timeout_ms, (first - time.monotonic()) * 1000))
         events = dict(poller.poll(timeout_ms))
+        self._drop_gone()  # before reading data: see _Peers
         if self.writer.notify in events:
             self._collect_writer()
         if self.ingest in events:
             self._drain_ingest()
         if self._next and not self.writer.busy:
             self._submit()
-        if self._pending is None and self.serve in events:
-            self._handle_serve()
-        if self._pending is not None:
+        if self.serve in events:
+            self._drain_serve()
+        if self._waits:
             self._try_serve()
         self._expire_credits()
         self._grant_credits()
@@ -302,12 +399,24 @@ class BufferServer:
 
     def close(self) -> None:
         self.writer.stop()
+        self.ingest_peers.close()
+        self.serve_peers.close()
         for s in (self.ingest, self.serve, self.writer.notify):
             if not s.closed:
                 s.close(linger=0)
         self.curve.stop()
         self.ctx.term()
         self.store.close()
+        unlock_server(self._lock_fd)
+
+    def _drop_gone(self) -> None:
+        """Forget the state of connections that closed: their credit and their waiting batch requests."""
+        for ident in self.ingest_peers.gone():
+            self._release_connection(ident)
+        for ident in self.serve_peers.gone():
+            if self._waits.pop(ident, None) is not None:
+                self._waits_abandoned += 1
+                log.info("a client left while its batch request waited: dropped the request")
 
     # ------------------------------------------------------------------ ingest
 
@@ -318,7 +427,7 @@ class BufferServer:
 
     def _drain_ingest(self) -> None:
         """Read, validate and queue groups for the next commit; answer everything else at once."""
-        credit_msgs: list[tuple[bytes, Any]] = []
+        credit_msgs: list[tuple[bytes, Any, str | None]] = []
         lv, pos_reward = self.learner_version, self.cfg.buffer.positive_reward
         for _ in range(4 * self.cfg.buffer.commit_batch):
             if len(self._next) >= self.cfg.buffer.commit_batch:
@@ -328,6 +437,8 @@ class BufferServer:
             except zmq.Again:
                 break
             ident, body = parts[0].bytes, parts[1:]
+            if body:
+                self.ingest_peers.seen(ident, body[-1])
             if len(body) != 1:
                 self._send_ingest(ident, self._reject("multipart", f"expected 1 frame, got {len(body)}"))
                 continue
@@ -338,7 +449,7 @@ class BufferServer:
                 self._send_ingest(ident, self._reject(e.reason, str(e)))
                 continue
             if isinstance(msg, CreditRequest):
-                credit_msgs.append((ident, msg))
+                credit_msgs.append((ident, msg, self._client_key(body[0])))
                 continue
             if not isinstance(msg, SampleGroup):
                 self._send_ingest(ident, self._reject("unexpected_type", f"{msg.TYPE} not accepted on ingest"))
@@ -352,8 +463,17 @@ class BufferServer:
                         error=f"full: {self.store.counters['depth_groups']} groups waiting")))
                     continue
             self._next.append((rec, (ident, msg.group_id, msg.actor_id)))
-        for ident, req in credit_msgs:
-            self._on_credit_request(ident, req)
+        for ident, req, key in credit_msgs:
+            self._on_credit_request(ident, req, key)
+
+    def _client_key(self, frame: zmq.Frame) -> str | None:
+        """The sender's CURVE public key (ZAP User-Id, z85) when CurveZMQ is on, else None."""
+        if not self.curve.enabled:
+            return None
+        try:
+            return frame.get("User-Id") or None
+        except zmq.ZMQError:
+            return None
 
     def _submit(self) -> None:
         batch, self._next = self._next, []
@@ -437,8 +557,19 @@ class BufferServer:
 
     # ------------------------------------------------------------------ credits
 
-    def _on_credit_request(self, ident: bytes, req: Any) -> None:
-        self._waiting.pop(req.actor_id, None)
+    def _on_credit_request(self, ident: bytes, req: Any, key: str | None = None) -> None:
+        if key is not None:
+            owner = self._actor_key.setdefault(req.actor_id, key)
+            if owner != key:
+                # The actor id's credits (and the groups that use them) belong to another client: refuse.
+                self._send_ingest(ident, self._reject(
+                    "actor_key", f"actor_id {req.actor_id} is bound to another client key (CurveZMQ)"))
+                return
+        waiting = self._waiting.get(req.actor_id)
+        if waiting is not None and waiting[0] == ident:
+            del self._waiting[req.actor_id]
+        elif waiting is not None and req.n == 0:
+            return  # a withdrawal from another connection does not cancel this one's request
         holder = self._credit_holder.get(req.actor_id)
         if holder is not None and holder != ident and self._in_flight.get(req.actor_id):
             # A new connection for this actor id means the old process died or reset its socket: its
@@ -447,15 +578,57 @@ class BufferServer:
             log.info("actor %d reconnected: releasing %d unused credits of its previous connection",
                      req.actor_id, sum(g for _, g in self._in_flight[req.actor_id]))
             self._in_flight[req.actor_id].clear()
-        self._credit_holder[req.actor_id] = ident
         if req.n == 0:
+            return
+        mine = self._live_actors(ident)
+        if req.actor_id not in mine and len(mine) >= self.credit_per_conn:
+            # Each waiting actor id needs at least one credit: more ids than the connection may hold
+            # credits for can only be a client inventing ids.
+            self._send_ingest(ident, self._reject(
+                "too_many_actor_ids", f"this connection already asks credit for {len(mine)} actor ids "
+                f"(buffer.max_credit_per_connection={self.credit_per_conn})"))
             return
         if len(self._waiting) >= _MAX_WAITING:  # bound memory against a flood of made-up actor ids
             self._send_ingest(ident, self._reject("too_many_waiting", f"{_MAX_WAITING} actors already wait"))
             return
+        if waiting is not None and waiting[0] != ident:
+            del self._waiting[req.actor_id]  # the actor id moved to this connection
+        self._credit_holder[req.actor_id] = ident
+        mine.add(req.actor_id)
         self._waiting[req.actor_id] = (ident, req.n)
         if self.capacity() < req.n:
             self.m.admission_waits.inc()
+
+    def _live_actors(self, ident: bytes) -> set[int]:
+        """The actor ids of a connection that still wait for or hold credit there (pruned in place)."""
+        ids = self._actors_of.setdefault(ident, set())
+        for a in list(ids):
+            w = self._waiting.get(a)
+            if not ((w is not None and w[0] == ident) or (self._credit_holder.get(a) == ident and self._in_flight.get(a))):
+                ids.discard(a)
+        return ids
+
+    def _actor_credit(self, actor_id: int) -> int:
+        return int(sum(c for _, c in self._in_flight.get(actor_id, ())))
+
+    def _conn_credit(self, ident: bytes) -> int:
+        return sum(self._actor_credit(a) for a in self._actors_of.get(ident, ())
+                   if self._credit_holder.get(a) == ident)
+
+    def _release_connection(self, ident: bytes) -> None:
+        """A closed ingest connection: its unused credit and waiting requests stop counting now."""
+        released = 0
+        for a in self._actors_of.pop(ident, set()):
+            w = self._waiting.get(a)
+            if w is not None and w[0] == ident:
+                del self._waiting[a]
+            if self._credit_holder.get(a) == ident:
+                released += self._actor_credit(a)
+                self._in_flight.pop(a, None)
+                del self._credit_holder[a]
+        if released:
+            self._credit_released += released
+            log.info("an ingest connection closed: released its %d unused credits", released)
 
     def _grant_credits(self) -> None:
         if not self._waiting:
@@ -465,11 +638,17 @@ class BufferServer:
         for actor_id in list(self._waiting):
             if cap <= 0:
                 break
-            ident, n = self._waiting.pop(actor_id)
-            g = min(n, cap)
+            ident, n = self._waiting[actor_id]
+            room = min(self.credit_per_actor - self._actor_credit(actor_id),
+                       self.credit_per_conn - self._conn_credit(ident))
+            g = min(n, cap, room)
+            if g <= 0:
+                continue  # at its bound: waits (in place) until its groups arrive or its credit expires
+            del self._waiting[actor_id]
             cap -= g
             self._send_ingest(ident, encode(CreditGrant(n=g, learner_version=self.learner_version)))
             self._in_flight.setdefault(actor_id, deque()).append([now + self.cfg.buffer.credit_ttl_s, g])
+            self._credit_holder[actor_id] = ident
             self.m.credit_granted.inc(g)
             if g < n:
                 self._waiting[actor_id] = (ident, n - g)  # to the back of the queue: fair between actors
@@ -490,69 +669,122 @@ class BufferServer:
 
     # ------------------------------------------------------------------ learner requests
 
-    def _reply(self, frame: bytes, copy: bool = True) -> None:
-        self._owe_reply = False
-        self.serve.send(frame, copy=copy)
-
-    def _handle_serve(self) -> None:
-        self._wait_writer()
+    def _reply(self, ident: bytes, envelope: list[bytes], frame: bytes, copy: bool = True) -> None:
         try:
-            parts = self.serve.recv_multipart(zmq.NOBLOCK)
-            self._owe_reply = True
+            self.serve.send_multipart([ident, *envelope, frame], zmq.NOBLOCK, copy=copy)
         except zmq.Again:
-            return
-        if len(parts) != 1:
-            self._reply(self._reject("multipart", f"expected 1 frame, got {len(parts)}"))
+            log.warning("serve reply queue full; dropping a reply (the client times out and asks again)")
+
+    def _drain_serve(self) -> None:
+        """Answer what can be answered now; batch requests join the wait list (served by ``_try_serve``)."""
+        for _ in range(256):
+            try:
+                parts = self.serve.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            ident, rest = parts[0].bytes, parts[1:]
+            if rest:
+                self.serve_peers.seen(ident, rest[-1])
+            envelope: list[bytes] = []
+            if rest and len(rest[0]) == 0:  # a REQ client's empty delimiter: echo it so REQ accepts the reply
+                envelope, rest = [b""], rest[1:]
+            try:
+                self._handle_serve(ident, envelope, rest)
+            except Exception as e:  # a bug in one request must not take the buffer down
+                log.exception("unexpected error answering a serve request")
+                self.m.storage_errors.labels(reason="internal").inc()
+                self._waits.pop(ident, None)
+                self._reply(ident, envelope, encode(ErrorReply(reason="internal", message=repr(e)[:4000])))
+
+    def _handle_serve(self, ident: bytes, envelope: list[bytes], body: list[zmq.Frame]) -> None:
+        def reply(frame: bytes) -> None:
+            self._reply(ident, envelope, frame)
+
+        if len(body) != 1:
+            reply(self._reject("multipart", f"expected 1 frame, got {len(body)}"))
             return
         try:
-            msg = decode(parts[0], self.max_frame)
+            msg = decode(body[0].bytes, self.max_frame)
         except ProtocolError as e:
-            self._reply(self._reject(e.reason, str(e)))
+            reply(self._reject(e.reason, str(e)))
             return
+        if ident in self._waits:  # only a non-REQ client can do this; the first request keeps its place
+            reply(self._reject("busy", "this connection already has a batch request waiting"))
+            return
+        self._wait_writer()
         if isinstance(msg, BatchRequest):
-            self._on_batch_request(msg)
+            self._on_batch_request(ident, envelope, msg)
         elif isinstance(msg, PositivesRequest):
             frames = self.store.sample_positives(min(msg.n, 1 << 16), self._rng)
             samples = [decode(f, len(f)) for f in frames]
-            self._reply(encode(PositivesReply(samples=[s for s in samples if isinstance(s, Sample)])))
+            reply(encode(PositivesReply(samples=[s for s in samples if isinstance(s, Sample)])))
         elif isinstance(msg, StatsRequest):
-            self._reply(encode(StatsReply(stats=self.stats())))
+            reply(encode(StatsReply(stats=self.stats())))
         else:
-            self._reply(self._reject("unexpected_type", f"{msg.TYPE} not accepted on serve"))
+            reply(self._reject("unexpected_type", f"{msg.TYPE} not accepted on serve"))
 
-    def _on_batch_request(self, req: Any) -> None:
-        if req.n_groups < 1 or req.n_groups > self.cfg.buffer.capacity_groups:
-            self._reply(self._reject(
-                "bad_request", f"n_groups={req.n_groups} outside [1, buffer.capacity_groups="
-                f"{self.cfg.buffer.capacity_groups}]"))
+    def _check_batch_request(self, req: Any) -> tuple[str, str] | None:
+        """(reason, message) when the request is refused, else None."""
+        b = self.cfg.buffer
+        if not 1 <= req.n_groups <= self.max_batch_groups:
+            return "bad_request", (f"n_groups={req.n_groups} outside [1, {self.max_batch_groups}] "
+                                   f"(buffer.max_batch_groups={b.max_batch_groups}, "
+                                   f"buffer.capacity_groups={b.capacity_groups})")
+        if req.timeout_ms > b.max_batch_wait_s * 1000:
+            return "bad_request", (f"timeout_ms={req.timeout_ms} exceeds buffer.max_batch_wait_s={b.max_batch_wait_s:g} s; "
+                                   "ask again after a timeout reply instead")
+        if len(self._waits) >= _MAX_BATCH_WAITS:
+            return "busy", f"{_MAX_BATCH_WAITS} batch requests already wait"
+        c = self.store.counters
+        limit = max(c["learner_version"], c["served_version"] + b.learner_version_max_step)
+        if req.learner_version > limit:
+            return "learner_version", (
+                f"learner_version={req.learner_version} is more than buffer.learner_version_max_step="
+                f"{b.learner_version_max_step} past {c['served_version']}, the learner version of the last full "
+                f"batch served (stored learner version {c['learner_version']}): only the learner moves it, one "
+                "step per batch. If this is the learner (e.g. resumed against a new buffer directory), stop the "
+                f"buffer and run: python -m buffer.inspect {self.cfg.buffer_path} --set-learner-version "
+                f"{max(0, req.learner_version - 1)}")
+        return None
+
+    def _on_batch_request(self, ident: bytes, envelope: list[bytes], req: Any) -> None:
+        refused = self._check_batch_request(req)
+        if refused is not None:
+            self._reply(ident, envelope, self._reject(*refused))
             return
         try:
             self.store.set_learner_version(req.learner_version)
         except StorageError as e:
             self.m.storage_errors.labels(reason=e.reason).inc()
-            self._reply(encode(ErrorReply(reason="storage", message=str(e)[:4000])))
+            self._reply(ident, envelope, encode(ErrorReply(reason="storage", message=str(e)[:4000])))
             return
         self.m.learner_version.set(self.learner_version)
         now = time.monotonic()
-        self._pending = (req, now + req.timeout_ms / 1000.0, now)
+        self._waits[ident] = _BatchWait(ident, envelope, req, now + req.timeout_ms / 1000.0, now)
         self._depth_changed = True
-        self._try_serve()
 
     def _try_serve(self) -> None:
-        assert self._pending is not None
-        req, deadline, t0 = self._pending
+        """Serve every waiting request that can be served (oldest first), time out the expired ones."""
         now = time.monotonic()
-        if not self._depth_changed and now < deadline:
-            return
+        check_all = self._depth_changed
         self._depth_changed = False
+        for w in list(self._waits.values()):
+            if check_all or now >= w.deadline:
+                self._serve_one(w, now)
+
+    def _serve_one(self, w: _BatchWait, now: float) -> None:
         self._wait_writer()
+        req = w.req
         min_version = max(0, self.learner_version - self.k)
+        # Only a full learner batch advances served_version: the learner version may then rise one step.
+        full = req.n_groups >= min(self.batch_groups, self.max_batch_groups)
         try:
-            frames, dropped = self.store.take_groups(req.n_groups, min_version)
+            frames, dropped = self.store.take_groups(
+                req.n_groups, min_version, served_version=self.learner_version if full else None)
         except StorageError as e:
             self.m.storage_errors.labels(reason=e.reason).inc()
-            self._pending = None
-            self._reply(encode(ErrorReply(reason="storage", message=str(e)[:4000])))
+            del self._waits[w.ident]
+            self._reply(w.ident, w.envelope, encode(ErrorReply(reason="storage", message=str(e)[:4000])))
             return
         if dropped:
             self.m.stale_dropped_groups.inc(dropped)
@@ -561,18 +793,18 @@ class BufferServer:
             n = len(frames)
             reply = encode_batch_reply(frames, self._dropped_since_reply, self._filtered_since_reply)
             del frames
-            self._reply(reply, copy=False)  # tens of MB: hand the buffer to ZeroMQ instead of copying
+            del self._waits[w.ident]
+            self._reply(w.ident, w.envelope, reply, copy=False)  # tens of MB: hand the buffer to ZeroMQ
             self._dropped_since_reply = self._filtered_since_reply = 0
             self.m.served_groups.inc(n)
             self.m.batch_serve_seconds.observe(time.monotonic() - now)
-            self._pending = None
             self._update_gauges(force=True)
-        elif now >= deadline:
+        elif now >= w.deadline:
             self._timeouts += 1
             self.m.batch_timeouts.inc()
-            self._pending = None
+            del self._waits[w.ident]
             depth = self.store.counters["depth_groups"]
-            self._reply(encode(ErrorReply(
+            self._reply(w.ident, w.envelope, encode(ErrorReply(
                 reason="timeout", message=f"{depth} of {req.n_groups} groups after {req.timeout_ms} ms")))
 
     # ------------------------------------------------------------------ observability
@@ -586,6 +818,9 @@ class BufferServer:
             "max_version": float(self.store.max_version()),
             "credit_outstanding": float(self.in_flight),
             "credit_waiting": float(len(self._waiting)),
+            "credit_released": float(self._credit_released),
+            "batch_waiting": float(len(self._waits)),
+            "batch_waits_abandoned": float(self._waits_abandoned),
             "admission_capacity": float(self.capacity()),
             "rejected_total": float(sum(self._rejected.values())),
             "batch_timeouts": float(self._timeouts),

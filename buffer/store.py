@@ -16,7 +16,11 @@ Databases:
 - ``pindex``: blake2b-128(len(prompt) | prompt ids | output ids) -> positives key (deduplication).
 - ``meta``: named signed 64-bit counters (depth, totals, learner version, sequence numbers) written in the
   same transaction as the data they describe, so they are exact after any crash; the server re-seeds its
-  admission control from them on start.
+  admission control from them on start. ``served_version`` is the learner version at which the last full
+  learner batch was served: the server lets a client raise the learner version only a bounded step past it.
+
+A running server holds an exclusive ``flock`` on ``server.lock`` in the directory (:func:`lock_server`), so a
+second server, or an offline repair (:func:`repair_learner_version`), cannot write under it.
 
 Every write is one transaction (a batch of groups, a batch take); callers acknowledge only after
 :meth:`BufferStore.put_groups` returns, i.e. after the commit. ``MapFullError`` grows the map (doubling,
@@ -28,6 +32,7 @@ limit, I/O error) aborts the transaction, leaves the previous committed state in
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import os
 import random
@@ -62,6 +67,7 @@ COUNTERS = (
     "filtered",  # groups refused by a filter
     "duplicates",  # re-sent group_ids
     "learner_version",  # newest learner version seen
+    "served_version",  # learner version when the last full learner batch was served
     "pos_next", "pos_head",  # positives key range
     "positives_duplicates", "positives_evicted",
 )
@@ -159,11 +165,7 @@ class BufferStore:
 
     def _read_counters(self) -> dict[str, int]:
         with self.env.begin() as txn:
-            out = {}
-            for name in COUNTERS:
-                v = txn.get(name.encode(), db=self.meta)
-                out[name] = _I64.unpack(v)[0] if v is not None else 0
-            return out
+            return _counters(txn, self.meta)
 
     @staticmethod
     def _put_counters(txn: lmdb.Transaction, meta: Any, c: dict[str, int], old: dict[str, int]) -> None:
@@ -282,10 +284,12 @@ class BufferStore:
             return 0
         return self._write(lambda txn, c: self._drop_stale_in(txn, c, min_version))
 
-    def take_groups(self, n: int, min_version: int = 0, partial: bool = False) -> tuple[list[bytes], int]:
+    def take_groups(self, n: int, min_version: int = 0, partial: bool = False,
+                    served_version: int | None = None) -> tuple[list[bytes], int]:
         """Atomically drop stale groups, then remove and return the ``n`` oldest frames.
 
         Returns ``([], dropped)`` when fewer than ``n`` remain and ``partial`` is false (nothing is taken).
+        ``served_version`` (when not None) is recorded as the ``served_version`` counter if groups are taken.
         """
 
         def fn(txn: lmdb.Transaction, c: dict[str, int]) -> tuple[list[bytes], int]:
@@ -304,6 +308,8 @@ class BufferStore:
             if frames:
                 c["served_groups"] += len(frames)
                 c["served_batches"] += 1
+                if served_version is not None:
+                    c["served_version"] = served_version
             return frames, dropped
 
         if self.counters["depth_groups"] < n and not partial and (
@@ -313,10 +319,21 @@ class BufferStore:
         return self._write(fn)
 
     def set_learner_version(self, version: int) -> None:
+        """Raise the durable learner version (never lowers it: the server's admission rule is monotonic)."""
         if version > self.counters["learner_version"]:
             def fn(txn: lmdb.Transaction, c: dict[str, int]) -> None:
                 c["learner_version"] = version
             self._write(fn)
+
+    def reset_learner_version(self, version: int) -> int:
+        """Set learner_version and served_version to ``version`` (an operator's repair); returns the old one."""
+        old = self.counters["learner_version"]
+
+        def fn(txn: lmdb.Transaction, c: dict[str, int]) -> None:
+            c["learner_version"] = version
+            c["served_version"] = version
+        self._write(fn)
+        return old
 
     def min_version(self) -> int:
         """Oldest weight version waiting (-1 when empty)."""
@@ -385,6 +402,64 @@ class BufferStore:
         return self._map_size
 
 
+def _counters(txn: lmdb.Transaction, meta: Any) -> dict[str, int]:
+    out = {}
+    for name in COUNTERS:
+        v = txn.get(name.encode(), db=meta)
+        out[name] = _I64.unpack(v)[0] if v is not None else 0
+    if txn.get(b"served_version", db=meta) is None:
+        # A directory written before served_version existed: trust its learner version as served, so the
+        # learner that wrote it may continue one step past it.
+        out["served_version"] = out["learner_version"]
+    return out
+
+
+LOCK_FILE = "server.lock"
+
+
+def lock_server(path: str | Path) -> int:
+    """Take the buffer directory's exclusive server lock; returns the fd to keep open while serving.
+
+    Raises OSError naming the holder's pid when another process (a server, a repair) holds it. The kernel
+    drops the lock when the holder dies, so a SIGKILLed server never blocks its restart.
+    """
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    fd = os.open(p / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise OSError(errno.EBUSY, f"buffer directory {p} is in use by a running buffer server (pid {holder})") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def unlock_server(fd: int) -> None:
+    os.close(fd)  # closing the last descriptor releases the flock
+
+
+def repair_learner_version(path: str | Path, version: int) -> int:
+    """Offline repair: set the durable learner version (e.g. after a bad client raised it); returns the old one.
+
+    Refuses (OSError) while a server runs on ``path``: the server keeps its own copy of the counters.
+    """
+    p = Path(path)
+    if not (p / "data.mdb").is_file():
+        raise FileNotFoundError(f"{p} is not an LMDB buffer directory (no data.mdb)")
+    fd = lock_server(p)
+    try:
+        store = BufferStore(p)
+        try:
+            return store.reset_learner_version(version)
+        finally:
+            store.close()
+    finally:
+        unlock_server(fd)
+
+
 def _version_bound(env: lmdb.Environment, db: Any, last: bool) -> int:
     with env.begin() as txn:
         cur = txn.cursor(db=db)
@@ -412,7 +487,9 @@ def inspect(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not (p / "data.mdb").is_file():
         raise FileNotFoundError(f"{p} is not an LMDB buffer directory (no data.mdb)")
-    env = lmdb.open(str(p), readonly=True, lock=True, max_dbs=8, subdir=True, readahead=False)
+    # map_size=0 adopts the size recorded in the file; any other value would be reported instead (LMDB keeps
+    # the larger of the requested and the recorded size), which showed py-lmdb's 10 MiB default here.
+    env = lmdb.open(str(p), readonly=True, lock=True, max_dbs=8, subdir=True, readahead=False, map_size=0)
     try:
         with env.begin() as txn:
             dbs = {}
@@ -421,10 +498,7 @@ def inspect(path: str | Path) -> dict[str, Any]:
                     dbs[name] = env.open_db(name.encode(), txn=txn, create=False)
                 except lmdb.NotFoundError:
                     raise FileNotFoundError(f"{p}: database {name!r} missing; not a vapo buffer") from None
-            counters = {}
-            for name in COUNTERS:
-                v = txn.get(name.encode(), db=dbs["meta"])
-                counters[name] = _I64.unpack(v)[0] if v is not None else 0
+            counters = _counters(txn, dbs["meta"])
             cur = txn.cursor(db=dbs["groups"])
             min_v = _Q.unpack(cur.key()[:8])[0] if cur.first() else None
             max_v = _Q.unpack(cur.key()[:8])[0] if cur.last() else None

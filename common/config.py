@@ -156,6 +156,11 @@ class BufferConfig:
     max_map_size_bytes: int = f(0, "LMDB map size ceiling; past it writes fail as storage errors (0 = free disk)")
     positive_reward: float = f(1.0, "samples with reward >= this are verified-correct positives")
     credit_ttl_s: float = f(600.0, "seconds after which a granted, unused credit stops counting as in flight")
+    max_credit_per_actor: int = f(0, "most credit one actor id may hold (granted, unused); 0 = 2 x actors.prompts_in_flight")
+    max_credit_per_connection: int = f(0, "most credit the actor ids of one ingest connection may hold together; 0 = max_credit_per_actor")
+    max_batch_groups: int = f(1024, "largest BatchRequest.n_groups accepted (also at most capacity_groups)")
+    max_batch_wait_s: float = f(300.0, "longest BatchRequest.timeout_ms accepted, in seconds (the learner asks in shorter waits)")
+    learner_version_max_step: int = f(1, "a BatchRequest may raise the learner version at most this far past that of the last full batch served")
     metrics_port: int = f(9200, "buffer /metrics port")
     curve: CurveConfig = sub(CurveConfig, "CurveZMQ keys, required when binding to a non-loopback address")
 
@@ -306,6 +311,11 @@ def _validate(cfg: Config) -> None:
         ("buffer.map_size_bytes", cfg.buffer.map_size_bytes >= 1 << 20, "must be >= 1 MiB"),
         ("buffer.commit_batch", cfg.buffer.commit_batch >= 1, "must be >= 1"),
         ("buffer.credit_ttl_s", cfg.buffer.credit_ttl_s > 0, "must be > 0"),
+        ("buffer.max_credit_per_actor", cfg.buffer.max_credit_per_actor >= 0, "must be >= 0"),
+        ("buffer.max_credit_per_connection", cfg.buffer.max_credit_per_connection >= 0, "must be >= 0"),
+        ("buffer.max_batch_groups", cfg.buffer.max_batch_groups >= 1, "must be >= 1"),
+        ("buffer.max_batch_wait_s", cfg.buffer.max_batch_wait_s >= 60, "must be >= 60 (the learner asks in waits of up to 60 s)"),
+        ("buffer.learner_version_max_step", cfg.buffer.learner_version_max_step >= 1, "must be >= 1"),
         ("learner.batch_groups", cfg.learner.batch_groups >= 1, "must be >= 1"),
         ("learner.mini_batches", cfg.learner.mini_batches >= 1, "must be >= 1"),
         ("learner.ppo_epochs", cfg.learner.ppo_epochs >= 1, "must be >= 1"),

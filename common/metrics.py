@@ -149,6 +149,10 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("launcher", "components_up", "Children running", ("component",)),
 )
 
+# The config key that sets each component's /metrics port (named in bind errors).
+_PORT_KEYS = {"buffer": "buffer.metrics_port", "learner": "learner.metrics_port",
+              "actor": "actors.metrics_base_port", "launcher": "metrics.launcher_port"}
+
 _BY_COMPONENT: dict[str, dict[str, MetricSpec]] = {}
 for _s in SPECS:
     _BY_COMPONENT.setdefault(_s.component, {})
@@ -189,9 +193,19 @@ class Metrics:
             return metrics[name]
         raise AttributeError(f"no metric vapo_{self.__dict__.get('component')}_{name} declared in common/metrics.py")
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Serve ``/metrics`` on host:port (port 0 picks a free one); returns the port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1", config_key: str | None = None) -> int:
+        """Serve ``/metrics`` on host:port (port 0 picks a free one); returns the port.
+
+        A bind failure raises OSError naming host:port and the config key that sets it (``config_key``,
+        else the component's usual key), so the operator knows which setting collides.
+        """
+        try:
+            server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            key = config_key or _PORT_KEYS.get(self.component, "the component's metrics port")
+            raise OSError(e.errno, f"cannot serve {self.component} /metrics on {host}:{port}: "
+                          f"{e.strerror or e}; set {key} to a free port (0 = any free port), "
+                          "or metrics.host / metrics.prometheus=false") from None
         self.port = int(server.server_address[1])
         return self.port
 

@@ -16,6 +16,10 @@ from typing import Any, Protocol
 
 from common.protocol import Sample, SampleGroup
 
+# Longest wait of one BatchRequest: the buffer refuses waits above buffer.max_batch_wait_s (default 300 s,
+# at least 60 s), so a long batch_timeout_s is asked for in turns of this length.
+MAX_REQUEST_WAIT_S = 60.0
+
 
 class DataSource(Protocol):
     def get_batch(self, learner_version: int, n_groups: int, timeout_s: float) -> list[SampleGroup]: ...
@@ -89,7 +93,7 @@ class BufferSource:
                     f"got {len(out)}/{n_groups} groups for learner version {learner_version} in {timeout_s:.0f} s; "
                     "are the actors and the buffer running?")
             try:
-                reply = self.client.get_batch(learner_version, n_groups - len(out), left)
+                reply = self.client.get_batch(learner_version, n_groups - len(out), min(left, MAX_REQUEST_WAIT_S))
             except TimeoutError:
                 continue  # the buffer had too few groups in time; the deadline check above decides
             self.stale_dropped += int(reply.stale_dropped)

@@ -40,7 +40,8 @@ def test_async_sender_concurrent_tasks_credit_and_acks(buffer_proc: Any) -> None
 
 
 def test_async_sender_waits_for_credit_then_gets_it_when_learner_asks(buffer_proc: Any) -> None:
-    srv = buffer_proc(["buffer.max_staleness=0", "learner.batch_groups=2"])
+    # The learner version starts at 5 on a fresh buffer: allow the jump (the default refuses it).
+    srv = buffer_proc(["buffer.max_staleness=0", "learner.batch_groups=2", "buffer.learner_version_max_step=5"])
     got: list[Any] = []
 
     async def actor() -> None:

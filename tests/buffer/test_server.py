@@ -283,7 +283,8 @@ def test_without_admission_stale_groups_are_dropped_not_served(buffer_proc: Any)
 
 def test_admission_counters_reseeded_after_restart(buffer_proc: Any) -> None:
     k, batch = 1, 4
-    srv = buffer_proc([f"buffer.max_staleness={k}", f"learner.batch_groups={batch}"])
+    # The learner version starts at 3 on a fresh buffer: allow the jump (the default refuses it).
+    srv = buffer_proc([f"buffer.max_staleness={k}", f"learner.batch_groups={batch}", "buffer.learner_version_max_step=3"])
     with BatchClient(srv.serve_addr) as c, GroupSender(srv.ingest_addr, 0, ack_timeout_s=1.0) as s:
         for _ in range(3):
             with pytest.raises(TimeoutError):
@@ -505,11 +506,12 @@ def test_unused_credit_expires_and_withdrawn_requests_are_not_granted(buffer_pro
 
 
 def test_restarted_actor_gets_credit_its_dead_predecessor_held(buffer_proc: Any) -> None:
-    # An actor killed after a grant must not block its replacement (same actor id) until credit_ttl_s.
+    # An actor hung after a grant (its connection still open, so nothing tells the buffer it is gone) must
+    # not block its replacement (same actor id) until credit_ttl_s. A closed connection frees its credit
+    # at once (tests/buffer/test_serve_abuse.py).
     srv = buffer_proc(["buffer.max_staleness=1", "learner.batch_groups=2", "buffer.credit_ttl_s=600"])
-    with BatchClient(srv.serve_addr) as c:
-        with GroupSender(srv.ingest_addr, 0, ack_timeout_s=0.2) as dead:
-            assert dead.acquire(2, timeout_s=5).n == 2
+    with BatchClient(srv.serve_addr) as c, GroupSender(srv.ingest_addr, 0, ack_timeout_s=0.2) as hung:
+        assert hung.acquire(2, timeout_s=5).n == 2
         assert c.stats()["admission_capacity"] == 0
         with GroupSender(srv.ingest_addr, 0, ack_timeout_s=0.2) as replacement:
             assert replacement.acquire(2, timeout_s=5).n == 2

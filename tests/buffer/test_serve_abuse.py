@@ -1,0 +1,222 @@
+"""Hostile clients of a real buffer subprocess: the learner version, the serve loop and admission credit.
+
+Each test is the regression test of one way a single client could hurt everyone else: poisoning the
+durable learner version, blocking the serve socket with one long batch request, or hoarding credit under
+made-up actor ids. Plus the operator's side: ``buffer.inspect`` shows the real map size and repairs the
+learner version, and a busy metrics port is named in the start-up error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from buffer.client import BatchClient, GroupSender
+from common.config import CurveConfig
+from common.protocol import BatchRequest, CreditRequest, ErrorReply, ProtocolError, decode, encode
+from common.security import client_curve_keys
+from tests.buffer.conftest import REPO, BufferProc, make_group
+from tests.polling import wait_for
+
+ENV = dict(os.environ, PYTHONPATH=str(REPO))
+
+
+def _inspect(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "buffer.inspect", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env=ENV)
+
+
+def _req(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    s = ctx.socket(zmq.REQ)
+    s.linger = 0
+    s.sndtimeo = 5000
+    s.connect(addr)
+    return s
+
+
+# ------------------------------------------------------------------------------------ learner version
+
+
+def test_a_client_cannot_poison_the_learner_version_and_an_operator_can_repair_it(buffer_proc: Any) -> None:
+    srv: BufferProc = buffer_proc(["learner.batch_groups=1", "buffer.max_staleness=0"])
+    with GroupSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr, request_timeout_s=10) as c:
+        s.send(make_group("v0", version=0), timeout_s=10)
+        with pytest.raises(ProtocolError, match="learner_version"):
+            c.get_batch(2**62, 1, 0.5)
+        assert c.stats()["learner_version"] == 0  # nothing recorded
+        assert [g.group_id for g in c.get_batch(0, 1, 5).groups] == ["v0"]  # the group was not made stale
+        # The honest learner moves one step per served batch; a jump of two is refused, also when repeated.
+        s.send(make_group("v1", version=1), timeout_s=10)
+        with pytest.raises(ProtocolError, match="learner_version_max_step"):
+            c.get_batch(2, 1, 0.5)
+        assert [g.group_id for g in c.get_batch(1, 1, 5).groups] == ["v1"]
+        with pytest.raises(TimeoutError):
+            c.get_batch(2, 1, 0.2)  # one step past the last served batch: accepted (nothing to serve yet)
+        with pytest.raises(ProtocolError, match="learner_version"):
+            c.get_batch(3, 1, 0.2)  # recorded 2 without a batch served at 2: 3 is still refused
+        assert c.stats()["learner_version"] == 2
+    # The operator may not rewrite it under a running server ...
+    busy = _inspect(str(srv.path), "--set-learner-version", "7")
+    assert busy.returncode == 2 and "running" in busy.stderr, busy.stderr
+    srv.stop()
+    assert json.loads(_inspect(str(srv.path)).stdout)["learner_version"] == 2  # durable across the restart
+    # ... but can once it is stopped, and the server starts from the repaired value.
+    fixed = _inspect(str(srv.path), "--set-learner-version", "7")
+    assert fixed.returncode == 0, fixed.stderr
+    assert "learner_version 2 -> 7" in fixed.stdout
+    srv.start()
+    with GroupSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr, request_timeout_s=10) as c:
+        assert c.stats()["learner_version"] == 7
+        s.send(make_group("v8", version=8), timeout_s=10)
+        assert [g.group_id for g in c.get_batch(8, 1, 5).groups] == ["v8"]  # 7 + 1: the learner goes on
+    h = _inspect("--help")
+    assert h.returncode == 0 and "--set-learner-version" in h.stdout and "stopped" in h.stdout
+
+
+# ------------------------------------------------------------------------------------------ serve loop
+
+
+def test_batch_request_bounds_name_the_field(buffer_proc: Any) -> None:
+    srv = buffer_proc(["buffer.max_batch_groups=64", "buffer.max_batch_wait_s=60"])
+    ctx = zmq.Context()
+    req = _req(ctx, srv.serve_addr)
+    try:
+        for body, field, key in [
+            (BatchRequest(learner_version=0, n_groups=4096, timeout_ms=2**62), "n_groups", "buffer.max_batch_groups"),
+            (BatchRequest(learner_version=0, n_groups=4, timeout_ms=2**62), "timeout_ms", "buffer.max_batch_wait_s"),
+        ]:
+            t0 = time.monotonic()
+            req.send(encode(body))
+            assert req.poll(5000), "the buffer did not answer a bad batch request at once"
+            reply = decode(req.recv())
+            assert isinstance(reply, ErrorReply) and reply.reason == "bad_request", reply
+            assert field in reply.message and key in reply.message, reply.message
+            assert time.monotonic() - t0 < 5
+    finally:
+        req.close()
+        ctx.term()
+
+
+def test_other_requests_are_answered_while_a_big_batch_waits_and_a_departed_client_takes_nothing(
+        buffer_proc: Any) -> None:
+    srv = buffer_proc(["buffer.max_batch_groups=4096", "learner.batch_groups=2"])
+    ctx = zmq.Context()
+    hog = _req(ctx, srv.serve_addr)
+    try:
+        hog.send(encode(BatchRequest(learner_version=0, n_groups=4096, timeout_ms=300_000)))
+        with BatchClient(srv.serve_addr, request_timeout_s=5) as c:
+            wait_for(lambda: c.stats()["batch_waiting"] == 1, 10, "the big request to wait")
+            t0 = time.monotonic()
+            st = c.stats()  # answered while the 4096-group request waits
+            assert time.monotonic() - t0 < 2.0
+            assert st["depth_groups"] == 0
+            # A second batch request (the learner's) is served while the big one still waits.
+            with GroupSender(srv.ingest_addr, 0) as s:
+                s.send_many([make_group(f"a{i}") for i in range(2)], timeout_s=10)
+                assert [g.group_id for g in c.get_batch(0, 2, 10).groups] == ["a0", "a1"]
+                # The hog leaves: its request is dropped, so it cannot swallow the next groups.
+                hog.close()
+                wait_for(lambda: c.stats()["batch_waiting"] == 0, 10, "the departed client's request to go")
+                small = _req(ctx, srv.serve_addr)
+                small.send(encode(BatchRequest(learner_version=0, n_groups=2, timeout_ms=60_000)))
+                wait_for(lambda: c.stats()["batch_waiting"] == 1, 10, "a small request to wait")
+                small.close()
+                wait_for(lambda: c.stats()["batch_waiting"] == 0, 10, "the second departed request to go")
+                s.send_many([make_group(f"b{i}") for i in range(2)], timeout_s=10)
+                assert [g.group_id for g in c.get_batch(0, 2, 10).groups] == ["b0", "b1"]
+    finally:
+        if not hog.closed:
+            hog.close()
+        ctx.term()
+
+
+# ---------------------------------------------------------------------------------------------- credit
+
+
+def test_made_up_actor_ids_cannot_take_all_credit_and_a_gone_connection_frees_its_credit(buffer_proc: Any) -> None:
+    # Admission capacity is max_staleness * batch_groups = 8; one connection may hold at most 2.
+    srv = buffer_proc(["buffer.max_staleness=1", "learner.batch_groups=8", "buffer.max_credit_per_actor=2",
+                       "buffer.credit_ttl_s=600"])
+    ctx = zmq.Context()
+    hog = ctx.socket(zmq.DEALER)
+    hog.linger = 0
+    hog.connect(srv.ingest_addr)
+    try:
+        for actor_id in range(100, 200):
+            hog.send(encode(CreditRequest(actor_id=actor_id, n=100)))
+        with BatchClient(srv.serve_addr) as c:
+            wait_for(lambda: c.stats()["credit_outstanding"] >= 2, 10, "the hog to be granted something")
+            st = c.stats()
+            assert st["credit_outstanding"] == 2, st  # the per-connection bound, not the whole capacity
+            with GroupSender(srv.ingest_addr, 0, ack_timeout_s=0.5) as real:
+                assert real.acquire(2, timeout_s=5).n == 2  # the real actor is not starved
+                wait_for(lambda: c.stats()["credit_outstanding"] == 4, 10, "both grants to count")
+                hog.close()
+                # The hog's connection is gone: its credit stops counting now, not after credit_ttl_s.
+                wait_for(lambda: c.stats()["credit_outstanding"] == 2, 10, "the gone connection's credit")
+                st = c.stats()
+                assert st["credit_waiting"] == 0 and st["admission_capacity"] == 6 and st["credit_released"] == 2
+    finally:
+        if not hog.closed:
+            hog.close()
+        ctx.term()
+
+
+@pytest.mark.timeout(120)
+def test_with_curve_an_actor_id_belongs_to_one_client_key(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    gen = subprocess.run([sys.executable, "-m", "buffer.keys", str(keys), "--clients", "2"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60, env=ENV)
+    assert gen.returncode == 0, gen.stderr
+    srv = BufferProc(tmp_path, [f"buffer.curve.server_secret_key={keys / 'server.key_secret'}",
+                                f"buffer.curve.authorized_clients_dir={keys / 'authorized_clients'}"])
+    srv.start()
+    try:
+        def client(i: int) -> Any:
+            return client_curve_keys(CurveConfig(server_public_key=str(keys / "server.key"),
+                                                 client_secret_key=str(keys / f"client-{i}.key_secret")))
+
+        with GroupSender(srv.ingest_addr, 5, curve=client(0), ack_timeout_s=0.5) as owner, \
+                GroupSender(srv.ingest_addr, 5, curve=client(1), ack_timeout_s=0.5) as thief:
+            assert owner.acquire(1, timeout_s=10).n == 1
+            with pytest.raises(ProtocolError, match="actor_id 5 is bound to another client key"):
+                thief.acquire(1, timeout_s=10)
+            assert owner.acquire(1, timeout_s=10).n == 1  # the owner keeps working
+    finally:
+        srv.cleanup()
+
+
+# ----------------------------------------------------------------------------------------- operator
+
+
+def test_inspect_shows_the_current_map_size(buffer_proc: Any) -> None:
+    srv = buffer_proc(["buffer.map_size_bytes=1048576", "buffer.capacity_groups=100000"])
+    with GroupSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr) as c:
+        s.send_many([make_group(f"m{i}", g=8, length=2000) for i in range(30)], timeout_s=60)  # ~2 MB: grows
+        live = int(c.stats()["map_size"])
+    assert live > 1 << 20
+    out = _inspect(str(srv.path))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["map_size"] == live
+
+
+def test_a_busy_metrics_port_is_named_in_the_error(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        srv = BufferProc(tmp_path)
+        srv.overrides.append(f"buffer.metrics_port={port}")
+        out = subprocess.run([sys.executable, "-m", "buffer", *srv.overrides], cwd=REPO, capture_output=True,
+                             text=True, timeout=60, env=ENV)
+    assert out.returncode == 1
+    assert f"127.0.0.1:{port}" in out.stderr and "buffer.metrics_port" in out.stderr, out.stderr
