@@ -257,22 +257,61 @@ def load_critic_module(cfg: Config, path: str | Path | None = None) -> Critic:
     return critic
 
 
-def save_critic(critic: Critic, path: str | Path) -> Path:
-    """Backbone with save_pretrained + ``value_head.safetensors``, atomically (tmp dir + rename)."""
+def _host_head_state(module: Critic) -> dict[str, Tensor]:
+    """``head_state_dict`` as fp32 host tensors on rank 0 (``{}`` elsewhere); collective under ZeRO-3."""
+    from contextlib import nullcontext
+
+    from learner.weights import is_partitioned
+
+    head = [p for n, p in module.named_parameters() if not n.startswith("backbone.")]
+    ctx: Any = nullcontext()
+    if is_partitioned(module) and head:
+        import deepspeed
+
+        ctx = deepspeed.zero.GatheredParameters(head, modifier_rank=None)
+    with ctx:
+        if rank() != 0:
+            return {}
+        return {k: v.detach().float().to("cpu", copy=True).contiguous() for k, v in module.head_state_dict().items()}
+
+
+def save_critic(critic: Any, path: str | Path) -> Path:
+    """Backbone as HF files (``learner.weights.export_hf``) + ``value_head.safetensors``, atomically (tmp
+    dir + rename). ``critic`` is a :class:`Critic` or its engine.
+
+    Every rank calls it under ZeRO-3: the backbone is gathered a bounded group at a time and only rank 0
+    copies it to host and writes. Without ZeRO-3 rank 0 alone writes and the other ranks return at once."""
     import shutil
 
     from safetensors.torch import save_file
 
+    from learner.weights import export_hf, is_partitioned, unwrap
+
+    module = unwrap(critic)
     out = Path(path)
+    if rank() != 0 and not is_partitioned(module):
+        return out
     tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    critic.backbone.save_pretrained(tmp, safe_serialization=True)
-    save_file({k: v.detach().float().cpu().contiguous() for k, v in critic.head_state_dict().items()},
-              str(tmp / "value_head.safetensors"))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    error: BaseException | None = None
+    if rank() == 0:
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        except BaseException as e:  # noqa: BLE001 — raised after the collectives below, never inside them
+            error = e
+    head = _host_head_state(module)
+    try:
+        export_hf(module.backbone, tmp)
+    except BaseException as e:  # noqa: BLE001 — export_hf raises on rank 0 only, after its gathers
+        error = error or e
+    if error is not None:
+        raise error
+    if rank() == 0:
+        save_file(head, str(tmp / "value_head.safetensors"))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
     return out
 
 
@@ -338,12 +377,12 @@ def current_lr(engine: Any) -> float:
     return float(engine.get_lr()[0])
 
 
-def full_state_dict(engine: Any) -> dict[str, Tensor]:
-    """The unwrapped module's full state dict on CPU (gathers ZeRO-3 partitions on every rank)."""
-    module = engine.module
-    if engine.zero_optimization_stage() == 3:
-        import deepspeed
+def full_state_dict(engine: Any, copy: bool = False) -> dict[str, Tensor]:
+    """The unwrapped module's full state dict in host memory on rank 0; ``{}`` on every other rank.
 
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-    return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    Collective under ZeRO-3 (every rank calls it): the parameters are gathered a bounded group at a time
+    and only rank 0 keeps host copies, so no other rank ever holds the whole model. Without ZeRO-3 the
+    tensors are rank 0's own (copied only with ``copy`` or when on an accelerator)."""
+    from learner.weights import iter_host_tensors
+
+    return {k: v for k, v in iter_host_tensors(engine, copy=copy, aliases=True) if v is not None}

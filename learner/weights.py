@@ -2,7 +2,7 @@
 
 Not a CLI; ``learner.train`` calls ``publish_policy`` after every ``learner.weights_every`` updates.
 
-- Atomic versions (PITFALLS Systems 3): ``save_pretrained`` into ``v<N>.tmp``, then a ``STABLE`` marker
+- Atomic versions: the HF files are written into ``v<N>.tmp``, then a ``STABLE`` marker
   (JSON: version, sha256, files, created_at) is written inside it, then the directory is renamed to
   ``v<N>``. A directory named ``v<N>`` is therefore always complete; readers must still check ``STABLE``.
 - Checksum: ``common.checksum.weights_sha256`` (names, sizes and bytes of the ``*.safetensors`` files),
@@ -13,19 +13,31 @@ Not a CLI; ``learner.train`` calls ``publish_policy`` after every ``learner.weig
 - The newest ``learner.keep_weights`` versions are kept; older ones are deleted after each publish.
 - Both sockets bind to 127.0.0.1 by default; any other bind needs CurveZMQ keys
   (``buffer.curve.*``, ``common.security``).
+- Streaming export (every whole-model export goes through ``iter_host_tensors``): under ZeRO-3 the ranks
+  gather the parameters together, a group of at most ``GATHER_BYTES`` at a time, and only rank 0 copies a
+  group to host memory and writes it into safetensors shards of at most ``SHARD_BYTES``. A non-zero rank
+  never holds more than its partition plus one gathered group, and rank 0 holds one shard plus one group;
+  gathering the whole model on every rank would need the full model's size in host memory per rank
+  (~64 GB for a 32B policy in bf16). Without ZeRO-3 rank 0 alone reads its own full copy. The files are
+  what ``save_pretrained`` writes (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` +
+  ``model.safetensors.index.json``; config, generation config, tokenizer), byte for byte when one shard.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 import zmq
+from torch import Tensor, nn
 
 from common import protocol
 from common.checksum import weights_sha256
@@ -65,22 +77,321 @@ def latest_update(root: Path) -> protocol.WeightUpdate | None:  # type: ignore[n
     return read_stable(version_dir(root, vs[-1])) if vs else None
 
 
-def write_version(root: Path, version: int, module: Any, tokenizer: Any, state_dict: dict | None = None) -> protocol.WeightUpdate:  # type: ignore[name-defined]
-    """Write ``module`` (an HF ``PreTrainedModel``) as version ``version``; returns its WeightUpdate."""
-    final = version_dir(root, version)
-    if final.exists():
-        raise FileExistsError(f"weights {final} already exist; a version is never published twice")
-    tmp = root / f"v{version}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+GATHER_BYTES = 256 << 20  # bound on one ZeRO-3 gather group (a larger single parameter is its own group)
+SHARD_BYTES = 4 << 30  # bound on one safetensors shard (a larger single tensor is its own shard)
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def unwrap(model: Any) -> nn.Module:
+    """The ``nn.Module`` of a DeepSpeed engine (or the module itself)."""
+    return model.module if hasattr(model, "zero_optimization_stage") else model
+
+
+def is_partitioned(module: nn.Module) -> bool:
+    """Whether ZeRO-3 has partitioned the module's parameters (each rank holds a slice)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def _nbytes(t: Tensor) -> int:
+    return int(getattr(t, "ds_numel", t.numel())) * t.element_size()
+
+
+def _tied_patterns(module: nn.Module) -> list[str]:
+    try:
+        from transformers.modeling_utils import _get_tied_weight_keys
+    except ImportError:  # other transformers layouts: keep the first name of each tied group
+        return []
+    try:
+        return list(_get_tied_weight_keys(module))
+    except (AttributeError, TypeError):  # not a PreTrainedModel
+        return []
+
+
+def _aliases(module: nn.Module, entries: list[tuple[str, Tensor]]) -> dict[str, str]:
+    """``{alias: kept name}`` for state-dict names that are the same tensor (tied weights).
+
+    safetensors cannot store one tensor twice; like ``save_pretrained``, the names the model declares as
+    tied (``lm_head.weight``) are dropped and the one it expects on reload is kept."""
+    import re
+
+    by_id: dict[int, list[str]] = {}
+    for name, t in entries:
+        by_id.setdefault(id(t), []).append(name)
+    patterns = _tied_patterns(module)
+    out: dict[str, str] = {}
+    for names in by_id.values():
+        if len(names) < 2:
+            continue
+        names = sorted(names)
+        declared = [n for n in names if any(re.search(pat, n) for pat in patterns)]
+        keep = next((n for n in names if n not in declared), names[0])
+        out.update({n: keep for n in names if n != keep})
+    return out
+
+
+def iter_host_tensors(model: Any, gather_bytes: int | None = None, copy: bool = False,
+                      aliases: bool = False) -> Iterator[tuple[str, Tensor | None]]:
+    """Every state-dict entry of ``model`` (engine or module) as ``(name, host tensor)``, in state-dict order.
+
+    Under ZeRO-3 this is a collective: every rank must run it to the end. Parameters are gathered a group
+    of at most ``gather_bytes`` at a time; rank 0 gets a host copy of each, the other ranks get
+    ``(name, None)`` and hold nothing after the group is released. Without ZeRO-3 only rank 0 yields
+    (other ranks get an empty iterator), and it yields its own tensors, copied only when ``copy`` or when
+    they live on an accelerator. Tied names are skipped unless ``aliases`` (then they share one host tensor)."""
+    module = unwrap(model)
+    partitioned = is_partitioned(module)
+    me = _rank()
+    if not partitioned and me != 0:
+        return
+    bound = GATHER_BYTES if gather_bytes is None else gather_bytes
+    entries = list(module.state_dict(keep_vars=True).items())
+    alias = _aliases(module, entries)
+    kept_for_alias = set(alias.values())
+    shared: dict[str, Tensor] = {}  # rank 0: host tensors that aliases will point at
+    group: list[tuple[str, Tensor]] = []
+    size = 0
+    for name, t in entries + [("", torch.empty(0))]:  # the sentinel flushes the last group
+        last = name == ""
+        if name in alias:
+            continue
+        if group and (last or size + _nbytes(t) > bound):
+            for key, host in _gather_group(group, me == 0, copy):
+                if host is not None and key in kept_for_alias:
+                    shared[key] = host
+                yield key, host
+            group, size = [], 0
+        if not last:
+            group.append((name, t))
+            size += _nbytes(t)
+    if aliases:
+        for name, keep in alias.items():
+            yield name, shared.get(keep)
+
+
+def _gather_group(group: list[tuple[str, Tensor]], to_host: bool, copy: bool) -> list[tuple[str, Tensor | None]]:
+    """Host copies of one group (on the rank with ``to_host``; ``None`` elsewhere); collective under ZeRO-3.
+
+    The gathered full tensors are released on leaving, before the caller sees the group."""
+    import deepspeed
+
+    params = [t for _, t in group if hasattr(t, "ds_id")]
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
+        if not to_host:
+            return [(name, None) for name, _ in group]
+        return [(name, t.detach().to("cpu", copy=copy or hasattr(t, "ds_id") or t.device.type != "cpu"))
+                for name, t in group]
+
+
+def load_host_tensors(model: Any, state: dict[str, Tensor] | None, gather_bytes: int | None = None) -> None:
+    """Copy ``state`` (full host tensors held by rank 0; ignored elsewhere) into ``model``: the inverse of
+    ``iter_host_tensors``.
+
+    Under ZeRO-3 every rank calls it: each group of at most ``gather_bytes`` is gathered, rank 0 writes
+    into it, and DeepSpeed hands every rank its slice of rank 0's values when the group is released.
+    Without ZeRO-3 rank 0 alone loads (the other ranks return at once)."""
+    module = unwrap(model)
+    me = _rank()
+    if not is_partitioned(module):
+        if me == 0:
+            module.load_state_dict(state or {})
+        return
+    import deepspeed
+
+    if me == 0:
+        missing = set(module.state_dict(keep_vars=True)) - set(state or {})
+        if missing:
+            # Raised before the first gather on rank 0 only would leave the other ranks waiting in it.
+            log.error("load_host_tensors: %d names missing (e.g. %s); loading what is there", len(missing),
+                      sorted(missing)[:3])
+    bound = GATHER_BYTES if gather_bytes is None else gather_bytes
+    entries = list(module.state_dict(keep_vars=True).items())
+    alias = _aliases(module, entries)
+    entries = [(n, t) for n, t in entries if n not in alias]
+    start = 0
+    while start < len(entries):
+        end, size = start, 0
+        while end < len(entries) and (end == start or size + _nbytes(entries[end][1]) <= bound):
+            size += _nbytes(entries[end][1])
+            end += 1
+        group = entries[start:end]
+        params = [t for _, t in group if hasattr(t, "ds_id")]
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=bool(params)):
+            for name, t in group:
+                if me == 0 and state is not None and name in state:
+                    t.data.copy_(state[name].to(t.device))
+                if not hasattr(t, "ds_id"):  # replicated buffers: every rank takes rank 0's
+                    torch.distributed.broadcast(t.data, src=0)
+        start = end
+
+
+class ShardWriter:
+    """Writes tensors as they arrive into safetensors shards of at most ``shard_bytes`` (rank 0 only).
+
+    Shards are first written under hidden part names; ``close`` gives them save_pretrained's names
+    (``model.safetensors`` alone, or ``model-0000i-of-0000n.safetensors`` + the index) once their number is
+    known. Holds at most one shard in memory."""
+
+    def __init__(self, out: Path, shard_bytes: int | None = None) -> None:
+        self.out = out
+        self.shard_bytes = SHARD_BYTES if shard_bytes is None else shard_bytes
+        self.parts: list[tuple[Path, list[str]]] = []
+        self.cur: dict[str, Tensor] = {}
+        self.cur_bytes = 0
+        self.total_bytes = 0
+
+    def add(self, name: str, t: Tensor) -> None:
+        n = t.numel() * t.element_size()
+        if self.cur and self.cur_bytes + n > self.shard_bytes:
+            self._flush()
+        self.cur[name] = t.contiguous()
+        self.cur_bytes += n
+        self.total_bytes += n
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        part = self.out / f".part-{len(self.parts) + 1:05d}"
+        save_file(self.cur, str(part), metadata={"format": "pt"})
+        self.parts.append((part, list(self.cur)))
+        self.cur, self.cur_bytes = {}, 0
+
+    def close(self, total_parameters: int | None = None) -> list[str]:
+        """Final names of the shard files written (the index too when there are several)."""
+        if self.cur or not self.parts:
+            self._flush()
+        n = len(self.parts)
+        if n == 1:
+            self.parts[0][0].rename(self.out / WEIGHTS_NAME)
+            return [WEIGHTS_NAME]
+        weight_map: dict[str, str] = {}
+        names = []
+        for i, (part, keys) in enumerate(self.parts, start=1):
+            name = f"model-{i:05d}-of-{n:05d}.safetensors"
+            part.rename(self.out / name)
+            names.append(name)
+            weight_map.update({k: name for k in keys})
+        meta: dict[str, int] = {"total_size": self.total_bytes}
+        if total_parameters is not None:
+            meta["total_parameters"] = total_parameters
+        (self.out / INDEX_NAME).write_text(
+            json.dumps({"metadata": meta, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
+        return names
+
+
+def _needs_conversion(module: nn.Module) -> bool:
+    """Whether transformers would rename or merge tensors on save (some MoE layouts); such a model cannot
+    be written one group at a time because a converted tensor may need several state-dict entries."""
+    if not hasattr(module, "can_generate"):
+        return False
+    conversions = getattr(module, "_weight_conversions", None)
+    if conversions is None:
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import PrefixChange
+        except ImportError:
+            return False
+        conversions = [c for c in get_model_conversion_mapping(module, add_legacy=False)
+                       if not isinstance(c, PrefixChange)]
+    return bool(conversions)
+
+
+def _num_parameters(module: nn.Module) -> int:
+    return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
+
+
+def export_hf(model: Any, out: Path, tokenizer: Any = None, gather_bytes: int | None = None,
+              shard_bytes: int | None = None, items: Iterable[tuple[str, Tensor | None]] | None = None) -> list[str]:
+    """Write ``model`` (HF ``PreTrainedModel`` or its engine) into the existing directory ``out`` as
+    ``save_pretrained`` would; returns the weight file names on rank 0, ``[]`` elsewhere.
+
+    Collective under ZeRO-3 (every rank calls it; only rank 0 touches ``out``). ``items`` replaces the
+    tensors read from the model (e.g. a snapshot already on the host). An error on rank 0 is raised only
+    after the gathers are done, so that the other ranks are never left waiting in a collective."""
+    module = unwrap(model)
+    stream = iter_host_tensors(module, gather_bytes) if items is None else items
+    if _rank() != 0:
+        for _ in stream:  # takes part in the gathers, keeps nothing
+            pass
+        return []
+    error: BaseException | None = None
+    writer = ShardWriter(out, shard_bytes)
+    convert = _needs_conversion(module)
+    full: dict[str, Tensor] = {}
+    for name, t in stream:
+        if error is not None or t is None:
+            continue
+        try:
+            if convert:
+                full[name] = t
+            else:
+                writer.add(name, t)
+        except BaseException as e:  # noqa: BLE001 — re-raised below, after the collective
+            error = e
+    if error is not None:
+        raise error
+    if convert:
+        # The converted layout needs the whole dict at once: rank 0 holds it, the other ranks still do not.
+        module.save_pretrained(out, state_dict=full, safe_serialization=True)
+        files = sorted(p.name for p in out.glob("*.safetensors"))
+    else:
+        files = writer.close(_num_parameters(module))
+        config = getattr(module, "config", None)
+        if config is not None:
+            dtype = getattr(module, "dtype", None)
+            if isinstance(dtype, torch.dtype):
+                config.dtype = str(dtype).split(".")[1]
+            config.architectures = [type(module).__name__]
+            config.save_pretrained(out)
+            if getattr(module, "can_generate", lambda: False)() and getattr(module, "generation_config", None):
+                module.generation_config.save_pretrained(out)
     if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    files = sorted(p.name for p in tmp.glob("*.safetensors"))
+        tokenizer.save_pretrained(out)
+    return files
+
+
+def _join_gathers(model: Any, gather_bytes: int | None) -> None:
+    """Take part in every gather of an export without keeping anything (non-writing ranks, failed rank 0)."""
+    for _ in iter_host_tensors(model, gather_bytes):
+        pass
+
+
+def write_version(root: Path, version: int, model: Any, tokenizer: Any, gather_bytes: int | None = None,
+                  shard_bytes: int | None = None) -> protocol.WeightUpdate | None:  # type: ignore[name-defined]
+    """Write ``model`` (HF ``PreTrainedModel`` or its DeepSpeed engine) as version ``version``.
+
+    Collective under ZeRO-3; rank 0 writes and returns the WeightUpdate, every other rank returns None."""
+    partitioned = is_partitioned(unwrap(model))
+    if _rank() != 0:
+        if partitioned:
+            _join_gathers(model, gather_bytes)
+        return None
+    final = version_dir(root, version)
+    tmp = root / f"v{version}.tmp"
+    error: BaseException | None = None
+    try:
+        if final.exists():
+            raise FileExistsError(f"weights {final} already exist; a version is never published twice")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    except BaseException as e:  # noqa: BLE001 — the other ranks are about to gather with us
+        error = e
+    if error is not None:
+        if partitioned:
+            _join_gathers(model, gather_bytes)
+        raise error
+    files = export_hf(model, tmp, tokenizer, gather_bytes=gather_bytes, shard_bytes=shard_bytes)
     digest = weights_sha256(tmp)
     created = time.time()
-    (tmp / STABLE).write_text(json.dumps({"version": version, "sha256": digest, "files": files, "created_at": created}))
+    (tmp / STABLE).write_text(json.dumps({"version": version, "sha256": digest, "files": sorted(files),
+                                          "created_at": created}))
     tmp.rename(final)
     return protocol.WeightUpdate(version=version, path=str(final.resolve()), sha256=digest, created_at=created)
 
@@ -182,13 +493,11 @@ class WeightPublisher:
 
 def publish_policy(engine: Any, tokenizer: Any, root: Path, version: int, keep: int,
                    publisher: WeightPublisher | None) -> protocol.WeightUpdate | None:  # type: ignore[name-defined]
-    """Every rank calls this (ZeRO-3 gathers collectively); rank 0 writes, publishes and prunes."""
-    from learner.engines import full_state_dict, rank
-
-    state = full_state_dict(engine) if engine.zero_optimization_stage() == 3 else None
-    if rank() != 0:
+    """Every rank calls this (ZeRO-3 gathers collectively, one group at a time); rank 0 alone copies to
+    host, writes, publishes and prunes."""
+    update = write_version(root, version, engine, tokenizer)
+    if update is None:
         return None
-    update = write_version(root, version, engine.module, tokenizer, state_dict=state)
     if publisher is not None:
         publisher.publish(update)
     prune(root, keep)

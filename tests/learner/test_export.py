@@ -1,0 +1,177 @@
+"""Whole-model export streams: HF files byte-identical to save_pretrained, and under 2-rank ZeRO-3 only rank 0
+copies to host and writes while the other rank's memory stays near its shard (measured)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import learner.weights as W
+from common.checksum import weights_sha256
+from common.modeling import build_char_tokenizer, build_tiny_qwen2, load_model, load_tokenizer, save_hf
+from tests.learner.synth import child_env
+from tests.ports import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+GATHER, SHARD = 4 << 20, 16 << 20  # bounds the 2-rank export runs with (the model is ~61 MB in fp32)
+
+HARNESS = textwrap.dedent("""
+    import ctypes, gc, json, os, re, sys
+    sys.path.insert(0, {repo!r})
+    from pathlib import Path
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+    from common.config import load_config
+    from learner.engines import build_critic_engine, build_policy_engine, rank, save_critic
+    import learner.weights as W
+    from learner.weights import load_host_tensors, publish_policy
+    from learner.value_pretrain import _snapshot
+
+    model, tiny, out = (Path(a) for a in sys.argv[1:4])
+    W.GATHER_BYTES, W.SHARD_BYTES = {gather}, {shard}
+    me = None
+    written = []
+    def audit(event, args):  # every Python-level write, mkdir, rename or removal under the test directory
+        if me is None or not args or not isinstance(args[0], (str, bytes, os.PathLike)):
+            return
+        path = os.fsdecode(args[0])
+        if not path.startswith(str(out)):
+            return
+        if event == "open" and not (any(c in str(args[1] or "") for c in "wax+") or (args[2] or 0) & 0o3):
+            return
+        if event in ("open", "os.mkdir", "os.rename", "os.replace", "os.remove", "os.rmdir", "shutil.rmtree"):
+            written.append(f"{{event}} {{path}}")
+    sys.addaudithook(audit)
+
+    def status(key):
+        return int(re.search(key + r":\\s+(\\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+    cfg = load_config(None, [f"model.path={{model}}", "learner.zero_stage=3", "metrics.prometheus=false"])
+    engine = build_policy_engine(cfg)
+    tok = AutoTokenizer.from_pretrained(str(model))
+    shard = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in engine.module.parameters())
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap goes back to the OS: RSS is what is live
+    torch.distributed.barrier()
+    before = status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (peak RSS) to the current RSS
+    me = rank()
+    update = publish_policy(engine, tok if me == 0 else None, out / f"w{{me}}", 1, 2, None)
+    peak = status("VmHWM")
+    mine, me = list(written), None
+    # The critic path: a snapshot held by rank 0 only, loaded back (shifted by 1) into every rank's
+    # partition, then saved with every rank gathering and rank 0 alone writing.
+    ccfg = load_config(None, [f"model.path={{tiny}}", "learner.zero_stage=3", "metrics.prometheus=false",
+                              "learner.value_head_init_std=0.02"])
+    critic = build_critic_engine(ccfg)
+    snap = _snapshot(critic)
+    assert (snap is None) == (rank() != 0), "the snapshot must live on rank 0 only"
+    load_host_tensors(critic, {{k: v + 1 for k, v in snap.items()}} if snap is not None else None)
+    written.clear()
+    me = rank()
+    save_critic(critic, out / "critic")
+    critic_writes, me = list(written), None
+    if rank() == 0:
+        save_file({{k: v.contiguous() for k, v in snap.items()}}, str(out / "snapshot.safetensors"))
+    (out / f"rank{{rank()}}.json").write_text(json.dumps({{
+        "rss_before": before, "peak": peak, "shard_bytes": shard, "writes": mine, "critic_writes": critic_writes,
+        "sha256": update.sha256 if update is not None else None}}))
+""")
+
+
+def _model(root: Path) -> Path:
+    """~15M parameters (61 MB fp32): large enough that a whole-model copy dwarfs allocator noise."""
+    tok = build_char_tokenizer()
+    model = build_tiny_qwen2(len(tok), hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2,
+                             intermediate_size=2048, seed=3)
+    return save_hf(model, tok, root / "mid")
+
+
+def test_export_is_save_pretrained_byte_for_byte_and_shards_load(tiny_model_dir: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    ref = tmp_path / "ref"
+    model.save_pretrained(ref, safe_serialization=True)
+    one = Path(W.write_version(tmp_path / "w", 1, model, tok).path)
+    assert weights_sha256(one) == weights_sha256(ref)  # same bytes as save_pretrained, tied lm_head dropped
+    assert json.loads((one / "config.json").read_text()) == json.loads((ref / "config.json").read_text())
+    assert (one / "generation_config.json").is_file() and (one / "tokenizer.json").is_file()
+    monkeypatch.setattr(W, "SHARD_BYTES", 20_000)
+    monkeypatch.setattr(W, "GATHER_BYTES", 30_000)
+    many = Path(W.write_version(tmp_path / "w", 2, model, tok).path)
+    files = json.loads((many / "STABLE").read_text())["files"]
+    index = json.loads((many / W.INDEX_NAME).read_text())
+    assert len(files) > 2 and sorted(set(index["weight_map"].values())) == files
+    assert files[0] == f"model-00001-of-{len(files):05d}.safetensors" and not list(many.glob(".part-*"))
+    again = AutoModelForCausalLM.from_pretrained(str(many))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True))
+
+
+def test_two_rank_zero3_export_writes_on_rank0_only_and_streams(tiny_model_dir: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from common.config import load_config
+    from learner.engines import load_critic_module
+
+    model_dir = _model(tmp_path)
+    out = tmp_path / "run"
+    out.mkdir()
+    harness = tmp_path / "export_harness.py"
+    harness.write_text(HARNESS.format(repo=str(REPO), gather=GATHER, shard=SHARD))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(harness), str(model_dir), str(tiny_model_dir), str(out)]
+    # glibc raises its mmap threshold after the first multi-MB free and then keeps freed blocks in the heap,
+    # so RSS would measure the allocator's retention (it grows on every repeated export, and malloc_trim
+    # gives it back), not what is live. A fixed threshold gives every tensor >= 64 KiB its own mapping,
+    # returned on free. On a GPU the gathers happen in device memory and this does not arise.
+    env = child_env(OMP_NUM_THREADS="1", VAPO_DS_SHM="0", MALLOC_MMAP_THRESHOLD_="65536")
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-4000:])
+    r0, r1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
+
+    # Memory: the whole model vs what each rank's peak RSS rose by during the export.
+    reference = load_model(model_dir)
+    model_bytes = sum(t.numel() * t.element_size() for t in reference.parameters())
+    d0, d1 = (r["peak"] - r["rss_before"] for r in (r0, r1))
+    print(json.dumps({"model_bytes": model_bytes, "rank0_peak_delta": d0, "rank1_peak_delta": d1,
+                      "rank1_shard_bytes": r1["shard_bytes"], "gather_bytes": GATHER, "shard_file_bytes": SHARD}))
+    assert r1["shard_bytes"] < 0.6 * model_bytes
+    # Rank 1 holds its partition (already resident) plus one gathered group (<= 4 MiB here); gathering the
+    # whole model on it would add at least model_bytes.
+    assert d1 < 0.25 * model_bytes, (d1, model_bytes)
+    # Rank 0 holds one shard file's tensors plus one group (~20 MiB), not the whole model.
+    assert d0 < 0.75 * model_bytes, (d0, model_bytes)
+
+    # Only rank 0 touched the file system; rank 1's weight directory was never created.
+    assert r1["writes"] == [] and r1["critic_writes"] == [] and not (out / "w1").exists()
+    assert any("v1.tmp" in w for w in r0["writes"]) and any("critic.tmp" in w for w in r0["critic_writes"])
+
+    # The published version equals a one-rank export of the unsharded model, byte for byte.
+    monkeypatch.setattr(W, "GATHER_BYTES", GATHER)
+    monkeypatch.setattr(W, "SHARD_BYTES", SHARD)
+    one = W.write_version(tmp_path / "one", 1, reference, load_tokenizer(model_dir))
+    published = out / "w0" / "v1"
+    assert r0["sha256"] == one.sha256 == weights_sha256(published)
+    assert (published / W.INDEX_NAME).is_file()  # several shards: the index path ran too
+    loaded = AutoModelForCausalLM.from_pretrained(str(published))
+    assert all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), loaded.state_dict().values(),
+                                                 strict=True))
+
+    # The critic saved under ZeRO-3 is the snapshot + 1 everywhere: both ranks' partitions were loaded.
+    snap = load_file(str(out / "snapshot.safetensors"))
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "learner.value_head_init_std=0.02"])
+    critic = load_critic_module(cfg, out / "critic")
+    got = critic.state_dict()
+    assert got.keys() == snap.keys()
+    assert all(torch.equal(got[k], snap[k] + 1) for k in snap), [k for k in snap if not torch.equal(got[k], snap[k] + 1)]
