@@ -210,7 +210,11 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     Non-reentrant checkpointing: the reentrant variant needs an input that requires grad (token ids do
     not) and re-enters autograd in a way ZeRO-3's parameter hooks do not follow. The KV cache is off, as
     it must be for recomputation (and is useless in training)."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name is deprecated
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = False
 
 

@@ -1,7 +1,10 @@
-"""Two CPU ranks (torchrun or the DeepSpeed launcher, gloo, real subprocesses) give the same update as one rank on the same batch."""
+"""Two CPU ranks (torchrun or the DeepSpeed launcher, gloo, real subprocesses) give the same update as one
+rank on the same batch; under ZeRO-3 they run the same number of forwards whatever their rows."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -92,3 +95,91 @@ def test_two_ranks_deepspeed_launcher_with_shm_allreduce(tiny_model_dir: Path, t
     TORCH_EXTENSIONS_DIR: ~80 s the first time, which is why this is slow)."""
     two = _two_ranks(tiny_model_dir, tmp_path, shm=True, deepspeed_launcher=True)
     _compare(_one_rank(tiny_model_dir), two)
+
+
+# ZeRO-3: every forward gathers parameters across ranks, so both ranks must run exactly as many forwards
+# (and LM-head chunks) in every phase. Very unequal rows (one group of 120-150-token responses, four of
+# 1-8), an odd row count, replayed positives, a token budget and small LM-head chunks make the ranks' own
+# work differ; the fillers must even the counts out.
+ZERO3 = ["learner.zero_stage=3", "learner.batch_groups=5", "learner.mini_batches=2", "learner.micro_batch_size=2",
+         "learner.micro_batch_tokens=300", "learner.logits_chunk_elements=480", "nll.replay_fraction=0.5",
+         "learner.actor_lr=1e-3", "learner.critic_lr=2e-3", "algo.alpha=0.5", "metrics.prometheus=false",
+         "learner.value_head_init_std=0.02"]
+
+ZERO3_HARNESS = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {repo!r})
+    from safetensors.torch import save_file
+    from common.config import load_config
+    from learner.data import ListSource
+    from learner.engines import full_state_dict, rank
+    from learner.train import Learner
+    from tests.learner.test_distributed import zero3_data
+
+    model, out, overrides = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    cfg = load_config(None, [f"model.path={{model}}", *json.loads(overrides)])
+    groups, positives, odd = zero3_data()
+    learner = Learner(cfg, ListSource(groups, positives=positives) if rank() == 0 else None)
+    counts = {{"policy": 0, "critic": 0, "lm_head": 0}}
+    def counter(key):
+        def hook(*_):
+            counts[key] += 1
+        return hook
+    learner.policy.module.register_forward_pre_hook(counter("policy"))
+    learner.critic.module.register_forward_pre_hook(counter("critic"))
+    learner.policy.module.get_output_embeddings().register_forward_pre_hook(counter("lm_head"))
+    s1 = learner.step()                                   # fetched on rank 0 (+ replayed positives)
+    learner.step(odd)                                     # 3 rows: one mini-batch has a single row
+    sd = {{"p." + k: v.clone().contiguous() for k, v in full_state_dict(learner.policy).items()}}
+    sd.update({{"c." + k: v.clone().contiguous() for k, v in full_state_dict(learner.critic).items()}})
+    if rank() == 0:
+        save_file(sd, out)
+    with open(out + f".counts{{rank()}}.json", "w") as fh:
+        json.dump({{**counts, "replay_positives": s1["replay_positives"]}}, fh)
+""")
+
+
+def zero3_data() -> tuple[list, list, list]:
+    """(groups for the fetched step, stored positives to replay, 3 groups of one row for the odd step)."""
+    groups = synth_groups(4, 3, 60, seed=41, resp_len=(1, 8)) + synth_groups(
+        1, 3, 60, seed=42, resp_len=(120, 150), max_new_tokens=150)
+    positives = [s for g in synth_groups(2, 2, 60, seed=43, resp_len=(2, 30), max_new_tokens=30) for s in g.samples]
+    for s in positives:
+        s.reward = 1.0
+    odd = synth_groups(3, 1, 60, seed=44, resp_len=(1, 90), max_new_tokens=90)
+    return groups, positives, odd
+
+
+def test_zero3_two_ranks_unequal_rows_run_equal_forwards_and_equal_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import json
+
+    from common.config import load_config
+    from learner.data import ListSource
+
+    harness = tmp_path / "zero3_harness.py"
+    harness.write_text(ZERO3_HARNESS.format(repo=str(REPO)))
+    out = tmp_path / "zero3.safetensors"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(harness), str(tiny_model_dir), str(out), json.dumps(ZERO3)]
+    # A mismatched collective hangs rather than fails (the code before the fillers hung here): the timeout is
+    # the failure mode, and it must take the ranks with it (they are torchrun's children, not ours).
+    p = subprocess.Popen(cmd, env=child_env(OMP_NUM_THREADS="1", VAPO_DS_SHM="0"), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=400)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise AssertionError("2-rank ZeRO-3 run did not finish in 400 s: ranks ran unmatched collectives") from None
+    assert p.returncode == 0, (stdout[-2000:], stderr[-4000:])
+    c0, c1 = (json.loads(Path(f"{out}.counts{r}.json").read_text()) for r in (0, 1))
+    assert c0 == c1 and c0["replay_positives"] > 0 and min(c0.values()) > 0, (c0, c1)
+
+    groups, positives, odd = zero3_data()
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", *[o for o in ZERO3 if "zero_stage" not in o]])
+    one = Learner(cfg, ListSource(groups, positives=positives))
+    one.step()
+    one.step(odd)
+    ref = {"p." + k: v for k, v in one.policy.module.state_dict().items()}
+    ref.update({"c." + k: v for k, v in one.critic.module.state_dict().items()})
+    _compare(ref, load_file(str(out)))

@@ -146,3 +146,56 @@ def test_token_logprobs_and_entropy() -> None:
     torch.testing.assert_close(lp, torch.log(torch.tensor([[0.5, 1 / 3]])))
     ent = entropy_from_logits(logits)
     torch.testing.assert_close(ent, torch.tensor([[1.5 * math.log(2), math.log(3)]]))
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 7, 40])  # 40 > 13 positions: some chunks are empty
+def test_chunked_logprobs_and_entropy_equal_the_full_computation(chunks: int) -> None:
+    """Values and gradients (w.r.t. hidden states and head weight) of the chunked, recomputed LM head
+    equal log_softmax over full logits, for a loss that uses both log-probs and entropy."""
+    from learner.losses import chunked_token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    N, H, V = 13, 8, 50
+    hidden = torch.randn(N, H, generator=g, requires_grad=True)
+    head = torch.nn.Linear(H, V, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, H, generator=g))
+    tokens = torch.randint(0, V, (N,), generator=g)
+    coef = torch.randn(N, generator=g)
+
+    logits = head(hidden)
+    lp_full = token_logprobs(logits[None], tokens[None])[0]
+    ent_full = entropy_from_logits(logits[None])[0]
+    ((coef * lp_full).sum() + 0.3 * ent_full.sum()).backward()
+    g_h, g_w = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad, head.weight.grad = None, None
+
+    lp, ent = chunked_token_logprobs(hidden, head, tokens, chunks)
+    torch.testing.assert_close(lp, lp_full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ent_full, atol=1e-5, rtol=1e-5)
+    ((coef * lp).sum() + 0.3 * ent.sum()).backward()
+    torch.testing.assert_close(hidden.grad, g_h, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(head.weight.grad, g_w, atol=1e-5, rtol=1e-5)
+    # Hand-derived: uniform logits give log(1/V) and entropy log(V) everywhere.
+    lp0, ent0 = chunked_token_logprobs(torch.zeros(3, H), lambda x: torch.zeros(x.shape[0], V), tokens[:3], chunks)
+    torch.testing.assert_close(lp0, torch.full((3,), -math.log(V)))
+    torch.testing.assert_close(ent0, torch.full((3,), math.log(V)))
+
+
+def test_chunked_logprobs_never_hold_more_than_a_chunk_of_logits() -> None:
+    """Every [n, V] tensor the head produces, forward and backward (recomputation), has n ≤ the chunk."""
+    from learner.losses import chunked_token_logprobs
+
+    N, H, V, chunks = 40, 4, 30, 5
+    seen: list[int] = []
+    lin = torch.nn.Linear(H, V)
+
+    def head(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return lin(x)
+
+    hidden = torch.randn(N, H, requires_grad=True)
+    lp, _ = chunked_token_logprobs(hidden, head, torch.randint(0, V, (N,)), chunks)
+    lp.sum().backward()
+    assert seen == [N // chunks] * (2 * chunks)  # forward, then one recomputation per chunk in backward
+    assert hidden.grad is not None and torch.isfinite(hidden.grad).all()

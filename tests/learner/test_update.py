@@ -1,0 +1,119 @@
+"""learner.update scheduling: token-budget micro-batches, equal counts on every rank, and that the way a
+step is cut (rows or tokens, chunked or full logits, with or without a value pass) does not change it."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from learner.batch import collate
+from learner.train import Learner
+from learner.update import MicroLimits, cut, deal, rank_rows, schedule, seq_lengths
+from tests.learner.synth import synth_groups
+from tests.learner.test_train import VOCAB, _max_diff, make_cfg
+
+
+def _batch(n_groups: int = 3, group_size: int = 5, seed: int = 0):
+    return collate(synth_groups(n_groups, group_size, VOCAB, seed=seed, resp_len=(1, 40), max_new_tokens=40), pad_id=0)
+
+
+def test_cut_respects_rows_and_token_budget_longest_first() -> None:
+    seq = torch.tensor([10, 50, 20, 30, 5, 45])
+    rows = torch.arange(6)
+    # Budget 100: [50, 45] (2 x 50 = 100), [30, 20, 10] (3 x 30 = 90), then 5 alone would fit with them
+    # (4 x 30 = 120 > 100 does not): [5].
+    assert [c.tolist() for c in cut(rows, seq, 8, 100)] == [[1, 5], [3, 2, 0], [4]]
+    assert [c.tolist() for c in cut(rows, seq, 2)] == [[1, 5], [3, 2], [0, 4]]  # rows only
+    # A row longer than the budget goes alone; none is dropped.
+    assert [c.tolist() for c in cut(rows, seq, 8, 40)] == [[1], [5], [3], [2, 0], [4]]
+    assert cut(torch.zeros(0, dtype=torch.long), seq, 4, 10) == []
+
+
+def test_every_rank_runs_the_same_number_of_micro_batches() -> None:
+    b = _batch()
+    seq = seq_lengths(b)
+    # Three ranks; rank 2 gets only the shortest rows, so it needs fewer micro-batches and gets fillers.
+    order = torch.argsort(seq, descending=True)
+    per_rank = [order[:7], order[7:13], order[13:]]
+    lim = MicroLimits(rows=64, tokens=60)
+    plans = [schedule(per_rank, b, lim, me=r) for r in range(3)]
+    n = {len(p) for p in plans}
+    assert len(n) == 1 and n.pop() > len(cut(per_rank[2], seq, 64, 60)) >= 1
+    shortest = int(seq.min())
+    for r, plan in enumerate(plans):
+        real = [m for m in plan if m.weight > 0]
+        assert sorted(torch.cat([m.rows for m in real]).tolist()) == sorted(per_rank[r].tolist())  # each once
+        for m in real:
+            assert len(m.rows) == 1 or len(m.rows) * int(seq[m.rows].max()) <= 60
+        for m in plan:
+            if m.weight == 0:
+                assert len(m.rows) == 1 and int(seq[m.rows[0]]) == shortest
+    # The LM-head chunk count is derived from peak_tokens: it must be the same on every rank.
+    assert len({tuple(m.peak_tokens for m in p) for p in plans}) == 1
+    # Every rank's share of a mini-batch: the deal covers each row once, token counts within one longest row.
+    shares = deal(torch.arange(b.size), seq, 3)
+    assert sorted(torch.cat(shares).tolist()) == list(range(b.size))
+    tok = [int(seq[s].sum()) for s in shares]
+    assert max(tok) - min(tok) <= int(seq.max())
+    assert [len(r) for r in rank_rows([torch.arange(5), torch.arange(5, b.size)], seq, 2)] == [3 + 5, 2 + 5]
+
+
+def _run(model: Path, *extra: str, groups=None, replay=None) -> Learner:
+    learner = Learner(make_cfg(model, *extra), None)
+    learner.step(groups or synth_groups(4, 4, VOCAB, seed=31, resp_len=(1, 40), max_new_tokens=40), replay)
+    return learner
+
+
+def _both(learner: Learner) -> dict[str, torch.Tensor]:
+    return {**{"p." + k: v for k, v in learner.policy.module.state_dict().items()},
+            **{"c." + k: v for k, v in learner.critic.module.state_dict().items()}}
+
+
+def test_token_budget_update_equals_row_count_update(tiny_model_dir: Path) -> None:
+    rows = _run(tiny_model_dir, "learner.micro_batch_size=3")
+    tokens = _run(tiny_model_dir, "learner.micro_batch_size=64", "learner.micro_batch_tokens=60")
+    assert _max_diff(_both(rows), _both(tokens)) < 1e-5
+    assert _max_diff(_both(rows), _both(Learner(make_cfg(tiny_model_dir), None))) > 1e-4  # the step did something
+
+
+def test_chunked_logprobs_update_equals_full_logits_update(tiny_model_dir: Path) -> None:
+    """Many LM-head chunks (64 logit elements: one token per chunk with this vocabulary) against the old
+    full-logits path, with the entropy bonus on so that its gradient is compared too."""
+    full = _run(tiny_model_dir, "learner.logits_chunk_elements=0", "algo.entropy_coef=0.01")
+    chunked = _run(tiny_model_dir, "learner.logits_chunk_elements=64", "algo.entropy_coef=0.01")
+    assert _max_diff(_both(full), _both(chunked)) < 1e-5
+    for k in ("policy_loss", "nll_loss", "entropy", "approx_kl"):
+        assert abs(full.last[k] - chunked.last[k]) < 1e-5, k
+
+
+def test_activation_checkpointing_gives_the_same_update(tiny_model_dir: Path) -> None:
+    plain = _run(tiny_model_dir)
+    ckpt = _run(tiny_model_dir, "learner.activation_checkpointing=true")
+    assert all(getattr(m, "gradient_checkpointing", False) for m in (ckpt.policy.module.model, ckpt.critic.module.backbone))
+    assert not getattr(plain.policy.module.model, "gradient_checkpointing", False)
+    assert _max_diff(_both(plain), _both(ckpt)) < 1e-5
+
+
+def test_monte_carlo_targets_need_no_value_pass(tiny_model_dir: Path) -> None:
+    """λ_critic = 1 without value clipping: one critic pass fewer, the same update, and the explained
+    variance read from the update's own forwards. A value clip too wide to bite forces the old pass."""
+    counts: dict[str, int] = {}
+
+    def run(*extra: str) -> Learner:
+        learner = Learner(make_cfg(tiny_model_dir, "learner.mini_batches=1", *extra), None)
+        n = [0]
+        learner.critic.module.register_forward_pre_hook(lambda *_: n.__setitem__(0, n[0] + 1))
+        learner.step(synth_groups(4, 4, VOCAB, seed=32))
+        counts[extra[0] if extra else "default"] = n[0]
+        return learner
+
+    fast, slow = run(), run("algo.value_clip=1e6")
+    assert _max_diff(_both(fast), _both(slow)) < 1e-6
+    # 16 rows, micro_batch_size 3: 6 forwards per pass; the default runs update + fresh values only.
+    assert counts == {"default": 12, "algo.value_clip=1e6": 18}
+    # One mini-batch: the update's forward precedes any step, so its values are the old pass's exactly.
+    assert math.isfinite(fast.last["value_explained_variance"])
+    assert abs(fast.last["value_explained_variance"] - slow.last["value_explained_variance"]) < 1e-6
+    assert abs(fast.last["value_mean"] - slow.last["value_mean"]) < 1e-6
