@@ -155,34 +155,46 @@ def iter_host_tensors(model: Any, gather_bytes: int | None = None, copy: bool = 
     alias = _aliases(module, entries)
     kept_for_alias = set(alias.values())
     shared: dict[str, Tensor] = {}  # rank 0: host tensors that aliases will point at
-    group: list[tuple[str, Tensor]] = []
-    size = 0
-    for name, t in entries + [("", torch.empty(0))]:  # the sentinel flushes the last group
-        last = name == ""
-        if name in alias:
-            continue
-        if group and (last or size + _nbytes(t) > bound):
-            for key, host in _gather_group(group, me == 0, copy):
-                if host is not None and key in kept_for_alias:
-                    shared[key] = host
-                yield key, host
-            group, size = [], 0
-        if not last:
-            group.append((name, t))
-            size += _nbytes(t)
+    for group in _groups([(n, t) for n, t in entries if n not in alias], bound):
+        for key, host in _gather_group(group, me == 0, copy):
+            if host is not None and key in kept_for_alias:
+                shared[key] = host
+            yield key, host
     if aliases:
         for name, keep in alias.items():
             yield name, shared.get(keep)
+
+
+def _groups(entries: list[tuple[str, Tensor]], bound: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """Consecutive runs of ``entries`` of at most ``bound`` bytes (full sizes; a larger tensor is alone)."""
+    group: list[tuple[str, Tensor]] = []
+    size = 0
+    for name, t in entries:
+        if group and size + _nbytes(t) > bound:
+            yield group
+            group, size = [], 0
+        group.append((name, t))
+        size += _nbytes(t)
+    if group:
+        yield group
+
+
+def _gathered(params: list[Tensor], modifier_rank: int | None) -> Any:
+    """DeepSpeed's gather of ZeRO-3 ``params`` (a no-op context when there are none)."""
+    if not params:
+        from contextlib import nullcontext
+
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
 
 
 def _gather_group(group: list[tuple[str, Tensor]], to_host: bool, copy: bool) -> list[tuple[str, Tensor | None]]:
     """Host copies of one group (on the rank with ``to_host``; ``None`` elsewhere); collective under ZeRO-3.
 
     The gathered full tensors are released on leaving, before the caller sees the group."""
-    import deepspeed
-
-    params = [t for _, t in group if hasattr(t, "ds_id")]
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
+    with _gathered([t for _, t in group if hasattr(t, "ds_id")], modifier_rank=None):
         if not to_host:
             return [(name, None) for name, _ in group]
         return [(name, t.detach().to("cpu", copy=copy or hasattr(t, "ds_id") or t.device.type != "cpu"))
@@ -202,33 +214,22 @@ def load_host_tensors(model: Any, state: dict[str, Tensor] | None, gather_bytes:
         if me == 0:
             module.load_state_dict(state or {})
         return
-    import deepspeed
-
-    if me == 0:
-        missing = set(module.state_dict(keep_vars=True)) - set(state or {})
-        if missing:
-            # Raised before the first gather on rank 0 only would leave the other ranks waiting in it.
-            log.error("load_host_tensors: %d names missing (e.g. %s); loading what is there", len(missing),
-                      sorted(missing)[:3])
     bound = GATHER_BYTES if gather_bytes is None else gather_bytes
     entries = list(module.state_dict(keep_vars=True).items())
     alias = _aliases(module, entries)
     entries = [(n, t) for n, t in entries if n not in alias]
-    start = 0
-    while start < len(entries):
-        end, size = start, 0
-        while end < len(entries) and (end == start or size + _nbytes(entries[end][1]) <= bound):
-            size += _nbytes(entries[end][1])
-            end += 1
-        group = entries[start:end]
-        params = [t for _, t in group if hasattr(t, "ds_id")]
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=bool(params)):
+    # Checked on rank 0 but raised only after the gathers: raising first would leave the others in one.
+    missing = sorted(n for n, _ in entries if n not in (state or {})) if me == 0 else []
+    for group in _groups(entries, bound):
+        with _gathered([t for _, t in group if hasattr(t, "ds_id")], modifier_rank=0):
             for name, t in group:
                 if me == 0 and state is not None and name in state:
                     t.data.copy_(state[name].to(t.device))
                 if not hasattr(t, "ds_id"):  # replicated buffers: every rank takes rank 0's
                     torch.distributed.broadcast(t.data, src=0)
-        start = end
+    if missing:
+        raise KeyError(f"load_host_tensors: {len(missing)} state-dict names missing from the state, e.g. "
+                       f"{missing[:3]}; the model now holds a mix of old and new weights")
 
 
 class ShardWriter:
