@@ -182,7 +182,8 @@ def _wrap_remote(cfg: Config, host: str, argv: list[str], env: dict[str, str], r
     if cfg.placement.remote == "srun":
         # --overlap: the step shares the allocation's nodes with the others (engines, learner).
         return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap", f"--chdir={root}", *inner]
-    return ["ssh", "-o", "BatchMode=yes", host, f"cd {shlex.quote(str(root))} && exec {shlex.join(inner)}"]
+    # -tt: the remote process gets SIGHUP when this ssh client dies (a stopped or killed launcher).
+    return ["ssh", "-tt", "-o", "BatchMode=yes", host, f"cd {shlex.quote(str(root))} && exec {shlex.join(inner)}"]
 
 
 def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, root: Path | None = None,

@@ -277,7 +277,7 @@ class EngineEvalError(RuntimeError):
 
 
 async def _engine_generate(url: str, ids: Sequence[Sequence[int]], k: int, max_new_tokens: int, temperature: float,
-                           seed: int, version: int, timeout_s: float, concurrency: int) -> tuple[list[list[list[int]]], list[list[int]], str]:
+                           version: int, timeout_s: float, concurrency: int) -> tuple[list[list[list[int]]], list[list[int]], str]:
     from actors.sglang_client import SGLangClient, SGLangError
 
     deadline = time.monotonic() + timeout_s
@@ -299,10 +299,10 @@ async def _engine_generate(url: str, ids: Sequence[Sequence[int]], k: int, max_n
             delay = min(delay * 2, 2.0)
         gate = asyncio.Semaphore(max(1, concurrency))
 
-        async def one(p: Sequence[int], n: int, temp: float, i: int) -> list[list[int]]:
+        async def one(p: Sequence[int], n: int, temp: float) -> list[list[int]]:
+            # No per-request seed: SGLang honours one only in deterministic-inference mode and rollout_server
+            # refuses the field, so engine evaluations are sampled afresh (the k samples average that out).
             sp: dict[str, Any] = {"n": n, "temperature": temp, "max_new_tokens": max_new_tokens}
-            if temp > 0:
-                sp["sampling_seed"] = seed * 1_000_003 + i  # SGLang's per-request seed (reproducible where supported)
             async with gate:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -311,8 +311,8 @@ async def _engine_generate(url: str, ids: Sequence[Sequence[int]], k: int, max_n
             return [o.output_ids for o in outs]
 
         try:
-            sampled = await asyncio.gather(*(one(p, k, temperature, i) for i, p in enumerate(ids)))
-            greedy = await asyncio.gather(*(one(p, 1, 0.0, i) for i, p in enumerate(ids)))
+            sampled = await asyncio.gather(*(one(p, k, temperature) for p in ids))
+            greedy = await asyncio.gather(*(one(p, 1, 0.0) for p in ids))
         except SGLangError as e:
             raise EngineEvalError(f"evaluation on {url}: {e}") from e
     return list(sampled), [g[0] for g in greedy], str(served)
@@ -333,7 +333,6 @@ def evaluate_on_engine(
     k: int = 8,
     max_new_tokens: int = 96,
     temperature: float = 1.0,
-    seed: int = 0,
     timeout_s: float = 3600.0,
     concurrency: int = 64,
     prompts: Sequence[Prompt] | None = None,
@@ -347,7 +346,7 @@ def evaluate_on_engine(
     t0 = time.perf_counter()
     prompts = list(task.eval_prompts() if prompts is None else prompts)
     ids = [encode_prompt(tokenizer, p) for p in prompts]
-    sampled, greedy, served = asyncio.run(_engine_generate(url, ids, k, max_new_tokens, temperature, seed, version,
+    sampled, greedy, served = asyncio.run(_engine_generate(url, ids, k, max_new_tokens, temperature, version,
                                                            timeout_s, concurrency))
     report = score(task, tokenizer, prompts, sampled, greedy, [tokenizer.eos_token_id])
     report["temperature"] = temperature

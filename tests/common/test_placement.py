@@ -1,0 +1,166 @@
+"""The process plan of the GPU configs (what `ops/launch.sh CONFIG --dry-run` prints), checked without GPUs.
+
+Each failure class a GPU run would hit before its first step is a test here: a CUDA process told to use
+DeepSpeed's CPU accelerator, two processes on one GPU, ranks or engines that do not add up to the GPUs
+given, model states that cannot fit, a learner started without DeepSpeed's launcher.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from common.config import ConfigError, load_config
+from common.placement import GIB, build_plan, count_parameters, model_state_bytes, parse_gpus
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Shapes from the released Qwen2.5 config.json files; parameter counts as published.
+QWEN_05B = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, intermediate_size=4864,
+                num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+QWEN_7B = dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, intermediate_size=18944,
+               num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
+QWEN_32B = dict(vocab_size=152064, hidden_size=5120, num_hidden_layers=64, intermediate_size=27648,
+                num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False)
+GPU_CONFIGS = [("gpu-small.yaml", QWEN_05B), ("gpu-node8.yaml", QWEN_7B), ("paper.yaml", QWEN_32B)]
+
+
+def test_parameter_counts_match_the_published_models() -> None:
+    assert count_parameters(QWEN_05B)["policy"] == 494_032_768
+    assert count_parameters(QWEN_7B)["policy"] == 7_615_616_512
+    assert count_parameters(QWEN_32B)["policy"] == 32_763_876_352
+    # The critic is the backbone (no untied LM head) plus a Linear(hidden, 1).
+    assert count_parameters(QWEN_32B)["critic"] == 32_763_876_352 - 152064 * 5120 + 5120 + 1
+    assert count_parameters(QWEN_05B)["critic"] == 494_032_768 + 896 + 1  # tied: the embedding stays
+
+
+def test_model_state_bytes_by_zero_stage() -> None:
+    # 16 bytes a parameter in all; bf16: weights 2, grads 2, fp32 master + Adam moments 12.
+    assert model_state_bytes(1000, 0, 4, "bf16") == 16000
+    assert model_state_bytes(1000, 1, 4, "bf16") == 1000 * (2 + 2 + 12 / 4)
+    assert model_state_bytes(1000, 2, 4, "bf16") == 1000 * (2 + 14 / 4)
+    assert model_state_bytes(1000, 3, 4, "bf16") == 4000
+    assert model_state_bytes(1000, 1, 2, "fp32") == 1000 * (4 + 4 + 8 / 2)
+
+
+def test_parse_gpus() -> None:
+    assert parse_gpus("0-3,8, 10-11", "k") == [0, 1, 2, 3, 8, 10, 11]
+    assert parse_gpus("", "k") == []
+    for bad in ("3-1", "a", "0,0", "-1"):
+        with pytest.raises(ConfigError, match="^k:"):
+            parse_gpus(bad, "k")
+
+
+def _plan(name: str, hf: dict, *overrides: str):
+    cfg = load_config(ROOT / "ops" / "configs" / name, list(overrides))
+    return cfg, build_plan(cfg, "/run/config.yaml", "/venv/bin/python", ROOT, Path("/run"), hf_config=hf)
+
+
+def _env_of(p) -> dict[str, str]:
+    """The environment a process really gets: the plan's, or the `env K=V` inside its ssh/srun command."""
+    if p.env:
+        return p.env
+    words = shlex.split(p.argv[-1]) if p.argv[0] == "ssh" else p.argv
+    i = words.index("env")
+    out = {}
+    for w in words[i + 1:]:
+        if "=" not in w:
+            break
+        k, v = w.split("=", 1)
+        out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("name,hf", GPU_CONFIGS)
+def test_gpu_config_plans_add_up(name: str, hf: dict) -> None:
+    cfg, plan = _plan(name, hf)
+    pl = cfg.placement
+    n_gpus = len(pl.hosts) * pl.gpus_per_host
+    # No CUDA process is told to use DeepSpeed's CPU accelerator; every one names CUDA.
+    for p in plan.procs:
+        assert _env_of(p).get("DS_ACCELERATOR") == "cuda", (p.name, p.env)
+        assert "DS_ACCELERATOR=cpu" not in " ".join(p.argv)
+    # The learner is DeepSpeed's launcher with one rank per learner GPU.
+    learner = plan.proc("learner")
+    assert learner.argv[1:3] == ["-m", "deepspeed.launcher.runner"] and "--module" in learner.argv
+    assert len(plan.ranks) == len(parse_gpus(pl.learner_gpus, "")) == len(learner.gpus)
+    assert [r.rank for r in plan.ranks] == list(range(len(plan.ranks)))
+    assert plan.ranks[0].host == pl.hosts[0]
+    include = learner.argv[learner.argv.index("--include") + 1]
+    listed = sum(len(part.split(":")[1].split(",")) for part in include.split("@"))
+    assert listed == len(plan.ranks)
+    # Engines: num_actors of them, tp GPUs each, on one host, disjoint from each other.
+    engines = [p for p in plan.procs if p.role == "engine"]
+    assert len(engines) == cfg.actors.num_actors
+    tp = cfg.engine.sglang_tp_size
+    seen: set[int] = set()
+    for i, e in enumerate(engines):
+        assert len(e.gpus) == tp and not seen & set(e.gpus)
+        seen |= set(e.gpus)
+        assert len({g // pl.gpus_per_host for g in e.gpus}) == 1
+        assert e.host == pl.hosts[e.gpus[0] // pl.gpus_per_host]
+        assert _env_of(e)["CUDA_VISIBLE_DEVICES"] == ",".join(str(g % pl.gpus_per_host) for g in e.gpus)
+        assert f"--port {cfg.engine.base_port + i}" in " ".join(e.argv)
+        actor = plan.proc(f"actor-{i}")
+        assert actor.host == e.host  # an actor talks to its engine over loopback
+    # Learner and engines share GPUs only where the config says so.
+    overlap = seen & set(learner.gpus)
+    assert bool(overlap) == pl.share_gpus
+    assert max(seen | set(learner.gpus)) < n_gpus
+    if not pl.share_gpus:
+        assert len(seen) + len(learner.gpus) <= n_gpus
+    # Model states fit the budget; the estimate is in the plan (and printed by --dry-run).
+    assert 0 < plan.memory["learner_states_gib_per_gpu"] <= plan.memory["learner_budget_gib_per_gpu"]
+    assert "memory:" in plan.render() and "learner rank 0" in plan.render()
+
+
+def test_paper_plan_spans_hosts_with_a_hostfile_and_remote_starts() -> None:
+    cfg, plan = _plan("paper.yaml", QWEN_32B)
+    assert len(plan.ranks) == 28 and len({r.host for r in plan.ranks}) == 4
+    learner = plan.proc("learner")
+    assert "--hostfile" in learner.argv and learner.argv[learner.argv.index("--launcher") + 1] == "pdsh"
+    assert plan.files["hostfile"].splitlines()[0] == "node0 slots=8"
+    assert "DS_ACCELERATOR=cuda" in plan.files["deepspeed_env"]
+    remote = [p for p in plan.procs if p.host != "node0"]
+    assert remote and all(p.argv[0] == "ssh" for p in remote)
+    # 32B policy + critic over 28 ZeRO-3 ranks: (32.76e9 + 31.99e9) * 16 / 28 bytes.
+    expected = (32_763_876_352 + 31_985_313_793) * 16 / 28 / GIB
+    assert plan.memory["learner_states_gib_per_gpu"] == pytest.approx(expected, abs=0.01)
+
+
+def test_cpu_default_plan_is_unchanged() -> None:
+    cfg = load_config(ROOT / "ops" / "configs" / "default.yaml")
+    plan = build_plan(cfg, "/run/config.yaml", "/venv/bin/python", ROOT)
+    assert plan.proc("learner").argv == ["/venv/bin/python", "-m", "learner", "/run/config.yaml"]
+    assert all(p.env["DS_ACCELERATOR"] == "cpu" for p in plan.procs)
+    assert [p.name for p in plan.procs] == ["buffer", "learner", "actor-0"]
+
+
+@pytest.mark.parametrize("name,hf,overrides,match", [
+    # A 32B policy + critic cannot be trained on one shared GPU.
+    ("gpu-small.yaml", QWEN_32B, [], "placement.learner_gpus: policy \\+ critic model states need"),
+    # The paper's placement with a quarter of the learner GPUs does not fit either.
+    ("paper.yaml", QWEN_32B, ["placement.learner_gpus=4-10", "placement.engine_gpus=0-3,32-63"], "model states"),
+    ("gpu-node8.yaml", QWEN_7B, ["placement.learner_gpus=1-7"], "given to both engines and the learner"),
+    ("gpu-node8.yaml", QWEN_7B, ["placement.engine_gpus=0"], "engine_gpus: 1 GPU"),
+    ("gpu-node8.yaml", QWEN_7B, ["placement.learner_gpus=2-8"], "GPU 8 does not exist"),
+    ("gpu-node8.yaml", QWEN_7B, ["placement.learner_gpus="], "needs the learner's GPUs"),
+    ("paper.yaml", QWEN_32B, ["placement.engine_gpus=6-9,32-63", "placement.learner_gpus=0-5,10-31"],
+     "would span hosts"),
+    ("paper.yaml", QWEN_32B, ["placement.engine_gpus=0-7,36-63", "placement.learner_gpus=8-35"],
+     "rank 0 must run on host 0"),
+    ("paper.yaml", QWEN_32B, ["buffer.ingest_addr=tcp://127.0.0.1:5555"], "buffer.ingest_addr: actors run on other hosts"),
+    ("paper.yaml", QWEN_32B, ["placement.remote=srun"], "DeepSpeed's Slurm launcher places ranks by count"),
+    ("paper.yaml", QWEN_32B, ["placement.engine_gpus=32-63,0-3", "actors.num_actors=9"], None),
+    ("default.yaml", None, ["placement.engine_gpus=0"], "run.device=cpu"),
+])
+def test_bad_placements_are_refused_naming_the_key(name: str, hf: dict | None, overrides: list[str],
+                                                   match: str | None) -> None:
+    if match is None:  # a reordered engine list is still valid: engine 0 moves to host 4 ...
+        with pytest.raises(ConfigError, match="learner.eval_engine_url"):  # ... so evaluation needs a URL
+            _plan(name, hf, *overrides)
+        return
+    with pytest.raises(ConfigError, match=match):
+        _plan(name, hf, *overrides)
