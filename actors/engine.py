@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import mmap
+import stat
 import threading
 import time
 import uuid
@@ -60,8 +61,32 @@ _DEFAULT_ONLY: dict[str, Any] = {"frequency_penalty": 0.0, "presence_penalty": 0
                                  "custom_params": None, "sampling_seed": None}
 
 
+TOP_K_ALL = 1 << 30  # SGLang's sampling_params: top_k = -1 means this ("whole vocabulary")
+INT32_MAX = 2**31 - 1
+FLOAT_BOUND = 1e300  # float fields: an integer beyond this would overflow float()
+DEFAULT_MAX_N = 1024
+
+
 class RequestError(ValueError):
     """A request the engine refuses (the server answers 400 with this message)."""
+
+
+class EngineBusy(RuntimeError):
+    """The waiting queue holds too many tokens to take this request (the server answers 503)."""
+
+
+def _short(v: Any, limit: int = 80) -> str:
+    """repr() of a client value, cut short: error messages must not echo (or first build) a 10 MB string.
+    Integers past Python's str-conversion limit (4300 digits) are described, not converted."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 128:
+        return f"<integer of {v.bit_length()} bits>"
+    if isinstance(v, list | dict | str) and len(v) > limit:
+        return f"<{type(v).__name__} of length {len(v)}>"
+    try:
+        r = repr(v)
+    except (ValueError, RecursionError):
+        return f"<{type(v).__name__}>"
+    return r if len(r) <= limit else r[:limit] + "..."
 
 
 @dataclass
@@ -80,34 +105,45 @@ class SamplingParams:
         return self.top_k == 1
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None, vocab_size: int) -> SamplingParams:
-        """Parse and verify like SGLang's SamplingParams (same defaults, same error messages)."""
+    def from_dict(cls, d: dict[str, Any] | None, vocab_size: int, max_n: int = DEFAULT_MAX_N) -> SamplingParams:
+        """Parse and verify like SGLang's SamplingParams.verify (same defaults, same error messages), plus
+        the integer ranges SGLang's tensors imply (top_k <= 2^30, int32 token counts) and ``n <= max_n``."""
         d = dict(d or {})
         for key, value in d.items():
             if key in _HONOURED:
                 continue
             if key in _DEFAULT_ONLY:
                 if value not in (_DEFAULT_ONLY[key], None, [], {}, ""):
-                    raise RequestError(f"sampling param {key}={value!r} is not supported by rollout_server")
+                    raise RequestError(f"sampling param {key}={_short(value)} is not supported by rollout_server")
                 continue
-            raise RequestError(f"unknown sampling param {key!r}")
+            raise RequestError(f"unknown sampling param {_short(key)}")
 
-        def num(key: str, default: float, kind: type) -> Any:
+        def num(key: str, default: float, kind: type, lo: float, hi: float) -> Any:
+            # Range-check before any float()/int() conversion: a 400-digit integer must be a 400, not an
+            # OverflowError, and a value past a tensor's dtype must never reach the sampler.
             v = d.get(key)
             if v is None:
                 return default
-            if isinstance(v, bool) or not isinstance(v, int | float) or (kind is int and not float(v).is_integer()):
-                raise RequestError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {v!r}.")
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise RequestError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {_short(v)}.")
+            if isinstance(v, float) and not math.isfinite(v) and key != "temperature":
+                raise RequestError(f"{key} must be a finite number, got {v}.")
+            if isinstance(v, float) and kind is int and not v.is_integer():
+                raise RequestError(f"{key} must be an integer, got {v}.")
+            if (isinstance(v, int) or math.isfinite(v)) and v > hi:
+                raise RequestError(f"{key} must be at most {hi if kind is int else f'{hi:g}'}, got {_short(v)}.")
+            if (isinstance(v, int) or math.isfinite(v)) and v < lo:
+                raise RequestError(f"{key} must be at least {lo if kind is int else f'{lo:g}'}, got {_short(v)}.")
             return kind(v)
 
-        temperature = num("temperature", 1.0, float)
-        top_p = num("top_p", 1.0, float)
-        top_k = num("top_k", -1, int)
-        min_p = num("min_p", 0.0, float)
-        n = num("n", 1, int)
+        temperature = num("temperature", 1.0, float, -FLOAT_BOUND, FLOAT_BOUND)
+        top_p = num("top_p", 1.0, float, -FLOAT_BOUND, FLOAT_BOUND)
+        top_k = num("top_k", -1, int, -math.inf, TOP_K_ALL)  # SGLang maps -1 to TOP_K_ALL = 2^30, its largest value
+        min_p = num("min_p", 0.0, float, -FLOAT_BOUND, FLOAT_BOUND)
+        n = num("n", 1, int, 1, max_n)
         max_new = d.get("max_new_tokens", 128)
         if max_new is not None:
-            max_new = num("max_new_tokens", 128, int)
+            max_new = num("max_new_tokens", 128, int, -INT32_MAX, INT32_MAX)
         if not math.isfinite(temperature) or temperature < 0.0:
             raise RequestError(f"temperature must be a non-negative finite number, got {temperature}.")
         if not 0.0 < top_p <= 1.0:
@@ -118,16 +154,14 @@ class SamplingParams:
             raise RequestError(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
         if max_new is not None and max_new < 0:
             raise RequestError(f"max_new_tokens must be at least 0, got {max_new}.")
-        if n < 1:
-            raise RequestError(f"n must be at least 1, got {n}.")
         stop_ids = d.get("stop_token_ids") or []
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-            raise RequestError(f"stop_token_ids must be a list of integers, got {stop_ids!r}.")
+            raise RequestError(f"stop_token_ids must be a list of integers, got {_short(stop_ids)}.")
         if any(not 0 <= t < vocab_size for t in stop_ids):
-            raise RequestError(f"stop_token_ids must be in [0, {vocab_size - 1}], got {stop_ids}.")
+            raise RequestError(f"stop_token_ids must be in [0, {vocab_size - 1}], got {_short(stop_ids)}.")
         ignore_eos = d.get("ignore_eos") or False
         if not isinstance(ignore_eos, bool):
-            raise RequestError(f"ignore_eos must be a boolean, got {ignore_eos!r}.")
+            raise RequestError(f"ignore_eos must be a boolean, got {_short(ignore_eos)}.")
         if temperature < SAMPLING_EPS:  # SGLang: greedy is top_k = 1 at temperature 1
             temperature, top_k = 1.0, 1
         return cls(max_new_tokens=-1 if max_new is None else max_new, temperature=temperature, top_p=top_p,
@@ -151,6 +185,8 @@ class Sequence:
     finished_at: float = 0.0
     # Slot bookkeeping: how many positions of this sequence's KV are in the cache.
     cached_len: int = 0
+    # Tokens this sequence counts against ``max_queued_tokens`` while it waits (prompt + max_new_tokens).
+    cost: int = 0
 
     @property
     def context(self) -> list[int]:
@@ -159,6 +195,17 @@ class Sequence:
 
 class WeightLoadError(RuntimeError):
     pass
+
+
+def _regular_file(p: Path) -> None:
+    """Refuse anything but a regular file: opening a FIFO (or a device) named like a checkpoint blocks the
+    reader forever, which no later timeout can interrupt."""
+    try:
+        mode = p.stat().st_mode
+    except OSError as e:
+        raise WeightLoadError(f"cannot stat {p.name}: {e}") from e
+    if not stat.S_ISREG(mode):
+        raise WeightLoadError(f"{p.name} is not a regular file")
 
 
 def _read_state_dict(model_path: str | Path) -> dict[str, torch.Tensor]:
@@ -170,11 +217,14 @@ def _read_state_dict(model_path: str | Path) -> dict[str, torch.Tensor]:
         raise WeightLoadError(f"model_path {str(path)!r} is not a directory")
     index = path / "model.safetensors.index.json"
     if index.exists():
+        _regular_file(index)
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise WeightLoadError(f"no *.safetensors files in {str(path)!r}")
+    for name in files:
+        _regular_file(path / name)
     out: dict[str, torch.Tensor] = {}
     for name in files:
         try:
@@ -411,7 +461,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch.
         nxt = logits.argmax(dim=-1)
     else:
         scaled = logits / temps[:, None]
-        top_ks = [p.top_k if p.top_k > 0 else vocab for p in params]
+        # Clamped to the vocabulary: equivalent, and no value can overflow the int64 rank comparison.
+        top_ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
         need_filter = any(k < vocab for k in top_ks) or any(p.top_p < 1.0 or p.min_p > 0.0 for p in params)
         if not need_filter:
             nxt = _race(torch.softmax(scaled, dim=-1), generator)
@@ -443,7 +494,11 @@ class Engine:
     def __init__(self, model: torch.nn.Module, *, max_batch_size: int = 256, context_length: int = 0,
                  weight_version: str = "default", eos_token_ids: set[int] | None = None, seed: int = 0,
                  scaled_logprobs: bool = False, batch_wait_ms: float = 0.0, metrics: Any = None,
-                 max_prefill_tokens: int = 16384) -> None:
+                 max_prefill_tokens: int = 16384, max_queued_tokens: int = 0,
+                 on_death: Callable[[BaseException], None] | None = None) -> None:
+        """``max_queued_tokens``: most prompt + max_new_tokens tokens waiting for a slot (0 = 4 x slots x
+        context length); past it ``submit`` raises ``EngineBusy``. ``on_death``: called (engine thread) with
+        the exception when the engine thread dies, so the server can exit instead of answering 503 forever."""
         self.model = model.eval()
         self.device = next(model.parameters()).device
         cfg = model.config
@@ -457,6 +512,9 @@ class Engine:
         self.scaled_logprobs = scaled_logprobs
         self.batch_wait_s = batch_wait_ms / 1000.0
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_queued_tokens = max_queued_tokens or 4 * max_batch_size * self.context_length
+        self.queued_tokens = 0
+        self.on_death = on_death
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.metrics = metrics
@@ -496,7 +554,7 @@ class Engine:
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise RequestError("input_ids must be a list of integers or a list of lists of integers.")
         if any(t < 0 or t >= self.vocab_size for t in ids):
-            raise RequestError(f"The input_ids {ids} contains values greater than the vocab size ({self.vocab_size}).")
+            raise RequestError(f"The input_ids {_short(ids)} contains values greater than the vocab size ({self.vocab_size}).")
         if len(ids) >= self.context_length:
             raise RequestError(f"The input ({len(ids)} tokens) is longer than the model's context length "
                                f"({self.context_length} tokens).")
@@ -510,18 +568,33 @@ class Engine:
                 f"of tokens in the input messages or the completion to fit within the limit.")
         return ids
 
+    def admissible(self, cost: int) -> None:
+        """Raise ``EngineBusy`` unless ``cost`` more queued tokens fit under ``max_queued_tokens``: callers
+        check this before they build a request's sequences, so an oversized request allocates nothing."""
+        if cost > self.max_queued_tokens:
+            raise RequestError(f"The request needs {cost} tokens (prompts x n x (input + max_new_tokens)), more "
+                               f"than the server queues at once ({self.max_queued_tokens}, --max-queued-tokens).")
+        if self.queued_tokens + cost > self.max_queued_tokens:
+            raise EngineBusy(f"The server is busy: {self.queued_tokens} tokens are queued and this request needs "
+                             f"{cost} more (limit {self.max_queued_tokens}, --max-queued-tokens). Retry later.")
+
     def submit(self, seqs: list[Sequence]) -> None:
-        """Queue sequences; each one's ``on_done`` is called from the engine thread when it finishes."""
+        """Queue sequences; each one's ``on_done`` is called from the engine thread when it finishes.
+        Raises ``EngineBusy`` when they would push the queue past ``max_queued_tokens``."""
         if not self.alive:
             raise RuntimeError("engine is not running")
         done_now = []
         with self._cv:
+            for s in seqs:
+                s.cost = len(s.prompt_ids) + max(s.params.max_new_tokens, 0)
+            self.admissible(sum(s.cost for s in seqs))
             for s in seqs:
                 if s.params.max_new_tokens == 0:  # prefill-only in SGLang; nothing to generate here
                     s.finish = {"type": "length", "length": 0}
                     done_now.append(s)
                 else:
                     self._waiting.append(s)
+                    self.queued_tokens += s.cost
             self._cv.notify_all()
         for s in done_now:
             s.finished_at = time.time()
@@ -629,6 +702,7 @@ class Engine:
             for s in self._waiting:
                 if hit_by(s):
                     s.finish = {"type": "abort", "message": message, "status_code": None, "err_type": None}
+                    self.queued_tokens -= s.cost
                     self._done(s)
                     hit += 1
                 else:
@@ -650,6 +724,7 @@ class Engine:
                     s.retractions += 1
                     s.cached_len = 0
                     self._waiting.appendleft(s)
+                    self.queued_tokens += s.cost
             self.running = []
         self.paused = mode
 
@@ -713,6 +788,7 @@ class Engine:
             with self._cv:
                 pending = self.running + list(self._waiting)
                 self._waiting.clear()
+                self.queued_tokens = 0
                 commands = list(self._commands)
                 self._commands.clear()
             self.running = []
@@ -723,6 +799,11 @@ class Engine:
                 fut.set_exception(RuntimeError(f"engine died: {e}"))
             if self._pending_update is not None:
                 self._pending_update[2].set_result((False, f"engine died: {e}"))
+            if self.on_death is not None:
+                try:
+                    self.on_death(e)
+                except Exception:
+                    log.exception("on_death callback failed")
 
     def _admit(self) -> list[Sequence]:
         with self._cv:
@@ -740,7 +821,9 @@ class Engine:
                 ctx = len(self._waiting[0].prompt_ids) + len(self._waiting[0].output_ids)
                 if batch and tokens + ctx > self.max_prefill_tokens:
                     break
-                batch.append(self._waiting.popleft())
+                s = self._waiting.popleft()
+                self.queued_tokens -= s.cost
+                batch.append(s)
                 tokens += ctx
             return batch
 

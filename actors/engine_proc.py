@@ -52,8 +52,10 @@ def rollout_server_command(cfg: Config, actor_id: int, model_path: str, weight_v
         "--weight-version", str(weight_version),
         "--random-seed", str(cfg.run.seed * 1000 + actor_id if seed is None else seed),
         "--logprobs", e.logprobs,
+        "--weight-load-timeout-s", str(e.weight_load_timeout_s),
         "--log-level", "warning",
-    ]
+    ] + (["--bind-protection", e.bind_protection] if e.bind_protection else []) + (
+        ["--imitate-sglang", "--enable-metrics"] if e.imitate_sglang else [])
 
 
 class RolloutServerProcess:
@@ -120,6 +122,14 @@ class RolloutServerProcess:
         """Wait for the engine to exit; returns its exit code."""
         assert self.proc is not None
         return await self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL a hung engine (one that stopped answering may not honour SIGTERM); ``wait`` then returns."""
+        if self.proc is not None and self.proc.returncode is None:
+            try:
+                self.proc.kill()
+            except ProcessLookupError:
+                pass
 
     async def stop(self, grace_s: float = 10.0) -> None:
         proc, self.proc = self.proc, None

@@ -13,10 +13,20 @@ server's own message, whichever of SGLang's two error shapes it used.
 
 Weight versions: SGLang's ``weight_version`` is a string; vapo sends ``str(int)`` and parses it back.
 ``GenerateOutput.min_weight_version`` is the oldest version among the output tokens when the server reports
-them (rollout_server's ``output_weight_version_spans``: ``[[version, n_tokens], ...]`` in token order), else
-the response's ``weight_version``. For exact stamping with real SGLang, update weights without in-place pausing (SGLang
-then lets running requests finish on the old weights, so the reported version is the one that produced
-every token) or pause with ``mode="abort"`` and resubmit.
+them (SGLang 0.5.23's ``meta_info.weight_versions``: ``[{"version", "start", "end"}, ...]``; rollout_server's
+``output_weight_version_spans``: ``[[version, n_tokens], ...]``), else the response's ``weight_version``.
+
+Real SGLang 0.5.23 behaviours this client allows for (read in its ``entrypoints/http_server.py``,
+``managers/tokenizer_manager.py`` and ``scheduler_components/weight_updater.py``):
+- ``/health`` and ``/health_generate`` are one handler: a one-token generation polled once a second, 200
+  after >= 1 s, 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s); while generation is paused or weights load,
+  the probe cannot run and fails. ``health()`` therefore waits ``timeout_s`` (30 s by default) and callers
+  do not probe an engine they have paused themselves.
+- ``/update_weights_from_disk`` answers 400 when the cache flush after a completed load is refused: the
+  new weights and the scheduler's version are live, while ``/model_info``'s ``weight_version`` (the
+  tokenizer manager's) is not moved. ``served_weight_version()`` asks the scheduler (a one-token
+  generation's ``meta_info.weight_version``), which is what the worker checks after such a 400.
+- ``/get_model_info`` is deprecated for ``/model_info``; there is no ``/get_weight_version``.
 """
 
 from __future__ import annotations
@@ -137,8 +147,11 @@ def parse_output(item: dict[str, Any]) -> GenerateOutput:
             raise ValueError("output_token_logprobs token ids do not match output_ids")
     version = meta.get("weight_version")
     spans = meta.get("output_weight_version_spans")  # rollout_server extension: [[version, n_tokens], ...]
+    sg_spans = meta.get("weight_versions")  # SGLang: [{"version", "start", "end"}, ...]
     if spans:
         min_version = _min_version([v for v, _ in spans], version)
+    elif sg_spans:
+        min_version = _min_version([s.get("version") for s in sg_spans if isinstance(s, dict)], version)
     else:
         min_version = None if version is None else str(version)
     # Keep the scalar metadata only: per-token lists stay out of long-lived objects.
@@ -263,7 +276,7 @@ class SGLangClient:
 
     # ------------------------------------------------------------------ introspection
 
-    async def health(self, timeout_s: float = 5.0) -> bool:
+    async def health(self, timeout_s: float = 30.0) -> bool:
         try:
             await self._request("GET", "health", timeout_s=timeout_s)
             return True
@@ -277,20 +290,37 @@ class SGLangClient:
         except SGLangError:
             return False
 
-    async def get_model_info(self) -> dict[str, Any]:
-        _, body, _ = await self._request("GET", "get_model_info")
+    async def model_info(self, timeout_s: float | None = 30.0) -> dict[str, Any]:
+        """``/model_info``; ``/get_model_info`` (its deprecated name) only on a server without it."""
+        try:
+            _, body, _ = await self._request("GET", "model_info", timeout_s=timeout_s)
+        except SGLangError as e:
+            if e.status != 404:
+                raise
+            _, body, _ = await self._request("GET", "get_model_info", timeout_s=timeout_s)
+        if not isinstance(body, dict):
+            raise SGLangError("model_info", 200, f"not a JSON object: {str(body)[:200]}", body)
         return body
 
+    get_model_info = model_info
+
     async def get_weight_version(self) -> str | None:
-        info = await self.get_model_info()
-        v = info.get("weight_version")
+        """The tokenizer manager's weight version (``/model_info``): the one set by the last successful update."""
+        v = (await self.model_info()).get("weight_version")
         return None if v is None else str(v)
+
+    async def served_weight_version(self, timeout_s: float | None = 60.0) -> str | None:
+        """The version the scheduler generates with: one greedy token, its ``meta_info.weight_version``.
+        After an update that answered 400 this is the truth, not ``/model_info``."""
+        outs = await self.generate([0], {"max_new_tokens": 1, "temperature": 0.0}, return_logprob=False,
+                                   timeout_s=timeout_s)
+        return outs[0].weight_version
 
     async def wait_healthy(self, timeout_s: float = 120.0, poll_s: float = 0.2) -> None:
         """Poll /health until it answers 200; SGLangError after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
-            if await self.health(timeout_s=min(5.0, max(0.1, deadline - time.monotonic()))):
+            if await self.health(timeout_s=min(30.0, max(0.1, deadline - time.monotonic()))):
                 return
             if time.monotonic() >= deadline:
                 raise SGLangError("health", None, f"{self.base_url} not healthy after {timeout_s} s")

@@ -8,7 +8,9 @@ processes; actor ``i`` then talks to ``http://engine.host:engine.base_port + i``
 tp 1 use N GPUs. Every flag is a real ``sglang.launch_server`` argument (checked against
 ``python/sglang/srt/server_args.py``; the list is ``SGLANG_FLAGS_USED``). ``engine.logprobs = original``
 sets ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` so SGLang returns log_softmax(logits) before temperature, what the
-learner recomputes. The server starts at ``--weight-version 0``; the actor loads the newest published
+learner recomputes. ``--enable-metrics`` is always passed: without it SGLang has no ``/metrics``. A
+non-loopback ``engine.host`` needs ``engine.bind_protection`` (config validation refuses it otherwise).
+The server starts at ``--weight-version 0``; the actor loads the newest published
 weights through ``/update_weights_from_disk`` before it generates.
 """
 
@@ -22,7 +24,7 @@ from common.config import Config, ConfigError, load_config_args
 # Flags this module emits, as named in SGLang's ServerArgs (field name -> --kebab-case flag).
 SGLANG_FLAGS_USED = (
     "--model-path", "--host", "--port", "--tp-size", "--mem-fraction-static", "--dtype",
-    "--random-seed", "--weight-version", "--context-length",
+    "--random-seed", "--weight-version", "--context-length", "--enable-metrics",
 )
 _DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -53,6 +55,7 @@ def sglang_command(cfg: Config, index: int) -> tuple[list[str], dict[str, str]]:
         "--dtype", _DTYPE[cfg.model.dtype],
         "--random-seed", str(cfg.run.seed * 1000 + index),
         "--weight-version", "0",
+        "--enable-metrics",  # SGLang serves /metrics only with it (observability args): Prometheus' engine job
     ]
     if e.context_length > 0:
         argv += ["--context-length", str(e.context_length)]

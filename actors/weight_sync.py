@@ -1,15 +1,17 @@
 """Weight watcher: learns about new policy versions from the learner and checks them before use.
 
-Not a CLI; ``actors.worker`` runs one per worker (DESIGN.md §1, §4):
+Not a CLI; ``actors.worker`` runs one per worker:
 
 - SUB on ``learner.publish_addr`` receives every ``WeightUpdate`` the learner publishes.
 - REQ on ``learner.query_addr`` asks ``WeightQuery`` at start, after an engine restart and every
   ``actors.weight_poll_s`` (ZeroMQ PUB drops messages silently: before the SUB is connected, past the
-  high-water mark — PITFALLS Systems 1 — so the poll is what makes delivery certain). A REQ that gets no
+  high-water mark, so the poll is what makes delivery certain). A REQ that gets no
   answer within ``actors.weight_query_timeout_s`` is closed and recreated (lazy pirate); no learner yet
   means no update (the worker serves the base model as version 0).
 - ``verify_update`` recomputes ``common.checksum.weights_sha256`` of the update's directory and compares
-  it with ``WeightUpdate.sha256`` before any engine is told to load it (PITFALLS Systems 3).
+  it with ``WeightUpdate.sha256`` before any engine is told to load it; ``verify_tensors`` then checks
+  that every tensor of the base model is there with its shape and that none holds NaN/Inf (engines load
+  partial or non-finite weight sets without complaint).
 
 Both sockets use the buffer's CurveZMQ client keys (``buffer.curve``) when configured, like the learner's
 publisher.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -46,6 +49,51 @@ def verify_update(update: Any) -> tuple[str, str] | None:
         return "missing", f"cannot read {update.path}: {e}"
     if digest != update.sha256:
         return "checksum", f"sha256 of {update.path} is {digest}, WeightUpdate v{update.version} says {update.sha256}"
+    return None
+
+
+def checkpoint_tensors(model_path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in an HF safetensors directory, from the file headers only."""
+    from safetensors import safe_open
+
+    out: dict[str, tuple[int, ...]] = {}
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                out[name] = tuple(st.get_slice(name).get_shape())
+    return out
+
+
+def verify_tensors(path: str | Path, expected: dict[str, tuple[int, ...]]) -> tuple[str, str] | None:
+    """None when the weights at ``path`` hold every tensor of ``expected`` with its shape, all finite;
+    else ``(reason, message)``. SGLang loads whatever names it finds and copies NaN without a word, so
+    a partial or diverged export would be served silently; this is the check it does not do.
+
+    Reasons: ``missing_tensors``, ``shape``, ``non_finite``, ``unreadable``.
+    """
+    import torch
+    from safetensors import safe_open
+
+    try:
+        found = checkpoint_tensors(path)
+    except Exception as e:  # truncated header, not safetensors, unreadable
+        return "unreadable", f"cannot read the safetensors headers in {path}: {e}"
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        return "missing_tensors", f"{len(missing)} tensors of the model are not in {path}: {missing[:5]}"
+    bad_shape = [n for n in expected if tuple(found[n]) != tuple(expected[n])]
+    if bad_shape:
+        n = bad_shape[0]
+        return "shape", f"{n} has shape {found[n]} in {path}, the model's is {expected[n]}"
+    for f in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118
+                    t = st.get_tensor(name)
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        return "non_finite", f"{name} in {f} holds NaN or Inf values"
+        except Exception as e:
+            return "unreadable", f"cannot read {f}: {e}"
     return None
 
 
@@ -152,4 +200,4 @@ class WeightWatcher:
             self.ctx.term()
 
 
-__all__ = ["WeightWatcher", "verify_update"]
+__all__ = ["WeightWatcher", "checkpoint_tensors", "verify_tensors", "verify_update"]

@@ -57,7 +57,7 @@ import numpy as np
 from actors.cursor import PromptCursor, group_id_for
 from actors.engine_proc import EngineStartError, RolloutServerProcess
 from actors.sglang_client import GenerateOutput, SGLangClient, SGLangError
-from actors.weight_sync import WeightWatcher, verify_update
+from actors.weight_sync import WeightWatcher, checkpoint_tensors, verify_tensors, verify_update
 from buffer.client import AsyncGroupSender
 from common.config import Config
 from common.metrics import Metrics
@@ -78,6 +78,14 @@ def emit_tagged(tag: str, obj: dict[str, Any]) -> None:
 
 class WorkerError(RuntimeError):
     """A condition the worker cannot recover from (engine restarts exhausted, bad engine output)."""
+
+
+def generate_timeout_s(cfg: Config) -> float:
+    """``actors.generate_timeout_s``, or with 0 the time a ``max_new_tokens`` generation needs at the
+    slowest decode rate still counted as progress: a fixed constant would abandon (and resubmit, forever)
+    every long generation."""
+    a = cfg.actors
+    return a.generate_timeout_s or a.generate_timeout_base_s + a.max_new_tokens / a.min_tokens_per_s
 
 
 def engine_url(cfg: Config, actor_id: int) -> str | None:
@@ -117,6 +125,8 @@ class RolloutWorker:
         self.sync_latencies: list[float] = []
         self.credit_wait_s = 0.0
         self.weight_wait_s = 0.0
+        self.generate_timeout_s = generate_timeout_s(cfg)
+        self._expected: dict[str, tuple[int, ...]] | None = None  # base model's tensor shapes, read once
         self._version_changed = asyncio.Event()  # replaced (and the old one set) on every version change
         self.in_flight = 0
         self._started = time.monotonic()
@@ -216,7 +226,8 @@ class RolloutWorker:
             tasks = [loop.create_task(self.watcher.run(), name="weights"),
                      loop.create_task(self._sync_loop(), name="sync"),
                      loop.create_task(self._supervise(), name="supervise"),
-                     loop.create_task(self._report_loop(), name="report")]
+                     loop.create_task(self._report_loop(), name="report"),
+                     loop.create_task(self._watch_health(), name="health")]
             self.watcher.changed.set()  # apply anything newer than what the engine started with
             prompts = [loop.create_task(self._prompt_loop(), name=f"prompt-{i}") for i in range(self.a.prompts_in_flight)]
             tasks += prompts
@@ -232,7 +243,7 @@ class RolloutWorker:
                     if exc is not None:
                         log.error("task %s failed", t.get_name(), exc_info=exc)
                         self._fail(f"task {t.get_name()} failed: {type(exc).__name__}: {exc}")
-                    elif t in tasks[:4]:
+                    elif t in tasks[:5]:
                         self._fail(f"task {t.get_name()} ended unexpectedly")
             for w in waiters:
                 w.cancel()
@@ -261,11 +272,20 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ engine
 
+    def _verify(self, upd: Any) -> tuple[str, str] | None:
+        """Checksum, then (``actors.verify_tensors``) names, shapes and finiteness; blocking (a thread)."""
+        bad = verify_update(upd)
+        if bad is None and self.a.verify_tensors:
+            if self._expected is None:
+                self._expected = checkpoint_tensors(self.cfg.model.path)
+            bad = verify_tensors(upd.path, self._expected)
+        return bad
+
     def _newest_verified(self) -> tuple[int, str]:
         """(version, path) to start an engine with: the newest announced weights that verify, else current."""
         upd = self.watcher.latest
         if upd is not None and upd.version > self.version and upd.version not in self.refused:
-            bad = verify_update(upd)
+            bad = self._verify(upd)
             if bad is None:
                 return upd.version, upd.path
             self._refuse(upd, *bad)
@@ -282,10 +302,10 @@ class RolloutWorker:
                                                    self.cfg.run_dir / "logs" / f"engine-{self.actor_id}.log")
             version, path = await asyncio.to_thread(self._newest_verified)
             url = await self.engine.start(path, version)
-            self.client = SGLangClient(url, timeout_s=self.a.generate_timeout_s)
+            self.client = SGLangClient(url, timeout_s=self.generate_timeout_s)
             self._set_version(version, path)
             return
-        self.client = SGLangClient(url, timeout_s=self.a.generate_timeout_s)
+        self.client = SGLangClient(url, timeout_s=self.generate_timeout_s)
         await self.client.wait_healthy(self.cfg.engine.startup_timeout_s)
         served = _as_version(await self.client.get_weight_version())
         self._set_version(served, self.model_path if served == self.version else self.cfg.model.path)
@@ -323,6 +343,38 @@ class RolloutWorker:
                 self._gate.set()
             self.watcher.changed.set()
 
+    async def _watch_health(self) -> None:
+        """Liveness beyond process exit: an engine whose scheduler hung (or a remote one that stopped
+        answering) fails ``/health``. ``engine.health_failures`` consecutive failures, one probe every
+        ``engine.health_interval_s`` of at most ``engine.health_timeout_s`` each, count as dead: our own
+        rollout_server is killed (its supervisor restarts it), a remote engine is waited for and re-synced.
+        No probe counts while this worker pauses, updates or restarts the engine: SGLang's /health runs a
+        generation, which cannot run then."""
+        e = self.cfg.engine
+        failures = 0
+        while True:
+            await asyncio.sleep(e.health_interval_s)
+            client = self.client
+            if client is None or not self._gate.is_set() or self._control.locked():
+                failures = 0
+                continue
+            ok = await client.health(e.health_timeout_s)
+            if ok or self._control.locked() or client is not self.client:
+                failures = 0
+                continue
+            failures += 1
+            log.warning("actor %d: engine %s failed /health (%d/%d)", self.actor_id, client.base_url, failures,
+                        e.health_failures)
+            if failures < e.health_failures:
+                continue
+            failures = 0
+            if self.engine is not None and self.engine.running():
+                log.error("actor %d: engine (pid %s) failed %d /health probes in a row; killing it to restart it",
+                          self.actor_id, self.engine.pid, e.health_failures)
+                self.engine.kill()
+            else:
+                self._trouble.set()
+
     async def _supervise_remote(self) -> None:
         """An engine we do not own stopped answering or went back to older weights (it was restarted):
         wait for it, then re-sync the newest weights before generating again."""
@@ -331,7 +383,7 @@ class RolloutWorker:
             await self._trouble.wait()
             self._trouble.clear()
             async with self._control:
-                if not await self.client.health():
+                if not await self.client.health(self.cfg.engine.health_timeout_s):
                     self._gate.clear()
                     log.warning("actor %d: engine %s unreachable; waiting for it", self.actor_id, self.client.base_url)
                     try:
@@ -388,7 +440,7 @@ class RolloutWorker:
         upd = self.watcher.latest
         if upd is None or upd.version <= self.version or upd.version in self.refused:
             return False
-        bad = await asyncio.to_thread(verify_update, upd)
+        bad = await asyncio.to_thread(self._verify, upd)
         if bad is not None:
             self._refuse(upd, *bad)
             return False
@@ -411,14 +463,31 @@ class RolloutWorker:
                 log.warning("actor %d: weight update v%d failed, engine unreachable: %s", self.actor_id, upd.version, e)
                 self._trouble.set()
                 return False
-            self._refuse(upd, "load_error", e.message)
-            return False
+            if not await self._served_anyway(client, upd, e):
+                self._refuse(upd, "load_error", e.message)
+                return False
         latency = max(0.0, time.time() - upd.created_at)
         self._set_version(upd.version, upd.path)
         self.counts["weight_syncs"] += 1
         self.sync_latencies.append(latency)
         self._m("weight_sync_seconds").observe(latency)
         log.info("actor %d: serving weights v%d (%.3f s after publish)", self.actor_id, upd.version, latency)
+        return True
+
+    async def _served_anyway(self, client: SGLangClient, upd: Any, e: SGLangError) -> bool:
+        """After an update answered with an error: True when the engine generates with ``upd`` anyway.
+        SGLang answers 400 when the cache flush after a completed load is refused (requests still queued),
+        with the new weights live: refusing that version would misstamp every sample from then on."""
+        try:
+            served = await client.served_weight_version(timeout_s=self.generate_timeout_s)
+        except SGLangError as e2:
+            log.warning("actor %d: cannot ask the engine which weights it serves after a failed update: %s",
+                        self.actor_id, e2)
+            return False
+        if _as_version(served) != upd.version:
+            return False
+        log.warning("actor %d: engine answered %s to the update to v%d but generates with it; accepting v%d",
+                    self.actor_id, e, upd.version, upd.version)
         return True
 
     # ------------------------------------------------------------------ prompts
@@ -526,7 +595,7 @@ class RolloutWorker:
             assert client is not None
             t0 = time.monotonic()
             try:
-                outs = await client.generate(ids, sp, return_logprob=True, timeout_s=self.a.generate_timeout_s)
+                outs = await client.generate(ids, sp, return_logprob=True, timeout_s=self.generate_timeout_s)
             except SGLangError as e:
                 if e.status is not None and 400 <= e.status < 500:
                     log.error("actor %d: engine refused prompt %d (%s): %s; skipping it", self.actor_id, index,

@@ -14,6 +14,7 @@ field with its documentation.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import sys
 import types
 import typing
@@ -98,15 +99,21 @@ class ModelConfig:
 class EngineConfig:
     kind: str = f("rollout_server", "engine: rollout_server (CPU/CUDA, ours) | sglang (GPU) | external")
     urls: list[str] = f([], "kind=external: engine base URLs to use as given (one actor each)")
-    host: str = f("127.0.0.1", "bind address of engines started by vapo")
+    host: str = f("127.0.0.1", "bind address of engines started by vapo (non-loopback needs engine.bind_protection)")
+    bind_protection: str = f("", "non-loopback engine.host only: how its unauthenticated control API port is protected: firewall | private_network | auth_proxy (empty = refuse such binds)")
     base_port: int = f(30000, "first engine port; engine i listens on base_port + i")
     max_batch_size: int = f(256, "rollout_server: most sequences decoded together")
     batch_wait_ms: float = f(2.0, "rollout_server: how long to gather concurrent requests into a batch")
     threads: int = f(1, "rollout_server: torch threads per engine process")
     context_length: int = f(0, "rollout_server: longest prompt + response per sequence (0 = model max_position_embeddings)")
     logprobs: str = f("original", "rollout_server: original = log_softmax(logits) as the learner computes | scaled = by 1/T (SGLang default)")
-    startup_timeout_s: float = f(120.0, "seconds to wait for an engine's /health before giving up")
+    startup_timeout_s: float = f(600.0, "seconds to wait for an engine to load and answer /health; SGLang loading a 32B checkpoint (plus CUDA graphs) takes minutes: allow ~60 s + 30 s per 10 GB of weights")
     max_restarts: int = f(3, "restarts of a dead engine before the actor gives up")
+    health_interval_s: float = f(10.0, "seconds between an actor's /health probes of its engine (none while it pauses or updates it)")
+    health_timeout_s: float = f(30.0, "one /health probe's deadline; SGLang 0.5.23 runs a one-token generation for /health and gives up after 20 s")
+    health_failures: int = f(3, "consecutive failed /health probes after which the engine counts as dead: restarted (rollout_server) or waited for")
+    weight_load_timeout_s: float = f(600.0, "rollout_server: reading and checking a checkpoint for /update_weights_from_disk must finish within this")
+    imitate_sglang: bool = f(False, "rollout_server test mode: behave as real SGLang 0.5.23 (slow /health blocking while paused or loading, 400 after a load whose cache flush is refused, /model_info, meta_info.weight_versions)")
     sglang_mem_fraction_static: float = f(0.8, "sglang: --mem-fraction-static")
     sglang_tp_size: int = f(1, "sglang: --tp-size")
     sglang_extra_args: list[str] = f([], "sglang: extra command-line arguments for sglang.launch_server")
@@ -128,7 +135,10 @@ class ActorsConfig:
     weight_poll_s: float = f(5.0, "seconds between WeightQuery polls (catches a WeightUpdate the PUB socket dropped)")
     weight_wait_s: float = f(30.0, "longest a granted prompt waits for the engine to serve the grant's announced learner version (0 = never wait)")
     weight_query_timeout_s: float = f(2.0, "seconds to wait for the learner's WeightQuery answer (none = keep current weights)")
-    generate_timeout_s: float = f(600.0, "seconds before a /generate call is abandoned and the prompt resubmitted")
+    generate_timeout_s: float = f(0.0, "seconds before a /generate call is abandoned and the prompt resubmitted (0 = auto: generate_timeout_base_s + max_new_tokens / min_tokens_per_s)")
+    generate_timeout_base_s: float = f(120.0, "generate_timeout_s = 0: the fixed part (queueing, prefill)")
+    min_tokens_per_s: float = f(5.0, "generate_timeout_s = 0: the slowest decode rate per sequence still counted as progress")
+    verify_tensors: bool = f(True, "before loading published weights, check that every tensor of model.path is present with its shape and finite (reads the weights once)")
     max_worker_restarts: int = f(3, "python -m actors without --actor-id: restarts of a crashed worker process")
 
 
@@ -278,12 +288,22 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "engine.kind": ("rollout_server", "sglang", "external"),
     "engine.logprobs": ("original", "scaled"),
+    "engine.bind_protection": ("", "firewall", "private_network", "auth_proxy"),
     "actors.weight_sync": ("wait", "abort"),
     "learner.precision": ("fp32", "bf16", "fp16"),
     "learner.off_policy": ("behaviour", "decoupled"),
     "algo.advantage": ("gae", "grpo"),
     "algo.loss_agg": ("token_mean", "seq_mean"),
 }
+
+
+def _is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _validate(cfg: Config) -> None:
@@ -303,6 +323,14 @@ def _validate(cfg: Config) -> None:
         ("actors.weight_poll_s", cfg.actors.weight_poll_s > 0, "must be > 0"),
         ("actors.weight_wait_s", cfg.actors.weight_wait_s >= 0, "must be >= 0"),
         ("actors.send_timeout_s", cfg.actors.send_timeout_s > 0, "must be > 0"),
+        ("actors.generate_timeout_s", cfg.actors.generate_timeout_s >= 0, "must be >= 0 (0 = auto)"),
+        ("actors.min_tokens_per_s", cfg.actors.min_tokens_per_s > 0, "must be > 0"),
+        ("engine.health_failures", cfg.engine.health_failures >= 1, "must be >= 1"),
+        ("engine.health_interval_s", cfg.engine.health_interval_s > 0, "must be > 0"),
+        ("engine.health_timeout_s", cfg.engine.health_timeout_s > 0, "must be > 0"),
+        ("engine.host", _is_loopback_host(cfg.engine.host) or bool(cfg.engine.bind_protection),
+         f"{cfg.engine.host!r} is not a loopback address: the engine's control API (/update_weights_from_disk, /pause_generation) has "
+         "no authentication; bind 127.0.0.1 or set engine.bind_protection (firewall | private_network | auth_proxy)"),
         ("buffer.max_staleness", cfg.buffer.max_staleness >= 0, "must be >= 0"),
         ("buffer.capacity_groups", cfg.buffer.capacity_groups >= 1, "must be >= 1"),
         ("buffer.capacity_bytes", cfg.buffer.capacity_bytes >= 1, "must be >= 1"),

@@ -123,8 +123,23 @@ def test_validate_prompt_and_bad_weights(model: torch.nn.Module, tmp_path: Path)
         engine.shutdown()
 
 
+def test_huge_top_k_cannot_overflow_the_sampler() -> None:
+    """top_k far past the vocabulary (validation caps it at 2^30; the sampler clamps whatever it gets)
+    beside a top-p row: no int64 overflow, and it samples like top_k = -1."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(2, 1)
+    toks, _ = sample(logits, [SamplingParams(top_k=2**63 + 5), SamplingParams(top_p=0.5)], torch.Generator(), False)
+    assert toks[1] == 0 and 0 <= toks[0] < 4
+    with pytest.raises(RequestError, match="top_k must be at most 1073741824"):
+        SamplingParams.from_dict({"top_k": 2**63}, 4)
+    with pytest.raises(RequestError, match="n must be at most 4"):
+        SamplingParams.from_dict({"n": 5}, 4, max_n=4)
+    with pytest.raises(RequestError, match="temperature must be at most 1e"):
+        SamplingParams.from_dict({"temperature": 10**400}, 4)
+
+
 def test_engine_failure_answers_every_caller(model: torch.nn.Module) -> None:
-    engine = Engine(model, max_batch_size=2)
+    deaths: list[BaseException] = []
+    engine = Engine(model, max_batch_size=2, on_death=deaths.append)
     try:
         def boom(*_a, **_k):
             raise RuntimeError("simulated forward failure")
@@ -133,6 +148,7 @@ def test_engine_failure_answers_every_caller(model: torch.nn.Module) -> None:
         seqs = run(engine, [seq([5, 6, 7], max_new_tokens=4) for _ in range(5)])
         assert all(s.finish and s.finish["type"] == "abort" and "simulated" in s.finish["message"] for s in seqs)
         assert not engine.alive
+        assert [str(e) for e in deaths] == ["simulated forward failure"]  # the server exits on this
         with pytest.raises(RuntimeError, match="not running"):
             engine.submit([seq([5], max_new_tokens=1)])
     finally:

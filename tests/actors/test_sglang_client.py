@@ -48,6 +48,16 @@ def test_min_weight_version_from_per_token_versions() -> None:
     assert o.weight_version == "11" and o.min_weight_version == "9" and o.weight_version_int == 9
 
 
+def test_min_weight_version_from_sglang_weight_versions_spans() -> None:
+    """SGLang 0.5.23 (utils/weight_versions.py add_weight_versions_to_meta_info): per-version token ranges;
+    weight_version is the last range's."""
+    item = json.loads(json.dumps(FIXTURE["generate_response_batched"][1]))
+    item["meta_info"]["weight_versions"] = [{"version": "4", "start": 0, "end": 3}, {"version": "5", "start": 3, "end": 4}]
+    item["meta_info"]["weight_version"] = "5"
+    (o,) = parse_generate_response(item)
+    assert o.weight_version == "5" and o.min_weight_version == "4" and o.weight_version_int == 4
+
+
 def test_parse_rejects_inconsistent_logprobs() -> None:
     item = json.loads(json.dumps(FIXTURE["generate_response_batched"][0]))
     item["meta_info"]["output_token_logprobs"] = item["meta_info"]["output_token_logprobs"][:2]

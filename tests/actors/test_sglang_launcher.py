@@ -19,6 +19,8 @@ SGLANG_SERVER_ARGS = {
     "--host", "--port", "--model-path", "--tokenizer-path", "--skip-tokenizer-init", "--load-format",
     "--context-length", "--dtype", "--mem-fraction-static", "--max-running-requests", "--max-prefill-tokens",
     "--tp-size", "--random-seed", "--weight-version",
+    # SGLang 0.5.23 arg_groups/fields/observability.py: enable_metrics (without it there is no /metrics)
+    "--enable-metrics",
 }
 SGLANG_DTYPES = {"auto", "half", "float16", "bfloat16", "float", "float32"}
 
@@ -45,7 +47,7 @@ def test_one_engine_per_gpu_group_with_real_flag_names() -> None:
         assert flags == {
             "--model-path": "/models/qwen", "--host": "127.0.0.1", "--port": str(31000 + i), "--tp-size": "2",
             "--mem-fraction-static": "0.5", "--dtype": "bfloat16", "--random-seed": str(7000 + i),
-            "--weight-version": "0", "--context-length": "4096",
+            "--weight-version": "0", "--context-length": "4096", "--enable-metrics": "",
         }
         assert flags["--dtype"] in SGLANG_DTYPES
         assert env == {"CUDA_VISIBLE_DEVICES": ["0,1", "2,3"][i], "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}

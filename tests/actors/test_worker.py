@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -174,6 +175,35 @@ def test_killed_engine_is_restarted_with_newest_weights_and_no_prompt_is_lost_or
     starts = [ln for ln in (s.run_dir / "logs" / "engine-0.log").read_text().splitlines() if ln.startswith("=== ")]
     assert len(starts) == 2 and all(f"--model-path {v1_dir} " in ln and "--weight-version 1 " in ln for ln in starts)
     _check_shard_once(s, groups, M, version=1)
+
+
+def test_engine_that_stops_answering_health_is_killed_and_restarted(stack, tmp_path: Path) -> None:
+    """A live engine process that no longer answers (here SIGSTOPped; a hung scheduler looks the same) is
+    found by /health, not by its exit, and restarted; its prompts are generated again, none lost."""
+    M = 8
+    s = stack("actors.group_size=2", "actors.max_new_tokens=8", "actors.prompts_in_flight=2", f"actors.max_prompts={M}",
+              "engine.health_interval_s=0.3", "engine.health_timeout_s=1", "engine.health_failures=3",
+              "learner.batch_groups=4", "buffer.max_staleness=1")  # the run cannot end before the test drains
+    s.start_buffer()
+    with FakeLearner(s.publish, s.query):
+        p = s.start_actors("--actor-id", "0")
+        ready = read_tagged(p, "ACTOR READY", 120, s.tmp / "actors.log")
+        hung = ready["engine_pid"]
+        try:
+            wait_for(lambda: s.cursor(0)["next"] >= 2, 60, "two prompts taken")
+            os.kill(hung, signal.SIGSTOP)
+            wait_for(lambda: s.worker_state(0).get("engine_pid") not in (None, hung), 60, "a new engine")
+            wait_for(lambda: not Path(f"/proc/{hung}").exists() or "Z" in Path(f"/proc/{hung}/stat").read_text().split()[2],
+                     30, "the hung engine gone")
+            groups = s.drain_until(lambda: p.poll() is not None, 150)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hung, signal.SIGKILL)
+        done = read_tagged(p, "ACTOR DONE", 30, s.tmp / "actors.log")
+        assert p.wait(timeout=30) == 0
+    assert done["fatal"] is None and done["engine_restarts"] == 1 and done["prompts_done"] == M
+    assert "failed 3 /health probes in a row" in (s.tmp / "actors.log").read_text()
+    _check_shard_once(s, groups, M, version=0)
 
 
 def _check_shard_once(s: Stack, groups: list, m: int, version: int) -> None:
