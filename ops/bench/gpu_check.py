@@ -1,12 +1,15 @@
-"""GPU check: the whole pipeline (bootstrap, rollout_server engine, actor, buffer, DeepSpeed learner) on one GPU
-with a larger embedded model, in one command; prints one JSON line of figures.
+"""GPU check: the whole pipeline (bootstrap, SGLang-API engine, actor, buffer, DeepSpeed learner) on one GPU
+with a larger embedded model and, when 2+ GPUs are visible, again with a 2-rank ZeRO-3 learner, in one
+command; prints one JSON line of figures.
 
-    .venv/bin/python ops/bench/gpu_check.py                      # CUDA: hidden 512, 8 layers, 20 RL steps
+    ops/setup.sh --cuda && .venv/bin/python ops/bench/gpu_check.py   # CUDA: hidden 512, 8 layers, 20 RL steps
     .venv/bin/python ops/bench/gpu_check.py --device cpu --hidden 32 --layers 1 --sft-steps 20 --steps 2
-                                                                 # the same steps on CPU (checks this script)
+                                                                      # the same steps on CPU (checks this script)
 
-It runs ``ops/launch.sh ops/configs/default.yaml`` with ``run.device``, ``DS_ACCELERATOR`` and the bootstrap
-size overridden, under ``--root`` (default ``runs/gpu_check``), then reads the run directory: SFT speed,
+It runs ``ops/launch.sh ops/configs/default.yaml`` with ``run.device``, the placement (engine and learner on
+GPU 0, ``placement.share_gpus``; the 2-rank run puts learner ranks on GPUs 0 and 1, ZeRO-3, evaluation on the
+engine) and the bootstrap size overridden, under ``--root`` (default ``runs/gpu_check``), then reads the run
+directory: SFT speed,
 learner seconds per step by phase and tokens/s, the actor's samples/s and weight-sync latency, held-out
 accuracy before and after, and whether the engine and learner really ran on the device (engine command
 line, SFT record). The figures go into an issue note; there is no same-run baseline because the reference
@@ -32,12 +35,19 @@ sys.path.insert(0, str(ROOT / "ops"))
 from report import load_records  # noqa: E402  (ops/report.py: metrics.jsonl, crash-cut lines skipped)
 
 
-def overrides(a: argparse.Namespace) -> list[str]:
-    name = f"{a.device}-h{a.hidden}-l{a.layers}"
+def overrides(a: argparse.Namespace, ranks: int = 1) -> list[str]:
+    base = f"{a.device}-h{a.hidden}-l{a.layers}"
+    name = base if ranks == 1 else f"{base}-r{ranks}"
     heads = max(1, a.hidden // 64)
+    placement = []
+    if a.device == "cuda":
+        placement = [f"placement.gpus_per_host={max(ranks, 1)}", "placement.engine_gpus=0",
+                     f"placement.learner_gpus=0-{ranks - 1}" if ranks > 1 else "placement.learner_gpus=0",
+                     "placement.share_gpus=true"]
+    multi = ["learner.zero_stage=3", "learner.eval_via=engine"] if ranks > 1 else []
     return [
         f"run.root={a.root}", f"run.name={name}", f"run.device={a.device}", f"run.seed={a.seed}",
-        f"model.path={a.root}/_base/{name}", f"model.dtype={'bfloat16' if a.device == 'cuda' else 'float32'}",
+        f"model.path={a.root}/_base/{base}", *placement, *multi, f"model.dtype={'bfloat16' if a.device == 'cuda' else 'float32'}",
         f"model.bootstrap.hidden_size={a.hidden}", f"model.bootstrap.num_layers={a.layers}",
         f"model.bootstrap.num_heads={heads}", f"model.bootstrap.num_kv_heads={max(1, heads // 2)}",
         f"model.bootstrap.intermediate_size={3 * a.hidden}", f"model.bootstrap.max_steps={a.sft_steps}",
@@ -109,8 +119,27 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(out))
             return 2
         out["gpu"] = torch.cuda.get_device_name(0)
-    ov = overrides(a)
-    env = {**os.environ, "DS_ACCELERATOR": a.device}
+    out.update(launch(a, 1))
+    n_gpus = torch.cuda.device_count() if a.device == "cuda" else 0
+    if n_gpus >= 2 and out.get("ok"):
+        # Two learner ranks: NCCL + gloo process group, ZeRO-3 partitions, rank-0-only weight export,
+        # evaluation on the engine (the paths a multi-GPU run takes that one GPU cannot show).
+        two = launch(a, 2)
+        out["two_ranks"] = {k: two.get(k) for k in ("ok", "launch_rc", "wall_seconds", "learner_steps",
+                                                    "learner_step_seconds", "learner_tokens_per_s",
+                                                    "heldout_avg_at_k", "launch_tail") if k in two}
+        out["ok"] = bool(out["ok"]) and bool(two.get("ok"))
+    elif a.device == "cuda":
+        out["two_ranks"] = f"skipped: {n_gpus} GPU visible"
+    print(json.dumps(out))
+    return 0 if out["ok"] else 1
+
+
+def launch(a: argparse.Namespace, ranks: int) -> dict[str, Any]:
+    """One ``ops/launch.sh`` run with ``ranks`` learner ranks; its figures (``ok`` = finished on the device)."""
+    out: dict[str, Any] = {}
+    ov = overrides(a, ranks)
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}  # the launcher sets it per process
     t0 = time.time()
     try:
         p = subprocess.run([str(ROOT / "ops" / "launch.sh"), "ops/configs/default.yaml", *ov], cwd=ROOT, env=env,
@@ -120,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         rc, tail = 124, str(e.stdout or "")[-3000:]
     out["launch_rc"], out["wall_seconds"] = rc, round(time.time() - t0, 1)
     name = next(x.split("=", 1)[1] for x in ov if x.startswith("run.name="))
-    run_dir, model_dir = Path(a.root) / name, Path(a.root) / "_base" / name
+    base = next(x.split("=", 1)[1] for x in ov if x.startswith("model.path="))
+    run_dir, model_dir = Path(a.root) / name, Path(base)
     if not run_dir.is_absolute():
         run_dir, model_dir = ROOT / run_dir, ROOT / model_dir
     try:
@@ -130,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     out["ok"] = bool(out.get("ok")) and rc == 0
     if not out["ok"]:
         out["launch_tail"] = tail
-    print(json.dumps(out))
-    return 0 if out["ok"] else 1
+    return out
 
 
 if __name__ == "__main__":
