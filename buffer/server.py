@@ -27,9 +27,9 @@ Sockets (one thread, one ``zmq.Poller``):
 
 The learner version is durable and only the learner should move it: every group older than it minus
 ``max_staleness`` is dropped for good. A ``BatchRequest`` may raise it at most
-``buffer.learner_version_max_step`` past ``served_version``, the learner version at which the last full
-learner batch (``n_groups >= learner.batch_groups``) was served; the honest learner asks for version v+1
-only after its batch at v was served. Anything higher is refused (``ErrorReply(reason="learner_version")``)
+``buffer.learner_version_max_step`` past ``served_version``, the learner version that the last full
+learner batch served (``n_groups >= learner.batch_groups``) was requested with; the honest learner asks for
+version v+1 only after its batch at v was served, so a client can run at most that step ahead of it. Anything higher is refused (``ErrorReply(reason="learner_version")``)
 and nothing is recorded. A lower version than the stored one is served under the stored one (a learner
 resumed from an older checkpoint). ``python -m buffer.inspect PATH --set-learner-version N`` repairs it
 while the server is stopped.
@@ -776,11 +776,12 @@ class BufferServer:
         self._wait_writer()
         req = w.req
         min_version = max(0, self.learner_version - self.k)
-        # Only a full learner batch advances served_version: the learner version may then rise one step.
+        # Only a full learner batch moves served_version, to the version the request carried (not the stored
+        # one, which another client may have raised a step: recording that would let it drift a step per batch).
         full = req.n_groups >= min(self.batch_groups, self.max_batch_groups)
         try:
             frames, dropped = self.store.take_groups(
-                req.n_groups, min_version, served_version=self.learner_version if full else None)
+                req.n_groups, min_version, served_version=req.learner_version if full else None)
         except StorageError as e:
             self.m.storage_errors.labels(reason=e.reason).inc()
             del self._waits[w.ident]

@@ -16,8 +16,9 @@ Databases:
 - ``pindex``: blake2b-128(len(prompt) | prompt ids | output ids) -> positives key (deduplication).
 - ``meta``: named signed 64-bit counters (depth, totals, learner version, sequence numbers) written in the
   same transaction as the data they describe, so they are exact after any crash; the server re-seeds its
-  admission control from them on start. ``served_version`` is the learner version at which the last full
-  learner batch was served: the server lets a client raise the learner version only a bounded step past it.
+  admission control from them on start. ``served_version`` is the learner version that the last full
+  learner batch served was requested with: the server lets a client raise the learner version only a
+  bounded step past it.
 
 A running server holds an exclusive ``flock`` on ``server.lock`` in the directory (:func:`lock_server`), so a
 second server, or an offline repair (:func:`repair_learner_version`), cannot write under it.
@@ -67,7 +68,7 @@ COUNTERS = (
     "filtered",  # groups refused by a filter
     "duplicates",  # re-sent group_ids
     "learner_version",  # newest learner version seen
-    "served_version",  # learner version when the last full learner batch was served
+    "served_version",  # learner version the last full learner batch served was requested with
     "pos_next", "pos_head",  # positives key range
     "positives_duplicates", "positives_evicted",
 )

@@ -82,6 +82,21 @@ def test_a_client_cannot_poison_the_learner_version_and_an_operator_can_repair_i
     assert h.returncode == 0 and "--set-learner-version" in h.stdout and "stopped" in h.stdout
 
 
+def test_a_client_running_ahead_of_the_learner_cannot_make_the_version_drift(buffer_proc: Any) -> None:
+    # With a step of 2 a client may run 2 ahead of the learner's last served request, but never further:
+    # served_version follows the version the learner's batches were requested with, not the raised one.
+    srv = buffer_proc(["learner.batch_groups=1", "buffer.max_staleness=5", "buffer.learner_version_max_step=2"])
+    with GroupSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr, request_timeout_s=10) as c:
+        for step in range(4):
+            s.send(make_group(f"g{step}", version=step), timeout_s=10)
+            assert len(c.get_batch(step, 1, 5).groups) == 1  # the learner's own step
+            with pytest.raises(TimeoutError):
+                c.get_batch(step + 2, 2, 0.05)  # the client: as far ahead as allowed (nothing to serve)
+            with pytest.raises(ProtocolError, match="learner_version"):
+                c.get_batch(step + 3, 2, 0.05)  # one more is refused, at every step
+        assert c.stats()["learner_version"] == 5  # the learner's 3 + 2
+
+
 # ------------------------------------------------------------------------------------------ serve loop
 
 
@@ -220,3 +235,18 @@ def test_a_busy_metrics_port_is_named_in_the_error(tmp_path: Path) -> None:
                              text=True, timeout=60, env=ENV)
     assert out.returncode == 1
     assert f"127.0.0.1:{port}" in out.stderr and "buffer.metrics_port" in out.stderr, out.stderr
+
+
+def test_metrics_bind_error_names_the_port_and_key_of_every_component() -> None:
+    from common.metrics import Metrics
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for component, key in [("learner", "learner.metrics_port"), ("actor", "actors.metrics_base_port"),
+                               ("launcher", "metrics.launcher_port")]:
+            with pytest.raises(OSError, match=f"127.0.0.1:{port}.*{key}"):
+                Metrics(component).serve(port, "127.0.0.1")
+        with pytest.raises(OSError, match="my.key"):
+            Metrics("buffer").serve(port, "127.0.0.1", config_key="my.key")
