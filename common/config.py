@@ -182,6 +182,9 @@ class LearnerConfig:
     ppo_epochs: int = f(1, "passes over each batch")
     mini_batches: int = f(2, "optimizer steps per epoch (batch split into this many mini-batches)")
     micro_batch_size: int = f(64, "sequences per forward/backward (gradient accumulation inside a mini-batch)")
+    micro_batch_tokens: int = f(0, "token budget per micro-batch: rows x longest prompt+response <= this (0 = rows only, micro_batch_size)")
+    logits_chunk_elements: int = f(1 << 24, "policy log-probs: LM head over chunks of this many tokens x vocab elements, recomputed in backward (0 = full [B, S, vocab] logits)")
+    activation_checkpointing: bool = f(False, "recompute the policy's and critic's transformer layers in backward (non-reentrant): less memory, ~1/3 more compute")
     actor_lr: float = f(1e-4, "policy learning rate")
     critic_lr: float = f(2e-4, "critic learning rate")
     warmup_steps: int = f(0, "linear lr warmup (optimizer steps) for the policy")
@@ -192,9 +195,6 @@ class LearnerConfig:
     precision: str = f("fp32", "fp32 | bf16 | fp16 (values and GAE are always fp32)")
     off_policy: str = f("behaviour", "off-policy correction: behaviour | decoupled")
     decoupled_weight_cap: float = f(5.0, "decoupled: clamp of the behaviour importance weight")
-    micro_batch_tokens: int = f(0, "token budget per micro-batch: rows x longest prompt+response <= this (0 = rows only, micro_batch_size)")
-    logits_chunk_elements: int = f(1 << 24, "policy log-probs: LM head over chunks of this many tokens x vocab elements, recomputed in backward (0 = full [B, S, vocab] logits)")
-    activation_checkpointing: bool = f(False, "recompute the policy's and critic's transformer layers in backward (non-reentrant): less memory, ~1/3 more compute")
     value_head_init_std: float = f(0.0, "std of the value head's weight init (0 = zeros, output starts at bias)")
     value_head_init_bias: float = f(0.5, "initial value head bias (prior mean reward)")
     value_head_lr_scale: float = f(1.0, "the critic's surprise MLP (value_head_surprise) trains at this multiple of the critic lr")
@@ -208,6 +208,9 @@ class LearnerConfig:
     resume: str = f("auto", "auto (newest complete checkpoint) | never | <checkpoint path>")
     eval_every: int = f(10, "held-out evaluation every N steps (0 = off)")
     eval_k: int = f(8, "samples per held-out prompt for avg@k")
+    eval_via: str = f("auto", "held-out evaluation runs: local (in the learner process; one rank only) | engine (on a rollout engine, once it serves the published weights) | auto (local for a one-process CPU learner, else engine)")
+    eval_engine_url: str = f("", "eval_via=engine: the engine's base URL (empty = engine 0: engine.urls[0], or engine.host:engine.base_port)")
+    eval_timeout_s: float = f(3600.0, "eval_via=engine: longest an evaluation may take, waiting for the engine to serve the weights included; past it the step logs the failure and training goes on")
     batch_timeout_s: float = f(600.0, "seconds to wait for a batch before failing")
     metrics_port: int = f(9100, "learner /metrics port")
     threads: int = f(2, "torch threads of the learner process")
@@ -251,6 +254,19 @@ class NLLConfig:
 
 
 @dataclass
+class PlacementConfig:
+    hosts: list[str] = f(["localhost"], "hosts of the run in order; host 0 runs the launcher, the buffer and learner rank 0")
+    gpus_per_host: int = f(8, "GPUs on every host (global GPU g is host g // gpus_per_host, local GPU g % gpus_per_host)")
+    engine_gpus: str = f("", "run.device=cuda: global GPUs of the engines, e.g. '0-3' or '0,2'; engine i takes the next engine.sglang_tp_size of them")
+    learner_gpus: str = f("", "run.device=cuda: global GPUs of the learner, one DeepSpeed rank each, e.g. '4-7'")
+    share_gpus: bool = f(False, "allow an engine and a learner rank on the same GPU (one-GPU configs); off = refuse overlaps")
+    remote: str = f("ssh", "how processes start on hosts other than host 0: ssh (DeepSpeed's pdsh launcher for the learner) | srun (inside a Slurm allocation)")
+    master_port: int = f(29500, "learner ranks' torch.distributed rendezvous port on host 0 (multi-rank only; its store listens on every interface, keep it firewalled)")
+    gpu_memory_gib: float = f(80.0, "memory of one GPU; the launcher refuses a placement whose estimated model states do not fit")
+    learner_memory_fraction: float = f(0.6, "share of a learner GPU that model states (weights, grads, Adam) may take; the rest is activations")
+
+
+@dataclass
 class MetricsConfig:
     host: str = f("127.0.0.1", "address every /metrics server binds to")
     jsonl: bool = f(True, "append learner metrics to <run dir>/metrics.jsonl")
@@ -273,6 +289,7 @@ class Config:
     value_pretrain: ValuePretrainConfig = sub(ValuePretrainConfig, "value pretraining before RL")
     nll: NLLConfig = sub(NLLConfig, "positive-example NLL loss")
     metrics: MetricsConfig = sub(MetricsConfig, "observability")
+    placement: PlacementConfig = sub(PlacementConfig, "which hosts and GPUs run engines and learner ranks (run.device=cuda)")
 
     @property
     def run_dir(self) -> Path:
@@ -292,8 +309,10 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "actors.weight_sync": ("wait", "abort"),
     "learner.precision": ("fp32", "bf16", "fp16"),
     "learner.off_policy": ("behaviour", "decoupled"),
+    "learner.eval_via": ("auto", "local", "engine"),
     "algo.advantage": ("gae", "grpo"),
     "algo.loss_agg": ("token_mean", "seq_mean"),
+    "placement.remote": ("ssh", "srun"),
 }
 
 
@@ -358,6 +377,11 @@ def _validate(cfg: Config) -> None:
         ("nll.coef", cfg.nll.coef >= 0, "must be >= 0"),
         ("nll.replay_fraction", cfg.nll.replay_fraction >= 0, "must be >= 0"),
         ("metrics.final_scrape_wait_s", cfg.metrics.final_scrape_wait_s >= 0, "must be >= 0"),
+        ("placement.hosts", len(cfg.placement.hosts) >= 1 and all(cfg.placement.hosts), "must name at least one host"),
+        ("placement.gpus_per_host", cfg.placement.gpus_per_host >= 1, "must be >= 1"),
+        ("placement.master_port", 0 < cfg.placement.master_port < 65536, "must be a port number"),
+        ("placement.gpu_memory_gib", cfg.placement.gpu_memory_gib > 0, "must be > 0"),
+        ("placement.learner_memory_fraction", 0 < cfg.placement.learner_memory_fraction <= 1, "must be in (0, 1]"),
         ("task.min_digits", 1 <= cfg.task.min_digits <= cfg.task.max_digits, "must satisfy 1 <= min <= max_digits"),
     ]
     for key, ok, why in checks:

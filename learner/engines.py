@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +40,6 @@ from common.config import Config
 log = logging.getLogger(__name__)
 
 SHM_OP_KEY = "deepspeed_shm_comm"  # ShareMemCommBuilder.NAME in deepspeed/ops/op_builder/cpu/comm.py
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def world_size() -> int:
@@ -67,19 +60,31 @@ def device_for(cfg: Config) -> torch.device:
     return torch.device("cpu")
 
 
-def setup_distributed(cfg: Config) -> None:
-    """Initialise torch.distributed through DeepSpeed (gloo on CPU, NCCL on CUDA); idempotent.
+def process_group_backend(device: str) -> str:
+    """The torch.distributed backend of a learner on ``device``.
 
-    Without a launcher the process is rank 0 of 1 on a free loopback port."""
-    if cfg.run.device == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    CUDA needs two: NCCL for what DeepSpeed reduces (device tensors) and gloo for the learner's own
+    collectives, which move host tensors (token counts, the broadcast batch bytes). An NCCL-only group
+    rejects a host tensor at the first such call ("No backend type associated with device type cpu")."""
+    return "gloo" if device == "cpu" else "cpu:gloo,cuda:nccl"
+
+
+def setup_distributed(cfg: Config) -> None:
+    """Initialise torch.distributed, then DeepSpeed's communication layer on top of it; idempotent.
+
+    Under a launcher (deepspeed, torchrun) the rendezvous comes from its environment (``env://``). Without
+    one the process is rank 0 of 1 and uses an in-process store: nothing listens on a network port."""
+    want = "cpu" if cfg.run.device == "cpu" else "cuda"
+    if os.environ.get("DS_ACCELERATOR", want) != want:
+        # DeepSpeed picks its accelerator once, from this variable: a CUDA learner built on the CPU
+        # accelerator (or the reverse) fails far from the cause.
+        log.warning("DS_ACCELERATOR=%s does not match run.device=%s; using %s",
+                    os.environ["DS_ACCELERATOR"], cfg.run.device, want)
+    os.environ["DS_ACCELERATOR"] = want
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_SIZE", os.environ["WORLD_SIZE"])
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
     import deepspeed
     import deepspeed.ops
 
@@ -94,8 +99,16 @@ def setup_distributed(cfg: Config) -> None:
     if cfg.run.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        deepspeed.init_distributed(dist_backend="gloo" if cfg.run.device == "cpu" else "nccl",
-                                   auto_mpi_discovery=False)
+        backend = process_group_backend(cfg.run.device)
+        if ws == 1:
+            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+        else:
+            kw: dict[str, Any] = {}
+            if cfg.run.device == "cuda":  # binds the NCCL communicator to this rank's GPU up front
+                kw["device_id"] = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.distributed.init_process_group(backend, init_method="env://", **kw)
+    # DeepSpeed adopts the existing process group (it only creates one when none exists).
+    deepspeed.init_distributed(dist_backend=process_group_backend(cfg.run.device), auto_mpi_discovery=False)
 
 
 def loss_scale_for_dp() -> float:

@@ -47,7 +47,7 @@ from learner.advantages import (
 )
 from learner.batch import Batch, collate, collate_samples, concat
 from learner.data import DataSource
-from learner.engines import build_critic_engine, build_policy_engine, rank, setup_distributed
+from learner.engines import build_critic_engine, build_policy_engine, rank, setup_distributed, world_size
 from learner.update import (
     MicroLimits,
     actor_update,
@@ -373,25 +373,39 @@ class Runner:
             self.learner.metrics.weight_version.set(update.version)
 
     def evaluate(self) -> dict[str, Any]:
+        """Held-out evaluation of the current version, on rank 0 only (the other ranks return {} at once):
+        in-process for a one-process learner, otherwise on a rollout engine serving the published weights."""
         from common.tasks import get_task
-        from learner.evaluate import evaluate
+        from learner.evaluate import EngineEvalError, eval_target, evaluate, evaluate_on_engine
 
+        if rank() != 0:
+            return {}
         if self.task is None:
             self.task = get_task(self.cfg.task)
-        model = self.learner.policy.module
-        if self.learner.policy.zero_optimization_stage() == 3:
-            # Partitioned parameters: evaluate a gathered copy so that rank 0 alone can run forwards.
-            from learner.engines import full_state_dict, load_policy_module
+        lc = self.cfg.learner
+        mode, url = eval_target(self.cfg, world_size())
+        if mode == "engine":
+            published = self.publisher.latest.version if self.publisher is not None and self.publisher.latest else 0
+            try:
+                rep = evaluate_on_engine(url, self.tokenizer, self.task, version=published, k=lc.eval_k,
+                                         max_new_tokens=self.cfg.actors.max_new_tokens,
+                                         temperature=self.cfg.actors.temperature, timeout_s=lc.eval_timeout_s)
+            except EngineEvalError as e:
+                log.error("held-out evaluation failed (training goes on): %s", e)
+                return {"error": str(e)}
+            rep["weight_version_evaluated"] = published
+        else:
+            model = self.learner.policy.module
+            if self.learner.policy.zero_optimization_stage() == 3:
+                # One rank holds every partition; a gathered copy runs plain forwards.
+                from learner.engines import full_state_dict, load_policy_module
 
-            state = full_state_dict(self.learner.policy)  # collective
-            if rank() != 0:
-                return {}
-            model = load_policy_module(self.cfg.model.path, self.cfg.model.dtype)
-            model.load_state_dict(state)
-            model.to(next(self.learner.policy.module.parameters()).device)
-        rep = evaluate(model, self.tokenizer, self.task, k=self.cfg.learner.eval_k,
-                       max_new_tokens=self.cfg.actors.max_new_tokens, temperature=self.cfg.actors.temperature,
-                       seed=self.cfg.run.seed)
+                state = full_state_dict(self.learner.policy)
+                model = load_policy_module(self.cfg.model.path, self.cfg.model.dtype)
+                model.load_state_dict(state)
+                model.to(next(self.learner.policy.module.parameters()).device)
+            rep = evaluate(model, self.tokenizer, self.task, k=lc.eval_k, max_new_tokens=self.cfg.actors.max_new_tokens,
+                           temperature=self.cfg.actors.temperature, seed=self.cfg.run.seed)
         m = self.learner.metrics
         for key in ("avg_at_k", "pass_at_k", "greedy_accuracy"):
             if key in rep:
@@ -424,8 +438,7 @@ class Runner:
                 if L.version % max(lc.weights_every, 1) == 0 or L.version >= lc.total_steps:
                     self.publish()
                 stats["phase_seconds"]["publish"] = time.perf_counter() - t0
-                if lc.eval_every > 0 and L.version % lc.eval_every == 0 and (
-                        rank() == 0 or L.policy.zero_optimization_stage() == 3):
+                if lc.eval_every > 0 and L.version % lc.eval_every == 0 and rank() == 0:
                     t0 = time.perf_counter()
                     stats["eval"] = self.evaluate()
                     stats["phase_seconds"]["eval"] = time.perf_counter() - t0

@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from common import lifeline  # noqa: E402
 from common.config import Config, ConfigError, load_config, save_config  # noqa: E402
 from common.metrics import Metrics  # noqa: E402
+from common.placement import build_plan  # noqa: E402
 
 PY = sys.executable
 _RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -273,10 +274,14 @@ class Launcher:
         self.metrics = Metrics("launcher")
         self.stopping = False
         self.t0 = time.time()
+        self.plan = build_plan(cfg, self.cfg_file, PY, ROOT, self.run_dir)
+        for name, text in self.plan.files.items():  # hostfile / deepspeed_env for multi-host learners
+            (self.run_dir / name).write_text(text)
 
-    def child(self, name: str, module: str, *extra: str, max_restarts: int = 0) -> Child:
-        c = Child(name, [PY, "-m", module, str(self.cfg_file), *extra], self.logs / f"{name}.log", max_restarts,
-                  env={"PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")})
+    def child(self, name: str) -> Child:
+        """The plan's process ``name`` as a supervised child (its environment and devices from the plan)."""
+        p = self.plan.proc(name)
+        c = Child(name, p.argv, self.logs / f"{name}.log", p.max_restarts, env=dict(p.env))
         self.children[name] = c
         return c
 
@@ -299,34 +304,37 @@ class Launcher:
             raise LaunchError("bootstrap", f"learner.sft exited with code {rc}")
 
     def start_buffer(self) -> None:
-        c = self.child("buffer", "buffer", max_restarts=3)
+        c = self.child("buffer")
         self.start(c)
         wait_until("buffer", lambda: buffer_healthy(self.cfg), c, 60)
         say(f"buffer up ({self.cfg.buffer.ingest_addr}, {self.cfg.buffer.serve_addr})")
 
     def start_engines(self) -> None:
-        if self.cfg.engine.kind != "sglang":
-            return  # rollout_server engines are started and supervised by their actor; external URLs are given
-        from actors.sglang_launcher import sglang_command
-
-        for i in range(self.cfg.actors.num_actors):
-            cmd, env = sglang_command(self.cfg, i)
-            c = Child(f"engine-{i}", cmd, self.logs / f"engine-{i}.log", self.cfg.engine.max_restarts, env=env)
-            self.children[c.name] = c
-            self.start(c)
-        for i in range(self.cfg.actors.num_actors):
-            url = f"http://{self.cfg.engine.host}:{self.cfg.engine.base_port + i}"
-            wait_until(f"engine-{i}", lambda u=url: http_ok(u + "/health"), self.children[f"engine-{i}"], self.cfg.engine.startup_timeout_s)
-        say(f"{self.cfg.actors.num_actors} SGLang engine(s) healthy")
+        """SGLang servers (rollout_server engines are started and supervised by their actor; external URLs
+        are given). Engines on this host are waited for here; a remote one is waited for by its actor."""
+        engines = [p for p in self.plan.procs if p.role == "engine"]
+        for p in engines:
+            self.start(self.child(p.name))
+        here = self.cfg.placement.hosts[0]
+        for i, p in enumerate(engines):
+            if p.host == here:
+                url = f"http://{self.cfg.engine.host}:{self.cfg.engine.base_port + i}"
+                wait_until(p.name, lambda u=url: http_ok(u + "/health"), self.children[p.name],
+                           self.cfg.engine.startup_timeout_s)
+        if engines:
+            say(f"{len(engines)} SGLang engine(s) started")
 
     def start_actors(self) -> None:
-        for i in range(self.cfg.actors.num_actors):
-            self.start(self.child(f"actor-{i}", "actors", "--actor-id", str(i), max_restarts=self.cfg.engine.max_restarts))
-        say(f"{self.cfg.actors.num_actors} actor(s) started (logs in {self.logs})")
+        actors = [p for p in self.plan.procs if p.role == "actor"]
+        for p in actors:
+            self.start(self.child(p.name))
+        say(f"{len(actors)} actor(s) started (logs in {self.logs})")
 
     def start_learner(self) -> None:
-        self.start(self.child("learner", "learner"))
-        say("learner started" + (" (resume=auto)" if self.resume else ""))
+        self.start(self.child("learner"))
+        ranks = len(self.plan.ranks)
+        say("learner started" + (f" ({ranks} DeepSpeed ranks)" if ranks > 1 else "")
+            + (" (resume=auto)" if self.resume else ""))
 
     # --- supervision
     def supervise(self) -> None:
@@ -395,7 +403,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--resume", action="store_true", help="continue the run named by run.name from its newest checkpoint")
     ap.add_argument("--no-actors", action="store_true",
                     help="start only the buffer and learner here (actors run on other hosts: see README)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the process plan (host, command, environment, GPUs of every process, learner ranks, "
+                    "memory estimate) and exit without starting or writing anything")
+    # Flags may come anywhere (`CONFIG --resume key=val`): parse them intermixed with the positionals.
+    args = ap.parse_intermixed_args(argv)
     if args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
         args.overrides.insert(0, args.config)
         args.config = None
@@ -404,11 +416,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def dry_run(args: argparse.Namespace) -> int:
+    """Print the plan of this launch; starts nothing and writes nothing."""
+    try:
+        cfg = load_config(args.config, args.overrides)
+        run_dir = ROOT / cfg.run_dir if not Path(cfg.run.root).is_absolute() else cfg.run_dir
+        plan = build_plan(cfg, run_dir / "config.yaml", PY, ROOT, run_dir)
+    except ConfigError as e:
+        print(f"ops/launch.sh: {e}", file=sys.stderr)
+        return 2
+    print(plan.render())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     os.chdir(ROOT)
+    if args.dry_run:
+        return dry_run(args)
     try:
         cfg, overrides = resolve_run(args.config, args.overrides, args.resume)
+        build_plan(cfg, cfg.run_dir / "config.yaml", PY, ROOT)  # refuse a bad placement before anything starts
     except (ConfigError, LaunchError) as e:
         print(f"ops/launch.sh: {e}", file=sys.stderr)
         return 2
