@@ -359,6 +359,11 @@ class Runner:
             log.warning("weights v%d exist beyond checkpoint v%d; republishing the checkpoint's weights as v%d",
                         published_v, self.learner.version, published_v + 1)
             self.learner.version = published_v + 1
+            if cfg.learner.checkpoint_every > 0:
+                # Checkpoint the renumbered state before publishing it: a crash before the next update then
+                # resumes at this version instead of skipping another, so repeated crashes move the version
+                # at most two past the buffer's last served batch (buffer.learner_version_max_step).
+                checkpoint.save(self.ckpt_root, self.learner, cfg.learner.keep_checkpoints)
         if published_v < self.learner.version:
             self.publish()
         self.learner.metrics.weight_version.set(self.learner.version)

@@ -75,6 +75,11 @@ def test_resume_republishes_the_checkpoint_weights_when_newer_ones_were_publishe
     assert all(torch.equal(v2[k], v4[k]) for k in v2)
     assert any(not torch.equal(v3[k], v4[k]) for k in v3)  # v3 really held other weights
     assert (weights / "v3" / "STABLE").read_text() == stable_v3  # never rewritten
+    # A second crash before any update: v4 was checkpointed, so the next resume continues at v4 and
+    # does not skip yet another number (each skip moves the version further past the buffer's batches).
+    r.publisher.close()
+    r = Runner(cfg, ListSource(groups))
+    assert r.learner.version == 4 and complete_versions(weights) == [0, 1, 2, 3, 4]
     learner = r.run()
     assert learner.version == 5 and complete_versions(weights)[-1] == 5
     steps = [json.loads(x)["step"] for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
