@@ -170,7 +170,7 @@ class BufferConfig:
     max_credit_per_connection: int = f(0, "most credit the actor ids of one ingest connection may hold together; 0 = max_credit_per_actor")
     max_batch_groups: int = f(1024, "largest BatchRequest.n_groups accepted (also at most capacity_groups)")
     max_batch_wait_s: float = f(300.0, "longest BatchRequest.timeout_ms accepted, in seconds (the learner asks in shorter waits)")
-    learner_version_max_step: int = f(1, "a BatchRequest may raise the learner version at most this far past that of the last full batch served")
+    learner_version_max_step: int = f(2, "a BatchRequest may raise the learner version at most this far past that of the last full batch served (2: a learner resumed past published weights republishes its checkpoint under one more version)")
     metrics_port: int = f(9200, "buffer /metrics port")
     curve: CurveConfig = sub(CurveConfig, "CurveZMQ keys, required when binding to a non-loopback address")
 

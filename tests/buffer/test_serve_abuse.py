@@ -47,7 +47,7 @@ def _req(ctx: zmq.Context, addr: str) -> zmq.Socket:
 
 
 def test_a_client_cannot_poison_the_learner_version_and_an_operator_can_repair_it(buffer_proc: Any) -> None:
-    srv: BufferProc = buffer_proc(["learner.batch_groups=1", "buffer.max_staleness=0"])
+    srv: BufferProc = buffer_proc(["learner.batch_groups=1", "buffer.max_staleness=0", "buffer.learner_version_max_step=1"])
     with GroupSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr, request_timeout_s=10) as c:
         s.send(make_group("v0", version=0), timeout_s=10)
         with pytest.raises(ProtocolError, match="learner_version"):
