@@ -164,3 +164,43 @@ def test_bad_placements_are_refused_naming_the_key(name: str, hf: dict | None, o
         return
     with pytest.raises(ConfigError, match=match):
         _plan(name, hf, *overrides)
+
+
+@pytest.mark.parametrize("name,hf", GPU_CONFIGS)
+def test_deepspeed_launcher_accepts_the_learner_command(name: str, hf: dict, tmp_path: Path) -> None:
+    """DeepSpeed's own argument parser and resource filter turn the plan's learner command into exactly the
+    plan's ranks (host by host)."""
+    from deepspeed.launcher.runner import fetch_hostfile, parse_args, parse_inclusion_exclusion
+
+    cfg = load_config(ROOT / "ops" / "configs" / name)
+    plan = build_plan(cfg, tmp_path / "config.yaml", "/venv/bin/python", ROOT, tmp_path, hf_config=hf)
+    args = parse_args(plan.proc("learner").argv[3:])
+    assert args.module and args.no_local_rank and args.user_script == "learner"
+    assert args.user_args == [str(tmp_path / "config.yaml")]
+    if "hostfile" in plan.files:
+        (tmp_path / "hostfile").write_text(plan.files["hostfile"])
+        pool = fetch_hostfile(args.hostfile)
+    else:
+        pool = {"localhost": cfg.placement.gpus_per_host}
+    active = parse_inclusion_exclusion(pool, args.include, args.exclude)
+    want: dict[str, list[int]] = {}
+    for r in plan.ranks:
+        want.setdefault("localhost" if "hostfile" not in plan.files else r.host, []).append(r.local_gpu)
+    assert {h: list(s) for h, s in active.items()} == want
+
+
+@pytest.mark.parametrize("name,hf", GPU_CONFIGS)
+def test_sglang_accepts_the_engine_commands(name: str, hf: dict) -> None:
+    """Every engine command line parses with the installed SGLang's own ServerArgs (GPU machines, where
+    `ops/setup.sh --cuda` installed it; skipped on CPU machines)."""
+    import argparse
+
+    server_args = pytest.importorskip("sglang.srt.server_args")
+    cfg, plan = _plan(name, hf)
+    for p in (p for p in plan.procs if p.role == "engine"):
+        words = shlex.split(p.argv[-1]) if p.argv[0] == "ssh" else p.argv
+        argv = words[words.index("sglang.launch_server") + 1:]
+        ap = argparse.ArgumentParser()
+        server_args.ServerArgs.add_cli_args(ap)
+        sa = server_args.ServerArgs.from_cli_args(ap.parse_args(argv))
+        assert sa.tp_size == cfg.engine.sglang_tp_size and sa.enable_metrics
