@@ -1,18 +1,18 @@
 """Run a whole vapo pipeline: bootstrap → buffer → engines/actors → learner → summary and plots.
 
-    ops/launch.sh [config.yaml] [key=value ...] [--resume] [--no-setup]
+    ops/launch.sh [config.yaml] [key=value ...] [--resume] [--dry-run] [--no-actors]
 
 (``ops/launch.sh`` runs ``ops/setup.sh`` and then this file with the project's venv.) With no arguments it
-runs the embedded CPU default, ``ops/configs/default.yaml``. Each component is a child process in its own
-process group, logging to ``runs/<name>/logs/<component>.log``; the launcher waits for each stage to be
-healthy before the next, prints one progress line per learner step, restarts a failed actor or the buffer a
-bounded number of times (``vapo_launcher_component_restarts``), stops every child on Ctrl-C or when the
-learner finishes, and exits non-zero naming the component that failed for good. At the end it prints a
-summary table and writes PNG plots to ``runs/<name>/plots/``.
-
-Multi-host: run the buffer and learner here with ``buffer.ingest_addr`` / ``learner.publish_addr`` /
-``learner.query_addr`` bound to a routable address (CurveZMQ keys required, see README), and on each actor
-host ``.venv/bin/python -m actors CONFIG --actor-id I`` with the same addresses and the client keys.
+runs the embedded CPU default, ``ops/configs/default.yaml``. What runs where is the process plan of
+``common.placement`` (``--dry-run`` prints it and starts nothing): on CPU one learner process and one actor
+per engine; on GPUs the learner through DeepSpeed's launcher with one rank per ``placement.learner_gpus``
+entry, each SGLang engine with its own ``CUDA_VISIBLE_DEVICES``, and processes on other hosts through ssh or
+srun. Each local component is a child process in its own process group, logging to
+``runs/<name>/logs/<component>.log``, that dies with the launcher (``common.lifeline``); the launcher waits
+for each stage to be healthy before the next, prints one progress line per learner step, restarts a failed
+actor or the buffer a bounded number of times (``vapo_launcher_component_restarts``), stops every child on
+Ctrl-C or when the learner finishes, and exits non-zero naming the component that failed for good. At the
+end it prints a summary table and writes PNG plots to ``runs/<name>/plots/``.
 """
 
 from __future__ import annotations
@@ -395,6 +395,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         epilog="examples:\n  ops/launch.sh\n  ops/launch.sh ops/configs/smoke.yaml\n"
         "  ops/launch.sh ops/configs/default.yaml run.seed=1 buffer.max_staleness=2\n"
         "  ops/launch.sh --resume run.name=default\n"
+        "  ops/launch.sh ops/configs/gpu-node8.yaml --dry-run   # the process plan (hosts, GPUs, commands); starts nothing\n"
         "  .venv/bin/python -m common.config --help   # every config key",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
