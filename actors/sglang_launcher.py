@@ -3,9 +3,9 @@
     python -m actors.sglang_launcher [config.yaml] [key=value ...]   # print the commands (shell-quoted)
 
 ``ops/launch.py`` calls ``sglang_command(cfg, i)`` for ``i < actors.num_actors`` and supervises the
-processes; actor ``i`` then talks to ``http://engine.host:engine.base_port + i``. Engine ``i`` gets the GPUs
-``i·tp .. i·tp + tp - 1`` through ``CUDA_VISIBLE_DEVICES`` (tp = ``engine.sglang_tp_size``), so N actors with
-tp 1 use N GPUs. Every flag is a real ``sglang.launch_server`` argument (checked against
+processes; actor ``i`` then talks to ``http://engine.host:engine.base_port + i``. Engine ``i`` gets its
+``engine.sglang_tp_size`` GPUs of ``placement.engine_gpus`` through ``CUDA_VISIBLE_DEVICES`` (without a
+placement: GPUs ``i·tp .. i·tp + tp - 1``). Every flag is a real ``sglang.launch_server`` argument (checked against
 ``python/sglang/srt/server_args.py``; the list is ``SGLANG_FLAGS_USED``). ``engine.logprobs = original``
 sets ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` so SGLang returns log_softmax(logits) before temperature, what the
 learner recomputes. ``--enable-metrics`` is always passed: without it SGLang has no ``/metrics``. A
@@ -30,7 +30,14 @@ _DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def gpu_ids(cfg: Config, index: int) -> list[int]:
+    """Engine ``index``'s local GPU ids: from ``placement.engine_gpus`` when set (``common.placement``),
+    else ``index·tp .. index·tp + tp - 1``."""
     tp = cfg.engine.sglang_tp_size
+    if cfg.placement.engine_gpus.strip():
+        from common.placement import parse_gpus
+
+        gpus = parse_gpus(cfg.placement.engine_gpus, "placement.engine_gpus")[index * tp:(index + 1) * tp]
+        return [g % cfg.placement.gpus_per_host for g in gpus]
     return list(range(index * tp, (index + 1) * tp))
 
 
