@@ -37,7 +37,7 @@ def test_one_engine_per_gpu_group_with_real_flag_names() -> None:
     cfg = load_config("ops/configs/gpu-small.yaml", [
         "actors.num_actors=2", "engine.sglang_tp_size=2", "engine.base_port=31000", "engine.host=127.0.0.1",
         "model.path=/models/qwen", "engine.sglang_mem_fraction_static=0.5", "engine.context_length=4096",
-        "run.seed=7", "engine.sglang_extra_args=[--enable-torch-compile]"])
+        "run.seed=7", "engine.sglang_extra_args=[--enable-torch-compile]", "placement.engine_gpus="])
     cmds = [sglang_command(cfg, i) for i in range(2)]
     for i, (argv, env) in enumerate(cmds):
         assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
@@ -72,3 +72,10 @@ def test_cli_prints_one_shell_command_per_engine() -> None:
     assert words[0] == "CUDA_VISIBLE_DEVICES=1" and "sglang.launch_server" in words
     bad = subprocess.run([sys.executable, "-m", "actors.sglang_launcher", "engine.nope=1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "engine.nope" in bad.stderr
+
+
+def test_engine_gpus_follow_the_placement() -> None:
+    cfg = load_config("ops/configs/paper.yaml")  # engine 0: GPUs 0-3 of host 0; engine 1: GPUs 32-35 = host 4's 0-3
+    assert sglang_command(cfg, 0)[1]["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert sglang_command(cfg, 1)[1]["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert sglang_command(cfg, 2)[1]["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
