@@ -496,7 +496,7 @@ class Engine:
                  scaled_logprobs: bool = False, batch_wait_ms: float = 0.0, metrics: Any = None,
                  max_prefill_tokens: int = 16384, max_queued_tokens: int = 0,
                  on_death: Callable[[BaseException], None] | None = None) -> None:
-        """``max_queued_tokens``: most prompt + max_new_tokens tokens waiting for a slot (0 = 4 x slots x
+        """``max_queued_tokens``: most prompt + max_new_tokens tokens waiting for a slot (0 = 16 x slots x
         context length); past it ``submit`` raises ``EngineBusy``. ``on_death``: called (engine thread) with
         the exception when the engine thread dies, so the server can exit instead of answering 503 forever."""
         self.model = model.eval()
@@ -512,7 +512,7 @@ class Engine:
         self.scaled_logprobs = scaled_logprobs
         self.batch_wait_s = batch_wait_ms / 1000.0
         self.max_prefill_tokens = max_prefill_tokens
-        self.max_queued_tokens = max_queued_tokens or 4 * max_batch_size * self.context_length
+        self.max_queued_tokens = max_queued_tokens or 16 * max_batch_size * self.context_length
         self.queued_tokens = 0
         self.on_death = on_death
         self.generator = torch.Generator(device=self.device)
@@ -631,12 +631,22 @@ class Engine:
         The future resolves to (success, message). While generation runs, the update waits for the running
         requests to finish (new ones wait behind it); while paused it applies at once.
         """
-        fut: cf.Future = cf.Future()
         try:
             sd = self._validated(model_path)
         except Exception as e:
+            fut: cf.Future = cf.Future()
             fut.set_result((False, f"Failed to update weights: {e}."))
             return fut
+        return self.apply_weights(sd, weight_version)
+
+    def read_weights(self, model_path: str) -> dict[str, torch.Tensor]:
+        """Read and validate a checkpoint (caller's thread); raises on any problem. ``apply_weights`` then
+        installs it: a caller that gave up waiting for the read simply never applies it."""
+        return self._validated(model_path)
+
+    def apply_weights(self, sd: dict[str, torch.Tensor], weight_version: str | None) -> cf.Future:
+        """Install validated weights between decode steps; the future resolves to (success, message)."""
+        fut: cf.Future = cf.Future()
 
         def arm() -> None:
             if self._pending_update is not None:

@@ -6,10 +6,29 @@ Endpoints and field names follow SGLang (``python/sglang/srt/entrypoints/http_se
 ``managers/io_struct.py``; shapes recorded in ``tests/actors/fixtures/sglang_api.json``):
 ``POST /generate``, ``POST /update_weights_from_disk``, ``POST /pause_generation``,
 ``POST /continue_generation``, ``GET|POST /flush_cache``, ``POST /abort_request``, ``GET /health``,
-``GET /health_generate``, ``GET /get_model_info``, ``GET /get_weight_version``, ``GET /get_server_info``
-and ``GET /metrics`` (``vapo_engine_*``). Value errors answer 400 ``{"error": {"message"}}``, malformed
-bodies 400 ``{"object": "error", "message", "type": "Bad Request", "param": null, "code": 400}``, as SGLang
-does; the server keeps serving.
+``GET /health_generate``, ``GET /ping``, ``GET /model_info`` (and its deprecated name ``/get_model_info``),
+``GET /get_weight_version``, ``GET /get_server_info`` and ``GET /metrics`` (``vapo_engine_*``). Value errors
+answer 400 ``{"error": {"message"}}``, malformed bodies 400 ``{"object": "error", "message", "type": "Bad
+Request", "param": null, "code": 400}``, as SGLang does; the server keeps serving.
+
+Hostile input: every sampling parameter is range-checked before use (``top_k <= 2^30``, ``n <= --max-n``,
+int32 token counts); integer literals longer than 30 digits, lone surrogates, nesting past the JSON
+parser's recursion limit and undecodable Content-Encoding are 400s that name the field; bodies past
+``--max-body-bytes`` are 413; a request whose prompts x n x (input + max_new_tokens) would push the waiting
+queue past ``--max-queued-tokens`` is refused (400 if it could never fit, 503 while the queue is full)
+before any of its sequences exists; text prompts that cannot fit the context are refused before they are
+tokenised. A body must arrive within ``--http-read-timeout-s`` (408) and a connection that completes no
+request within ``--http-idle-timeout-s`` is closed. Checkpoints are read in a thread of their own within
+``--weight-load-timeout-s``, and only regular files are opened. If the engine thread dies, the process exits
+with code 1 (its supervisor restarts it) instead of answering 503 forever. A non-loopback ``--host``
+needs ``--bind-protection`` (``engine.bind_protection``): the control API has no authentication.
+
+``--imitate-sglang`` (test mode, ``engine.imitate_sglang``): behave as the released SGLang 0.5.23 does where
+it differs: ``/health`` is ``/health_generate`` (a one-token generation polled once a second, 503 after
+SGLANG_HEALTH_CHECK_TIMEOUT, blocked while paused or loading weights); after a completed load the cache
+flush is refused while requests run or wait (always with ``--refuse-flush``) and the update answers 400
+with the new weights live and ``/model_info``'s version unmoved; outputs carry ``meta_info.weight_versions``
+(``[{"version", "start", "end"}]``); ``/metrics`` only with ``--enable-metrics``; no ``/get_weight_version``.
 
 The engine (``actors/engine.py``) batches concurrently arriving requests continuously with a KV cache.
 
@@ -28,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures as cf
 import contextlib
 import gc
 import ipaddress
@@ -455,21 +473,21 @@ class Server:
 
         def read() -> None:
             try:
-                result: Any = self.engine.update_weights(path, version)
+                result: Any = self.engine.read_weights(path)
             except BaseException as e:  # reported to the waiting handler, never lost in a thread
                 result = e
             loop.call_soon_threadsafe(_resolve, staged, result)
 
         threading.Thread(target=read, name="weight-load", daemon=True).start()
         try:
-            inner = await asyncio.wait_for(staged, self.weight_load_timeout_s)
+            # shield: on timeout the late result is dropped, never applied behind the caller's back
+            sd = await asyncio.wait_for(asyncio.shield(staged), self.weight_load_timeout_s)
         except TimeoutError:
             return False, (f"Failed to update weights: reading {path} did not finish within "
                            f"{self.weight_load_timeout_s} s (--weight-load-timeout-s).")
-        if isinstance(inner, BaseException):
-            return False, f"Failed to update weights: {inner}."
-        assert isinstance(inner, cf.Future)
-        return await asyncio.wrap_future(inner)
+        if isinstance(sd, BaseException):
+            return False, f"Failed to update weights: {sd}."
+        return await asyncio.wrap_future(self.engine.apply_weights(sd, version))
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         try:
@@ -701,7 +719,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help="largest sampling_params.n (400 above)")
     p.add_argument("--max-queued-tokens", type=int, default=0,
                    help="most prompt + max_new_tokens tokens waiting for a slot; a request past it gets 503 "
-                        "(0 = 4 x --max-batch-size x context length)")
+                        "(0 = 16 x --max-batch-size x context length)")
     p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="largest request body (413 above)")
     p.add_argument("--http-read-timeout-s", type=float, default=60.0,
                    help="a request body must arrive within this (408 otherwise)")

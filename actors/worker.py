@@ -22,12 +22,20 @@ Per worker, on one asyncio loop:
   engine is told ``/update_weights_from_disk(model_path, weight_version)``. ``actors.weight_sync = wait``:
   requests in flight finish on the old weights (the engine applies the update between them, as SGLang's
   update lock does); ``abort``: ``/pause_generation(mode=abort)`` → update → ``/continue_generation`` and
-  the aborted prompts are generated again. A refused update (bad checksum, missing files, load error) is
-  counted in ``vapo_actor_weight_sync_failures{reason}`` and the old weights keep serving. Latency
+  the aborted prompts are generated again. Before the engine is asked, the weights must match their
+  checksum and (``actors.verify_tensors``) hold every tensor of ``model.path`` with its shape, all finite.
+  A refused update (reasons ``missing``, ``checksum``, ``missing_tensors``, ``shape``, ``non_finite``,
+  ``unreadable``, ``load_error``) is counted in ``vapo_actor_weight_sync_failures{reason}`` and the old
+  weights keep serving. When the engine answers an update with an error but generates with the new
+  version anyway (SGLang: 400 after a completed load whose cache flush was refused), that version is
+  accepted. ``/generate`` calls time out after ``actors.generate_timeout_s`` (0 = derived from
+  ``actors.max_new_tokens``). Latency
   (``WeightUpdate.created_at`` → engine serving it) goes to ``vapo_actor_weight_sync_seconds``.
 - **Engine**: ``engine.kind = rollout_server``: the worker starts its own ``actors.rollout_server`` with the
-  newest verified weights, and restarts it when it dies (at most ``engine.max_restarts`` times, then the
-  worker exits 1); the prompts in flight are generated again on the new engine. ``sglang``: the engine at
+  newest verified weights, and restarts it when it dies or stops answering ``/health``
+  (``engine.health_failures`` probes in a row, every ``engine.health_interval_s``, none while the worker
+  itself pauses or updates the engine) (at most ``engine.max_restarts`` times, then the worker exits 1);
+  the prompts in flight are generated again on the new engine. ``sglang``: the engine at
   ``engine.host:engine.base_port + i`` (started by ``ops/launch.sh`` through ``actors.sglang_launcher``);
   ``external``: ``engine.urls[i]``. When those go away the worker waits for them and re-syncs weights.
 

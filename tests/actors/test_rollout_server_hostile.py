@@ -162,6 +162,21 @@ def test_a_weight_path_that_blocks_on_read_neither_freezes_nor_outlives_sigterm(
     assert srv.proc.wait(timeout=20) == 0
 
 
+def test_a_weight_read_past_its_deadline_is_refused_and_never_applied_later(server_factory, tiny_model_dir: Path,
+                                                                           tmp_path: Path) -> None:
+    import shutil
+
+    srv = server_factory(tiny_model_dir, "--weight-version", "0", "--weight-load-timeout-s", "0")
+    v1 = shutil.copytree(tiny_model_dir, tmp_path / "v1")
+    st, body = call(srv.url, "/update_weights_from_disk", {"model_path": str(v1), "weight_version": "1"})
+    assert st == 400 and "did not finish within 0.0 s" in body["message"], body
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:  # the abandoned read finishes meanwhile; it must not be installed
+        st, o = call(srv.url, "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}})
+        assert st == 200 and o["meta_info"]["weight_version"] == "0"
+    assert call(srv.url, "/get_model_info")[1]["weight_version"] == "0"
+
+
 def test_slow_clients_are_cut_off(limited) -> None:
     host, port = limited.url.removeprefix("http://").split(":")
     # slow-loris: headers that never end
