@@ -122,7 +122,7 @@ from common.security import server_curve
 
 log = logging.getLogger("vapo.buffer")
 _MAX_WAITING = 1 << 16  # actors with a deferred credit request
-_MAX_BATCH_WAITS = 1024  # batch requests waiting at once (one per serve connection)
+_MAX_BATCH_WAITS = 1024  # batch requests waiting at once (one per serve connection); the oldest is evicted
 
 
 class _Peers:
@@ -733,8 +733,6 @@ class BufferServer:
         if req.timeout_ms > b.max_batch_wait_s * 1000:
             return "bad_request", (f"timeout_ms={req.timeout_ms} exceeds buffer.max_batch_wait_s={b.max_batch_wait_s:g} s; "
                                    "ask again after a timeout reply instead")
-        if len(self._waits) >= _MAX_BATCH_WAITS:
-            return "busy", f"{_MAX_BATCH_WAITS} batch requests already wait"
         c = self.store.counters
         limit = max(c["learner_version"], c["served_version"] + b.learner_version_max_step)
         if req.learner_version > limit:
@@ -759,6 +757,14 @@ class BufferServer:
             self._reply(ident, envelope, encode(ErrorReply(reason="storage", message=str(e)[:4000])))
             return
         self.m.learner_version.set(self.learner_version)
+        if len(self._waits) >= _MAX_BATCH_WAITS:
+            # Bounded memory against a flood of waiting requests. Evicting the oldest with a timeout reply
+            # (clients ask again after a timeout) keeps the learner going; refusing new requests would
+            # turn the flood into an error for the learner.
+            old = self._waits.pop(next(iter(self._waits)))
+            self._timeouts += 1
+            self._reply(old.ident, old.envelope, encode(ErrorReply(
+                reason="timeout", message=f"evicted: {_MAX_BATCH_WAITS} batch requests waiting; ask again")))
         now = time.monotonic()
         self._waits[ident] = _BatchWait(ident, envelope, req, now + req.timeout_ms / 1000.0, now)
         self._depth_changed = True

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +152,33 @@ def test_other_requests_are_answered_while_a_big_batch_waits_and_a_departed_clie
     finally:
         if not hog.closed:
             hog.close()
+        ctx.term()
+
+
+def test_a_flood_of_waiting_batch_requests_evicts_the_oldest_with_a_timeout_not_an_error(buffer_proc: Any) -> None:
+    srv = buffer_proc(["learner.batch_groups=2"])
+    ctx = zmq.Context()
+    ctx.max_sockets = 4096
+    hogs: list[zmq.Socket] = []
+    try:
+        with BatchClient(srv.serve_addr, request_timeout_s=10) as c, BatchClient(srv.serve_addr) as learner:
+            learner_wait = ThreadPoolExecutor(1).submit(learner.get_batch, 0, 2, 60)
+            wait_for(lambda: c.stats()["batch_waiting"] == 1, 10, "the learner's request to wait")
+            for _ in range(1024):  # the wait list holds 1024: this evicts the learner's (oldest) request
+                h = _req(ctx, srv.serve_addr)
+                h.send(encode(BatchRequest(learner_version=0, n_groups=4, timeout_ms=300_000)))
+                hogs.append(h)
+            # A timeout (the learner asks again), not a refusal that would stop it; long before its 60 s.
+            with pytest.raises(TimeoutError, match="evicted"):
+                learner_wait.result(timeout=30)
+            assert c.stats()["batch_waiting"] == 1024
+            for h in hogs:
+                h.close()
+            wait_for(lambda: c.stats()["batch_waiting"] == 0, 30, "the departed clients' requests to go")
+    finally:
+        for h in hogs:
+            if not h.closed:
+                h.close()
         ctx.term()
 
 
