@@ -28,11 +28,11 @@ Sockets (one thread, one ``zmq.Poller``):
 The learner version is durable and only the learner should move it: every group older than it minus
 ``max_staleness`` is dropped for good. A ``BatchRequest`` may raise it at most
 ``buffer.learner_version_max_step`` past ``served_version``, the learner version that the last full
-learner batch served (``n_groups >= learner.batch_groups``) was requested with; the honest learner asks for
-version v+1 only after its batch at v was served, so a client can run at most that step ahead of it. Anything higher is refused (``ErrorReply(reason="learner_version")``)
-and nothing is recorded. A lower version than the stored one is served under the stored one (a learner
-resumed from an older checkpoint). ``python -m buffer.inspect PATH --set-learner-version N`` repairs it
-while the server is stopped.
+learner batch served (``n_groups >= learner.batch_groups``) was requested with. The honest learner asks
+for version v+1 only after its batch at v was served, so another client can run at most that step ahead
+of it. Anything higher is refused (``ErrorReply(reason="learner_version")``) and nothing is recorded. A
+version below the stored one is served under the stored one (a learner resumed from an older checkpoint).
+``python -m buffer.inspect PATH --set-learner-version N`` repairs it while the server is stopped.
 
 Admission control (AReaL's staleness bound): an actor asks ``CreditRequest(actor_id, n)`` — "I want n
 more groups' worth of credit" (replaces any earlier waiting request of that actor; n = 0 withdraws it)
@@ -45,17 +45,20 @@ number it reports, so ``accepted - consumed = depth``::
                - (groups waiting in LMDB + credits in flight)
 
 also capped by ``buffer.capacity_groups`` / ``capacity_bytes``. Grants are deferred while capacity is
-zero. No actor id holds more than ``buffer.max_credit_per_actor`` unused credits and no ingest connection
-more than ``buffer.max_credit_per_connection`` across its actor ids (a client inventing actor ids cannot
-take all capacity); a connection that closes gives back its unused credit at once (the socket monitor
-reports the closed descriptor, and every frame carries the descriptor it came on). With CurveZMQ an actor
-id belongs to the first client key that asks credit for it; another key asking for it is refused. Counting consumption instead of the reported version keeps the bound right when the learner takes
+zero. Counting consumption instead of the reported version keeps the bound right when the learner takes
 several batches per version (value pretraining) or resumes from an older checkpoint; with
 ``max_staleness = 0`` actors work only while the learner waits, which makes the system synchronous.
 Every term is durable or re-derivable after a restart (AReaL bug #1388): depth, totals and the learner
 version are LMDB counters; credits in flight restart at zero (groups from old grants still count when
 they arrive), and a grant not used within ``buffer.credit_ttl_s`` stops counting. A grant carries the
 learner version: actors that generate with weights at least that new never produce stale groups.
+
+No actor id holds more than ``buffer.max_credit_per_actor`` unused credits and no ingest connection more
+than ``buffer.max_credit_per_connection`` across its actor ids, so a client inventing actor ids cannot
+take all capacity. A connection that closes gives back its unused credit at once (the socket monitor
+reports the closed descriptor, and every frame carries the descriptor it came on). With CurveZMQ an actor
+id belongs to the first client key that asks credit for it (until the buffer restarts); another key
+asking for it is refused (``actor_key``).
 
 Bad frames on either socket are counted in ``vapo_buffer_rejected_frames{reason}`` (``ProtocolError``
 reason, ``multipart``, ``unexpected_type``), answered with ``ErrorReply``, and the server keeps serving.
@@ -172,10 +175,10 @@ class _Peers:
 class _BatchWait:
     """One BatchRequest waiting for groups: who asked (ROUTER identity + REQ envelope) and until when."""
 
-    __slots__ = ("ident", "envelope", "req", "deadline", "t0")
+    __slots__ = ("ident", "envelope", "req", "deadline")
 
-    def __init__(self, ident: bytes, envelope: list[bytes], req: Any, deadline: float, t0: float) -> None:
-        self.ident, self.envelope, self.req, self.deadline, self.t0 = ident, envelope, req, deadline, t0
+    def __init__(self, ident: bytes, envelope: list[bytes], req: Any, deadline: float) -> None:
+        self.ident, self.envelope, self.req, self.deadline = ident, envelope, req, deadline
 
 
 def admission_capacity(max_staleness: int, batch_groups: int, pending_n: int, depth: int, in_flight: int) -> int:
@@ -766,7 +769,7 @@ class BufferServer:
             self._reply(old.ident, old.envelope, encode(ErrorReply(
                 reason="timeout", message=f"evicted: {_MAX_BATCH_WAITS} batch requests waiting; ask again")))
         now = time.monotonic()
-        self._waits[ident] = _BatchWait(ident, envelope, req, now + req.timeout_ms / 1000.0, now)
+        self._waits[ident] = _BatchWait(ident, envelope, req, now + req.timeout_ms / 1000.0)
         self._depth_changed = True
 
     def _try_serve(self) -> None:
