@@ -174,15 +174,21 @@ def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
 
 
 def _head_logprobs_entropy(hidden: Tensor, tokens: Tensor, head: Callable[[Tensor], Tensor],
-                           entropy: bool = True) -> tuple[Tensor, Tensor]:
+                           entropy: bool = True, entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
     """One chunk: hidden ``[n, H]`` → (log π(tokens) ``[n]``, entropy ``[n]`` or zeros), both fp32."""
     logp = torch.log_softmax(head(hidden).float(), dim=-1)
     lp = torch.gather(logp, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
-    return lp, -(logp.exp() * logp).sum(-1) if entropy else torch.zeros_like(lp)
+    if not entropy:
+        return lp, torch.zeros_like(lp)
+    # A metric-only entropy must not enter the graph: its nodes would never run in the backward, and the
+    # [n, V] tensors they saved (recomputed with the chunk) would stay alive until the backward ends.
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        return lp, -(logp.exp() * logp).sum(-1)
 
 
 def chunked_token_logprobs(hidden: Tensor, head: Callable[[Tensor], Tensor], tokens: Tensor, chunks: int,
-                           recompute: bool = True, entropy: bool = True) -> tuple[Tensor, Tensor]:
+                           recompute: bool = True, entropy: bool = True,
+                           entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
     """log π(tokens) and the entropy of π from final hidden states, ``chunks`` pieces of positions at a time.
 
     hidden ``[N, H]`` (the states that score each token), tokens ``[N]``, ``head`` the LM head (``[n, H] →
@@ -190,8 +196,8 @@ def chunked_token_logprobs(hidden: Tensor, head: Callable[[Tensor], Tensor], tok
     ``entropy_from_logits`` of ``head(hidden)``. With ``recompute`` (and autograd on), each chunk runs
     under non-reentrant activation checkpointing: its ``[n, V]`` logits are freed after the forward and
     rebuilt for the backward, one chunk at a time. The entropy is exact on every position (it reuses the
-    chunk's log-softmax, no second pass); it carries a gradient only when the caller uses it, and is
-    zeros when ``entropy`` is False.
+    chunk's log-softmax, no second pass); it carries a gradient only with ``entropy_grad`` (an entropy
+    bonus in the loss), and is zeros when ``entropy`` is False.
 
     ``chunks`` is a count, not a size, on purpose: under ZeRO-3 every call of ``head`` gathers its weight
     across ranks, so all ranks must make the same number of calls for a micro-batch (the scheduler gives
@@ -201,9 +207,9 @@ def chunked_token_logprobs(hidden: Tensor, head: Callable[[Tensor], Tensor], tok
     lps, ents = [], []
     for h, tok in zip(hidden.tensor_split(max(1, chunks)), tokens.tensor_split(max(1, chunks)), strict=True):
         if recompute and torch.is_grad_enabled() and h.requires_grad:
-            lp, ent = checkpoint(_head_logprobs_entropy, h, tok, head, entropy, use_reentrant=False)
+            lp, ent = checkpoint(_head_logprobs_entropy, h, tok, head, entropy, entropy_grad, use_reentrant=False)
         else:
-            lp, ent = _head_logprobs_entropy(h, tok, head, entropy)
+            lp, ent = _head_logprobs_entropy(h, tok, head, entropy, entropy_grad)
         lps.append(lp)
         ents.append(ent)
     return torch.cat(lps), torch.cat(ents)

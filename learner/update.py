@@ -203,8 +203,7 @@ def policy_logprobs(policy: Any, batch: Batch, micro: Micro, logit_elements: int
                     entropy_grad: bool = False) -> tuple[Tensor, Tensor | None, Batch]:
     """log π of each response token ``[n, T_rows]`` fp32 (0 on padding), its entropy (or None) and the
     rows' sub-batch. ``logit_elements`` > 0: chunked LM head over the real tokens (no ``[n, T, V]``);
-    0: full logits. ``entropy_grad``: the entropy enters the loss (old path only; the chunked entropy
-    carries a gradient whenever autograd is on)."""
+    0: full logits. ``entropy_grad``: the entropy enters the loss (otherwise it is a detached metric)."""
     sub = batch.select(micro.rows).to(_dev(policy))
     if logit_elements <= 0:
         logits = gather_positions(policy(input_ids=sub.input_ids, attention_mask=sub.attention_mask).logits,
@@ -223,7 +222,7 @@ def policy_logprobs(policy: Any, batch: Batch, micro: Micro, logit_elements: int
     r, t = (sub.mask > 0).nonzero(as_tuple=True)
     chunks = head_chunks(policy, micro.peak_tokens, logit_elements)
     lp, ent_flat = chunked_token_logprobs(h[r, sub.positions[r, t]], policy.module.get_output_embeddings(),
-                                          sub.response_ids[r, t], chunks, entropy=entropy)
+                                          sub.response_ids[r, t], chunks, entropy=entropy, entropy_grad=entropy_grad)
     logp = lp.new_zeros(sub.mask.shape).index_put((r, t), lp)
     ent = ent_flat.new_zeros(sub.mask.shape).index_put((r, t), ent_flat) if entropy else None
     return logp, ent, sub

@@ -170,7 +170,7 @@ def test_chunked_logprobs_and_entropy_equal_the_full_computation(chunks: int) ->
     g_h, g_w = hidden.grad.clone(), head.weight.grad.clone()
     hidden.grad, head.weight.grad = None, None
 
-    lp, ent = chunked_token_logprobs(hidden, head, tokens, chunks)
+    lp, ent = chunked_token_logprobs(hidden, head, tokens, chunks, entropy_grad=True)
     torch.testing.assert_close(lp, lp_full, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ent, ent_full, atol=1e-5, rtol=1e-5)
     ((coef * lp).sum() + 0.3 * ent.sum()).backward()
@@ -195,7 +195,9 @@ def test_chunked_logprobs_never_hold_more_than_a_chunk_of_logits() -> None:
         return lin(x)
 
     hidden = torch.randn(N, H, requires_grad=True)
-    lp, _ = chunked_token_logprobs(hidden, head, torch.randint(0, V, (N,)), chunks)
+    lp, ent = chunked_token_logprobs(hidden, head, torch.randint(0, V, (N,)), chunks)
+    # A metric-only entropy stays out of the graph: its saved [n, V] tensors would outlive their chunk.
+    assert lp.requires_grad and not ent.requires_grad
     lp.sum().backward()
     assert seen == [N // chunks] * (2 * chunks)  # forward, then one recomputation per chunk in backward
     assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
