@@ -248,6 +248,10 @@ class ShardWriter:
         self.total_bytes = 0
 
     def add(self, name: str, t: Tensor) -> None:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            # SGLang loads NaN/Inf weights without a word and then samples garbage: refuse at the source,
+            # where the tensor is already in host memory (the actors' own check re-reads every file).
+            raise ValueError(f"weight {name} has NaN or Inf values; this version is not published (training diverged?)")
         n = t.numel() * t.element_size()
         if self.cur and self.cur_bytes + n > self.shard_bytes:
             self._flush()

@@ -122,6 +122,16 @@ def test_export_is_save_pretrained_byte_for_byte_and_shards_load(tiny_model_dir:
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True))
 
 
+def test_non_finite_weights_are_never_published(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # SGLang would load them silently; the export refuses, and no version directory appears.
+    model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    with torch.no_grad():
+        next(iter(model.parameters()))[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        W.write_version(tmp_path / "w", 1, model, tok)
+    assert W.complete_versions(tmp_path / "w") == [] and not (tmp_path / "w" / "v1").exists()
+
+
 def test_two_rank_zero3_export_writes_on_rank0_only_and_streams(tiny_model_dir: Path, tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import AutoModelForCausalLM
