@@ -1,6 +1,6 @@
 """Benchmark: learner tokens/s of a full VAPO step (critic + actor) under DeepSpeed vs plain PyTorch.
 
-    .venv/bin/python ops/bench/learner.py [--groups 8] [--group-size 8] [--steps 3] [--threads 2]
+    .venv/bin/python ops/bench/learner.py [--groups 8] [--group-size 8] [--steps 3] [--threads 2] [key=value ...]
 
 Prints one JSON line. Both sides run the same ``learner.train.Learner.step`` code (values → critic
 update → fresh values → advantages → actor update, same mini-/micro-batches, same losses); the baseline
@@ -9,7 +9,8 @@ swaps the two DeepSpeed engines for a minimal wrapper around the bare module + `
 machine contention hits both. Model: ``runs/_base/addition-tiny`` when it exists, otherwise a random tiny
 Qwen2 of the default shape (hidden 128, 3 layers); data: synthetic groups shaped like the addition task.
 Target: ratio ≥ 0.8 (``ratio`` = DeepSpeed tokens/s ÷ plain tokens/s over wall time; ``ratio_cpu_time``
-uses this process's CPU seconds, which other processes on a shared machine disturb less).
+uses this process's CPU seconds, which other processes on a shared machine disturb less). To compare two
+versions of the learner, run this file from each checkout and compare ``deepspeed_step_cpu_s``.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def main() -> int:
     ap.add_argument("--group-size", type=int, default=8, help="samples per group (default 8)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per side after one warm-up (default 3)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    ap.add_argument("overrides", nargs="*", help="config overrides key=value (e.g. learner.micro_batch_tokens=2048)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -94,7 +96,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         mdir, mdesc = model_dir(Path(tmp))
         cfg = load_config(None, [f"model.path={mdir}", f"learner.batch_groups={args.groups}",
-                                 "metrics.prometheus=false"])
+                                 "metrics.prometheus=false", *args.overrides])
         vocab = load_policy_module(mdir).config.vocab_size
         batches = [synth_groups(args.groups, args.group_size, vocab, seed=100 + i, prompt_len=(8, 20),
                                 resp_len=(10, cfg.actors.max_new_tokens), max_new_tokens=cfg.actors.max_new_tokens)
@@ -133,6 +135,9 @@ def main() -> int:
                                    / statistics.median(r["wall"] for r in res["deepspeed"]), 3),
         "deepspeed_step_s": round(statistics.mean(r["wall"] for r in res["deepspeed"]), 3),
         "plain_step_s": round(statistics.mean(r["wall"] for r in res["plain"]), 3),
+        # CPU seconds per step: the figure to compare across runs (before/after a change) on a shared machine.
+        "deepspeed_step_cpu_s": round(statistics.mean(r["cpu"] for r in res["deepspeed"]), 3),
+        "plain_step_cpu_s": round(statistics.mean(r["cpu"] for r in res["plain"]), 3),
         "deepspeed_phase_s": phases(res["deepspeed"]), "plain_phase_s": phases(res["plain"]),
     }
     print(json.dumps(out))

@@ -98,3 +98,37 @@ def test_surprise_head_sees_unlikely_tokens_saves_and_gets_its_lr(tiny_model_dir
     engine = build_critic_engine(cfg, lr=1e-4)
     lrs = sorted(g["lr"] for g in engine.optimizer.param_groups)
     assert lrs == pytest.approx([1e-4, 1e-2])
+
+
+def test_surprise_head_refuses_untied_embeddings_and_chunks_its_logprobs(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The surprise features read log-probs through the input embeddings: a model whose LM head is a
+    different matrix is refused, naming the key; the chunked features equal the full-vocabulary formula."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.config import ConfigError
+
+    cfg = make_cfg(tiny_model_dir, "learner.value_head_surprise=true")
+    untied = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    untied.config.tie_word_embeddings = False
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone() + 0.1)
+    untied.save_pretrained(tmp_path / "untied")
+    AutoTokenizer.from_pretrained(str(tiny_model_dir)).save_pretrained(tmp_path / "untied")
+    with pytest.raises(ConfigError, match="learner.value_head_surprise"):
+        load_critic_module(cfg, tmp_path / "untied")
+
+    critic = load_critic_module(make_cfg(tiny_model_dir, "learner.value_head_surprise=true",
+                                         "learner.logits_chunk_elements=1"))  # one token per chunk
+    x = torch.randint(3, 50, (3, 11))
+    attn = torch.ones_like(x)
+    attn[2, 8:] = 0
+    start = torch.tensor([4, 6, 2])
+    with torch.no_grad():
+        h = critic.backbone(input_ids=x, attention_mask=attn).last_hidden_state
+        feats = critic._surprise_features(h, x, attn, start)
+        # The whole [B, S, V] computation, as before the chunking.
+        logp = torch.log_softmax(h[:, :-1] @ critic.backbone.get_input_embeddings().weight.t(), dim=-1)
+        tok = torch.cat([torch.zeros(3, 1), logp.gather(-1, x[:, 1:, None]).squeeze(-1)], dim=1)
+        real = (torch.arange(11)[None, :] >= start[:, None]) & attn.bool()
+        tok = tok * real
+    torch.testing.assert_close(feats[..., 1], tok, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(feats[..., 0], torch.cummin(tok, dim=1).values, atol=1e-6, rtol=1e-6)

@@ -1,0 +1,49 @@
+"""ops/bench/memory.py: the padding figure on a hand-checked batch, and (slow) a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "ops" / "bench" / "memory.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("memory_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_padding_waste_counts_padding_and_fillers() -> None:
+    bench = _bench()
+    # Rows of 10, 10, 2, 2 tokens (prompt 1 + response): one mini-batch, one rank, 2 rows per micro-batch.
+    # Sorted longest first: [10, 10] and [2, 2], no padding.
+    p, r = [1, 1, 1, 1], [9, 1, 9, 1]
+    assert bench.padding_waste(p, r, 1, 1, 2, 0) == 0.0
+    # Two ranks, budget 10 tokens: each rank gets one 10 and one 2 (dealt longest first, round-robin), cut
+    # into [10] and [2] (2 × 10 > 10): still no padding, and equal counts need no filler.
+    assert bench.padding_waste(p, r, 1, 2, 8, 10) == 0.0
+    # Three rows [10, 2, 2] on two ranks, rows only: rank 0 gets [10, 2] → one micro-batch of 2 × 10 = 20;
+    # rank 1 gets [2] → 2. Processed 22 for 14 real: waste 8 / 22.
+    assert bench.padding_waste([1, 1, 1], [9, 1, 1], 1, 2, 8, 0) == round(1 - 14 / 22, 4)
+
+
+@pytest.mark.slow
+def test_tiny_run_reports_every_field() -> None:
+    p = subprocess.run([sys.executable, str(BENCH), "--t", "32,64", "--vocab", "2048,256", "--hidden", "32",
+                        "--layers", "1", "--threads", "1", "--old-max-elements", "70000"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    for key in ("peak_16k_over_1k", "vocab_152k_over_4k_at_16k", "new_over_old_at_16k", "padding_waste_default",
+                "padding_waste_long_tail"):
+        assert isinstance(out[key], float) and out[key] >= 0, key
+    assert all(r["peak_mib"] >= 0 for r in out["runs"].values()) and "old/v2048/t64" not in out["runs"]
