@@ -100,11 +100,11 @@ def test_two_ranks_deepspeed_launcher_with_shm_allreduce(tiny_model_dir: Path, t
 # ZeRO-3: every forward gathers parameters across ranks, so both ranks must run exactly as many forwards
 # (and LM-head chunks) in every phase. Very unequal rows (one group of 120-150-token responses, four of
 # 1-8), an odd row count, replayed positives, a token budget and small LM-head chunks make the ranks' own
-# work differ; the fillers must even the counts out.
+# work differ; the fillers must even the counts out. Activation checkpointing runs under ZeRO-3 here too.
 ZERO3 = ["learner.zero_stage=3", "learner.batch_groups=5", "learner.mini_batches=2", "learner.micro_batch_size=2",
          "learner.micro_batch_tokens=300", "learner.logits_chunk_elements=480", "nll.replay_fraction=0.5",
          "learner.actor_lr=1e-3", "learner.critic_lr=2e-3", "algo.alpha=0.5", "metrics.prometheus=false",
-         "learner.value_head_init_std=0.02"]
+         "learner.value_head_init_std=0.02", "learner.activation_checkpointing=true"]
 
 ZERO3_HARNESS = textwrap.dedent("""
     import json, sys
