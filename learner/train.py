@@ -9,7 +9,8 @@ Step (DESIGN.md §3; VAPO arXiv 2504.05118 §3):
     fetch            groups with weight_version >= version - max_staleness (rank 0 asks the buffer,
                      broadcasts to the other ranks), + stored positives for NLL replay (optional)
     collate          padded prompt+response tensors, response mask, behaviour logprobs (learner.batch)
-    values           V(s_t) of the batch from the critic before its update
+    values           V(s_t) of the batch from the critic before its update (skipped when the targets are
+                     Monte-Carlo, λ_critic = 1 without value clipping: EV then comes from critic_update)
     critic_update    fit V to λ_critic (= 1: Monte-Carlo) returns, epochs × mini-batches
     fresh_values     V(s_t) again, from the updated critic (critic-then-actor)
     advantages       decoupled GAE with per-sample length-adaptive λ_actor = 1 − 1/(α·l); or GRPO
