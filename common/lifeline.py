@@ -52,7 +52,8 @@ if _LINUX:
 def start_time(pid: int) -> int | None:
     """Kernel start time of ``pid`` (clock ticks since boot, /proc/<pid>/stat field 22), None if gone."""
     try:
-        stat = open(f"/proc/{pid}/stat", "rb").read()  # noqa: SIM115 - tiny procfs read
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
     except OSError:
         return None
     # The command name (field 2) may contain spaces and parentheses: count fields after its last ')'.
