@@ -13,10 +13,12 @@ Two mechanisms, because neither covers every case alone:
   thread that lives as long as the child (the launcher and the actors spawn from their main thread).
   A parent that died between fork and ``prctl`` is caught by comparing ``getppid()`` with the spawner.
 - **Ancestor watchdog** (``watch_ancestor()``): ``popen_kwargs`` also puts ``VAPO_LIFELINE=<pid>:<start
-  time>`` of the spawner into the child's environment. Processes started by a third-party launcher
+  time>:<scope>`` of the spawner into the child's environment. Processes started by a third-party launcher
   in between (learner ranks under ``deepspeed``/``torchrun``, which spawn without our prctl) inherit it
   and call ``watch_ancestor()`` at start: a daemon thread blocks on a pidfd of that ancestor and kills
-  its own process when the ancestor exits. The start time guards against a reused pid.
+  its own process when the ancestor exits. The start time guards against a reused pid; the boot id and
+  pid namespace in the token make a copy that travelled to another host (ssh, srun) a no-op there.
+  Processes on other hosts are not covered: they depend on their remote launcher (ssh/srun/pdsh).
 
 SIGKILL, not SIGTERM: the parent that would have run the orderly stop is gone, and a child stuck in a
 blocking call could ignore SIGTERM forever. Everything durable in vapo is written to survive SIGKILL
@@ -61,10 +63,21 @@ def start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
+def scope() -> str:
+    """This machine's boot and pid namespace: a pid means something only where both are the same."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return "unknown"
+
+
 def token(pid: int | None = None) -> str:
-    """``<pid>:<start time>`` naming one process unambiguously (a pid alone may be reused)."""
+    """``<pid>:<start time>:<scope>`` naming one process unambiguously (a pid alone may be reused, and means
+    nothing on another host or in another pid namespace)."""
     pid = os.getpid() if pid is None else pid
-    return f"{pid}:{start_time(pid) or 0}"
+    return f"{pid}:{start_time(pid) or 0}:{scope()}"
 
 
 def _die_with(parent_pid: int) -> Callable[[], None]:
@@ -93,10 +106,10 @@ def popen_kwargs(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     return {"preexec_fn": _die_with(os.getpid()), "env": child_env}
 
 
-def _parse(value: str) -> tuple[int, int] | None:
+def _parse(value: str) -> tuple[int, int, str] | None:
     try:
-        pid, started = value.split(":", 1)
-        return int(pid), int(started)
+        pid, started, where = value.split(":", 2)
+        return int(pid), int(started), where
     except ValueError:
         return None
 
@@ -117,10 +130,15 @@ def watch_ancestor(value: str | None = None, on_death: Callable[[], None] | None
     parsed = _parse(value) if value else None
     if parsed is None:
         if value:
-            log.warning("ignoring malformed %s=%r (expected <pid>:<start time>)", ENV_VAR, value)
+            log.warning("ignoring malformed %s=%r (expected <pid>:<start time>:<scope>)", ENV_VAR, value)
         return None
-    pid, started = parsed
+    pid, started, where = parsed
     if pid == os.getpid():
+        return None
+    if where != scope():
+        # Inherited across hosts (a launcher that forwards the whole environment over ssh/srun) or pid
+        # namespaces: that pid is not our ancestor here, and its absence must not kill this process.
+        log.info("lifeline: %s names a process on another host or pid namespace; not watching it", ENV_VAR)
         return None
     die = on_death or (lambda: os.kill(os.getpid(), signal.SIGKILL))
     fd: int | None = None
@@ -152,4 +170,4 @@ def watch_ancestor(value: str | None = None, on_death: Callable[[], None] | None
     return t
 
 
-__all__ = ["ENV_VAR", "popen_kwargs", "start_time", "token", "watch_ancestor"]
+__all__ = ["ENV_VAR", "popen_kwargs", "scope", "start_time", "token", "watch_ancestor"]

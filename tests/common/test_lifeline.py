@@ -78,8 +78,9 @@ def test_descendants_die_with_a_sigkilled_parent(mode: str) -> None:
 def test_popen_kwargs_names_this_process_in_the_child_environment() -> None:
     kw = lifeline.popen_kwargs({"A": "1"})
     assert kw["env"]["A"] == "1" and "PATH" not in kw["env"]  # the given environment, not os.environ
-    pid, started = kw["env"][lifeline.ENV_VAR].split(":")
+    pid, started, where = kw["env"][lifeline.ENV_VAR].split(":", 2)
     assert int(pid) == os.getpid() and int(started) == lifeline.start_time(os.getpid()) > 0
+    assert where == lifeline.scope() and where != "unknown"
 
 
 def test_watch_ancestor_kills_a_process_when_its_ancestor_exits() -> None:
@@ -105,7 +106,7 @@ def test_watch_ancestor_kills_a_process_when_its_ancestor_exits() -> None:
 def test_watch_ancestor_treats_a_reused_pid_as_a_dead_ancestor() -> None:
     died = threading.Event()
     # The parent's pid with a start time it does not have: the process that pid once named is gone.
-    assert lifeline.watch_ancestor(f"{os.getppid()}:1", on_death=died.set) is None
+    assert lifeline.watch_ancestor(f"{os.getppid()}:1:{lifeline.scope()}", on_death=died.set) is None
     assert died.is_set()
 
 
@@ -113,4 +114,55 @@ def test_watch_ancestor_is_a_no_op_without_a_valid_token() -> None:
     died = threading.Event()
     assert lifeline.watch_ancestor(lifeline.token(), on_death=died.set) is None  # this process itself
     assert lifeline.watch_ancestor("not-a-token", on_death=died.set) is None
+    # A token from another host (forwarded over ssh/srun) names no process here, even if its pid is free.
+    assert lifeline.watch_ancestor(f"{2**22 + 7}:1:another-boot/pid:[1]", on_death=died.set) is None
     assert not died.is_set()
+
+
+# A stand-in for ops/launch.py (spawns with a lifeline) over a stand-in for DeepSpeed's launcher (spawns a
+# learner rank with plain Popen, as DeepSpeed does): only the rank's own watchdog can stop it.
+TOP = """
+import os, subprocess, sys
+sys.path.insert(0, os.environ["VAPO_ROOT"])
+from common import lifeline
+mid = subprocess.Popen([sys.executable, "-c", os.environ["MID_SCRIPT"], *sys.argv[1:]], **lifeline.popen_kwargs())
+print("mid", mid.pid, flush=True)
+mid.wait()
+"""
+MID = """
+import subprocess, sys
+rank = subprocess.Popen([sys.executable, "-m", "learner", *sys.argv[1:]])
+print("rank", rank.pid, flush=True)
+rank.wait()
+"""
+
+
+def test_a_learner_rank_under_a_foreign_launcher_dies_with_the_vapo_launcher(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from tests.learner.synth import child_env
+    from tests.ports import port_overrides
+
+    run_dir = tmp_path / "r"
+    args = ["ops/configs/smoke.yaml", f"run.root={tmp_path}", "run.name=r", f"model.path={tiny_model_dir}",
+            "metrics.prometheus=false", *port_overrides()]  # no buffer listens: the rank waits for data
+    env = child_env(VAPO_ROOT=str(ROOT), MID_SCRIPT=MID)
+    top = subprocess.Popen([sys.executable, "-c", TOP, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    pids: dict[str, int] = {}
+    try:
+        assert top.stdout is not None
+        for _ in range(2):
+            who, pid = top.stdout.readline().split()
+            pids[who] = int(pid)
+        # The rank writes its config after arming the watchdog (first thing after parsing the config).
+        wait_for(lambda: (run_dir / "learner_config.yaml").exists(), 120, "the learner rank to start")
+        assert not gone(pids["rank"])
+        top.kill()
+        top.wait(timeout=10)
+        wait_for(lambda: gone(pids["mid"]), 10, "the stand-in DeepSpeed launcher to die (parent-death signal)")
+        wait_for(lambda: gone(pids["rank"]), 10, "the learner rank to die (its lifeline watchdog)")
+    finally:
+        for p in [top.pid, *pids.values()]:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
