@@ -195,7 +195,7 @@ class Learner:
         staleness = (self.version - batch.weight_version[real]).clamp(min=0)
         mbs = MicroLimits.from_config(lc)
         minibatches = minibatch_rows(batch.size, lc.mini_batches, cfg.run.seed, self.version)
-        mine = my_rows(minibatches, batch)
+        mine = my_rows(minibatches, batch, mbs)
         ppo_mask = batch.ppo_mask
         rewards_tok = terminal_rewards(batch.scores, batch.mask) * ppo_mask
         stats: dict[str, Any] = {}

@@ -6,20 +6,20 @@ micro-batches and data-parallel ranks.
 
 Data parallelism: every rank holds the whole batch (the groups are broadcast), the rows are permuted once
 per step (seeded by run seed and version, identical on every rank) and cut into ``mini_batches``
-contiguous mini-batches. Each mini-batch is dealt to the ranks longest row first, round-robin (``deal``),
-so ranks get similar token counts. Losses are divided by the real-token count of the whole mini-batch
-(every rank can count it: it holds every row) and multiplied by the world size because DeepSpeed averages
-gradients; so N ranks compute exactly the one-rank update. Every epoch reuses the same mini-batches, so
-each rank only ever needs values and advantages for its own rows.
+contiguous mini-batches. Losses are divided by the real-token count of the whole mini-batch (every rank
+can count it: it holds every row) and multiplied by the world size because DeepSpeed averages gradients;
+so N ranks compute exactly the one-rank update. Every epoch reuses the same mini-batches and micro-batches,
+so each rank only ever needs values and advantages for its own rows.
 
-Micro-batches (``schedule``): a rank's rows, longest first, are cut greedily into micro-batches of at most
-``learner.micro_batch_size`` rows and, when ``learner.micro_batch_tokens`` > 0, at most that many padded
-tokens (rows × longest prompt + response), like verl's per-GPU token budget; sorting keeps the padding
-small. Under ZeRO-2/3 every forward and backward is a collective, so every rank must run the same number
-of micro-batches in every phase: every rank computes every rank's cut (all hold the whole batch) and pads
-its own list with weight-0 filler micro-batches (the shortest row, loss multiplied by 0). The LM head is
-applied in a number of chunks that is also the same on every rank for a given micro-batch (under ZeRO-3
-each call gathers its weight).
+Micro-batches (``plan``): a mini-batch's rows, longest first, are cut greedily into micro-batches of at
+most ``learner.micro_batch_size`` rows and, when ``learner.micro_batch_tokens`` > 0, at most that many
+padded tokens (rows × longest prompt + response), like verl's per-GPU token budget; neighbours in length
+share a micro-batch, so little is padding. The micro-batches are dealt to the ranks by padded tokens
+(largest first, to the least loaded rank). Under ZeRO-2/3 every forward and backward is a collective, so
+every rank must run the same number of micro-batches in every phase: every rank computes the whole plan
+(all hold the whole batch) and pads its own list with weight-0 filler micro-batches (the shortest row,
+loss multiplied by 0). The LM head is applied in a number of chunks that is also the same on every rank
+for a given micro-batch (under ZeRO-3 each call gathers its weight).
 
 Policy log-probs (``learner.logits_chunk_elements`` > 0): the policy returns its final hidden states and the
 LM head runs over the real response tokens only, in chunks of about ``logits_chunk_elements / vocab``
@@ -114,23 +114,6 @@ def _longest_first(rows: Tensor, seq_len: Tensor) -> Tensor:
     return rows[torch.argsort(seq_len[rows], descending=True, stable=True)]
 
 
-def deal(rows: Tensor, seq_len: Tensor, world: int) -> list[Tensor]:
-    """Every rank's share of ``rows``: longest first, dealt round-robin (similar token counts per rank)."""
-    order = _longest_first(rows, seq_len)
-    return [order[r::world] for r in range(world)]
-
-
-def rank_rows(minibatches: list[Tensor], seq_len: Tensor, world: int) -> list[Tensor]:
-    """Each rank's rows over all ``minibatches`` (its share of each, concatenated)."""
-    shares = [deal(mb, seq_len, world) for mb in minibatches]
-    return [torch.cat([s[r] for s in shares]) if shares else torch.zeros(0, dtype=torch.long) for r in range(world)]
-
-
-def my_rows(minibatches: list[Tensor], batch: Batch) -> Tensor:
-    """The rows this rank trains on (and needs values and advantages for)."""
-    return rank_rows(minibatches, seq_lengths(batch), world_size())[rank()]
-
-
 def cut(rows: Tensor, seq_len: Tensor, max_rows: int, max_tokens: int = 0) -> list[Tensor]:
     """``rows`` longest first, cut greedily: a micro-batch grows while it has at most ``max_rows`` rows and
     (``max_tokens`` > 0) rows × its longest row ≤ ``max_tokens``. A row longer than the budget goes alone."""
@@ -147,31 +130,58 @@ def cut(rows: Tensor, seq_len: Tensor, max_rows: int, max_tokens: int = 0) -> li
     return out
 
 
-def schedule(per_rank: list[Tensor], batch: Batch, limits: MicroLimits, me: int | None = None) -> list[Micro]:
-    """Rank ``me``'s micro-batches when rank r holds ``per_rank[r]``: every rank gets the same count (the
-    shorter lists end with weight-0 fillers: the batch's shortest row)."""
-    me = rank() if me is None else me
+def plan(rows: Tensor, batch: Batch, limits: MicroLimits, world: int) -> list[list[Tensor]]:
+    """One mini-batch's micro-batches on every rank: its rows longest first, cut into micro-batches (so a
+    micro-batch holds rows of similar length: little padding), at least ``world`` of them when there are
+    enough rows, dealt largest first to the rank with the fewest padded tokens so far."""
     seq = seq_lengths(batch)
-    cuts = [cut(r, seq, max(1, limits.rows), limits.tokens) for r in per_rank]
-    n = max((len(c) for c in cuts), default=0)
+    cap = max(1, limits.rows)
+    if len(rows) >= world:
+        cap = min(cap, math.ceil(len(rows) / world))
+    micros = cut(rows, seq, cap, limits.tokens)
+    cost = [len(m) * int(seq[m].max()) for m in micros]
+    out: list[list[Tensor]] = [[] for _ in range(world)]
+    load = [0] * world
+    for k in sorted(range(len(micros)), key=lambda k: -cost[k]):
+        r = min(range(world), key=lambda r: (load[r], len(out[r]), r))
+        out[r].append(micros[k])
+        load[r] += cost[k]
+    return out
+
+
+def rank_plans(minibatches: list[Tensor], batch: Batch, limits: MicroLimits, world: int) -> list[list[Tensor]]:
+    """Each rank's micro-batches over all ``minibatches`` (mini-batch by mini-batch)."""
+    plans = [plan(mb, batch, limits, world) for mb in minibatches]
+    return [[m for p in plans for m in p[r]] for r in range(world)]
+
+
+def equalize(per_rank: list[list[Tensor]], batch: Batch, me: int) -> list[Micro]:
+    """Rank ``me``'s micro-batches when rank r runs ``per_rank[r]``: every rank gets the same count, the
+    shorter lists ending with weight-0 fillers (the shortest row)."""
+    n = max((len(p) for p in per_rank), default=0)
     if n == 0:
         return []
-    everyone = torch.cat(list(per_rank))
-    filler = everyone[torch.argmin(seq[everyone])].reshape(1)
+    everyone = torch.cat([m for p in per_rank for m in p])
+    filler = everyone[torch.argmin(seq_lengths(batch)[everyone])].reshape(1)
     resp = batch.lengths
 
-    def tokens(c: list[Tensor], k: int) -> int:
-        return int(resp[c[k] if k < len(c) else filler].sum())
+    def tokens(p: list[Tensor], k: int) -> int:
+        return int(resp[p[k] if k < len(p) else filler].sum())
 
-    peaks = [max(tokens(c, k) for c in cuts) for k in range(n)]
-    mine = cuts[me]
+    peaks = [max(tokens(p, k) for p in per_rank) for k in range(n)]
+    mine = per_rank[me]
     return [Micro(mine[k], 1.0, peaks[k]) if k < len(mine) else Micro(filler, 0.0, peaks[k]) for k in range(n)]
 
 
 def micro_batches(minibatches: list[Tensor], batch: Batch, limits: MicroLimits | int) -> list[Micro]:
-    """This rank's micro-batches over its shares of ``minibatches`` (same count on every rank)."""
-    per_rank = rank_rows(minibatches, seq_lengths(batch), world_size())
-    return schedule(per_rank, batch, MicroLimits.of(limits))
+    """This rank's micro-batches over ``minibatches`` (the same count on every rank)."""
+    return equalize(rank_plans(minibatches, batch, MicroLimits.of(limits), world_size()), batch, rank())
+
+
+def my_rows(minibatches: list[Tensor], batch: Batch, limits: MicroLimits | int) -> Tensor:
+    """The rows this rank trains on (and needs values and advantages for)."""
+    mine = rank_plans(minibatches, batch, MicroLimits.of(limits), world_size())[rank()]
+    return torch.cat(mine) if mine else torch.zeros(0, dtype=torch.long)
 
 
 def _as_minibatches(rows: Tensor | list[Tensor]) -> list[Tensor]:

@@ -47,7 +47,7 @@ def _targets(batch: Any, values: torch.Tensor, gamma: float) -> torch.Tensor:
 def heldout_ev(critic: Any, batch: Any, gamma: float, mbs: MicroLimits | int) -> tuple[float, float]:
     """(explained variance, value mean) of the critic on ``batch`` (rows shared across ranks)."""
     everything = [torch.arange(batch.size)]
-    rows = my_rows(everything, batch)
+    rows = my_rows(everything, batch, mbs)
     values = compute_values(critic, batch, everything, mbs)
     return _global_stats(values[rows], _targets(batch, values, gamma)[rows], batch.mask[rows])
 
@@ -87,7 +87,7 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
         groups, _ = fetch_groups(source, 0, vp.batch_groups, lc.batch_timeout_s)
         batch = collate(groups, pad)
         minibatches = minibatch_rows(batch.size, lc.mini_batches, cfg.run.seed + 7919, step)
-        mine = my_rows(minibatches, batch)
+        mine = my_rows(minibatches, batch, mbs)
         # λ = 1 targets do not depend on V: no value pass before the update; the training-batch explained
         # variance is read from the update's own forwards (each mini-batch before its own step).
         no_values = torch.zeros(batch.mask.shape)

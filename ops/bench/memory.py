@@ -25,9 +25,9 @@ GB here); ``new_over_old_at_16k`` is therefore measured at the smallest vocabula
 vocabulary's old peak at 16k is also given as a linear extrapolation from the T values it ran at.
 
 Padding: the scheduler (``learner.update.schedule``) cuts a batch with the embedded task's lengths
-(default config, 256 rows, 2 mini-batches) and a long-tailed paper-like batch (8192 rows, lognormal
-responses capped at 20k tokens, 16 mini-batches, 8 ranks); waste = padded + filler tokens / all tokens
-the forwards process.
+(default config, 256 rows, 2 mini-batches, learner.micro_batch_tokens=1024) and a long-tailed paper-like
+batch (8192 rows, lognormal responses capped at 20k tokens, 16 mini-batches, 8 ranks, 32768-token
+budget); waste = padded + filler tokens / all tokens the forwards process.
 
 Targets (ratios from one run): peak_16k_over_1k ≤ 20 (1.25 × 16), vocab_152k_over_4k_at_16k ≤ 1.3,
 new_over_old_at_16k ≤ 0.25, padding_waste_default and padding_waste_long_tail ≤ 0.10.
@@ -123,19 +123,19 @@ def padding_waste(prompt_lens: list[int], resp_lens: list[int], mini_batches: in
     configured (``sort=False``: the old cut, micro_batch_size rows in permutation order, no fillers)."""
     import torch
 
-    from learner.update import MicroLimits, minibatch_rows, rank_rows, schedule
+    from learner.update import MicroLimits, equalize, minibatch_rows, plan
 
     b = SimpleNamespace(prompt_lengths=torch.tensor(prompt_lens), lengths=torch.tensor(resp_lens))
     seq = b.prompt_lengths + b.lengths
     real = processed = 0
     for mb in minibatch_rows(len(prompt_lens), mini_batches, seed, 0):
-        per_rank = rank_rows([mb], seq, world) if sort else [mb[r::world] for r in range(world)]
-        for r in range(world):
-            if sort:
-                micro = [m.rows for m in schedule(per_rank, b, MicroLimits(rows, tokens), me=r)]  # type: ignore[arg-type]
-            else:
-                micro = [per_rank[r][i: i + rows] for i in range(0, len(per_rank[r]), rows)]
-            processed += sum(len(m) * int(seq[m].max()) for m in micro)
+        if sort:
+            per_rank = plan(mb, b, MicroLimits(rows, tokens), world)  # type: ignore[arg-type]
+            micro = [m.rows for r in range(world) for m in equalize(per_rank, b, r)]  # type: ignore[arg-type]
+        else:
+            share = [mb[r::world] for r in range(world)]
+            micro = [s[i: i + rows] for s in share for i in range(0, len(s), rows)]
+        processed += sum(len(m) * int(seq[m].max()) for m in micro)
         real += int(seq[mb].sum())
     return round(1.0 - real / processed, 4)
 
@@ -159,14 +159,15 @@ def padding_figures() -> dict[str, Any]:
     lt_r = np.minimum(rng.lognormal(np.log(1500), 1.1, 8192).astype(int) + 1, 20000).tolist()
     lt_p = rng.integers(60, 400, 8192).tolist()
     return {
-        "padding_waste_default": padding_waste(p_len, r_len, lc.mini_batches, 1, lc.micro_batch_size, 4096),
+        "padding_waste_default": padding_waste(p_len, r_len, lc.mini_batches, 1, lc.micro_batch_size, 1024),
         "padding_waste_default_rows_only_sorted": padding_waste(p_len, r_len, lc.mini_batches, 1,
                                                                 lc.micro_batch_size, 0),
         "padding_waste_default_old": padding_waste(p_len, r_len, lc.mini_batches, 1, lc.micro_batch_size, 0,
                                                    sort=False),
         "padding_waste_long_tail": padding_waste(lt_p, lt_r, 16, 8, 64, 32768),
         "padding_waste_long_tail_old": padding_waste(lt_p, lt_r, 16, 8, 4, 0, sort=False),
-        "padding_setup": {"default": f"{n} rows, budget 4096 tokens, {lc.micro_batch_size} rows max",
+        "padding_setup": {"default": f"{n} rows, learner.micro_batch_tokens=1024, {lc.micro_batch_size} rows max; "
+                                     "rows_only_sorted: micro_batch_tokens=0; old: rows in permutation order",
                           "long_tail": "8192 rows, 16 mini-batches, 8 ranks, budget 32768 tokens; old: 4 rows",
                           "long_tail_truncated_fraction": round(float(np.mean(np.array(lt_r) >= 20000)), 3)},
     }

@@ -10,7 +10,7 @@ import torch
 
 from learner.batch import collate
 from learner.train import Learner
-from learner.update import MicroLimits, cut, deal, rank_rows, schedule, seq_lengths
+from learner.update import MicroLimits, cut, equalize, plan, seq_lengths
 from tests.learner.synth import synth_groups
 from tests.learner.test_train import VOCAB, _max_diff, make_cfg
 
@@ -34,30 +34,29 @@ def test_cut_respects_rows_and_token_budget_longest_first() -> None:
 def test_every_rank_runs_the_same_number_of_micro_batches() -> None:
     b = _batch()
     seq = seq_lengths(b)
-    # Three ranks; rank 2 gets only the shortest rows, so it needs fewer micro-batches and gets fillers.
-    order = torch.argsort(seq, descending=True)
-    per_rank = [order[:7], order[7:13], order[13:]]
+    rows = torch.arange(b.size)
     lim = MicroLimits(rows=64, tokens=60)
-    plans = [schedule(per_rank, b, lim, me=r) for r in range(3)]
-    n = {len(p) for p in plans}
-    assert len(n) == 1 and n.pop() > len(cut(per_rank[2], seq, 64, 60)) >= 1
+    per_rank = plan(rows, b, lim, 3)
+    # Each row in exactly one micro-batch; each within the budget (or alone); similar lengths together.
+    assert sorted(torch.cat([m for p in per_rank for m in p]).tolist()) == list(range(b.size))
+    assert all(len(m) == 1 or len(m) * int(seq[m].max()) <= 60 for p in per_rank for m in p)
+    # Padded tokens per rank are balanced to within one micro-batch.
+    load = [sum(len(m) * int(seq[m].max()) for m in p) for p in per_rank]
+    assert max(load) - min(load) <= max(len(m) * int(seq[m].max()) for p in per_rank for m in p)
+    # Rank 2 gets only the shortest rows here, so it needs fewer micro-batches and gets fillers.
+    order = torch.argsort(seq, descending=True)
+    lopsided = [cut(order[:7], seq, 64, 60), cut(order[7:13], seq, 64, 60), cut(order[13:], seq, 64, 60)]
+    plans = [equalize(lopsided, b, r) for r in range(3)]
+    assert len({len(p) for p in plans}) == 1 and len(plans[0]) > len(lopsided[2]) >= 1
     shortest = int(seq.min())
-    for r, plan in enumerate(plans):
-        real = [m for m in plan if m.weight > 0]
-        assert sorted(torch.cat([m.rows for m in real]).tolist()) == sorted(per_rank[r].tolist())  # each once
-        for m in real:
-            assert len(m.rows) == 1 or len(m.rows) * int(seq[m.rows].max()) <= 60
-        for m in plan:
-            if m.weight == 0:
-                assert len(m.rows) == 1 and int(seq[m.rows[0]]) == shortest
+    for r, p in enumerate(plans):
+        assert [m.rows.tolist() for m in p if m.weight > 0] == [m.tolist() for m in lopsided[r]]
+        assert all(len(m.rows) == 1 and int(seq[m.rows[0]]) == shortest for m in p if m.weight == 0)
     # The LM-head chunk count is derived from peak_tokens: it must be the same on every rank.
     assert len({tuple(m.peak_tokens for m in p) for p in plans}) == 1
-    # Every rank's share of a mini-batch: the deal covers each row once, token counts within one longest row.
-    shares = deal(torch.arange(b.size), seq, 3)
-    assert sorted(torch.cat(shares).tolist()) == list(range(b.size))
-    tok = [int(seq[s].sum()) for s in shares]
-    assert max(tok) - min(tok) <= int(seq.max())
-    assert [len(r) for r in rank_rows([torch.arange(5), torch.arange(5, b.size)], seq, 2)] == [3 + 5, 2 + 5]
+    # Fewer rows than ranks: one row each, the rest fillers; at least `world` micro-batches when rows allow.
+    assert [len(p) for p in plan(rows[:2], b, lim, 3)] == [1, 1, 0]
+    assert min(len(p) for p in plan(rows, b, MicroLimits(rows=64), 3)) == 1
 
 
 def _run(model: Path, *extra: str, groups=None, replay=None) -> Learner:

@@ -28,11 +28,12 @@ def test_padding_waste_counts_padding_and_fillers() -> None:
     # Sorted longest first: [10, 10] and [2, 2], no padding.
     p, r = [1, 1, 1, 1], [9, 1, 9, 1]
     assert bench.padding_waste(p, r, 1, 1, 2, 0) == 0.0
-    # Two ranks, budget 10 tokens: each rank gets one 10 and one 2 (dealt longest first, round-robin), cut
-    # into [10] and [2] (2 × 10 > 10): still no padding, and equal counts need no filler.
-    assert bench.padding_waste(p, r, 1, 2, 8, 10) == 0.0
-    # Three rows [10, 2, 2] on two ranks, rows only: rank 0 gets [10, 2] → one micro-batch of 2 × 10 = 20;
-    # rank 1 gets [2] → 2. Processed 22 for 14 real: waste 8 / 22.
+    # Two ranks, budget 10 tokens: micro-batches [10], [10], [2, 2] (2 × 10 > 10); dealt by padded tokens:
+    # rank 0 [10] then [2, 2], rank 1 [10] and a filler (the shortest row, 2 tokens) to match the count.
+    # Processed 26 for 24 real.
+    assert bench.padding_waste(p, r, 1, 2, 8, 10) == round(1 - 24 / 26, 4)
+    # Three rows [10, 2, 2] on two ranks, rows only (at most ceil(3 / 2) = 2 rows per micro-batch so that
+    # both ranks get work): [10, 2] → 2 × 10 = 20 on rank 0, [2] on rank 1. Processed 22 for 14: waste 8 / 22.
     assert bench.padding_waste([1, 1, 1], [9, 1, 1], 1, 2, 8, 0) == round(1 - 14 / 22, 4)
 
 
