@@ -32,8 +32,8 @@ from tests.ports import port_overrides
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "ops" / "launch.sh"
 STEP_WAIT_S = 600.0  # one learner step, or a component's restart, on two cores shared with other work
-GONE_WAIT_S = 15.0
-TOTAL_STEPS = 16  # enough that run 1 is still going after three kills and their recoveries  # the bound for every process of a run to be gone after its launcher was SIGKILLed
+GONE_WAIT_S = 15.0  # the bound for every process of a run to be gone after its launcher was SIGKILLed
+TOTAL_STEPS = 30  # run 1 must outlast three kills and their recoveries (steps queue up behind a stall)
 
 KINDS = (("actors.rollout_server", "engine"), ("-m buffer ", "buffer"), ("learner.sft", "bootstrap"),
          ("-m learner", "learner"), ("-m actors ", "actor"), ("deepspeed", "learner"))
@@ -230,10 +230,12 @@ def audit_buffer(path: Path) -> dict[str, int]:
 
 
 def test_sigkilled_launcher_leaves_no_process_and_no_port_behind(tmp_path: Path) -> None:
-    """The launcher's children, and the actor's engine below them, die with it; every port is free at once."""
+    """The launcher's children, and the actor's engine below them, die with it; every port is free at once,
+    so a relaunch on the same ports starts every component."""
     ports = port_overrides()
-    launch = Launch("ops/configs/smoke.yaml", f"run.root={tmp_path}", "run.name=kill-launcher", *ports,
-                    "learner.total_steps=1000")
+    args = ["ops/configs/smoke.yaml", f"run.root={tmp_path}", "run.name=kill-launcher", *ports, "learner.total_steps=1000"]
+    launch = Launch(*args)
+    relaunch: Launch | None = None
     tree: dict[str, list[int]] = {}
     try:
         wait_for(lambda: {"buffer", "learner", "actor", "engine"} <= set(components(launch.proc.pid)),
@@ -246,8 +248,16 @@ def test_sigkilled_launcher_leaves_no_process_and_no_port_behind(tmp_path: Path)
         wait_for(lambda: all(port_free(p) for p in ports_of(ports)), GONE_WAIT_S, "every port of the run to be free")
         assert time.time() - t0 < GONE_WAIT_S
         assert mentioning(str(tmp_path / "kill-launcher")) == []
+        relaunch = Launch("--resume", *args)
+        wait_for(lambda: {"buffer", "learner", "actor", "engine"} <= set(components(relaunch.proc.pid)),
+                 STEP_WAIT_S, f"every component of the relaunch\n{relaunch.out()}")
+        relaunch.proc.send_signal(signal.SIGINT)
+        assert relaunch.finish(60) == 130, relaunch.out()
+        assert not relaunch.saw("FAILED"), relaunch.out()
     finally:
         launch.kill_now()
+        if relaunch is not None:
+            relaunch.kill_now()
         for p in [p for ps in tree.values() for p in ps]:
             if alive(p):  # before the fix: orphans; do not leave them to the next test
                 os.kill(p, signal.SIGKILL)
@@ -280,9 +290,11 @@ def test_sigkill_each_component_in_turn(tmp_path: Path) -> None:
         figures["kills"].append({"killed": what, "back_s": round(time.time() - t0, 1), **extra})
         print(f"CHAOS survived {figures['kills'][-1]}", flush=True)
 
-    def recovered(launch: Launch, n: int, what: str) -> int:
-        # Two more steps: the first may have had its data before the kill, the second fetched after it.
-        return wait_new_step(run_dir, wait_new_step(run_dir, n, what, launch), what, launch)
+    def recovered(launch: Launch, _n: int, what: str) -> int:
+        # Two more steps from now (the restart was seen): the first may have fetched its data before the
+        # kill, the second fetched after the restart.
+        now = len(learner_steps(run_dir))
+        return wait_new_step(run_dir, wait_new_step(run_dir, now, what, launch), what, launch)
 
     try:
         # ---- run 1: buffer, engine, actor, learner
