@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from common import lifeline
+
 USAGE = """usage: python -m actors [config.yaml] [key=value ...] [--actor-id I]
 
 Rollout actors: prompts from the task registry (sharded by actor id) -> G samples per prompt with behaviour
@@ -64,7 +66,8 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str], int | None]:
 def run_all(argv: list[str], num_actors: int, max_restarts: int) -> int:
     """Start one child per actor; restart crashed ones; forward stop signals; the overall exit code."""
     def start(i: int) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "actors", *argv, "--actor-id", str(i)])
+        # Workers (and their engines) die with this process even when it is SIGKILLed.
+        return subprocess.Popen([sys.executable, "-m", "actors", *argv, "--actor-id", str(i)], **lifeline.popen_kwargs())
 
     procs = {i: start(i) for i in range(num_actors)}
     restarts = dict.fromkeys(procs, 0)

@@ -16,9 +16,10 @@ from typing import Any, Protocol
 
 from common.protocol import Sample, SampleGroup
 
-# Longest wait of one BatchRequest: the buffer refuses waits above buffer.max_batch_wait_s (default 300 s,
-# at least 60 s), so a long batch_timeout_s is asked for in turns of this length.
-MAX_REQUEST_WAIT_S = 60.0
+# Longest wait of one BatchRequest: a long batch_timeout_s is asked for in turns of this length. Short, because
+# a request the buffer never answers (it was killed and restarted meanwhile) costs this much plus the
+# client's reply timeout before the learner asks the new buffer; a turn is one small message.
+MAX_REQUEST_WAIT_S = 5.0
 
 
 class DataSource(Protocol):
