@@ -290,7 +290,7 @@ async def _engine_generate(url: str, ids: Sequence[Sequence[int]], k: int, max_n
                 served = await client.get_weight_version()
             except SGLangError:
                 served = None
-            v = _as_int(served)
+            v = int(served) if served is not None and served.lstrip("-").isdigit() else None
             if v is not None and v >= version:
                 break
             if time.monotonic() > deadline:
@@ -316,13 +316,6 @@ async def _engine_generate(url: str, ids: Sequence[Sequence[int]], k: int, max_n
         except SGLangError as e:
             raise EngineEvalError(f"evaluation on {url}: {e}") from e
     return list(sampled), [g[0] for g in greedy], str(served)
-
-
-def _as_int(v: Any) -> int | None:
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return None
 
 
 def evaluate_on_engine(

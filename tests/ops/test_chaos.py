@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -30,6 +31,9 @@ from tests.polling import wait_for
 from tests.ports import port_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "ops"))
+from report import load_records  # noqa: E402  (ops/report.py: metrics.jsonl, a line being written skipped)
+
 LAUNCH = ROOT / "ops" / "launch.sh"
 STEP_WAIT_S = 600.0  # one learner step, or a component's restart, on two cores shared with other work
 GONE_WAIT_S = 15.0  # the bound for every process of a run to be gone after its launcher was SIGKILLed
@@ -156,18 +160,7 @@ class Launch:
 
 
 def learner_steps(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line being written
-        if r.get("kind") == "learner_step":
-            out.append(r)
-    return out
+    return [r for r in load_records(run_dir) if r.get("kind") == "learner_step"]
 
 
 def wait_new_step(run_dir: Path, after: int, what: str, launch: Launch) -> int:
