@@ -361,7 +361,7 @@ def _validate(cfg: Config) -> None:
         ("buffer.max_credit_per_actor", cfg.buffer.max_credit_per_actor >= 0, "must be >= 0"),
         ("buffer.max_credit_per_connection", cfg.buffer.max_credit_per_connection >= 0, "must be >= 0"),
         ("buffer.max_batch_groups", cfg.buffer.max_batch_groups >= 1, "must be >= 1"),
-        ("buffer.max_batch_wait_s", cfg.buffer.max_batch_wait_s >= 60, "must be >= 60 (the learner asks in waits of up to 60 s)"),
+        ("buffer.max_batch_wait_s", cfg.buffer.max_batch_wait_s >= 5, "must be >= 5 (the learner asks in waits of 5 s)"),
         ("buffer.learner_version_max_step", cfg.buffer.learner_version_max_step >= 1, "must be >= 1"),
         ("learner.batch_groups", cfg.learner.batch_groups >= 1, "must be >= 1"),
         ("learner.mini_batches", cfg.learner.mini_batches >= 1, "must be >= 1"),
