@@ -261,7 +261,8 @@ class PlacementConfig:
     learner_gpus: str = f("", "run.device=cuda: global GPUs of the learner, one DeepSpeed rank each, e.g. '4-7'")
     share_gpus: bool = f(False, "allow an engine and a learner rank on the same GPU (one-GPU configs); off = refuse overlaps")
     remote: str = f("ssh", "how processes start on hosts other than host 0: ssh (DeepSpeed's pdsh launcher for the learner) | srun (inside a Slurm allocation)")
-    master_port: int = f(29500, "learner ranks' torch.distributed rendezvous port on host 0 (multi-rank only; its store listens on every interface, keep it firewalled)")
+    store_protection: str = f("", "a learner on several hosts: how placement.master_port (torch.distributed's store, every interface, no authentication) is protected: firewall | private_network (empty = refuse such a learner)")
+    master_port: int = f(29500, "a learner on several hosts: torch.distributed's rendezvous port on host 0 (ranks on one host meet in a file; one rank needs neither)")
     gpu_memory_gib: float = f(80.0, "memory of one GPU; the launcher refuses a placement whose estimated model states do not fit")
     learner_memory_fraction: float = f(0.6, "share of a learner GPU that model states (weights, grads, Adam) may take; the rest is activations")
 
@@ -313,6 +314,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "algo.advantage": ("gae", "grpo"),
     "algo.loss_agg": ("token_mean", "seq_mean"),
     "placement.remote": ("ssh", "srun"),
+    "placement.store_protection": ("", "firewall", "private_network"),
 }
 
 

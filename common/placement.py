@@ -33,6 +33,8 @@ from typing import Any
 
 from common.config import Config, ConfigError
 
+STORE_FILE_ENV = "VAPO_STORE_FILE"  # learner.engines reads it: one-host ranks rendezvous in this file
+
 GIB = float(1 << 30)
 
 
@@ -253,12 +255,18 @@ def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, roo
     ds = [py, "-m", "deepspeed.launcher.runner", "--master_port", str(pl.master_port), "--no_local_rank"]
     if len(learner_hosts) == 1:
         ds += ["--include", "localhost:" + ",".join(str(r.local_gpu) for r in ranks), "--master_addr", "127.0.0.1"]
+        # One host: the ranks rendezvous in a file (the launcher removes a stale one), so no port is opened.
+        learner_env[STORE_FILE_ENV] = str((run_dir / "torch_store").resolve())
     else:
         include = "@".join(f"{h}:" + ",".join(str(r.local_gpu) for r in ranks if r.host == h) for h in learner_hosts)
         files["hostfile"] = "".join(f"{h} slots={pl.gpus_per_host}\n" for h in learner_hosts)
         # DeepSpeed forwards only a few variables to other hosts; the rest travel in this file.
         files["deepspeed_env"] = "".join(f"{k}={v}\n" for k, v in sorted(ds_env.items()))
         learner_env["DS_ENV_FILE"] = str((run_dir / "deepspeed_env").resolve())
+        if not pl.store_protection:
+            raise ConfigError(f"placement.store_protection: the learner spans {len(learner_hosts)} hosts, so its "
+                              f"torch.distributed store listens on {pl.hosts[0]}:{pl.master_port} on every interface, "
+                              "without authentication; say how that port is protected (firewall | private_network)")
         ds += ["--hostfile", str((run_dir / "hostfile").resolve()), "--include", include,
                "--master_addr", pl.hosts[0], "--launcher", "slurm" if pl.remote == "srun" else "pdsh"]
         notes.append(f"learner spans {len(learner_hosts)} hosts: the torch.distributed store listens on "

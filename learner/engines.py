@@ -39,7 +39,8 @@ from common.config import Config
 
 log = logging.getLogger(__name__)
 
-SHM_OP_KEY = "deepspeed_shm_comm"  # ShareMemCommBuilder.NAME in deepspeed/ops/op_builder/cpu/comm.py
+SHM_OP_KEY = "deepspeed_shm_comm"
+STORE_FILE_ENV = "VAPO_STORE_FILE"  # set by ops/launch.py for a one-host multi-rank learner  # ShareMemCommBuilder.NAME in deepspeed/ops/op_builder/cpu/comm.py
 
 
 def world_size() -> int:
@@ -72,8 +73,9 @@ def process_group_backend(device: str) -> str:
 def setup_distributed(cfg: Config) -> None:
     """Initialise torch.distributed, then DeepSpeed's communication layer on top of it; idempotent.
 
-    Under a launcher (deepspeed, torchrun) the rendezvous comes from its environment (``env://``). Without
-    one the process is rank 0 of 1 and uses an in-process store: nothing listens on a network port."""
+    Under a launcher (deepspeed, torchrun) the rendezvous comes from its environment (``env://``), or from
+    the file ``$VAPO_STORE_FILE`` when the ranks share a host. Without a launcher the process is rank 0 of 1
+    and uses an in-process store. Only a learner spanning hosts listens on a port (placement.master_port)."""
     want = "cpu" if cfg.run.device == "cpu" else "cuda"
     if os.environ.get("DS_ACCELERATOR", want) != want:
         # DeepSpeed picks its accelerator once, from this variable: a CUDA learner built on the CPU
@@ -106,7 +108,14 @@ def setup_distributed(cfg: Config) -> None:
             kw: dict[str, Any] = {}
             if cfg.run.device == "cuda":  # binds the NCCL communicator to this rank's GPU up front
                 kw["device_id"] = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-            torch.distributed.init_process_group(backend, init_method="env://", **kw)
+            # Ranks on one host meet in a file the launcher names (no port: torch's TCP store listens on
+            # every interface); ranks on several hosts need the TCP rendezvous of their launcher.
+            store_file = os.environ.get(STORE_FILE_ENV)
+            if store_file:
+                kw.update(init_method=f"file://{store_file}", rank=int(os.environ["RANK"]), world_size=ws)
+            else:
+                kw.update(init_method="env://")
+            torch.distributed.init_process_group(backend, **kw)
     # DeepSpeed adopts the existing process group (it only creates one when none exists).
     deepspeed.init_distributed(dist_backend=process_group_backend(cfg.run.device), auto_mpi_discovery=False)
 

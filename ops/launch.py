@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from common import lifeline  # noqa: E402
 from common.config import Config, ConfigError, load_config, save_config  # noqa: E402
 from common.metrics import Metrics  # noqa: E402
-from common.placement import build_plan  # noqa: E402
+from common.placement import STORE_FILE_ENV, build_plan  # noqa: E402
 
 PY = sys.executable
 _RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -331,6 +331,9 @@ class Launcher:
         say(f"{len(actors)} actor(s) started (logs in {self.logs})")
 
     def start_learner(self) -> None:
+        store = self.plan.proc("learner").env.get(STORE_FILE_ENV)
+        if store:  # a file store left by a killed run would make the new ranks rendezvous with ghosts
+            Path(store).unlink(missing_ok=True)
         self.start(self.child("learner"))
         ranks = len(self.plan.ranks)
         say("learner started" + (f" ({ranks} DeepSpeed ranks)" if ranks > 1 else "")

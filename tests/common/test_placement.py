@@ -88,6 +88,8 @@ def test_gpu_config_plans_add_up(name: str, hf: dict) -> None:
     assert len(plan.ranks) == len(parse_gpus(pl.learner_gpus, "")) == len(learner.gpus)
     assert [r.rank for r in plan.ranks] == list(range(len(plan.ranks)))
     assert plan.ranks[0].host == pl.hosts[0]
+    # One-host learners rendezvous in a file (no port); a learner across hosts uses the TCP store.
+    assert ("VAPO_STORE_FILE" in learner.env) == (len({r.host for r in plan.ranks}) == 1)
     include = learner.argv[learner.argv.index("--include") + 1]
     listed = sum(len(part.split(":")[1].split(",")) for part in include.split("@"))
     assert listed == len(plan.ranks)
@@ -153,6 +155,7 @@ def test_cpu_default_plan_is_unchanged() -> None:
      "rank 0 must run on host 0"),
     ("paper.yaml", QWEN_32B, ["buffer.ingest_addr=tcp://127.0.0.1:5555"], "buffer.ingest_addr: actors run on other hosts"),
     ("paper.yaml", QWEN_32B, ["placement.remote=srun"], "DeepSpeed's Slurm launcher places ranks by count"),
+    ("paper.yaml", QWEN_32B, ["placement.store_protection="], "placement.store_protection: the learner spans 4 hosts"),
     ("paper.yaml", QWEN_32B, ["placement.engine_gpus=32-63,0-3", "actors.num_actors=9"], None),
     ("default.yaml", None, ["placement.engine_gpus=0"], "run.device=cpu"),
 ])
