@@ -1,4 +1,4 @@
-"""The buffer server: actors push groups, the learner pulls batches (DESIGN.md §1, §4).
+"""The buffer server: actors push groups, the learner pulls batches (messages: common/protocol.py).
 
 Launch: ``python -m buffer [config.yaml] [key=value ...]`` (sections ``buffer`` and ``learner``).
 On start it prints one line ``BUFFER READY {json}`` (addresses, metrics port, pid) to stdout.

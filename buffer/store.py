@@ -1,4 +1,4 @@
-"""The buffer's durable state: one LMDB environment, no sockets (DESIGN.md §1).
+"""The buffer's durable state: one LMDB environment, no sockets.
 
 Used by ``buffer.server`` (the only writer) and ``buffer.inspect`` (read-only, safe while the server runs).
 

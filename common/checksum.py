@@ -4,7 +4,8 @@
 order; for each file it hashes the file name (UTF-8), a NUL byte, the file size as 8 little-endian
 bytes, then the file's bytes. Hashing names and sizes means a renamed, split or truncated shard changes
 the digest even when the concatenated bytes would not. The learner puts the digest in
-``WeightUpdate.sha256``; an actor refuses weights whose digest differs (PITFALLS Systems 3).
+``WeightUpdate.sha256``; an actor refuses weights whose digest differs, so a half-written or corrupted
+version never reaches an engine.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Wire protocol shared by actors, buffer and learner (DESIGN.md §4).
+"""Wire protocol shared by actors, buffer and learner (the one place messages are defined).
 
 Every frame is one msgpack map ``{"v": PROTOCOL_VERSION, "type": <message name>, ...fields}``. Arrays
 travel as ``{"dtype": "<i4", "n": N, "data": <N * itemsize raw little-endian bytes>}``; nothing is ever

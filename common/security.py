@@ -1,6 +1,6 @@
 """CurveZMQ helpers shared by every vapo server socket (buffer ingest/serve, learner weight publisher).
 
-The rule (DESIGN.md §7): a socket may bind without encryption only to a *local* endpoint —
+The rule: a socket may bind without encryption only to a *local* endpoint —
 ``tcp://`` on a loopback address (127.0.0.0/8, ``::1``, ``localhost``), or ``ipc://`` / ``inproc://``.
 Anything else (a routable address, ``*``, ``0.0.0.0``, ``::``, a host name) needs CurveZMQ keys: the
 server's secret key and a directory of authorised client public keys. Without them

@@ -1,6 +1,6 @@
 """Advantage estimation for VAPO: GAE, decoupled GAE and length-adaptive λ (pure torch).
 
-Conventions (DESIGN.md §3): tensors are ``[B, T]`` over response tokens, right-padded, ``mask[b, t] = 1``
+Conventions: tensors are ``[B, T]`` over response tokens, right-padded, ``mask[b, t] = 1``
 on real tokens. ``values[b, t] = V(s_t)``, the value of the state before token t. Rewards are zero except
 on the last real token. The value after the last real token is 0 (terminal); a response cut at the
 length limit is treated as terminal too (its verifier reward is the return), never bootstrapped.
@@ -10,7 +10,7 @@ VAPO (arXiv 2504.05118, §3.2, eq. 7): the policy uses λ_policy = 1 − 1/(α·
 decoupled GAE (VC-PPO) trains the critic on λ_critic = 1 returns.
 
 The backward recursion A_t = δ_t + c·A_{t+1} (c = γλ per row) is evaluated without a Python loop over
-tokens and without the overflowing c^{-t} rescaling (PITFALLS 7): a log-depth doubling scan
+tokens and without the c^{-t} rescaling trick (0.95^-3000 ≈ 7e66 overflows): a log-depth doubling scan
 (Hillis-Steele), y ← y + c^s·shift(y, s) for s = 1, 2, 4, ..., whose coefficients c^s are all ≤ 1 (they may
 underflow to 0, which is exact truncation). On CPU the batch is processed in row blocks of ~128k elements
 so the log2(T) passes run out of cache and memory traffic stays near one read of the inputs and one write
@@ -147,7 +147,7 @@ def decoupled_gae(
         d = _td_errors_into(rb, vb, mb, gamma, delta[:n])
         _scan_into(d, c_actor[i:j], adv[i:j], buf[:n])  # zero on padding because δ is
         if monte_carlo:
-            # γ = λ = 1: the critic target is the reward-to-go (δ telescopes), PITFALLS 1.
+            # γ = λ = 1: the critic target is the reward-to-go (δ telescopes), whatever λ_actor is.
             _reverse_cumsum_into(torch.mul(rb, mb, out=tmp[:n]), ret[i:j]).mul_(mb)
         else:
             _scan_into(d, c_critic[i:j], tmp[:n], buf[:n])  # type: ignore[index]

@@ -5,8 +5,8 @@
     logp = token_logprobs(gather_positions(logits, batch.positions), batch.response_ids)   # [B, T]
 
 Layout: each row is prompt + response, right-padded, so HF's default position ids 0..S−1 are right. The
-response lives in its own ``[B, T]`` frame (DESIGN.md §3): ``mask[b, t] = 1`` on real response tokens.
-Alignment (PITFALLS Algorithm 2): the logits that score response token t, and the critic's V(s_t) (the
+response lives in its own ``[B, T]`` frame: ``mask[b, t] = 1`` on real response tokens.
+Alignment (an off-by-one here silently trains on the wrong token or value): the logits that score response token t, and the critic's V(s_t) (the
 value of the state *before* token t), are both read at sequence position ``prompt_len + t − 1``
 (``positions[b, t]``). The reward goes on the last real response token only
 (``learner.advantages.terminal_rewards``). A response cut at the length limit (finish_reason "length")

@@ -9,7 +9,7 @@ the first engine is built (it is idempotent):
 
 Both engines use ``managed_gradient_accumulation = false``: ``engine.backward`` only accumulates, and
 ``engine.step`` reduces across ranks and applies one optimizer update. The caller therefore owns the
-micro-batch loop and the loss normaliser (token counts over micro-batches AND ranks, DESIGN.md §3).
+micro-batch loop and the loss normaliser (token counts over micro-batches AND ranks: the token-level mean).
 DeepSpeed averages gradients over data-parallel ranks; ``loss_scale_for_dp`` returns the factor that
 turns that average back into the sum a globally normalised loss needs.
 
@@ -22,7 +22,8 @@ unless ``VAPO_DS_SHM=0`` forces plain gloo. CUDA uses NCCL and the same code.
 
 Deviation from the paper: none in the model; the value head is a fp32 ``Linear(hidden, 1)`` initialised
 deliberately (weight ~ N(0, std²), bias = prior mean reward; learner.value_head_init_*), with every
-dropout probability of the backbone config set to 0 (PITFALLS Algorithm 4).
+dropout probability of the backbone config set to 0 (dropout makes V(s) noisy between the value pass
+and the update, and some libraries default a value head's dropout to 0.1).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Shapes are ``[B, T]`` over response tokens with ``mask`` 1 on real tokens. Every loss takes an optional
 ``normalizer``: the caller passes the real-token count of the whole mini-batch summed over micro-batches
-and data-parallel ranks, so that gradient accumulation gives exactly the token-level mean of DESIGN.md §3
-(PITFALLS: token-level normalisation). Without it the local count is used.
+and data-parallel ranks, so that gradient accumulation gives exactly the token-level mean over the whole
+mini-batch (a per-micro-batch mean would weight short micro-batches' tokens more). Without it the local
+count is used.
 
 - Policy (VAPO §3.3 / DAPO eq. 8-10, clip-higher): L = −Σ_t min(r_t·A_t, clip(r_t, 1−ε_low, 1+ε_high)·A_t) / N,
   r_t = exp(logp_t − logp_old_t); ``loss_agg="seq_mean"`` gives the vanilla per-sequence mean instead.

@@ -4,7 +4,7 @@
     deepspeed --num_gpus 2 -m learner ops/configs/default.yaml       # data-parallel ranks (CUDA)
     torchrun --nproc_per_node 2 -m learner ...                       # CPU ranks
 
-Step (DESIGN.md §3; VAPO arXiv 2504.05118 §3):
+Step (VAPO arXiv 2504.05118 §3):
 
     fetch            groups with weight_version >= version - max_staleness (rank 0 asks the buffer,
                      broadcasts to the other ranks), + stored positives for NLL replay (optional)

@@ -13,7 +13,8 @@ groups. It stops after ``value_pretrain.steps`` or when that explained variance 
 (``vapo_learner_value_pretrain_*``) and ``metrics.jsonl``.
 
 Deviation: the critic's own learning rate here is ``value_pretrain.lr``; with γ = 1 and λ = 1 the target
-at every real token is the sample's final reward (PITFALLS Algorithm 1).
+at every real token is the sample's final reward (never the actor's λ-return: that would feed the
+critic's own errors back into its targets).
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def test_gamma_below_one_matches_reference() -> None:
 
 
 def test_long_sequences_do_not_overflow() -> None:
-    # PITFALLS 7: c^{-t} rescaling overflows at T ~ 3000 with λ = 0.95; ours uses only powers ≤ 1.
+    # The c^{-t} rescaling trick overflows at T ~ 3000 with λ = 0.95; ours uses only powers ≤ 1.
     T = 4000
     mask = torch.ones(2, T)
     rewards = terminal_rewards(torch.tensor([1.0, 0.0]), mask)
@@ -146,7 +146,7 @@ def test_length_adaptive_lambda_values() -> None:
 
 
 def test_decoupled_gae_trains_critic_on_lambda_critic_not_lambda_actor() -> None:
-    # PITFALLS 1: the critic target must be the λ_critic = 1 return (final reward), whatever λ_actor is.
+    # Decoupled GAE: the critic target must be the λ_critic = 1 return (final reward), whatever λ_actor is.
     adv, ret = decoupled_gae(R4, V4, M4, gamma=1.0, lam_actor=torch.tensor([0.0]), lam_critic=1.0)
     torch.testing.assert_close(adv, torch.tensor([[0.2, -0.1, 0.3, 0.4]]))
     torch.testing.assert_close(ret, torch.ones(1, 4))

@@ -41,7 +41,7 @@ def test_token_mean_vs_seq_mean_on_uneven_batch() -> None:
 
 
 def test_global_normalizer_makes_micro_batches_add_up_to_the_full_batch_token_mean() -> None:
-    # PITFALLS 5: summing micro-batch losses normalised by the global token count == full-batch token mean.
+    # Token-level normalisation: summing micro-batch losses normalised by the global token count == full-batch token mean.
     full = _loss("token_mean")
     n = MASK.sum()
     parts = []
