@@ -83,7 +83,8 @@ class Plan:
             lines.append(f"             env: {env or '-'}")
             lines.append(f"             cmd: {shlex.join(p.argv)}")
         for r in self.ranks:
-            lines.append(f"  learner rank {r.rank}: host={r.host} local GPU {r.local_gpu} (global {r.gpu})")
+            where = f"local GPU {r.local_gpu} (global {r.gpu})" if r.gpu >= 0 else "CPU"
+            lines.append(f"  learner rank {r.rank}: host={r.host} {where}")
         for name, text in self.files.items():
             lines.append(f"  file <run dir>/{name}:")
             lines += [f"    {ln}" for ln in text.splitlines()]
@@ -91,11 +92,6 @@ class Plan:
             lines.append("  memory: " + json.dumps(self.memory, sort_keys=True))
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"device": self.device, "procs": [vars(p) | {"gpus": list(p.gpus)} for p in self.procs],
-                "ranks": [vars(r) for r in self.ranks], "memory": self.memory, "files": self.files,
-                "notes": self.notes}
 
 
 # ------------------------------------------------------------------------------------------ parsing

@@ -231,9 +231,14 @@ def _fmt(v: Any, digits: int = 3) -> str:
 # ------------------------------------------------------------------------------------------ launcher
 
 
+def abs_run_dir(cfg: Config) -> Path:
+    """The run directory (``run.root`` is relative to the repository unless absolute)."""
+    return ROOT / cfg.run_dir if not Path(cfg.run.root).is_absolute() else cfg.run_dir
+
+
 def resolve_run(cfg_path: str | None, overrides: list[str], resume: bool) -> tuple[Config, list[str]]:
     cfg = load_config(cfg_path, overrides)
-    run_dir = ROOT / cfg.run_dir if not Path(cfg.run.root).is_absolute() else cfg.run_dir
+    run_dir = abs_run_dir(cfg)
     if not resume and run_dir.exists() and any(run_dir.iterdir()):
         # Never delete a previous run: start this one under a new name.
         new_name = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -424,7 +429,7 @@ def dry_run(args: argparse.Namespace) -> int:
     """Print the plan of this launch; starts nothing and writes nothing."""
     try:
         cfg = load_config(args.config, args.overrides)
-        run_dir = ROOT / cfg.run_dir if not Path(cfg.run.root).is_absolute() else cfg.run_dir
+        run_dir = abs_run_dir(cfg)
         plan = build_plan(cfg, run_dir / "config.yaml", PY, ROOT, run_dir)
     except ConfigError as e:
         print(f"ops/launch.sh: {e}", file=sys.stderr)
@@ -440,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         return dry_run(args)
     try:
         cfg, overrides = resolve_run(args.config, args.overrides, args.resume)
-        build_plan(cfg, cfg.run_dir / "config.yaml", PY, ROOT)  # refuse a bad placement before anything starts
+        build_plan(cfg, abs_run_dir(cfg) / "config.yaml", PY, ROOT)  # refuse a bad placement before anything is written
     except (ConfigError, LaunchError) as e:
         print(f"ops/launch.sh: {e}", file=sys.stderr)
         return 2
