@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import threading
 import time
@@ -41,6 +40,7 @@ from torch import Tensor, nn
 
 from common import protocol
 from common.checksum import weights_sha256
+from learner.engines import rank
 
 log = logging.getLogger(__name__)
 STABLE = "STABLE"
@@ -81,12 +81,6 @@ GATHER_BYTES = 256 << 20  # bound on one ZeRO-3 gather group (a larger single pa
 SHARD_BYTES = 4 << 30  # bound on one safetensors shard (a larger single tensor is its own shard)
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-
-
-def _rank() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return int(os.environ.get("RANK", "0"))
 
 
 def unwrap(model: Any) -> nn.Module:
@@ -147,7 +141,7 @@ def iter_host_tensors(model: Any, gather_bytes: int | None = None, copy: bool = 
     they live on an accelerator. Tied names are skipped unless ``aliases`` (then they share one host tensor)."""
     module = unwrap(model)
     partitioned = is_partitioned(module)
-    me = _rank()
+    me = rank()
     if not partitioned and me != 0:
         return
     bound = GATHER_BYTES if gather_bytes is None else gather_bytes
@@ -209,7 +203,7 @@ def load_host_tensors(model: Any, state: dict[str, Tensor] | None, gather_bytes:
     into it, and DeepSpeed hands every rank its slice of rank 0's values when the group is released.
     Without ZeRO-3 rank 0 alone loads (the other ranks return at once)."""
     module = unwrap(model)
-    me = _rank()
+    me = rank()
     if not is_partitioned(module):
         if me == 0:
             module.load_state_dict(state or {})
@@ -321,7 +315,7 @@ def export_hf(model: Any, out: Path, tokenizer: Any = None, gather_bytes: int | 
     after the gathers are done, so that the other ranks are never left waiting in a collective."""
     module = unwrap(model)
     stream = iter_host_tensors(module, gather_bytes) if items is None else items
-    if _rank() != 0:
+    if rank() != 0:
         for _ in stream:  # takes part in the gathers, keeps nothing
             pass
         return []
@@ -373,7 +367,7 @@ def write_version(root: Path, version: int, model: Any, tokenizer: Any, gather_b
 
     Collective under ZeRO-3; rank 0 writes and returns the WeightUpdate, every other rank returns None."""
     partitioned = is_partitioned(unwrap(model))
-    if _rank() != 0:
+    if rank() != 0:
         if partitioned:
             _join_gathers(model, gather_bytes)
         return None
