@@ -49,7 +49,6 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import ipaddress
 import json
 import logging
 import os
@@ -81,6 +80,7 @@ from actors.engine import (
 from actors.sglang_client import gc_paused
 from common.config import EngineConfig
 from common.metrics import Metrics
+from common.security import is_loopback_host
 
 log = logging.getLogger("vapo.rollout_server")
 
@@ -656,15 +656,6 @@ def _max_token_chars(tokenizer: Any) -> int:
         return 64
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # 0.0.0.0 is not loopback; host names may resolve anywhere
-
-
 def _spans(versions: list[str]) -> list[list[Any]]:
     """Run-length form of per-token weight versions: [[version, n_tokens], ...] in token order."""
     out: list[list[Any]] = []
@@ -804,7 +795,7 @@ class EngineDied(RuntimeError):
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    if not is_loopback(args.host) and not args.bind_protection:
+    if not is_loopback_host(args.host) and not args.bind_protection:
         raise SystemExit(f"rollout_server: --host {args.host} is not a loopback address and the engine's control API "
                          f"(/update_weights_from_disk, /pause_generation, ...) has no authentication; bind 127.0.0.1, "
                          f"or state how the port is protected with --bind-protection "

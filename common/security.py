@@ -58,13 +58,17 @@ def is_local_endpoint(addr: str) -> bool:
         return True
     if scheme != "tcp":
         return False  # pgm/epgm/udp/ws...: network transports
-    host = endpoint_host(addr)
+    return is_loopback_host(endpoint_host(addr))
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost`` and loopback IP literals (brackets allowed: ``[::1]``)."""
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
-        return False  # "*", interface names, host names: may be routable
+        return False  # "*", 0.0.0.0, interface names, host names: may be routable
 
 
 @dataclass
@@ -187,6 +191,6 @@ def generate_keypair(directory: str | Path, name: str) -> tuple[Path, Path]:
 
 
 __all__ = [
-    "SecurityError", "is_local_endpoint", "endpoint_host", "ServerKeys", "ClientKeys", "ServerCurve",
-    "server_keys", "client_curve_keys", "server_curve", "apply_client_curve", "generate_keypair",
+    "SecurityError", "is_local_endpoint", "is_loopback_host", "endpoint_host", "ServerKeys", "ClientKeys",
+    "ServerCurve", "server_keys", "client_curve_keys", "server_curve", "apply_client_curve", "generate_keypair",
 ]
