@@ -30,7 +30,7 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,12 +130,11 @@ def _aliases(module: nn.Module, entries: list[tuple[str, Tensor]]) -> dict[str, 
     return out
 
 
-def iter_host_tensors(model: Any, gather_bytes: int | None = None, copy: bool = False,
-                      aliases: bool = False) -> Iterator[tuple[str, Tensor | None]]:
+def iter_host_tensors(model: Any, copy: bool = False, aliases: bool = False) -> Iterator[tuple[str, Tensor | None]]:
     """Every state-dict entry of ``model`` (engine or module) as ``(name, host tensor)``, in state-dict order.
 
     Under ZeRO-3 this is a collective: every rank must run it to the end. Parameters are gathered a group
-    of at most ``gather_bytes`` at a time; rank 0 gets a host copy of each, the other ranks get
+    of at most ``GATHER_BYTES`` at a time; rank 0 gets a host copy of each, the other ranks get
     ``(name, None)`` and hold nothing after the group is released. Without ZeRO-3 only rank 0 yields
     (other ranks get an empty iterator), and it yields its own tensors, copied only when ``copy`` or when
     they live on an accelerator. Tied names are skipped unless ``aliases`` (then they share one host tensor)."""
@@ -144,12 +143,11 @@ def iter_host_tensors(model: Any, gather_bytes: int | None = None, copy: bool = 
     me = rank()
     if not partitioned and me != 0:
         return
-    bound = GATHER_BYTES if gather_bytes is None else gather_bytes
     entries = list(module.state_dict(keep_vars=True).items())
     alias = _aliases(module, entries)
     kept_for_alias = set(alias.values())
     shared: dict[str, Tensor] = {}  # rank 0: host tensors that aliases will point at
-    for group in _groups([(n, t) for n, t in entries if n not in alias], bound):
+    for group in _groups([(n, t) for n, t in entries if n not in alias], GATHER_BYTES):
         for key, host in _gather_group(group, me == 0, copy):
             if host is not None and key in kept_for_alias:
                 shared[key] = host
@@ -195,11 +193,11 @@ def _gather_group(group: list[tuple[str, Tensor]], to_host: bool, copy: bool) ->
                 for name, t in group]
 
 
-def load_host_tensors(model: Any, state: dict[str, Tensor] | None, gather_bytes: int | None = None) -> None:
+def load_host_tensors(model: Any, state: dict[str, Tensor] | None) -> None:
     """Copy ``state`` (full host tensors held by rank 0; ignored elsewhere) into ``model``: the inverse of
     ``iter_host_tensors``.
 
-    Under ZeRO-3 every rank calls it: each group of at most ``gather_bytes`` is gathered, rank 0 writes
+    Under ZeRO-3 every rank calls it: each group of at most ``GATHER_BYTES`` is gathered, rank 0 writes
     into it, and DeepSpeed hands every rank its slice of rank 0's values when the group is released.
     Without ZeRO-3 rank 0 alone loads (the other ranks return at once)."""
     module = unwrap(model)
@@ -208,13 +206,12 @@ def load_host_tensors(model: Any, state: dict[str, Tensor] | None, gather_bytes:
         if me == 0:
             module.load_state_dict(state or {})
         return
-    bound = GATHER_BYTES if gather_bytes is None else gather_bytes
     entries = list(module.state_dict(keep_vars=True).items())
     alias = _aliases(module, entries)
     entries = [(n, t) for n, t in entries if n not in alias]
     # Checked on rank 0 but raised only after the gathers: raising first would leave the others in one.
     missing = sorted(n for n, _ in entries if n not in (state or {})) if me == 0 else []
-    for group in _groups(entries, bound):
+    for group in _groups(entries, GATHER_BYTES):
         with _gathered([t for _, t in group if hasattr(t, "ds_id")], modifier_rank=0):
             for name, t in group:
                 if me == 0 and state is not None and name in state:
@@ -227,15 +224,15 @@ def load_host_tensors(model: Any, state: dict[str, Tensor] | None, gather_bytes:
 
 
 class ShardWriter:
-    """Writes tensors as they arrive into safetensors shards of at most ``shard_bytes`` (rank 0 only).
+    """Writes tensors as they arrive into safetensors shards of at most ``SHARD_BYTES`` (rank 0 only).
 
     Shards are first written under hidden part names; ``close`` gives them save_pretrained's names
     (``model.safetensors`` alone, or ``model-0000i-of-0000n.safetensors`` + the index) once their number is
     known. Holds at most one shard in memory."""
 
-    def __init__(self, out: Path, shard_bytes: int | None = None) -> None:
+    def __init__(self, out: Path) -> None:
         self.out = out
-        self.shard_bytes = SHARD_BYTES if shard_bytes is None else shard_bytes
+        self.shard_bytes = SHARD_BYTES
         self.parts: list[tuple[Path, list[str]]] = []
         self.cur: dict[str, Tensor] = {}
         self.cur_bytes = 0
@@ -305,25 +302,21 @@ def _num_parameters(module: nn.Module) -> int:
     return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
 
 
-def export_hf(model: Any, out: Path, tokenizer: Any = None, gather_bytes: int | None = None,
-              shard_bytes: int | None = None, items: Iterable[tuple[str, Tensor | None]] | None = None) -> list[str]:
+def export_hf(model: Any, out: Path, tokenizer: Any = None) -> list[str]:
     """Write ``model`` (HF ``PreTrainedModel`` or its engine) into the existing directory ``out`` as
     ``save_pretrained`` would; returns the weight file names on rank 0, ``[]`` elsewhere.
 
-    Collective under ZeRO-3 (every rank calls it; only rank 0 touches ``out``). ``items`` replaces the
-    tensors read from the model (e.g. a snapshot already on the host). An error on rank 0 is raised only
-    after the gathers are done, so that the other ranks are never left waiting in a collective."""
+    Collective under ZeRO-3 (every rank calls it; only rank 0 touches ``out``). An error on rank 0 is raised
+    only after the gathers are done, so that the other ranks are never left waiting in a collective."""
     module = unwrap(model)
-    stream = iter_host_tensors(module, gather_bytes) if items is None else items
     if rank() != 0:
-        for _ in stream:  # takes part in the gathers, keeps nothing
-            pass
+        _join_gathers(module)
         return []
     error: BaseException | None = None
-    writer = ShardWriter(out, shard_bytes)
+    writer = ShardWriter(out)
     convert = _needs_conversion(module)
     full: dict[str, Tensor] = {}
-    for name, t in stream:
+    for name, t in iter_host_tensors(module):
         if error is not None or t is None:
             continue
         try:
@@ -355,21 +348,20 @@ def export_hf(model: Any, out: Path, tokenizer: Any = None, gather_bytes: int | 
     return files
 
 
-def _join_gathers(model: Any, gather_bytes: int | None) -> None:
+def _join_gathers(model: Any) -> None:
     """Take part in every gather of an export without keeping anything (non-writing ranks, failed rank 0)."""
-    for _ in iter_host_tensors(model, gather_bytes):
+    for _ in iter_host_tensors(model):
         pass
 
 
-def write_version(root: Path, version: int, model: Any, tokenizer: Any, gather_bytes: int | None = None,
-                  shard_bytes: int | None = None) -> protocol.WeightUpdate | None:  # type: ignore[name-defined]
+def write_version(root: Path, version: int, model: Any, tokenizer: Any) -> protocol.WeightUpdate | None:  # type: ignore[name-defined]
     """Write ``model`` (HF ``PreTrainedModel`` or its DeepSpeed engine) as version ``version``.
 
     Collective under ZeRO-3; rank 0 writes and returns the WeightUpdate, every other rank returns None."""
     partitioned = is_partitioned(unwrap(model))
     if rank() != 0:
         if partitioned:
-            _join_gathers(model, gather_bytes)
+            _join_gathers(model)
         return None
     final = version_dir(root, version)
     tmp = root / f"v{version}.tmp"
@@ -384,9 +376,9 @@ def write_version(root: Path, version: int, model: Any, tokenizer: Any, gather_b
         error = e
     if error is not None:
         if partitioned:
-            _join_gathers(model, gather_bytes)
+            _join_gathers(model)
         raise error
-    files = export_hf(model, tmp, tokenizer, gather_bytes=gather_bytes, shard_bytes=shard_bytes)
+    files = export_hf(model, tmp, tokenizer)
     digest = weights_sha256(tmp)
     created = time.time()
     (tmp / STABLE).write_text(json.dumps({"version": version, "sha256": digest, "files": sorted(files),
