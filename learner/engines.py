@@ -40,8 +40,8 @@ from common.config import Config
 
 log = logging.getLogger(__name__)
 
-SHM_OP_KEY = "deepspeed_shm_comm"
-STORE_FILE_ENV = "VAPO_STORE_FILE"  # set by ops/launch.py for a one-host multi-rank learner  # ShareMemCommBuilder.NAME in deepspeed/ops/op_builder/cpu/comm.py
+SHM_OP_KEY = "deepspeed_shm_comm"  # ShareMemCommBuilder.NAME in deepspeed/ops/op_builder/cpu/comm.py
+STORE_FILE_ENV = "VAPO_STORE_FILE"  # set by ops/launch.py for a one-host multi-rank learner
 
 
 def world_size() -> int:
