@@ -24,7 +24,7 @@ of a short step's peak; ``--embeddings frozen`` leaves them out to show activati
 GB here); ``new_over_old_at_16k`` is therefore measured at the smallest vocabulary, and the largest
 vocabulary's old peak at 16k is also given as a linear extrapolation from the T values it ran at.
 
-Padding: the scheduler (``learner.update.schedule``) cuts a batch with the embedded task's lengths
+Padding: the scheduler (``learner.update.plan`` + ``equalize``) cuts a batch with the embedded task's lengths
 (default config, 256 rows, 2 mini-batches, learner.micro_batch_tokens=1024) and a long-tailed paper-like
 batch (8192 rows, lognormal responses capped at 20k tokens, 16 mini-batches, 8 ranks, 32768-token
 budget); waste = padded + filler tokens / all tokens the forwards process.
