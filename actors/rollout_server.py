@@ -525,7 +525,7 @@ class Server:
     async def health(self, request: web.Request) -> web.Response:
         if self.imitate_sglang:  # SGLang 0.5.23 serves /health with the /health_generate handler
             return await self.health_generate(request)
-        return web.Response(status=200 if self.engine.alive else 503)
+        return await self.ping(request)
 
     async def ping(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.engine.alive else 503)
@@ -572,20 +572,14 @@ class Server:
         self.engine.abort({rid})
         return web.Response(status=503)
 
-    def _model_info(self) -> dict[str, Any]:
-        return {
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
             "model_path": self.model_path,
             "tokenizer_path": self.tokenizer_path,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.tm_weight_version if self.imitate_sglang else self.engine.weight_version,
-        }
-
-    async def get_model_info(self, request: web.Request) -> web.Response:
-        return web.json_response(self._model_info())
-
-    async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response(self._model_info())
+        })
 
     async def get_weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.engine.weight_version})
@@ -619,8 +613,8 @@ class Server:
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health_generate)
         r.add_get("/ping", self.ping)
-        r.add_get("/get_model_info", self.get_model_info)
         r.add_get("/model_info", self.model_info)
+        r.add_get("/get_model_info", self.model_info)  # SGLang's deprecated name for the same handler
         if not self.imitate_sglang:  # an older SGLang route, gone in 0.5.23
             r.add_get("/get_weight_version", self.get_weight_version)
         r.add_get("/get_server_info", self.get_server_info)
