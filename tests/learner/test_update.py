@@ -59,9 +59,9 @@ def test_every_rank_runs_the_same_number_of_micro_batches() -> None:
     assert min(len(p) for p in plan(rows, b, MicroLimits(rows=64), 3)) == 1
 
 
-def _run(model: Path, *extra: str, groups=None, replay=None) -> Learner:
+def _run(model: Path, *extra: str) -> Learner:
     learner = Learner(make_cfg(model, *extra), None)
-    learner.step(groups or synth_groups(4, 4, VOCAB, seed=31, resp_len=(1, 40), max_new_tokens=40), replay)
+    learner.step(synth_groups(4, 4, VOCAB, seed=31, resp_len=(1, 40), max_new_tokens=40))
     return learner
 
 
