@@ -766,6 +766,7 @@ class BufferServer:
             # turn the flood into an error for the learner.
             old = self._waits.pop(next(iter(self._waits)))
             self._timeouts += 1
+            self.m.batch_timeouts.inc()
             self._reply(old.ident, old.envelope, encode(ErrorReply(
                 reason="timeout", message=f"evicted: {_MAX_BATCH_WAITS} batch requests waiting; ask again")))
         now = time.monotonic()

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,10 @@ def test_a_flood_of_waiting_batch_requests_evicts_the_oldest_with_a_timeout_not_
             with pytest.raises(TimeoutError, match="evicted"):
                 learner_wait.result(timeout=30)
             assert c.stats()["batch_waiting"] == 1024
+            # The eviction is a timeout reply: counted in the stats and in the metric alike.
+            assert c.stats()["batch_timeouts"] == 1
+            with urllib.request.urlopen(f"http://127.0.0.1:{srv.info['metrics_port']}/metrics", timeout=10) as r:
+                assert "vapo_buffer_batch_timeouts_total 1.0" in r.read().decode()
             for h in hogs:
                 h.close()
             wait_for(lambda: c.stats()["batch_waiting"] == 0, 30, "the departed clients' requests to go")
