@@ -225,10 +225,7 @@ def policy_logprobs(policy: Any, batch: Batch, micro: Micro, logit_elements: int
                 ent = entropy_from_logits(logits)
         return logp, ent, sub
     # Only the last position's logits are computed; the final (normed) hidden states feed the chunked head.
-    out = policy(input_ids=sub.input_ids, attention_mask=sub.attention_mask, output_hidden_states=True,
-                 logits_to_keep=1)
-    h = out.hidden_states[-1]
-    del out
+    h = _final_hidden(policy, sub)
     r, t = (sub.mask > 0).nonzero(as_tuple=True)
     chunks = head_chunks(policy, micro.peak_tokens, logit_elements)
     lp, ent_flat = chunked_token_logprobs(h[r, sub.positions[r, t]], policy.module.get_output_embeddings(),
@@ -236,6 +233,24 @@ def policy_logprobs(policy: Any, batch: Batch, micro: Micro, logit_elements: int
     logp = lp.new_zeros(sub.mask.shape).index_put((r, t), lp)
     ent = ent_flat.new_zeros(sub.mask.shape).index_put((r, t), ent_flat) if entropy else None
     return logp, ent, sub
+
+
+def _final_hidden(policy: Any, sub: Batch) -> Tensor:
+    """The decoder's ``last_hidden_state`` ``[n, S, H]`` from a policy forward that computes the logits of one
+    position only. Read with a hook on the decoder, not ``output_hidden_states=True``: that returns (and so
+    keeps alive) every layer's ``[n, S, H]`` output, which activation checkpointing exists to drop (~13 GB
+    for one 20k-token row of a 64-layer, 5120-wide model)."""
+    seen: dict[str, Tensor] = {}
+
+    def grab(_module: Any, _args: Any, out: Any) -> None:
+        seen["h"] = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    handle = policy.module.get_decoder().register_forward_hook(grab)
+    try:
+        policy(input_ids=sub.input_ids, attention_mask=sub.attention_mask, logits_to_keep=1)
+    finally:
+        handle.remove()
+    return seen["h"]
 
 
 def _put(dst: Tensor, rows: Tensor, x: Tensor) -> None:
