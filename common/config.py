@@ -14,7 +14,6 @@ field with its documentation.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import sys
 import types
 import typing
@@ -318,16 +317,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _is_loopback_host(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def _validate(cfg: Config) -> None:
+    from common.security import is_loopback_host  # one definition of "loopback" for every bind rule
+
     for key, allowed in _CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
@@ -349,7 +341,7 @@ def _validate(cfg: Config) -> None:
         ("engine.health_failures", cfg.engine.health_failures >= 1, "must be >= 1"),
         ("engine.health_interval_s", cfg.engine.health_interval_s > 0, "must be > 0"),
         ("engine.health_timeout_s", cfg.engine.health_timeout_s > 0, "must be > 0"),
-        ("engine.host", _is_loopback_host(cfg.engine.host) or bool(cfg.engine.bind_protection),
+        ("engine.host", is_loopback_host(cfg.engine.host) or bool(cfg.engine.bind_protection),
          f"{cfg.engine.host!r} is not a loopback address: the engine's control API (/update_weights_from_disk, /pause_generation) has "
          "no authentication; bind 127.0.0.1 or set engine.bind_protection (firewall | private_network | auth_proxy)"),
         ("buffer.max_staleness", cfg.buffer.max_staleness >= 0, "must be >= 0"),

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import Config, ConfigError
+from common.security import is_local_endpoint
 
 STORE_FILE_ENV = "VAPO_STORE_FILE"  # learner.engines reads it: one-host ranks rendezvous in this file
 
@@ -123,12 +124,6 @@ def parse_gpus(spec: str, key: str) -> list[int]:
 def engine_tp(cfg: Config) -> int:
     """GPUs per engine: SGLang's tensor-parallel size; our rollout_server uses one device."""
     return cfg.engine.sglang_tp_size if cfg.engine.kind == "sglang" else 1
-
-
-def is_loopback(addr: str) -> bool:
-    from common.security import is_local_endpoint
-
-    return is_local_endpoint(addr)
 
 
 # ------------------------------------------------------------------------------------------- memory
@@ -296,7 +291,7 @@ def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, roo
     if remote_actor:
         local_addrs = [k for k, a in (("buffer.ingest_addr", cfg.buffer.ingest_addr),
                                       ("learner.publish_addr", cfg.learner.publish_addr),
-                                      ("learner.query_addr", cfg.learner.query_addr)) if is_loopback(a)]
+                                      ("learner.query_addr", cfg.learner.query_addr)) if is_local_endpoint(a)]
         if local_addrs:
             raise ConfigError(f"{', '.join(local_addrs)}: actors run on other hosts, so these must be addresses they can "
                               "reach (e.g. tcp://0.0.0.0:5555 with CurveZMQ keys in buffer.curve.*; python -m buffer.keys)")
