@@ -57,10 +57,9 @@ def _reference(model: Path, run_root: Path) -> dict[str, torch.Tensor]:
     learner = Learner(cfg, ListSource(synth_groups(3, 3, 60, seed=31), positives))
     learner.step()
     learner.step()
-    import deepspeed
+    from learner.engines import full_state_dict
 
-    with deepspeed.zero.GatheredParameters(list(learner.policy.module.parameters())):
-        return {k: v.detach().clone() for k, v in learner.policy.module.state_dict().items()}
+    return full_state_dict(learner.policy, copy=True)
 
 
 def test_two_rank_zero3_with_evaluation_finishes_and_equals_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
