@@ -48,7 +48,7 @@ class RunConfig:
     name: str = f("default", "run name; everything the run writes goes to <root>/<name>/")
     root: str = f("runs", "parent directory of run directories (relative to the repo root or absolute)")
     seed: int = f(0, "global seed (task sampling, model init, sampling RNGs)")
-    device: str = f("cpu", "compute device for engines and learner: cpu | cuda")
+    device: str = f("cpu", "compute device for rollout engines and learner: cpu | cuda")
     max_wall_seconds: float = f(0.0, "stop the run after this many seconds of RL (0 = no limit)")
     log_level: str = f("INFO", "Python logging level for every process")
 
@@ -202,7 +202,7 @@ class LearnerConfig:
     query_addr: str = f("tcp://127.0.0.1:5558", "REP address where late subscribers ask for the latest weights")
     weights_every: int = f(1, "publish weights every N steps")
     keep_weights: int = f(3, "newest weight versions kept on disk")
-    checkpoint_every: int = f(10, "full checkpoint (both engines + optimizer + cursors) every N steps")
+    checkpoint_every: int = f(10, "full checkpoint (policy + critic + optimizers + cursors) every N steps")
     keep_checkpoints: int = f(2, "newest checkpoints kept")
     resume: str = f("auto", "auto (newest complete checkpoint) | never | <checkpoint path>")
     eval_every: int = f(10, "held-out evaluation every N steps (0 = off)")
@@ -543,19 +543,19 @@ def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, Any, 
     return rows
 
 
+def usage() -> str:
+    """The ``--help`` of every config-driven command: how to pass the config, then every field."""
+    rows = [f"  {key:<36} {tp:<10} {default!r:<28} {doc}" for key, tp, default, doc in describe()]
+    return "usage: python -m common.config [config.yaml] [key=value ...]\n\nPrints the resolved config. Fields:\n\n" + "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print("usage: python -m common.config [config.yaml] [key=value ...]\n")
-        print("Prints the resolved config. Fields:\n")
-        for key, tp, default, doc in describe():
-            print(f"  {key:<36} {tp:<10} {default!r:<28} {doc}")
-        return 0
-    try:
-        print(dump_yaml(load_config_args(argv)), end="")
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    from common.cli import config_from_argv  # common.cli builds on this module
+
+    cfg = config_from_argv("common.config", usage(), argv)
+    if isinstance(cfg, int):
+        return cfg
+    print(dump_yaml(cfg), end="")
     return 0
 
 
