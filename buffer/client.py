@@ -34,6 +34,8 @@ closed and recreated)::
     client = BatchClient(cfg.buffer.serve_addr, curve=...)
     reply = client.get_batch(learner_version, n_groups, timeout_s)  # BatchReply, groups oldest first
     samples = client.positives(n)                                   # list[Sample], random, distinct
+    reply, frame = client.get_batch_frame(learner_version, n_groups, timeout_s)  # plus the exact reply bytes
+    samples, frame = client.positives_frame(n)                      # (to broadcast without re-encoding)
     stats = client.stats()                                          # dict[str, float]
 
 ``get_batch`` raises ``TimeoutError`` when the buffer had fewer than ``n_groups`` groups within
@@ -455,8 +457,8 @@ class BatchClient:
             self._drop()  # a REQ socket that missed its reply is stuck: recreate it
         raise TimeoutError(f"buffer at {self.addr} did not answer within {timeout_s} s")
 
-    def get_batch(self, learner_version: int, n_groups: int, timeout_s: float) -> Any:
-        """``n_groups`` groups with weight_version >= learner_version - max_staleness, oldest first."""
+    def get_batch_frame(self, learner_version: int, n_groups: int, timeout_s: float) -> tuple[BatchReply, bytes]:
+        """``get_batch`` plus the exact reply frame (a multi-rank learner broadcasts it instead of re-encoding)."""
         req = BatchRequest(learner_version=learner_version, n_groups=n_groups, timeout_ms=int(timeout_s * 1000))
         raw = self._request(encode(req), timeout_s + self.request_timeout_s, retries=0)
         msg = decode(raw, _REPLY_MAX_BYTES)
@@ -466,11 +468,20 @@ class BatchClient:
             raise ProtocolError("remote", f"{msg.reason}: {msg.message}")
         if not isinstance(msg, BatchReply):
             raise ProtocolError("unexpected_type", f"expected BatchReply, got {msg.TYPE}")
-        return msg
+        return msg, raw
+
+    def get_batch(self, learner_version: int, n_groups: int, timeout_s: float) -> BatchReply:
+        """``n_groups`` groups with weight_version >= learner_version - max_staleness, oldest first."""
+        return self.get_batch_frame(learner_version, n_groups, timeout_s)[0]
+
+    def positives_frame(self, n: int) -> tuple[list[Sample], bytes]:
+        """``positives`` plus the exact ``PositivesReply`` frame they were decoded from."""
+        raw = self._request(encode(PositivesRequest(n=n)), self.request_timeout_s, retries=2)
+        return decode_as(raw, PositivesReply, _REPLY_MAX_BYTES).samples, raw
 
     def positives(self, n: int) -> list[Sample]:
-        raw = self._request(encode(PositivesRequest(n=n)), self.request_timeout_s, retries=2)
-        return decode_as(raw, PositivesReply, _REPLY_MAX_BYTES).samples
+        """Up to ``n`` distinct stored positives, chosen at random by the buffer."""
+        return self.positives_frame(n)[0]
 
     def stats(self) -> dict[str, float]:
         raw = self._request(encode(StatsRequest()), self.request_timeout_s, retries=2)

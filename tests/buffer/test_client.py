@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from buffer.client import AsyncGroupSender, BatchClient, GroupSender
+from common.protocol import PositivesReply, decode
 from tests.buffer.conftest import make_group
 from tests.polling import wait_for
 
@@ -98,3 +99,23 @@ def test_batch_client_recovers_after_server_restart(buffer_proc: Any) -> None:
         assert c.get_batch(0, 1, 5).groups[0].group_id == "r"
     finally:
         c.close()
+
+
+def test_batch_and_positives_frames_are_the_exact_decoded_replies(buffer_proc: Any) -> None:
+    srv = buffer_proc(["learner.batch_groups=2"])
+    groups = [make_group(f"f{i}", rewards=[0.0, 1.0, 1.0, 0.0], seed=40 + i) for i in range(2)]
+
+    async def send() -> None:
+        async with AsyncGroupSender(srv.ingest_addr, 0) as s:
+            for g in groups:
+                assert (await s.send(g, timeout_s=10)).committed
+
+    asyncio.run(send())
+    with BatchClient(srv.serve_addr) as c:
+        samples, pos_frame = c.positives_frame(10)
+        assert len(samples) == 4  # two groups x two samples with reward 1
+        assert decode(pos_frame) == PositivesReply(samples=samples)
+        reply, frame = c.get_batch_frame(0, 2, 10)
+        assert [g.group_id for g in reply.groups] == ["f0", "f1"]
+        assert decode(frame, 1 << 40) == reply
+        assert reply.groups[0] == groups[0]
