@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 
 from actors.cursor import PromptCursor, group_id_for
-from actors.engine_proc import EngineStartError, RolloutServerProcess
+from actors.rollout_server.process import EngineStartError, RolloutServerProcess
 from actors.sglang_client import GenerateOutput, SGLangClient, SGLangError
 from actors.weight_sync import WeightWatcher, checkpoint_tensors, verify_tensors, verify_update
 from buffer.client import AsyncGroupSender

@@ -1,6 +1,6 @@
 """A worker's own ``actors.rollout_server`` child process: command line, start, readiness, stop.
 
-Not a CLI; ``actors.worker`` uses it when ``engine.kind = rollout_server`` (the CPU default). The engine of
+Not a CLI; ``actors.engine_link`` uses it when ``engine.kind = rollout_server`` (the CPU default). The engine of
 actor ``i`` listens on ``engine.host:engine.base_port + i`` (``engine.base_port = 0``: any free port, read
 from the server's ready line). It is started with the newest verified weights (``--model-path`` = the
 weights directory, ``--weight-version`` = its version) or the base model as version 0, without a tokenizer
@@ -25,7 +25,7 @@ from common import lifeline
 from common.config import Config
 
 log = logging.getLogger("vapo.actors.engine")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class EngineStartError(RuntimeError):

@@ -1,4 +1,5 @@
-"""actors.engine in-process: sampling maths, parameter checks, batching invariants against the HF model."""
+"""actors.rollout_server.scheduler in-process (with its sampler): sampling maths, parameter checks, batching
+invariants against the HF model."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.engine import Engine, RequestError, SamplingParams, Sequence, sample
+from actors.rollout_server.sampling import RequestError, SamplingParams, sample
+from actors.rollout_server.scheduler import Scheduler, Sequence
 from common.modeling import load_model
 from learner.losses import token_logprobs
 
@@ -21,7 +23,7 @@ def model(tiny_model_dir: Path) -> torch.nn.Module:
     return load_model(tiny_model_dir).eval()
 
 
-def run(engine: Engine, seqs: list[Sequence], timeout_s: float = 60.0) -> list[Sequence]:
+def run(scheduler: Scheduler, seqs: list[Sequence], timeout_s: float = 60.0) -> list[Sequence]:
     done: list[Sequence] = []
     ev = threading.Event()
     lock = threading.Lock()
@@ -34,8 +36,8 @@ def run(engine: Engine, seqs: list[Sequence], timeout_s: float = 60.0) -> list[S
 
     for s in seqs:
         s.on_done = cb
-    engine.submit(seqs)
-    assert ev.wait(timeout_s), "engine did not finish"
+    scheduler.submit(seqs)
+    assert ev.wait(timeout_s), "scheduler did not finish"
     return seqs
 
 
@@ -81,14 +83,14 @@ def test_sampling_params_validation_matches_sglang() -> None:
 def test_mixed_lengths_shared_prompts_and_compaction_match_hf(model: torch.nn.Module) -> None:
     """Sequences of different lengths finish at different steps (slots get compacted), several share a
     prompt (shared prefill), and more sequences than slots arrive: every one must still match the HF model."""
-    engine = Engine(model, max_batch_size=8, eos_token_ids={EOS}, seed=1)
+    scheduler = Scheduler(model, max_batch_size=8, eos_token_ids={EOS}, seed=1)
     try:
         g = torch.Generator().manual_seed(3)
         prompts = [torch.randint(3, 80, (int(torch.randint(2, 14, (1,), generator=g)),), generator=g).tolist()
                    for _ in range(6)]
         seqs = [seq(prompts[i % 6], max_new_tokens=5 + 7 * (i % 4), ignore_eos=i % 3 == 0,
                     temperature=0 if i % 2 else 1.0) for i in range(20)]
-        run(engine, seqs)
+        run(scheduler, seqs)
         for s in seqs:
             assert s.finish is not None and len(s.logprobs) == len(s.output_ids) == len(s.versions)
             if s.finish["type"] == "length":
@@ -103,24 +105,24 @@ def test_mixed_lengths_shared_prompts_and_compaction_match_hf(model: torch.nn.Mo
             assert torch.allclose(torch.tensor(s.logprobs), ref, atol=1e-4)
             if s.params.greedy:
                 assert s.output_ids == logits[0].argmax(-1).tolist()
-        assert engine.running == [] and engine.num_waiting() == 0
+        assert scheduler.running == [] and scheduler.num_waiting() == 0
     finally:
-        engine.shutdown()
+        scheduler.shutdown()
 
 
 def test_validate_prompt_and_bad_weights(model: torch.nn.Module, tmp_path: Path) -> None:
-    engine = Engine(model, max_batch_size=2, context_length=32)
+    scheduler = Scheduler(model, max_batch_size=2, context_length=32)
     try:
         p = SamplingParams(max_new_tokens=-1)  # None in the request: up to the context length
-        assert engine.validate_prompt([5, 6, 7], p) == [5, 6, 7] and p.max_new_tokens == 29
+        assert scheduler.validate_prompt([5, 6, 7], p) == [5, 6, 7] and p.max_new_tokens == 29
         with pytest.raises(RequestError, match="longer than the model's context length"):
-            engine.validate_prompt(list(range(3, 40)), SamplingParams())
+            scheduler.validate_prompt(list(range(3, 40)), SamplingParams())
         with pytest.raises(RequestError, match="maximum context length of 32"):
-            engine.validate_prompt([5, 6], SamplingParams(max_new_tokens=31))
-        ok, msg = engine.update_weights(str(tmp_path / "absent"), "1").result(10)
-        assert not ok and "not a directory" in msg and engine.weight_version == "default"
+            scheduler.validate_prompt([5, 6], SamplingParams(max_new_tokens=31))
+        ok, msg = scheduler.update_weights(str(tmp_path / "absent"), "1").result(10)
+        assert not ok and "not a directory" in msg and scheduler.weight_version == "default"
     finally:
-        engine.shutdown()
+        scheduler.shutdown()
 
 
 def test_huge_top_k_cannot_overflow_the_sampler() -> None:
@@ -137,19 +139,19 @@ def test_huge_top_k_cannot_overflow_the_sampler() -> None:
         SamplingParams.from_dict({"temperature": 10**400}, 4)
 
 
-def test_engine_failure_answers_every_caller(model: torch.nn.Module) -> None:
+def test_scheduler_failure_answers_every_caller(model: torch.nn.Module) -> None:
     deaths: list[BaseException] = []
-    engine = Engine(model, max_batch_size=2, on_death=deaths.append)
+    scheduler = Scheduler(model, max_batch_size=2, on_death=deaths.append)
     try:
         def boom(*_a, **_k):
             raise RuntimeError("simulated forward failure")
 
-        engine.runner.prefill = boom  # type: ignore[method-assign]
-        seqs = run(engine, [seq([5, 6, 7], max_new_tokens=4) for _ in range(5)])
+        scheduler.runner.prefill = boom  # type: ignore[method-assign]
+        seqs = run(scheduler, [seq([5, 6, 7], max_new_tokens=4) for _ in range(5)])
         assert all(s.finish and s.finish["type"] == "abort" and "simulated" in s.finish["message"] for s in seqs)
-        assert not engine.alive
+        assert not scheduler.alive
         assert [str(e) for e in deaths] == ["simulated forward failure"]  # the server exits on this
         with pytest.raises(RuntimeError, match="not running"):
-            engine.submit([seq([5], max_new_tokens=1)])
+            scheduler.submit([seq([5], max_new_tokens=1)])
     finally:
-        engine.shutdown()
+        scheduler.shutdown()

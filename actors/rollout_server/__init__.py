@@ -1,0 +1,49 @@
+"""rollout_server: a small real inference engine that serves SGLang's native HTTP API (CPU, or CUDA).
+
+    python -m actors.rollout_server --model-path runs/_base/addition-tiny --port 30000 [--device cpu]
+
+The rollout engine of ``engine.kind = rollout_server`` (config section ``engine``): each actor starts one
+(``process.RolloutServerProcess``) and talks to it exactly as it talks to SGLang. Modules:
+``__main__`` (command line, ready line), ``http`` (SGLang-shaped requests and responses), ``scheduler``
+(continuous batching on one thread; ``generate_batch`` for in-process generation), ``model_runner``
+(KV-cache prefill/decode of Llama-style HF models), ``sampling`` (parameters, token sampler), ``weights``
+(checkpoint reading and checks for weight updates), ``process`` (a worker's child server).
+
+``--imitate-sglang`` (test mode, ``engine.imitate_sglang``): behave as the released SGLang 0.5.23 does where
+it differs: ``/health`` is ``/health_generate`` (a one-token generation polled once a second, 503 after
+SGLANG_HEALTH_CHECK_TIMEOUT, blocked while paused or loading weights); after a completed load the cache
+flush is refused while requests run or wait (always with ``--refuse-flush``) and the update answers 400
+with the new weights live and ``/model_info``'s version unmoved; outputs carry ``meta_info.weight_versions``
+(``[{"version", "start", "end"}]``); ``/metrics`` only with ``--enable-metrics``; no ``/get_weight_version``.
+If the scheduler thread dies, the process exits with code 1 (its supervisor restarts it) instead of
+answering 503 forever.
+
+Deviations from SGLang, on purpose:
+- Output logprobs default to log_softmax(logits) at temperature 1 (``--logprobs original``), what the
+  learner recomputes; SGLang returns that only with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` and otherwise the
+  temperature-scaled log_softmax(logits / T) (``--logprobs scaled``). At temperature 1 both agree.
+- ``meta_info.output_weight_version_spans`` (extension, ``[[version, n_tokens], ...]`` in token order) says
+  which weights produced each output token, so a request that straddled an in-place weight update can be
+  stamped with the oldest version;
+  ``meta_info.weight_version`` keeps SGLang's meaning (the version served when the response was built).
+- No streaming, no stop strings, no penalties, no prefix cache; those requests get a 400.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Imported on first use: a worker that only supervises its server (``process``) must not pay for torch.
+_EXPORTS = {
+    "Scheduler": "scheduler", "SchedulerBusy": "scheduler", "Sequence": "scheduler", "generate_batch": "scheduler",
+    "SamplingParams": "sampling", "RequestError": "sampling", "sample": "sampling",
+    "EngineStartError": "process", "RolloutServerProcess": "process", "rollout_server_command": "process",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
