@@ -110,16 +110,16 @@ from common.protocol import (
     CreditRequest,
     ErrorReply,
     IngestAck,
-    PositivesReply,
     PositivesRequest,
     ProtocolError,
-    Sample,
     SampleGroup,
     StatsReply,
     StatsRequest,
     decode,
     encode,
     encode_batch_reply,
+    encode_positives_reply,
+    sample_frames,
 )
 from common.security import server_curve
 
@@ -497,9 +497,12 @@ class BufferServer:
             self._finish(batch, before, results, err)
 
     def _record(self, g: SampleGroup, frame: bytes, lv: int, pos_reward: float) -> GroupRecord:
-        positives = [
-            (positive_hash(s.prompt_ids, s.output_ids), encode(s)) for s in g.samples if s.reward >= pos_reward
-        ]
+        positives: list[tuple[bytes, bytes]] = []
+        if any(s.reward >= pos_reward for s in g.samples):
+            # Stored as the exact bytes they arrived in: cut out of the frame, not encoded again.
+            frames = sample_frames(frame)
+            positives = [(positive_hash(s.prompt_ids, s.output_ids), f)
+                         for s, f in zip(g.samples, frames, strict=True) if s.reward >= pos_reward]
         fate = STORED
         if g.weight_version < lv - self.k:
             fate = STALE
@@ -718,9 +721,8 @@ class BufferServer:
         if isinstance(msg, BatchRequest):
             self._on_batch_request(ident, envelope, msg)
         elif isinstance(msg, PositivesRequest):
-            frames = self.store.sample_positives(min(msg.n, 1 << 16), self._rng)
-            samples = [decode(f, len(f)) for f in frames]
-            reply(encode(PositivesReply(samples=[s for s in samples if isinstance(s, Sample)])))
+            # Stored frames were validated at ingest: spliced into the reply, not decoded again.
+            reply(encode_positives_reply(self.store.sample_positives(min(msg.n, 1 << 16), self._rng)))
         elif isinstance(msg, StatsRequest):
             reply(encode(StatsReply(stats=self.stats())))
         else:

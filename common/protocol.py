@@ -7,7 +7,13 @@ array lengths, finiteness, frame size) and raises :class:`ProtocolError` — and
 on any bad input, with a short ``reason`` suitable as a metric label.
 
 Groups inside a :class:`BatchReply` travel as nested, already-encoded ``SampleGroup`` frames so the
-buffer can serve what it stored without re-encoding (``encode_batch_reply``).
+buffer can serve what it stored without re-encoding (``encode_batch_reply``). The buffer also stores the
+positives it harvests as the exact bytes they arrived in (``sample_frames`` cuts them out of a group frame)
+and serves them spliced into a ``PositivesReply`` (``encode_positives_reply``): after the actor's one
+encode, each hop decodes a group or sample once.
+
+Messages are declared dataclasses; the flat ones (requests, acks, grants, errors) are frozen.
+``decode`` returns the union ``AnyMessage``; ``decode_as(frame, Cls)`` returns a ``Cls``.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self, TypeVar
 
 import msgpack
 import numpy as np
@@ -26,6 +32,7 @@ MAX_ARRAY_LEN = 1 << 20  # tokens in one prompt or response
 MAX_GROUP_SIZE = 4096  # samples per group
 MAX_LIST_LEN = 1 << 16  # groups per batch, samples per positives reply
 MAX_STR_LEN = 512
+MAX_LONG_STR_LEN = 4096  # error texts, paths
 MAX_STATS = 1024
 FINISH_REASONS = ("stop", "length", "abort")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -72,6 +79,21 @@ def _check_str(name: str, v: Any, max_len: int = MAX_STR_LEN) -> str:
     return v
 
 
+def _check_nonneg(name: str, v: Any) -> int:
+    return _check_int(name, v, 0)
+
+
+def _check_long_str(name: str, v: Any) -> str:
+    return _check_str(name, v, MAX_LONG_STR_LEN)
+
+
+def _check_sha256(name: str, v: Any) -> str:
+    s = _check_str(name, v)
+    if not _SHA256.match(s):
+        raise _err("bad_value", f"{name} is not a lowercase hex sha256")
+    return s
+
+
 def _check_bool(name: str, v: Any) -> bool:
     if not isinstance(v, bool):
         raise _err("bad_type", f"{name} must be a bool, got {type(v).__name__}")
@@ -107,9 +129,11 @@ def _unpack_array(name: str, v: Any, dtype: str) -> np.ndarray:
 # ------------------------------------------------------------------------------------------- messages
 
 
-@dataclass(eq=False)
 class Message:
-    """Base of every top-level frame; subclasses declare fields and ``_decode_fields``."""
+    """Base of every top-level frame: ``TYPE`` names it on the wire, ``to_wire``/``from_wire`` map its fields.
+
+    Equality compares wire values (arrays by content), so a decoded message equals the one encoded.
+    """
 
     TYPE: ClassVar[str] = ""
 
@@ -117,11 +141,11 @@ class Message:
         raise NotImplementedError
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> Message:  # pragma: no cover - overridden
+    def from_wire(cls, d: dict[str, Any]) -> Self:  # pragma: no cover - overridden
         raise NotImplementedError
 
     def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and _wire_equal(self.to_wire(), other.to_wire())  # type: ignore[attr-defined]
+        return type(self) is type(other) and isinstance(other, Message) and _wire_equal(self.to_wire(), other.to_wire())
 
 
 def _wire_equal(a: Any, b: Any) -> bool:
@@ -263,72 +287,181 @@ class SampleGroup(Message):
         return sum(s.nbytes for s in self.samples)
 
 
-def _simple(type_name: str, spec: dict[str, str]) -> type[Message]:
-    """Build a flat message class from {field: kind}; kinds: int, nonneg, float, str, bool, sha256."""
-
-    names = tuple(spec)
-
-    def to_wire(self: Any) -> dict[str, Any]:
-        out = {}
-        for k, kind in spec.items():
-            v = getattr(self, k)
-            out[k] = int(v) if kind in ("int", "nonneg") else float(v) if kind == "float" else v
-        return out
-
-    @classmethod  # type: ignore[misc]
-    def from_wire(cls: Any, d: dict[str, Any]) -> Any:
-        d = _expect_fields(type_name, d, names)
-        vals = {}
-        for k, kind in spec.items():
-            v = d[k]
-            if kind == "int":
-                vals[k] = _check_int(k, v)
-            elif kind == "nonneg":
-                vals[k] = _check_int(k, v, 0)
-            elif kind == "float":
-                vals[k] = _check_float(k, v)
-            elif kind == "bool":
-                vals[k] = _check_bool(k, v)
-            elif kind == "sha256":
-                s = _check_str(k, v)
-                if not _SHA256.match(s):
-                    raise _err("bad_value", f"{k} is not a lowercase hex sha256")
-                vals[k] = s
-            elif kind == "longstr":
-                vals[k] = _check_str(k, v, 4096)
-            else:
-                vals[k] = _check_str(k, v)
-        return cls(**vals)
-
-    annotations = {
-        k: {"int": int, "nonneg": int, "float": float, "bool": bool}.get(kind, str) for k, kind in spec.items()
-    }
-    ns: dict[str, Any] = {
-        "__annotations__": annotations,
-        "TYPE": type_name,
-        "to_wire": to_wire,
-        "from_wire": from_wire,
-        "__module__": __name__,
-        "__qualname__": type_name,
-    }
-    return dataclass(eq=False)(type(type_name, (Message,), ns))
+# Flat messages: declared fields, wire order = field order; ``from_wire`` checks each field's kind.
 
 
-# Actor -> buffer (DEALER -> ROUTER)
-IngestAck = _simple("IngestAck", {"group_id": "str", "committed": "bool", "duplicate": "bool", "error": "longstr"})
-CreditRequest = _simple("CreditRequest", {"actor_id": "nonneg", "n": "nonneg"})
-CreditGrant = _simple("CreditGrant", {"n": "nonneg", "learner_version": "nonneg"})
-# Learner -> buffer (REQ -> REP)
-BatchRequest = _simple("BatchRequest", {"learner_version": "nonneg", "n_groups": "nonneg", "timeout_ms": "nonneg"})
-PositivesRequest = _simple("PositivesRequest", {"n": "nonneg"})
-StatsRequest = _simple("StatsRequest", {})
-# Learner -> actors (PUB -> SUB; and REQ -> REP for late subscribers)
-WeightUpdate = _simple(
-    "WeightUpdate", {"version": "nonneg", "path": "longstr", "sha256": "sha256", "created_at": "float"}
-)
-WeightQuery = _simple("WeightQuery", {})
-# Any server -> client when a request cannot be served
-ErrorReply = _simple("ErrorReply", {"reason": "str", "message": "longstr"})
+@dataclass(frozen=True, eq=False)
+class IngestAck(Message):
+    """Buffer -> actor: the fate of one group (see ``buffer.server``)."""
+
+    group_id: str
+    committed: bool
+    duplicate: bool
+    error: str
+
+    TYPE: ClassVar[str] = "IngestAck"
+    _FIELDS: ClassVar[tuple[str, ...]] = ("group_id", "committed", "duplicate", "error")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"group_id": self.group_id, "committed": self.committed, "duplicate": self.duplicate,
+                "error": self.error}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> IngestAck:
+        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
+        return cls(group_id=_check_str("group_id", d["group_id"]), committed=_check_bool("committed", d["committed"]),
+                   duplicate=_check_bool("duplicate", d["duplicate"]), error=_check_long_str("error", d["error"]))
+
+
+@dataclass(frozen=True, eq=False)
+class CreditRequest(Message):
+    """Actor -> buffer: "I want ``n`` more groups' worth of credit" (``n = 0`` withdraws the request)."""
+
+    actor_id: int
+    n: int
+
+    TYPE: ClassVar[str] = "CreditRequest"
+    _FIELDS: ClassVar[tuple[str, ...]] = ("actor_id", "n")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"actor_id": int(self.actor_id), "n": int(self.n)}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> CreditRequest:
+        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
+        return cls(actor_id=_check_nonneg("actor_id", d["actor_id"]), n=_check_nonneg("n", d["n"]))
+
+
+@dataclass(frozen=True, eq=False)
+class CreditGrant(Message):
+    """Buffer -> actor: ``n`` groups may be generated, with weights at least ``learner_version``."""
+
+    n: int
+    learner_version: int
+
+    TYPE: ClassVar[str] = "CreditGrant"
+    _FIELDS: ClassVar[tuple[str, ...]] = ("n", "learner_version")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"n": int(self.n), "learner_version": int(self.learner_version)}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> CreditGrant:
+        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
+        return cls(n=_check_nonneg("n", d["n"]), learner_version=_check_nonneg("learner_version", d["learner_version"]))
+
+
+@dataclass(frozen=True, eq=False)
+class BatchRequest(Message):
+    """Learner -> buffer: ``n_groups`` groups for ``learner_version``, waiting at most ``timeout_ms``."""
+
+    learner_version: int
+    n_groups: int
+    timeout_ms: int
+
+    TYPE: ClassVar[str] = "BatchRequest"
+    _FIELDS: ClassVar[tuple[str, ...]] = ("learner_version", "n_groups", "timeout_ms")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"learner_version": int(self.learner_version), "n_groups": int(self.n_groups),
+                "timeout_ms": int(self.timeout_ms)}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> BatchRequest:
+        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
+        return cls(learner_version=_check_nonneg("learner_version", d["learner_version"]),
+                   n_groups=_check_nonneg("n_groups", d["n_groups"]),
+                   timeout_ms=_check_nonneg("timeout_ms", d["timeout_ms"]))
+
+
+@dataclass(frozen=True, eq=False)
+class PositivesRequest(Message):
+    """Learner -> buffer: up to ``n`` stored positives."""
+
+    n: int
+
+    TYPE: ClassVar[str] = "PositivesRequest"
+    _FIELDS: ClassVar[tuple[str, ...]] = ("n",)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"n": int(self.n)}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> PositivesRequest:
+        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
+        return cls(n=_check_nonneg("n", d["n"]))
+
+
+@dataclass(frozen=True, eq=False)
+class StatsRequest(Message):
+    """Anyone -> buffer: its counters, answered by ``StatsReply``."""
+
+    TYPE: ClassVar[str] = "StatsRequest"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> StatsRequest:
+        _expect_fields(cls.TYPE, d, ())
+        return cls()
+
+
+@dataclass(frozen=True, eq=False)
+class WeightUpdate(Message):
+    """Learner -> actors: weights ``version`` are at ``path`` (digest ``sha256``), written at ``created_at``."""
+
+    version: int
+    path: str
+    sha256: str
+    created_at: float
+
+    TYPE: ClassVar[str] = "WeightUpdate"
+    _FIELDS: ClassVar[tuple[str, ...]] = ("version", "path", "sha256", "created_at")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"version": int(self.version), "path": self.path, "sha256": self.sha256,
+                "created_at": float(self.created_at)}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> WeightUpdate:
+        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
+        return cls(version=_check_nonneg("version", d["version"]), path=_check_long_str("path", d["path"]),
+                   sha256=_check_sha256("sha256", d["sha256"]), created_at=_check_float("created_at", d["created_at"]))
+
+
+@dataclass(frozen=True, eq=False)
+class WeightQuery(Message):
+    """Actor -> learner: the latest ``WeightUpdate`` please (late subscribers, missed publications)."""
+
+    TYPE: ClassVar[str] = "WeightQuery"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> WeightQuery:
+        _expect_fields(cls.TYPE, d, ())
+        return cls()
+
+
+@dataclass(frozen=True, eq=False)
+class ErrorReply(Message):
+    """Any server -> client when a request cannot be served; ``reason`` is a short label."""
+
+    reason: str
+    message: str
+
+    TYPE: ClassVar[str] = "ErrorReply"
+    _FIELDS: ClassVar[tuple[str, ...]] = ("reason", "message")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"reason": self.reason, "message": self.message}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> ErrorReply:
+        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
+        return cls(reason=_check_str("reason", d["reason"]), message=_check_long_str("message", d["message"]))
 
 
 @dataclass(eq=False)
@@ -359,7 +492,7 @@ class BatchReply(Message):
         for fr in frames:
             if not isinstance(fr, bytes):
                 raise _err("bad_type", "groups must hold encoded SampleGroup frames")
-            g = decode(fr, max_frame_bytes=len(fr))
+            g = _decode(fr, max_frame_bytes=len(fr))  # part of this frame's decode, not another hop
             if not isinstance(g, SampleGroup):
                 raise _err("bad_type", "groups must hold SampleGroup frames")
             groups.append(g)
@@ -409,13 +542,16 @@ class StatsReply(Message):
         return cls(stats={_check_str("stats key", k): _check_float(f"stats[{k}]", v) for k, v in st.items()})
 
 
-MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.TYPE: cls
-    for cls in (
-        Sample, SampleGroup, IngestAck, CreditRequest, CreditGrant, BatchRequest, BatchReply,
-        PositivesRequest, PositivesReply, StatsRequest, StatsReply, WeightUpdate, WeightQuery, ErrorReply,
-    )
-}
+AnyMessage = (
+    Sample | SampleGroup | IngestAck | CreditRequest | CreditGrant | BatchRequest | BatchReply | PositivesRequest
+    | PositivesReply | StatsRequest | StatsReply | WeightUpdate | WeightQuery | ErrorReply
+)
+_ALL: tuple[type[AnyMessage], ...] = (
+    Sample, SampleGroup, IngestAck, CreditRequest, CreditGrant, BatchRequest, BatchReply,
+    PositivesRequest, PositivesReply, StatsRequest, StatsReply, WeightUpdate, WeightQuery, ErrorReply,
+)
+MESSAGE_TYPES: dict[str, type[AnyMessage]] = {cls.TYPE: cls for cls in _ALL}
+M = TypeVar("M", bound=Message)
 
 
 # ------------------------------------------------------------------------------------ encode / decode
@@ -441,8 +577,12 @@ def encode_batch_reply(group_frames: list[bytes], stale_dropped: int, filtered: 
     return msgpack.packb(body, use_bin_type=True)
 
 
-def decode(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
+def decode(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> AnyMessage:
     """Parse and validate one frame; raises ProtocolError on anything else."""
+    return _decode(frame, max_frame_bytes)
+
+
+def _decode(frame: bytes, max_frame_bytes: int) -> AnyMessage:
     if not isinstance(frame, bytes | bytearray | memoryview):
         raise _err("bad_type", "frame must be bytes")
     if len(frame) > max_frame_bytes:
@@ -483,19 +623,86 @@ def decode(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Mess
         raise _err("bad_value", f"{type_name}: {type(e).__name__}: {e}") from None
 
 
-def decode_as(frame: bytes, cls: type[Message], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Any:
+def decode_as(frame: bytes, cls: type[M], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> M:
     """Decode and require a given message type (an ErrorReply is raised as ProtocolError('remote'))."""
     msg = decode(frame, max_frame_bytes)
     if isinstance(msg, cls):
         return msg
     if isinstance(msg, ErrorReply):
-        raise _err("remote", f"{msg.reason}: {msg.message}")  # type: ignore[attr-defined]
+        raise _err("remote", f"{msg.reason}: {msg.message}")
     raise _err("unexpected_type", f"expected {cls.TYPE}, got {msg.TYPE}")
 
 
+# ------------------------------------------------------------------- splicing stored frames (no decode)
+#
+# The buffer stores frames as received and serves them without decoding them again: these cut and join
+# frames at msgpack entry boundaries. They assume frames that ``decode`` accepted (or that ``encode`` wrote);
+# for those, the result is byte for byte what encoding the decoded messages again would give.
+
+def _entries(u: msgpack.Unpacker, n: int) -> list[tuple[Any, int, int]]:
+    """(key, start, end) of the next ``n`` map entries in ``u``: byte offsets of key + value."""
+    out = []
+    for _ in range(n):
+        start = u.tell()
+        key = u.unpack()
+        u.skip()
+        out.append((key, start, u.tell()))
+    return out
+
+
+def _unpacker(buf: bytes) -> msgpack.Unpacker:
+    u = msgpack.Unpacker(raw=False, max_buffer_size=max(len(buf), 1), strict_map_key=False)
+    u.feed(buf)
+    return u
+
+
+def _map_header(n: int) -> bytes:
+    return msgpack.Packer().pack_map_header(n)  # a Packer holds a buffer: one per call, never shared
+
+
+def _envelope(msg_type: str) -> bytes:
+    """The ``v`` and ``type`` entries ``encode`` appends to every frame."""
+    return b"".join(msgpack.packb(x) for x in ("v", PROTOCOL_VERSION, "type", msg_type))
+
+
+_SAMPLE_ENVELOPE = _envelope(Sample.TYPE)
+_POSITIVES_REPLY_ENVELOPE = _envelope(PositivesReply.TYPE)
+
+
+def sample_frames(group_frame: bytes) -> list[bytes]:
+    """The ``Sample`` frame of each sample of a ``SampleGroup`` frame, cut out of it (``encode(sample)``)."""
+    u = _unpacker(group_frame)
+    out: list[bytes] = []
+    for _ in range(u.read_map_header()):
+        if u.unpack() != "samples":
+            u.skip()
+            continue
+        out = []  # a repeated key: the last one counts, as in decode
+        for _ in range(u.read_array_header()):
+            n = u.read_map_header()
+            body = u.tell()
+            for _ in range(2 * n):
+                u.skip()
+            out.append(_map_header(n + 2) + group_frame[body:u.tell()] + _SAMPLE_ENVELOPE)
+    return out
+
+
+def encode_positives_reply(frames: list[bytes]) -> bytes:
+    """A PositivesReply from stored ``Sample`` frames (their fields copied, not decoded and encoded again)."""
+    parts = [_map_header(3), msgpack.packb("samples"), msgpack.Packer().pack_array_header(len(frames))]
+    for f in frames:
+        u = _unpacker(f)
+        kept = [(s, e) for k, s, e in _entries(u, u.read_map_header()) if k not in ("v", "type")]
+        parts.append(_map_header(len(kept)))
+        parts.extend(f[s:e] for s, e in kept)
+    parts.append(_POSITIVES_REPLY_ENVELOPE)
+    return b"".join(parts)
+
+
 __all__ = [
-    "PROTOCOL_VERSION", "DEFAULT_MAX_FRAME_BYTES", "ProtocolError", "Message", "Sample", "SampleGroup",
-    "IngestAck", "CreditRequest", "CreditGrant", "BatchRequest", "BatchReply", "PositivesRequest",
+    "PROTOCOL_VERSION", "DEFAULT_MAX_FRAME_BYTES", "ProtocolError", "Message", "AnyMessage", "Sample",
+    "SampleGroup", "IngestAck", "CreditRequest", "CreditGrant", "BatchRequest", "BatchReply", "PositivesRequest",
     "PositivesReply", "StatsRequest", "StatsReply", "WeightUpdate", "WeightQuery", "ErrorReply",
-    "encode", "encode_batch_reply", "decode", "decode_as", "FINISH_REASONS",
+    "encode", "encode_batch_reply", "encode_positives_reply", "sample_frames", "decode", "decode_as",
+    "FINISH_REASONS",
 ]

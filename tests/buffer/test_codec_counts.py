@@ -105,7 +105,6 @@ def test_one_group_is_encoded_once_and_decoded_once_per_hop(server: BufferServer
     with BatchClient(server.cfg.buffer.serve_addr) as c:
         reply = c.get_batch(0, 1, 10)
     serve = counts.take()
-    print("COUNTS", ingest, serve)
     assert reply.groups == [group]
     # Actor: one encode of the group (its 4 samples packed inside it). The CreditRequest-free send encodes
     # nothing else; the IngestAck it gets back is one decode on the client side.
@@ -134,7 +133,6 @@ def test_a_positive_is_copied_not_reencoded_on_its_way_to_the_learner(server: Bu
     with BatchClient(server.cfg.buffer.serve_addr) as c:
         samples = c.positives(5)
     serve = counts.take()
-    print("COUNTS", ingest, serve)
     assert samples == [group.samples[1]]
     # Ingest: the group decoded once (its 4 samples with it); the positive is stored as its exact bytes.
     assert ingest["buffer.Sample.from_wire"] == 4

@@ -34,6 +34,8 @@ from common.protocol import (
     decode_as,
     encode,
     encode_batch_reply,
+    encode_positives_reply,
+    sample_frames,
 )
 
 token_ids = st.lists(st.integers(0, 2**31 - 1), max_size=40)
@@ -322,3 +324,22 @@ def test_wire_bytes_are_pinned(name: str) -> None:
     frame = encode(msg)
     assert frame.hex() == PINNED_HEX[name]
     assert decode(frame, 1 << 20) == msg and type(decode(frame, 1 << 20)).__name__ == name
+
+
+@settings(max_examples=60, deadline=None)
+@given(groups())
+def test_spliced_sample_frames_and_positives_reply_equal_re_encoding(g: SampleGroup) -> None:
+    frame = encode(g)
+    cut = sample_frames(frame)
+    assert cut == [encode(s) for s in g.samples]  # exactly what encoding each sample gives
+    reply = encode_positives_reply(cut)
+    assert reply == encode(PositivesReply(samples=g.samples))
+    assert decode(reply, 1 << 20) == PositivesReply(samples=g.samples)
+    assert encode_positives_reply([]) == encode(PositivesReply(samples=[]))
+
+
+def test_flat_messages_are_frozen() -> None:
+    ack = IngestAck(group_id="g", committed=True, duplicate=False, error="")
+    with pytest.raises(AttributeError):
+        setattr(ack, "committed", False)  # what `ack.committed = False` does
+    assert decode_as(encode(ack), IngestAck).committed is True
