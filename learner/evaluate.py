@@ -10,17 +10,19 @@ CLI::
 
     python -m learner.evaluate --model runs/_base/addition-tiny [--task addition] [--k 8] [--config cfg.yaml]
 
-prints one JSON object. Sampling is a batched decode loop with the model's KV cache (left-padded prompts,
-per-sequence stopping at EOS), seeded with its own ``torch.Generator`` so a call is reproducible and does
-not disturb the caller's RNG. Prompts are encoded with ``common.tasks.encode_prompt`` and responses decoded
-with ``decode_response``, exactly as the actors do. Response length counts generated tokens including EOS.
+prints one JSON object. In-process generation runs the rollout server's scheduler and KV-cache model
+runner on the given model (``actors.rollout_server.generate_batch``: the decode loop the actors sample
+with, per-sequence stopping at EOS; the model's parameters are not moved), seeded with its own
+``torch.Generator`` so a call is reproducible and does not disturb the caller's RNG. It needs a
+Llama-style decoder (Qwen2/Qwen3/Llama), as the rollout server does. Prompts are encoded with
+``common.tasks.encode_prompt`` and responses decoded with ``decode_response``, exactly as the actors do.
+Response length counts generated tokens including EOS.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import json
 import math
 import sys
@@ -45,73 +47,6 @@ def _length_bin(n: int) -> str:
     return f">{LENGTH_BINS[-1]}"
 
 
-def _cache_kwarg(model: torch.nn.Module) -> str:
-    """transformers 5.x renamed ``past_key_values`` to ``cache``; accept both generations."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _cache_of(out: Any) -> Any:
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else getattr(out, "past_key_values", None)
-
-
-@torch.inference_mode()
-def sample_batch(
-    model: torch.nn.Module,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    temperature: float,
-    eos_ids: Sequence[int],
-    pad_id: int,
-    generator: torch.Generator | None = None,
-) -> list[list[int]]:
-    """Generate one response per prompt (temperature 0 = greedy); each list ends at its EOS (included)."""
-    device = next(model.parameters()).device
-    bsz, plen = len(prompts), max(len(p) for p in prompts)
-    input_ids = torch.full((bsz, plen), pad_id, dtype=torch.long, device=device)
-    attn = torch.zeros((bsz, plen), dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        input_ids[i, plen - len(p) :] = torch.tensor(list(p), dtype=torch.long)
-        attn[i, plen - len(p) :] = 1
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
-    cache_kw = _cache_kwarg(model)
-    past, logits = _cache_of(out), out.logits[:, -1]
-    next_pos = pos[:, -1] + 1
-    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
-    finished = torch.zeros(bsz, dtype=torch.bool, device=device)
-    steps: list[torch.Tensor] = []
-    for t in range(max_new_tokens):
-        if temperature <= 0:
-            tok = logits.argmax(-1)
-        else:
-            probs = torch.softmax(logits.float() / temperature, dim=-1)
-            tok = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-        tok = torch.where(finished, torch.full_like(tok, pad_id), tok)
-        steps.append(tok)
-        finished |= torch.isin(tok, eos)
-        if bool(finished.all()) or t == max_new_tokens - 1:
-            break
-        attn = torch.cat([attn, torch.ones((bsz, 1), dtype=attn.dtype, device=device)], dim=1)
-        out = model(
-            input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
-            use_cache=True, **{cache_kw: past},
-        )
-        past, logits = _cache_of(out), out.logits[:, -1]
-        next_pos = next_pos + 1
-    gen = torch.stack(steps, dim=1).tolist()
-    eos_set = set(int(e) for e in eos_ids)
-    result: list[list[int]] = []
-    for row in gen:
-        cut = next((j + 1 for j, x in enumerate(row) if x in eos_set), len(row))
-        result.append(row[:cut])
-    return result
-
-
 def generate(
     model: torch.nn.Module,
     prompt_ids: Sequence[Sequence[int]],
@@ -119,23 +54,42 @@ def generate(
     max_new_tokens: int,
     temperature: float,
     eos_ids: Sequence[int],
-    pad_id: int,
+    pad_id: int | None = None,
     batch_size: int = 512,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[list[list[int]]]:
-    """``n`` responses for each prompt: result[prompt][sample] = output ids. Batches similar lengths."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    jobs = sorted(((len(p), i, s) for i, p in enumerate(prompt_ids) for s in range(n)))
-    out: list[list[list[int]]] = [[[] for _ in range(n)] for _ in prompt_ids]
-    for start in range(0, len(jobs), batch_size):
-        chunk = jobs[start : start + batch_size]
-        res = sample_batch(model, [prompt_ids[i] for _, i, _ in chunk], max_new_tokens, temperature, eos_ids, pad_id, gen)
-        for (_, i, s), ids in zip(chunk, res, strict=True):
-            out[i][s] = ids
-        if progress is not None:
-            progress(min(start + batch_size, len(jobs)), len(jobs))
-    return out
+    """``n`` responses for each prompt (temperature 0 = greedy): result[prompt][sample] = output ids, each
+    ending at its EOS (included) or after ``max_new_tokens``. ``pad_id`` is unused (kept for callers)."""
+    return _generate(model, prompt_ids, [(n, temperature)], max_new_tokens, eos_ids, batch_size, seed, progress)[0]
+
+
+def _generate(
+    model: torch.nn.Module,
+    prompt_ids: Sequence[Sequence[int]],
+    passes: Sequence[tuple[int, float]],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    batch_size: int,
+    seed: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[list[list[int]]]:
+    """One result per ``(n, temperature)`` pass, as :func:`generate` returns it, decoded by the rollout
+    server's scheduler (``actors.rollout_server.generate_batch``: the same KV-cache decode loop the actors
+    sample with, on this process's model). Passes run one after the other, each from ``seed``, so a pass's
+    samples do not depend on the others; ``progress`` follows the first."""
+    from actors.rollout_server.sampling import SamplingParams
+    from actors.rollout_server.scheduler import generate_batch
+
+    vocab = int(model.config.vocab_size)
+    results = []
+    for i, (n, temperature) in enumerate(passes):
+        sp = SamplingParams.from_dict({"temperature": temperature, "max_new_tokens": max_new_tokens}, vocab)
+        outs = generate_batch(model, [(p, sp) for p in prompt_ids for _ in range(n)],
+                              eos_token_ids={int(e) for e in eos_ids}, seed=seed, max_batch_size=batch_size,
+                              progress=progress if i == 0 else None)
+        results.append([outs[j * n : (j + 1) * n] for j in range(len(prompt_ids))])
+    return results
 
 
 def score(
@@ -229,15 +183,13 @@ def evaluate(
     prompts = list(task.eval_prompts() if prompts is None else prompts)
     ids = [encode_prompt(tokenizer, p) for p in prompts]
     eos_ids = [tokenizer.eos_token_id]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     was_training = model.training
     model.eval()
     try:
-        sampled = generate(model, ids, k, max_new_tokens, temperature, eos_ids, pad_id, batch_size, seed, progress)
-        greedy_out = (
-            [g[0] for g in generate(model, ids, 1, max_new_tokens, 0.0, eos_ids, pad_id, batch_size, seed)]
-            if greedy else None
-        )
+        passes = [(k, temperature)] + ([(1, 0.0)] if greedy else [])
+        out = _generate(model, ids, passes, max_new_tokens, eos_ids, batch_size, seed, progress)
+        sampled = out[0]
+        greedy_out = [g[0] for g in out[1]] if greedy else None
     finally:
         model.train(was_training)
     report = score(task, tokenizer, prompts, sampled, greedy_out, eos_ids)

@@ -1,4 +1,4 @@
-"""learner.evaluate: report fields, accounting against scripted models, KV-cache sampling, CLI."""
+"""learner.evaluate: report fields, accounting against scripted generations, KV-cache sampling, CLI."""
 
 from __future__ import annotations
 
@@ -12,49 +12,31 @@ from typing import Any
 import pytest
 import torch
 
+import learner.evaluate
 from common.config import TaskConfig
 from common.modeling import build_char_tokenizer, load_model, load_tokenizer
 from common.tasks import encode_prompt, get_task
 from common.tasks.addition import AdditionTask, teacher_response
-from learner.evaluate import evaluate, main, sample_batch, score
+from learner.evaluate import evaluate, generate, main, score
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-class ScriptedModel(torch.nn.Module):
-    """Stands in for a causal LM: reads each row's prompt and emits a fixed script for it, token by token.
+def scripted(tokenizer: Any, wrong: bool = False) -> Any:
+    """Stands in for generation: each prompt's response is the teacher's worked answer (``wrong``: one too
+    high, to check that the accounting sees failures too) plus EOS, for every sample of every pass."""
 
-    ``wrong`` makes it answer one too high, to check that the accounting sees failures too.
-    """
-
-    def __init__(self, tokenizer: Any, wrong: bool = False) -> None:
-        super().__init__()
-        self.anchor = torch.nn.Parameter(torch.zeros(1))
-        self.tok, self.wrong = tokenizer, wrong
-        self.scripts: list[list[int]] = []
-        self.done: list[int] = []
-
-    def _script(self, prompt_ids: list[int]) -> list[int]:
-        text = self.tok.decode(prompt_ids, skip_special_tokens=True)
+    def script(prompt_ids: list[int]) -> list[int]:
+        text = tokenizer.decode(prompt_ids, skip_special_tokens=True)
         a, b = (int(x) for x in text[2:].strip().split("+"))
-        answer = a + b + (1 if self.wrong else 0)
         resp = teacher_response(SimpleNamespace(text=text))  # type: ignore[arg-type]
-        resp = resp[: resp.rindex("A:")] + f"A:{answer}"
-        return self.tok.encode(resp, add_special_tokens=False) + [self.tok.eos_token_id]
+        resp = resp[: resp.rindex("A:")] + f"A:{a + b + (1 if wrong else 0)}"
+        return tokenizer.encode(resp, add_special_tokens=False) + [tokenizer.eos_token_id]
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, cache: Any = None, use_cache: bool | None = None,
-                logits_to_keep: int = 0, **kw: Any) -> SimpleNamespace:
-        if cache is None:  # prefill: remember each row's script
-            assert attention_mask is not None
-            self.scripts = [self._script(row[m.bool()].tolist()) for row, m in zip(input_ids, attention_mask, strict=True)]
-            self.done = [0] * len(self.scripts)
-        else:
-            self.done = [d + 1 for d in self.done]
-        logits = torch.full((input_ids.shape[0], 1, len(self.tok)), -1e4)
-        for i, (script, d) in enumerate(zip(self.scripts, self.done, strict=True)):
-            logits[i, 0, script[min(d, len(script) - 1)]] = 1e4
-        return SimpleNamespace(logits=logits, cache="scripted")
+    def fake(model: Any, prompt_ids: Any, passes: Any, *args: Any) -> list[list[list[list[int]]]]:
+        return [[[script(list(p)) for _ in range(n)] for p in prompt_ids] for n, _ in passes]
+
+    return fake
 
 
 def _task(n: int = 24) -> AdditionTask:
@@ -63,9 +45,11 @@ def _task(n: int = 24) -> AdditionTask:
     return task
 
 
-def test_always_correct_model_scores_one_and_wrong_model_zero() -> None:
+def test_always_correct_model_scores_one_and_wrong_model_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     tok, task = build_char_tokenizer(), _task()
-    rep = evaluate(ScriptedModel(tok), tok, task, k=4, max_new_tokens=96, batch_size=10)
+    model = torch.nn.Linear(1, 1)
+    monkeypatch.setattr(learner.evaluate, "_generate", scripted(tok))
+    rep = evaluate(model, tok, task, k=4, max_new_tokens=96, batch_size=10)
     for key in ("task", "n_prompts", "k", "avg_at_k", "pass_at_k", "greedy_accuracy", "mean_response_length",
                 "min_response_length", "max_response_length", "truncated_fraction", "by_bucket",
                 "by_response_length", "seconds"):
@@ -81,7 +65,8 @@ def test_always_correct_model_scores_one_and_wrong_model_zero() -> None:
     assert sum(b["n_samples"] for b in rep["by_response_length"].values()) == 24 * 4
     json.dumps(rep)
 
-    bad = evaluate(ScriptedModel(tok, wrong=True), tok, task, k=2, max_new_tokens=96)
+    monkeypatch.setattr(learner.evaluate, "_generate", scripted(tok, wrong=True))
+    bad = evaluate(model, tok, task, k=2, max_new_tokens=96)
     assert bad["avg_at_k"] == 0.0 and bad["greedy_accuracy"] == 0.0 and bad["pass_at_k"] == 0.0
 
 
@@ -112,12 +97,16 @@ def test_random_model_scores_about_zero(tiny_model_dir: Path) -> None:
 
 
 def test_batched_kv_sampling_matches_unbatched_full_forward(tiny_model_dir: Path) -> None:
-    """Greedy decoding with left padding + KV cache equals step-by-step argmax over full, unpadded forwards."""
+    """Greedy decoding of mixed-length prompts through the scheduler's KV cache equals step-by-step argmax
+    over full, unpadded forwards, and leaves the model's parameters where they were."""
     tok, model = load_tokenizer(tiny_model_dir), load_model(tiny_model_dir)
     model.eval()
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
     prompts = [encode_prompt(tok, p) for p in _task(6).eval_prompts()]
     assert len({len(p) for p in prompts}) > 1
-    got = sample_batch(model, prompts, 12, 0.0, [tok.eos_token_id], tok.pad_token_id)
+    got = [g[0] for g in generate(model, prompts, 1, 12, 0.0, [tok.eos_token_id], batch_size=4)]
+    for n, p in model.named_parameters():
+        assert p.data_ptr() == before[n][0] and torch.equal(p, before[n][1]), n
     for p, out in zip(prompts, got, strict=True):
         seq = list(p)
         ref: list[int] = []
