@@ -156,6 +156,11 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def pad_token_id(tokenizer: PreTrainedTokenizerFast) -> int:
+    """The id that pads batches: the tokenizer's pad token, else its EOS token, else 0."""
+    return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0)
+
+
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype))
     return model.to(device)

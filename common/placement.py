@@ -34,7 +34,7 @@ from typing import Any
 from common.config import Config, ConfigError
 from common.security import is_local_endpoint
 
-STORE_FILE_ENV = "VAPO_STORE_FILE"  # learner.engines reads it: one-host ranks rendezvous in this file
+STORE_FILE_ENV = "VAPO_STORE_FILE"  # learner.dist reads it: one-host ranks rendezvous in this file
 
 GIB = float(1 << 30)
 

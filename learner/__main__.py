@@ -1,7 +1,7 @@
-"""``python -m learner [config.yaml] [key=value ...]``: the VAPO learner (see learner/train.py)."""
+"""``python -m learner [config.yaml] [key=value ...]``: the VAPO learner process (see learner/runner.py)."""
 
 import sys
 
-from learner.train import main
+from learner.runner import main
 
 sys.exit(main())

@@ -195,3 +195,21 @@ def group_normalized_advantages(scores: Tensor, group_size: int, std_normalize: 
     if std_normalize:
         centred = centred / (g.std(-1, unbiased=True, keepdim=True).nan_to_num(0.0) + eps)
     return centred.reshape(-1)
+
+
+def grpo_advantages(scores: Tensor, group_index: Tensor, mask: Tensor, std_normalize: bool = True) -> Tensor:
+    """GRPO outcome advantages per token (DeepSeekMath arXiv 2402.03300 §4.1.2; DAPO eq. 1):
+    A_i = (r_i − mean_group) / (std_group + 1e-6) on every real token of sample i.
+
+    scores ``[B]``; group_index ``[B]`` (rows of one group share an index, in any order; an index < 0
+    marks a row outside every group, e.g. a replayed positive, which gets 0); mask ``[B, T]`` (the PPO mask).
+    Returns ``[B, T]`` float32, 0 where ``mask`` is 0. Each group is normalised by
+    ``group_normalized_advantages`` on its own rows."""
+    adv = torch.zeros(mask.shape)
+    for g in group_index.unique().tolist():
+        if g < 0:
+            continue
+        rows = (group_index == g).nonzero().squeeze(-1)
+        a = group_normalized_advantages(scores[rows], len(rows), std_normalize)
+        adv[rows] = a.unsqueeze(-1)
+    return adv * mask

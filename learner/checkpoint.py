@@ -1,6 +1,6 @@
-"""Full learner checkpoints: both engines with optimizer state, version, RNG state, data cursor.
+"""Full learner checkpoints: both models (policy, critic) with optimizer state, version, RNG state, data cursor.
 
-Not a CLI; ``learner.train`` calls ``save`` every ``learner.checkpoint_every`` versions and ``load`` on
+Not a CLI; ``learner.runner`` calls ``save`` every ``learner.checkpoint_every`` versions and ``load`` on
 start when ``learner.resume`` is ``auto`` (newest complete checkpoint) or a path.
 
 Layout: ``<run dir>/checkpoints/v<N>/`` with ``policy/`` and ``critic/`` (DeepSpeed ``save_checkpoint``,
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from learner.engines import rank
+from learner.dist import rank
 
 COMPLETE = "COMPLETE"
 
@@ -82,11 +82,11 @@ def load(path: Path, learner: Any) -> int:
     """Restore ``learner`` from checkpoint ``path``; returns the restored version."""
     if not (path / COMPLETE).is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
-    for name, engine in (("policy", learner.policy), ("critic", learner.critic)):
-        if engine is None:
+    for name, model in (("policy", learner.policy), ("critic", learner.critic)):
+        if model is None:
             continue
-        loaded, _ = engine.load_checkpoint(str(path / name), tag="state", load_optimizer_states=True,
-                                           load_lr_scheduler_states=True)
+        loaded, _ = model.load_checkpoint(str(path / name), tag="state", load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load the {name} checkpoint from {path / name}")
     info = json.loads((path / "learner.json").read_text())

@@ -26,9 +26,8 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 
-def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    m = mask.to(x.dtype)
-    return (x * m).sum() if dim is None else (x * m).sum(dim)
+def _no_reduce(stats: Tensor) -> Tensor:
+    return stats
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None, eps: float = 0.0) -> Tensor:
@@ -39,32 +38,43 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None, eps: float = 0.
     return total / count.clamp(min=1.0) if eps == 0.0 else total / (count + eps)
 
 
-def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
-    if unbiased:
-        n = mask.to(x.dtype).sum()
-        var = var * (n / (n - 1).clamp(min=1.0))
-    return var
+def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8,
+                  reduce_sum: Callable[[Tensor], Tensor] = _no_reduce) -> Tensor:
+    """(x − mean) / sqrt(var + eps) over the real tokens, unbiased variance; 0 on padding. x, mask ``[B, T]``.
+
+    Advantage whitening as in PPO implementations (VAPO §3 keeps it for the GAE advantages). The
+    sufficient statistics (count, Σx, Σx²) are float64 sums stacked into one ``[3]`` tensor and passed
+    through ``reduce_sum`` (identity by default; ``learner.dist.all_reduce_sum`` for every rank's rows), so
+    one rank and N ranks run the same code. With no real token, returns ``x * mask``."""
+    m = mask.double()
+    a = x.double() * m
+    s = reduce_sum(torch.stack([m.sum(), a.sum(), (a * a).sum()]))
+    n = float(s[0])
+    if n < 1:
+        return x * mask
+    mean = float(s[1]) / n
+    var = (float(s[2]) - n * mean * mean) / max(n - 1.0, 1.0)
+    return ((x - mean) * torch.rsqrt(torch.tensor(var + eps, dtype=x.dtype))) * mask
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """(x − mean) / std over real tokens (mean kept when ``shift_mean`` is False); 0 on padding."""
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask)
-    out = (x - mean) * torch.rsqrt(var + eps)
-    if not shift_mean:
-        out = out + mean
-    return out * mask.to(x.dtype)
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor,
+                       reduce_sum: Callable[[Tensor], Tensor] = _no_reduce) -> tuple[float, float]:
+    """(1 − Var[R − V] / Var[R], mean of V) over real tokens; values, returns, mask ``[B, T]``.
 
-
-def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
-    """1 − Var[R − V] / Var[R] over real tokens (1 = perfect, 0 = no better than the mean, < 0 worse)."""
-    var_r = masked_var(returns, mask)
-    var_res = masked_var(returns - values, mask)
-    # torch.where instead of a Python branch: no device-to-host sync on the GPU path.
-    degenerate = var_r <= 1e-12
-    return torch.where(degenerate, torch.zeros_like(var_r), 1.0 - var_res / torch.where(degenerate, torch.ones_like(var_r), var_r))
+    EV 1 = perfect, 0 = no better than the mean, < 0 worse; 0 when Var[R] ≤ 1e-12 or fewer than two
+    tokens. Unbiased variances from float64 sums of (count, ΣR, ΣR², Σd, Σd², ΣV) with d = R − V, stacked
+    into one ``[6]`` tensor and passed through ``reduce_sum`` (see ``masked_whiten``)."""
+    m = mask.double()
+    v, r = values.double() * m, returns.double() * m
+    d = (r - v) * m
+    s = reduce_sum(torch.stack([m.sum(), r.sum(), (r * r).sum(), d.sum(), (d * d).sum(), v.sum()]))
+    n = float(s[0])
+    if n < 2:
+        return 0.0, float(s[5] / max(n, 1.0))
+    var_r = (float(s[2]) - float(s[1]) ** 2 / n) / (n - 1)
+    var_d = (float(s[4]) - float(s[3]) ** 2 / n) / (n - 1)
+    ev = 0.0 if var_r <= 1e-12 else 1.0 - var_d / var_r
+    return ev, float(s[5]) / n
 
 
 def _aggregate(per_token: Tensor, mask: Tensor, loss_agg: str, normalizer: Tensor | float | None) -> Tensor:

@@ -1,24 +1,23 @@
-"""DeepSpeed engines of the learner: the policy (any HF causal LM) and the critic (HF backbone + value head).
+"""The learner's models as DeepSpeed-wrapped modules: the policy (any HF causal LM) and the critic (HF
+backbone + value head).
 
-Used by ``learner.train`` and ``learner.value_pretrain``; not a CLI. ``setup_distributed`` must run before
-the first engine is built (it is idempotent):
+Used by ``learner.train``, ``learner.value_pretrain`` and ``learner.runner``; not a CLI. ``build_deepspeed``
+calls ``learner.dist.setup_distributed`` first (idempotent):
 
-    setup_distributed(cfg)
-    policy = build_policy_engine(cfg)
-    critic = build_critic_engine(cfg)            # backbone initialised from the base policy
+    policy = build_policy(cfg)
+    critic = build_critic(cfg)            # backbone initialised from the base policy
 
-Both engines use ``managed_gradient_accumulation = false``: ``engine.backward`` only accumulates, and
-``engine.step`` reduces across ranks and applies one optimizer update. The caller therefore owns the
-micro-batch loop and the loss normaliser (token counts over micro-batches AND ranks: the token-level mean).
-DeepSpeed averages gradients over data-parallel ranks; ``loss_scale_for_dp`` returns the factor that
-turns that average back into the sum a globally normalised loss needs.
+"Engine" in this project means a rollout inference engine (config section ``engine``); what DeepSpeed
+calls its engine is, here, simply the policy or the critic. Both use ``managed_gradient_accumulation =
+false``: ``model.backward`` only accumulates, and ``model.step`` reduces across ranks and applies one
+optimizer update. The caller therefore owns the micro-batch loop and the loss normaliser (token counts over
+micro-batches AND ranks: the token-level mean). DeepSpeed averages gradients over data-parallel ranks;
+``learner.dist.loss_scale_for_dp`` returns the factor that turns that average back into the sum a globally
+normalised loss needs.
 
 CPU: gloo, and the optimizer is a plain ``torch.optim.AdamW`` instance (a DeepSpeed-config optimizer
-JIT-builds a C++ op on CPU). DeepSpeed 0.19 also JIT-compiles a shared-memory all-reduce op on the first
-``initialize`` (~80 s). A single process has nothing to all-reduce, so we mark that op incompatible in
-``deepspeed.ops.__compatible_ops__`` (key ``deepspeed_shm_comm``) and nothing is compiled; multi-rank CPU
-runs build it once into ``TORCH_EXTENSIONS_DIR`` (ops/test.sh and ops/launch.sh export a persistent one)
-unless ``VAPO_DS_SHM=0`` forces plain gloo. CUDA uses NCCL and the same code.
+JIT-builds a C++ op on CPU); ``learner.dist`` explains the shared-memory op it keeps from compiling. CUDA
+uses NCCL and the same code.
 
 Deviation from the paper: none in the model; the value head is a fp32 ``Linear(hidden, 1)`` initialised
 deliberately (weight ~ N(0, std²), bias = prior mean reward; learner.value_head_init_*), with every
@@ -37,93 +36,15 @@ import torch
 from torch import Tensor, nn
 
 from common.config import Config
+from learner.dist import rank, setup_distributed, world_size
 
 log = logging.getLogger(__name__)
-
-SHM_OP_KEY = "deepspeed_shm_comm"  # ShareMemCommBuilder.NAME in deepspeed/ops/op_builder/cpu/comm.py
-STORE_FILE_ENV = "VAPO_STORE_FILE"  # set by ops/launch.py for a one-host multi-rank learner
-
-
-def world_size() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def rank() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return int(os.environ.get("RANK", "0"))
 
 
 def device_for(cfg: Config) -> torch.device:
     if cfg.run.device == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
-
-
-def process_group_backend(device: str) -> str:
-    """The torch.distributed backend of a learner on ``device``.
-
-    CUDA needs two: NCCL for what DeepSpeed reduces (device tensors) and gloo for the learner's own
-    collectives, which move host tensors (token counts, the broadcast batch bytes). An NCCL-only group
-    rejects a host tensor at the first such call ("No backend type associated with device type cpu")."""
-    return "gloo" if device == "cpu" else "cpu:gloo,cuda:nccl"
-
-
-def setup_distributed(cfg: Config) -> None:
-    """Initialise torch.distributed, then DeepSpeed's communication layer on top of it; idempotent.
-
-    Under a launcher (deepspeed, torchrun) the rendezvous comes from its environment (``env://``), or from
-    the file ``$VAPO_STORE_FILE`` when the ranks share a host. Without a launcher the process is rank 0 of 1
-    and uses an in-process store. Only a learner spanning hosts listens on a port (placement.master_port)."""
-    want = "cpu" if cfg.run.device == "cpu" else "cuda"
-    if os.environ.get("DS_ACCELERATOR", want) != want:
-        # DeepSpeed picks its accelerator once, from this variable: a CUDA learner built on the CPU
-        # accelerator (or the reverse) fails far from the cause.
-        log.warning("DS_ACCELERATOR=%s does not match run.device=%s; using %s",
-                    os.environ["DS_ACCELERATOR"], cfg.run.device, want)
-    os.environ["DS_ACCELERATOR"] = want
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_SIZE", os.environ["WORLD_SIZE"])
-    import deepspeed
-    import deepspeed.ops
-
-    ws = int(os.environ["WORLD_SIZE"])
-    if cfg.run.device == "cpu" and (ws == 1 or os.environ.get("VAPO_DS_SHM", "1") == "0"):
-        # Accessing the attribute runs DeepSpeed's (cheap) probe once; the dict it caches is what
-        # deepspeed/comm/torch.py:build_shm_op consults.
-        ops = deepspeed.ops.__compatible_ops__
-        if SHM_OP_KEY not in ops:
-            raise RuntimeError(f"DeepSpeed op key {SHM_OP_KEY!r} not found; the shm-op bypass needs updating")
-        ops[SHM_OP_KEY] = False
-    if cfg.run.device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        backend = process_group_backend(cfg.run.device)
-        if ws == 1:
-            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
-        else:
-            kw: dict[str, Any] = {}
-            if cfg.run.device == "cuda":  # binds the NCCL communicator to this rank's GPU up front
-                kw["device_id"] = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-            # Ranks on one host meet in a file the launcher names (no port: torch's TCP store listens on
-            # every interface); ranks on several hosts need the TCP rendezvous of their launcher.
-            store_file = os.environ.get(STORE_FILE_ENV)
-            if store_file:
-                kw.update(init_method=f"file://{store_file}", rank=int(os.environ["RANK"]), world_size=ws)
-            else:
-                kw.update(init_method="env://")
-            torch.distributed.init_process_group(backend, **kw)
-    # DeepSpeed adopts the existing process group (it only creates one when none exists).
-    deepspeed.init_distributed(dist_backend=process_group_backend(cfg.run.device), auto_mpi_discovery=False)
-
-
-def loss_scale_for_dp() -> float:
-    """DeepSpeed averages gradients over ranks; losses normalised by global counts need the sum."""
-    return float(world_size())
 
 
 def _ds_config(cfg: Config, grad_clip: float) -> dict[str, Any]:
@@ -218,7 +139,7 @@ class Critic(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor, response_start: Tensor | None = None) -> Tensor:
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         h = out.last_hidden_state.float()
-        # The head computes in fp32 even when the engine keeps its parameters in bf16/fp16.
+        # The head computes in fp32 even when DeepSpeed keeps the parameters in bf16/fp16.
         w, b = self.value_head.weight.float(), self.value_head.bias.float()
         v = torch.nn.functional.linear(h, w, b).squeeze(-1)
         if self.surprise_head is not None and response_start is not None:
@@ -304,7 +225,7 @@ def _host_head_state(module: Critic) -> dict[str, Tensor]:
 
 def save_critic(critic: Any, path: str | Path) -> Path:
     """Backbone as HF files (``learner.weights.export_hf``) + ``value_head.safetensors``, atomically (tmp
-    dir + rename). ``critic`` is a :class:`Critic` or its engine.
+    dir + rename). ``critic`` is a :class:`Critic` or its DeepSpeed wrapper.
 
     Every rank calls it under ZeRO-3: the backbone is gathered a bounded group at a time and only rank 0
     copies it to host and writes. Without ZeRO-3 rank 0 alone writes and the other ranks return at once."""
@@ -346,9 +267,9 @@ def _warmup(steps: int) -> Any:
     return lambda s: min(1.0, (s + 1) / steps) if steps > 0 else 1.0
 
 
-def build_engine(cfg: Config, module: nn.Module, lr: float, warmup_steps: int = 0, grad_clip: float | None = None,
+def build_deepspeed(cfg: Config, module: nn.Module, lr: float, warmup_steps: int = 0, grad_clip: float | None = None,
                  head_lr_scale: float = 1.0) -> Any:
-    """Wrap ``module`` in a DeepSpeed engine with a torch AdamW (and a linear warmup when asked).
+    """Wrap ``module`` in DeepSpeed (``deepspeed.initialize``) with a torch AdamW (and a linear warmup when asked).
 
     A :class:`Critic`'s surprise MLP gets ``lr * head_lr_scale``: Adam moves a parameter by about lr per
     step whatever its gradient, and that small, freshly initialised MLP must move its output by ~0.5 in a
@@ -365,46 +286,42 @@ def build_engine(cfg: Config, module: nn.Module, lr: float, warmup_steps: int = 
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.learner.weight_decay, betas=(0.9, 0.999), eps=1e-8)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup(warmup_steps)) if warmup_steps > 0 else None
     clip = cfg.learner.grad_clip if grad_clip is None else grad_clip
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, lr_scheduler=sched,
-                                           config=_ds_config(cfg, clip))
-    if not engine.zero_optimization() and not engine.bfloat16_enabled() and not engine.fp16_enabled():
+    model, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, lr_scheduler=sched,
+                                          config=_ds_config(cfg, clip))
+    if not model.zero_optimization() and not model.bfloat16_enabled() and not model.fp16_enabled():
         # DeepSpeed's fp32 ZeRO-0 path clips but drops the norm it computed, with a per-tensor loop; the
         # gradients are already all-reduced here and there is no model parallelism, so torch's fused
         # clip gives the same global norm, faster, and we keep it for the metrics.
         def _clip_and_record() -> None:
-            engine._global_grad_norm = torch.nn.utils.clip_grad_norm_(engine.module.parameters(),
-                                                                      engine.gradient_clipping(), foreach=True)
+            model._global_grad_norm = torch.nn.utils.clip_grad_norm_(model.module.parameters(),
+                                                                     model.gradient_clipping(), foreach=True)
 
-        engine.clip_fp32_gradients = _clip_and_record
-    if world_size() == 1 and not engine.zero_optimization():
+        model.clip_fp32_gradients = _clip_and_record
+    if world_size() == 1 and not model.zero_optimization():
         # One rank has nothing to reduce; DeepSpeed would still flatten and all-reduce every gradient.
-        engine.enable_backward_allreduce = False
-    return engine
+        model.enable_backward_allreduce = False
+    return model
 
 
-def build_policy_engine(cfg: Config, path: str | Path | None = None) -> Any:
+def build_policy(cfg: Config, path: str | Path | None = None) -> Any:
     module = load_policy_module(path or cfg.model.path, cfg.model.dtype, cfg.learner.activation_checkpointing)
-    return build_engine(cfg, module, cfg.learner.actor_lr, cfg.learner.warmup_steps)
+    return build_deepspeed(cfg, module, cfg.learner.actor_lr, cfg.learner.warmup_steps)
 
 
-def build_critic_engine(cfg: Config, path: str | Path | None = None, lr: float | None = None) -> Any:
-    return build_engine(cfg, load_critic_module(cfg, path), cfg.learner.critic_lr if lr is None else lr,
+def build_critic(cfg: Config, path: str | Path | None = None, lr: float | None = None) -> Any:
+    return build_deepspeed(cfg, load_critic_module(cfg, path), cfg.learner.critic_lr if lr is None else lr,
                         cfg.learner.critic_warmup_steps, head_lr_scale=cfg.learner.value_head_lr_scale)
 
 
-def grad_norm(engine: Any) -> float:
+def grad_norm(model: Any) -> float:
     """Global gradient norm of the last ``step`` (before clipping); NaN when DeepSpeed has none."""
-    g = engine.get_global_grad_norm()
+    g = model.get_global_grad_norm()
     if g is None:
         return float("nan")
     return float(g.item() if torch.is_tensor(g) else g)
 
 
-def current_lr(engine: Any) -> float:
-    return float(engine.get_lr()[0])
-
-
-def full_state_dict(engine: Any, copy: bool = False) -> dict[str, Tensor]:
+def full_state_dict(model: Any, copy: bool = False) -> dict[str, Tensor]:
     """The unwrapped module's full state dict in host memory on rank 0; ``{}`` on every other rank.
 
     Collective under ZeRO-3 (every rank calls it): the parameters are gathered a bounded group at a time
@@ -412,4 +329,4 @@ def full_state_dict(engine: Any, copy: bool = False) -> dict[str, Tensor]:
     tensors are rank 0's own (copied only with ``copy`` or when on an accelerator)."""
     from learner.weights import iter_host_tensors
 
-    return {k: v for k, v in iter_host_tensors(engine, copy=copy, aliases=True) if v is not None}
+    return {k: v for k, v in iter_host_tensors(model, copy=copy, aliases=True) if v is not None}

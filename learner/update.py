@@ -1,4 +1,4 @@
-"""The pieces of one learner step that touch the engines: forwards, the critic update, the actor update.
+"""The pieces of one learner step that touch the models: forwards, the critic update, the actor update.
 
 Used by ``learner.train`` (the phase list) and ``learner.value_pretrain``; not a CLI. The math lives in
 ``learner.advantages`` / ``learner.losses``; this module only schedules it over mini-batches,
@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from learner.batch import Batch, gather_positions
-from learner.engines import grad_norm, loss_scale_for_dp, rank, world_size
+from learner.dist import all_reduce_sum, loss_scale_for_dp, rank, world_size
 from learner.losses import (
     chunked_token_logprobs,
     entropy_from_logits,
@@ -46,27 +46,7 @@ from learner.losses import (
     token_logprobs,
     value_loss,
 )
-
-
-def all_reduce_sum(x: Tensor) -> Tensor:
-    """Sum over data-parallel ranks (a no-op for one process); returns a new float64 CPU tensor."""
-    y = x.detach().to(torch.float64).cpu().clone()
-    if world_size() > 1:
-        torch.distributed.all_reduce(y)
-    return y
-
-
-def broadcast_bytes(data: bytes | None) -> bytes:
-    """Rank 0's ``data`` on every rank (raw bytes through a uint8 tensor; nothing pickled)."""
-    if world_size() == 1:
-        assert data is not None
-        return data
-    n = torch.tensor([len(data) if data is not None else 0], dtype=torch.long)
-    torch.distributed.broadcast(n, 0)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank() == 0 and data else torch.empty(int(n), dtype=torch.uint8)
-    if int(n):
-        torch.distributed.broadcast(buf, 0)
-    return bytes(buf.numpy().tobytes())
+from learner.models import grad_norm
 
 
 def minibatch_rows(n_rows: int, mini_batches: int, seed: int, version: int) -> list[Tensor]:
@@ -191,8 +171,8 @@ def _as_minibatches(rows: Tensor | list[Tensor]) -> list[Tensor]:
 # -------------------------------------------------------------------------------------------- forwards
 
 
-def _dev(engine: Any) -> torch.device:
-    return next(engine.module.parameters()).device
+def _dev(model: Any) -> torch.device:
+    return next(model.module.parameters()).device
 
 
 def critic_values(critic: Any, batch: Batch, rows: Tensor) -> Tensor:
@@ -304,12 +284,13 @@ class Accum:
 def critic_update(
     critic: Any,
     batch: Batch,
+    *,
     minibatches: list[Tensor],
     returns: Tensor,
     old_values: Tensor,
     epochs: int,
     limits: MicroLimits | int,
-    value_clip: float,
+    value_clip: float = 0.0,
     record: Tensor | None = None,
 ) -> dict[str, float]:
     """Fit V to ``returns`` [B, T] (λ_critic targets) over ``epochs`` × mini-batches; one optimizer step
@@ -343,51 +324,67 @@ def critic_update(
     return acc.reduce()
 
 
+@dataclass(frozen=True)
+class ActorParams:
+    """The actor update's hyper-parameters (learner.ppo_epochs, algo.clip_low/clip_high/loss_agg/entropy_coef,
+    nll.coef)."""
+
+    epochs: int
+    clip_low: float  # ε_low: the ratio's lower clip is 1 − ε_low
+    clip_high: float  # ε_high: the ratio's upper clip is 1 + ε_high (clip-higher, DAPO)
+    loss_agg: str  # token_mean | seq_mean
+    nll_coef: float  # μ of the positive-example NLL (VAPO eq. 10)
+    entropy_coef: float  # entropy bonus; 0 = none
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> ActorParams:
+        ac = cfg.algo
+        return cls(epochs=cfg.learner.ppo_epochs, clip_low=ac.clip_low, clip_high=ac.clip_high, loss_agg=ac.loss_agg,
+                   nll_coef=cfg.nll.coef, entropy_coef=ac.entropy_coef)
+
+
 def actor_update(
     policy: Any,
     batch: Batch,
+    *,
     minibatches: list[Tensor],
     advantages: Tensor,
     old_logprobs: Tensor,
-    importance_weight: Tensor | None,
-    epochs: int,
     limits: MicroLimits | int,
-    clip_low: float,
-    clip_high: float,
-    loss_agg: str,
-    nll_coef: float,
-    entropy_coef: float,
+    params: ActorParams,
+    importance_weight: Tensor | None = None,
 ) -> dict[str, float]:
     """Clip-higher PPO (+ μ·NLL on verified positives, + optional entropy bonus) with one optimizer step
     per mini-batch. The PPO term is normalised by the mini-batch's real (non-replay) tokens across
     ranks (or its sequences for ``seq_mean``); the NLL by the mini-batch's positive tokens across ranks."""
+    p = params
     acc = Accum()
     lim = MicroLimits.of(limits)
     ppo_mask = batch.ppo_mask
     pos_mask = batch.mask * (batch.rewards >= 1.0).to(batch.mask.dtype).unsqueeze(-1)
     scale = loss_scale_for_dp()
-    for _ in range(epochs):
+    for _ in range(p.epochs):
         for mbrows in minibatches:
             # Every rank holds every row, so the mini-batch's global counts need no collective.
             pm = ppo_mask[mbrows].double()
             n_tok, n_seq, n_pos = pm.sum(), (pm.sum(-1) > 0).sum().double(), pos_mask[mbrows].double().sum()
-            norm = n_tok if loss_agg == "token_mean" else n_seq
+            norm = n_tok if p.loss_agg == "token_mean" else n_seq
             parts = {"policy_loss": 0.0, "nll_loss": 0.0}
             for micro in micro_batches([mbrows], batch, lim):
                 logp, ent, sub = policy_logprobs(policy, batch, micro, lim.logit_elements,
-                                                 entropy_grad=entropy_coef > 0)
+                                                 entropy_grad=p.entropy_coef > 0)
                 assert ent is not None
                 T = logp.shape[1]
                 dev = logp.device
                 m = ppo_mask[micro.rows, :T].to(dev) * micro.weight
                 iw = importance_weight[micro.rows, :T].to(dev) if importance_weight is not None else None
                 pl, st = policy_loss(logp, old_logprobs[micro.rows, :T].to(dev), advantages[micro.rows, :T].to(dev),
-                                     m, clip_low=clip_low, clip_high=clip_high, loss_agg=loss_agg,
+                                     m, clip_low=p.clip_low, clip_high=p.clip_high, loss_agg=p.loss_agg,
                                      normalizer=norm.to(logp.dtype), importance_weight=iw)
                 nll = nll_loss(logp, sub.mask * micro.weight, sub.rewards, normalizer=n_pos.to(logp.dtype))
-                loss = pl + nll_coef * nll
-                if entropy_coef > 0:
-                    loss = loss - entropy_coef * (ent * m).sum() / n_tok.to(ent.dtype).clamp(min=1.0)
+                loss = pl + p.nll_coef * nll
+                if p.entropy_coef > 0:
+                    loss = loss - p.entropy_coef * (ent * m).sum() / n_tok.to(ent.dtype).clamp(min=1.0)
                 policy.backward(loss * scale, scale_wrt_gas=False)
                 parts["policy_loss"] += float(pl.detach())
                 parts["nll_loss"] += float(nll.detach())

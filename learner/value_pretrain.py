@@ -27,13 +27,16 @@ from typing import Any
 
 import torch
 
+from common.cli import config_from_argv, setup_logging
 from common.config import Config
 from common.metrics import Metrics
+from common.modeling import load_tokenizer, pad_token_id
 from learner.advantages import gae, terminal_rewards
 from learner.batch import collate
-from learner.data import DataSource
-from learner.engines import build_critic_engine, full_state_dict, rank, save_critic
-from learner.train import _global_stats, append_jsonl, fetch_groups, pad_token_id
+from learner.data import DataSource, fetch
+from learner.dist import global_explained_variance, rank
+from learner.models import build_critic, full_state_dict, save_critic
+from learner.records import append_jsonl
 from learner.update import MicroLimits, compute_values, critic_update, minibatch_rows, my_rows
 from learner.weights import load_host_tensors
 
@@ -50,7 +53,7 @@ def heldout_ev(critic: Any, batch: Any, gamma: float, mbs: MicroLimits | int) ->
     everything = [torch.arange(batch.size)]
     rows = my_rows(everything, batch, mbs)
     values = compute_values(critic, batch, everything, mbs)
-    return _global_stats(values[rows], _targets(batch, values, gamma)[rows], batch.mask[rows])
+    return global_explained_variance(values[rows], _targets(batch, values, gamma)[rows], batch.mask[rows])
 
 
 def _snapshot(critic: Any) -> dict[str, torch.Tensor] | None:
@@ -71,10 +74,10 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
         log.info("value pretraining: reusing %s", out)
         return out
     m = metrics or Metrics("learner")
-    pad = pad_token_id(cfg.model.path)
-    critic = build_critic_engine(cfg, lr=vp.lr)
+    pad = pad_token_id(load_tokenizer(cfg.model.path))
+    critic = build_critic(cfg, lr=vp.lr)
     mbs = MicroLimits.from_config(lc)
-    held, _ = fetch_groups(source, 0, vp.eval_groups, lc.batch_timeout_s)
+    held, _ = fetch(source, 0, vp.eval_groups, lc.batch_timeout_s)
     held_batch = collate(held, pad)
     ev0, _ = heldout_ev(critic, held_batch, cfg.algo.gamma, mbs)
     best, since_best, step, best_step = ev0, 0, 0, 0
@@ -85,7 +88,7 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
     history: list[dict[str, Any]] = []
     while step < vp.steps and since_best < vp.patience:
         t0 = time.perf_counter()
-        groups, _ = fetch_groups(source, 0, vp.batch_groups, lc.batch_timeout_s)
+        groups, _ = fetch(source, 0, vp.batch_groups, lc.batch_timeout_s)
         batch = collate(groups, pad)
         minibatches = minibatch_rows(batch.size, lc.mini_batches, cfg.run.seed + 7919, step)
         mine = my_rows(minibatches, batch, mbs)
@@ -94,8 +97,9 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
         no_values = torch.zeros(batch.mask.shape)
         returns = _targets(batch, no_values, cfg.algo.gamma)
         seen = torch.zeros(batch.mask.shape)
-        st = critic_update(critic, batch, minibatches, returns, no_values, 1, mbs, 0.0, record=seen)
-        train_ev, _ = _global_stats(seen[mine], returns[mine], batch.mask[mine])
+        st = critic_update(critic, batch, minibatches=minibatches, returns=returns, old_values=no_values, epochs=1,
+                           limits=mbs, value_clip=0.0, record=seen)
+        train_ev, _ = global_explained_variance(seen[mine], returns[mine], batch.mask[mine])
         step += 1
         ev, vmean = heldout_ev(critic, held_batch, cfg.algo.gamma, mbs)
         if ev > best + 1e-4:
@@ -136,21 +140,12 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
-
-    from common.config import ConfigError, load_config_args
     from learner.data import BufferSource
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-        return 0
-    try:
-        cfg = load_config_args(argv)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=cfg.run.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = config_from_argv("learner.value_pretrain", __doc__ or "", argv)
+    if isinstance(cfg, int):
+        return cfg
+    setup_logging(cfg.run.log_level)
     source = BufferSource(cfg.buffer.serve_addr, cfg.buffer.max_staleness, curve=cfg.buffer.curve) if rank() == 0 else None
     print(pretrain_critic(cfg, source))
     return 0

@@ -1,6 +1,6 @@
 """Weight push: the policy as HF safetensors in ``<run dir>/weights/v<N>/``, announced on ZeroMQ.
 
-Not a CLI; ``learner.train`` calls ``publish_policy`` after every ``learner.weights_every`` updates.
+Not a CLI; ``learner.runner`` calls ``publish_policy`` after every ``learner.weights_every`` updates.
 
 - Atomic versions: the HF files are written into ``v<N>.tmp``, then a ``STABLE`` marker
   (JSON: version, sha256, files, created_at) is written inside it, then the directory is renamed to
@@ -38,9 +38,10 @@ import torch
 import zmq
 from torch import Tensor, nn
 
-from common import protocol
+from common import protocol, security
 from common.checksum import weights_sha256
-from learner.engines import rank
+from common.config import CurveConfig
+from learner.dist import rank
 
 log = logging.getLogger(__name__)
 STABLE = "STABLE"
@@ -50,7 +51,7 @@ def version_dir(root: Path, version: int) -> Path:
     return root / f"v{version}"
 
 
-def read_stable(path: Path) -> protocol.WeightUpdate | None:  # type: ignore[name-defined]
+def read_stable(path: Path) -> protocol.WeightUpdate | None:
     marker = path / STABLE
     if not marker.is_file():
         return None
@@ -72,7 +73,7 @@ def complete_versions(root: Path) -> list[int]:
     return sorted(out)
 
 
-def latest_update(root: Path) -> protocol.WeightUpdate | None:  # type: ignore[name-defined]
+def latest_update(root: Path) -> protocol.WeightUpdate | None:
     vs = complete_versions(root)
     return read_stable(version_dir(root, vs[-1])) if vs else None
 
@@ -84,7 +85,7 @@ INDEX_NAME = "model.safetensors.index.json"
 
 
 def unwrap(model: Any) -> nn.Module:
-    """The ``nn.Module`` of a DeepSpeed engine (or the module itself)."""
+    """The ``nn.Module`` of a DeepSpeed-wrapped model (or the module itself)."""
     return model.module if hasattr(model, "zero_optimization_stage") else model
 
 
@@ -131,7 +132,7 @@ def _aliases(module: nn.Module, entries: list[tuple[str, Tensor]]) -> dict[str, 
 
 
 def iter_host_tensors(model: Any, copy: bool = False, aliases: bool = False) -> Iterator[tuple[str, Tensor | None]]:
-    """Every state-dict entry of ``model`` (engine or module) as ``(name, host tensor)``, in state-dict order.
+    """Every state-dict entry of ``model`` (DeepSpeed-wrapped or plain module) as ``(name, host tensor)``, in state-dict order.
 
     Under ZeRO-3 this is a collective: every rank must run it to the end. Parameters are gathered a group
     of at most ``GATHER_BYTES`` at a time; rank 0 gets a host copy of each, the other ranks get
@@ -303,7 +304,7 @@ def _num_parameters(module: nn.Module) -> int:
 
 
 def export_hf(model: Any, out: Path, tokenizer: Any = None) -> list[str]:
-    """Write ``model`` (HF ``PreTrainedModel`` or its engine) into the existing directory ``out`` as
+    """Write ``model`` (HF ``PreTrainedModel`` or its DeepSpeed wrapper) into the existing directory ``out`` as
     ``save_pretrained`` would; returns the weight file names on rank 0, ``[]`` elsewhere.
 
     Collective under ZeRO-3 (every rank calls it; only rank 0 touches ``out``). An error on rank 0 is raised
@@ -354,8 +355,8 @@ def _join_gathers(model: Any) -> None:
         pass
 
 
-def write_version(root: Path, version: int, model: Any, tokenizer: Any) -> protocol.WeightUpdate | None:  # type: ignore[name-defined]
-    """Write ``model`` (HF ``PreTrainedModel`` or its DeepSpeed engine) as version ``version``.
+def write_version(root: Path, version: int, model: Any, tokenizer: Any) -> protocol.WeightUpdate | None:
+    """Write ``model`` (HF ``PreTrainedModel`` or its DeepSpeed wrapper) as version ``version``.
 
     Collective under ZeRO-3; rank 0 writes and returns the WeightUpdate, every other rank returns None."""
     partitioned = is_partitioned(unwrap(model))
@@ -403,22 +404,14 @@ class WeightPublisher:
     """PUB socket for WeightUpdate + a REP thread answering WeightQuery with the latest one."""
 
     def __init__(self, publish_addr: str, query_addr: str, curve: Any = None,
-                 latest: protocol.WeightUpdate | None = None) -> None:  # type: ignore[name-defined]
+                 latest: protocol.WeightUpdate | None = None) -> None:
         self.ctx = zmq.Context.instance()
         self._curve = None
         self._latest = latest
         self._stop = threading.Event()
-        addrs = [publish_addr, query_addr]
-        try:
-            from common import security
-        except ImportError:  # the CurveZMQ helpers are optional for loopback binds
-            security = None  # type: ignore[assignment]
-        if security is not None:
-            from common.config import CurveConfig
-
-            self._curve = security.server_curve(self.ctx, addrs, curve if curve is not None else CurveConfig())
-        elif any(not a.startswith(("tcp://127.", "tcp://localhost", "ipc://", "inproc://")) for a in addrs):
-            raise RuntimeError("binding the weight publisher off loopback needs CurveZMQ (common.security)")
+        # common.security refuses a non-loopback bind without CurveZMQ keys.
+        self._curve = security.server_curve(self.ctx, [publish_addr, query_addr],
+                                            curve if curve is not None else CurveConfig())
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 1000)
         if self._curve is not None:
@@ -466,10 +459,10 @@ class WeightPublisher:
         rep.close()
 
     @property
-    def latest(self) -> protocol.WeightUpdate | None:  # type: ignore[name-defined]
+    def latest(self) -> protocol.WeightUpdate | None:
         return self._latest
 
-    def publish(self, update: protocol.WeightUpdate) -> None:  # type: ignore[name-defined]
+    def publish(self, update: protocol.WeightUpdate) -> None:
         self._latest = update
         self.pub.send(protocol.encode(update))
 
@@ -482,11 +475,11 @@ class WeightPublisher:
             self._curve.stop()
 
 
-def publish_policy(engine: Any, tokenizer: Any, root: Path, version: int, keep: int,
-                   publisher: WeightPublisher | None) -> protocol.WeightUpdate | None:  # type: ignore[name-defined]
+def publish_policy(policy: Any, tokenizer: Any, root: Path, version: int, keep: int,
+                   publisher: WeightPublisher | None) -> protocol.WeightUpdate | None:
     """Every rank calls this (ZeRO-3 gathers collectively, one group at a time); rank 0 alone copies to
     host, writes, publishes and prunes."""
-    update = write_version(root, version, engine, tokenizer)
+    update = write_version(root, version, policy, tokenizer)
     if update is None:
         return None
     if publisher is not None:

@@ -6,7 +6,7 @@
 Samples G responses per training prompt from the frozen base policy (learner.evaluate's batched KV-cache
 sampler, temperature ``actors.temperature``), verifies them with the task, and keeps a training pool and a
 disjoint fresh set (different prompts, never trained on). Each variant then builds a critic with the
-project's own code (``learner.engines.build_critic_engine``: backbone initialised from the policy + fp32
+project's own code (``learner.models.build_critic``: backbone initialised from the policy + fp32
 value head) and trains it like ``learner.value_pretrain`` does (``learner.update.critic_update`` on
 batches of ``value_pretrain.batch_groups`` groups cut from the pool, cycling over it, λ = 1 targets).
 Every ``--eval-every`` steps it records the explained variance (EV) on the fresh set and on the batch it is
@@ -45,17 +45,16 @@ log = logging.getLogger("critic_probe")
 
 def sample_groups(cfg: Config, first_index: int, n_groups: int, seed: int) -> list[protocol.SampleGroup]:
     """``n_groups`` groups of ``actors.group_size`` verified samples of training prompts from the base policy."""
-    from transformers import AutoTokenizer
-
-    from learner.engines import load_policy_module
+    from common.modeling import load_tokenizer, pad_token_id
     from learner.evaluate import generate
+    from learner.models import load_policy_module
 
     task = get_task(cfg.task)
-    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    tok = load_tokenizer(cfg.model.path)
     model = load_policy_module(cfg.model.path).eval()
     prompts = [task.train_prompt(first_index + i) for i in range(n_groups)]
     ids = [encode_prompt(tok, p) for p in prompts]
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad = pad_token_id(tok)
     out = generate(model, ids, cfg.actors.group_size, cfg.actors.max_new_tokens, cfg.actors.temperature,
                    [tok.eos_token_id], pad, batch_size=512, seed=seed)
     groups = []
@@ -77,14 +76,14 @@ def sample_groups(cfg: Config, first_index: int, n_groups: int, seed: int) -> li
 def train_variant(cfg: Config, pool: list[protocol.SampleGroup], fresh: Any, steps: int, eval_every: int,
                   pad: int) -> tuple[dict[str, Any], Any]:
     from learner.batch import collate
-    from learner.engines import build_critic_engine
-    from learner.train import _global_stats
+    from learner.dist import global_explained_variance
+    from learner.models import build_critic
     from learner.update import compute_values, critic_update, minibatch_rows
     from learner.value_pretrain import _targets, heldout_ev
 
     torch.manual_seed(cfg.run.seed)
     vp, lc = cfg.value_pretrain, cfg.learner
-    critic = build_critic_engine(cfg, lr=vp.lr)
+    critic = build_critic(cfg, lr=vp.lr)
     mbs = lc.micro_batch_size
     ev0, _ = heldout_ev(critic, fresh, cfg.algo.gamma, mbs)
     curve: list[dict[str, float]] = [{"step": 0, "fresh_ev": round(ev0, 4)}]
@@ -101,8 +100,8 @@ def train_variant(cfg: Config, pool: list[protocol.SampleGroup], fresh: Any, ste
         rows = torch.arange(batch.size)
         old = compute_values(critic, batch, rows, mbs)
         returns = _targets(batch, old, cfg.algo.gamma)
-        train_ev, _ = _global_stats(old, returns, batch.mask)
-        critic_update(critic, batch, mbr, returns, old, lc.ppo_epochs, mbs, 0.0)
+        train_ev, _ = global_explained_variance(old, returns, batch.mask)
+        critic_update(critic, batch, minibatches=mbr, returns=returns, old_values=old, epochs=lc.ppo_epochs, limits=mbs)
         if step % eval_every == 0 or step == steps:
             ev, vmean = heldout_ev(critic, fresh, cfg.algo.gamma, mbs)
             curve.append({"step": step, "fresh_ev": round(ev, 4), "batch_ev": round(train_ev, 4),
@@ -123,11 +122,11 @@ def plot_values(critic: Any, fresh_groups: list[protocol.SampleGroup], fresh: An
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from transformers import AutoTokenizer
 
+    from common.modeling import load_tokenizer
     from learner.update import compute_values
 
-    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    tok = load_tokenizer(cfg.model.path)
     task = get_task(cfg.task)
     values = compute_values(critic, fresh, torch.arange(fresh.size), cfg.learner.micro_batch_size)
     samples = [(g, s) for g in fresh_groups for s in g.samples]
@@ -224,20 +223,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sample_s = time.perf_counter() - t0
     pool_all, fresh_groups = groups[: args.train_groups], groups[args.train_groups : n_all]
+    from common.modeling import load_tokenizer, pad_token_id
     from learner.batch import collate
-    from learner.engines import setup_distributed
-    from learner.train import pad_token_id
+    from learner.dist import setup_distributed
 
     setup_distributed(cfg)
-    pad = pad_token_id(cfg.model.path)
+    pad = pad_token_id(load_tokenizer(cfg.model.path))
     fresh = collate(fresh_groups, pad)
     rewards = [s.reward for g in groups[:n_all] for s in g.samples]
     log.info("sampled %d groups in %.0f s, mean reward %.3f", n_all, sample_s, float(np.mean(rewards)))
     if args.critic:
-        from learner.engines import build_critic_engine
+        from learner.models import build_critic
         from learner.value_pretrain import heldout_ev
 
-        critic = build_critic_engine(cfg, args.critic)
+        critic = build_critic(cfg, args.critic)
         ev, vmean = heldout_ev(critic, fresh, cfg.algo.gamma, cfg.learner.micro_batch_size)
         out = {"bench": "critic_probe", "critic": args.critic, "fresh_groups": args.fresh_groups,
                "first_index": args.first_index, "base_reward_mean": round(float(np.mean(rewards)), 4),

@@ -4,7 +4,7 @@
 
 Prints one JSON line. Both sides run the same ``learner.train.Learner.step`` code (values → critic
 update → fresh values → advantages → actor update, same mini-/micro-batches, same losses); the baseline
-swaps the two DeepSpeed engines for a minimal wrapper around the bare module + ``torch.optim.AdamW`` +
+swaps the two DeepSpeed-wrapped models for a minimal wrapper around the bare module + ``torch.optim.AdamW`` +
 ``clip_grad_norm_``, so the ratio is DeepSpeed's own overhead. Steps alternate between the two sides so
 machine contention hits both. Model: ``runs/_base/addition-tiny`` when it exists, otherwise a random tiny
 Qwen2 of the default shape (hidden 128, 3 layers); data: synthetic groups shaped like the addition task.
@@ -34,8 +34,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 
-class PlainEngine:
-    """The slice of the DeepSpeed engine interface that learner.update uses, on a bare module."""
+class PlainModel:
+    """The slice of the DeepSpeed model interface that learner.update uses, on a bare module."""
 
     def __init__(self, module: torch.nn.Module, lr: float, weight_decay: float, clip: float) -> None:
         self.module = module
@@ -89,7 +89,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     from common.config import load_config
-    from learner.engines import load_critic_module, load_policy_module
+    from learner.models import load_critic_module, load_policy_module
     from learner.train import Learner
     from tests.learner.synth import synth_groups
 
@@ -103,9 +103,9 @@ def main() -> int:
                    for i in range(args.steps + 1)]
         ds = Learner(cfg, None)
         lc = cfg.learner
-        plain = Learner(cfg, None, engines=(
-            PlainEngine(load_policy_module(mdir), lc.actor_lr, lc.weight_decay, lc.grad_clip),
-            PlainEngine(load_critic_module(cfg), lc.critic_lr, lc.weight_decay, lc.grad_clip)))
+        plain = Learner(cfg, None, models=(
+            PlainModel(load_policy_module(mdir), lc.actor_lr, lc.weight_decay, lc.grad_clip),
+            PlainModel(load_critic_module(cfg), lc.critic_lr, lc.weight_decay, lc.grad_clip)))
         res: dict[str, list[dict[str, Any]]] = {"deepspeed": [], "plain": []}
         for i, groups in enumerate(batches):
             for name, learner in (("deepspeed", ds), ("plain", plain)) if i % 2 == 0 else (("plain", plain), ("deepspeed", ds)):

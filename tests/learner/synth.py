@@ -1,8 +1,10 @@
-"""Deterministic synthetic sample groups for learner tests and benchmarks (no actors needed)."""
+"""Deterministic synthetic sample groups for learner tests and benchmarks (no actors needed), and the one
+hand-written reference GAE that the tests compare ``learner.advantages`` against."""
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from common.protocol import Sample, SampleGroup
 
@@ -28,6 +30,27 @@ def synth_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0, prom
         groups.append(SampleGroup(group_id=f"g{seed}-{g}", prompt_id=f"p{g}", task="synthetic", actor_id=0,
                                   samples=samples, created_at=0.0))
     return groups
+
+
+def reference_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+                  lam: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE straight from the definition (Schulman et al. 2015, eq. 16), one sample and one token at a time:
+    δ_t = r_t + γ·V(s_{t+1}) − V(s_t) with V = 0 after the last real token, A_t = δ_t + γλ·A_{t+1}.
+
+    rewards, values, mask ``[B, T]`` (right-padded); lam a float or ``[B]`` per-sample λ. Returns
+    (advantages, returns = advantages + values), both ``[B, T]`` and 0 on padding."""
+    B, _ = rewards.shape
+    adv = torch.zeros_like(values)
+    for b in range(B):
+        length = int(mask[b].sum())
+        lam_b = float(lam[b]) if torch.is_tensor(lam) else float(lam)
+        last = 0.0
+        for t in reversed(range(length)):
+            next_v = float(values[b, t + 1]) if t + 1 < length else 0.0
+            delta = float(rewards[b, t]) + gamma * next_v - float(values[b, t])
+            last = delta + gamma * lam_b * last
+            adv[b, t] = last
+    return adv, (adv + values) * mask
 
 
 DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

@@ -1,4 +1,4 @@
-"""learner.advantages against hand-derived values and a naive per-token reference."""
+"""learner.advantages against hand-derived values and the per-token reference GAE (tests.learner.synth)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from learner.advantages import (
     discounted_reverse_cumsum,
     gae,
     group_normalized_advantages,
+    grpo_advantages,
     length_adaptive_lambda,
     terminal_rewards,
 )
+from tests.learner.synth import reference_gae
 
 # One 4-token response, reward 1 on the last token, γ = 1.
 # V = [0.2, 0.4, 0.3, 0.6] → δ = [0.4-0.2, 0.3-0.4, 0.6-0.3, 1-0.6] = [0.2, -0.1, 0.3, 0.4]
@@ -64,21 +66,6 @@ def test_lambda_zero_is_one_step_td_error() -> None:
     assert torch.all(adv[0, 4:] == 0)
 
 
-def naive_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: torch.Tensor):
-    """Per-sample, per-token reference straight from the definition (Python loops)."""
-    B, T = rewards.shape
-    adv = torch.zeros_like(values)
-    for b in range(B):
-        length = int(mask[b].sum())
-        last = 0.0
-        for t in reversed(range(length)):
-            next_v = values[b, t + 1] if t + 1 < length else 0.0
-            delta = rewards[b, t] + gamma * next_v - values[b, t]
-            last = delta + gamma * float(lam[b]) * last
-            adv[b, t] = last
-    return adv, (adv + values) * mask
-
-
 def random_batch(B: int, T: int, dtype: torch.dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, T + 1, (B,), generator=g)
@@ -100,7 +87,7 @@ def test_vectorised_gae_matches_naive_reference(dtype: torch.dtype, tol: float, 
     assert (lam == 0).any()
     for lam_row in (lam, torch.full_like(lam, 0.95), torch.rand(12, generator=torch.Generator().manual_seed(1)).to(dtype)):
         adv, ret = gae(rewards, values, mask, 1.0, lam_row)
-        ref_adv, ref_ret = naive_gae(rewards, values, mask, 1.0, lam_row)
+        ref_adv, ref_ret = reference_gae(rewards, values, mask, 1.0, lam_row)
         torch.testing.assert_close(adv, ref_adv, atol=tol, rtol=0)
         torch.testing.assert_close(ret, ref_ret, atol=tol, rtol=0)
         assert torch.all(adv[mask == 0] == 0) and torch.all(ret[mask == 0] == 0)
@@ -111,7 +98,7 @@ def test_gamma_below_one_matches_reference() -> None:
     rewards, values, mask, _ = random_batch(B=6, T=70, dtype=torch.float64, seed=3)
     lam = torch.tensor([0.0, 0.3, 0.9, 1.0, 0.5, 0.99], dtype=torch.float64)
     adv, ret = gae(rewards, values, mask, 0.9, lam)
-    ref_adv, ref_ret = naive_gae(rewards, values, mask, 0.9, lam)
+    ref_adv, ref_ret = reference_gae(rewards, values, mask, 0.9, lam)
     torch.testing.assert_close(adv, ref_adv, atol=1e-10, rtol=0)
     torch.testing.assert_close(ret, ref_ret, atol=1e-10, rtol=0)
 
@@ -165,6 +152,23 @@ def test_group_normalized_advantages() -> None:
     torch.testing.assert_close(a, torch.tensor([1.5, -0.5, -0.5, -0.5, 0, 0, 0, 0]), atol=1e-5, rtol=0)
     with pytest.raises(ValueError):
         group_normalized_advantages(scores, group_size=3)
+
+
+def test_grpo_advantages_per_group_on_real_tokens() -> None:
+    # Rows 0, 2, 4 form group 0 (scores 1, 0, 0: mean 1/3, unbiased std sqrt(1/3)); rows 1, 3 group 1
+    # (scores 1, 1: uniform → 0); row 5 is a replayed positive (index −1 → 0).
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 1.0])
+    group_index = torch.tensor([0, 1, 0, 1, 0, -1])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.float32)
+    std = (1 / 3) ** 0.5
+    a_pos, a_neg = (2 / 3) / (std + 1e-6), (-1 / 3) / (std + 1e-6)  # ≈ 1.1547, −0.5774
+    expected = torch.tensor([[a_pos, a_pos, 0], [0, 0, 0], [a_neg] * 3, [0, 0, 0], [a_neg, 0, 0], [0, 0, 0]])
+    got = grpo_advantages(scores, group_index, mask, std_normalize=True)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    # Without the std: r − mean only.
+    centred = torch.tensor([[2 / 3, 2 / 3, 0], [0, 0, 0], [-1 / 3] * 3, [0, 0, 0], [-1 / 3, 0, 0], [0, 0, 0]])
+    torch.testing.assert_close(grpo_advantages(scores, group_index, mask, std_normalize=False), centred,
+                               atol=1e-6, rtol=0)
 
 
 def test_bad_shapes_and_params_raise() -> None:

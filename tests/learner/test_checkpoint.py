@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from common.config import load_config
 from learner.data import ListSource
-from learner.train import Runner
+from learner.runner import Runner
 from learner.weights import complete_versions
 from tests.learner.synth import child_env, synth_groups
 
@@ -24,7 +24,7 @@ HARNESS = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     from common.config import load_config
     from learner.data import ListSource
-    from learner.train import Runner
+    from learner.runner import Runner
     from tests.learner.synth import child_env, synth_groups
 
     root, model, name, kill_at = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])

@@ -31,7 +31,7 @@ HARNESS = textwrap.dedent("""
     from safetensors.torch import save_file
     from common.config import load_config
     from learner.data import ListSource
-    from learner.engines import rank
+    from learner.dist import rank
     from learner.train import Learner
     from tests.learner.synth import child_env, synth_groups
 
@@ -112,7 +112,8 @@ ZERO3_HARNESS = textwrap.dedent("""
     from safetensors.torch import save_file
     from common.config import load_config
     from learner.data import ListSource
-    from learner.engines import full_state_dict, rank
+    from learner.dist import rank
+    from learner.models import full_state_dict
     from learner.train import Learner
     from tests.learner.test_distributed import zero3_data
 

@@ -30,7 +30,8 @@ HARNESS = textwrap.dedent("""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
     from common.config import load_config
-    from learner.engines import build_critic_engine, build_policy_engine, rank, save_critic
+    from learner.dist import rank
+    from learner.models import build_critic, build_policy, save_critic
     import learner.weights as W
     from learner.weights import load_host_tensors, publish_policy
     from learner.value_pretrain import _snapshot
@@ -55,23 +56,23 @@ HARNESS = textwrap.dedent("""
         return int(re.search(key + r":\\s+(\\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
 
     cfg = load_config(None, [f"model.path={{model}}", "learner.zero_stage=3", "metrics.prometheus=false"])
-    engine = build_policy_engine(cfg)
+    policy = build_policy(cfg)
     tok = AutoTokenizer.from_pretrained(str(model))
-    shard = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in engine.module.parameters())
+    shard = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in policy.module.parameters())
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap goes back to the OS: RSS is what is live
     torch.distributed.barrier()
     before = status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (peak RSS) to the current RSS
     me = rank()
-    update = publish_policy(engine, tok if me == 0 else None, out / f"w{{me}}", 1, 2, None)
+    update = publish_policy(policy, tok if me == 0 else None, out / f"w{{me}}", 1, 2, None)
     peak = status("VmHWM")
     mine, me = list(written), None
     # The critic path: a snapshot held by rank 0 only, loaded back (shifted by 1) into every rank's
     # partition, then saved with every rank gathering and rank 0 alone writing.
     ccfg = load_config(None, [f"model.path={{tiny}}", "learner.zero_stage=3", "metrics.prometheus=false",
                               "learner.value_head_init_std=0.02"])
-    critic = build_critic_engine(ccfg)
+    critic = build_critic(ccfg)
     snap = _snapshot(critic)
     assert (snap is None) == (rank() != 0), "the snapshot must live on rank 0 only"
     load_host_tensors(critic, {{k: v + 1 for k, v in snap.items()}} if snap is not None else None)
@@ -137,7 +138,7 @@ def test_two_rank_zero3_export_writes_on_rank0_only_and_streams(tiny_model_dir: 
     from transformers import AutoModelForCausalLM
 
     from common.config import load_config
-    from learner.engines import load_critic_module
+    from learner.models import load_critic_module
 
     model_dir = _model(tmp_path)
     out = tmp_path / "run"

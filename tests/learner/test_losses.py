@@ -124,10 +124,24 @@ def test_value_loss_and_clipping() -> None:
 def test_explained_variance() -> None:
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     returns = torch.tensor([[0.0, 1.0, 2.0, 99.0]])
-    assert explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
-    assert explained_variance(torch.full_like(returns, 1.0), returns, mask).item() == pytest.approx(0.0, abs=1e-6)
-    assert explained_variance(-returns, returns, mask).item() < 0
-    assert explained_variance(returns, torch.ones(1, 4), mask).item() == 0.0  # constant returns
+    assert explained_variance(returns, returns, mask)[0] == pytest.approx(1.0)
+    assert explained_variance(torch.full_like(returns, 1.0), returns, mask)[0] == pytest.approx(0.0, abs=1e-6)
+    assert explained_variance(-returns, returns, mask)[0] < 0
+    assert explained_variance(returns, torch.ones(1, 4), mask)[0] == 0.0  # constant returns
+
+
+def test_explained_variance_hand_derived() -> None:
+    # Real tokens R = [0, 1, 2], V = [0, 0, 3]: d = R − V = [0, 1, −1]. Unbiased: Var[R] = 1,
+    # Var[d] = (2 − 0²/3) / 2 = 1 → EV = 1 − 1/1 = 0. Mean V = 1. Padding (99) is ignored.
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    returns = torch.tensor([[0.0, 1.0, 2.0, 99.0]])
+    ev, mean = explained_variance(torch.tensor([[0.0, 0.0, 3.0, 50.0]]), returns, mask)
+    assert ev == pytest.approx(0.0, abs=1e-12) and mean == pytest.approx(1.0)
+    # V = [0, 1, 1]: d = [0, 0, 1], Var[d] = (1 − 1/3) / 2 = 1/3 → EV = 2/3; mean V = 2/3.
+    ev, mean = explained_variance(torch.tensor([[0.0, 1.0, 1.0, 0.0]]), returns, mask)
+    assert ev == pytest.approx(2 / 3) and mean == pytest.approx(2 / 3)
+    # Fewer than two real tokens: EV 0, mean still the mean value.
+    assert explained_variance(torch.tensor([[4.0, 0.0]]), torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0]])) == (0.0, 4.0)
 
 
 def test_masked_mean_and_whiten() -> None:
@@ -138,6 +152,30 @@ def test_masked_mean_and_whiten() -> None:
     w = masked_whiten(x, m)
     assert w[0, 2].item() == 0.0
     assert masked_mean(w, m).item() == pytest.approx(0.0, abs=1e-6)
+    # mean 2, unbiased variance ((1−2)² + (3−2)²) / 1 = 2: [−1, 1] / sqrt(2 + 1e-8).
+    torch.testing.assert_close(w, torch.tensor([[-1.0, 1.0, 0.0]]) / math.sqrt(2.0 + 1e-8))
+    assert torch.equal(masked_whiten(x, torch.zeros(1, 3)), torch.zeros(1, 3))  # no real token
+
+
+def test_reduce_sum_sees_the_stacked_sufficient_statistics() -> None:
+    """``reduce_sum`` gets one float64 vector per call (what an all-reduce sums over ranks); doubling it
+    (two ranks holding the same rows) gives the statistics of both ranks' rows together."""
+    x = torch.tensor([[1.0, 3.0, 100.0], [2.0, 0.0, 0.0]])
+    m = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    r = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    seen: list[torch.Tensor] = []
+
+    def twice(s: torch.Tensor) -> torch.Tensor:
+        seen.append(s)
+        return 2 * s
+
+    both = masked_whiten(torch.cat([x, x]), torch.cat([m, m]))
+    torch.testing.assert_close(masked_whiten(x, m, reduce_sum=twice), both[:2], rtol=0, atol=1e-7)
+    assert seen[-1].dtype == torch.float64 and seen[-1].tolist() == [3.0, 6.0, 14.0]  # n, Σx, Σx²
+    ev2 = explained_variance(x, r, m, reduce_sum=twice)
+    assert seen[-1].shape == (6,)
+    ev_both = explained_variance(torch.cat([x, x]), torch.cat([r, r]), torch.cat([m, m]))
+    assert ev2 == pytest.approx(ev_both, abs=1e-12)
 
 
 def test_token_logprobs_and_entropy() -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from learner.engines import load_critic_module, save_critic
+from learner.models import load_critic_module, save_critic
 from learner.train import Learner
 from learner.weights import publish_policy
 from tests.learner.synth import synth_groups
@@ -23,7 +23,7 @@ def _step(model: Path, *extra: str) -> Learner:
 
 
 def _params(learner: Learner) -> dict[str, torch.Tensor]:
-    from learner.engines import full_state_dict
+    from learner.models import full_state_dict
 
     return {**{"p." + k: v.float() for k, v in full_state_dict(learner.policy).items()},
             **{"c." + k: v.float() for k, v in full_state_dict(learner.critic).items()}}
@@ -71,7 +71,7 @@ def test_zero3_matches_stage0_and_publishes_full_weights(tiny_model_dir: Path, t
 
 
 def test_surprise_head_sees_unlikely_tokens_saves_and_gets_its_lr(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from learner.engines import build_critic_engine
+    from learner.models import build_critic
 
     cfg = make_cfg(tiny_model_dir, "learner.value_head_surprise=true", "learner.value_head_lr_scale=100",
                    "learner.value_head_init_std=0",
@@ -95,8 +95,8 @@ def test_surprise_head_sees_unlikely_tokens_saves_and_gets_its_lr(tiny_model_dir
     assert not torch.allclose(v, torch.full_like(v, 0.5))
     again = load_critic_module(cfg, save_critic(critic, tmp_path / "critic"))
     assert torch.allclose(again(x, torch.ones_like(x), start), v)
-    engine = build_critic_engine(cfg, lr=1e-4)
-    lrs = sorted(g["lr"] for g in engine.optimizer.param_groups)
+    critic = build_critic(cfg, lr=1e-4)
+    lrs = sorted(g["lr"] for g in critic.optimizer.param_groups)
     assert lrs == pytest.approx([1e-4, 1e-2])
 
 

@@ -34,8 +34,8 @@ HARNESS = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     from common.config import load_config
     from learner.data import ListSource
-    from learner.engines import rank
-    from learner.train import Runner
+    from learner.dist import rank
+    from learner.runner import Runner
     from tests.learner.synth import synth_groups
 
     cfg = load_config(None, sys.argv[1:])
@@ -57,7 +57,7 @@ def _reference(model: Path, run_root: Path) -> dict[str, torch.Tensor]:
     learner = Learner(cfg, ListSource(synth_groups(3, 3, 60, seed=31), positives))
     learner.step()
     learner.step()
-    from learner.engines import full_state_dict
+    from learner.models import full_state_dict
 
     return full_state_dict(learner.policy, copy=True)
 

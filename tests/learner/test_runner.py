@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 
 from common.config import load_config
 from learner.data import ListSource
-from learner.train import Runner
+from learner.runner import Runner
 from tests.learner.synth import synth_groups
 
 

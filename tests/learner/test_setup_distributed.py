@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.distributed.distributed_c10d import BackendConfig
 
-from learner.engines import process_group_backend
+from learner.dist import process_group_backend
 from tests.learner.synth import child_env
 from tests.ports import free_port
 
@@ -34,20 +34,19 @@ HARNESS = textwrap.dedent("""
     import sys
     sys.path.insert(0, {repo!r})
     import torch
-    import learner.engines as engines
+    import learner.dist as dist
     from common.config import load_config
-    from learner.update import all_reduce_sum, broadcast_bytes
 
     cfg = load_config(None, [])
     if len(sys.argv) > 1:  # the CUDA layout, with gloo standing in for NCCL on this CPU-only machine
-        engines.process_group_backend = lambda device: "cpu:gloo,cuda:gloo"
-    engines.setup_distributed(cfg)
+        dist.process_group_backend = lambda device: "cpu:gloo,cuda:gloo"
+    dist.setup_distributed(cfg)
     store = torch.distributed.distributed_c10d._get_default_store()
     while hasattr(store, "underlying_store"):  # torch wraps the store it was given in a PrefixStore
         store = store.underlying_store
     pg = torch.distributed.group.WORLD
-    total = all_reduce_sum(torch.tensor([engines.rank() + 1.0]))
-    data = broadcast_bytes(b"batch-bytes" if engines.rank() == 0 else None)
+    total = dist.all_reduce_sum(torch.tensor([dist.rank() + 1.0]))
+    data = dist.broadcast_bytes(b"batch-bytes" if dist.rank() == 0 else None)
     # One write per rank: two ranks share this pipe.
     sys.stdout.write(f"STORE {{type(store).__name__}}\\nCPU_BACKEND {{type(pg._get_backend(torch.device('cpu'))).__name__}}\\n"
                      f"RESULT {{float(total[0])}} {{data.decode()}}\\n")

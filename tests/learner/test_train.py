@@ -10,10 +10,10 @@ import torch
 
 from common.config import load_config
 from learner.batch import collate
-from learner.engines import load_critic_module, load_policy_module
+from learner.models import load_critic_module, load_policy_module
 from learner.train import Learner
 from learner.update import minibatch_rows
-from tests.learner.synth import synth_groups
+from tests.learner.synth import reference_gae, synth_groups
 
 VOCAB = 60
 
@@ -27,19 +27,13 @@ def make_cfg(model_dir: Path, *extra: str):
 
 
 def lambda_gae_loop(b, vals: torch.Tensor, alpha: float) -> torch.Tensor:
-    """GAE with per-sample λ = 1 - 1/(α l), γ = 1, terminal reward, as a backward python loop: [B, T]."""
-    B, T = b.mask.shape
-    adv = torch.zeros(B, T)
-    for i in range(B):
-        n = int(b.lengths[i])
-        lam = min(1.0, max(0.0, 1.0 - 1.0 / (alpha * n)))
-        a = 0.0
-        for t in reversed(range(n)):
-            r = float(b.scores[i]) if t == n - 1 else 0.0
-            nxt = float(vals[i, t + 1]) if t + 1 < n else 0.0
-            delta = r + nxt - float(vals[i, t])
-            a = delta + lam * a
-            adv[i, t] = a
+    """GAE with per-sample λ = 1 - 1/(α l), γ = 1, terminal reward, by the python-loop reference: [B, T]."""
+    lam = torch.tensor([min(1.0, max(0.0, 1.0 - 1.0 / (alpha * max(int(n), 1)))) for n in b.lengths])
+    rewards = torch.zeros(b.mask.shape)
+    for i, n in enumerate(b.lengths.tolist()):
+        if n > 0:
+            rewards[i, n - 1] = float(b.scores[i])
+    adv, _ = reference_gae(rewards, vals, b.mask, 1.0, lam)
     return adv
 
 

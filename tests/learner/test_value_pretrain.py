@@ -9,7 +9,7 @@ import torch
 
 from common.config import load_config
 from learner.data import ListSource
-from learner.engines import load_critic_module
+from learner.models import load_critic_module
 from learner.value_pretrain import pretrain_critic
 from tests.learner.synth import synth_groups
 
@@ -49,7 +49,7 @@ def test_value_pretraining_learns_and_saves(tiny_model_dir: Path, tmp_path: Path
 def test_the_best_critic_is_saved_not_the_last(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Held-out EV peaks at step 19 of 20 here (0.74, then 0.68); the critic handed to RL is the peak's."""
     from learner.batch import collate
-    from learner.engines import build_critic_engine
+    from learner.models import build_critic
     from learner.train import pad_token_id
     from learner.value_pretrain import heldout_ev
 
@@ -64,7 +64,7 @@ def test_the_best_critic_is_saved_not_the_last(tiny_model_dir: Path, tmp_path: P
     # Reloaded, the saved critic scores the recorded best on the same held-out groups (ListSource serves
     # the first eval_groups groups first).
     held = collate(groups[:16], pad_token_id(cfg.model.path))
-    ev, _ = heldout_ev(build_critic_engine(cfg, out), held, cfg.algo.gamma, 32)
+    ev, _ = heldout_ev(build_critic(cfg, out), held, cfg.algo.gamma, 32)
     assert abs(ev - info["explained_variance"]) < 1e-4
 
 

@@ -59,11 +59,12 @@ def test_train_mode_reports_an_ev_curve_and_plots_values(tiny_model_dir: Path, t
 
 
 def test_critic_mode_scores_a_saved_critic_on_unseen_prompts(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from learner.engines import build_critic_engine, save_critic, setup_distributed
+    from learner.dist import setup_distributed
+    from learner.models import build_critic, save_critic
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", *SMALL])
     setup_distributed(cfg)
-    saved = save_critic(build_critic_engine(cfg), tmp_path / "critic")
+    saved = save_critic(build_critic(cfg), tmp_path / "critic")
     out = _run(["--model", str(tiny_model_dir), "--critic", str(saved), "--train-groups", "0", "--fresh-groups", "3",
                 "--first-index", "100000", "--threads", "1", *SMALL])
     assert out["critic"] == str(saved) and out["first_index"] == 100000 and out["fresh_groups"] == 3

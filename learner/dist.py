@@ -1,0 +1,179 @@
+"""The learner's data-parallel plumbing: the process group, rank helpers and its own host-side collectives.
+
+Not a CLI. ``setup_distributed(cfg)`` runs once per process before the first model is built (it is
+idempotent; ``learner.models`` calls it). Everything else works with one process too, where every
+collective is a no-op:
+
+    world_size(), rank()                       # 1 and 0 without a process group or launcher
+    all_reduce_sum(tensor)                     # float64 host sum over ranks
+    broadcast_bytes(data), broadcast_frames(frames), broadcast_ints(values)   # rank 0's bytes / ints
+    global_whiten(adv, mask)                   # learner.losses.masked_whiten over every rank's rows
+    global_explained_variance(v, r, mask)      # learner.losses.explained_variance over every rank's rows
+
+The learner's own collectives move host tensors (token counts, statistics, the batch's frames), which is
+why a CUDA learner's process group has gloo for host tensors beside NCCL (``process_group_backend``).
+Nothing here pickles: bytes travel as uint8 tensors.
+
+CPU: DeepSpeed 0.19 JIT-compiles a shared-memory all-reduce op on the first ``initialize`` (~80 s). A
+single process has nothing to all-reduce, so we mark that op incompatible in
+``deepspeed.ops.__compatible_ops__`` (key ``deepspeed_shm_comm``) and nothing is compiled; multi-rank CPU
+runs build it once into ``TORCH_EXTENSIONS_DIR`` (ops/test.sh and ops/launch.sh export a persistent one)
+unless ``VAPO_DS_SHM=0`` forces plain gloo.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from common.config import Config
+from learner.losses import explained_variance, masked_whiten
+
+log = logging.getLogger(__name__)
+
+SHM_OP_KEY = "deepspeed_shm_comm"  # ShareMemCommBuilder.NAME in deepspeed/ops/op_builder/cpu/comm.py
+STORE_FILE_ENV = "VAPO_STORE_FILE"  # set by ops/launch.py for a one-host multi-rank learner
+
+
+def world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def loss_scale_for_dp() -> float:
+    """DeepSpeed averages gradients over ranks; losses normalised by global counts need the sum."""
+    return float(world_size())
+
+
+def process_group_backend(device: str) -> str:
+    """The torch.distributed backend of a learner on ``device``.
+
+    CUDA needs two: NCCL for what DeepSpeed reduces (device tensors) and gloo for the learner's own
+    collectives, which move host tensors (token counts, the broadcast batch bytes). An NCCL-only group
+    rejects a host tensor at the first such call ("No backend type associated with device type cpu")."""
+    return "gloo" if device == "cpu" else "cpu:gloo,cuda:nccl"
+
+
+def setup_distributed(cfg: Config) -> None:
+    """Initialise torch.distributed, then DeepSpeed's communication layer on top of it; idempotent.
+
+    Under a launcher (deepspeed, torchrun) the rendezvous comes from its environment (``env://``), or from
+    the file ``$VAPO_STORE_FILE`` when the ranks share a host. Without a launcher the process is rank 0 of 1
+    and uses an in-process store. Only a learner spanning hosts listens on a port (placement.master_port)."""
+    want = "cpu" if cfg.run.device == "cpu" else "cuda"
+    if os.environ.get("DS_ACCELERATOR", want) != want:
+        # DeepSpeed picks its accelerator once, from this variable: a CUDA learner built on the CPU
+        # accelerator (or the reverse) fails far from the cause.
+        log.warning("DS_ACCELERATOR=%s does not match run.device=%s; using %s",
+                    os.environ["DS_ACCELERATOR"], cfg.run.device, want)
+    os.environ["DS_ACCELERATOR"] = want
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_SIZE", os.environ["WORLD_SIZE"])
+    import deepspeed
+    import deepspeed.ops
+
+    ws = int(os.environ["WORLD_SIZE"])
+    if cfg.run.device == "cpu" and (ws == 1 or os.environ.get("VAPO_DS_SHM", "1") == "0"):
+        # Accessing the attribute runs DeepSpeed's (cheap) probe once; the dict it caches is what
+        # deepspeed/comm/torch.py:build_shm_op consults.
+        ops = deepspeed.ops.__compatible_ops__
+        if SHM_OP_KEY not in ops:
+            raise RuntimeError(f"DeepSpeed op key {SHM_OP_KEY!r} not found; the shm-op bypass needs updating")
+        ops[SHM_OP_KEY] = False
+    if cfg.run.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        backend = process_group_backend(cfg.run.device)
+        if ws == 1:
+            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+        else:
+            kw: dict[str, Any] = {}
+            if cfg.run.device == "cuda":  # binds the NCCL communicator to this rank's GPU up front
+                kw["device_id"] = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            # Ranks on one host meet in a file the launcher names (no port: torch's TCP store listens on
+            # every interface); ranks on several hosts need the TCP rendezvous of their launcher.
+            store_file = os.environ.get(STORE_FILE_ENV)
+            if store_file:
+                kw.update(init_method=f"file://{store_file}", rank=int(os.environ["RANK"]), world_size=ws)
+            else:
+                kw.update(init_method="env://")
+            torch.distributed.init_process_group(backend, **kw)
+    # DeepSpeed adopts the existing process group (it only creates one when none exists).
+    deepspeed.init_distributed(dist_backend=process_group_backend(cfg.run.device), auto_mpi_discovery=False)
+
+
+# ----------------------------------------------------------------------------------------- collectives
+
+
+def all_reduce_sum(x: Tensor) -> Tensor:
+    """Sum over data-parallel ranks (a no-op for one process); returns a new float64 CPU tensor."""
+    y = x.detach().to(torch.float64).cpu().clone()
+    if world_size() > 1:
+        torch.distributed.all_reduce(y)
+    return y
+
+
+def broadcast_bytes(data: bytes | None) -> bytes:
+    """Rank 0's ``data`` on every rank (raw bytes through a uint8 tensor; nothing pickled)."""
+    if world_size() == 1:
+        assert data is not None
+        return data
+    n = torch.tensor([len(data) if data is not None else 0], dtype=torch.long)
+    torch.distributed.broadcast(n, 0)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank() == 0 and data else torch.empty(int(n), dtype=torch.uint8)
+    if int(n):
+        torch.distributed.broadcast(buf, 0)
+    return bytes(buf.numpy().tobytes())
+
+
+def broadcast_ints(values: list[int] | None) -> list[int]:
+    """Rank 0's list of integers on every rank (its length first, then one int64 tensor)."""
+    if world_size() == 1:
+        assert values is not None
+        return list(values)
+    n = torch.tensor([len(values) if values is not None else 0], dtype=torch.long)
+    torch.distributed.broadcast(n, 0)
+    buf = torch.tensor(values, dtype=torch.long) if rank() == 0 and values else torch.zeros(int(n), dtype=torch.long)
+    if int(n):
+        torch.distributed.broadcast(buf, 0)
+    return [int(v) for v in buf.tolist()]
+
+
+def broadcast_frames(frames: list[bytes] | None) -> list[bytes]:
+    """Rank 0's list of byte strings on every rank, unchanged: their lengths, then one concatenated buffer."""
+    if world_size() == 1:
+        assert frames is not None
+        return list(frames)
+    lengths = broadcast_ints([len(f) for f in frames] if frames is not None else None)
+    data = broadcast_bytes(b"".join(frames) if frames is not None else None)
+    out, at = [], 0
+    for n in lengths:
+        out.append(data[at:at + n])
+        at += n
+    return out
+
+
+# ---------------------------------------------------------------------------- statistics over all ranks
+
+
+def global_whiten(adv: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """``learner.losses.masked_whiten`` with mean and variance over the real tokens of every rank's rows."""
+    return masked_whiten(adv, mask, eps=eps, reduce_sum=all_reduce_sum)
+
+
+def global_explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> tuple[float, float]:
+    """``learner.losses.explained_variance`` (EV, mean value) over the real tokens of every rank's rows."""
+    return explained_variance(values, returns, mask, reduce_sum=all_reduce_sum)

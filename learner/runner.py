@@ -1,0 +1,246 @@
+"""The learner process: ``python -m learner [config.yaml] [key=value ...]``.
+
+    python -m learner ops/configs/default.yaml                       # one process (CPU: gloo, no compile)
+    deepspeed --num_gpus 2 -m learner ops/configs/default.yaml       # data-parallel ranks (CUDA)
+    torchrun --nproc_per_node 2 -m learner ...                       # CPU ranks
+
+Value pretraining first (``learner.value_pretrain``, when enabled and there is no critic or checkpoint
+yet), then ``Runner``: resume from a checkpoint (``learner.resume``) → publish the current weights if
+the actors lack them → ``learner.total_steps`` steps of ``learner.train.Learner``, each followed by a
+checkpoint (every ``learner.checkpoint_every``), a weight push (every ``learner.weights_every``, to
+``<run dir>/weights``) and a held-out evaluation (every ``learner.eval_every``), with one line per step in
+``<run dir>/metrics.jsonl``. Rank 0 talks to the buffer, publishes and evaluates.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.cli import config_from_argv, setup_logging
+from common.config import Config
+from common.metrics import Metrics
+from learner.data import DataSource
+from learner.dist import all_reduce_sum, rank, world_size
+from learner.records import append_jsonl
+from learner.train import Learner
+
+log = logging.getLogger("learner")
+
+
+def resolve_checkpoint(cfg: Config) -> Path | None:
+    from learner import checkpoint
+
+    if cfg.learner.resume == "never":
+        return None
+    if cfg.learner.resume == "auto":
+        return checkpoint.latest_checkpoint(cfg.run_dir / "checkpoints")
+    p = Path(cfg.learner.resume)
+    if not p.is_dir():
+        raise FileNotFoundError(f"learner.resume: checkpoint {p} does not exist")
+    return p
+
+
+class Runner:
+    """The learner process: resume → (publish) → steps with checkpoint / weight push / eval → jsonl."""
+
+    def __init__(self, cfg: Config, source: DataSource | None, critic_path: str | Path | None = None,
+                 metrics: Metrics | None = None) -> None:
+        from learner import checkpoint
+        from learner.weights import WeightPublisher, latest_update, prune
+
+        self.cfg = cfg
+        self.run_dir = cfg.run_dir
+        self.weights_root = self.run_dir / "weights"
+        self.ckpt_root = self.run_dir / "checkpoints"
+        ckpt = resolve_checkpoint(cfg)
+        pretrained = self.run_dir / "critic_pretrained"
+        if critic_path is None and pretrained.is_dir():
+            critic_path = pretrained
+        self.learner = Learner(cfg, source, critic_path=critic_path, metrics=metrics)
+        self.tokenizer = self.learner.tokenizer
+        self.task: Any = None
+        if ckpt is not None:
+            checkpoint.load(ckpt, self.learner)
+            log.info("resumed from %s at version %d", ckpt, self.learner.version)
+        self.publisher = None
+        if rank() == 0:
+            self.weights_root.mkdir(parents=True, exist_ok=True)
+            prune(self.weights_root, cfg.learner.keep_weights)  # drops *.tmp left by a crash
+            published = latest_update(self.weights_root)
+            self.publisher = WeightPublisher(cfg.learner.publish_addr, cfg.learner.query_addr, cfg.buffer.curve,
+                                             latest=published)
+        # Every rank decides alike from the newest published version (rank 0 reads it).
+        mine = self.publisher.latest.version if self.publisher is not None and self.publisher.latest else -1
+        published_v = int(all_reduce_sum(torch.tensor([mine if rank() == 0 else 0]))[0])
+        if published_v > self.learner.version:
+            # Weights were published after the last checkpoint, by updates that are now lost. The actors
+            # serve them, so continuing under their number with the checkpoint's weights would make
+            # groups from orphaned weights look fresh. Republish the checkpoint's weights under a new
+            # number instead: a version is never reused and never names two different sets of weights.
+            log.warning("weights v%d exist beyond checkpoint v%d; republishing the checkpoint's weights as v%d",
+                        published_v, self.learner.version, published_v + 1)
+            self.learner.version = published_v + 1
+            if cfg.learner.checkpoint_every > 0:
+                # Checkpoint the renumbered state before publishing it: a crash before the next update then
+                # resumes at this version instead of skipping another, so repeated crashes move the version
+                # at most two past the buffer's last served batch (buffer.learner_version_max_step).
+                checkpoint.save(self.ckpt_root, self.learner, cfg.learner.keep_checkpoints)
+        if published_v < self.learner.version:
+            self.publish()
+        self.learner.metrics.weight_version.set(self.learner.version)
+
+    def publish(self) -> None:
+        from learner.weights import publish_policy
+
+        update = publish_policy(self.learner.policy, self.tokenizer, self.weights_root, self.learner.version,
+                                self.cfg.learner.keep_weights, self.publisher)
+        if update is not None:
+            self.learner.metrics.weights_published.inc()
+            self.learner.metrics.weight_version.set(update.version)
+
+    def evaluate(self) -> dict[str, Any]:
+        """Held-out evaluation of the current version, on rank 0 only (the other ranks return {} at once):
+        in-process for a one-process learner, otherwise on a rollout engine serving the published weights."""
+        from common.tasks import get_task
+        from learner.evaluate import EngineEvalError, eval_target, evaluate, evaluate_on_engine
+
+        if rank() != 0:
+            return {}
+        if self.task is None:
+            self.task = get_task(self.cfg.task)
+        lc = self.cfg.learner
+        mode, url = eval_target(self.cfg, world_size())
+        if mode == "engine":
+            published = self.publisher.latest.version if self.publisher is not None and self.publisher.latest else 0
+            try:
+                rep = evaluate_on_engine(url, self.tokenizer, self.task, version=published, k=lc.eval_k,
+                                         max_new_tokens=self.cfg.actors.max_new_tokens,
+                                         temperature=self.cfg.actors.temperature, timeout_s=lc.eval_timeout_s)
+            except EngineEvalError as e:
+                log.error("held-out evaluation failed (training goes on): %s", e)
+                return {"error": str(e)}
+            rep["weight_version_evaluated"] = published
+        else:
+            model = self.learner.policy.module
+            if self.learner.policy.zero_optimization_stage() == 3:
+                # One rank holds every partition; a gathered copy runs plain forwards.
+                from learner.models import full_state_dict, load_policy_module
+
+                state = full_state_dict(self.learner.policy)
+                model = load_policy_module(self.cfg.model.path, self.cfg.model.dtype)
+                model.load_state_dict(state)
+                model.to(next(self.learner.policy.module.parameters()).device)
+            rep = evaluate(model, self.tokenizer, self.task, k=lc.eval_k, max_new_tokens=self.cfg.actors.max_new_tokens,
+                           temperature=self.cfg.actors.temperature, seed=self.cfg.run.seed)
+        m = self.learner.metrics
+        for key in ("avg_at_k", "pass_at_k", "greedy_accuracy"):
+            if key in rep:
+                m.eval_accuracy.labels(metric=key).set(rep[key])
+        if "mean_response_length" in rep:
+            m.eval_response_length.set(rep["mean_response_length"])
+        return {k: v for k, v in rep.items() if isinstance(v, int | float | str)}
+
+    def run(self) -> Learner:
+        from learner import checkpoint
+
+        cfg, lc, L = self.cfg, self.cfg.learner, self.learner
+        t_end = time.monotonic() + cfg.run.max_wall_seconds if cfg.run.max_wall_seconds > 0 else float("inf")
+        try:
+            if lc.eval_every > 0 and L.version == 0 and rank() == 0:
+                # The base policy's held-out accuracy: the reference every later evaluation is read against.
+                t0 = time.perf_counter()
+                rep = self.evaluate()
+                log.info("base policy held-out: %s (%.1f s)", rep, time.perf_counter() - t0)
+                if cfg.metrics.jsonl:
+                    append_jsonl(self.run_dir / "metrics.jsonl",
+                                 {"kind": "eval", "weight_version": 0, "step": 0, "time": time.time(), **rep})
+            while L.version < lc.total_steps and time.monotonic() < t_end:
+                stats = L.step()
+                t0 = time.perf_counter()
+                if lc.checkpoint_every > 0 and L.version % lc.checkpoint_every == 0:
+                    checkpoint.save(self.ckpt_root, L, lc.keep_checkpoints)
+                stats["phase_seconds"]["checkpoint"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                if L.version % max(lc.weights_every, 1) == 0 or L.version >= lc.total_steps:
+                    self.publish()
+                stats["phase_seconds"]["publish"] = time.perf_counter() - t0
+                if lc.eval_every > 0 and L.version % lc.eval_every == 0 and rank() == 0:
+                    t0 = time.perf_counter()
+                    stats["eval"] = self.evaluate()
+                    stats["phase_seconds"]["eval"] = time.perf_counter() - t0
+                if rank() == 0:
+                    # Cumulative groups the source dropped: with dynamic sampling these were generated
+                    # (paid for) but never trained on, so samples-to-accuracy must count them.
+                    for key in ("groups_consumed", "stale_dropped", "filtered"):
+                        if hasattr(L.source, key):
+                            stats[f"{key}_total"] = int(getattr(L.source, key))
+                    if cfg.metrics.jsonl:
+                        append_jsonl(self.run_dir / "metrics.jsonl", {"kind": "learner_step", **stats})
+                    log.info("v%d reward %.3f critic %.4f EV %.3f policy %.4f nll %.3f len %.1f %.0f tok/s %.2fs",
+                             L.version, stats["reward_mean"], stats.get("critic_loss", float("nan")),
+                             stats.get("value_explained_variance", float("nan")), stats["policy_loss"],
+                             stats["nll_loss"], stats["response_length_mean"], stats["tokens_per_second"],
+                             stats["step_seconds"])
+            if lc.checkpoint_every > 0 and L.version % lc.checkpoint_every != 0:
+                checkpoint.save(self.ckpt_root, L, lc.keep_checkpoints)
+        finally:
+            if self.publisher is not None:
+                self.publisher.close()
+        return L
+
+
+USAGE = """usage: python -m learner [config.yaml] [key=value ...]
+
+Runs the VAPO learner: value pretraining (if enabled and no critic/checkpoint exists yet), then
+learner.total_steps critic-then-actor steps on batches from the buffer at buffer.serve_addr, publishing
+weights to <run dir>/weights and checkpointing to <run dir>/checkpoints (resume with learner.resume=auto).
+Multi-rank: launch under `deepspeed` or `torchrun`; rank 0 talks to the buffer and publishes.
+Fields: python -m common.config --help (sections learner, algo, value_pretrain, nll)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    from common.config import save_config
+
+    cfg = config_from_argv("learner", USAGE, argv)
+    if isinstance(cfg, int):
+        return cfg
+    setup_logging(cfg.run.log_level, f"learner[{rank()}]")
+    # Ranks started by deepspeed/torchrun are not our launcher's children, so its parent-death signal
+    # does not reach them: they watch the launcher named in VAPO_LIFELINE themselves.
+    from common import lifeline
+
+    lifeline.watch_ancestor()
+    torch.set_num_threads(cfg.learner.threads)
+    if not Path(cfg.model.path).is_dir():
+        print(f"model.path {cfg.model.path} does not exist; build it first (python -m learner.sft)", file=sys.stderr)
+        return 2
+    from learner.data import BufferSource
+
+    source = BufferSource(cfg.buffer.serve_addr, cfg.buffer.max_staleness, curve=cfg.buffer.curve) if rank() == 0 else None
+    # One registry for the whole process, served from the start: value pretraining's metrics go to the
+    # same /metrics as the RL steps', and Prometheus sees the learner during its slow startup too.
+    metrics = Metrics("learner")
+    if rank() == 0:
+        save_config(cfg, cfg.run_dir / "learner_config.yaml")
+        if cfg.metrics.prometheus:
+            metrics.serve(cfg.learner.metrics_port, cfg.metrics.host)
+    critic_path = None
+    if (cfg.value_pretrain.enabled and cfg.algo.advantage == "gae" and resolve_checkpoint(cfg) is None):
+        from learner.value_pretrain import pretrain_critic
+
+        critic_path = pretrain_critic(cfg, source, metrics=metrics)
+    Runner(cfg, source, critic_path=critic_path, metrics=metrics).run()
+    if metrics.last_scrape > 0 and cfg.metrics.final_scrape_wait_s > 0:
+        # Pull-based monitoring never sees values set after its last scrape: stay for one more, so that
+        # the final step (and a short run's only steps) reach Grafana. Only when someone is scraping.
+        if not metrics.wait_for_scrape(time.time(), cfg.metrics.final_scrape_wait_s):
+            log.warning("no Prometheus scrape within metrics.final_scrape_wait_s=%.0f s of the last step",
+                        cfg.metrics.final_scrape_wait_s)
+    return 0
