@@ -7,8 +7,9 @@ Exit status: 0 after SIGTERM/SIGINT, 2 for a bad config or an insecure bind, 1 f
 
 from __future__ import annotations
 
-import logging
 import sys
+
+from common.cli import config_from_argv, setup_logging
 
 USAGE = """usage: python -m buffer [config.yaml] [key=value ...]
 
@@ -25,21 +26,12 @@ examples:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(USAGE)
-        return 0
-    from common.config import ConfigError, load_config_args
-    from common.security import SecurityError
-
-    try:
-        cfg = load_config_args(argv)
-    except ConfigError as e:
-        print(f"buffer: config error: {e}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=cfg.run.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = config_from_argv("buffer", USAGE, argv)
+    if isinstance(cfg, int):
+        return cfg  # --help (0) or a config error, already explained (2)
+    setup_logging(cfg.run.log_level)
     from buffer.server import serve_forever
+    from common.security import SecurityError
 
     try:
         return serve_forever(cfg)

@@ -64,9 +64,13 @@ Bad frames on either socket are counted in ``vapo_buffer_rejected_frames{reason}
 reason, ``multipart``, ``unexpected_type``), answered with ``ErrorReply``, and the server keeps serving.
 Frames larger than 4 x ``buffer.max_frame_bytes`` are cut off by ZeroMQ itself (connection dropped).
 
-Threads: the main thread owns every socket and validates frames; one writer thread runs each batch's LMDB
-transaction (page writes and fsync release the GIL), so validation of the next batch overlaps the commit
-of the previous one. The main thread touches LMDB only while the writer is idle.
+Threads: the main thread owns every socket and validates frames; one writer thread (``buffer.writer``) runs
+each batch's LMDB transaction (page writes and fsync release the GIL), so validation of the next batch
+overlaps the commit of the previous one. The main thread touches the store only while the writer is idle.
+
+This module is the event loop. The pieces it drives: ``buffer.credits`` (the credit ledger and the
+admission capacity, pure), ``buffer.waits`` (waiting batch requests), ``buffer.peers`` (which connections
+closed), ``buffer.writer`` (the commit thread) and ``buffer.store`` (every LMDB access).
 
 Deviations: groups are deleted from LMDB when served (a learner crash loses at most its in-flight batch;
 the learner checkpoints its own progress); the DAPO uniform-reward filter runs at ingest, not at serve
@@ -79,18 +83,19 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import random
 import signal
 import sys
 import threading
 import time
-from collections import OrderedDict, deque
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
+from buffer.credits import CreditLedger, admission_capacity, free_capacity
+from buffer.peers import Peers
 from buffer.store import (
     FILTERED,
     STALE,
@@ -102,6 +107,8 @@ from buffer.store import (
     positive_hash,
     unlock_server,
 )
+from buffer.waits import BatchWait, BatchWaits
+from buffer.writer import Pending, Writer
 from common.config import Config
 from common.metrics import Metrics
 from common.protocol import (
@@ -124,135 +131,6 @@ from common.protocol import (
 from common.security import server_curve
 
 log = logging.getLogger("vapo.buffer")
-_MAX_WAITING = 1 << 16  # actors with a deferred credit request
-_MAX_BATCH_WAITS = 1024  # batch requests waiting at once (one per serve connection); the oldest is evicted
-
-
-class _Peers:
-    """Which ROUTER identities arrived over which connection, so the state of a closed one can be dropped.
-
-    libzmq without its draft API never tells a ROUTER that a peer left. Its socket monitor reports the file
-    descriptor of a closed connection, and every received frame carries the descriptor it came on
-    (``ZMQ_SRCFD``), which links the two. libzmq queues the disconnect event before it closes the
-    descriptor, so draining the monitor before reading data (``gone`` first in every loop turn) never
-    mistakes a new connection that reuses the number for the old one.
-    """
-
-    def __init__(self, sock: zmq.Socket) -> None:
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._fd_of: dict[bytes, int] = {}
-        self._ids_on: dict[int, set[bytes]] = {}
-
-    def seen(self, ident: bytes, frame: zmq.Frame) -> None:
-        try:
-            fd = int(frame.get(zmq.SRCFD))
-        except zmq.ZMQError:
-            return
-        if fd < 0:
-            return  # inproc: no descriptor, and no peer that can vanish without its context
-        old = self._fd_of.get(ident)
-        if old == fd:
-            return
-        if old is not None:
-            self._ids_on.get(old, set()).discard(ident)
-        self._fd_of[ident] = fd
-        self._ids_on.setdefault(fd, set()).add(ident)
-
-    def gone(self) -> list[bytes]:
-        out: list[bytes] = []
-        while self.monitor.poll(0):
-            ev = recv_monitor_message(self.monitor)
-            if ev["event"] == zmq.EVENT_DISCONNECTED:
-                for ident in self._ids_on.pop(int(ev["value"]), ()):
-                    self._fd_of.pop(ident, None)
-                    out.append(ident)
-        return out
-
-    def close(self) -> None:
-        self.monitor.close(linger=0)
-
-
-class _BatchWait:
-    """One BatchRequest waiting for groups: who asked (ROUTER identity + REQ envelope) and until when."""
-
-    __slots__ = ("ident", "envelope", "req", "deadline")
-
-    def __init__(self, ident: bytes, envelope: list[bytes], req: Any, deadline: float) -> None:
-        self.ident, self.envelope, self.req, self.deadline = ident, envelope, req, deadline
-
-
-def admission_capacity(max_staleness: int, batch_groups: int, pending_n: int, depth: int, in_flight: int) -> int:
-    """Groups that may still be admitted (see module docstring); may be negative."""
-    return max_staleness * batch_groups + pending_n - depth - in_flight
-
-
-class _Writer:
-    """One thread that runs ``store.put_groups`` for a batch while the main thread validates the next.
-
-    LMDB commits (page writes + fsync) release the GIL, so decoding overlaps the disk. The main thread
-    touches LMDB only while the writer is idle (``BufferServer._wait_writer``); sockets stay on the main
-    thread, which is woken through an inproc PAIR socket.
-    """
-
-    def __init__(self, store: BufferStore, ctx: zmq.Context) -> None:
-        self.store = store
-        self.ctx = ctx
-        self.addr = f"inproc://buffer-writer-{id(self)}"
-        self.notify = ctx.socket(zmq.PAIR)
-        self.notify.bind(self.addr)
-        self.batch: list[tuple[GroupRecord, tuple[bytes, str, int]]] = []
-        self.busy = False
-        self._jobs: queue.Queue[tuple[list[Any], dict[str, int]] | None] = queue.Queue(maxsize=1)
-        self._done: deque[tuple[list[Any], dict[str, int], Any, Any]] = deque()
-        self._thread = threading.Thread(target=self._run, name="buffer-writer", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        out = self.ctx.socket(zmq.PAIR)
-        out.connect(self.addr)
-        try:
-            while True:
-                job = self._jobs.get()
-                if job is None:
-                    return
-                batch, before = job
-                try:
-                    results, err = self.store.put_groups([r for r, _ in batch]), None
-                except StorageError as e:
-                    results, err = None, e
-                except Exception as e:  # never let the writer die silently: report it as a storage error
-                    log.exception("writer failed")
-                    results, err = None, StorageError("internal", repr(e))
-                self._done.append((batch, before, results, err))
-                out.send(b"")
-        finally:
-            out.close(linger=0)
-
-    def submit(self, batch: list[Any], before: dict[str, int]) -> None:
-        assert not self.busy
-        self.busy = True
-        self.batch = batch
-        self._jobs.put((batch, before))
-
-    def wait(self) -> None:
-        self.notify.poll()  # blocks until the commit in progress is done
-
-    def collect(self) -> list[tuple[list[Any], dict[str, int], Any, Any]]:
-        out = []
-        while self.notify.poll(0):
-            self.notify.recv()
-            out.append(self._done.popleft())
-            self.busy = False
-            self.batch = []
-        return out
-
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            if self.busy:
-                self.wait()
-                self.collect()
-            self._jobs.put(None)
-            self._thread.join(timeout=30)
 
 
 class BufferServer:
@@ -265,8 +143,8 @@ class BufferServer:
         self.batch_groups = cfg.learner.batch_groups
         self.max_frame = b.max_frame_bytes
         self.m = metrics or Metrics("buffer")
-        self.credit_per_actor = b.max_credit_per_actor or 2 * cfg.actors.prompts_in_flight
-        self.credit_per_conn = b.max_credit_per_connection or self.credit_per_actor
+        per_actor = b.max_credit_per_actor or 2 * cfg.actors.prompts_in_flight
+        self.credits = CreditLedger(per_actor, b.max_credit_per_connection or per_actor, b.credit_ttl_s)
         self.max_batch_groups = min(b.max_batch_groups, b.capacity_groups)
         self._lock_fd = lock_server(cfg.buffer_path)  # one server per directory; an offline repair waits
         try:
@@ -287,21 +165,13 @@ class BufferServer:
             raise
         self.ingest = self._socket(zmq.ROUTER, b.ingest_addr)
         self.serve = self._socket(zmq.ROUTER, b.serve_addr)
-        self.ingest_peers = _Peers(self.ingest)
-        self.serve_peers = _Peers(self.serve)
-        self.writer = _Writer(self.store, self.ctx)
-        self._next: list[tuple[GroupRecord, tuple[bytes, str, int]]] = []  # validated, waiting for a commit
+        self.ingest_peers = Peers(self.ingest)
+        self.serve_peers = Peers(self.serve)
+        self.writer = Writer(self.store, self.ctx)
+        self._next: list[Pending] = []  # validated, waiting for a commit
         self._stop = threading.Event()
         self._rng = random.Random(cfg.run.seed)
-        # Admission state (in memory by design: see module docstring).
-        self._in_flight: dict[int, deque[list[float]]] = {}  # actor_id -> [[expiry, count], ...]
-        self._waiting: OrderedDict[int, tuple[bytes, int]] = OrderedDict()  # actor_id -> (identity, n)
-        self._credit_holder: dict[int, bytes] = {}  # actor_id -> identity its in-flight credits were granted to
-        self._actors_of: dict[bytes, set[int]] = {}  # ingest identity -> actor ids it holds or waits credit for
-        self._actor_key: dict[int, str] = {}  # actor_id -> CURVE client key that owns it (CurveZMQ only)
-        self._credit_released = 0  # credits given back because their connection closed
-        self._waits: dict[bytes, _BatchWait] = {}  # serve identity -> its waiting BatchRequest, oldest first
-        self._waits_abandoned = 0
+        self._waits = BatchWaits()
         self._dropped_since_reply = 0
         self._filtered_since_reply = 0
         self._rejected: dict[str, int] = {}
@@ -336,18 +206,13 @@ class BufferServer:
     def learner_version(self) -> int:
         return self.store.counters["learner_version"]
 
-    @property
-    def in_flight(self) -> int:
-        return int(sum(c for q in self._in_flight.values() for _, c in q))
-
     def capacity(self) -> int:
         c = self.store.counters
-        pending_n = max((w.req.n_groups for w in self._waits.values()), default=0)
-        adm = admission_capacity(self.k, self.batch_groups, pending_n, c["depth_groups"], self.in_flight)
-        room = self.cfg.buffer.capacity_groups - c["depth_groups"] - self.in_flight
-        if c["depth_bytes"] >= self.cfg.buffer.capacity_bytes:
-            room = 0
-        return max(0, min(adm, room))
+        pending_n = self._waits.pending_n()
+        in_flight = self.credits.in_flight
+        adm = admission_capacity(self.k, self.batch_groups, pending_n, c["depth_groups"], in_flight)
+        return free_capacity(adm, c["depth_groups"], c["depth_bytes"], in_flight,
+                             self.cfg.buffer.capacity_groups, self.cfg.buffer.capacity_bytes)
 
     # ------------------------------------------------------------------ loop
 
@@ -367,8 +232,7 @@ class BufferServer:
                     # A bug must not take the buffer down: log, count, answer the waiting requests, carry on.
                     log.exception("unexpected error in the buffer loop")
                     self.m.storage_errors.labels(reason="internal").inc()
-                    waits, self._waits = list(self._waits.values()), {}
-                    for w in waits:
+                    for w in self._waits.clear():
                         self._reply(w.ident, w.envelope, encode(ErrorReply(reason="internal", message=repr(e)[:4000])))
             self._wait_writer()
         finally:
@@ -381,11 +245,11 @@ class BufferServer:
             (poller.register(self.ingest, zmq.POLLIN) if on else poller.unregister(self.ingest))
             registered[self.ingest] = on
         timeout_ms = 100.0
-        if self._waits:
-            first = min(w.deadline for w in self._waits.values())
+        first = self._waits.first_deadline()
+        if first is not None:
             timeout_ms = max(0.0, min(timeout_ms, (first - time.monotonic()) * 1000))
         events = dict(poller.poll(timeout_ms))
-        self._drop_gone()  # before reading data: see _Peers
+        self._drop_gone()  # before reading data: see Peers
         if self.writer.notify in events:
             self._collect_writer()
         if self.ingest in events:
@@ -396,7 +260,7 @@ class BufferServer:
             self._drain_serve()
         if self._waits:
             self._try_serve()
-        self._expire_credits()
+        self.credits.expire(time.monotonic())
         self._grant_credits()
         self._update_gauges()
 
@@ -415,10 +279,11 @@ class BufferServer:
     def _drop_gone(self) -> None:
         """Forget the state of connections that closed: their credit and their waiting batch requests."""
         for ident in self.ingest_peers.gone():
-            self._release_connection(ident)
+            released = self.credits.release_connection(ident)
+            if released:
+                log.info("an ingest connection closed: released its %d unused credits", released)
         for ident in self.serve_peers.gone():
-            if self._waits.pop(ident, None) is not None:
-                self._waits_abandoned += 1
+            if self._waits.abandon(ident):
                 log.info("a client left while its batch request waited: dropped the request")
 
     # ------------------------------------------------------------------ ingest
@@ -430,7 +295,7 @@ class BufferServer:
 
     def _drain_ingest(self) -> None:
         """Read, validate and queue groups for the next commit; answer everything else at once."""
-        credit_msgs: list[tuple[bytes, Any, str | None]] = []
+        credit_msgs: list[tuple[bytes, CreditRequest, str | None]] = []
         lv, pos_reward = self.learner_version, self.cfg.buffer.positive_reward
         for _ in range(4 * self.cfg.buffer.commit_batch):
             if len(self._next) >= self.cfg.buffer.commit_batch:
@@ -519,10 +384,9 @@ class BufferServer:
 
     def _known(self, group_id: str) -> bytes | None:
         self._wait_writer()
-        with self.store.env.begin() as txn:
-            return txn.get(group_id.encode(), db=self.store.gindex)
+        return self.store.known(group_id)
 
-    def _finish(self, batch: list[tuple[GroupRecord, tuple[bytes, str, int]]], before: dict[str, int],
+    def _finish(self, batch: list[Pending], before: dict[str, int],
                 results: list[tuple[str, bool]] | None, err: StorageError | None) -> None:
         """Acknowledge a batch whose transaction has committed (or report its storage error)."""
         if err is not None or results is None:
@@ -538,7 +402,7 @@ class BufferServer:
         after = self.store.counters
         for (_, (ident, gid, actor_id)), (outcome, dup) in zip(batch, results, strict=True):
             if not dup:
-                self._consume_credit(actor_id)
+                self.credits.consume(actor_id)
             note = "" if outcome == "stored" else ("filtered:uniform_reward" if outcome == "filtered" else outcome)
             self._send_ingest(ident, encode(IngestAck(group_id=gid, committed=True, duplicate=dup, error=note)))
         self.m.acked_groups.inc(len(batch))
@@ -563,115 +427,19 @@ class BufferServer:
 
     # ------------------------------------------------------------------ credits
 
-    def _on_credit_request(self, ident: bytes, req: Any, key: str | None = None) -> None:
-        if key is not None:
-            owner = self._actor_key.setdefault(req.actor_id, key)
-            if owner != key:
-                # The actor id's credits (and the groups that use them) belong to another client: refuse.
-                self._send_ingest(ident, self._reject(
-                    "actor_key", f"actor_id {req.actor_id} is bound to another client key (CurveZMQ)"))
-                return
-        waiting = self._waiting.get(req.actor_id)
-        if waiting is not None and waiting[0] == ident:
-            del self._waiting[req.actor_id]
-        elif waiting is not None and req.n == 0:
-            return  # a withdrawal from another connection does not cancel this one's request
-        holder = self._credit_holder.get(req.actor_id)
-        if holder is not None and holder != ident and self._in_flight.get(req.actor_id):
-            # A new connection for this actor id means the old process died or reset its socket: its
-            # unused grants would otherwise block admission until credit_ttl_s (a restarted actor that
-            # gets no credit is a deadlock). Groups from those grants are still accepted if they arrive.
-            log.info("actor %d reconnected: releasing %d unused credits of its previous connection",
-                     req.actor_id, sum(g for _, g in self._in_flight[req.actor_id]))
-            self._in_flight[req.actor_id].clear()
-        if req.n == 0:
-            return
-        mine = self._live_actors(ident)
-        if req.actor_id not in mine and len(mine) >= self.credit_per_conn:
-            # Each waiting actor id needs at least one credit: more ids than the connection may hold
-            # credits for can only be a client inventing ids.
-            self._send_ingest(ident, self._reject(
-                "too_many_actor_ids", f"this connection already asks credit for {len(mine)} actor ids "
-                f"(buffer.max_credit_per_connection={self.credit_per_conn})"))
-            return
-        if len(self._waiting) >= _MAX_WAITING:  # bound memory against a flood of made-up actor ids
-            self._send_ingest(ident, self._reject("too_many_waiting", f"{_MAX_WAITING} actors already wait"))
-            return
-        if waiting is not None and waiting[0] != ident:
-            del self._waiting[req.actor_id]  # the actor id moved to this connection
-        self._credit_holder[req.actor_id] = ident
-        mine.add(req.actor_id)
-        self._waiting[req.actor_id] = (ident, req.n)
-        if self.capacity() < req.n:
+    def _on_credit_request(self, ident: bytes, req: CreditRequest, key: str | None = None) -> None:
+        refused = self.credits.request(ident, req.actor_id, req.n, key)
+        if refused is not None:
+            self._send_ingest(ident, self._reject(refused.reason, refused.message))
+        elif req.n > 0 and self.capacity() < req.n:
             self.m.admission_waits.inc()
 
-    def _live_actors(self, ident: bytes) -> set[int]:
-        """The actor ids of a connection that still wait for or hold credit there (pruned in place)."""
-        ids = self._actors_of.setdefault(ident, set())
-        for a in list(ids):
-            w = self._waiting.get(a)
-            if not ((w is not None and w[0] == ident) or (self._credit_holder.get(a) == ident and self._in_flight.get(a))):
-                ids.discard(a)
-        return ids
-
-    def _actor_credit(self, actor_id: int) -> int:
-        return int(sum(c for _, c in self._in_flight.get(actor_id, ())))
-
-    def _conn_credit(self, ident: bytes) -> int:
-        return sum(self._actor_credit(a) for a in self._actors_of.get(ident, ())
-                   if self._credit_holder.get(a) == ident)
-
-    def _release_connection(self, ident: bytes) -> None:
-        """A closed ingest connection: its unused credit and waiting requests stop counting now."""
-        released = 0
-        for a in self._actors_of.pop(ident, set()):
-            w = self._waiting.get(a)
-            if w is not None and w[0] == ident:
-                del self._waiting[a]
-            if self._credit_holder.get(a) == ident:
-                released += self._actor_credit(a)
-                self._in_flight.pop(a, None)
-                del self._credit_holder[a]
-        if released:
-            self._credit_released += released
-            log.info("an ingest connection closed: released its %d unused credits", released)
-
     def _grant_credits(self) -> None:
-        if not self._waiting:
+        if not self.credits.waiting:
             return
-        cap = self.capacity()
-        now = time.monotonic()
-        for actor_id in list(self._waiting):
-            if cap <= 0:
-                break
-            ident, n = self._waiting[actor_id]
-            room = min(self.credit_per_actor - self._actor_credit(actor_id),
-                       self.credit_per_conn - self._conn_credit(ident))
-            g = min(n, cap, room)
-            if g <= 0:
-                continue  # at its bound: waits (in place) until its groups arrive or its credit expires
-            del self._waiting[actor_id]
-            cap -= g
-            self._send_ingest(ident, encode(CreditGrant(n=g, learner_version=self.learner_version)))
-            self._in_flight.setdefault(actor_id, deque()).append([now + self.cfg.buffer.credit_ttl_s, g])
-            self._credit_holder[actor_id] = ident
-            self.m.credit_granted.inc(g)
-            if g < n:
-                self._waiting[actor_id] = (ident, n - g)  # to the back of the queue: fair between actors
-
-    def _consume_credit(self, actor_id: int) -> None:
-        q = self._in_flight.get(actor_id)
-        if not q:
-            return
-        q[0][1] -= 1
-        if q[0][1] <= 0:
-            q.popleft()
-
-    def _expire_credits(self) -> None:
-        now = time.monotonic()
-        for q in self._in_flight.values():
-            while q and q[0][0] < now:
-                q.popleft()
+        for g in self.credits.grant(self.capacity(), time.monotonic()):
+            self._send_ingest(g.ident, encode(CreditGrant(n=g.n, learner_version=self.learner_version)))
+            self.m.credit_granted.inc(g.n)
 
     # ------------------------------------------------------------------ learner requests
 
@@ -699,7 +467,7 @@ class BufferServer:
             except Exception as e:  # a bug in one request must not take the buffer down
                 log.exception("unexpected error answering a serve request")
                 self.m.storage_errors.labels(reason="internal").inc()
-                self._waits.pop(ident, None)
+                self._waits.remove(ident)
                 self._reply(ident, envelope, encode(ErrorReply(reason="internal", message=repr(e)[:4000])))
 
     def _handle_serve(self, ident: bytes, envelope: list[bytes], body: list[zmq.Frame]) -> None:
@@ -728,7 +496,7 @@ class BufferServer:
         else:
             reply(self._reject("unexpected_type", f"{msg.TYPE} not accepted on serve"))
 
-    def _check_batch_request(self, req: Any) -> tuple[str, str] | None:
+    def _check_batch_request(self, req: BatchRequest) -> tuple[str, str] | None:
         """(reason, message) when the request is refused, else None."""
         b = self.cfg.buffer
         if not 1 <= req.n_groups <= self.max_batch_groups:
@@ -750,7 +518,7 @@ class BufferServer:
                 f"{max(0, req.learner_version - 1)}")
         return None
 
-    def _on_batch_request(self, ident: bytes, envelope: list[bytes], req: Any) -> None:
+    def _on_batch_request(self, ident: bytes, envelope: list[bytes], req: BatchRequest) -> None:
         refused = self._check_batch_request(req)
         if refused is not None:
             self._reply(ident, envelope, self._reject(*refused))
@@ -762,17 +530,12 @@ class BufferServer:
             self._reply(ident, envelope, encode(ErrorReply(reason="storage", message=str(e)[:4000])))
             return
         self.m.learner_version.set(self.learner_version)
-        if len(self._waits) >= _MAX_BATCH_WAITS:
-            # Bounded memory against a flood of waiting requests. Evicting the oldest with a timeout reply
-            # (clients ask again after a timeout) keeps the learner going; refusing new requests would
-            # turn the flood into an error for the learner.
-            old = self._waits.pop(next(iter(self._waits)))
+        old = self._waits.add(BatchWait(ident, envelope, req, time.monotonic() + req.timeout_ms / 1000.0))
+        if old is not None:  # the wait list was full: the oldest request gets a timeout reply
             self._timeouts += 1
             self.m.batch_timeouts.inc()
             self._reply(old.ident, old.envelope, encode(ErrorReply(
-                reason="timeout", message=f"evicted: {_MAX_BATCH_WAITS} batch requests waiting; ask again")))
-        now = time.monotonic()
-        self._waits[ident] = _BatchWait(ident, envelope, req, now + req.timeout_ms / 1000.0)
+                reason="timeout", message=f"evicted: {self._waits.limit} batch requests waiting; ask again")))
         self._depth_changed = True
 
     def _try_serve(self) -> None:
@@ -780,11 +543,11 @@ class BufferServer:
         now = time.monotonic()
         check_all = self._depth_changed
         self._depth_changed = False
-        for w in list(self._waits.values()):
+        for w in self._waits:
             if check_all or now >= w.deadline:
                 self._serve_one(w, now)
 
-    def _serve_one(self, w: _BatchWait, now: float) -> None:
+    def _serve_one(self, w: BatchWait, now: float) -> None:
         self._wait_writer()
         req = w.req
         min_version = max(0, self.learner_version - self.k)
@@ -796,7 +559,7 @@ class BufferServer:
                 req.n_groups, min_version, served_version=req.learner_version if full else None)
         except StorageError as e:
             self.m.storage_errors.labels(reason=e.reason).inc()
-            del self._waits[w.ident]
+            self._waits.remove(w.ident)
             self._reply(w.ident, w.envelope, encode(ErrorReply(reason="storage", message=str(e)[:4000])))
             return
         if dropped:
@@ -806,7 +569,7 @@ class BufferServer:
             n = len(frames)
             reply = encode_batch_reply(frames, self._dropped_since_reply, self._filtered_since_reply)
             del frames
-            del self._waits[w.ident]
+            self._waits.remove(w.ident)
             self._reply(w.ident, w.envelope, reply, copy=False)  # tens of MB: hand the buffer to ZeroMQ
             self._dropped_since_reply = self._filtered_since_reply = 0
             self.m.served_groups.inc(n)
@@ -815,7 +578,7 @@ class BufferServer:
         elif now >= w.deadline:
             self._timeouts += 1
             self.m.batch_timeouts.inc()
-            del self._waits[w.ident]
+            self._waits.remove(w.ident)
             depth = self.store.counters["depth_groups"]
             self._reply(w.ident, w.envelope, encode(ErrorReply(
                 reason="timeout", message=f"{depth} of {req.n_groups} groups after {req.timeout_ms} ms")))
@@ -829,11 +592,11 @@ class BufferServer:
             "positives": float(self.store.positives_count),
             "min_version": float(self.store.min_version()),
             "max_version": float(self.store.max_version()),
-            "credit_outstanding": float(self.in_flight),
-            "credit_waiting": float(len(self._waiting)),
-            "credit_released": float(self._credit_released),
+            "credit_outstanding": float(self.credits.in_flight),
+            "credit_waiting": float(self.credits.waiting),
+            "credit_released": float(self.credits.released),
             "batch_waiting": float(len(self._waits)),
-            "batch_waits_abandoned": float(self._waits_abandoned),
+            "batch_waits_abandoned": float(self._waits.abandoned),
             "admission_capacity": float(self.capacity()),
             "rejected_total": float(sum(self._rejected.values())),
             "batch_timeouts": float(self._timeouts),
@@ -858,14 +621,14 @@ class BufferServer:
         self.m.depth_samples.set(c["depth_samples"])
         self.m.depth_bytes.set(c["depth_bytes"])
         self.m.positives_stored.set(self.store.positives_count)
-        self.m.credit_outstanding.set(self.in_flight)
-        self.m.credit_waiting.set(len(self._waiting))
+        self.m.credit_outstanding.set(self.credits.in_flight)
+        self.m.credit_waiting.set(self.credits.waiting)
         self.m.admission_capacity.set(self.capacity())
         self.m.learner_version.set(c["learner_version"])
         self.m.lmdb_bytes.set(self.store.data_bytes())
 
 
-def serve_forever(cfg: Config, ready: Any = None) -> int:
+def serve_forever(cfg: Config, ready: Callable[[dict[str, Any]], None] | None = None) -> int:
     """Run a server until SIGTERM/SIGINT; prints ``BUFFER READY {json}`` once bound."""
     # The writer thread releases the GIL for every LMDB put and commit; with the default 5 ms switch interval
     # it would wait up to 5 ms per put behind the validating main thread (a GIL convoy).
@@ -875,7 +638,7 @@ def serve_forever(cfg: Config, ready: Any = None) -> int:
     if cfg.metrics.prometheus:
         metrics.serve(cfg.buffer.metrics_port, cfg.metrics.host)
 
-    def _on_signal(signum: int, _frame: Any) -> None:
+    def _on_signal(signum: int, _frame: FrameType | None) -> None:
         log.info("signal %d: stopping", signum)
         server.stop()
 
@@ -894,7 +657,3 @@ def serve_forever(cfg: Config, ready: Any = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # pragma: no cover
-    from buffer.__main__ import main
-
-    sys.exit(main())

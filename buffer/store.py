@@ -279,11 +279,10 @@ class BufferStore:
             dropped += 1
         return dropped
 
-    def drop_stale(self, min_version: int) -> int:
-        """Delete every group with weight_version < min_version; returns how many."""
-        if min_version <= 0 or self.counters["depth_groups"] == 0 or self.min_version() >= min_version:
-            return 0
-        return self._write(lambda txn, c: self._drop_stale_in(txn, c, min_version))
+    def known(self, group_id: str) -> bytes | None:
+        """The gindex entry of a group_id (outcome byte + group key), or None if it never arrived."""
+        with self.env.begin() as txn:
+            return txn.get(group_id.encode(), db=self.gindex)
 
     def take_groups(self, n: int, min_version: int = 0, partial: bool = False,
                     served_version: int | None = None) -> tuple[list[bytes], int]:

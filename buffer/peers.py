@@ -1,0 +1,53 @@
+"""Which ROUTER peers are still connected: the buffer drops the state of a connection that closed.
+
+Not a CLI; used by ``buffer.server`` for both of its ROUTER sockets.
+"""
+
+from __future__ import annotations
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+
+class Peers:
+    """Which ROUTER identities arrived over which connection, so the state of a closed one can be dropped.
+
+    libzmq without its draft API never tells a ROUTER that a peer left. Its socket monitor reports the file
+    descriptor of a closed connection, and every received frame carries the descriptor it came on
+    (``ZMQ_SRCFD``), which links the two. libzmq queues the disconnect event before it closes the
+    descriptor, so draining the monitor before reading data (``gone`` first in every loop turn) never
+    mistakes a new connection that reuses the number for the old one.
+    """
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._fd_of: dict[bytes, int] = {}
+        self._ids_on: dict[int, set[bytes]] = {}
+
+    def seen(self, ident: bytes, frame: zmq.Frame) -> None:
+        try:
+            fd = int(frame.get(zmq.SRCFD))
+        except zmq.ZMQError:
+            return
+        if fd < 0:
+            return  # inproc: no descriptor, and no peer that can vanish without its context
+        old = self._fd_of.get(ident)
+        if old == fd:
+            return
+        if old is not None:
+            self._ids_on.get(old, set()).discard(ident)
+        self._fd_of[ident] = fd
+        self._ids_on.setdefault(fd, set()).add(ident)
+
+    def gone(self) -> list[bytes]:
+        out: list[bytes] = []
+        while self.monitor.poll(0):
+            ev = recv_monitor_message(self.monitor)
+            if ev["event"] == zmq.EVENT_DISCONNECTED:
+                for ident in self._ids_on.pop(int(ev["value"]), ()):
+                    self._fd_of.pop(ident, None)
+                    out.append(ident)
+        return out
+
+    def close(self) -> None:
+        self.monitor.close(linger=0)
