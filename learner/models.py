@@ -27,7 +27,6 @@ and the update, and some libraries default a value head's dropout to 0.1).
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -37,8 +36,6 @@ from torch import Tensor, nn
 
 from common.config import Config
 from learner.dist import rank, setup_distributed, world_size
-
-log = logging.getLogger(__name__)
 
 
 def device_for(cfg: Config) -> torch.device:
