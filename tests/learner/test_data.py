@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from buffer.client import GroupSender
 from learner.data import BufferSource
 from learner.train import Learner
-from tests.buffer.conftest import BufferProc
+from tests.buffer.conftest import BufferProc, SyncSender
 from tests.learner.synth import synth_groups
 from tests.learner.test_train import make_cfg
 
@@ -16,7 +15,7 @@ def test_learner_step_on_batch_from_real_buffer(tiny_model_dir: Path, tmp_path: 
     srv = BufferProc(tmp_path, ["buffer.max_staleness=1"]).start()
     try:
         groups = synth_groups(6, 4, 60, seed=8)
-        with GroupSender(srv.ingest_addr, 0) as s:
+        with SyncSender(srv.ingest_addr, 0) as s:
             for g in groups:
                 s.send(g, timeout_s=10)
         src = BufferSource(srv.serve_addr, max_staleness=1)
@@ -30,3 +29,64 @@ def test_learner_step_on_batch_from_real_buffer(tiny_model_dir: Path, tmp_path: 
         assert {g.group_id for g in got} <= {g.group_id for g in groups[4:]} and len(got) == 2
     finally:
         srv.cleanup()
+
+
+def test_one_rank_fetch_decodes_nothing_and_encodes_nothing() -> None:
+    """With one rank ``fetch`` takes the source's decoded groups as they are: no frame is asked for."""
+    from learner.data import ListSource, fetch
+
+    class NoFrames(ListSource):
+        def get_batch_frames(self, *a, **kw):  # noqa: ANN002, ANN003, ANN201
+            raise AssertionError("one rank must not ask for frames")
+
+        def positives_frame(self, n):  # noqa: ANN001, ANN201
+            raise AssertionError("one rank must not ask for frames")
+
+    groups = synth_groups(3, 2, 40, seed=1, p_correct=1.0)
+    positives = [s for g in synth_groups(1, 4, 40, seed=2) for s in g.samples]
+    got, extra = fetch(NoFrames(groups, positives), 0, 2, 1.0, replay_fraction=0.25)  # 4 positives -> 1
+    assert all(a is b for a, b in zip(got, groups[:2], strict=True)) and extra == positives[:1]
+
+
+class FrameClient:
+    """Stands in for buffer.client.BatchClient's frame API: replies are real protocol frames, handed out in
+    order (``get_batch_frame``) or built from ``positives`` (``positives_frame``)."""
+
+    def __init__(self, replies: list[bytes], positives: list) -> None:  # noqa: ANN001
+        self.replies, self.positives = list(replies), positives
+
+    def get_batch_frame(self, learner_version: int, n_groups: int, timeout_s: float):  # noqa: ANN201
+        from common import protocol
+
+        frame = self.replies.pop(0)
+        return protocol.decode_as(frame, protocol.BatchReply), frame
+
+    def positives_frame(self, n: int):  # noqa: ANN201
+        from common import protocol
+
+        frame = protocol.encode(protocol.PositivesReply(samples=self.positives[:n]))
+        return protocol.decode_as(frame, protocol.PositivesReply).samples, frame
+
+
+def test_buffer_source_hands_out_the_frames_it_received_and_drops_stale_groups_alike() -> None:
+    """The frames are the buffer's replies byte for byte; rank 0's groups and what another rank decodes
+    from those frames (``BatchFrames.decode`` with the same floor) are the same non-stale groups; the
+    counters count what the buffer and the floor dropped."""
+    from common import protocol
+    from learner.data import BatchFrames
+
+    old = synth_groups(1, 2, 40, seed=3, version=2)  # learner version 5, max_staleness 2: floor 3
+    fresh = synth_groups(3, 2, 40, seed=4, version=4)
+    replies = [protocol.encode_batch_reply([protocol.encode(g) for g in [old[0], fresh[0]]], 1, 2),
+               protocol.encode_batch_reply([protocol.encode(g) for g in fresh[1:]], 0, 1)]
+    positives = [s for g in fresh for s in g.samples]
+    src = BufferSource("ipc://unused", max_staleness=2, client=FrameClient(replies, positives))
+    batch = src.get_batch_frames(5, 3, 10.0)
+    assert batch.frames == replies and batch.min_version == 3
+    assert [g.group_id for g in batch.groups] == [g.group_id for g in fresh]
+    again = BatchFrames.decode(batch.frames, batch.min_version)
+    assert [g.group_id for g in again.groups] == [g.group_id for g in fresh]
+    assert (src.stale_dropped, src.filtered, src.groups_consumed) == (1 + 1, 2 + 1, 3)
+    samples, frame = src.positives_frame(2)
+    assert [s.response_length for s in samples] == [s.response_length for s in positives[:2]] and frame
+    assert src.positives_frame(0) == ([], b"")

@@ -116,3 +116,36 @@ def test_monte_carlo_targets_need_no_value_pass(tiny_model_dir: Path) -> None:
     assert math.isfinite(fast.last["value_explained_variance"])
     assert abs(fast.last["value_explained_variance"] - slow.last["value_explained_variance"]) < 1e-6
     assert abs(fast.last["value_mean"] - slow.last["value_mean"]) < 1e-6
+
+
+def test_actor_and_critic_update_take_keywords_and_actor_params(tiny_model_dir: Path) -> None:
+    """The update functions are called by keyword (a positional call is refused), and ActorParams carries
+    the actor's hyper-parameters: with zero advantages the PPO term is exactly 0 and only μ·NLL moves the
+    policy; the critic update reports its loss and moves the critic."""
+    import pytest
+
+    from learner.advantages import terminal_rewards
+    from learner.update import ActorParams, actor_update, critic_update, minibatch_rows
+
+    cfg = make_cfg(tiny_model_dir, "algo.clip_low=0.1", "algo.clip_high=0.3", "nll.coef=0.5", "learner.ppo_epochs=2")
+    params = ActorParams.from_config(cfg)
+    assert params == ActorParams(epochs=2, clip_low=0.1, clip_high=0.3, loss_agg=cfg.algo.loss_agg, nll_coef=0.5,
+                                 entropy_coef=cfg.algo.entropy_coef)
+    learner = Learner(cfg, None)
+    b = _batch(2, 4, seed=5)
+    assert bool((b.rewards >= 1).any())  # there are positives for the NLL
+    mbs = minibatch_rows(b.size, 2, 0, 0)
+    returns = terminal_rewards(b.scores, b.mask).flip(-1).cumsum(-1).flip(-1) * b.mask  # λ = γ = 1 targets
+    with pytest.raises(TypeError):
+        critic_update(learner.critic, b, mbs, returns, torch.zeros(b.mask.shape), 1, 4)  # type: ignore[misc]
+    c0 = {k: v.clone() for k, v in learner.critic.module.state_dict().items()}
+    st = critic_update(learner.critic, b, minibatches=mbs, returns=returns, old_values=torch.zeros(b.mask.shape),
+                       epochs=1, limits=4)
+    assert set(st) == {"critic_loss", "value_clip_fraction", "critic_grad_norm"} and st["critic_loss"] > 0
+    assert _max_diff(c0, learner.critic.module.state_dict()) > 1e-6
+    p0 = {k: v.clone() for k, v in learner.policy.module.state_dict().items()}
+    st = actor_update(learner.policy, b, minibatches=mbs, advantages=torch.zeros(b.mask.shape),
+                      old_logprobs=b.behaviour_logprobs, limits=4, params=params)
+    assert st["policy_loss"] == 0.0 and st["nll_loss"] > 0
+    assert {"clip_fraction_low", "clip_fraction_high", "approx_kl", "entropy", "actor_grad_norm"} <= set(st)
+    assert _max_diff(p0, learner.policy.module.state_dict()) > 1e-6

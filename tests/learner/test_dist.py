@@ -1,0 +1,97 @@
+"""learner.dist on two real CPU ranks (torchrun, gloo; no DeepSpeed): the all-reduced whitening and explained
+variance equal the one-process functions over both ranks' rows, frames arrive byte for byte, and
+``learner.data.fetch`` hands rank 0 the groups its source decoded while rank 1 decodes the broadcast frames."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+from learner import dist
+from tests.learner.synth import child_env
+from tests.ports import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+HARNESS = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {repo!r})
+    import numpy as np
+    import torch
+    torch.distributed.init_process_group("gloo")          # env:// from torchrun
+    from learner import dist
+    from learner.data import ListSource, fetch
+    from learner.losses import explained_variance, masked_whiten
+    from tests.learner.synth import synth_groups
+
+    me = dist.rank()
+    assert dist.world_size() == 2
+    g = torch.Generator().manual_seed(0)
+    B, T = 6, 9
+    lengths = torch.tensor([0, 3, 9, 5, 1, 7])
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).float()
+    x = torch.randn(B, T, generator=g) * 3 + 1
+    ret = torch.randn(B, T, generator=g)
+    mine = torch.arange(me, B, 2)                          # rank 0: rows 0, 2, 4; rank 1: rows 1, 3, 5
+    whole = masked_whiten(x, mask)
+    torch.testing.assert_close(dist.global_whiten(x[mine], mask[mine]), whole[mine], rtol=0, atol=1e-6)
+    ev, mean = dist.global_explained_variance(x[mine], ret[mine], mask[mine])
+    ev1, mean1 = explained_variance(x, ret, mask)
+    assert abs(ev - ev1) < 1e-12 and abs(mean - mean1) < 1e-12, (ev, ev1, mean, mean1)
+    assert dist.global_explained_variance(x[mine], ret[mine], mask[mine]) != explained_variance(x[mine], ret[mine], mask[mine])
+
+    frames = dist.broadcast_frames([b"first", b"", bytes(range(256))] if me == 0 else None)
+    assert frames == [b"first", b"", bytes(range(256))], frames
+    assert dist.broadcast_ints([-(1 << 40), 7] if me == 0 else None) == [-(1 << 40), 7]
+
+    class Counting(ListSource):
+        calls = []
+        def get_batch(self, *a, **kw):
+            self.calls.append("get_batch")
+            return super().get_batch(*a, **kw)
+        def get_batch_frames(self, *a, **kw):
+            self.calls.append("get_batch_frames")
+            return super().get_batch_frames(*a, **kw)
+
+    groups = synth_groups(3, 2, 40, seed=5, p_correct=1.0)
+    positives = [s for grp in synth_groups(2, 2, 40, seed=6) for s in grp.samples]
+    src = Counting(groups, positives) if me == 0 else None
+    got, extra = fetch(src, 0, 3, 1.0, replay_fraction=0.5)      # 6 positives in the batch -> 3 replayed
+    assert [grp.group_id for grp in got] == [grp.group_id for grp in groups] and len(extra) == 3
+    for a, b in zip(got, groups):
+        assert all(np.array_equal(s.output_ids, t.output_ids) and s.reward == t.reward
+                   for s, t in zip(a.samples, b.samples))
+    if me == 0:
+        assert all(a is b for a, b in zip(got, groups))          # rank 0 keeps what its source decoded
+        assert Counting.calls[0] == "get_batch_frames"          # (ListSource builds it on get_batch)
+    assert [np.asarray(s.output_ids).tolist() for s in extra] == [np.asarray(s.output_ids).tolist() for s in positives[:3]]
+    sys.stdout.write(f"OK {{me}}\\n")
+    sys.stdout.flush()
+""")
+
+
+def test_two_ranks_reduce_broadcast_and_fetch_alike(tmp_path: Path) -> None:
+    h = tmp_path / "h.py"
+    h.write_text(HARNESS.format(repo=str(REPO)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(h)]
+    p = subprocess.run(cmd, env=child_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-4000:]
+    lines = p.stdout.splitlines()
+    assert lines.count("OK 0") == 1 and lines.count("OK 1") == 1, p.stdout
+
+
+def test_one_process_collectives_are_identities() -> None:
+    # Without a process group (or with one of size 1) nothing is sent: the input comes back.
+    assert dist.world_size() == 1 and dist.rank() == 0
+    x = torch.tensor([1.0, 2.0], dtype=torch.float32)
+    y = dist.all_reduce_sum(x)
+    assert y.dtype == torch.float64 and y.tolist() == [1.0, 2.0] and y.data_ptr() != x.data_ptr()
+    assert dist.broadcast_frames([b"a", b"bc"]) == [b"a", b"bc"]
+    assert dist.broadcast_ints([3, -4]) == [3, -4]
+    assert dist.broadcast_bytes(b"xyz") == b"xyz"
+    assert dist.loss_scale_for_dp() == 1.0
