@@ -1,16 +1,13 @@
-"""Clients of the buffer server: the actors' group senders and the learner's batch client.
+"""Clients of the buffer server: the actors' group sender and the learner's batch client.
 
-Actors (DEALER -> the buffer's ROUTER at ``buffer.ingest_addr``)::
+Actors (DEALER -> the buffer's ROUTER at ``buffer.ingest_addr``; asyncio, ``zmq.asyncio``)::
 
-    sender = GroupSender(cfg.buffer.ingest_addr, actor_id, curve=client_curve_keys(cfg.buffer.curve))
-    grant = sender.acquire(n=1, timeout_s=None)   # CreditGrant: blocks until the buffer admits work
+    sender = AsyncGroupSender(cfg.buffer.ingest_addr, actor_id, curve=client_curve_keys(cfg.buffer.curve))
+    grant = await sender.acquire(n=1, timeout_s=None)  # CreditGrant: waits until the buffer admits work
     ...generate grant.n groups with weights >= grant.learner_version...
-    ack = sender.send(group, timeout_s=None)      # IngestAck, returned only after the LMDB commit
-    acks = sender.send_many(groups)               # pipelined (a window of unacknowledged groups)
+    ack = await sender.send(group, timeout_s=None)     # IngestAck, returned only after the LMDB commit
 
-    sender = AsyncGroupSender(addr, actor_id)      # the same API for asyncio programs (zmq.asyncio);
-    grant = await sender.acquire(1)                # safe to call from many tasks at once
-    ack = await sender.send(group)
+Many tasks may ``acquire`` and ``send`` at once (that is how several groups are in flight).
 
 - ``acquire(n, timeout_s)`` returns as soon as at least one credit is available: ``grant.n <= n`` is how
   many groups the caller may generate, ``grant.learner_version`` the learner's version at grant time
@@ -18,7 +15,8 @@ Actors (DEALER -> the buffer's ROUTER at ``buffer.ingest_addr``)::
   buffer grants beyond what callers took are pooled and handed out by later ``acquire`` calls. The
   buffer counts a credit as used when a group with ``group.actor_id == actor_id`` arrives, so stamp
   groups with the sender's actor_id (unused credits stop counting after ``buffer.credit_ttl_s``).
-  ``TimeoutError`` after ``timeout_s`` (``None`` = wait forever).
+  ``TimeoutError`` after ``timeout_s`` (``None`` = wait forever), also when the buffer refused the
+  request (``ErrorReply``, e.g. ``actor_key``: it counts the refusal in its stats).
 - ``send(group, timeout_s)`` re-sends the same encoded frame (same group_id) every ``ack_timeout_s``
   without an ack, and after two silent intervals reconnects with a fresh socket; the buffer stores a
   group_id once, so a re-send is harmless. An ack with ``committed=False`` (buffer full, storage error)
@@ -47,7 +45,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from typing import Any
 
 import zmq
@@ -91,162 +88,9 @@ def _dealer(ctx: zmq.Context, addr: str, curve: ClientKeys | None) -> zmq.Socket
     return s
 
 
-class GroupSender:
-    """Blocking sender of SampleGroups for one actor (see module docstring)."""
-
-    def __init__(
-        self,
-        addr: str,
-        actor_id: int,
-        *,
-        curve: ClientKeys | None = None,
-        ack_timeout_s: float = 10.0,
-        window: int = 16,
-        ctx: zmq.Context | None = None,
-    ) -> None:
-        self.addr, self.actor_id, self.curve = addr, actor_id, curve
-        self.ack_timeout_s, self.window = ack_timeout_s, window
-        self._own_ctx = ctx is None
-        self.ctx = ctx or zmq.Context()
-        self.sock = _dealer(self.ctx, addr, curve)
-        self._credits = 0
-        self.learner_version = 0
-        self.resent = 0
-        self.reconnects = 0
-
-    # ------------------------------------------------------------------ plumbing
-
-    def _reconnect(self) -> None:
-        self.sock.close(linger=0)
-        self.sock = _dealer(self.ctx, self.addr, self.curve)
-        self.reconnects += 1
-
-    def _try_send(self, frame: bytes) -> bool:
-        try:
-            self.sock.send(frame, zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            return False  # not connected yet (immediate) or high-water mark: retry from the loop
-
-    def _recv(self, timeout_s: float) -> Any | None:
-        """One decoded message, or None after ``timeout_s``. Grants go to the credit pool here."""
-        if not self.sock.poll(max(0, int(timeout_s * 1000))):
-            return None
-        msg = decode(self.sock.recv(), _REPLY_MAX_BYTES)
-        if isinstance(msg, CreditGrant):
-            self._credits += msg.n
-            self.learner_version = max(self.learner_version, msg.learner_version)
-        return msg
-
-    # ------------------------------------------------------------------ credit
-
-    @property
-    def credits(self) -> int:
-        return self._credits
-
-    def _take(self, n: int) -> Any:
-        k = min(n, self._credits)
-        self._credits -= k
-        return CreditGrant(n=k, learner_version=self.learner_version)
-
-    def acquire(self, n: int = 1, timeout_s: float | None = None) -> Any:
-        """Block until the buffer grants credit; returns a CreditGrant with 1 <= grant.n <= n."""
-        if n < 1:
-            raise ValueError("acquire needs n >= 1")
-        while self._recv(0) is not None:  # absorb grants already delivered
-            pass
-        if self._credits:
-            return self._take(n)
-        deadline = _deadline(timeout_s)
-        last_req = -float("inf")
-        while True:
-            now = time.monotonic()
-            if now >= deadline:
-                self._try_send(encode(CreditRequest(actor_id=self.actor_id, n=0)))  # withdraw
-                raise TimeoutError(f"no credit from {self.addr} within {timeout_s} s")
-            if now - last_req >= self.ack_timeout_s:
-                # Re-asking is safe: a waiting request is replaced, not added to.
-                if self._try_send(encode(CreditRequest(actor_id=self.actor_id, n=n))):
-                    last_req = now
-            msg = self._recv(min(deadline - now, 0.05 if last_req < 0 else self.ack_timeout_s, 1.0))
-            if isinstance(msg, ErrorReply):
-                raise ProtocolError("remote", f"{msg.reason}: {msg.message}")
-            if self._credits:
-                return self._take(n)
-
-    # ------------------------------------------------------------------ groups
-
-    def send(self, group: SampleGroup, timeout_s: float | None = None) -> Any:
-        """Send one group and return its IngestAck (committed)."""
-        return self.send_many([group], timeout_s)[0]
-
-    def send_many(self, groups: list[SampleGroup], timeout_s: float | None = None) -> list[Any]:
-        """Send groups with up to ``window`` unacknowledged; returns their acks in order."""
-        frames = OrderedDict((g.group_id, encode(g)) for g in groups)
-        if len(frames) != len(groups):
-            raise ValueError("send_many: duplicate group_id in one call")
-        deadline = _deadline(timeout_s)
-        acks: dict[str, Any] = {}
-        queue = list(frames)  # not yet sent (or due for a re-send)
-        sent_at: dict[str, float] = {}  # in flight -> time of last send
-        silent_since = time.monotonic()
-        timeouts_in_row = 0
-        while len(acks) < len(frames):
-            now = time.monotonic()
-            if now >= deadline:
-                raise TimeoutError(f"{len(frames) - len(acks)} groups unacknowledged by {self.addr} after {timeout_s} s")
-            while queue and len(sent_at) < self.window:
-                gid = queue[0]
-                if not self._try_send(frames[gid]):
-                    break
-                queue.pop(0)
-                sent_at[gid] = time.monotonic()
-            wait = 0.05 if queue and len(sent_at) < self.window else min(
-                [t + self.ack_timeout_s for t in sent_at.values()] + [now + 1.0]) - now
-            msg = self._recv(min(max(wait, 0.0), max(deadline - now, 0.0)))
-            if msg is not None:
-                silent_since = time.monotonic()
-                timeouts_in_row = 0
-                if isinstance(msg, ErrorReply):
-                    raise ProtocolError("remote", f"{msg.reason}: {msg.message}")
-                gid = msg.group_id if isinstance(msg, IngestAck) else None
-                if gid is not None and gid in frames and gid not in acks:
-                    if msg.committed:  # possibly the ack of an earlier copy: the group is stored either way
-                        acks[gid] = msg
-                        sent_at.pop(gid, None)
-                        if gid in queue:
-                            queue.remove(gid)
-                    elif gid in sent_at:  # full or storage error: try again after a back-off
-                        sent_at[gid] = time.monotonic() - self.ack_timeout_s + _RETRY_BACKOFF_S
-                continue
-            now = time.monotonic()
-            overdue = [gid for gid, t in sent_at.items() if now - t >= self.ack_timeout_s]
-            if overdue:
-                if now - silent_since >= 2 * self.ack_timeout_s and timeouts_in_row >= 1:
-                    self._reconnect()  # the peer may have restarted behind a dead connection
-                    silent_since = now
-                    overdue = list(sent_at)
-                timeouts_in_row += 1
-                for gid in overdue:
-                    del sent_at[gid]
-                    self.resent += 1
-                queue[:0] = overdue
-        return [acks[gid] for gid in frames]
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        if self._own_ctx:
-            self.ctx.term()
-
-    def __enter__(self) -> GroupSender:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
 class AsyncGroupSender:
-    """asyncio twin of GroupSender; ``acquire``/``send`` may run concurrently from many tasks."""
+    """Sender of SampleGroups for one actor id (see module docstring); ``acquire``/``send`` may run
+    concurrently from many tasks of one event loop."""
 
     def __init__(
         self,
@@ -262,7 +106,7 @@ class AsyncGroupSender:
         self.ctx = ctx or zmq.asyncio.Context()
         self.sock: Any = _dealer(self.ctx, addr, curve)
         self._generation = 0
-        self._acks: dict[str, asyncio.Future[Any]] = {}
+        self._acks: dict[str, asyncio.Future[IngestAck]] = {}
         self._credits = 0
         self._demand = 0
         self._cond: asyncio.Condition | None = None
@@ -330,7 +174,7 @@ class AsyncGroupSender:
     def credits(self) -> int:
         return self._credits
 
-    async def acquire(self, n: int = 1, timeout_s: float | None = None) -> Any:
+    async def acquire(self, n: int = 1, timeout_s: float | None = None) -> CreditGrant:
         """Wait until the buffer grants credit; returns a CreditGrant with 1 <= grant.n <= n."""
         if n < 1:
             raise ValueError("acquire needs n >= 1")
@@ -363,7 +207,7 @@ class AsyncGroupSender:
                 except zmq.ZMQError:
                     pass
 
-    async def send(self, group: SampleGroup, timeout_s: float | None = None) -> Any:
+    async def send(self, group: SampleGroup, timeout_s: float | None = None) -> IngestAck:
         """Send one group; returns its committed IngestAck (see module docstring)."""
         self._ensure_reader()
         frame = encode(group)
@@ -372,7 +216,7 @@ class AsyncGroupSender:
         silent = 0
         try:
             while True:
-                fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+                fut: asyncio.Future[IngestAck] = asyncio.get_running_loop().create_future()
                 self._acks[gid] = fut
                 generation = self._generation
                 await self._send_frame(frame, deadline)
@@ -499,4 +343,4 @@ class BatchClient:
         self.close()
 
 
-__all__ = ["GroupSender", "AsyncGroupSender", "BatchClient"]
+__all__ = ["AsyncGroupSender", "BatchClient"]

@@ -3,9 +3,9 @@
     .venv/bin/python ops/bench/buffer.py [--groups-per-sender 600] [--senders 2] [--tokens 1000]
 
 Prints one JSON line. Workload: groups of 16 samples with 1,000-token responses (100-token prompts),
-rewards all 0 (no positives harvesting), sent by ``--senders`` processes through ``GroupSender.send_many``
-(``--window``, default 32) over TCP on 127.0.0.1 to ``python -m buffer`` (a subprocess), acknowledged after each LMDB
-commit (fsync on). Credit/admission is not exercised (the senders do not acquire). The baseline, in
+rewards all 0 (no positives harvesting), sent by ``--senders`` processes through ``AsyncGroupSender.send``
+(``--window`` concurrent sends, default 32) over TCP on 127.0.0.1 to ``python -m buffer`` (a subprocess),
+acknowledged after each LMDB commit (fsync on). Credit/admission is not exercised (the senders do not acquire). The baseline, in
 the same run: one process writing the same encoded frames to a fresh LMDB with the same key layout,
 ``buffer.commit_batch`` groups per transaction, same sync settings. Then ``BatchClient.get_batch`` for
 512 groups, timed to bytes received and to decoded ``BatchReply``.
@@ -61,19 +61,33 @@ def build_groups(n: int, seed: int, prefix: str, g: int, tokens: int) -> list[An
 
 def sender_main(addr: str, actor: int, n: int, g: int, tokens: int, window: int, rounds: int, ready: Any,
                 starts: list[Any], results: Any) -> None:
-    from buffer.client import GroupSender
+    import asyncio
 
-    with GroupSender(addr, actor, ack_timeout_s=30.0, window=window) as s:
-        for r in range(rounds):
-            groups = build_groups(n, 1000 * r + actor, f"s{actor}-r{r}", g, tokens)
-            ready.put(actor)
-            starts[r].wait()
-            t0 = time.perf_counter()
-            acks = s.send_many(groups, timeout_s=600)
-            t1 = time.perf_counter()
-            assert all(a.committed for a in acks)
-            results.put((t0, t1, n, s.resent))
-            del groups
+    from buffer.client import AsyncGroupSender
+
+    async def send_all(s: AsyncGroupSender, groups: list[Any]) -> list[Any]:
+        slots = asyncio.Semaphore(window)  # at most `window` groups unacknowledged, like an actor's loops
+
+        async def one(group: Any) -> Any:
+            async with slots:
+                return await s.send(group, timeout_s=600)
+
+        return list(await asyncio.gather(*(one(x) for x in groups)))
+
+    async def main() -> None:
+        async with AsyncGroupSender(addr, actor, ack_timeout_s=30.0) as s:
+            for r in range(rounds):
+                groups = build_groups(n, 1000 * r + actor, f"s{actor}-r{r}", g, tokens)
+                ready.put(actor)
+                await asyncio.get_running_loop().run_in_executor(None, starts[r].wait)
+                t0 = time.perf_counter()
+                acks = await send_all(s, groups)
+                t1 = time.perf_counter()
+                assert all(a.committed for a in acks)
+                results.put((t0, t1, n, s.resent))
+                del groups
+
+    asyncio.run(main())
 
 
 def free_port() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import select
@@ -19,7 +20,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from common.protocol import Sample, SampleGroup
+from buffer.client import AsyncGroupSender
+from common.protocol import CreditGrant, IngestAck, Sample, SampleGroup
+from common.security import ClientKeys
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,6 +48,49 @@ def make_group(gid: str | None = None, version: int = 0, g: int = 4, length: int
     )
 
 
+class SyncSender:
+    """The actors' ``AsyncGroupSender`` for synchronous test code: each call runs on a private event loop.
+
+    ``send_many`` sends its groups concurrently, as an actor's generation loops do.
+    """
+
+    def __init__(self, addr: str, actor_id: int, *, curve: ClientKeys | None = None, ack_timeout_s: float = 10.0) -> None:
+        self._loop = asyncio.new_event_loop()
+
+        async def make() -> AsyncGroupSender:
+            return AsyncGroupSender(addr, actor_id, curve=curve, ack_timeout_s=ack_timeout_s)
+
+        self.sender = self._loop.run_until_complete(make())
+
+    def acquire(self, n: int = 1, timeout_s: float | None = None) -> CreditGrant:
+        return self._loop.run_until_complete(self.sender.acquire(n, timeout_s))
+
+    def send(self, group: SampleGroup, timeout_s: float | None = None) -> IngestAck:
+        return self._loop.run_until_complete(self.sender.send(group, timeout_s))
+
+    def send_many(self, groups: list[SampleGroup], timeout_s: float | None = None) -> list[IngestAck]:
+        async def all_of() -> list[IngestAck]:
+            return list(await asyncio.gather(*(self.sender.send(g, timeout_s) for g in groups)))
+
+        return self._loop.run_until_complete(all_of())
+
+    @property
+    def resent(self) -> int:
+        return self.sender.resent
+
+    @property
+    def credits(self) -> int:
+        return self.sender.credits
+
+    def close(self) -> None:
+        self._loop.run_until_complete(self.sender.close())
+        self._loop.close()
+
+    def __enter__(self) -> SyncSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class BufferProc:

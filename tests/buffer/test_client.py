@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from buffer.client import AsyncGroupSender, BatchClient, GroupSender
+from buffer.client import AsyncGroupSender, BatchClient
 from common.protocol import PositivesReply, decode
-from tests.buffer.conftest import make_group
+from tests.buffer.conftest import SyncSender, make_group
 from tests.polling import wait_for
 
 
@@ -63,6 +65,15 @@ def test_async_sender_waits_for_credit_then_gets_it_when_learner_asks(buffer_pro
     assert [g.weight_version for g in reply.groups] == [5, 5]
 
 
+async def until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """``tests.polling.wait_for`` for coroutines: polls without blocking the event loop."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.02)  # the poll interval, not synchronisation: cond() decides
+
+
 def test_async_sender_resends_across_server_restart(buffer_proc: Any) -> None:
     srv = buffer_proc()
 
@@ -71,8 +82,9 @@ def test_async_sender_resends_across_server_restart(buffer_proc: Any) -> None:
             assert (await s.send(make_group("warm"), timeout_s=10)).committed  # connected
             srv.proc.send_signal(signal.SIGSTOP)  # connected but silent: the frame is sent, no ack comes
             task = asyncio.create_task(s.send(make_group("across"), timeout_s=30))
-            await asyncio.sleep(1.0)  # the sender times out and re-sends (simulated work, not sync)
-            assert not task.done()
+            # Silent for two ack timeouts: the sender has re-sent and reconnected (still no ack).
+            await until(lambda: s.reconnects >= 1, 10, "the sender to re-send and reconnect")
+            assert not task.done() and s.resent >= 2
             srv.kill()  # the frames it received were never committed
             await asyncio.get_running_loop().run_in_executor(None, srv.start)
             ack = await task
@@ -93,7 +105,7 @@ def test_batch_client_recovers_after_server_restart(buffer_proc: Any) -> None:
         with pytest.raises(TimeoutError):
             c.stats()
         srv.start()
-        with GroupSender(srv.ingest_addr, 0) as s:
+        with SyncSender(srv.ingest_addr, 0) as s:
             s.send(make_group("r"), timeout_s=10)
         assert c.stats()["depth_groups"] == 1  # a fresh REQ socket after the lost reply
         assert c.get_batch(0, 1, 5).groups[0].group_id == "r"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from buffer.client import BatchClient, GroupSender
+from buffer.client import BatchClient
 from common.config import CurveConfig
 from common.protocol import encode
 from common.security import (
@@ -22,7 +22,7 @@ from common.security import (
     is_local_endpoint,
     server_curve,
 )
-from tests.buffer.conftest import REPO, BufferProc, make_group
+from tests.buffer.conftest import REPO, BufferProc, SyncSender, make_group
 
 
 @pytest.mark.parametrize("addr,local", [
@@ -115,7 +115,7 @@ def test_only_authorised_curve_clients_can_push_or_pull(tmp_path: Path) -> None:
         rogue = client_curve_keys(CurveConfig(server_public_key=str(keys / "server.key"),
                                               client_secret_key=str(rogue_secret)))
         # Wrong client key (server key known): the ZAP handshake fails, nothing is pushed or pulled.
-        with GroupSender(ingest, 7, curve=rogue, ack_timeout_s=0.3) as s:
+        with SyncSender(ingest, 7, curve=rogue, ack_timeout_s=0.3) as s:
             with pytest.raises(TimeoutError):
                 s.send(make_group("rogue"), timeout_s=1.5)
             with pytest.raises(TimeoutError):
@@ -145,7 +145,7 @@ def test_only_authorised_curve_clients_can_push_or_pull(tmp_path: Path) -> None:
             sock.close()
         ctx.term()
         # The authorised client pushes and pulls.
-        with GroupSender(ingest, 1, curve=good, ack_timeout_s=2) as s, BatchClient(serve, curve=good) as c:
+        with SyncSender(ingest, 1, curve=good, ack_timeout_s=2) as s, BatchClient(serve, curve=good) as c:
             assert s.send(make_group("good"), timeout_s=10).committed
             st = c.stats()
             assert st["accepted_groups"] == 1 and st["rejected_total"] == 0

@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 import zmq
 
-from buffer.client import BatchClient, GroupSender
+from buffer.client import BatchClient
 from common.config import CurveConfig
 from common.protocol import BatchRequest, CreditRequest, ErrorReply, ProtocolError, decode, encode
 from common.security import client_curve_keys
-from tests.buffer.conftest import REPO, BufferProc, make_group
+from tests.buffer.conftest import REPO, BufferProc, SyncSender, make_group
 from tests.polling import wait_for
 
 ENV = dict(os.environ, PYTHONPATH=str(REPO))
@@ -50,7 +50,7 @@ def _req(ctx: zmq.Context, addr: str) -> zmq.Socket:
 
 def test_a_client_cannot_poison_the_learner_version_and_an_operator_can_repair_it(buffer_proc: Any) -> None:
     srv: BufferProc = buffer_proc(["learner.batch_groups=1", "buffer.max_staleness=0", "buffer.learner_version_max_step=1"])
-    with GroupSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr, request_timeout_s=10) as c:
+    with SyncSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr, request_timeout_s=10) as c:
         s.send(make_group("v0", version=0), timeout_s=10)
         with pytest.raises(ProtocolError, match="learner_version"):
             c.get_batch(2**62, 1, 0.5)
@@ -76,7 +76,7 @@ def test_a_client_cannot_poison_the_learner_version_and_an_operator_can_repair_i
     assert fixed.returncode == 0, fixed.stderr
     assert "learner_version 2 -> 7" in fixed.stdout
     srv.start()
-    with GroupSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr, request_timeout_s=10) as c:
+    with SyncSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr, request_timeout_s=10) as c:
         assert c.stats()["learner_version"] == 7
         s.send(make_group("v8", version=8), timeout_s=10)
         assert [g.group_id for g in c.get_batch(8, 1, 5).groups] == ["v8"]  # 7 + 1: the learner goes on
@@ -88,7 +88,7 @@ def test_a_client_running_ahead_of_the_learner_cannot_make_the_version_drift(buf
     # With a step of 2 a client may run 2 ahead of the learner's last served request, but never further:
     # served_version follows the version the learner's batches were requested with, not the raised one.
     srv = buffer_proc(["learner.batch_groups=1", "buffer.max_staleness=5", "buffer.learner_version_max_step=2"])
-    with GroupSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr, request_timeout_s=10) as c:
+    with SyncSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr, request_timeout_s=10) as c:
         for step in range(4):
             s.send(make_group(f"g{step}", version=step), timeout_s=10)
             assert len(c.get_batch(step, 1, 5).groups) == 1  # the learner's own step
@@ -137,7 +137,7 @@ def test_other_requests_are_answered_while_a_big_batch_waits_and_a_departed_clie
             assert time.monotonic() - t0 < 2.0
             assert st["depth_groups"] == 0
             # A second batch request (the learner's) is served while the big one still waits.
-            with GroupSender(srv.ingest_addr, 0) as s:
+            with SyncSender(srv.ingest_addr, 0) as s:
                 s.send_many([make_group(f"a{i}") for i in range(2)], timeout_s=10)
                 assert [g.group_id for g in c.get_batch(0, 2, 10).groups] == ["a0", "a1"]
                 # The hog leaves: its request is dropped, so it cannot swallow the next groups.
@@ -205,7 +205,7 @@ def test_made_up_actor_ids_cannot_take_all_credit_and_a_gone_connection_frees_it
             wait_for(lambda: c.stats()["credit_outstanding"] >= 2, 10, "the hog to be granted something")
             st = c.stats()
             assert st["credit_outstanding"] == 2, st  # the per-connection bound, not the whole capacity
-            with GroupSender(srv.ingest_addr, 0, ack_timeout_s=0.5) as real:
+            with SyncSender(srv.ingest_addr, 0, ack_timeout_s=0.5) as real:
                 assert real.acquire(2, timeout_s=5).n == 2  # the real actor is not starved
                 wait_for(lambda: c.stats()["credit_outstanding"] == 4, 10, "both grants to count")
                 hog.close()
@@ -233,11 +233,13 @@ def test_with_curve_an_actor_id_belongs_to_one_client_key(tmp_path: Path) -> Non
             return client_curve_keys(CurveConfig(server_public_key=str(keys / "server.key"),
                                                  client_secret_key=str(keys / f"client-{i}.key_secret")))
 
-        with GroupSender(srv.ingest_addr, 5, curve=client(0), ack_timeout_s=0.5) as owner, \
-                GroupSender(srv.ingest_addr, 5, curve=client(1), ack_timeout_s=0.5) as thief:
+        with SyncSender(srv.ingest_addr, 5, curve=client(0), ack_timeout_s=0.5) as owner, \
+                SyncSender(srv.ingest_addr, 5, curve=client(1), ack_timeout_s=0.5) as thief:
             assert owner.acquire(1, timeout_s=10).n == 1
-            with pytest.raises(ProtocolError, match="actor_id 5 is bound to another client key"):
-                thief.acquire(1, timeout_s=10)
+            with pytest.raises(TimeoutError):  # refused (ErrorReply actor_key): the thief never gets credit
+                thief.acquire(1, timeout_s=2)
+            with BatchClient(srv.serve_addr, curve=client(0)) as c:
+                assert c.stats()["rejected_actor_key"] >= 1
             assert owner.acquire(1, timeout_s=10).n == 1  # the owner keeps working
     finally:
         srv.cleanup()
@@ -248,7 +250,7 @@ def test_with_curve_an_actor_id_belongs_to_one_client_key(tmp_path: Path) -> Non
 
 def test_inspect_shows_the_current_map_size(buffer_proc: Any) -> None:
     srv = buffer_proc(["buffer.map_size_bytes=1048576", "buffer.capacity_groups=100000"])
-    with GroupSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr) as c:
+    with SyncSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr) as c:
         s.send_many([make_group(f"m{i}", g=8, length=2000) for i in range(30)], timeout_s=60)  # ~2 MB: grows
         live = int(c.stats()["map_size"])
     assert live > 1 << 20

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import zmq
 
-from buffer.client import BatchClient, GroupSender
+from buffer.client import BatchClient
 from buffer.store import BufferStore, positive_hash
 from common.protocol import (
     PROTOCOL_VERSION,
@@ -28,7 +28,7 @@ from common.protocol import (
     decode,
     encode,
 )
-from tests.buffer.conftest import REPO, BufferProc, make_group, make_sample
+from tests.buffer.conftest import REPO, BufferProc, SyncSender, make_group, make_sample
 from tests.polling import wait_for
 
 
@@ -60,7 +60,7 @@ def test_sigkill_mid_stream_loses_no_acked_group_and_stores_retries_once(buffer_
 
     def sender(a: int) -> None:
         try:
-            with GroupSender(srv.ingest_addr, a, ack_timeout_s=0.5, window=4) as s:
+            with SyncSender(srv.ingest_addr, a, ack_timeout_s=0.5) as s:
                 for i in range(0, per_sender, 4):
                     groups = [make_group(f"a{a}-{j}", version=0, length=64, actor_id=a) for j in range(i, i + 4)]
                     for ack in s.send_many(groups, timeout_s=60):
@@ -162,7 +162,7 @@ def test_ten_thousand_hostile_frames_are_counted_and_valid_traffic_still_flows(b
     req.connect(srv.serve_addr)
     n_ingest = 9000
     replies = 0
-    sender = GroupSender(srv.ingest_addr, 1, ack_timeout_s=2.0)
+    sender = SyncSender(srv.ingest_addr, 1, ack_timeout_s=2.0)
     client = BatchClient(srv.serve_addr, request_timeout_s=10)
     try:
         for start in range(0, n_ingest, 500):
@@ -220,7 +220,7 @@ def _run_pipeline(srv: BufferProc, k: int, batch: int, steps: int, n_actors: int
 
     def actor(a: int) -> None:
         try:
-            with GroupSender(srv.ingest_addr, a, ack_timeout_s=1.0) as s:
+            with SyncSender(srv.ingest_addr, a, ack_timeout_s=1.0) as s:
                 i = 0
                 while not stop.is_set():
                     if respect_credit:
@@ -285,7 +285,7 @@ def test_admission_counters_reseeded_after_restart(buffer_proc: Any) -> None:
     k, batch = 1, 4
     # The learner version starts at 3 on a fresh buffer: allow the jump (the default refuses it).
     srv = buffer_proc([f"buffer.max_staleness={k}", f"learner.batch_groups={batch}", "buffer.learner_version_max_step=3"])
-    with BatchClient(srv.serve_addr) as c, GroupSender(srv.ingest_addr, 0, ack_timeout_s=1.0) as s:
+    with BatchClient(srv.serve_addr) as c, SyncSender(srv.ingest_addr, 0, ack_timeout_s=1.0) as s:
         for _ in range(3):
             with pytest.raises(TimeoutError):
                 c.get_batch(3, batch, 0.05)  # learner at version 3; nothing waiting yet
@@ -295,7 +295,7 @@ def test_admission_counters_reseeded_after_restart(buffer_proc: Any) -> None:
         assert c.stats()["admission_capacity"] == 0
     srv.kill()
     srv.start()
-    with BatchClient(srv.serve_addr) as c, GroupSender(srv.ingest_addr, 0, ack_timeout_s=0.3) as s:
+    with BatchClient(srv.serve_addr) as c, SyncSender(srv.ingest_addr, 0, ack_timeout_s=0.3) as s:
         st = c.stats()
         assert st["learner_version"] == 3 and st["depth_groups"] == k * batch
         assert st["admission_capacity"] == 0  # re-seeded from LMDB, not reset to a fresh start
@@ -317,7 +317,7 @@ def test_positives_dedup_eviction_and_restart(buffer_proc: Any) -> None:
     g1 = SampleGroup(group_id="g1", prompt_id="p", task="t", actor_id=0,
                      samples=base + [make_sample(reward=0.0, seed=99)], created_at=0.0)
     g2 = SampleGroup(group_id="g2", prompt_id="p", task="t", actor_id=0, samples=base[:2], created_at=0.0)
-    with GroupSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr) as c:
+    with SyncSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr) as c:
         s.send_many([g1, g2], timeout_s=10)
         st = c.stats()
         assert st["positives"] == 4 and st["positives_duplicates"] == 2
@@ -342,7 +342,7 @@ def test_positives_dedup_eviction_and_restart(buffer_proc: Any) -> None:
 
 def test_uniform_groups_filtered_and_counted(buffer_proc: Any) -> None:
     srv = buffer_proc(["buffer.filter_uniform_groups=true", "learner.batch_groups=2"])
-    with GroupSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr) as c:
+    with SyncSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr) as c:
         acks = s.send_many([make_group("u0", rewards=[0, 0, 0, 0]), make_group("u1", rewards=[1, 1, 1, 1]),
                             make_group("m0"), make_group("m1")], timeout_s=10)
         assert [a.error for a in acks] == ["filtered:uniform_reward"] * 2 + ["", ""]
@@ -355,7 +355,7 @@ def test_uniform_groups_filtered_and_counted(buffer_proc: Any) -> None:
 
 def test_capacity_in_groups_refuses_then_accepts_after_serving(buffer_proc: Any) -> None:
     srv = buffer_proc(["buffer.capacity_groups=3", "learner.batch_groups=2"])
-    with GroupSender(srv.ingest_addr, 0, ack_timeout_s=0.3) as s, BatchClient(srv.serve_addr) as c:
+    with SyncSender(srv.ingest_addr, 0, ack_timeout_s=0.3) as s, BatchClient(srv.serve_addr) as c:
         s.send_many([make_group(f"c{i}") for i in range(3)], timeout_s=10)
         with pytest.raises(TimeoutError):
             s.send(make_group("c3"), timeout_s=1.0)  # refused as full, retried, still full
@@ -368,7 +368,7 @@ def test_capacity_in_groups_refuses_then_accepts_after_serving(buffer_proc: Any)
 
 def test_batch_timeout_takes_nothing(buffer_proc: Any) -> None:
     srv = buffer_proc(["learner.batch_groups=4"])
-    with GroupSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr) as c:
+    with SyncSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr) as c:
         s.send(make_group("only"), timeout_s=10)
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match="1 of 4"):
@@ -387,7 +387,7 @@ def test_batch_request_waits_for_groups_arriving_later(buffer_proc: Any) -> None
 
     t = threading.Thread(target=learner)
     t.start()
-    with GroupSender(srv.ingest_addr, 0) as s:
+    with SyncSender(srv.ingest_addr, 0) as s:
         s.send(make_group("late0"), timeout_s=10)
         s.send(make_group("late1"), timeout_s=10)
     t.join(timeout=30)
@@ -417,16 +417,18 @@ def test_disk_full_is_an_error_ack_and_a_metric_not_a_crash(tmp_path: Path) -> N
     finally:
         subprocess.Popen = orig_popen  # type: ignore[misc]
     try:
-        with GroupSender(srv.ingest_addr, 0, ack_timeout_s=1.0) as s, BatchClient(srv.serve_addr) as c:
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)  # one frame at a time, to see the first refused ack
+        dealer.linger = 0
+        dealer.sndtimeo = 20_000
+        dealer.connect(srv.ingest_addr)
+        with BatchClient(srv.serve_addr) as c:
             acked = 0
-            ctx_sock = s.sock
             failure: IngestAck | None = None
-            s.sock.sndtimeo = 20_000
             for i in range(200):  # 200 x ~64 KB: far past the limit
-                ctx_sock = s.sock
-                ctx_sock.send(encode(make_group(f"d{i}", g=8, length=2000)))
-                assert ctx_sock.poll(20_000), "server stopped answering"
-                ack = decode(ctx_sock.recv())
+                dealer.send(encode(make_group(f"d{i}", g=8, length=2000)))
+                assert dealer.poll(20_000), "server stopped answering"
+                ack = decode(dealer.recv())
                 assert isinstance(ack, IngestAck)
                 if not ack.committed:
                     failure = ack
@@ -440,6 +442,8 @@ def test_disk_full_is_an_error_ack_and_a_metric_not_a_crash(tmp_path: Path) -> N
             # Still serving what was committed.
             reply = c.get_batch(0, 2, 5)
             assert [g.group_id for g in reply.groups] == ["d0", "d1"]
+        dealer.close()
+        ctx.term()
         srv.kill()
         st2 = BufferStore(srv.path)  # the files are intact and hold exactly the acknowledged groups
         assert st2.counters["depth_groups"] == acked - 2 == len(st2.iter_group_frames())
@@ -453,7 +457,7 @@ def test_disk_full_is_an_error_ack_and_a_metric_not_a_crash(tmp_path: Path) -> N
 
 def test_inspect_cli_while_server_runs(buffer_proc: Any) -> None:
     srv = buffer_proc()
-    with GroupSender(srv.ingest_addr, 0) as s:
+    with SyncSender(srv.ingest_addr, 0) as s:
         s.send_many([make_group(version=v, rewards=[1, 0, 0, 0]) for v in (5, 3, 9)], timeout_s=10)
     out = subprocess.run([sys.executable, "-m", "buffer.inspect", str(srv.path)], cwd=REPO, capture_output=True,
                          text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
@@ -480,7 +484,7 @@ def test_cli_help_and_bad_config() -> None:
 def test_groups_numpy_roundtrip_through_server(buffer_proc: Any) -> None:
     srv = buffer_proc(["learner.batch_groups=1"])
     g = make_group("rt", length=33, rewards=[0.0, 1.0, 0.5, 1.0])
-    with GroupSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr) as c:
+    with SyncSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr) as c:
         s.send(g, timeout_s=10)
         got = c.get_batch(0, 1, 5).groups[0]
     assert got == g
@@ -489,11 +493,11 @@ def test_groups_numpy_roundtrip_through_server(buffer_proc: Any) -> None:
 
 def test_unused_credit_expires_and_withdrawn_requests_are_not_granted(buffer_proc: Any) -> None:
     srv = buffer_proc(["buffer.max_staleness=1", "learner.batch_groups=2", "buffer.credit_ttl_s=0.5"])
-    with GroupSender(srv.ingest_addr, 0, ack_timeout_s=0.2) as s, BatchClient(srv.serve_addr) as c:
+    with SyncSender(srv.ingest_addr, 0, ack_timeout_s=0.2) as s, BatchClient(srv.serve_addr) as c:
         assert s.acquire(2, timeout_s=5).n == 2  # the whole k*B, then the actor dies without sending
         assert c.stats()["admission_capacity"] == 0
         wait_for(lambda: c.stats()["admission_capacity"] == 2, 10, "the unused grant to expire")
-        with GroupSender(srv.ingest_addr, 1, ack_timeout_s=0.2) as other:
+        with SyncSender(srv.ingest_addr, 1, ack_timeout_s=0.2) as other:
             assert other.acquire(2, timeout_s=5).n == 2
             with pytest.raises(TimeoutError):
                 other.acquire(1, timeout_s=0.3)
@@ -510,10 +514,10 @@ def test_restarted_actor_gets_credit_its_dead_predecessor_held(buffer_proc: Any)
     # not block its replacement (same actor id) until credit_ttl_s. A closed connection frees its credit
     # at once (tests/buffer/test_serve_abuse.py).
     srv = buffer_proc(["buffer.max_staleness=1", "learner.batch_groups=2", "buffer.credit_ttl_s=600"])
-    with BatchClient(srv.serve_addr) as c, GroupSender(srv.ingest_addr, 0, ack_timeout_s=0.2) as hung:
+    with BatchClient(srv.serve_addr) as c, SyncSender(srv.ingest_addr, 0, ack_timeout_s=0.2) as hung:
         assert hung.acquire(2, timeout_s=5).n == 2
         assert c.stats()["admission_capacity"] == 0
-        with GroupSender(srv.ingest_addr, 0, ack_timeout_s=0.2) as replacement:
+        with SyncSender(srv.ingest_addr, 0, ack_timeout_s=0.2) as replacement:
             assert replacement.acquire(2, timeout_s=5).n == 2
             replacement.send_many([make_group(f"r{i}", actor_id=0) for i in range(2)], timeout_s=10)
             assert len(c.get_batch(0, 2, 5).groups) == 2
