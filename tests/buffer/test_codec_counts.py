@@ -7,6 +7,16 @@ main thread), which is how a count is attributed to a hop.
 
 Counted: ``protocol.encode`` / ``protocol.decode`` (every module that imported them), ``Sample.to_wire`` /
 ``from_wire`` and ``SampleGroup.to_wire`` / ``from_wire``.
+
+Per group (G samples): the actor encodes it once (1 SampleGroup.to_wire, G Sample.to_wire); the buffer decodes
+it once at ingest and serves the stored frame as it is; the learner client decodes the BatchReply once (1
+SampleGroup.from_wire). Before the refactor the client also called ``protocol.decode`` a second time per
+group (the nested frame), with the same one SampleGroup.from_wire.
+
+Per positive: before, Sample.to_wire ran 3 times (actor, buffer ingest storing it, buffer serve re-encoding
+the reply) and Sample.from_wire 3 times (buffer ingest, buffer serve decoding the stored frame, learner
+client). Now 1 to_wire (actor) and 2 from_wire (buffer ingest, learner client): the buffer stores the bytes
+it received and splices them into the reply.
 """
 
 from __future__ import annotations
