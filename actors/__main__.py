@@ -12,7 +12,6 @@ Exit codes: 0 done or stopped, 1 a worker failed for good, 2 bad command line or
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
@@ -20,6 +19,7 @@ import sys
 import time
 
 from common import lifeline
+from common.cli import config_from_argv, setup_logging
 
 USAGE = """usage: python -m actors [config.yaml] [key=value ...] [--actor-id I]
 
@@ -109,13 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     path, overrides, actor_id = parse_args(argv)
-    from common.config import ConfigError, load_config
-
-    try:
-        cfg = load_config(path, overrides)
-    except ConfigError as e:
-        print(f"actors: config error: {e}", file=sys.stderr)
-        return 2
+    cfg = config_from_argv("actors", USAGE, ([path] if path else []) + overrides)
+    if isinstance(cfg, int):
+        return cfg
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if actor_id is None:
@@ -124,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if actor_id >= cfg.actors.num_actors:
         print(f"actors: --actor-id {actor_id} outside [0, actors.num_actors={cfg.actors.num_actors})", file=sys.stderr)
         return 2
-    logging.basicConfig(level=cfg.run.log_level, stream=sys.stderr,
-                        format=f"%(asctime)s actor-{actor_id} %(name)s %(levelname)s %(message)s")
+    setup_logging(cfg.run.log_level, f"actor-{actor_id} %(name)s")
     from actors.worker import run_worker
 
     return run_worker(cfg, actor_id)

@@ -19,7 +19,8 @@ from __future__ import annotations
 import shlex
 import sys
 
-from common.config import Config, ConfigError, load_config_args
+from common.cli import config_from_argv
+from common.config import Config, ConfigError
 
 # Flags this module emits, as named in SGLang's ServerArgs (field name -> --kebab-case flag).
 SGLANG_FLAGS_USED = (
@@ -73,19 +74,19 @@ def sglang_command(cfg: Config, index: int) -> tuple[list[str], dict[str, str]]:
     return argv, env
 
 
+USAGE = (f"{__doc__}\nusage: python -m actors.sglang_launcher [config.yaml] [key=value ...]\n"
+         "Prints one shell command per engine (environment prefix included); ops/launch.sh runs them.")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in args):
-        print(__doc__)
-        print("usage: python -m actors.sglang_launcher [config.yaml] [key=value ...]\n"
-              "Prints one shell command per engine (environment prefix included); ops/launch.sh runs them.")
-        return 0
+    cfg = config_from_argv("actors.sglang_launcher", USAGE, argv)
+    if isinstance(cfg, int):
+        return cfg
     try:
-        cfg = load_config_args(args)
         for i in range(cfg.actors.num_actors):
             cmd, env = sglang_command(cfg, i)
             print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))
-    except ConfigError as e:
+    except ConfigError as e:  # engine.* values only sglang_command checks
         print(f"actors.sglang_launcher: config error: {e}", file=sys.stderr)
         return 2
     return 0

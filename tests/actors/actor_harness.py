@@ -16,14 +16,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import zmq
 
 from common import protocol
 from common.checksum import weights_sha256
@@ -159,53 +156,6 @@ def _tail(log: Path | None) -> str:
 
 
 # ----------------------------------------------------------------------------------- fake learner
-
-
-class FakeLearner:
-    """PUB WeightUpdate + REP WeightQuery, speaking the real protocol (what learner/weights.py serves)."""
-
-    def __init__(self, publish_addr: str, query_addr: str) -> None:
-        self.ctx = zmq.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
-        self.pub.linger = 0
-        self.pub.bind(publish_addr)
-        self.latest: Any = None
-        self.queries = 0
-        self._stop = threading.Event()
-        self._rep = self.ctx.socket(zmq.REP)
-        self._rep.linger = 0
-        self._rep.bind(query_addr)
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            if not self._rep.poll(50):
-                continue
-            protocol.decode_as(self._rep.recv(), protocol.WeightQuery)
-            self.queries += 1
-            latest = self.latest
-            self._rep.send(protocol.encode(latest) if latest is not None else protocol.encode(
-                protocol.ErrorReply(reason="no_weights", message="none yet")))
-
-    def publish(self, update: Any) -> None:
-        self.latest = update
-        self.pub.send(protocol.encode(update))
-
-    def __enter__(self) -> FakeLearner:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        self._thread.join(5)
-        self._rep.close(0)
-        self.pub.close(0)
-        self.ctx.term()
 
 
 def make_weights(base: Path, out: Path, scale: float, version: int) -> Any:

@@ -13,15 +13,17 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 import pytest
-from actor_harness import REPO, FakeLearner, Stack, env, make_weights, metric, read_tagged, scrape
+from actor_harness import REPO, Stack, env, make_weights, metric, read_tagged, scrape
 
 from actors.sglang_client import SGLangClient, SGLangError
 from common import protocol
 from common.checksum import weights_sha256
+from learner.weights import WeightPublisher
 from tests.polling import wait_for
 from tests.ports import free_port
 
@@ -127,7 +129,7 @@ def test_worker_against_sglang_imitation(tmp_path: Path, tiny_model_dir: Path) -
     s.procs.append(engine)
     try:
         s.start_buffer()
-        with FakeLearner(s.publish, s.query) as learner:
+        with closing(WeightPublisher(s.publish, s.query)) as learner:
             learner.publish(make_weights(tiny_model_dir, tmp_path / "weights" / "v1", 0.9, 1))
             p = s.start_actors("--actor-id", "0")
             ready = read_tagged(p, "ACTOR READY", 120, s.tmp / "actors.log")

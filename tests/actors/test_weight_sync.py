@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import tempfile
 import time
+from contextlib import closing
 from pathlib import Path
 
-from actor_harness import FakeLearner, make_weights
+from actor_harness import make_weights
 
 from actors.weight_sync import WeightWatcher, verify_update
 from common import protocol
+from learner.weights import WeightPublisher
 
 
 def _addrs() -> tuple[str, str]:
@@ -28,27 +30,32 @@ def test_query_pub_and_poll_deliver_the_newest_update(tmp_path: Path, tiny_model
     v2 = make_weights(tiny_model_dir, tmp_path / "v2", 0.25, 2)
     v3 = make_weights(tiny_model_dir, tmp_path / "v3", 0.125, 3)
 
-    async def main(learner: FakeLearner) -> None:
+    async def main() -> None:
+        learner = WeightPublisher(pub, query)
         w = WeightWatcher(pub, query, poll_s=0.2, query_timeout_s=2.0)
-        assert await w.query() is None and w.latest is None  # learner up, nothing published yet
-        learner.publish(v1)  # before anyone subscribed: PUB drops it, the query still finds it
-        assert (await w.query()).version == 1
-        w.changed.clear()
-        task = asyncio.get_running_loop().create_task(w.run())
-        learner.publish(v2)
-        await _wait(w.changed, 10)
-        assert w.latest.version == 2
-        w.changed.clear()
-        learner.latest = v3  # never published on PUB: only the periodic WeightQuery can see it
-        await _wait(w.changed, 10)
-        assert w.latest.version == 3
-        assert not w.offer(v2)  # never goes backwards
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        w.close()
+        try:
+            assert await w.query() is None and w.latest is None  # learner up, nothing published yet
+            learner.publish(v1)  # before anyone subscribed: PUB drops it, the query still finds it
+            assert (await w.query()).version == 1
+            w.changed.clear()
+            task = asyncio.get_running_loop().create_task(w.run())
+            learner.publish(v2)
+            await _wait(w.changed, 10)
+            assert w.latest.version == 2
+            w.changed.clear()
+            # A restarted learner that announces v3 on no PUB message: only the periodic WeightQuery sees it.
+            learner.close()
+            learner = WeightPublisher(pub, query, latest=v3)
+            await _wait(w.changed, 10)
+            assert w.latest.version == 3
+            assert not w.offer(v2)  # never goes backwards
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        finally:
+            w.close()
+            learner.close()
 
-    with FakeLearner(pub, query) as learner:
-        asyncio.run(main(learner))
+    asyncio.run(main())
 
 
 def test_query_without_learner_times_out_and_recovers() -> None:
@@ -59,8 +66,8 @@ def test_query_without_learner_times_out_and_recovers() -> None:
         t0 = time.monotonic()
         assert await w.query() is None
         assert time.monotonic() - t0 < 5
-        with FakeLearner(pub, query) as learner:
-            learner.latest = protocol.WeightUpdate(version=4, path="/x", sha256="a" * 64, created_at=1.0)
+        v4 = protocol.WeightUpdate(version=4, path="/x", sha256="a" * 64, created_at=1.0)
+        with closing(WeightPublisher(pub, query, latest=v4)):
             assert (await w.query(timeout_s=5)).version == 4  # a fresh REQ socket after the timeout
         w.close()
 

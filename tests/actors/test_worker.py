@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -15,11 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from actor_harness import FakeLearner, Stack, make_weights, metric, read_tagged, scrape, terminate
+from actor_harness import Stack, make_weights, metric, read_tagged, scrape, terminate
 
 from common.config import load_config
 from common.modeling import load_model, load_tokenizer
 from common.tasks import decode_response, encode_prompt, get_task
+from learner.weights import WeightPublisher
 from tests.polling import wait_for
 from tests.ports import free_port
 
@@ -72,7 +74,7 @@ def test_groups_have_g_samples_engine_logprobs_and_verifier_rewards(stack, tiny_
     s = stack(f"actors.group_size={G}", f"actors.max_prompts={M}", "actors.max_new_tokens=12",
               "actors.prompts_in_flight=3")
     s.start_buffer()
-    with FakeLearner(s.publish, s.query):  # no weights published: the base model serves as version 0
+    with contextlib.closing(WeightPublisher(s.publish, s.query)):  # no weights published: the base model serves as version 0
         p = s.start_actors("--actor-id", "0")
         ready = read_tagged(p, "ACTOR READY", 120, s.tmp / "actors.log")
         assert ready["weight_version"] == 0
@@ -93,7 +95,7 @@ def test_weight_update_reaches_every_worker_and_bad_checksum_is_refused(stack, t
     s = stack("actors.num_actors=2", "actors.group_size=2", "actors.max_new_tokens=8", "actors.prompts_in_flight=2",
               f"actors.weight_sync={policy}")
     s.start_buffer()
-    learner = FakeLearner(s.publish, s.query)
+    learner = WeightPublisher(s.publish, s.query)
     try:
         p = s.start_actors()  # no --actor-id: both workers as children of one process
         ready = [read_tagged(p, "ACTOR READY", 150, s.tmp / "actors.log") for _ in range(2)]
@@ -120,7 +122,7 @@ def test_weight_update_reaches_every_worker_and_bad_checksum_is_refused(stack, t
 
         # v2 announced with a checksum that does not match its files: refused, v1 keeps serving
         v2 = make_weights(tiny_model_dir, tmp_path / "weights" / "v2", 1.1, 2)
-        v2.sha256 = "0" * 64
+        v2 = dataclasses.replace(v2, sha256="0" * 64)
         learner.publish(v2)
         wait_for(lambda: all(metric(scrape(ports[a]), "vapo_actor_weight_sync_failures_total", actor=str(a),
                                     reason="checksum") == 1 for a in ports), 60, "both workers refusing v2")
@@ -158,7 +160,7 @@ def test_killed_engine_is_restarted_with_newest_weights_and_no_prompt_is_lost_or
               "actors.weight_sync=wait", "engine.max_restarts=2", "learner.batch_groups=6", "buffer.max_staleness=1")
     s.start_buffer()
     v1_dir = tmp_path / "weights" / "v1"
-    with FakeLearner(s.publish, s.query) as learner:
+    with contextlib.closing(WeightPublisher(s.publish, s.query)) as learner:
         learner.publish(make_weights(tiny_model_dir, v1_dir, 0.9, 1))  # published before the worker starts
         p = s.start_actors("--actor-id", "0")
         ready = read_tagged(p, "ACTOR READY", 120, s.tmp / "actors.log")
@@ -185,7 +187,7 @@ def test_engine_that_stops_answering_health_is_killed_and_restarted(stack, tmp_p
               "engine.health_interval_s=0.3", "engine.health_timeout_s=1", "engine.health_failures=3",
               "learner.batch_groups=4", "buffer.max_staleness=1")  # the run cannot end before the test drains
     s.start_buffer()
-    with FakeLearner(s.publish, s.query):
+    with contextlib.closing(WeightPublisher(s.publish, s.query)):
         p = s.start_actors("--actor-id", "0")
         ready = read_tagged(p, "ACTOR READY", 120, s.tmp / "actors.log")
         hung = ready["engine_pid"]
@@ -220,7 +222,7 @@ def test_killed_worker_resumes_its_cursor_without_repeating_or_skipping(stack, t
     s = stack("actors.group_size=2", "actors.max_new_tokens=8", "actors.prompts_in_flight=4", f"actors.max_prompts={M}",
               "learner.batch_groups=7", "buffer.max_staleness=1")  # at most 7 groups before the test drains
     s.start_buffer()
-    with FakeLearner(s.publish, s.query):
+    with contextlib.closing(WeightPublisher(s.publish, s.query)):
         p = s.start_actors("--actor-id", "0")
         read_tagged(p, "ACTOR READY", 120, s.tmp / "actors.log")
         wait_for(lambda: s.cursor(0)["next"] >= 4, 60, "four prompts done")
@@ -272,7 +274,7 @@ def test_external_engine_restarted_underneath_is_resynced_and_samples_stay_hones
     s.start_buffer()
     engine = start_engine()
     v1_dir = tmp_path / "weights" / "v1"
-    with FakeLearner(s.publish, s.query) as learner:
+    with contextlib.closing(WeightPublisher(s.publish, s.query)) as learner:
         learner.publish(make_weights(tiny_model_dir, v1_dir, 0.9, 1))
         p = s.start_actors("--actor-id", "0")
         ready = read_tagged(p, "ACTOR READY", 120, s.tmp / "actors.log")
@@ -303,7 +305,7 @@ def test_grant_that_overtakes_its_weight_update_waits_for_those_weights(stack, t
     s = stack("buffer.max_staleness=0", "actors.group_size=2", "actors.max_new_tokens=8", "actors.prompts_in_flight=2",
               "actors.weight_poll_s=60")
     s.start_buffer()
-    learner = FakeLearner(s.publish, s.query)
+    learner = WeightPublisher(s.publish, s.query)
     try:
         p = s.start_actors("--actor-id", "0")
         ready = read_tagged(p, "ACTOR READY", 150, s.tmp / "actors.log")
@@ -311,13 +313,17 @@ def test_grant_that_overtakes_its_weight_update_waits_for_those_weights(stack, t
         with BatchClient(s.serve) as c:
             first = c.get_batch(0, 2, timeout_s=60).groups
             assert [g.weight_version for g in first] == [0, 0]
-            learner.latest = make_weights(tiny_model_dir, tmp_path / "weights" / "v1", 0.9, 1)  # not published on PUB
-            queries = learner.queries
+            # v1 is announced by a restarted learner on no PUB message: only a WeightQuery finds it, and the
+            # next periodic one is a minute away.
+            v1 = make_weights(tiny_model_dir, tmp_path / "weights" / "v1", 0.9, 1)
+            learner.close()
+            learner = WeightPublisher(s.publish, s.query, latest=v1)
+            t0 = time.monotonic()
             second = c.get_batch(1, 2, timeout_s=60).groups
             stats = c.stats()
         assert [g.weight_version for g in second] == [1, 1]
         assert stats["stale_dropped"] == 0
-        assert learner.queries > queries  # asked at once, not at the next poll
+        assert time.monotonic() - t0 < 50  # asked at once, not at the next poll (actors.weight_poll_s=60)
         waited = metric(scrape(ready["metrics_port"]), "vapo_actor_weight_wait_seconds_total", actor="0")
         assert waited is not None and waited > 0
         assert terminate(p) == 0

@@ -1,0 +1,362 @@
+"""A worker's link to its engine: start or reach it, keep it alive, keep its weights current.
+
+``EngineLink`` is the one owner of everything between a rollout worker and its inference engine
+(``engine.kind``): the ``SGLangClient``, the ``actors.rollout_server`` child process for ``rollout_server``
+(``actors.rollout_server.process``), its supervision, and weight sync. The worker only reads ``gate``
+(open while the engine takes requests), ``client`` and ``version``, and calls ``report_trouble`` when a
+request failed.
+
+- **Start**: ``rollout_server``: a child server started with the newest verified weights; ``sglang``: the
+  engine at ``engine.host:engine.base_port + i`` (started by ``ops/launch.sh`` through
+  ``actors.sglang_launcher``); ``external``: ``engine.urls[i]``. Those two are waited for, then loaded with
+  the newest weights.
+- **Supervision**: our server is restarted when it exits or fails ``engine.health_failures`` ``/health``
+  probes in a row (every ``engine.health_interval_s``, none while the link pauses or updates the engine),
+  at most ``engine.max_restarts`` times, then the worker fails. A remote engine that stops answering is
+  waited for; one that comes back on older weights (it was restarted) is re-synced. Either counts in
+  ``engine_restarts``.
+- **Weight sync** (``actors.weight_sync``): a newer ``WeightUpdate`` is verified (checksum, and with
+  ``actors.verify_tensors`` every tensor of ``model.path`` with its shape, all finite), then loaded with
+  ``/update_weights_from_disk``; ``wait`` lets requests in flight finish on the old weights, ``abort``
+  pauses generation (``mode=abort``) around the update. A refused update is counted in
+  ``vapo_actor_weight_sync_failures{reason}`` and the old weights keep serving. An update answered with an
+  error whose version the engine generates with anyway (SGLang: 400 after a completed load whose cache
+  flush was refused) is accepted.
+
+Deviations: none from SGLang's API; the link uses only what ``actors.sglang_client`` speaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from actors.rollout_server.process import EngineStartError, RolloutServerProcess
+from actors.sglang_client import SGLangClient, SGLangError
+from actors.weight_sync import WeightWatcher, checkpoint_tensors, verify_tensors, verify_update
+from common.config import Config
+
+# The worker's logger: these lines were always the worker's, and log readers match on its name.
+log = logging.getLogger("vapo.actors.worker")
+
+
+class EngineLinkError(RuntimeError):
+    """No engine address for this actor (``engine.kind = external`` with too few ``engine.urls``)."""
+
+
+def engine_url(cfg: Config, actor_id: int) -> str | None:
+    """The URL of an engine vapo does not start itself (None for rollout_server: known once started)."""
+    e = cfg.engine
+    if e.kind == "external":
+        if actor_id >= len(e.urls):
+            raise EngineLinkError(f"engine.kind=external: engine.urls has {len(e.urls)} URLs, actor {actor_id} needs one")
+        return e.urls[actor_id].rstrip("/")
+    if e.kind == "sglang":
+        return f"http://{e.host}:{e.base_port + actor_id}"
+    return None
+
+
+def as_version(v: Any) -> int:
+    """SGLang's weight_version is a string ('default' when never set): vapo's versions are its integers."""
+    try:
+        return max(0, int(v))
+    except (TypeError, ValueError):
+        return 0
+
+
+class EngineLink:
+    """One worker's engine: connection, supervision, weight sync (see the module docstring).
+
+    ``counts`` (the worker's counters: ``engine_restarts``, ``weight_syncs``, ``weight_sync_failures``) and
+    ``metric(name, **labels)`` (its labelled metrics) are shared with the worker; ``on_change`` runs when the
+    served version moved or a version was refused, ``on_fatal(why)`` when the engine cannot be kept, and
+    ``stopping()`` says that the worker is shutting down (an engine exit is then no failure).
+    """
+
+    def __init__(self, cfg: Config, actor_id: int, watcher: WeightWatcher, *, generate_timeout_s: float,
+                 counts: dict[str, int], metric: Callable[..., Any], on_change: Callable[[], None],
+                 on_fatal: Callable[[str], None], stopping: Callable[[], bool]) -> None:
+        self.cfg, self.actor_id, self.watcher = cfg, actor_id, watcher
+        self.a = cfg.actors
+        self.generate_timeout_s = generate_timeout_s
+        self.counts = counts
+        self._m = metric
+        self._on_change = on_change
+        self._fail = on_fatal
+        self._stopping = stopping
+        self.version = 0
+        self.model_path = cfg.model.path
+        self.refused: dict[int, str] = {}  # version -> reason
+        self.sync_latencies: list[float] = []
+        self.client: SGLangClient | None = None
+        self.process: RolloutServerProcess | None = None
+        self._expected: dict[str, tuple[int, ...]] | None = None  # base model's tensor shapes, read once
+        self.gate = asyncio.Event()  # set while the engine accepts requests
+        self.control = asyncio.Lock()  # weight syncs and engine restarts, one at a time
+        self.trouble = asyncio.Event()  # a request failed: the engine may be gone
+
+    @property
+    def owned(self) -> bool:
+        """True when the engine is our own child process (its exit is noticed without a request failing)."""
+        return self.process is not None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    @property
+    def url(self) -> str | None:
+        return self.client.base_url if self.client is not None else None
+
+    def report_trouble(self) -> None:
+        """A request failed or came back on older weights: check the engine."""
+        self.trouble.set()
+
+    def _set_version(self, version: int, path: str) -> None:
+        self.version, self.model_path = version, path
+        self._m("weight_version").set(version)
+        self._on_change()
+
+    def _count_restart(self) -> int:
+        self.counts["engine_restarts"] += 1
+        self._m("engine_restarts").inc()
+        return self.counts["engine_restarts"]
+
+    async def close(self) -> None:
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                await self.client.close()
+        if self.process is not None:
+            await self.process.stop()
+
+    # ------------------------------------------------------------------ engine
+
+    def _verify(self, upd: Any) -> tuple[str, str] | None:
+        """Checksum, then (``actors.verify_tensors``) names, shapes and finiteness; blocking (a thread)."""
+        bad = verify_update(upd)
+        if bad is None and self.a.verify_tensors:
+            if self._expected is None:
+                self._expected = checkpoint_tensors(self.cfg.model.path)
+            bad = verify_tensors(upd.path, self._expected)
+        return bad
+
+    def _newest_verified(self) -> tuple[int, str]:
+        """(version, path) to start an engine with: the newest announced weights that verify, else current."""
+        upd = self.watcher.latest
+        if upd is not None and upd.version > self.version and upd.version not in self.refused:
+            bad = self._verify(upd)
+            if bad is None:
+                return upd.version, upd.path
+            self._refuse(upd, *bad)
+        return self.version, self.model_path
+
+    async def connect(self) -> None:
+        """Start (rollout_server) or reach (sglang/external) the engine with the newest verified weights;
+        the gate stays closed until the caller opens it."""
+        async with self.control:
+            await self._connect()
+
+    async def _connect(self) -> None:
+        """``connect``; caller holds ``control``."""
+        url = engine_url(self.cfg, self.actor_id)
+        if self.client is not None:
+            await self.client.close()
+        if url is None:
+            if self.process is None:
+                self.process = RolloutServerProcess(self.cfg, self.actor_id,
+                                                   self.cfg.run_dir / "logs" / f"engine-{self.actor_id}.log")
+            version, path = await asyncio.to_thread(self._newest_verified)
+            url = await self.process.start(path, version)
+            self.client = SGLangClient(url, timeout_s=self.generate_timeout_s)
+            self._set_version(version, path)
+            return
+        self.client = SGLangClient(url, timeout_s=self.generate_timeout_s)
+        await self.client.wait_healthy(self.cfg.engine.startup_timeout_s)
+        served = as_version(await self.client.get_weight_version())
+        self._set_version(served, self.model_path if served == self.version else self.cfg.model.path)
+        await self._sync_locked(idle=True)  # newest weights before the first request
+
+    async def supervise(self) -> None:
+        """Runs for the worker's life: restart our engine when it dies, or wait for and re-sync a remote one."""
+        if self.process is not None:
+            await self._supervise_process()
+        else:
+            await self._supervise_remote()
+
+    async def _supervise_process(self) -> None:
+        """Restart our rollout_server when it dies, with the newest verified weights."""
+        assert self.process is not None
+        while True:
+            rc = await self.process.wait()
+            if self._stopping():
+                return
+            log.warning("actor %d: engine (pid %s) exited with code %s; restarting", self.actor_id, self.process.pid, rc)
+            async with self.control:
+                self.gate.clear()
+                while True:
+                    if self._count_restart() > self.cfg.engine.max_restarts:
+                        self._fail(f"engine died {self.counts['engine_restarts']} times "
+                                   f"(engine.max_restarts={self.cfg.engine.max_restarts}); see {self.process.log_path}")
+                        return
+                    await self.watcher.query()
+                    try:
+                        await self._connect()
+                        break
+                    except (EngineStartError, SGLangError) as e:
+                        log.warning("actor %d: engine restart failed: %s", self.actor_id, e)
+                self.gate.set()
+            self.watcher.changed.set()
+
+    async def watch_health(self) -> None:
+        """Liveness beyond process exit: an engine whose scheduler hung (or a remote one that stopped
+        answering) fails ``/health``. ``engine.health_failures`` consecutive failures, one probe every
+        ``engine.health_interval_s`` of at most ``engine.health_timeout_s`` each, count as dead: our own
+        rollout_server is killed (its supervisor restarts it), a remote engine is waited for and re-synced.
+        No probe counts while this worker pauses, updates or restarts the engine: SGLang's /health runs a
+        generation, which cannot run then."""
+        e = self.cfg.engine
+        failures = 0
+        while True:
+            await asyncio.sleep(e.health_interval_s)
+            client = self.client
+            if client is None or not self.gate.is_set() or self.control.locked():
+                failures = 0
+                continue
+            ok = await client.health(e.health_timeout_s)
+            if ok or self.control.locked() or client is not self.client:
+                failures = 0
+                continue
+            failures += 1
+            log.warning("actor %d: engine %s failed /health (%d/%d)", self.actor_id, client.base_url, failures,
+                        e.health_failures)
+            if failures < e.health_failures:
+                continue
+            failures = 0
+            if self.process is not None and self.process.running():
+                log.error("actor %d: engine (pid %s) failed %d /health probes in a row; killing it to restart it",
+                          self.actor_id, self.process.pid, e.health_failures)
+                self.process.kill()
+            else:
+                self.trouble.set()
+
+    async def _supervise_remote(self) -> None:
+        """An engine we do not own stopped answering or went back to older weights (it was restarted):
+        wait for it, then re-sync the newest weights before generating again."""
+        assert self.client is not None
+        while True:
+            await self.trouble.wait()
+            self.trouble.clear()
+            async with self.control:
+                if not await self.client.health(self.cfg.engine.health_timeout_s):
+                    self.gate.clear()
+                    log.warning("actor %d: engine %s unreachable; waiting for it", self.actor_id, self.client.base_url)
+                    try:
+                        await self.client.wait_healthy(self.cfg.engine.startup_timeout_s * (self.cfg.engine.max_restarts + 1))
+                    except SGLangError as e:
+                        self._fail(f"engine {self.client.base_url} did not come back: {e}")
+                        return
+                try:
+                    served = as_version(await self.client.get_weight_version())
+                except SGLangError:
+                    self.gate.set()
+                    continue  # a blip: requests will fail again and bring us back here
+                if served != self.version:
+                    self.gate.clear()
+                    self._count_restart()
+                    log.warning("actor %d: engine serves v%d, expected v%d (restarted?); re-syncing", self.actor_id,
+                                served, self.version)
+                    self._set_version(served, self.cfg.model.path)
+                    await self.watcher.query()
+                    await self._sync_locked(idle=True)
+                self.gate.set()
+            self.watcher.changed.set()
+
+    # ------------------------------------------------------------------ weight sync
+
+    def _refuse(self, upd: Any, reason: str, message: str) -> None:
+        if upd.version in self.refused:
+            return
+        self.refused[upd.version] = reason
+        self.counts["weight_sync_failures"] += 1
+        self._m("weight_sync_failures", reason=reason).inc()
+        log.error("actor %d: refusing weights v%d (%s): %s; still serving v%d", self.actor_id, upd.version, reason,
+                  message, self.version)
+        self._on_change()  # prompts held for this version go ahead on the current weights
+
+    async def sync_loop(self) -> None:
+        """Runs for the worker's life: load each newer announced version once the engine is up."""
+        while True:
+            await self.watcher.changed.wait()
+            self.watcher.changed.clear()
+            await self._sync_to_latest()
+
+    async def _sync_to_latest(self) -> None:
+        async with self.control:
+            if self.gate.is_set():  # else the engine is down and its restart loads the newest weights
+                await self._sync_locked(idle=False)
+
+    async def _sync_locked(self, idle: bool) -> bool:
+        """Load the newest announced weights if they verify; caller holds ``control``. True if loaded.
+
+        ``idle``: the gate is closed and nothing is generating (startup, after a restart), so the update
+        needs no pause whatever ``actors.weight_sync`` says.
+        """
+        upd = self.watcher.latest
+        if upd is None or upd.version <= self.version or upd.version in self.refused:
+            return False
+        bad = await asyncio.to_thread(self._verify, upd)
+        if bad is not None:
+            self._refuse(upd, *bad)
+            return False
+        assert self.client is not None
+        client = self.client
+        try:
+            if self.a.weight_sync == "abort" and not idle:
+                self.gate.clear()
+                try:
+                    await client.pause_generation("abort")
+                    await client.update_weights_from_disk(upd.path, weight_version=upd.version)
+                finally:
+                    with contextlib.suppress(SGLangError):
+                        await client.continue_generation()
+                    self.gate.set()
+            else:
+                await client.update_weights_from_disk(upd.path, weight_version=upd.version)
+        except SGLangError as e:
+            if e.status is None:  # engine unreachable: the supervisor reloads the newest weights
+                log.warning("actor %d: weight update v%d failed, engine unreachable: %s", self.actor_id, upd.version, e)
+                self.trouble.set()
+                return False
+            if not await self._served_anyway(client, upd, e):
+                self._refuse(upd, "load_error", e.message)
+                return False
+        latency = max(0.0, time.time() - upd.created_at)
+        self._set_version(upd.version, upd.path)
+        self.counts["weight_syncs"] += 1
+        self.sync_latencies.append(latency)
+        self._m("weight_sync_seconds").observe(latency)
+        log.info("actor %d: serving weights v%d (%.3f s after publish)", self.actor_id, upd.version, latency)
+        return True
+
+    async def _served_anyway(self, client: SGLangClient, upd: Any, e: SGLangError) -> bool:
+        """After an update answered with an error: True when the engine generates with ``upd`` anyway.
+        SGLang answers 400 when the cache flush after a completed load is refused (requests still queued),
+        with the new weights live: refusing that version would misstamp every sample from then on."""
+        try:
+            served = await client.served_weight_version(timeout_s=self.generate_timeout_s)
+        except SGLangError as e2:
+            log.warning("actor %d: cannot ask the engine which weights it serves after a failed update: %s",
+                        self.actor_id, e2)
+            return False
+        if as_version(served) != upd.version:
+            return False
+        log.warning("actor %d: engine answered %s to the update to v%d but generates with it; accepting v%d",
+                    self.actor_id, e, upd.version, upd.version)
+        return True
+
+
+__all__ = ["EngineLink", "EngineLinkError", "EngineStartError", "as_version", "engine_url"]
