@@ -123,7 +123,7 @@ class Learner:
                 groups, extra = self.fetch()
         with t("collate"):
             batch = self.make_batch(groups=groups, extra=extra or [])
-        d = self.plan(batch)
+        d = self.step_data(batch)
         stats: dict[str, Any] = {}
         if self.cfg.algo.advantage == "gae":
             with t("values"):
@@ -132,7 +132,7 @@ class Learner:
             with t("critic_update"):
                 stats.update(self.update_critic(d, returns=returns, old_values=old_values))
             with t("fresh_values"):
-                values = compute_values(self.critic, d.batch, d.minibatches, d.limits)
+                values = compute_values(self.critic, d.batch, rows=d.minibatches, limits=d.limits)
             with t("advantages"):
                 advantages = self.gae_advantages(d, values=values)
                 stats["lambda_actor_mean"] = self.lambda_actor_mean(d)
@@ -168,7 +168,7 @@ class Learner:
             batch = concat(batch, collate_samples(extra, self.pad_id, is_replay=True), self.pad_id)
         return batch
 
-    def plan(self, batch: Batch) -> StepData:
+    def step_data(self, batch: Batch) -> StepData:
         cfg, ac = self.cfg, self.cfg.algo
         limits = MicroLimits.from_config(cfg.learner)
         minibatches = minibatch_rows(batch.size, cfg.learner.mini_batches, cfg.run.seed, self.version)
@@ -190,7 +190,8 @@ class Learner:
     def critic_targets(self, d: StepData) -> tuple[Tensor, Tensor, dict[str, float]]:
         """(returns, pre-update values (zeros without a value pass), their EV stats ({} without))."""
         ac, b = self.cfg.algo, d.batch
-        old_values = compute_values(self.critic, b, d.minibatches, d.limits) if self.value_pass else torch.zeros(b.mask.shape)
+        old_values = (compute_values(self.critic, b, rows=d.minibatches, limits=d.limits) if self.value_pass
+                      else torch.zeros(b.mask.shape))
         if ac.decoupled_gae:
             _, returns = decoupled_gae(d.rewards, old_values, b.ppo_mask, ac.gamma, ac.lambda_actor, ac.lambda_critic)
         else:  # ablation: the critic regresses on the actor's λ-returns, A^λ + V
@@ -235,7 +236,7 @@ class Learner:
         """(π_prox logprobs, the clamped behaviour importance weight π_prox / π_behav) for AReaL's
         decoupled objective."""
         b = d.batch
-        prox = compute_logprobs(self.policy, b, d.minibatches, d.limits)
+        prox = compute_logprobs(self.policy, b, rows=d.minibatches, limits=d.limits)
         weight = torch.exp(prox - b.behaviour_logprobs).clamp(max=self.cfg.learner.decoupled_weight_cap) * b.mask
         return prox, weight
 
