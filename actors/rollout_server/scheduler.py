@@ -480,6 +480,7 @@ def generate_batch(model: torch.nn.Module, jobs: Seq[tuple[Seq[int], SamplingPar
             done.notify()
 
     seqs = [Sequence(rid=str(i), prompt_ids=list(p), params=sp, on_done=on_done) for i, (p, sp) in enumerate(jobs)]
+    was_training = model.training  # the scheduler puts the model in eval mode; the caller gets it back as it was
     scheduler = Scheduler(model, max_batch_size=max(1, min(max_batch_size, len(seqs))), context_length=context,
                           eos_token_ids=eos_token_ids, seed=seed, reseat_weights=False)
     try:
@@ -495,6 +496,7 @@ def generate_batch(model: torch.nn.Module, jobs: Seq[tuple[Seq[int], SamplingPar
                     progress(reported, len(seqs))
     finally:
         scheduler.shutdown()
+        model.train(was_training)
     failed = next((s for s in seqs if s.finish is not None and s.finish.get("type") == "abort"), None)
     if failed is not None:
         raise RuntimeError(f"generation failed: {failed.finish['message']}") from scheduler.error
