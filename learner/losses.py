@@ -10,6 +10,8 @@ count is used.
   r_t = exp(logp_t − logp_old_t); ``loss_agg="seq_mean"`` gives the vanilla per-sequence mean instead.
 - Value: ½(V − R)², optionally clipped around the old values (PPO value clipping).
 - NLL (VAPO §3.4, eq. 10): −Σ logp over tokens of reward-1 samples / number of those tokens.
+- Statistics: masked advantage whitening and the critic's explained variance, from float64 sufficient
+  statistics that a caller may sum over data-parallel ranks (``reduce_sum``; ``learner.dist`` does).
 
 Token log-probs and entropies come either from full logits (``token_logprobs``, ``entropy_from_logits``) or
 from final hidden states in chunks of positions (``chunked_token_logprobs``): the second never holds more

@@ -4,7 +4,7 @@ Used by ``learner.train`` (the phase list) and ``learner.value_pretrain``; not a
 ``learner.advantages`` / ``learner.losses``; this module only schedules it over mini-batches,
 micro-batches and data-parallel ranks.
 
-Data parallelism: every rank holds the whole batch (the groups are broadcast), the rows are permuted once
+Data parallelism: every rank holds the whole batch (learner.data.fetch), the rows are permuted once
 per step (seeded by run seed and version, identical on every rank) and cut into ``mini_batches``
 contiguous mini-batches. Losses are divided by the real-token count of the whole mini-batch (every rank
 can count it: it holds every row) and multiplied by the world size because DeepSpeed averages gradients;
