@@ -14,7 +14,7 @@ from common.cli import config_from_argv, setup_logging
 USAGE = """usage: python -m buffer [config.yaml] [key=value ...]
 
 Runs the vapo buffer: actors push groups to buffer.ingest_addr (ZeroMQ ROUTER), the learner pulls
-batches from buffer.serve_addr (REP); data lives in LMDB at buffer.path (default <run dir>/buffer).
+batches from buffer.serve_addr (ROUTER, REQ/REP envelope); data lives in LMDB at buffer.path (default <run dir>/buffer).
 Prometheus metrics on buffer.metrics_port. Non-loopback binds need CurveZMQ keys
 (python -m buffer.keys DIR). Inspect the data with python -m buffer.inspect PATH (its
 --set-learner-version N repairs a wrong learner version while the buffer is stopped).

@@ -26,7 +26,7 @@ Many tasks may ``acquire`` and ``send`` at once (that is how several groups are 
   ``timeout_s``; ``ProtocolError`` if the buffer answers ``ErrorReply`` (a frame it could not accept).
   ``resent`` counts re-sends (for ``vapo_actor_groups_resent``).
 
-Learner (REQ -> the buffer's REP at ``buffer.serve_addr``; lazy pirate: a REQ socket that timed out is
+Learner (REQ -> the buffer's ROUTER (REP envelope) at ``buffer.serve_addr``; lazy pirate: a REQ socket that timed out is
 closed and recreated)::
 
     client = BatchClient(cfg.buffer.serve_addr, curve=...)

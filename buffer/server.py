@@ -72,8 +72,8 @@ This module is the event loop. The pieces it drives: ``buffer.credits`` (the cre
 admission capacity, pure), ``buffer.waits`` (waiting batch requests), ``buffer.peers`` (which connections
 closed), ``buffer.writer`` (the commit thread) and ``buffer.store`` (every LMDB access).
 
-Deviations: groups are deleted from LMDB when served (a learner crash loses at most its in-flight batch;
-the learner checkpoints its own progress); the DAPO uniform-reward filter runs at ingest, not at serve
+Deviations: groups are deleted from LMDB when served (a learner crash loses the batches served since its
+last checkpoint: it resumes from that checkpoint and trains on fresh groups instead); the DAPO uniform-reward filter runs at ingest, not at serve
 time, so filtered groups never take space; positives are harvested from every new group (also stale or
 filtered ones: NLL replay is off-policy by design).
 """

@@ -153,7 +153,7 @@ class CurveConfig:
 class BufferConfig:
     path: str = f("", "LMDB directory (empty = <run dir>/buffer)")
     ingest_addr: str = f("tcp://127.0.0.1:5555", "ROUTER address where actors send groups")
-    serve_addr: str = f("tcp://127.0.0.1:5556", "REP address where the learner asks for batches")
+    serve_addr: str = f("tcp://127.0.0.1:5556", "address of the buffer's ROUTER socket (REQ/REP envelope) where the learner asks for batches")
     max_staleness: int = f(1, "serve only groups with weight_version >= learner version - max_staleness (0 = sync)")
     capacity_groups: int = f(4096, "most groups held before admission stops")
     capacity_bytes: int = f(8 << 30, "most bytes of group data held before admission stops")

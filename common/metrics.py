@@ -8,7 +8,7 @@ Each process builds only its own component's metrics in its own registry and ser
     m.rejected_frames.labels(reason="oversized").inc()
 
 Full names are ``vapo_<component>_<name>``; counters get prometheus_client's ``_total`` suffix on the
-wire (``vapo_buffer_acked_total``). Learner health names follow verl's where verl has one.
+wire (``vapo_buffer_acked_groups_total``). Learner health names follow verl's where verl has one.
 """
 
 from __future__ import annotations

@@ -372,7 +372,8 @@ class Launcher:
 
     def stop_all(self) -> None:
         self.stopping = True
-        # Learner first (it checkpoints on SIGTERM), then actors/engines, then the buffer.
+        # Learner first (it stops consuming batches; it resumes from its last checkpoint), then actors/engines,
+        # then the buffer.
         order = sorted(self.children.values(), key=lambda c: (c.name != "learner", c.name == "buffer"))
         for c in order:
             if c.alive():
