@@ -55,9 +55,11 @@ class RunConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = f("addition", "task: addition | reasoning_gym:<generator> | jsonl:<path>")
+    name: str = f("addition", "task: addition | chain | reasoning_gym:<generator> | jsonl:<path>")
     min_digits: int = f(1, "addition: fewest digits per operand")
     max_digits: int = f(6, "addition: most digits per operand (response length grows with digits)")
+    min_steps: int = f(5, "chain: fewest steps (a response has 9 tokens per step + 4)")
+    max_steps: int = f(44, "chain: most steps (steps are drawn log-uniformly, so long responses are a tail)")
     eval_buckets: int = f(10, "held-out split = operands whose hash falls in bucket 0 of this many")
     eval_size: int = f(256, "number of held-out prompts used for evaluation")
     train_size: int = f(0, "reasoning_gym/jsonl: number of training items (0 = generator/file default)")
@@ -377,6 +379,7 @@ def _validate(cfg: Config) -> None:
         ("placement.gpu_memory_gib", cfg.placement.gpu_memory_gib > 0, "must be > 0"),
         ("placement.learner_memory_fraction", 0 < cfg.placement.learner_memory_fraction <= 1, "must be in (0, 1]"),
         ("task.min_digits", 1 <= cfg.task.min_digits <= cfg.task.max_digits, "must satisfy 1 <= min <= max_digits"),
+        ("task.min_steps", 1 <= cfg.task.min_steps <= cfg.task.max_steps <= 99, "must satisfy 1 <= min <= max_steps <= 99"),
     ]
     for key, ok, why in checks:
         if not ok:

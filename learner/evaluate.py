@@ -148,7 +148,12 @@ def score(
     return report
 
 
+_NAMED_BUCKETS = {"short": 0.0, "medium": 1.0, "long": 2.0}  # the chain task's length buckets
+
+
 def _bucket_order(label: str) -> tuple[float, str]:
+    if label in _NAMED_BUCKETS:
+        return (_NAMED_BUCKETS[label], label)
     digits = "".join(ch for ch in label.split("-")[0] if ch.isdigit())
     return (float(digits) if digits else math.inf, label)
 

@@ -1,10 +1,11 @@
-"""Base policy bootstrap: supervised fine-tuning of a tiny Qwen2 on an imperfect teacher's addition traces.
+"""Base policy bootstrap: supervised fine-tuning of a tiny Qwen2 on an imperfect teacher's traces.
 
     python -m learner.sft [config.yaml] [key=value ...]      # e.g. python -m learner.sft ops/configs/default.yaml
 
 Builds the character tokenizer and a tiny Qwen2 (``common.modeling``), trains it with next-token loss on
-the response tokens of ``common.tasks.addition.teacher_response`` traces for training prompts, where the
-teacher makes a wrong column sum with probability ``model.bootstrap.teacher_error_rate``. The result is
+the response tokens of the task's teacher traces (``Task.teacher_response``: the embedded ``addition`` and
+``chain`` tasks have one) for training prompts, where the teacher makes a wrong step (a column sum, a
+chain line) with probability ``model.bootstrap.teacher_error_rate``. The result is
 imperfect on purpose: it samples (temperature 1) mistakes at about that rate per column while its greedy
 answers are mostly right, which leaves RL room to sharpen the policy. Finally it evaluates the model on
 the held-out split and saves it with ``save_pretrained`` (atomic) to ``model.path``, with its bootstrap
@@ -16,7 +17,8 @@ differently): the run stops after
 is reported as such). Not part of the VAPO paper, which starts from a pretrained LLM.
 
 Measured (ops/configs/default.yaml: 0.60M parameters, 800 steps x 64 traces, 12% teacher errors, 2 threads):
-held-out avg@8 0.451 sampled / 0.949 greedy, responses 9-74 tokens. On 2 cores shared with other jobs
+held-out avg@8 0.451 sampled / 0.949 greedy, responses 9-74 tokens. ops/configs/long.yaml (chain task,
+400 steps x 32 traces, 3% slips per line): ~7 min at 0.95 steps/s, avg@4 0.41 / greedy 0.84 on 64 prompts. On 2 cores shared with other jobs
 (load 4-5) the SFT ran 757 s at 1.06 steps/s. The only low-load measurement (load ~1.7, 20 steps) gave
 4.5 steps/s, i.e. about 3 min for 800 steps; an idle machine was not available to confirm it.
 """
@@ -43,14 +45,13 @@ import torch  # noqa: E402
 
 from common.config import Config, ConfigError, load_config, to_dict  # noqa: E402
 from common.modeling import build_char_tokenizer, build_tiny_qwen2, save_hf  # noqa: E402
-from common.tasks import Prompt, encode_prompt, get_task, stable_hash  # noqa: E402
-from common.tasks.addition import AdditionTask, teacher_response  # noqa: E402
+from common.tasks import Prompt, Task, encode_prompt, get_task, stable_hash  # noqa: E402
 
 
-def make_example(tokenizer: Any, prompt: Prompt, seed: int, error_rate: float) -> tuple[list[int], int]:
+def make_example(tokenizer: Any, task: Task, prompt: Prompt, seed: int, error_rate: float) -> tuple[list[int], int]:
     """(token ids of prompt + teacher response + EOS, number of prompt tokens) for one training prompt."""
     rng = random.Random(stable_hash(seed, "teacher", prompt.index))
-    response = teacher_response(prompt, rng, error_rate)
+    response = task.teacher_response(prompt, rng, error_rate)
     p_ids = encode_prompt(tokenizer, prompt)
     r_ids = tokenizer.encode(response, add_special_tokens=False)
     return p_ids + list(r_ids) + [tokenizer.eos_token_id], len(p_ids)
@@ -67,7 +68,7 @@ class BatchMaker:
     vs 0.09 after 400-475 steps), a net loss.
     """
 
-    def __init__(self, tokenizer: Any, task: AdditionTask, batch_size: int, seed: int, error_rate: float,
+    def __init__(self, tokenizer: Any, task: Task, batch_size: int, seed: int, error_rate: float,
                  group: int = 1) -> None:
         self.tok, self.task, self.bsz, self.seed, self.err, self.group = tokenizer, task, batch_size, seed, error_rate, group
         self._block: tuple[int, list[list[tuple[list[int], int, int]]]] | None = None
@@ -76,7 +77,7 @@ class BatchMaker:
         first = m * self.group * self.bsz
         rows = []
         for idx in range(first, first + self.group * self.bsz):
-            seq, plen = make_example(self.tok, self.task.train_prompt(idx), self.seed, self.err)
+            seq, plen = make_example(self.tok, self.task, self.task.train_prompt(idx), self.seed, self.err)
             rows.append((seq, plen, idx))
         rows.sort(key=lambda r: (len(r[0]), r[2]))
         batches = [rows[i * self.bsz : (i + 1) * self.bsz] for i in range(self.group)]
@@ -111,8 +112,8 @@ def train(cfg: Config, log: Any = print) -> tuple[torch.nn.Module, Any, dict[str
     b = cfg.model.bootstrap
     torch.set_num_threads(b.threads)
     task = get_task(cfg.task)
-    if not isinstance(task, AdditionTask):
-        raise ValueError(f"learner.sft bootstraps the embedded addition task only, not {task.name!r}; "
+    if type(task).teacher_response is Task.teacher_response:
+        raise ValueError(f"learner.sft bootstraps the embedded synthetic tasks (addition, chain), not {task.name!r}; "
                          "for other tasks point model.path at a pretrained HF model")
     tokenizer = build_char_tokenizer()
     model = build_tiny_qwen2(
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m learner.sft",
         description="Bootstrap the embedded base policy: SFT a tiny Qwen2 on an imperfect teacher's "
-        "step-by-step addition traces, evaluate it on the held-out split and save it (HF format) to "
+        "step-by-step traces of the task (addition or chain), evaluate it on the held-out split and save it (HF format) to "
         "model.path. Settings: model.bootstrap.* (see python -m common.config --help).",
     )
     ap.add_argument("config", nargs="?", default=None, help="config YAML (default: built-in defaults)")

@@ -1,6 +1,7 @@
 """Task registry: prompts, held-out split and verifiers (``get_task(cfg.task)``).
 
-Tasks: ``addition`` (embedded default, step-by-step column addition), ``reasoning_gym:<generator>``
+Tasks: ``addition`` (embedded default, step-by-step column addition), ``chain`` (the long-horizon
+miniature: a modular sum repeated 8-66 times, one line per step), ``reasoning_gym:<generator>``
 (reasoning-gym's procedural generators and checkers) and ``jsonl:<path>`` (question/answer lines checked
 with math-verify). See ``common.tasks.base`` for the interface and the prompt encoding every part shares.
 """
@@ -20,6 +21,10 @@ def get_task(cfg: TaskConfig) -> Task:
         from common.tasks.addition import AdditionTask
 
         return AdditionTask(cfg)
+    if name == "chain":
+        from common.tasks.chain import ChainTask
+
+        return ChainTask(cfg)
     if name.startswith("reasoning_gym:"):
         from common.tasks.reasoning_gym_task import ReasoningGymTask
 
@@ -28,4 +33,4 @@ def get_task(cfg: TaskConfig) -> Task:
         from common.tasks.jsonl_task import JsonlTask
 
         return JsonlTask(name.split(":", 1)[1], cfg)
-    raise ValueError(f"unknown task {name!r}; use addition | reasoning_gym:<generator> | jsonl:<path>")
+    raise ValueError(f"unknown task {name!r}; use addition | chain | reasoning_gym:<generator> | jsonl:<path>")

@@ -121,6 +121,8 @@ class AdditionTask(Task):
         parsed = self.parse(response)
         return Verdict(reward=1.0 if parsed is not None and parsed == prompt.answer else 0.0, parsed=parsed)
 
+    def teacher_response(self, prompt: Prompt, rng: random.Random | None = None, error_rate: float = 0.0) -> str:
+        return teacher_response(prompt, rng, error_rate)
 
 
 # ---------------------------------------------------------------------------------------- teacher

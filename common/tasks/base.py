@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,13 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def verify(self, prompt: Prompt, response: str) -> Verdict:
         """Score a decoded response to ``prompt``."""
+
+    def teacher_response(self, prompt: Prompt, rng: random.Random | None = None, error_rate: float = 0.0) -> str:
+        """A worked response for ``prompt`` with step mistakes at ``error_rate`` (the SFT bootstrap's data).
+
+        Only the embedded synthetic tasks have one; other tasks start from a pretrained model.
+        """
+        raise NotImplementedError(f"task {self.name!r} has no teacher; point model.path at a pretrained HF model")
 
 
 def stable_hash(*parts: Any) -> int:

@@ -45,6 +45,25 @@ def test_batches_train_only_on_response_tokens_and_cover_the_stream() -> None:
     assert make(1)[2] == BatchMaker(tok, task, 4, 0, 0.0, group=3)(1)[2]
 
 
+def test_chain_task_bootstraps_from_its_own_teacher() -> None:
+    # learner.sft takes the teacher from the task, so the long-horizon task trains on its own traces.
+    from common.modeling import build_char_tokenizer
+    from common.tasks.chain import teacher_response as chain_teacher
+
+    cfg = load_config(None, [*TINY, "task.name=chain", "task.max_steps=8"])
+    tok, task = build_char_tokenizer(), get_task(cfg.task)
+    ids, mask, idx = BatchMaker(tok, task, 3, 0, 0.0)(0)
+    for i, j in enumerate(idx):
+        targets = ids[i, 1:][mask[i].bool()].tolist()
+        assert decode_response(tok, targets) == chain_teacher(task.train_prompt(j))
+    m, _, stats = train(load_config(None, [*TINY, "task.name=chain", "task.max_steps=8", "model.bootstrap.max_steps=2"]),
+                        log=lambda _: None)
+    assert stats["steps"] == 2
+    # Tasks without a teacher are refused with a pointer to what to do instead.
+    with pytest.raises(ValueError, match="point model.path at a pretrained HF model"):
+        train(load_config(None, [*TINY, "task.name=reasoning_gym:basic_arithmetic"]), log=lambda _: None)
+
+
 def test_sft_is_deterministic_given_the_seed() -> None:
     cfg = load_config(None, [*TINY, "model.bootstrap.eval_k=0"])
     m1, _, s1 = train(cfg, log=lambda _: None)
