@@ -13,13 +13,16 @@ wire (``vapo_buffer_acked_groups_total``). Learner health names follow verl's wh
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 Kind = Literal["counter", "gauge", "histogram"]
 COMPONENTS = ("buffer", "actor", "engine", "learner", "launcher")
@@ -184,8 +187,8 @@ class Metrics:
             self._metrics[spec.name] = m
         self.port: int | None = None
         self._scraped = threading.Condition()
-        self.last_scrape: float = 0.0  # time.time() of the last /metrics collection, 0 = never
-        self.registry.register(_ScrapeClock(self))
+        # time.time() at which the newest fully sent /metrics response started being collected (0 = never).
+        self.last_scrape: float = 0.0
 
     def __getattr__(self, name: str) -> Any:
         metrics = self.__dict__.get("_metrics", {})
@@ -200,7 +203,7 @@ class Metrics:
         else the component's usual key), so the operator knows which setting collides.
         """
         try:
-            server, _thread = start_http_server(port, addr=host, registry=self.registry)
+            server = self._start_server(port, host)
         except OSError as e:
             key = config_key or _PORT_KEYS.get(self.component, "the component's metrics port")
             raise OSError(e.errno, f"cannot serve {self.component} /metrics on {host}:{port}: "
@@ -209,16 +212,35 @@ class Metrics:
         self.port = int(server.server_address[1])
         return self.port
 
-    def _on_scrape(self) -> None:
+    def _start_server(self, port: int, host: str) -> ThreadingWSGIServer:
+        """prometheus_client's WSGI exposition, plus a note of each scrape once its response is sent."""
+        collect = make_wsgi_app(self.registry)
+
+        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+            started = time.time()
+            return _ThenNotify(collect(environ, start_response), lambda: self._on_scrape(started))
+
+        class Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        server = make_server(host, port, app, Server, handler_class=_QuietHandler)
+        threading.Thread(target=server.serve_forever, daemon=True, name=f"metrics-{self.component}").start()
+        return server
+
+    def _on_scrape(self, started: float) -> None:
         with self._scraped:
-            self.last_scrape = time.time()
+            self.last_scrape = max(self.last_scrape, started)
             self._scraped.notify_all()
 
     def wait_for_scrape(self, after: float, timeout_s: float) -> bool:
-        """Block until ``/metrics`` is collected at or after ``after`` (a ``time.time()``), or ``timeout_s``.
+        """Block until a ``/metrics`` response collected at or after ``after`` (a ``time.time()``) has been
+        sent in full, or ``timeout_s``.
 
         A short-lived process calls this before it exits so that Prometheus records its final values
         (a pull model never sees what changed after its last scrape). Returns whether a scrape came.
+        Both ends matter: a scrape already collecting when ``after`` was taken may hold older values,
+        and one noted at collection time would let the process exit before the bytes are on the wire,
+        so Prometheus would record a failed scrape instead of the final values.
         """
         deadline = time.monotonic() + timeout_s
         with self._scraped:
@@ -230,12 +252,26 @@ class Metrics:
         return True
 
 
-class _ScrapeClock:
-    """A collector with no samples: every collection of the registry notes the time on its Metrics."""
+class _ThenNotify:
+    """A WSGI response body that calls ``done`` when the server closes it: after the last byte is written."""
 
-    def __init__(self, owner: Metrics) -> None:
-        self.owner = owner
+    def __init__(self, body: Iterable[bytes], done: Callable[[], None]) -> None:
+        self.body, self.done = body, done
 
-    def collect(self) -> Iterator[Any]:
-        self.owner._on_scrape()
-        return iter(())
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.body)
+
+    def close(self) -> None:
+        try:
+            close = getattr(self.body, "close", None)
+            if close is not None:
+                close()
+        finally:
+            self.done()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line per scrape on stderr."""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 — the base class's name
+        pass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -56,5 +57,36 @@ def test_wait_for_scrape_returns_once_an_http_scrape_comes_after_the_mark() -> N
     assert m.wait_for_scrape(mark, timeout_s=10) is True
     t.join(timeout=10)
     assert m.last_scrape >= mark
-    assert "vapo_learner_weight_version" in got[0]  # the clock adds no samples of its own
+    assert "vapo_learner_weight_version" in got[0]
     assert m.wait_for_scrape(mark, timeout_s=0) is True  # already satisfied: no wait
+
+
+def test_a_process_that_exits_right_after_the_final_scrape_has_sent_it() -> None:
+    # The learner calls wait_for_scrape and exits: if the wait returned when the values were collected
+    # rather than when the response was written, the exit would cut the response and Prometheus would
+    # keep only older values (a Grafana panel missing the last steps).
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time\n"
+        "from common.metrics import Metrics\n"
+        "m = Metrics('learner'); port = m.serve(0); print(port, flush=True)\n"
+        "sys.stdin.readline()\n"  # the scraper is running
+        "m.weight_version.set(7); mark = time.time()\n"
+        "ok = m.wait_for_scrape(mark, timeout_s=20)\n"
+        "os._exit(0 if ok else 3)\n")], cwd=Path(__file__).resolve().parents[2], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdin is not None
+    port = int(child.stdout.readline())
+    bodies: list[str] = []
+    failures = 0
+    child.stdin.write("go\n")
+    child.stdin.flush()
+    while child.poll() is None:  # scrape back to back, as a Prometheus with a tiny interval would
+        try:
+            bodies.append(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
+        except OSError:
+            failures += 1
+    assert child.wait(timeout=20) == 0
+    assert any("vapo_learner_weight_version 7.0" in b for b in bodies), (len(bodies), failures)
