@@ -359,4 +359,4 @@ class EngineLink:
         return True
 
 
-__all__ = ["EngineLink", "EngineLinkError", "EngineStartError", "as_version", "engine_url"]
+__all__ = ["EngineLink", "EngineLinkError", "engine_url"]

@@ -73,7 +73,7 @@ class GenerateOutput:
     @property
     def weight_version_int(self) -> int | None:
         """``min_weight_version`` as an int (None when the server's version is not numeric, e.g. 'default')."""
-        return _as_int(self.min_weight_version)
+        return as_int(self.min_weight_version)
 
 
 @contextlib.contextmanager
@@ -89,7 +89,7 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _as_int(v: Any) -> int | None:
+def as_int(v: Any) -> int | None:
     try:
         return int(v)
     except (TypeError, ValueError):
@@ -100,7 +100,7 @@ def _min_version(versions: list[Any], fallback: Any) -> str | None:
     vals = [str(v) for v in versions if v is not None]
     if not vals:
         return None if fallback is None else str(fallback)
-    ints = [_as_int(v) for v in vals]
+    ints = [as_int(v) for v in vals]
     if all(i is not None for i in ints):
         return str(min(i for i in ints if i is not None))
     return vals[0]  # non-numeric versions: the first token's

@@ -49,7 +49,8 @@ from typing import Any
 import numpy as np
 
 from actors.cursor import PromptCursor, group_id_for
-from actors.engine_link import EngineLink, EngineLinkError, EngineStartError, engine_url
+from actors.engine_link import EngineLink, EngineLinkError, engine_url
+from actors.rollout_server.process import EngineStartError
 from actors.sglang_client import GenerateOutput, SGLangError
 from actors.weight_sync import WeightWatcher
 from buffer.client import AsyncGroupSender
@@ -427,4 +428,4 @@ def run_worker(cfg: Config, actor_id: int) -> int:
         return 1
 
 
-__all__ = ["RolloutWorker", "WorkerError", "engine_url", "run_worker"]
+__all__ = ["RolloutWorker", "WorkerError", "run_worker"]

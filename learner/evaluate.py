@@ -11,7 +11,7 @@ CLI::
     python -m learner.evaluate --model runs/_base/addition-tiny [--task addition] [--k 8] [--config cfg.yaml]
 
 prints one JSON object. In-process generation runs the rollout server's scheduler and KV-cache model
-runner on the given model (``actors.rollout_server.generate_batch``: the decode loop the actors sample
+runner on the given model (``actors.rollout_server.scheduler.generate_passes``: the decode loop the actors sample
 with, per-sequence stopping at EOS; the model's parameters are not moved), seeded with its own
 ``torch.Generator`` so a call is reproducible and does not disturb the caller's RNG. It needs a
 Llama-style decoder (Qwen2/Qwen3/Llama), as the rollout server does. Prompts are encoded with
@@ -54,13 +54,12 @@ def generate(
     max_new_tokens: int,
     temperature: float,
     eos_ids: Sequence[int],
-    pad_id: int | None = None,
     batch_size: int = 512,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[list[list[int]]]:
     """``n`` responses for each prompt (temperature 0 = greedy): result[prompt][sample] = output ids, each
-    ending at its EOS (included) or after ``max_new_tokens``. ``pad_id`` is unused (kept for callers)."""
+    ending at its EOS (included) or after ``max_new_tokens``."""
     return _generate(model, prompt_ids, [(n, temperature)], max_new_tokens, eos_ids, batch_size, seed, progress)[0]
 
 
@@ -75,21 +74,20 @@ def _generate(
     progress: Callable[[int, int], None] | None = None,
 ) -> list[list[list[int]]]:
     """One result per ``(n, temperature)`` pass, as :func:`generate` returns it, decoded by the rollout
-    server's scheduler (``actors.rollout_server.generate_batch``: the same KV-cache decode loop the actors
-    sample with, on this process's model). Passes run one after the other, each from ``seed``, so a pass's
-    samples do not depend on the others; ``progress`` follows the first."""
+    server's scheduler (``actors.rollout_server.scheduler.generate_passes``: the same KV-cache decode loop the
+    actors sample with, on this process's model; one scheduler for all passes). Each pass starts from
+    ``seed``, so a pass's samples do not depend on the others; ``progress`` follows the first."""
     from actors.rollout_server.sampling import SamplingParams
-    from actors.rollout_server.scheduler import generate_batch
+    from actors.rollout_server.scheduler import generate_passes
 
     vocab = int(model.config.vocab_size)
-    results = []
-    for i, (n, temperature) in enumerate(passes):
+    jobs = []
+    for n, temperature in passes:
         sp = SamplingParams.from_dict({"temperature": temperature, "max_new_tokens": max_new_tokens}, vocab)
-        outs = generate_batch(model, [(p, sp) for p in prompt_ids for _ in range(n)],
-                              eos_token_ids={int(e) for e in eos_ids}, seed=seed, max_batch_size=batch_size,
-                              progress=progress if i == 0 else None)
-        results.append([outs[j * n : (j + 1) * n] for j in range(len(prompt_ids))])
-    return results
+        jobs.append([(p, sp) for p in prompt_ids for _ in range(n)])
+    outs = generate_passes(model, jobs, eos_token_ids={int(e) for e in eos_ids}, seed=seed,
+                           max_batch_size=batch_size, progress=progress)
+    return [[out[j * n : (j + 1) * n] for j in range(len(prompt_ids))] for out, (n, _) in zip(outs, passes, strict=True)]
 
 
 def score(
@@ -188,15 +186,10 @@ def evaluate(
     prompts = list(task.eval_prompts() if prompts is None else prompts)
     ids = [encode_prompt(tokenizer, p) for p in prompts]
     eos_ids = [tokenizer.eos_token_id]
-    was_training = model.training
-    model.eval()
-    try:
-        passes = [(k, temperature)] + ([(1, 0.0)] if greedy else [])
-        out = _generate(model, ids, passes, max_new_tokens, eos_ids, batch_size, seed, progress)
-        sampled = out[0]
-        greedy_out = [g[0] for g in out[1]] if greedy else None
-    finally:
-        model.train(was_training)
+    passes = [(k, temperature)] + ([(1, 0.0)] if greedy else [])
+    out = _generate(model, ids, passes, max_new_tokens, eos_ids, batch_size, seed, progress)
+    sampled = out[0]
+    greedy_out = [g[0] for g in out[1]] if greedy else None
     report = score(task, tokenizer, prompts, sampled, greedy_out, eos_ids)
     report["temperature"] = temperature
     report["seconds"] = round(time.perf_counter() - t0, 3)
@@ -235,7 +228,7 @@ class EngineEvalError(RuntimeError):
 
 async def _engine_generate(url: str, ids: Sequence[Sequence[int]], k: int, max_new_tokens: int, temperature: float,
                            version: int, timeout_s: float, concurrency: int) -> tuple[list[list[list[int]]], list[list[int]], str]:
-    from actors.sglang_client import SGLangClient, SGLangError
+    from actors.sglang_client import SGLangClient, SGLangError, as_int
 
     deadline = time.monotonic() + timeout_s
     async with SGLangClient(url, timeout_s=timeout_s) as client:
@@ -247,7 +240,7 @@ async def _engine_generate(url: str, ids: Sequence[Sequence[int]], k: int, max_n
                 served = await client.get_weight_version()
             except SGLangError:
                 served = None
-            v = int(served) if served is not None and served.lstrip("-").isdigit() else None
+            v = as_int(served)
             if v is not None and v >= version:
                 break
             if time.monotonic() > deadline:

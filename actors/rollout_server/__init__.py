@@ -28,22 +28,3 @@ Deviations from SGLang, on purpose:
   ``meta_info.weight_version`` keeps SGLang's meaning (the version served when the response was built).
 - No streaming, no stop strings, no penalties, no prefix cache; those requests get a 400.
 """
-
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-# Imported on first use: a worker that only supervises its server (``process``) must not pay for torch.
-_EXPORTS = {
-    "Scheduler": "scheduler", "SchedulerBusy": "scheduler", "Sequence": "scheduler", "generate_batch": "scheduler",
-    "SamplingParams": "sampling", "RequestError": "sampling", "sample": "sampling",
-    "EngineStartError": "process", "RolloutServerProcess": "process", "rollout_server_command": "process",
-}
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -45,7 +45,7 @@ log = logging.getLogger("critic_probe")
 
 def sample_groups(cfg: Config, first_index: int, n_groups: int, seed: int) -> list[protocol.SampleGroup]:
     """``n_groups`` groups of ``actors.group_size`` verified samples of training prompts from the base policy."""
-    from common.modeling import load_tokenizer, pad_token_id
+    from common.modeling import load_tokenizer
     from learner.evaluate import generate
     from learner.models import load_policy_module
 
@@ -54,9 +54,8 @@ def sample_groups(cfg: Config, first_index: int, n_groups: int, seed: int) -> li
     model = load_policy_module(cfg.model.path).eval()
     prompts = [task.train_prompt(first_index + i) for i in range(n_groups)]
     ids = [encode_prompt(tok, p) for p in prompts]
-    pad = pad_token_id(tok)
     out = generate(model, ids, cfg.actors.group_size, cfg.actors.max_new_tokens, cfg.actors.temperature,
-                   [tok.eos_token_id], pad, batch_size=512, seed=seed)
+                   [tok.eos_token_id], batch_size=512, seed=seed)
     groups = []
     for p, pid, resp in zip(prompts, ids, out, strict=True):
         samples = []
