@@ -492,7 +492,7 @@ class BatchReply(Message):
         for fr in frames:
             if not isinstance(fr, bytes):
                 raise _err("bad_type", "groups must hold encoded SampleGroup frames")
-            g = _decode(fr, max_frame_bytes=len(fr))  # part of this frame's decode, not another hop
+            g = decode(fr, max_frame_bytes=len(fr))
             if not isinstance(g, SampleGroup):
                 raise _err("bad_type", "groups must hold SampleGroup frames")
             groups.append(g)
@@ -579,10 +579,6 @@ def encode_batch_reply(group_frames: list[bytes], stale_dropped: int, filtered: 
 
 def decode(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> AnyMessage:
     """Parse and validate one frame; raises ProtocolError on anything else."""
-    return _decode(frame, max_frame_bytes)
-
-
-def _decode(frame: bytes, max_frame_bytes: int) -> AnyMessage:
     if not isinstance(frame, bytes | bytearray | memoryview):
         raise _err("bad_type", "frame must be bytes")
     if len(frame) > max_frame_bytes:
