@@ -3,7 +3,7 @@
     cfg = config_from_argv("buffer", USAGE, argv)
     if isinstance(cfg, int):
         return cfg          # --help printed (0) or a config error explained on stderr (2)
-    setup_logging(cfg.run.log_level, "buffer")
+    setup_logging(cfg.run.log_level)
 
 One place decides the exit codes (0 help, 2 bad config) and the log line format, so that every process of
 a run reads alike in the launcher's logs.

@@ -31,12 +31,12 @@ import torch
 from torch import Tensor
 
 from common.config import Config
+from common.placement import STORE_FILE_ENV  # the launcher sets it for a one-host multi-rank learner
 from learner.losses import explained_variance, masked_whiten
 
 log = logging.getLogger(__name__)
 
 SHM_OP_KEY = "deepspeed_shm_comm"  # ShareMemCommBuilder.NAME in deepspeed/ops/op_builder/cpu/comm.py
-STORE_FILE_ENV = "VAPO_STORE_FILE"  # set by ops/launch.py for a one-host multi-rank learner
 
 
 def world_size() -> int:

@@ -62,7 +62,6 @@ class Runner:
         if critic_path is None and pretrained.is_dir():
             critic_path = pretrained
         self.learner = Learner(cfg, source, critic_path=critic_path, metrics=metrics)
-        self.tokenizer = self.learner.tokenizer
         self.task: Any = None
         if ckpt is not None:
             checkpoint.load(ckpt, self.learner)
@@ -97,7 +96,7 @@ class Runner:
     def publish(self) -> None:
         from learner.weights import publish_policy
 
-        update = publish_policy(self.learner.policy, self.tokenizer, self.weights_root, self.learner.version,
+        update = publish_policy(self.learner.policy, self.learner.tokenizer, self.weights_root, self.learner.version,
                                 self.cfg.learner.keep_weights, self.publisher)
         if update is not None:
             self.learner.metrics.weights_published.inc()
@@ -118,7 +117,7 @@ class Runner:
         if mode == "engine":
             published = self.publisher.latest.version if self.publisher is not None and self.publisher.latest else 0
             try:
-                rep = evaluate_on_engine(url, self.tokenizer, self.task, version=published, k=lc.eval_k,
+                rep = evaluate_on_engine(url, self.learner.tokenizer, self.task, version=published, k=lc.eval_k,
                                          max_new_tokens=self.cfg.actors.max_new_tokens,
                                          temperature=self.cfg.actors.temperature, timeout_s=lc.eval_timeout_s)
             except EngineEvalError as e:
@@ -135,7 +134,7 @@ class Runner:
                 model = load_policy_module(self.cfg.model.path, self.cfg.model.dtype)
                 model.load_state_dict(state)
                 model.to(next(self.learner.policy.module.parameters()).device)
-            rep = evaluate(model, self.tokenizer, self.task, k=lc.eval_k, max_new_tokens=self.cfg.actors.max_new_tokens,
+            rep = evaluate(model, self.learner.tokenizer, self.task, k=lc.eval_k, max_new_tokens=self.cfg.actors.max_new_tokens,
                            temperature=self.cfg.actors.temperature, seed=self.cfg.run.seed)
         m = self.learner.metrics
         for key in ("avg_at_k", "pass_at_k", "greedy_accuracy"):

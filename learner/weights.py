@@ -233,7 +233,6 @@ class ShardWriter:
 
     def __init__(self, out: Path) -> None:
         self.out = out
-        self.shard_bytes = SHARD_BYTES
         self.parts: list[tuple[Path, list[str]]] = []
         self.cur: dict[str, Tensor] = {}
         self.cur_bytes = 0
@@ -245,7 +244,7 @@ class ShardWriter:
             # where the tensor is already in host memory (the actors' own check re-reads every file).
             raise ValueError(f"weight {name} has NaN or Inf values; this version is not published (training diverged?)")
         n = t.numel() * t.element_size()
-        if self.cur and self.cur_bytes + n > self.shard_bytes:
+        if self.cur and self.cur_bytes + n > SHARD_BYTES:
             self._flush()
         self.cur[name] = t.contiguous()
         self.cur_bytes += n
