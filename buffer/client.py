@@ -15,8 +15,10 @@ Many tasks may ``acquire`` and ``send`` at once (that is how several groups are 
   buffer grants beyond what callers took are pooled and handed out by later ``acquire`` calls. The
   buffer counts a credit as used when a group with ``group.actor_id == actor_id`` arrives, so stamp
   groups with the sender's actor_id (unused credits stop counting after ``buffer.credit_ttl_s``).
-  ``TimeoutError`` after ``timeout_s`` (``None`` = wait forever), also when the buffer refused the
-  request (``ErrorReply``, e.g. ``actor_key``: it counts the refusal in its stats).
+  ``TimeoutError`` after ``timeout_s`` (``None`` = wait forever); ``ProtocolError`` when the buffer
+  refuses the request (``ErrorReply`` with a ``buffer.credits.REFUSAL_REASONS`` reason: ``actor_key``, the
+  id belongs to another CurveZMQ client key; ``too_many_actor_ids``; ``too_many_waiting``), so a refused
+  actor stops with the reason instead of asking again forever.
 - ``send(group, timeout_s)`` re-sends the same encoded frame (same group_id) every ``ack_timeout_s``
   without an ack, and after two silent intervals reconnects with a fresh socket; the buffer stores a
   group_id once, so a re-send is harmless. An ack with ``committed=False`` (buffer full, storage error)
@@ -68,6 +70,7 @@ from common.protocol import (
     decode_as,
     encode,
 )
+from buffer.credits import REFUSAL_REASONS
 from common.security import ClientKeys, apply_client_curve
 
 _REPLY_MAX_BYTES = 1 << 40  # replies come from our own buffer; a 512-group batch exceeds 64 MiB
@@ -108,6 +111,7 @@ class AsyncGroupSender:
         self._generation = 0
         self._acks: dict[str, asyncio.Future[IngestAck]] = {}
         self._credits = 0
+        self._refused: ProtocolError | None = None  # a credit refusal not yet raised by an acquire
         self._demand = 0
         self._cond: asyncio.Condition | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -141,6 +145,11 @@ class AsyncGroupSender:
                 async with self._cond:
                     self._credits += msg.n
                     self.learner_version = max(self.learner_version, msg.learner_version)
+                    self._cond.notify_all()
+            elif isinstance(msg, ErrorReply) and msg.reason in REFUSAL_REASONS:
+                assert self._cond is not None
+                async with self._cond:
+                    self._refused = ProtocolError("remote", f"credit refused: {msg.reason}: {msg.message}")
                     self._cond.notify_all()
             elif isinstance(msg, ErrorReply):
                 err = ProtocolError("remote", f"{msg.reason}: {msg.message}")
@@ -186,6 +195,9 @@ class AsyncGroupSender:
             last_req = -float("inf")
             async with self._cond:
                 while self._credits == 0:
+                    if self._refused is not None:
+                        err, self._refused = self._refused, None
+                        raise err
                     now = time.monotonic()
                     if now >= deadline:
                         raise TimeoutError(f"no credit from {self.addr} within {timeout_s} s")

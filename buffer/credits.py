@@ -42,6 +42,11 @@ def free_capacity(admission: int, depth_groups: int, depth_bytes: int, in_flight
     return max(0, min(admission, room))
 
 
+# Every reason ``CreditLedger.request`` refuses with: clients tell a refused credit request from a refused
+# ingest frame by these (an ErrorReply carries no request id).
+REFUSAL_REASONS = frozenset({"actor_key", "too_many_actor_ids", "too_many_waiting"})
+
+
 @dataclass(frozen=True)
 class Refusal:
     """A credit request refused: ``reason`` is the metric label and ErrorReply reason."""

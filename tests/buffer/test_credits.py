@@ -99,3 +99,14 @@ def test_withdrawals_cancel_only_the_own_connections_request() -> None:
     assert led.request(B, 1, 0) is None and led.waiting == 1  # B cannot cancel A's request
     assert led.request(A, 1, 0) is None and led.waiting == 0
     assert led.grant(10, now=0.0) == []
+
+
+def test_every_refusal_reason_is_declared_for_the_clients() -> None:
+    # AsyncGroupSender tells a refused credit request from a refused ingest frame by the reason alone.
+    import re
+    from pathlib import Path
+
+    from buffer.credits import REFUSAL_REASONS
+
+    src = (Path(__file__).resolve().parents[2] / "buffer" / "credits.py").read_text()
+    assert set(re.findall(r'Refusal\("([a-z_]+)"', src)) == REFUSAL_REASONS

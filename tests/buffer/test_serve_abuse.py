@@ -236,8 +236,9 @@ def test_with_curve_an_actor_id_belongs_to_one_client_key(tmp_path: Path) -> Non
         with SyncSender(srv.ingest_addr, 5, curve=client(0), ack_timeout_s=0.5) as owner, \
                 SyncSender(srv.ingest_addr, 5, curve=client(1), ack_timeout_s=0.5) as thief:
             assert owner.acquire(1, timeout_s=10).n == 1
-            with pytest.raises(TimeoutError):  # refused (ErrorReply actor_key): the thief never gets credit
-                thief.acquire(1, timeout_s=2)
+            # Refused (ErrorReply actor_key): the thief learns why at once instead of waiting forever.
+            with pytest.raises(ProtocolError, match="credit refused: actor_key"):
+                thief.acquire(1, timeout_s=30)
             with BatchClient(srv.serve_addr, curve=client(0)) as c:
                 assert c.stats()["rejected_actor_key"] >= 1
             assert owner.acquire(1, timeout_s=10).n == 1  # the owner keeps working
