@@ -8,6 +8,7 @@ the embedded default task (addition, the 0.6M-parameter base). Writes ``docs/RES
     .venv/bin/python ops/bench/experiments.py --only vapo grpo   # some experiments (all their seeds)
     .venv/bin/python ops/bench/experiments.py --report-only      # re-make docs/RESULTS.md from finished runs
     .venv/bin/python ops/bench/experiments.py --jobs 2           # runs in parallel, each on its own ports
+    .venv/bin/python ops/bench/experiments.py --suite long       # issue 15: the long-horizon task (long_suite.py)
 
 Every run is a plain ``ops/launch.sh <config> run.root=runs/exp run.name=<exp>-s<seed> ...``; its
 directory is the record. Resumable: a run with ``summary.json`` is done and skipped, a run with a checkpoint
@@ -33,6 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import long_suite  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 FULL_STEPS = 60   # the default's budget: 60 steps x 32 prompts x G=8 = 15,360 samples
@@ -291,7 +295,7 @@ def load_run(d: Path) -> Run | None:
     if not built_here:
         # The suite's own bootstrap (built by a launch under the same conditions) is preferred to the
         # base's record, which may come from a differently loaded machine.
-        suite_base = d.parent / "_base" / "addition-tiny" / "vapo_info.json"
+        suite_base = d.parent / "_base" / Path(cfg["model"]["path"]).name / "vapo_info.json"
         run.bootstrap_seconds = bootstrap_seconds(suite_base) or bootstrap_seconds(base_info)
     for r in recs:
         if r.get("kind") == "learner_step":
@@ -323,7 +327,7 @@ def fmt_k(x: float | None) -> str:
 
 
 def plot_curves(path: Path, series: dict[str, list[Run]], xkey: str, xlabel: str, title: str,
-                upto_step: int | None = None) -> None:
+                upto_step: int | None = None, target: float = TARGET) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -348,7 +352,7 @@ def plot_curves(path: Path, series: dict[str, list[Run]], xkey: str, xlabel: str
         (line,) = ax.plot(xs, ys, marker="o", ms=3, label=f"{label} ({len(runs)} seed{'s' * (len(runs) > 1)})")
         if len(runs) > 1:
             ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
-    ax.axhline(TARGET, color="grey", lw=0.8, ls="--")
+    ax.axhline(target, color="grey", lw=0.8, ls="--")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("held-out avg@8 (sampled)")
     ax.set_title(title, fontsize=10)
@@ -524,8 +528,47 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
                      f"| {r.final(SHORT_STEPS)['acc']:.3f} | {fmt_k(r.crossing(TARGET, 'cost'))} |")
     lines.append("")
     text = "\n".join(lines) + "\n"
+    if out.exists():  # the long-horizon suite's section is written by its own report; keep it
+        old = out.read_text()
+        if long_suite.BEGIN in old and long_suite.END in old:
+            text = long_suite.splice(text, long_suite.BEGIN + old.split(long_suite.BEGIN, 1)[1].split(long_suite.END, 1)[0]
+                                     + long_suite.END + "\n")
     out.write_text(text)
     return text
+
+
+def write_long_report(root: Path, out: Path) -> str:
+    block = long_suite.section(root, load_run, fmt, fmt_k, mean_std, plot_curves, out.parent / "results")
+    out.write_text(long_suite.splice(out.read_text() if out.exists() else "# Results: VAPO in miniature\n", block))
+    return block
+
+
+def run_long(root: Path, args: argparse.Namespace) -> int:
+    """The long suite's two phases (long_suite's docstring): every seed-0 run (the α sweep, DAPO, GRPO), then
+    seeds 1-2 of the picked α and of the baselines; each finished VAPO run's critic is probed before the report."""
+    def log(msg: str) -> None:
+        print(f"[experiments {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    failures = 0
+    for phase in (1, 2):
+        best = long_suite.pick_alpha(root)
+        if phase == 2 and best is None:
+            log("the α sweep is not finished; phase 2 (picked α's seeds 1-2, DAPO, GRPO) waits for it")
+            break
+        suite = long_suite.experiments(Experiment, best)
+        chosen = [e for e in suite if not args.only or e.name in args.only]
+        todo = [(e, s) for e in chosen for s in (args.seeds or e.seeds) if status(root, e, s) != "done"]
+        if phase == 1:
+            todo = [(e, s) for e, s in todo if s == 0]
+        else:
+            log(f"α picked by the sweep (late training reward): {best:g}")
+        if not args.report_only:
+            failures += run_suite(root, todo, args.jobs)
+            for e in suite:
+                if e.name.startswith("long_vapo_a"):
+                    for s in e.seeds:
+                        long_suite.probe_values(root / run_name(e, s), log)
+    return failures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -540,7 +583,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
     ap.add_argument("--out", default="docs/RESULTS.md", help="report path (plots go to <its dir>/results/)")
     ap.add_argument("--notes", default="docs/results/notes.md", help="hand-written reading included in the report")
+    ap.add_argument("--suite", choices=["default", "long"], default="default",
+                    help="default: issue 8 on the embedded default task (root runs/exp); long: issue 15's long-horizon "
+                    "task (root runs/exp-long, its own section of the report)")
     args = ap.parse_args(argv)
+    if args.suite == "long":
+        root = (REPO / (args.root if args.root != "runs/exp" else "runs/exp-long")).resolve()
+        if args.list:
+            best = long_suite.pick_alpha(root)
+            print(f"α picked by the sweep: {'not yet (sweep unfinished)' if best is None else f'{best:g}'}")
+            for e in long_suite.experiments(Experiment, best):
+                for s in e.seeds:
+                    print(f"{run_name(e, s):24s} {status(root, e, s):10s} {e.steps:3d} steps  {e.label}")
+            return 0
+        root.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        failures = run_long(root, args)
+        write_long_report(root, REPO / args.out)
+        print(json.dumps({"bench": "experiments", "suite": "long", "report": args.out, "failed_runs": failures,
+                          "alpha": long_suite.pick_alpha(root)}))
+        return 1 if failures else 0
     root = (REPO / args.root).resolve()
     if args.jobs < 1:
         ap.error("--jobs must be at least 1")

@@ -143,9 +143,66 @@ def test_wall_from_launch_adds_the_suites_bootstrap(exp: ModuleType, tmp_path: P
 
     make_run(tmp_path / "vapo-s0", {0: 0.45, 2: 0.6}, step_s=10.0, eval_s=3.0, base_time=1000.0)
     os.utime(tmp_path / "vapo-s0" / "config.yaml", (950.0, 950.0))  # launched 50 s before the base eval
-    info = tmp_path / "_base" / "addition-tiny" / "vapo_info.json"
+    info = tmp_path / "_base" / "y" / "vapo_info.json"  # the suite's own build of the run's model.path (x/y)
     info.parent.mkdir(parents=True)
     info.write_text(json.dumps({"bootstrap": {"sft_seconds": 300.0}}))
     run = exp.load_run(tmp_path / "vapo-s0")
     # Step 2 is logged at 1000 + 10 + 13; from the launch that is 73 s, plus the 300 s bootstrap.
     assert run.bootstrap_seconds == 300.0 and run.launch_to[2] == pytest.approx(73.0 + 300.0)
+
+
+def _long_run(d: Path, accs: dict[int, float], reward: float, advantage: str = "gae") -> None:
+    """A finished long-suite run: make_run plus per-bucket held-out accuracy and the late training reward."""
+    make_run(d, accs)
+    cfg = yaml.safe_load((d / "config.yaml").read_text()) | {"algo": {"advantage": advantage}}
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    recs = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()[:-1]]
+    for r in recs:
+        if r["kind"] == "learner_step":
+            r["reward_mean"] = reward
+        ev = r if r["kind"] == "eval" else r.get("eval")
+        if ev is not None:
+            ev.update({"by_bucket": {b: {"avg_at_k": ev["avg_at_k"] + dv} for b, dv in
+                                     (("short", 0.1), ("medium", 0.0), ("long", -0.1))},
+                       "min_response_length": 49, "max_response_length": 400, "mean_response_length": 150.0,
+                       "by_response_length": {"<=64": {"n_samples": 10, "avg_at_k": 0.9}}})
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+
+
+def test_long_suite_picks_alpha_on_training_reward_and_keeps_the_issue8_tables(exp: ModuleType, tmp_path: Path) -> None:
+    ls = exp.long_suite
+    root = tmp_path / "exp-long"
+    steps = {0: 0.45, 20: 0.6, 40: 0.7}
+    # The held-out winner (α = 1) is not the training-reward winner (α = 0.2): the pick must not peek.
+    for a, acc, reward in ((0.05, 0.65, 0.50), (0.2, 0.70, 0.62), (1.0, 0.80, 0.55)):
+        assert ls.pick_alpha(root) is None  # unfinished sweep: nothing picked, phase 2 waits
+        _long_run(root / f"long_vapo_a{a:g}-s0", steps | {40: acc}, reward)
+    assert ls.pick_alpha(root) == 0.2
+    suite = {e.name: e for e in ls.experiments(exp.Experiment, 0.2)}
+    assert suite["long_vapo_a0.2"].seeds == (0, 1, 2) and suite["long_vapo_a1"].seeds == (0,)
+    for e in suite.values():  # every baseline override is a real key of long.yaml's tree
+        cfg = load_config(ROOT / e.config, [*e.overrides, f"learner.total_steps={e.steps}"])
+        assert cfg.task.name == "chain"
+    dapo = load_config(ROOT / ls.CONFIG, list(suite["long_dapo"].overrides))
+    assert dapo.algo.advantage == "grpo" and dapo.buffer.filter_uniform_groups and not dapo.value_pretrain.enabled
+    for s in (0, 1, 2):
+        _long_run(root / f"long_dapo-s{s}", steps | {40: 0.6 + 0.01 * s}, 0.5, advantage="grpo")
+    (root / "long_vapo_a0.2-s0" / "value_curve.json").write_text(json.dumps(
+        {"failed_checked": 31, "value_before_first_mistake": 0.6, "value_after_first_mistake": 0.2,
+         "value_change_at_mistake": -0.25, "fraction_dropping": 0.9, "mean_abs_change_elsewhere": 0.01}))
+    out = tmp_path / "RESULTS.md"
+    out.write_text("# Results\n\nissue-8 tables\n")
+    block = exp.write_long_report(root, out)
+    text = out.read_text()
+    assert text.startswith("# Results\n\nissue-8 tables\n") and text.count(ls.BEGIN) == 1
+    assert "| VAPO α = 0.2 (picked by the sweep) | 1 | 0.700 ± 0.000 (0.700–0.700) | 0.950 | 0.800 / 0.700 / 0.600 |" in block
+    assert "| DAPO | 3 | 0.610 ± 0.010 (0.600–0.620) |" in block and "| GRPO | 0 | not run yet |" in block
+    assert "| 0.2 **(picked)** | 0.90 / 0.97 / 0.99 | 0.700 |" in block and "| 0.05 | 0.60 / 0.87 / 0.95 |" in block
+    assert "| 31 | 0.600 → 0.200 | -0.250 (0.90) | 0.010 |" in block
+    # Writing it again replaces the section; re-making the issue-8 report keeps it.
+    exp.write_long_report(root, out)
+    assert out.read_text() == text
+    exp.write_report(tmp_path / "none", out, tmp_path / "no-notes.md")
+    assert out.read_text().count(ls.BEGIN) == 1 and "(picked by the sweep)" in out.read_text()
+    for png in ("long_samples", "long_critic_ev"):
+        assert (tmp_path / "results" / f"{png}.png").stat().st_size > 5000
