@@ -35,7 +35,7 @@ import torch
 
 from common.tasks import Prompt, Task, decode_response, encode_prompt
 
-LENGTH_BINS = (16, 32, 48, 64, 96, 128)  # response-length bucket upper edges (tokens)
+LENGTH_BINS = (16, 32, 48, 64, 96, 128, 192, 256, 320, 400)  # response-length bucket upper edges (tokens)
 
 
 def _length_bin(n: int) -> str:
