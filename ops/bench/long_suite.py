@@ -118,6 +118,19 @@ def _eval_records(run_dir: Path) -> list[dict[str, Any]]:
     return recs
 
 
+def pretrain_seconds(run_dir: Path) -> float:
+    """Seconds of value pretraining (its steps, as the learner logged them)."""
+    total = 0.0
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if r.get("kind") == "value_pretrain":
+            total += float(r.get("seconds", 0.0))
+    return total
+
+
 def _bucket_acc(rec: dict[str, Any], bucket: str) -> float | None:
     b = (rec.get("by_bucket") or {}).get(bucket)
     return None if b is None else float(b["avg_at_k"])
@@ -203,13 +216,14 @@ def section(root: Path, load_run: Any, fmt: Any, fmt_k: Any, mean_std: Any, plot
     if vapo_runs:
         marks = (1, 10, 20, 30, 40)
         L += ["### The critic: explained variance over training, value along long failed responses", "",
-              f"| run | pretraining EV | EV at step {' / '.join(map(str, marks))} | failed long responses checked "
+              f"| run | value pretraining: samples, s, EV | EV at step {' / '.join(map(str, marks))} | failed long responses checked "
               "| V before → after the first mistake | ΔV at the mistake (share < 0) | mean abs ΔV elsewhere "
               "| V on correct long responses (1st → 2nd half) |", "|---|---|---|---|---|---|---|---|"]
         for d, r in vapo_runs:
             ev_at = {s["step"]: s["ev"] for s in r.steps}
             vc = json.loads((d / "value_curve.json").read_text()) if (d / "value_curve.json").exists() else {}
-            L.append(f"| {d.name} | {fmt(r.pretrain_ev)} | {' / '.join(fmt(ev_at.get(m), 2) for m in marks)} "
+            L.append(f"| {d.name} | {r.pretrain_samples:,}, {pretrain_seconds(d):.0f} s, {fmt(r.pretrain_ev)} "
+                     f"| {' / '.join(fmt(ev_at.get(m), 2) for m in marks)} "
                      f"| {vc.get('failed_checked', '—')} | {fmt(vc.get('value_before_first_mistake'))} → "
                      f"{fmt(vc.get('value_after_first_mistake'))} | {fmt(vc.get('value_change_at_mistake'))} "
                      f"({fmt(vc.get('fraction_dropping'), 2)}) | {fmt(vc.get('mean_abs_change_elsewhere'))} "

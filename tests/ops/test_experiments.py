@@ -199,6 +199,7 @@ def test_long_suite_picks_alpha_on_training_reward_and_keeps_the_issue8_tables(e
     assert "| DAPO | 3 | 0.610 ± 0.010 (0.600–0.620) |" in block and "| GRPO | 0 | not run yet |" in block
     assert "| 0.2 **(picked)** | 0.90 / 0.97 / 0.99 | 0.700 |" in block and "| 0.05 | 0.60 / 0.87 / 0.95 |" in block
     assert "| 31 | 0.600 → 0.200 | -0.250 (0.90) | 0.010 |" in block
+    assert "| long_vapo_a0.2-s0 | 24, 0 s, 0.400 | 0.30 / 0.30 / 0.30 / 0.30 / 0.30 |" in block  # (2 + 1) groups x G
     # Writing it again replaces the section; re-making the issue-8 report keeps it.
     exp.write_long_report(root, out)
     assert out.read_text() == text
