@@ -142,7 +142,9 @@ class Runner:
                 m.eval_accuracy.labels(metric=key).set(rep[key])
         if "mean_response_length" in rep:
             m.eval_response_length.set(rep["mean_response_length"])
-        return {k: v for k, v in rep.items() if isinstance(v, int | float | str)}
+        # Scalars plus the per-bucket and per-length tables (a report reads accuracy by response length
+        # from the run record; the per-prompt lists stay out of metrics.jsonl).
+        return {k: v for k, v in rep.items() if isinstance(v, int | float | str) or k in ("by_bucket", "by_response_length")}
 
     def run(self) -> Learner:
         from learner import checkpoint

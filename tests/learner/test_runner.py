@@ -36,6 +36,11 @@ def test_runner_logs_metrics_and_evaluates(tiny_model_dir: Path, tmp_path: Path)
     assert [r["groups_consumed_total"] for r in recs] == [2, 4] and "filtered_total" not in recs[0]
     assert "eval" not in recs[0] and 0.0 <= recs[1]["eval"]["avg_at_k"] <= 1.0
     assert recs[1]["eval"]["n_prompts"] == 4
+    # Accuracy by task bucket and by response length are part of the record (the long-horizon report
+    # reads them); their sample counts add up to the evaluation's.
+    for e in (base, recs[1]["eval"]):
+        assert sum(b["n_prompts"] for b in e["by_bucket"].values()) == 4
+        assert sum(b["n_samples"] for b in e["by_response_length"].values()) == 4
     text = generate_latest(learner.metrics.registry).decode()
     for name in ("vapo_learner_step 2.0", "vapo_learner_weight_version 2.0", 'vapo_learner_phase_seconds{phase="actor_update"}',
                  'vapo_learner_eval_accuracy{metric="avg_at_k"}', "vapo_learner_staleness_bucket",
