@@ -565,8 +565,9 @@ def run_long(root: Path, args: argparse.Namespace) -> int:
         if not args.report_only:
             failures += run_suite(root, todo, args.jobs)
             for e in suite:
-                if e.name.startswith("long_vapo_a"):
-                    for s in e.seeds:
+                for s in e.seeds:
+                    long_suite.final_eval(root / run_name(e, s), log)
+                    if e.name.startswith("long_vapo_a"):
                         long_suite.probe_values(root / run_name(e, s), log)
     return failures
 

@@ -98,6 +98,36 @@ def probe_values(run_dir: Path, log: Any) -> None:
     out.write_text(res.stdout.strip().splitlines()[-1] + "\n")
 
 
+def final_eval(run_dir: Path, log: Any) -> None:
+    """final_eval.json for a finished run whose last evaluation record lacks accuracy by bucket (runs made
+    before the learner kept it): the same evaluation (newest weights, run seed, k = 8) re-run offline."""
+    out = run_dir / "final_eval.json"
+    recs = _eval_records(run_dir) if (run_dir / "summary.json").exists() else []
+    if out.exists() or not recs or "by_bucket" in recs[-1]:
+        return
+    weights = max((p for p in (run_dir / "weights").glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
+    import yaml
+
+    seed = int(yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["seed"])
+    log(f"{run_dir.name}: re-running its final held-out evaluation for the per-bucket accuracy ({weights.name})")
+    res = subprocess.run([sys.executable, "-m", "learner.evaluate", "--model", str(weights), "--config",
+                          str(run_dir / "config.yaml"), "--seed", str(seed), "--k", "8"], cwd=REPO,
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        log(f"{run_dir.name}: final evaluation failed: {res.stderr.strip()[-500:]}")
+        return
+    out.write_text(res.stdout.strip().splitlines()[-1] + "\n")
+
+
+def last_eval(run_dir: Path) -> dict[str, Any]:
+    """The run's last evaluation, with the per-bucket tables from final_eval.json when the record lacks them."""
+    rec = _eval_records(run_dir)[-1]
+    if "by_bucket" not in rec and (run_dir / "final_eval.json").exists():
+        extra = json.loads((run_dir / "final_eval.json").read_text())
+        rec = rec | {k: extra[k] for k in ("by_bucket", "by_response_length") if k in extra}
+    return rec
+
+
 # --------------------------------------------------------------------------------------------- report
 
 def _lam(a: float, n: int) -> str:
@@ -150,7 +180,8 @@ def section(root: Path, load_run: Any, fmt: Any, fmt_k: Any, mean_std: Any, plot
         rows[name] = got
     vapo_name = alpha_name(best) if best is not None else None
     L = [BEGIN, "", "## Long-horizon miniature: VAPO vs DAPO vs GRPO where the value model should matter (issue 15)", ""]
-    base_rec = next((_eval_records(d)[0] for rs in rows.values() for d, _ in rs), None)
+    bases = [_eval_records(d)[0] for rs in rows.values() for d, _ in rs]  # every run starts from the same base
+    base_rec = next((b for b in bases if "by_response_length" in b), bases[0] if bases else None)
     if base_rec is not None:
         L += [f"Task `chain` (`ops/configs/long.yaml`): add a digit modulo 10 for 5–44 steps, one 9-token line per step, "
               f"answer = the final digit; only the answer is rewarded. Base (SFT, 0.60M parameters, 3% slips per teacher "
@@ -177,7 +208,7 @@ def section(root: Path, load_run: Any, fmt: Any, fmt_k: Any, mean_std: Any, plot
             continue
         finals = [r.points[-1]["acc"] for _, r in rs]
         m, sd = mean_std(finals)
-        last = [_eval_records(d)[-1] for d, _ in rs]
+        last = [last_eval(d) for d, _ in rs]
         buckets = " / ".join(fmt(mean_std([x for x in (_bucket_acc(e, b) for e in last) if x is not None])[0])
                              for b in ("short", "medium", "long"))
         cross = [r.crossing(TARGET, "cost") for _, r in rs]
@@ -205,7 +236,7 @@ def section(root: Path, load_run: Any, fmt: Any, fmt_k: Any, mean_std: Any, plot
             L.append(f"| {a:g} | {_lam(a, 50)} / {_lam(a, 150)} / {_lam(a, 400)} | not run yet | | | |")
             continue
         d, r = got[0]
-        e = _eval_records(d)[-1]
+        e = last_eval(d)
         evs = [s["ev"] for s in r.steps if s["ev"] is not None]
         L.append(f"| {a:g}{' **(picked)**' if a == best else ''} | {_lam(a, 50)} / {_lam(a, 150)} / {_lam(a, 400)} "
                  f"| {r.points[-1]['acc']:.3f} | {' / '.join(fmt(_bucket_acc(e, b)) for b in ('short', 'medium', 'long'))} "

@@ -207,3 +207,17 @@ def test_long_suite_picks_alpha_on_training_reward_and_keeps_the_issue8_tables(e
     assert out.read_text().count(ls.BEGIN) == 1 and "(picked by the sweep)" in out.read_text()
     for png in ("long_samples", "long_critic_ev"):
         assert (tmp_path / "results" / f"{png}.png").stat().st_size > 5000
+
+
+def test_long_suite_reads_buckets_from_a_rerun_final_evaluation(exp: ModuleType, tmp_path: Path) -> None:
+    # Runs made before the learner kept accuracy by bucket get it from final_eval.json (same weights, seed, k).
+    ls = exp.long_suite
+    make_run(tmp_path / "old-s0", {0: 0.3, 40: 0.6})
+    assert "by_bucket" not in ls.last_eval(tmp_path / "old-s0")
+    (tmp_path / "old-s0" / "final_eval.json").write_text(json.dumps(
+        {"avg_at_k": 0.6, "by_bucket": {"long": {"avg_at_k": 0.4}}, "by_response_length": {}}))
+    rec = ls.last_eval(tmp_path / "old-s0")
+    assert rec["avg_at_k"] == 0.6 and rec["by_bucket"] == {"long": {"avg_at_k": 0.4}} and rec["step"] == 40
+    _long_run(tmp_path / "new-s0", {0: 0.3, 40: 0.6}, 0.5)
+    ls.final_eval(tmp_path / "new-s0", print)  # it has the tables already: nothing to re-run
+    assert not (tmp_path / "new-s0" / "final_eval.json").exists()
