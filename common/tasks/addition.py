@@ -31,7 +31,7 @@ import random
 import re
 
 from common.config import TaskConfig
-from common.tasks.base import Prompt, Task, Verdict, in_eval_bucket, stable_hash
+from common.tasks.base import Prompt, Task, Verdict, final_answer, in_eval_bucket, stable_hash
 
 _MAX_DRAWS = 1000  # a training index that keeps landing in the eval bucket this often means eval_buckets=1
 
@@ -106,16 +106,11 @@ class AdditionTask(Task):
 
     # ------------------------------------------------------------------------------------ verifier
 
-    _FINAL = re.compile(r"(?:^|\n)A:([^\n]*)\Z")
-
     @staticmethod
     def parse(response: str) -> str | None:
         """The final answer string: the last line must be ``A:<digits>`` (trailing whitespace allowed)."""
-        m = AdditionTask._FINAL.search(response.rstrip())
-        if m is None:
-            return None
-        ans = m.group(1)
-        return ans if re.fullmatch(r"[0-9]+", ans) else None
+        ans = final_answer(response)
+        return ans if ans is not None and re.fullmatch(r"[0-9]+", ans) else None
 
     def verify(self, prompt: Prompt, response: str) -> Verdict:
         parsed = self.parse(response)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import hashlib
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,16 @@ class Task(abc.ABC):
         Only the embedded synthetic tasks have one; other tasks start from a pretrained model.
         """
         raise NotImplementedError(f"task {self.name!r} has no teacher; point model.path at a pretrained HF model")
+
+
+_FINAL_LINE = re.compile(r"(?:^|\n)A:([^\n]*)\Z")
+
+
+def final_answer(response: str) -> str | None:
+    """What follows ``A:`` on the response's last line (trailing whitespace dropped); None when the last
+    line is not an answer line. The built-in step-by-step tasks end every response with one."""
+    m = _FINAL_LINE.search(response.rstrip())
+    return None if m is None else m.group(1)
 
 
 def stable_hash(*parts: Any) -> int:

@@ -37,7 +37,7 @@ import random
 import re
 
 from common.config import TaskConfig
-from common.tasks.base import Prompt, Task, Verdict, in_eval_bucket, stable_hash
+from common.tasks.base import Prompt, Task, Verdict, final_answer, in_eval_bucket, stable_hash
 
 MODULUS = 10
 _MAX_DRAWS = 1000
@@ -99,15 +99,11 @@ class ChainTask(Task):
             self._eval = out
         return list(self._eval)
 
-    _FINAL = re.compile(r"(?:^|\n)A:([^\n]*)\Z")
-
     @staticmethod
     def parse(response: str) -> str | None:
         """The final value: the last line must be ``A:<one digit>`` (trailing whitespace allowed)."""
-        m = ChainTask._FINAL.search(response.rstrip())
-        if m is None or not re.fullmatch(r"[0-9]", m.group(1)):
-            return None
-        return m.group(1)
+        ans = final_answer(response)
+        return ans if ans is not None and re.fullmatch(r"[0-9]", ans) else None
 
     def verify(self, prompt: Prompt, response: str) -> Verdict:
         parsed = self.parse(response)
