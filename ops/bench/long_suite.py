@@ -46,10 +46,20 @@ def alpha_name(a: float) -> str:
     return f"long_vapo_a{a:g}"
 
 
+# The follow-up (issue 15: "test the most likely change"): the critic without the surprise feature, whose
+# value reads the policy's own log-probs and so can only tell "unlikely" from "likely", not wrong from
+# right; a plain linear head on the backbone, trained at the paper's 2:1 critic:actor lr ratio.
+PLAIN_CRITIC = ("learner.value_head_surprise=false", "learner.critic_lr=2.0e-4", "value_pretrain.lr=2.0e-4")
+
+
 def experiments(Experiment: Any, best_alpha: float | None) -> list[Any]:
-    """The suite; VAPO's seeds 1-2 only once the sweep has picked ``best_alpha``."""
+    """The suite; VAPO's seeds 1-2 and the follow-up only once the sweep has picked ``best_alpha``."""
     out = [Experiment(alpha_name(a), "long", f"VAPO, α = {a:g}", CONFIG, (f"algo.alpha={a}",),
                       seeds=(0, 1, 2) if a == best_alpha else (0,), steps=STEPS) for a in ALPHAS]
+    if best_alpha is not None:
+        out.insert(0, Experiment("long_vapo_plain", "long", f"VAPO, α = {best_alpha:g}, plain critic (no surprise "
+                                 "feature, critic lr 2e-4)", CONFIG, (f"algo.alpha={best_alpha}", *PLAIN_CRITIC),
+                                 seeds=(0,), steps=STEPS))
     out += [Experiment("long_dapo", "long", "DAPO", CONFIG, DAPO, seeds=(0, 1, 2), steps=STEPS),
             Experiment("long_grpo", "long", "GRPO", CONFIG, GRPO, seeds=(0, 1, 2), steps=STEPS)]
     return out
@@ -170,7 +180,7 @@ def section(root: Path, load_run: Any, fmt: Any, fmt_k: Any, mean_std: Any, plot
     """The markdown section (with its markers) from the finished runs under ``root``."""
     best = pick_alpha(root)
     rows: dict[str, list[tuple[Path, Any]]] = {}
-    for name in [alpha_name(a) for a in ALPHAS] + ["long_dapo", "long_grpo"]:
+    for name in [alpha_name(a) for a in ALPHAS] + ["long_vapo_plain", "long_dapo", "long_grpo"]:
         got = []
         for s in (0, 1, 2):
             d = root / f"{name}-s{s}"
@@ -198,10 +208,12 @@ def section(root: Path, load_run: Any, fmt: Any, fmt_k: Any, mean_std: Any, plot
     # 1. the comparison
     L += [f"| method | seeds | final avg@8 mean ± sd (min–max) | greedy | short / medium / long avg@8 | samples paid to "
           f"{TARGET:.2f} (mean; per seed) | critic EV (mean over steps) | run wall (s) |", "|---|---|---|---|---|---|---|---|"]
-    order = ([vapo_name] if vapo_name else []) + [alpha_name(0.05)] * (vapo_name != alpha_name(0.05)) + ["long_dapo", "long_grpo"]
+    order = (([vapo_name] if vapo_name else []) + [alpha_name(0.05)] * (vapo_name != alpha_name(0.05))
+             + ["long_dapo", "long_grpo"] + ["long_vapo_plain"] * bool(rows["long_vapo_plain"]))
+    names = {"long_dapo": "DAPO", "long_grpo": "GRPO", "long_vapo_plain": f"VAPO α = {best if best is not None else '?'}, plain critic"}
     for name in order:
         rs = rows.get(name, [])
-        label = {"long_dapo": "DAPO", "long_grpo": "GRPO"}.get(name, f"VAPO α = {name.split('_a')[-1]}"
+        label = names.get(name, f"VAPO α = {name.split('_a')[-1]}"
                                                               + (" (picked by the sweep)" if name == vapo_name else ""))
         if not rs:
             L.append(f"| {label} | 0 | not run yet | | | | | |")
@@ -222,7 +234,7 @@ def section(root: Path, load_run: Any, fmt: Any, fmt_k: Any, mean_std: Any, plot
     series = {}
     for name in order:
         if rows.get(name):
-            series[{"long_dapo": "DAPO", "long_grpo": "GRPO"}.get(name, f"VAPO α = {name.split('_a')[-1]}")] = [r for _, r in rows[name]]
+            series[names.get(name, f"VAPO α = {name.split('_a')[-1]}")] = [r for _, r in rows[name]]
     plot_curves(figdir / "long_samples.png", series, "cost", "samples paid for (thousands)",
                 "Long-horizon task: held-out accuracy vs samples (mean, band = min–max over seeds)", target=TARGET)
     L += ["![long-horizon accuracy vs samples](results/long_samples.png)", ""]
@@ -243,7 +255,7 @@ def section(root: Path, load_run: Any, fmt: Any, fmt_k: Any, mean_std: Any, plot
                  f"| {fmt(train_reward(d))} | {fmt(statistics.fmean(evs)) if evs else '—'} |")
     L.append("")
     # 3. critic quality over training, and the value along long failed responses
-    vapo_runs = [(d, r) for name in [alpha_name(a) for a in ALPHAS] for d, r in rows[name]]
+    vapo_runs = [(d, r) for name in [alpha_name(a) for a in ALPHAS] + ["long_vapo_plain"] for d, r in rows[name]]
     if vapo_runs:
         marks = (1, 10, 20, 30, 40)
         L += ["### The critic: explained variance over training, value along long failed responses", "",

@@ -178,8 +178,11 @@ def test_long_suite_picks_alpha_on_training_reward_and_keeps_the_issue8_tables(e
         assert ls.pick_alpha(root) is None  # unfinished sweep: nothing picked, phase 2 waits
         _long_run(root / f"long_vapo_a{a:g}-s0", steps | {40: acc}, reward)
     assert ls.pick_alpha(root) == 0.2
+    assert "long_vapo_plain" not in {e.name for e in ls.experiments(exp.Experiment, None)}  # needs the picked α
     suite = {e.name: e for e in ls.experiments(exp.Experiment, 0.2)}
     assert suite["long_vapo_a0.2"].seeds == (0, 1, 2) and suite["long_vapo_a1"].seeds == (0,)
+    plain = load_config(ROOT / ls.CONFIG, list(suite["long_vapo_plain"].overrides))
+    assert plain.algo.alpha == 0.2 and not plain.learner.value_head_surprise and plain.algo.advantage == "gae"
     for e in suite.values():  # every baseline override is a real key of long.yaml's tree
         cfg = load_config(ROOT / e.config, [*e.overrides, f"learner.total_steps={e.steps}"])
         assert cfg.task.name == "chain"
