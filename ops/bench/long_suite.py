@@ -193,9 +193,14 @@ def section(root: Path, load_run: Any, fmt: Any, fmt_k: Any, mean_std: Any, plot
     bases = [_eval_records(d)[0] for rs in rows.values() for d, _ in rs]  # every run starts from the same base
     base_rec = next((b for b in bases if "by_response_length" in b), bases[0] if bases else None)
     if base_rec is not None:
+        import yaml
+
+        some_run = next(d for rs in rows.values() for d, _ in rs)
+        boot = (yaml.safe_load((some_run / "config.yaml").read_text()).get("model") or {}).get("bootstrap") or {}
+        slips = f"{boot['teacher_error_rate']:.0%}" if "teacher_error_rate" in boot else "?"
         L += [f"Task `chain` (`ops/configs/long.yaml`): add a digit modulo 10 for 5–44 steps, one 9-token line per step, "
-              f"answer = the final digit; only the answer is rewarded. Base (SFT, 0.60M parameters, 3% slips per teacher "
-              f"line): held-out avg@8 **{base_rec['avg_at_k']:.3f}** (greedy {base_rec.get('greedy_accuracy', float('nan')):.3f}); "
+              f"answer = the final digit; only the answer is rewarded. Base (SFT, 0.60M parameters, {slips} slips per "
+              f"teacher line): held-out avg@8 **{base_rec['avg_at_k']:.3f}** (greedy {base_rec.get('greedy_accuracy', float('nan')):.3f}); "
               f"response length {base_rec['min_response_length']}–{base_rec['max_response_length']} tokens, mean "
               f"{base_rec['mean_response_length']:.0f}; by response length: "
               + ", ".join(f"{k} tokens: {v['n_samples']} samples, {v['avg_at_k']:.2f} correct"
@@ -207,7 +212,7 @@ def section(root: Path, load_run: Any, fmt: Any, fmt_k: Any, mean_std: Any, plot
         L += [NOTES.read_text().rstrip(), ""]
     # 1. the comparison
     L += [f"| method | seeds | final avg@8 mean ± sd (min–max) | greedy | short / medium / long avg@8 | samples paid to "
-          f"{TARGET:.2f} (mean; per seed) | critic EV (mean over steps) | run wall (s) |", "|---|---|---|---|---|---|---|---|"]
+          f"{TARGET:.2f} (mean; per seed) | critic EV (mean over steps) | learner s (net of eval) |", "|---|---|---|---|---|---|---|---|"]
     order = (([vapo_name] if vapo_name else []) + [alpha_name(0.05)] * (vapo_name != alpha_name(0.05))
              + ["long_dapo", "long_grpo"] + ["long_vapo_plain"] * bool(rows["long_vapo_plain"]))
     names = {"long_dapo": "DAPO", "long_grpo": "GRPO", "long_vapo_plain": f"VAPO α = {best if best is not None else '?'}, plain critic"}
@@ -229,7 +234,7 @@ def section(root: Path, load_run: Any, fmt: Any, fmt_k: Any, mean_std: Any, plot
         L.append(f"| {label} | {len(rs)} | {m:.3f} ± {sd:.3f} ({min(finals):.3f}–{max(finals):.3f}) "
                  f"| {statistics.fmean(r.points[-1]['greedy'] for _, r in rs):.3f} | {buckets} "
                  f"| {fmt_k(cm)}; {', '.join(fmt_k(c) for c in cross)} | {fmt(statistics.fmean(evs)) if evs else '—'} "
-                 f"| {fmt(statistics.fmean(r.wall_seconds or float('nan') for _, r in rs), 0)} |")
+                 f"| {fmt(statistics.fmean(r.steps[-1]['t'] for _, r in rs), 0)} |")
     L.append("")
     series = {}
     for name in order:
