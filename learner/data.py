@@ -79,18 +79,19 @@ class DataSource(Protocol):
 
 
 def fetch(source: DataSource | None, version: int, n_groups: int, timeout_s: float,
-          replay_fraction: float = 0.0) -> tuple[list[SampleGroup], list[Sample]]:
-    """The step's groups and stored positives (``replay_fraction`` per verified positive of the batch), the
-    same on every rank. Rank 0 asks ``source``; the other ranks pass None."""
+          replay_fraction: float = 0.0, positive_reward: float = 1.0) -> tuple[list[SampleGroup], list[Sample]]:
+    """The step's groups and stored positives (``replay_fraction`` per verified positive of the batch: a
+    sample with reward >= ``positive_reward``), the same on every rank. Rank 0 asks ``source``; the other
+    ranks pass None."""
     if world_size() == 1:
         assert source is not None, "rank 0 needs a data source"
         groups = source.get_batch(version, n_groups, timeout_s)
-        return groups, source.positives(_n_replay(groups, replay_fraction))
+        return groups, source.positives(_n_replay(groups, replay_fraction, positive_reward))
     header = frames = None
     if rank() == 0:
         assert source is not None, "rank 0 needs a data source"
         batch = source.get_batch_frames(version, n_groups, timeout_s)
-        positives, pos_frame = source.positives_frame(_n_replay(batch.groups, replay_fraction))
+        positives, pos_frame = source.positives_frame(_n_replay(batch.groups, replay_fraction, positive_reward))
         header, frames = [batch.min_version], [*batch.frames, pos_frame]
     header, frames = broadcast_ints(header), broadcast_frames(frames)
     if rank() == 0:
@@ -98,8 +99,8 @@ def fetch(source: DataSource | None, version: int, n_groups: int, timeout_s: flo
     return BatchFrames.decode(frames[:-1], header[0]).groups, decode_positives(frames[-1])
 
 
-def _n_replay(groups: list[SampleGroup], replay_fraction: float) -> int:
-    n_pos = sum(1 for g in groups for s in g.samples if s.reward >= 1.0)
+def _n_replay(groups: list[SampleGroup], replay_fraction: float, positive_reward: float) -> int:
+    n_pos = sum(1 for g in groups for s in g.samples if s.reward >= positive_reward)
     return int(round(replay_fraction * n_pos))
 
 

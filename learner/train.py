@@ -158,7 +158,8 @@ class Learner:
 
     def fetch(self) -> tuple[list[protocol.SampleGroup], list[protocol.Sample]]:
         lc = self.cfg.learner
-        return fetch(self.source, self.version, lc.batch_groups, lc.batch_timeout_s, self.cfg.nll.replay_fraction)
+        return fetch(self.source, self.version, lc.batch_groups, lc.batch_timeout_s, self.cfg.nll.replay_fraction,
+                     self.cfg.buffer.positive_reward)
 
     def make_batch(self, *, groups: list[protocol.SampleGroup], extra: list[protocol.Sample]) -> Batch:
         kw = {"max_new_tokens": self.cfg.actors.max_new_tokens, "overlong_buffer": self.cfg.algo.overlong_buffer,
@@ -253,7 +254,7 @@ class Learner:
         out = {
             "step": self.version, "weight_version": self.version, "time": time.time(),
             "reward_mean": float(b.rewards[real].sum()) / n_real,
-            "positives_fraction": float((b.rewards[real] >= 1.0).sum()) / n_real,
+            "positives_fraction": float((b.rewards[real] >= self.cfg.buffer.positive_reward).sum()) / n_real,
             "response_length_mean": float(b.lengths[real].sum()) / n_real,
             "truncated_fraction": float(b.truncated[real].sum()) / n_real,
             "samples": n_real, "replay_positives": int(b.is_replay.sum()),

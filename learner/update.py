@@ -335,12 +335,13 @@ class ActorParams:
     loss_agg: str  # token_mean | seq_mean
     nll_coef: float  # μ of the positive-example NLL (VAPO eq. 10)
     entropy_coef: float  # entropy bonus; 0 = none
+    positive_reward: float = 1.0  # samples with reward >= this are the NLL's positives (buffer.positive_reward)
 
     @classmethod
     def from_config(cls, cfg: Any) -> ActorParams:
         ac = cfg.algo
         return cls(epochs=cfg.learner.ppo_epochs, clip_low=ac.clip_low, clip_high=ac.clip_high, loss_agg=ac.loss_agg,
-                   nll_coef=cfg.nll.coef, entropy_coef=ac.entropy_coef)
+                   nll_coef=cfg.nll.coef, entropy_coef=ac.entropy_coef, positive_reward=cfg.buffer.positive_reward)
 
 
 def actor_update(
@@ -361,7 +362,7 @@ def actor_update(
     acc = Accum()
     lim = MicroLimits.of(limits)
     ppo_mask = batch.ppo_mask
-    pos_mask = batch.mask * (batch.rewards >= 1.0).to(batch.mask.dtype).unsqueeze(-1)
+    pos_mask = batch.mask * (batch.rewards >= p.positive_reward).to(batch.mask.dtype).unsqueeze(-1)
     scale = loss_scale_for_dp()
     for _ in range(p.epochs):
         for mbrows in minibatches:
@@ -381,7 +382,8 @@ def actor_update(
                 pl, st = policy_loss(logp, old_logprobs[micro.rows, :T].to(dev), advantages[micro.rows, :T].to(dev),
                                      m, clip_low=p.clip_low, clip_high=p.clip_high, loss_agg=p.loss_agg,
                                      normalizer=norm.to(logp.dtype), importance_weight=iw)
-                nll = nll_loss(logp, sub.mask * micro.weight, sub.rewards, normalizer=n_pos.to(logp.dtype))
+                nll = nll_loss(logp, sub.mask * micro.weight, sub.rewards, normalizer=n_pos.to(logp.dtype),
+                               threshold=p.positive_reward)
                 loss = pl + p.nll_coef * nll
                 if p.entropy_coef > 0:
                     loss = loss - p.entropy_coef * (ent * m).sum() / n_tok.to(ent.dtype).clamp(min=1.0)

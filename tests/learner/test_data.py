@@ -46,6 +46,9 @@ def test_one_rank_fetch_decodes_nothing_and_encodes_nothing() -> None:
     positives = [s for g in synth_groups(1, 4, 40, seed=2) for s in g.samples]
     got, extra = fetch(NoFrames(groups, positives), 0, 2, 1.0, replay_fraction=0.25)  # 4 positives -> 1
     assert all(a is b for a, b in zip(got, groups[:2], strict=True)) and extra == positives[:1]
+    # Positives are counted at the buffer's threshold: above every reward there are none to replay.
+    _, none = fetch(NoFrames(groups, positives), 0, 2, 1.0, replay_fraction=0.25, positive_reward=2.0)
+    assert none == []
 
 
 class FrameClient:

@@ -130,7 +130,9 @@ def test_actor_and_critic_update_take_keywords_and_actor_params(tiny_model_dir: 
     cfg = make_cfg(tiny_model_dir, "algo.clip_low=0.1", "algo.clip_high=0.3", "nll.coef=0.5", "learner.ppo_epochs=2")
     params = ActorParams.from_config(cfg)
     assert params == ActorParams(epochs=2, clip_low=0.1, clip_high=0.3, loss_agg=cfg.algo.loss_agg, nll_coef=0.5,
-                                 entropy_coef=cfg.algo.entropy_coef)
+                                 entropy_coef=cfg.algo.entropy_coef, positive_reward=1.0)
+    # The learner's positives are the buffer's: one threshold (buffer.positive_reward) for the NLL and replay.
+    assert ActorParams.from_config(make_cfg(tiny_model_dir, "buffer.positive_reward=0.5")).positive_reward == 0.5
     learner = Learner(cfg, None)
     b = _batch(2, 4, seed=5)
     assert bool((b.rewards >= 1).any())  # there are positives for the NLL
