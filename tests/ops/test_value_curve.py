@@ -55,3 +55,4 @@ def test_cli_refuses_what_it_cannot_probe(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, str(ROOT / "ops/bench/value_curve.py"), str(tmp_path)],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "without a critic" in bad.stderr
+
