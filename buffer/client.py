@@ -52,6 +52,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from buffer.credits import REFUSAL_REASONS
 from common.protocol import (
     BatchReply,
     BatchRequest,
@@ -70,7 +71,6 @@ from common.protocol import (
     decode_as,
     encode,
 )
-from buffer.credits import REFUSAL_REASONS
 from common.security import ClientKeys, apply_client_curve
 
 _REPLY_MAX_BYTES = 1 << 40  # replies come from our own buffer; a 512-group batch exceeds 64 MiB

@@ -67,17 +67,8 @@ def experiments(Experiment: Any, best_alpha: float | None) -> list[Any]:
 
 def train_reward(run_dir: Path, last: int = 10) -> float | None:
     """Mean training reward over the run's last ``last`` learner steps (None until it has them)."""
-    f = run_dir / "metrics.jsonl"
-    if not f.exists():
-        return None
-    rewards = []
-    for line in f.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if r.get("kind") == "learner_step" and r.get("step", 0) > STEPS - last:
-            rewards.append(float(r["reward_mean"]))
+    rewards = [float(r["reward_mean"]) for r in _records(run_dir)
+               if r.get("kind") == "learner_step" and r.get("step", 0) > STEPS - last]
     return statistics.fmean(rewards) if len(rewards) >= last else None
 
 
@@ -144,13 +135,21 @@ def _lam(a: float, n: int) -> str:
     return f"{max(0.0, 1 - 1 / (a * n)):.2f}"
 
 
-def _eval_records(run_dir: Path) -> list[dict[str, Any]]:
-    recs = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's metrics.jsonl records (a line cut by a crash is skipped; no file: none)."""
+    f = run_dir / "metrics.jsonl"
+    out = []
+    for line in f.read_text().splitlines() if f.exists() else []:
         try:
-            r = json.loads(line)
+            out.append(json.loads(line))
         except json.JSONDecodeError:
             continue
+    return out
+
+
+def _eval_records(run_dir: Path) -> list[dict[str, Any]]:
+    recs = []
+    for r in _records(run_dir):
         if r.get("kind") == "eval":
             recs.append(r)
         elif r.get("kind") == "learner_step" and isinstance(r.get("eval"), dict):
@@ -160,15 +159,7 @@ def _eval_records(run_dir: Path) -> list[dict[str, Any]]:
 
 def pretrain_seconds(run_dir: Path) -> float:
     """Seconds of value pretraining (its steps, as the learner logged them)."""
-    total = 0.0
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if r.get("kind") == "value_pretrain":
-            total += float(r.get("seconds", 0.0))
-    return total
+    return sum(float(r.get("seconds", 0.0)) for r in _records(run_dir) if r.get("kind") == "value_pretrain")
 
 
 def _bucket_acc(rec: dict[str, Any], bucket: str) -> float | None:
@@ -297,7 +288,7 @@ def ev_plot(path: Path, runs: list[tuple[str, Any]]) -> None:
     for name, r in runs:
         pts = [(s["step"], s["ev"]) for s in r.steps if s["ev"] is not None]
         if pts:
-            ax.plot(*zip(*pts), lw=1, label=name)
+            ax.plot(*zip(*pts, strict=True), lw=1, label=name)
     ax.set_xlabel("learner step")
     ax.set_ylabel("critic explained variance (batch)")
     ax.grid(alpha=0.3)
