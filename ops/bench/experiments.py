@@ -553,7 +553,7 @@ def run_long(root: Path, args: argparse.Namespace) -> int:
     for phase in (1, 2):
         best = long_suite.pick_alpha(root)
         if phase == 2 and best is None:
-            log("the α sweep is not finished; phase 2 (picked α's seeds 1-2, the plain-critic follow-up, DAPO, GRPO) waits for it")
+            log("the α sweep is not finished; phase 2 (picked α's seeds 1-2, DAPO, GRPO, the plain-critic follow-ups) waits for it")
             break
         suite = long_suite.experiments(Experiment, best)
         chosen = [e for e in suite if not args.only or e.name in args.only]

@@ -9,7 +9,9 @@ Two phases, both resumable (a finished run is skipped, a checkpointed one contin
 
 1. seed 0 of everything: the α sweep (VAPO with α = 0.05, the paper's, 0.2 and 1.0), DAPO and GRPO;
 2. the α with the highest mean *training* reward over the sweep run's last 10 steps (not the held-out score,
-   so the held-out comparison is not selected on) gets seeds 1 and 2, and so do DAPO and GRPO.
+   so the held-out comparison is not selected on) gets seeds 1 and 2, and so do DAPO and GRPO; then two
+   follow-ups at that α (seed 0): the paper's plain critic head, and the same after 50 value-pretraining
+   steps instead of 10.
 
 Every run generates the same samples per step (32 prompts x G = 8); DAPO's dynamic sampling pays for the
 groups it drops and VAPO for its value pretraining, and the report counts both. After training, each VAPO
@@ -50,6 +52,12 @@ def alpha_name(a: float) -> str:
 # value reads the policy's own log-probs and so can only tell "unlikely" from "likely", not wrong from
 # right; a plain linear head on the backbone, trained at the paper's 2:1 critic:actor lr ratio.
 PLAIN_CRITIC = ("learner.value_head_surprise=false", "learner.critic_lr=2.0e-4", "value_pretrain.lr=2.0e-4")
+# The second follow-up: that plain critic after 50 value-pretraining steps at the default 5e-4 (the config
+# tree's default recipe) instead of long.yaml's 10: the first follow-up's critic had not even fitted the
+# mean reward after 10 steps, so "it learned nothing" could be too little pretraining rather than the head.
+PLAIN_CRITIC_PRETRAINED = ("learner.value_head_surprise=false", "learner.critic_lr=2.0e-4", "value_pretrain.lr=5.0e-4",
+                           "value_pretrain.steps=50", "value_pretrain.patience=50")
+FOLLOW_UPS = ("long_vapo_plain", "long_vapo_plain_pt50")
 
 
 def experiments(Experiment: Any, best_alpha: float | None) -> list[Any]:
@@ -62,6 +70,10 @@ def experiments(Experiment: Any, best_alpha: float | None) -> list[Any]:
                                  seeds=(0,), steps=STEPS))
     out += [Experiment("long_dapo", "long", "DAPO", CONFIG, DAPO, seeds=(0, 1, 2), steps=STEPS),
             Experiment("long_grpo", "long", "GRPO", CONFIG, GRPO, seeds=(0, 1, 2), steps=STEPS)]
+    if best_alpha is not None:  # last: it costs most (50 pretraining steps) and answers the least-asked question
+        out.append(Experiment("long_vapo_plain_pt50", "long", f"VAPO, α = {best_alpha:g}, plain critic, 50 value-"
+                              "pretraining steps at 5e-4", CONFIG, (f"algo.alpha={best_alpha}", *PLAIN_CRITIC_PRETRAINED),
+                              seeds=(0,), steps=STEPS))
     return out
 
 
@@ -171,7 +183,7 @@ def section(root: Path, load_run: Any, fmt: Any, fmt_k: Any, mean_std: Any, plot
     """The markdown section (with its markers) from the finished runs under ``root``."""
     best = pick_alpha(root)
     rows: dict[str, list[tuple[Path, Any]]] = {}
-    for name in [alpha_name(a) for a in ALPHAS] + ["long_vapo_plain", "long_dapo", "long_grpo"]:
+    for name in [alpha_name(a) for a in ALPHAS] + [*FOLLOW_UPS, "long_dapo", "long_grpo"]:
         got = []
         for s in (0, 1, 2):
             d = root / f"{name}-s{s}"
@@ -205,8 +217,10 @@ def section(root: Path, load_run: Any, fmt: Any, fmt_k: Any, mean_std: Any, plot
     L += [f"| method | seeds | final avg@8 mean ± sd (min–max) | greedy | short / medium / long avg@8 | samples paid to "
           f"{TARGET:.2f} (mean; per seed) | critic EV (mean over steps) | learner s (net of eval) |", "|---|---|---|---|---|---|---|---|"]
     order = (([vapo_name] if vapo_name else []) + [alpha_name(0.05)] * (vapo_name != alpha_name(0.05))
-             + ["long_dapo", "long_grpo"] + ["long_vapo_plain"] * bool(rows["long_vapo_plain"]))
-    names = {"long_dapo": "DAPO", "long_grpo": "GRPO", "long_vapo_plain": f"VAPO α = {best if best is not None else '?'}, plain critic"}
+             + ["long_dapo", "long_grpo"] + [f for f in FOLLOW_UPS if rows[f]])
+    picked = best if best is not None else "?"
+    names = {"long_dapo": "DAPO", "long_grpo": "GRPO", "long_vapo_plain": f"VAPO α = {picked}, plain critic",
+             "long_vapo_plain_pt50": f"VAPO α = {picked}, plain critic, 50 pretraining steps"}
     for name in order:
         rs = rows.get(name, [])
         label = names.get(name, f"VAPO α = {name.split('_a')[-1]}"
@@ -251,7 +265,7 @@ def section(root: Path, load_run: Any, fmt: Any, fmt_k: Any, mean_std: Any, plot
                  f"| {fmt(train_reward(d))} | {fmt(statistics.fmean(evs)) if evs else '—'} |")
     L.append("")
     # 3. critic quality over training, and the value along long failed responses
-    vapo_runs = [(d, r) for name in [alpha_name(a) for a in ALPHAS] + ["long_vapo_plain"] for d, r in rows[name]]
+    vapo_runs = [(d, r) for name in [alpha_name(a) for a in ALPHAS] + list(FOLLOW_UPS) for d, r in rows[name]]
     if vapo_runs:
         marks = (1, 10, 20, 30, 40)
         L += ["### The critic: explained variance over training, value along long failed responses", "",
