@@ -439,6 +439,26 @@ def dry_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stop(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def install_stop_handlers() -> list[signal.Signals]:
+    """Make SIGINT, SIGTERM and SIGHUP stop the run in order; returns the signals handled.
+
+    SIGINT is handled even when it arrived ignored: a non-interactive shell starts every ``cmd &`` with
+    SIGINT ignored (and Python keeps an inherited SIG_IGN), so a launcher started from a script or CI job
+    would shrug off ``kill -INT``. SIGHUP is left alone when it arrived ignored: that is ``nohup``, whose
+    whole point is that closing the terminal does not stop the run.
+    """
+    handled = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+        handled.append(signal.SIGHUP)  # a closed terminal or ssh session stops the run in order
+    for sig in handled:
+        signal.signal(sig, _stop)
+    return handled
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     os.chdir(ROOT)
@@ -454,11 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     write_prometheus_config(cfg, cfg.run_dir / "prometheus.yml")
     launcher = Launcher(cfg, cfg_file.resolve(), args.resume)
 
-    def on_signal(signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGHUP, on_signal)  # a closed terminal or ssh session stops the run in order
+    install_stop_handlers()
     say(f"run '{cfg.run.name}' in {cfg.run_dir} (config {args.config}; resolved {cfg_file})")
     try:
         if cfg.metrics.prometheus:

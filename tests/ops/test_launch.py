@@ -158,10 +158,19 @@ def test_every_grafana_panel_query_returns_data(smoke_run) -> None:
         pytest.fail(f"no data for {empty}\ntargets: {targets}\n{smoke_run['out'][-3000:]}")
 
 
+def _as_if_started_in_background_by_a_script() -> None:
+    # What bash does to `cmd &` without job control (scripts, CI jobs): SIGINT and SIGQUIT arrive ignored.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+
+
 def test_sigint_stops_every_child_within_ten_seconds(tmp_path: Path) -> None:
+    """Even when the launcher inherited SIGINT as ignored (a fresh-clone CI run started with `&` failed here
+    when the launcher relied on Python's default handler, which an inherited SIG_IGN switches off)."""
     overrides = smoke_overrides(tmp_path, "smoke-sigint")
     proc = subprocess.Popen([str(LAUNCH), "ops/configs/smoke.yaml", *overrides, "learner.total_steps=1000"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=_as_if_started_in_background_by_a_script)
     assert proc.stdout is not None
     for line in proc.stdout:
         if "actor(s) started" in line:
@@ -174,6 +183,25 @@ def test_sigint_stops_every_child_within_ten_seconds(tmp_path: Path) -> None:
     wait_for(lambda: processes_mentioning(str(run_dir)) == [], 10 - min(time.time() - t0, 9), "every child to stop")
     assert time.time() - t0 <= 10.5
     assert proc.returncode == 130
+
+
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_stop_signals_and_nohup(inherited: str) -> None:
+    """SIGINT and SIGTERM always stop the launcher; SIGHUP does unless it arrived ignored (``nohup``: the run
+    must survive the terminal closing)."""
+    def start() -> None:
+        if inherited == "ignored":
+            for sig in (signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
+
+    probe = ("import signal, sys; sys.path[:0] = ['.', 'ops']; import launch; "
+             "print(sorted(int(s) for s in launch.install_stop_handlers())); "
+             "print([signal.getsignal(s) is launch._stop for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)])")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True,
+                         preexec_fn=start).stdout.split("\n")
+    hup = inherited == "default"
+    assert out[0] == str(sorted([int(signal.SIGINT), int(signal.SIGTERM)] + [int(signal.SIGHUP)] * hup))
+    assert out[1] == str([True, True, hup])
 
 
 def test_launcher_health_check_uses_the_configured_curve_client_keys(tmp_path: Path) -> None:
