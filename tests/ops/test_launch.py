@@ -190,9 +190,9 @@ def test_stop_signals_and_nohup(inherited: str) -> None:
     """SIGINT and SIGTERM always stop the launcher; SIGHUP does unless it arrived ignored (``nohup``: the run
     must survive the terminal closing)."""
     def start() -> None:
-        if inherited == "ignored":
-            for sig in (signal.SIGINT, signal.SIGHUP):
-                signal.signal(sig, signal.SIG_IGN)
+        # Set both ways explicitly: the test runner itself may run under nohup or as a script's `cmd &`.
+        for sig in (signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN if inherited == "ignored" else signal.SIG_DFL)
 
     probe = ("import signal, sys; sys.path[:0] = ['.', 'ops']; import launch; "
              "print(sorted(int(s) for s in launch.install_stop_handlers())); "
