@@ -443,20 +443,18 @@ def _stop(_signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def install_stop_handlers() -> list[signal.Signals]:
-    """Make SIGINT, SIGTERM and SIGHUP stop the run in order; returns the signals handled.
+def install_stop_handlers() -> None:
+    """Make SIGINT, SIGTERM and SIGHUP stop the run in order.
 
     SIGINT is handled even when it arrived ignored: a non-interactive shell starts every ``cmd &`` with
     SIGINT ignored (and Python keeps an inherited SIG_IGN), so a launcher started from a script or CI job
     would shrug off ``kill -INT``. SIGHUP is left alone when it arrived ignored: that is ``nohup``, whose
     whole point is that closing the terminal does not stop the run.
     """
-    handled = [signal.SIGINT, signal.SIGTERM]
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
     if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
-        handled.append(signal.SIGHUP)  # a closed terminal or ssh session stops the run in order
-    for sig in handled:
-        signal.signal(sig, _stop)
-    return handled
+        signal.signal(signal.SIGHUP, _stop)  # a closed terminal or ssh session stops the run in order
 
 
 def main(argv: list[str] | None = None) -> int:

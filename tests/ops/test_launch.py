@@ -194,14 +194,12 @@ def test_stop_signals_and_nohup(inherited: str) -> None:
         for sig in (signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN if inherited == "ignored" else signal.SIG_DFL)
 
-    probe = ("import signal, sys; sys.path[:0] = ['.', 'ops']; import launch; "
-             "print(sorted(int(s) for s in launch.install_stop_handlers())); "
+    # A child process: handlers are process-wide, and pytest's own SIGINT handler must stay.
+    probe = ("import signal, sys; sys.path[:0] = ['.', 'ops']; import launch; launch.install_stop_handlers(); "
              "print([signal.getsignal(s) is launch._stop for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)])")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True,
-                         preexec_fn=start).stdout.split("\n")
-    hup = inherited == "default"
-    assert out[0] == str(sorted([int(signal.SIGINT), int(signal.SIGTERM)] + [int(signal.SIGHUP)] * hup))
-    assert out[1] == str([True, True, hup])
+                         preexec_fn=start).stdout.strip()
+    assert out == str([True, True, inherited == "default"])
 
 
 def test_launcher_health_check_uses_the_configured_curve_client_keys(tmp_path: Path) -> None:
