@@ -1,0 +1,303 @@
+"""Hosts h0..hN-1 on one machine: each a network namespace on a bridge with its own address, hostname,
+sshd and slurmd; slurmctld on h0 and munged in the root namespace. Everything lives in one temp dir.
+
+    with Cluster(4) as c:          # up() on enter, down() on exit (also after an exception or Ctrl-C)
+        c.run("h0", ["hostname"])  # -> CompletedProcess, run inside h0
+
+Each host's processes start as ``ip netns exec NS unshare --uts --mount sh -c 'hostname hN; mount --bind
+TMP/hosts /etc/hosts; exec CMD'``: a private hostname and an /etc/hosts that names every host (so gloo and
+pdsh resolve h0..hN to bridge addresses, never to 127.0.1.1), nothing changed on the machine itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+NETNS_PREFIX = "vapo-"  # namespace names: vapo-h0, vapo-h1, ...; the hostnames inside are h0, h1, ...
+BRIDGE = "vapo-br0"
+SUBNET = "10.213.7"  # a private /24 used only between namespaces this file creates
+DAEMONS = ("sshd", "slurmd", "slurmctld")
+PACKAGES = {"ip": "iproute2", "sshd": "openssh-server", "ssh": "openssh-client", "ssh-keygen": "openssh-client",
+            "pdsh": "pdsh", "slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "sbatch": "slurm-wlm",
+            "munged": "munge", "unshare": "util-linux"}
+
+
+def become_subreaper() -> None:
+    """Adopt orphans (slurmstepd and sshd daemonise): reaped by ``reap()`` here, whatever this machine's
+    init does, so no zombie of the rehearsal outlives it."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+def reap(own: set[int] = frozenset()) -> int:
+    """Wait for every exited child adopted as subreaper (not ``own``: Popen objects wait for those).
+    Returns how many were reaped."""
+    me, n = str(os.getpid()), 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(stat.parent.name)
+        if fields[0] == "Z" and fields[1] == me and pid not in own:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+                n += 1
+            except ChildProcessError:
+                pass
+    return n
+
+
+class ClusterUnavailable(RuntimeError):
+    """This machine cannot host the rehearsal (not root, no namespaces, a package missing)."""
+
+
+def missing_prerequisites() -> str | None:
+    """Why a cluster cannot be built here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, a bridge, sshd and slurmd as root)"
+    missing = sorted({pkg for tool, pkg in PACKAGES.items() if shutil.which(tool) is None
+                      and not Path(f"/usr/sbin/{tool}").exists()})
+    if missing:
+        return "missing Debian packages: " + " ".join(missing) + " (apt-get install them; .ci/run does)"
+    if not Path("/etc/munge/munge.key").exists():
+        return "no /etc/munge/munge.key (the munge package creates it)"
+    probe = f"{NETNS_PREFIX}probe{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"cannot create a network namespace: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(list(cmd), capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise ClusterUnavailable(f"{' '.join(cmd)}: {r.stderr.strip() or r.stdout.strip()}")
+    return r
+
+
+class Cluster:
+    def __init__(self, n_hosts: int = 4, cpus_per_host: int = 2, keep: Path | None = None) -> None:
+        self.hosts = [f"h{i}" for i in range(n_hosts)]
+        self.ips = {h: f"{SUBNET}.{10 + i}" for i, h in enumerate(self.hosts)}
+        self.cpus = cpus_per_host
+        self.tmp = Path(tempfile.mkdtemp(prefix="vapo-rehearsal-"))
+        self.keep = keep  # daemon logs are copied here on down()
+        self.slurm_conf = self.tmp / "slurm" / "slurm.conf"
+        self.ssh_config = self.tmp / "ssh" / "config"
+        self.bin = self.tmp / "bin"
+        self.daemons: list[subprocess.Popen] = []
+
+    # ------------------------------------------------------------------ running things on a host
+
+    def ns(self, host: str) -> str:
+        return NETNS_PREFIX + host
+
+    def wrap(self, host: str, argv: list[str]) -> list[str]:
+        """``argv`` run on ``host``: its network namespace, its hostname, the cluster's /etc/hosts."""
+        inner = f"hostname {host} && mount --bind {self.tmp}/hosts /etc/hosts && exec \"$@\""
+        return ["ip", "netns", "exec", self.ns(host), "unshare", "--uts", "--mount", "sh", "-c", inner, "sh", *argv]
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The environment of cluster commands: ssh/pdsh use the cluster's ssh config, Slurm its conf."""
+        e = dict(os.environ)
+        e.update(PATH=f"{self.bin}:{e.get('PATH', '/usr/bin:/bin')}", SLURM_CONF=str(self.slurm_conf),
+                 PDSH_RCMD_TYPE="ssh", PDSH_SSH_ARGS_APPEND=f"-F {self.ssh_config}")
+        e.update(extra)
+        return e
+
+    def run(self, host: str, argv: list[str], timeout: float = 60, **kw: Any) -> subprocess.CompletedProcess:
+        kw.setdefault("env", self.env())
+        return subprocess.run(self.wrap(host, argv), capture_output=True, text=True, timeout=timeout, **kw)
+
+    def popen(self, host: str, argv: list[str], **kw: Any) -> subprocess.Popen:
+        kw.setdefault("env", self.env())
+        return subprocess.Popen(self.wrap(host, argv), **kw)
+
+    def pids(self, host: str) -> list[int]:
+        r = _sh("ip", "netns", "pids", self.ns(host), check=False)
+        return [int(p) for p in r.stdout.split()]
+
+    def comm(self, pid: int) -> str:
+        try:
+            return Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            return ""
+
+    def run_pids(self, host: str) -> list[int]:
+        """Processes on ``host`` other than its daemons (sshd, slurmd, slurmctld): what a run left behind."""
+        return [p for p in self.pids(host) if self.comm(p) not in DAEMONS]
+
+    def kill_host(self, host: str, sig: int = signal.SIGKILL) -> int:
+        """Kill every process in ``host``'s namespace (daemons included): a host that died."""
+        n = 0
+        for p in self.pids(host):
+            try:
+                os.kill(p, sig)
+                n += 1
+            except ProcessLookupError:
+                pass
+        return n
+
+    def link(self, host: str, up: bool) -> None:
+        _sh("ip", "link", "set", f"v{host}", "up" if up else "down")
+
+    # ------------------------------------------------------------------------------ up / down
+
+    def __enter__(self) -> Cluster:
+        try:
+            self.up()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.down()
+
+    def up(self) -> None:
+        become_subreaper()
+        Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation directory
+        self._network()
+        self._files()
+        for h in self.hosts:
+            self._start(h, ["/usr/sbin/sshd", "-D", "-f", str(self.tmp / "ssh" / f"sshd-{h}.conf"), "-E",
+                            str(self.tmp / "logs" / f"sshd-{h}.log")])
+        self._start(None, ["munged", "--foreground", "--force", f"--socket={self.tmp}/munge/munge.sock", f"--pid-file={self.tmp}/munge/munged.pid",
+            f"--log-file={self.tmp}/logs/munged.log", f"--seed-file={self.tmp}/munge/munge.seed"])
+        self._start("h0", ["slurmctld", "-D"])
+        for h in self.hosts:
+            self._start(h, ["slurmd", "-D", "-N", h])
+        self._wait_ready()
+
+    def _network(self) -> None:
+        self.down_network()  # a cluster left by a killed rehearsal would collide with this one
+        _sh("ip", "link", "add", BRIDGE, "type", "bridge")
+        _sh("ip", "link", "set", BRIDGE, "up")
+        for h in self.hosts:
+            ns = self.ns(h)
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "link", "add", f"v{h}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _sh("ip", "link", "set", f"v{h}", "master", BRIDGE, "up")
+            _sh("ip", "-n", ns, "addr", "add", f"{self.ips[h]}/24", "dev", "eth0")
+            _sh("ip", "-n", ns, "link", "set", "eth0", "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+
+    def _files(self) -> None:
+        t = self.tmp
+        for d in ("ssh", "munge", "slurm", "logs", "bin", "slurm/state"):
+            (t / d).mkdir(parents=True, exist_ok=True)
+        (t / "hosts").write_text("127.0.0.1 localhost\n" + "".join(f"{ip} {h}\n" for h, ip in self.ips.items()))
+        _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(t / "ssh" / "id"))
+        _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(t / "ssh" / "host_key"))
+        shutil.copy(t / "ssh" / "id.pub", t / "ssh" / "authorized_keys")
+        for h, ip in self.ips.items():
+            (t / "ssh" / f"sshd-{h}.conf").write_text(
+                f"ListenAddress {ip}\nHostKey {t}/ssh/host_key\nAuthorizedKeysFile {t}/ssh/authorized_keys\n"
+                f"PidFile {t}/ssh/sshd-{h}.pid\nPermitRootLogin prohibit-password\nPasswordAuthentication no\n"
+                "UsePAM no\nStrictModes no\nPrintMotd no\nAcceptEnv no\nMaxStartups 64\nMaxSessions 64\n")
+        self.ssh_config.write_text(
+            f"Host *\n  IdentityFile {t}/ssh/id\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n"
+            "  LogLevel ERROR\n  BatchMode yes\n  ConnectTimeout 5\n  ServerAliveInterval 2\n  ServerAliveCountMax 3\n")
+        # `ssh HOST` and pdsh in the launcher use the cluster's config, never ~/.ssh.
+        wrapper = self.bin / "ssh"
+        wrapper.write_text(f"#!/bin/sh\nexec /usr/bin/ssh -F {self.ssh_config} \"$@\"\n")
+        wrapper.chmod(0o755)
+        nodes = "\n".join(f"NodeName={h} NodeAddr={ip} CPUs={self.cpus} State=UNKNOWN" for h, ip in self.ips.items())
+        self.slurm_conf.write_text(f"""ClusterName=vapo-rehearsal
+SlurmctldHost=h0({self.ips['h0']})
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={t}/munge/munge.sock
+StateSaveLocation={t}/slurm/state
+SlurmdSpoolDir={t}/slurm/spool-%n
+SlurmctldPidFile={t}/slurm/slurmctld.pid
+SlurmdPidFile={t}/slurm/slurmd-%n.pid
+SlurmctldLogFile={t}/logs/slurmctld.log
+SlurmdLogFile={t}/logs/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+MpiDefault=none
+SlurmdTimeout=30
+KillWait=5
+{nodes}
+PartitionName=rehearsal Nodes={','.join(self.hosts)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
+""")
+        (self.slurm_conf.parent / "cgroup.conf").write_text(
+            "CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\nCgroupAutomount=no\n")
+
+    def _start(self, host: str | None, argv: list[str]) -> None:
+        """A daemon in the foreground, as our child (we reap it: this machine's init may not)."""
+        name = Path(argv[0]).name + (f"-{host}" if host else "")
+        log = open(self.tmp / "logs" / f"{name}.out", "ab")  # noqa: SIM115 - the daemon's for its lifetime
+        cmd = self.wrap(host, argv) if host else argv
+        self.daemons.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
+                                             start_new_session=True))
+        log.close()
+
+    def _wait_ready(self, timeout_s: float = 60) -> None:
+        deadline = time.time() + timeout_s
+        last = ""
+        while time.time() < deadline:
+            ssh_ok = all(self.run("h0", ["ssh", h, "hostname"], timeout=20).stdout.strip() == h for h in self.hosts)
+            r = self.run("h0", ["sinfo", "-h", "-o", "%T", "-N"], timeout=20)
+            last = f"ssh {'ok' if ssh_ok else 'not yet'}; sinfo: {r.stdout.split()} {r.stderr.strip()}"
+            if ssh_ok and r.returncode == 0 and r.stdout.split() and all(s == "idle" for s in r.stdout.split()):
+                return
+            time.sleep(0.5)  # polling daemons for readiness with a deadline
+        raise ClusterUnavailable(f"cluster not ready after {timeout_s:.0f} s: {last}")
+
+    def down(self) -> dict[str, int]:
+        """Stop every daemon and process on every host, remove the namespaces and the bridge. Returns the
+        processes found on each host just before its namespace was removed (after the kill: must be 0)."""
+        left: dict[str, int] = {}
+        for h in self.hosts:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                if self.pids(h):
+                    self.kill_host(h, sig)
+                    deadline = time.time() + 5
+                    while self.pids(h) and time.time() < deadline:
+                        time.sleep(0.05)  # polling for the processes to exit
+            left[h] = len(self.pids(h))
+        for d in self.daemons:  # munged (root namespace), and the reaping of the host daemons killed above
+            if d.poll() is None:
+                d.terminate()
+            try:
+                d.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                d.kill()
+                d.wait()
+        reap()
+        self.down_network()
+        if self.keep is not None and (self.tmp / "logs").exists():
+            shutil.copytree(self.tmp / "logs", self.keep, dirs_exist_ok=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return left
+
+    def down_network(self) -> None:
+        existing = _sh("ip", "netns", "list", check=False).stdout.split()
+        for h in self.hosts:
+            if self.ns(h) in existing:
+                for p in self.pids(h):
+                    try:
+                        os.kill(p, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                _sh("ip", "netns", "del", self.ns(h), check=False)
+            _sh("ip", "link", "del", f"v{h}", check=False)
+        _sh("ip", "link", "del", BRIDGE, check=False)
