@@ -110,10 +110,11 @@ class EngineConfig:
     logprobs: str = f("original", "rollout_server: original = log_softmax(logits) as the learner computes | scaled = by 1/T (SGLang default)")
     startup_timeout_s: float = f(600.0, "seconds to wait for an engine to load and answer /health; SGLang loading a 32B checkpoint (plus CUDA graphs) takes minutes: allow ~60 s + 30 s per 10 GB of weights")
     max_restarts: int = f(3, "restarts of a dead engine before the actor gives up")
-    health_interval_s: float = f(10.0, "seconds between an actor's /health probes of its engine (none while it pauses or updates it)")
+    health_interval_s: float = f(10.0, "seconds between the starts of an actor's /health probes of its engine (/model_info while it updates the engine's weights); a hung engine is found within health_failures x health_interval_s + health_timeout_s")
     health_timeout_s: float = f(30.0, "one /health probe's deadline; SGLang 0.5.23 runs a one-token generation for /health and gives up after 20 s")
     health_failures: int = f(3, "consecutive failed /health probes after which the engine counts as dead: restarted (rollout_server) or waited for")
-    weight_load_timeout_s: float = f(600.0, "rollout_server: reading and checking a checkpoint for /update_weights_from_disk must finish within this")
+    weight_load_timeout_s: float = f(600.0, "rollout_server: reading and checking a checkpoint for /update_weights_from_disk must finish within this; the actor gives an update request this + health_timeout_s")
+    api_key_file: str = f("", "kind=sglang|external: file holding the engines' API key (SGLang --api-key, e.g. in its --config YAML), sent as a Bearer token; rollout_server engines get a fresh key per worker instead")
     imitate_sglang: bool = f(False, "rollout_server test mode: behave as real SGLang 0.5.23 (slow /health blocking while paused or loading, 400 after a load whose cache flush is refused, /model_info, meta_info.weight_versions)")
     sglang_mem_fraction_static: float = f(0.8, "sglang: --mem-fraction-static")
     sglang_tp_size: int = f(1, "sglang: --tp-size")
@@ -213,6 +214,7 @@ class LearnerConfig:
     eval_engine_url: str = f("", "eval_via=engine: the engine's base URL (empty = engine 0: engine.urls[0], or engine.host:engine.base_port)")
     eval_timeout_s: float = f(3600.0, "eval_via=engine: longest an evaluation may take, waiting for the engine to serve the weights included; past it the step logs the failure and training goes on")
     batch_timeout_s: float = f(600.0, "seconds to wait for a batch before failing")
+    dist_timeout_s: float = f(1800.0, "torch.distributed timeout of a multi-rank learner: a rank silent this long (lost host, hung peer) fails the run; rank 0's long waits (batch, evaluation) do not count, the other ranks hear from it every min(30 s, a quarter of this)")
     metrics_port: int = f(9100, "learner /metrics port")
     threads: int = f(2, "torch threads of the learner process")
 
@@ -257,9 +259,9 @@ class NLLConfig:
 @dataclass
 class PlacementConfig:
     hosts: list[str] = f(["localhost"], "hosts of the run in order; host 0 runs the launcher, the buffer and learner rank 0")
-    gpus_per_host: int = f(8, "GPUs on every host (global GPU g is host g // gpus_per_host, local GPU g % gpus_per_host)")
-    engine_gpus: str = f("", "run.device=cuda: global GPUs of the engines, e.g. '0-3' or '0,2'; engine i takes the next engine.sglang_tp_size of them")
-    learner_gpus: str = f("", "run.device=cuda: global GPUs of the learner, one DeepSpeed rank each, e.g. '4-7'")
+    gpus_per_host: int = f(8, "GPUs on every host (global GPU g is host g // gpus_per_host, local GPU g % gpus_per_host); run.device=cpu across hosts: process slots per host")
+    engine_gpus: str = f("", "global GPUs of the engines, e.g. '0-3' or '0,2'; engine i takes the next engine.sglang_tp_size of them (run.device=cpu across hosts: slots, which only say the host; empty on one CPU host)")
+    learner_gpus: str = f("", "global GPUs of the learner, one DeepSpeed rank each, e.g. '4-7' (run.device=cpu across hosts: slots, one CPU rank each; empty on one CPU host)")
     share_gpus: bool = f(False, "allow an engine and a learner rank on the same GPU (one-GPU configs); off = refuse overlaps")
     remote: str = f("ssh", "how processes start on hosts other than host 0: ssh (DeepSpeed's pdsh launcher for the learner) | srun (inside a Slurm allocation)")
     store_protection: str = f("", "a learner on several hosts: how placement.master_port (torch.distributed's store, every interface, no authentication) is protected: firewall | private_network (empty = refuse such a learner)")
@@ -291,7 +293,7 @@ class Config:
     value_pretrain: ValuePretrainConfig = sub(ValuePretrainConfig, "value pretraining before RL")
     nll: NLLConfig = sub(NLLConfig, "positive-example NLL loss")
     metrics: MetricsConfig = sub(MetricsConfig, "observability")
-    placement: PlacementConfig = sub(PlacementConfig, "which hosts and GPUs run engines and learner ranks (run.device=cuda)")
+    placement: PlacementConfig = sub(PlacementConfig, "which hosts and GPUs (CPU: slots) run engines and learner ranks")
 
     @property
     def run_dir(self) -> Path:
@@ -364,6 +366,7 @@ def _validate(cfg: Config) -> None:
         ("learner.ppo_epochs", cfg.learner.ppo_epochs >= 1, "must be >= 1"),
         ("learner.micro_batch_size", cfg.learner.micro_batch_size >= 1, "must be >= 1"),
         ("learner.zero_stage", 0 <= cfg.learner.zero_stage <= 3, "must be 0..3"),
+        ("learner.dist_timeout_s", cfg.learner.dist_timeout_s >= 1, "must be >= 1"),
         ("algo.gamma", 0 <= cfg.algo.gamma <= 1, "must be in [0, 1]"),
         ("algo.lambda_critic", 0 <= cfg.algo.lambda_critic <= 1, "must be in [0, 1]"),
         ("algo.lambda_actor", 0 <= cfg.algo.lambda_actor <= 1, "must be in [0, 1]"),

@@ -5,8 +5,9 @@
 
 The launcher (``ops/launch.py``) starts exactly the processes of the plan; nothing else decides placement.
 
-CPU (``run.device=cpu``): everything on this host; the learner is one ``python -m learner`` process and
-each actor supervises its own CPU engine. CUDA: ``placement.engine_gpus`` and ``placement.learner_gpus``
+CPU (``run.device=cpu``) on one host: everything there; the learner is one ``python -m learner`` process
+and each actor supervises its own CPU engine. CPU across several hosts: the CUDA plan with slots for GPUs
+(``gpus_per_host`` slots per host; a slot only chooses the host, no device is assigned). CUDA: ``placement.engine_gpus`` and ``placement.learner_gpus``
 name global GPU indices (GPU ``g`` is local GPU ``g % gpus_per_host`` of host ``g // gpus_per_host``).
 Engine ``i`` takes the next ``engine.sglang_tp_size`` engine GPUs (one for ``rollout_server`` engines) and
 its actor runs on the same host, talking to it over loopback. The learner is started through DeepSpeed's
@@ -84,7 +85,8 @@ class Plan:
             lines.append(f"             env: {env or '-'}")
             lines.append(f"             cmd: {shlex.join(p.argv)}")
         for r in self.ranks:
-            where = f"local GPU {r.local_gpu} (global {r.gpu})" if r.gpu >= 0 else "CPU"
+            unit = "slot" if self.device == "cpu" else "GPU"
+            where = f"local {unit} {r.local_gpu} (global {r.gpu})" if r.gpu >= 0 else "CPU"
             lines.append(f"  learner rank {r.rank}: host={r.host} {where}")
         for name, text in self.files.items():
             lines.append(f"  file <run dir>/{name}:")
@@ -187,35 +189,39 @@ def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, roo
     run_dir = run_dir or cfg.run_dir
     cfgf = str(cfg_file)
     pl = cfg.placement
-    if cfg.run.device == "cpu":
+    cpu = cfg.run.device == "cpu"
+    if cpu and len(pl.hosts) == 1:
         return _cpu_plan(cfg, cfgf, py, {"PYTHONUNBUFFERED": "1"})
-    # Every process of a GPU run names its accelerator: an inherited DS_ACCELERATOR=cpu would build a CUDA
-    # learner on DeepSpeed's CPU accelerator.
-    base_env = {"PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cuda"}
+    # Every process names its accelerator: an inherited DS_ACCELERATOR=cpu would build a CUDA learner on
+    # DeepSpeed's CPU accelerator (and the reverse on CPU hosts).
+    base_env = {"PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": cfg.run.device}
 
-    # ---- CUDA: GPU bookkeeping
+    # ---- device bookkeeping: GPUs, or on CPU across hosts the same arithmetic over slots
+    unit = "slot" if cpu else "GPU"
     n_gpus = len(pl.hosts) * pl.gpus_per_host
     engines_needed = cfg.engine.kind != "external"
     eg = parse_gpus(pl.engine_gpus, "placement.engine_gpus")
     lg = parse_gpus(pl.learner_gpus, "placement.learner_gpus")
     if not lg:
-        raise ConfigError("placement.learner_gpus: run.device=cuda needs the learner's GPUs, e.g. placement.learner_gpus=0 "
-                          "(see ops/configs/gpu-small.yaml, gpu-node8.yaml)")
+        raise ConfigError(f"placement.learner_gpus: run.device={cfg.run.device}"
+                          f"{' with several placement.hosts' if cpu else ''} needs the learner's {unit}s, e.g. "
+                          "placement.learner_gpus=0 (see ops/configs/gpu-small.yaml, gpu-node8.yaml)")
     if engines_needed and not eg:
-        raise ConfigError("placement.engine_gpus: run.device=cuda needs the engines' GPUs, e.g. placement.engine_gpus=0")
+        raise ConfigError(f"placement.engine_gpus: run.device={cfg.run.device}{' with several placement.hosts' if cpu else ''} "
+                          f"needs the engines' {unit}s, e.g. placement.engine_gpus=0")
     for key, gs in (("placement.engine_gpus", eg), ("placement.learner_gpus", lg)):
         bad = [g for g in gs if g >= n_gpus]
         if bad:
-            raise ConfigError(f"{key}: GPU {bad[0]} does not exist: {len(pl.hosts)} host(s) x "
-                              f"placement.gpus_per_host={pl.gpus_per_host} = {n_gpus} GPUs (0-{n_gpus - 1})")
+            raise ConfigError(f"{key}: {unit} {bad[0]} does not exist: {len(pl.hosts)} host(s) x "
+                              f"placement.gpus_per_host={pl.gpus_per_host} = {n_gpus} {unit}s (0-{n_gpus - 1})")
     shared = sorted(set(eg) & set(lg))
     if shared and not pl.share_gpus:
-        raise ConfigError(f"placement.engine_gpus/learner_gpus: GPU(s) {shared} are given to both engines and the "
+        raise ConfigError(f"placement.engine_gpus/learner_gpus: {unit}(s) {shared} are given to both engines and the "
                           "learner; set placement.share_gpus=true to allow it (and size engine.sglang_mem_fraction_static)")
     tp = engine_tp(cfg)
     if engines_needed and len(eg) != cfg.actors.num_actors * tp:
-        raise ConfigError(f"placement.engine_gpus: {len(eg)} GPU(s) for actors.num_actors={cfg.actors.num_actors} engines "
-                          f"x {tp} GPU(s) each (engine.sglang_tp_size) = {cfg.actors.num_actors * tp}; make them match")
+        raise ConfigError(f"placement.engine_gpus: {len(eg)} {unit}(s) for actors.num_actors={cfg.actors.num_actors} "
+                          f"engines x {tp} {unit}(s) each (engine.sglang_tp_size) = {cfg.actors.num_actors * tp}; make them match")
 
     def host_of(g: int) -> str:
         return pl.hosts[g // pl.gpus_per_host]
@@ -240,11 +246,22 @@ def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, roo
     files: dict[str, str] = {}
     procs.append(Proc("buffer", "buffer", pl.hosts[0], [py, "-m", "buffer", cfgf], dict(base_env), (), 3))
 
-    # ---- learner: DeepSpeed's launcher, one rank per learner GPU
-    ds_env = {"DS_ACCELERATOR": "cuda", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    # ---- learner: DeepSpeed's launcher, one rank per learner GPU (slot)
+    ds_env = {"DS_ACCELERATOR": cfg.run.device, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    if cpu and len(learner_hosts) > 1:
+        # DeepSpeed's shared-memory all-reduce joins the ranks of one host only; across hosts it is plain gloo
+        # (and no ~80 s JIT build of the op on every host).
+        ds_env["VAPO_DS_SHM"] = "0"
     learner_env = {**base_env, **ds_env}
     ds = [py, "-m", "deepspeed.launcher.runner", "--master_port", str(pl.master_port), "--no_local_rank"]
-    if len(learner_hosts) == 1:
+    if cpu and len(ranks) == 1:
+        ds = [py, "-m", "learner"]  # one CPU rank: no launcher, as in a one-host CPU run
+    elif len(learner_hosts) == 1:
+        if cpu:
+            # DeepSpeed's CPU accelerator counts one device per NUMA node, so the slots come from a hostfile
+            # (one host: no ssh involved, hence no ssh check).
+            files["hostfile"] = f"localhost slots={pl.gpus_per_host}\n"
+            ds += ["--hostfile", str((run_dir / "hostfile").resolve()), "--no_ssh_check"]
         ds += ["--include", "localhost:" + ",".join(str(r.local_gpu) for r in ranks), "--master_addr", "127.0.0.1"]
         # One host: the ranks rendezvous in a file (the launcher removes a stale one), so no port is opened.
         learner_env[STORE_FILE_ENV] = str((run_dir / "torch_store").resolve())
@@ -262,8 +279,9 @@ def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, roo
                "--master_addr", pl.hosts[0], "--launcher", "slurm" if pl.remote == "srun" else "pdsh"]
         notes.append(f"learner spans {len(learner_hosts)} hosts: the torch.distributed store listens on "
                      f"{pl.hosts[0]}:{pl.master_port}; keep that port inside the cluster network")
-    ds += ["--module", "learner", cfgf]
-    procs.append(Proc("learner", "learner", pl.hosts[0], ds, learner_env, tuple(lg), 0))
+    if ds[1:3] != ["-m", "learner"]:
+        ds += ["--module", "learner"]
+    procs.append(Proc("learner", "learner", pl.hosts[0], [*ds, cfgf], learner_env, tuple(lg), 0))
 
     # ---- engines and actors: actor i beside engine i
     remote_actor = False
@@ -274,7 +292,7 @@ def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, roo
             raise ConfigError(f"placement.engine_gpus: engine {i} would span hosts {sorted(hosts)}; an engine's "
                               f"{tp} tensor-parallel GPUs must be on one host")
         host = hosts.pop() if hosts else pl.hosts[0]
-        visible = {"CUDA_VISIBLE_DEVICES": ",".join(str(local(g)) for g in gpus)} if gpus else {}
+        visible = {"CUDA_VISIBLE_DEVICES": ",".join(str(local(g)) for g in gpus)} if gpus and not cpu else {}
         actor_env = dict(base_env)
         if cfg.engine.kind == "sglang":
             from actors.sglang_launcher import sglang_command
@@ -304,8 +322,11 @@ def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, roo
             raise ConfigError(f"learner.eval_engine_url: held-out evaluation runs on a rollout engine, and engine 0 is on "
                               f"{engine0.host}, not on host 0 where learner rank 0 runs: give the URL of an engine that "
                               "host 0 can reach, or learner.eval_every=0")
-    plan = Plan("cuda", procs, ranks, files=files, notes=notes)
-    plan.memory = check_memory(cfg, plan, eg, lg, hf_config)
+    plan = Plan(cfg.run.device, procs, ranks, files=files, notes=notes)
+    if cpu:
+        notes.append("run.device=cpu: placement.*_gpus name slots (no device is assigned); GPU memory not checked")
+    else:
+        plan.memory = check_memory(cfg, plan, eg, lg, hf_config)
     return plan
 
 
@@ -320,9 +341,8 @@ def _cpu_plan(cfg: Config, cfgf: str, py: str, base_env: dict[str, str]) -> Plan
     pl = cfg.placement
     for key, spec in (("placement.engine_gpus", pl.engine_gpus), ("placement.learner_gpus", pl.learner_gpus)):
         if spec.strip():
-            raise ConfigError(f"{key}: set to {spec!r} but run.device=cpu (set run.device=cuda, or clear it)")
-    if len(pl.hosts) > 1:
-        raise ConfigError("placement.hosts: CPU runs use one host (GPU runs place processes across hosts)")
+            raise ConfigError(f"{key}: set to {spec!r} but run.device=cpu on one host (set run.device=cuda, name "
+                              "several placement.hosts to place CPU slots across them, or clear it)")
     env = {**base_env, "DS_ACCELERATOR": "cpu"}
     host = pl.hosts[0]
     procs = [Proc("buffer", "buffer", host, [py, "-m", "buffer", cfgf], dict(env), (), 3),

@@ -207,3 +207,72 @@ def test_sglang_accepts_the_engine_commands(name: str, hf: dict) -> None:
         server_args.ServerArgs.add_cli_args(ap)
         sa = server_args.ServerArgs.from_cli_args(ap.parse_args(argv))
         assert sa.tp_size == cfg.engine.sglang_tp_size and sa.enable_metrics
+
+
+# ---------------------------------------------------------------------------------- CPU across hosts
+
+CPU_HOSTS = ["placement.hosts=[h0,h1,h2,h3]", "placement.gpus_per_host=2", "placement.store_protection=private_network",
+             "buffer.ingest_addr=tcp://10.9.0.1:5555", "learner.publish_addr=tcp://10.9.0.1:5557",
+             "learner.query_addr=tcp://10.9.0.1:5558"]
+
+
+def _cpu_hosts_plan(tmp_path: Path, *overrides: str):
+    cfg = load_config(ROOT / "ops" / "configs" / "smoke.yaml", [*CPU_HOSTS, *overrides])
+    return cfg, build_plan(cfg, tmp_path / "config.yaml", "/venv/bin/python", ROOT, tmp_path)
+
+
+def _ds_ranks(plan, tmp_path: Path) -> dict[str, list[int]]:
+    """What DeepSpeed's own parser and resource filter make of the plan's learner command."""
+    from deepspeed.launcher.runner import fetch_hostfile, parse_args, parse_inclusion_exclusion
+
+    for name, text in plan.files.items():
+        (tmp_path / name).write_text(text)
+    args = parse_args(plan.proc("learner").argv[3:])
+    assert args.module and args.user_script == "learner"
+    active = parse_inclusion_exclusion(fetch_hostfile(args.hostfile), args.include, args.exclude)
+    return {h: list(s) for h, s in active.items()}
+
+
+def test_cpu_plan_across_hosts_places_slots_like_gpus(tmp_path: Path) -> None:
+    # Slots: h0 = 0,1; h1 = 2,3; h2 = 4,5; h3 = 6,7. Learner ranks on h0 and h1, engine 0 beside rank 0.
+    cfg, plan = _cpu_hosts_plan(tmp_path, "placement.learner_gpus=0,2-3", "placement.engine_gpus=1,4,7",
+                                "actors.num_actors=3")
+    assert plan.device == "cpu"
+    assert [(r.rank, r.host, r.local_gpu) for r in plan.ranks] == [(0, "h0", 0), (1, "h1", 0), (2, "h1", 1)]
+    assert plan.proc("buffer").host == "h0" and plan.proc("learner").host == "h0"
+    for p in plan.procs:  # CPU everywhere, and no device assignment on CPU
+        env = _env_of(p)
+        assert env["DS_ACCELERATOR"] == "cpu" and "CUDA_VISIBLE_DEVICES" not in env, p
+    assert "DS_ACCELERATOR=cpu" in plan.files["deepspeed_env"].splitlines()
+    learner = plan.proc("learner")
+    assert learner.argv[learner.argv.index("--launcher") + 1] == "pdsh"
+    assert learner.argv[learner.argv.index("--master_addr") + 1] == "h0"
+    assert _ds_ranks(plan, tmp_path) == {"h0": [0], "h1": [0, 1]}
+    # Actor i runs on the host of its slot (it starts its rollout_server engine there); remote ones via ssh.
+    assert [plan.proc(f"actor-{i}").host for i in range(3)] == ["h0", "h2", "h3"]
+    assert plan.proc("actor-0").argv[0] != "ssh"
+    assert all(plan.proc(f"actor-{i}").argv[0] == "ssh" for i in (1, 2))
+    assert "run.device=cpu" in plan.render() and "local slot 1 (global 3)" in plan.render()
+
+
+def test_cpu_plan_across_hosts_learner_on_host_0(tmp_path: Path) -> None:
+    # One CPU rank: a plain learner process, as on one host.
+    _, plan = _cpu_hosts_plan(tmp_path, "placement.learner_gpus=0", "placement.engine_gpus=1,4,6", "actors.num_actors=3")
+    assert plan.proc("learner").argv == ["/venv/bin/python", "-m", "learner", str(tmp_path / "config.yaml")]
+    # Two ranks on host 0: DeepSpeed's launcher with a one-host hostfile (its CPU accelerator counts NUMA
+    # nodes, not slots) and a file rendezvous.
+    _, plan = _cpu_hosts_plan(tmp_path, "placement.learner_gpus=0-1", "placement.engine_gpus=2,4,6",
+                              "actors.num_actors=3", "learner.eval_every=0")
+    assert _ds_ranks(plan, tmp_path) == {"localhost": [0, 1]}
+    assert "--no_ssh_check" in plan.proc("learner").argv and "VAPO_STORE_FILE" in plan.proc("learner").env
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["placement.learner_gpus=0,2", "placement.engine_gpus="], "needs the engines' slots"),
+    (["placement.learner_gpus=", "placement.engine_gpus=1"], "needs the learner's slots"),
+    (["placement.learner_gpus=0,8", "placement.engine_gpus=1"], "slot 8 does not exist"),
+    (["placement.learner_gpus=0,1", "placement.engine_gpus=1"], "given to both engines and the learner"),
+])
+def test_cpu_plan_across_hosts_refuses_bad_slots(tmp_path: Path, overrides: list[str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        _cpu_hosts_plan(tmp_path, *overrides)
