@@ -63,6 +63,8 @@ class TaskConfig:
     eval_buckets: int = f(10, "held-out split = operands whose hash falls in bucket 0 of this many")
     eval_size: int = f(256, "number of held-out prompts used for evaluation")
     train_size: int = f(0, "reasoning_gym/jsonl: number of training items (0 = generator/file default)")
+    reward_min: float = f(0.0, "lowest reward the task's verifier gives: the buffer refuses a group below it, the learner drops such a row")
+    reward_max: float = f(1.0, "highest reward the task's verifier gives: the buffer refuses a group above it, the learner drops such a row")
     seed: int = f(1234, "task seed (fixed so the held-out split is the same across runs)")
 
 
@@ -114,7 +116,7 @@ class EngineConfig:
     health_timeout_s: float = f(30.0, "one /health probe's deadline; SGLang 0.5.23 runs a one-token generation for /health and gives up after 20 s")
     health_failures: int = f(3, "consecutive failed /health probes after which the engine counts as dead: restarted (rollout_server) or waited for")
     weight_load_timeout_s: float = f(600.0, "rollout_server: reading and checking a checkpoint for /update_weights_from_disk must finish within this; the actor gives an update request this + health_timeout_s")
-    api_key_file: str = f("", "kind=sglang|external: file holding the engines' API key (SGLang --api-key, e.g. in its --config YAML), sent as a Bearer token; rollout_server engines get a fresh key per worker instead")
+    admin_api_key_file: str = f("", "kind=sglang|external: file holding the engines' admin API key (SGLang --admin-api-key, e.g. in its --config YAML), sent as a Bearer token on control requests; rollout_server engines get a fresh key per worker instead")
     imitate_sglang: bool = f(False, "rollout_server test mode: behave as real SGLang 0.5.23 (slow /health blocking while paused or loading, 400 after a load whose cache flush is refused, /model_info, meta_info.weight_versions)")
     sglang_mem_fraction_static: float = f(0.8, "sglang: --mem-fraction-static")
     sglang_tp_size: int = f(1, "sglang: --tp-size")
@@ -146,10 +148,11 @@ class ActorsConfig:
 
 @dataclass
 class CurveConfig:
-    server_secret_key: str = f("", "path to the server's CurveZMQ secret key file (needed for non-loopback binds)")
-    server_public_key: str = f("", "path to the server's public key (clients need it)")
-    client_secret_key: str = f("", "path to this client's secret key file")
-    authorized_clients_dir: str = f("", "directory of allowed client public keys")
+    keys_dir: str = f("", "directory of the run's CurveZMQ keys (server.key[_secret], <role>.key_secret, authorized_clients/); the launcher writes <run dir>/keys and sets this when no key below is named")
+    server_secret_key: str = f("", "path to the server's CurveZMQ secret key file (default: keys_dir/server.key_secret)")
+    server_public_key: str = f("", "path to the server's public key, which clients need (default: keys_dir/server.key)")
+    client_secret_key: str = f("", "path to this client's secret key file (default: keys_dir/<role>.key_secret)")
+    authorized_clients_dir: str = f("", "directory of allowed client public keys, each named for its role: actor*.key, learner*.key, monitor*.key (default: keys_dir/authorized_clients)")
 
 
 @dataclass
@@ -173,8 +176,9 @@ class BufferConfig:
     max_batch_groups: int = f(1024, "largest BatchRequest.n_groups accepted (also at most capacity_groups)")
     max_batch_wait_s: float = f(300.0, "longest BatchRequest.timeout_ms accepted, in seconds (the learner asks in shorter waits)")
     learner_version_max_step: int = f(2, "a BatchRequest may raise the learner version at most this far past that of the last full batch served (2: a learner resumed past published weights republishes its checkpoint under one more version)")
+    vocab_size: int = f(0, "token ids at ingest must be below this (0 = vocab_size from model.path's config.json; no check when that is missing)")
     metrics_port: int = f(9200, "buffer /metrics port")
-    curve: CurveConfig = sub(CurveConfig, "CurveZMQ keys, required when binding to a non-loopback address")
+    curve: CurveConfig = sub(CurveConfig, "CurveZMQ keys: every client of a launched run authenticates with the key of its role")
 
 
 @dataclass
@@ -195,8 +199,10 @@ class LearnerConfig:
     grad_clip: float = f(1.0, "gradient norm clip (0 = off)")
     zero_stage: int = f(0, "DeepSpeed ZeRO stage 0-3")
     precision: str = f("fp32", "fp32 | bf16 | fp16 (values and GAE are always fp32)")
-    off_policy: str = f("behaviour", "off-policy correction: behaviour | decoupled")
-    decoupled_weight_cap: float = f(5.0, "decoupled: clamp of the behaviour importance weight")
+    off_policy: str = f("behaviour", "the PPO ratio's π_old: behaviour (engine logprobs) | decoupled (AReaL: recomputed, masked behaviour weight) | rollout_correction (verl: recomputed, truncated behaviour weight)")
+    decoupled_weight_cap: float = f(5.0, "decoupled: tokens whose behaviour importance weight π_prox/π_behav exceeds this are masked out of the policy loss (AReaL)")
+    rollout_correction_level: str = f("token", "rollout_correction: importance weight per token | sequence (product over the response)")
+    rollout_correction_cap: float = f(2.0, "rollout_correction: the importance weight is truncated at this (verl's threshold)")
     value_head_init_std: float = f(0.0, "std of the value head's weight init (0 = zeros, output starts at bias)")
     value_head_init_bias: float = f(0.5, "initial value head bias (prior mean reward)")
     value_head_lr_scale: float = f(1.0, "the critic's surprise MLP (value_head_surprise) trains at this multiple of the critic lr")
@@ -235,8 +241,12 @@ class AlgoConfig:
     whiten_advantages: bool = f(True, "normalise advantages to zero mean, unit std over the batch's tokens")
     entropy_coef: float = f(0.0, "entropy bonus coefficient")
     grpo_std_normalize: bool = f(True, "grpo: divide group-centred rewards by the group std")
-    overlong_buffer: int = f(0, "DAPO overlong shaping: soft penalty over the last N tokens before the limit (0 = off)")
-    overlong_penalty: float = f(1.0, "DAPO overlong shaping: largest penalty")
+    overlong_buffer: int = f(0, "DAPO soft overlong punishment: L_cache, the penalty ramps over the last N tokens before overlong_max_length (0 = off)")
+    overlong_penalty: float = f(1.0, "DAPO soft overlong punishment: the penalty at and past overlong_max_length")
+    overlong_max_length: int = f(0, "DAPO soft overlong punishment: L_max, the length at which the penalty is full (0 = actors.max_new_tokens)")
+    truncated: str = f("zero_reward", "responses cut at actors.max_new_tokens: keep (verifier reward) | mask (no policy or value loss, DAPO overlong filtering) | zero_reward (reward 0); never NLL positives")
+    clip_ratio_c: float = f(3.0, "dual clip: for A < 0 the policy objective is at least c·A, bounding a huge ratio's gradient (0 = off; else > 1)")
+    actor_values: str = f("post_update", "values for the actor's advantages: post_update (critic after its update) | pre_update (one value pass before the critic update, verl's order)")
 
 
 @dataclass
@@ -266,6 +276,12 @@ class PlacementConfig:
     remote: str = f("ssh", "how processes start on hosts other than host 0: ssh (DeepSpeed's pdsh launcher for the learner) | srun (inside a Slurm allocation)")
     store_protection: str = f("", "a learner on several hosts: how placement.master_port (torch.distributed's store, every interface, no authentication) is protected: firewall | private_network (empty = refuse such a learner)")
     master_port: int = f(29500, "a learner on several hosts: torch.distributed's rendezvous port on host 0 (ranks on one host meet in a file; one rank needs neither)")
+    master_addr: str = f("", "a learner on several hosts: host 0's address the other ranks reach its store at (empty = the name hosts[0])")
+    ssh_args: str = f("", "extra options of every ssh to another host and of pdsh's (e.g. '-F /path/ssh_config'); $VAPO_SSH_ARGS adds more")
+    ssh_connect_timeout_s: int = f(10, "ssh ConnectTimeout: a host that does not answer within this fails the start")
+    ssh_alive_interval_s: int = f(5, "ssh ServerAliveInterval and the launcher's heartbeat period to processes it started over ssh")
+    ssh_alive_count_max: int = f(3, "ssh ServerAliveCountMax: a link silent for interval x this is lost; the launcher stops the run, the remote process stops itself")
+    srun_cpus_per_task: int = f(0, "placement.remote=srun: CPUs of each srun'd engine/actor step, learner steps split them over their ranks per host (0 = $SLURM_CPUS_ON_NODE; srun's own default is one)")
     gpu_memory_gib: float = f(80.0, "memory of one GPU; the launcher refuses a placement whose estimated model states do not fit")
     learner_memory_fraction: float = f(0.6, "share of a learner GPU that model states (weights, grads, Adam) may take; the rest is activations")
 
@@ -312,7 +328,10 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "engine.bind_protection": ("", "firewall", "private_network", "auth_proxy"),
     "actors.weight_sync": ("wait", "abort"),
     "learner.precision": ("fp32", "bf16", "fp16"),
-    "learner.off_policy": ("behaviour", "decoupled"),
+    "learner.off_policy": ("behaviour", "decoupled", "rollout_correction"),
+    "learner.rollout_correction_level": ("token", "sequence"),
+    "algo.truncated": ("keep", "mask", "zero_reward"),
+    "algo.actor_values": ("post_update", "pre_update"),
     "learner.eval_via": ("auto", "local", "engine"),
     "algo.advantage": ("gae", "grpo"),
     "algo.loss_agg": ("token_mean", "seq_mean"),
@@ -349,6 +368,8 @@ def _validate(cfg: Config) -> None:
          f"{cfg.engine.host!r} is not a loopback address: the engine's control API (/update_weights_from_disk, /pause_generation) has "
          "no authentication; bind 127.0.0.1 or set engine.bind_protection (firewall | private_network | auth_proxy)"),
         ("buffer.max_staleness", cfg.buffer.max_staleness >= 0, "must be >= 0"),
+        ("buffer.vocab_size", cfg.buffer.vocab_size >= 0, "must be >= 0"),
+        ("task.reward_max", cfg.task.reward_min <= cfg.task.reward_max, "must be >= task.reward_min"),
         ("buffer.capacity_groups", cfg.buffer.capacity_groups >= 1, "must be >= 1"),
         ("buffer.capacity_bytes", cfg.buffer.capacity_bytes >= 1, "must be >= 1"),
         ("buffer.positives_capacity", cfg.buffer.positives_capacity >= 0, "must be >= 0"),
@@ -373,6 +394,10 @@ def _validate(cfg: Config) -> None:
         ("algo.alpha", cfg.algo.alpha > 0, "must be > 0"),
         ("algo.clip_low", 0 <= cfg.algo.clip_low < 1, "must be in [0, 1)"),
         ("algo.clip_high", cfg.algo.clip_high >= 0, "must be >= 0"),
+        ("algo.clip_ratio_c", cfg.algo.clip_ratio_c == 0 or cfg.algo.clip_ratio_c > 1, "must be 0 (off) or > 1"),
+        ("algo.overlong_max_length", cfg.algo.overlong_max_length >= 0, "must be >= 0"),
+        ("learner.decoupled_weight_cap", cfg.learner.decoupled_weight_cap > 0, "must be > 0"),
+        ("learner.rollout_correction_cap", cfg.learner.rollout_correction_cap > 0, "must be > 0"),
         ("nll.coef", cfg.nll.coef >= 0, "must be >= 0"),
         ("nll.replay_fraction", cfg.nll.replay_fraction >= 0, "must be >= 0"),
         ("metrics.final_scrape_wait_s", cfg.metrics.final_scrape_wait_s >= 0, "must be >= 0"),
@@ -381,6 +406,10 @@ def _validate(cfg: Config) -> None:
         ("placement.master_port", 0 < cfg.placement.master_port < 65536, "must be a port number"),
         ("placement.gpu_memory_gib", cfg.placement.gpu_memory_gib > 0, "must be > 0"),
         ("placement.learner_memory_fraction", 0 < cfg.placement.learner_memory_fraction <= 1, "must be in (0, 1]"),
+        ("placement.ssh_connect_timeout_s", cfg.placement.ssh_connect_timeout_s >= 1, "must be >= 1"),
+        ("placement.ssh_alive_interval_s", cfg.placement.ssh_alive_interval_s >= 1, "must be >= 1"),
+        ("placement.ssh_alive_count_max", cfg.placement.ssh_alive_count_max >= 1, "must be >= 1"),
+        ("placement.srun_cpus_per_task", cfg.placement.srun_cpus_per_task >= 0, "must be >= 0"),
         ("task.min_digits", 1 <= cfg.task.min_digits <= cfg.task.max_digits, "must satisfy 1 <= min <= max_digits"),
         ("task.min_steps", 1 <= cfg.task.min_steps <= cfg.task.max_steps <= 99, "must satisfy 1 <= min <= max_steps <= 99"),
     ]

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from common import protocol
 from common.protocol import Sample, SampleGroup
-from learner.dist import broadcast_frames, broadcast_ints, rank, world_size
+from learner.dist import broadcast_frames, broadcast_ints, rank, rank0_wait, world_size
 
 # Longest wait of one BatchRequest: a long batch_timeout_s is asked for in turns of this length. Short, because
 # a request the buffer never answers (it was killed and restarted meanwhile) costs this much plus the
@@ -87,14 +87,21 @@ def fetch(source: DataSource | None, version: int, n_groups: int, timeout_s: flo
         assert source is not None, "rank 0 needs a data source"
         groups = source.get_batch(version, n_groups, timeout_s)
         return groups, source.positives(_n_replay(groups, replay_fraction, positive_reward))
-    header = frames = None
-    if rank() == 0:
+    def work() -> tuple[BatchFrames, list[Sample], bytes]:
         assert source is not None, "rank 0 needs a data source"
         batch = source.get_batch_frames(version, n_groups, timeout_s)
         positives, pos_frame = source.positives_frame(_n_replay(batch.groups, replay_fraction, positive_reward))
+        return batch, positives, pos_frame
+
+    # The wait for the buffer can last learner.batch_timeout_s, far past the process group's timeout:
+    # rank0_wait keeps the other ranks hearing from rank 0 meanwhile.
+    got = rank0_wait(work if rank() == 0 else None, "waiting for a batch")
+    header = frames = None
+    if got is not None:
+        batch, positives, pos_frame = got
         header, frames = [batch.min_version], [*batch.frames, pos_frame]
     header, frames = broadcast_ints(header), broadcast_frames(frames)
-    if rank() == 0:
+    if got is not None:
         return batch.groups, positives
     return BatchFrames.decode(frames[:-1], header[0]).groups, decode_positives(frames[-1])
 
@@ -159,7 +166,7 @@ class BufferSource:
             from buffer.client import BatchClient
             from common.security import client_curve_keys
 
-            client = BatchClient(addr, curve=client_curve_keys(curve) if curve is not None else None)
+            client = BatchClient(addr, curve=client_curve_keys(curve, "learner") if curve is not None else None)
         self.client = client
         self.max_staleness = max_staleness
         self.groups_consumed = 0

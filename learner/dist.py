@@ -7,12 +7,18 @@ collective is a no-op:
     world_size(), rank()                       # 1 and 0 without a process group or launcher
     all_reduce_sum(tensor)                     # float64 host sum over ranks
     broadcast_bytes(data), broadcast_frames(frames), broadcast_ints(values)   # rank 0's bytes / ints
+    rank0_wait(work, what)                     # rank 0 runs work(); the others hear from it every heartbeat_s()
     global_whiten(adv, mask)                   # learner.losses.masked_whiten over every rank's rows
     global_explained_variance(v, r, mask)      # learner.losses.explained_variance over every rank's rows
 
 The learner's own collectives move host tensors (token counts, statistics, the batch's frames), which is
 why a CUDA learner's process group has gloo for host tensors beside NCCL (``process_group_backend``).
 Nothing here pickles: bytes travel as uint8 tensors.
+
+The process group's timeout is ``learner.dist_timeout_s``: a rank that hears nothing for that long (a
+lost host, a hung peer) fails. Rank 0 alone may wait far longer (a batch, up to ``learner.batch_timeout_s``),
+so whatever it waits for runs through ``rank0_wait``: the work runs in a thread while rank 0 sends the
+other ranks a "still waiting" control value every ``heartbeat_s()``, then "done" or "failed".
 
 CPU: DeepSpeed 0.19 JIT-compiles a shared-memory all-reduce op on the first ``initialize`` (~80 s). A
 single process has nothing to all-reduce, so we mark that op incompatible in
@@ -25,7 +31,10 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -37,6 +46,10 @@ from learner.losses import explained_variance, masked_whiten
 log = logging.getLogger(__name__)
 
 SHM_OP_KEY = "deepspeed_shm_comm"  # ShareMemCommBuilder.NAME in deepspeed/ops/op_builder/cpu/comm.py
+MAX_HEARTBEAT_S = 30.0  # rank0_wait's longest silence: small against any sane timeout, one tiny broadcast
+_timeout_s = 1800.0  # the process group's timeout (learner.dist_timeout_s), set by setup_distributed
+
+T = TypeVar("T")
 
 
 def world_size() -> int:
@@ -96,11 +109,15 @@ def setup_distributed(cfg: Config) -> None:
     if cfg.run.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        global _timeout_s
+        _timeout_s = cfg.learner.dist_timeout_s
         backend = process_group_backend(cfg.run.device)
+        timeout = timedelta(seconds=_timeout_s)
         if ws == 1:
-            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1,
+                                                 timeout=timeout)
         else:
-            kw: dict[str, Any] = {}
+            kw: dict[str, Any] = {"timeout": timeout}
             if cfg.run.device == "cuda":  # binds the NCCL communicator to this rank's GPU up front
                 kw["device_id"] = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             # Ranks on one host meet in a file the launcher names (no port: torch's TCP store listens on
@@ -116,6 +133,50 @@ def setup_distributed(cfg: Config) -> None:
 
 
 # ----------------------------------------------------------------------------------------- collectives
+
+_WAITING, _DONE, _FAILED = 0, 1, 2
+
+
+def heartbeat_s() -> float:
+    """How often ``rank0_wait`` tells the other ranks that rank 0 is still waiting: well inside the timeout."""
+    return max(0.05, min(MAX_HEARTBEAT_S, _timeout_s / 4))
+
+
+def rank0_wait(work: Callable[[], T] | None, what: str) -> T | None:
+    """``work()`` on rank 0 (pass None elsewhere), however long it takes, without the other ranks' collective
+    timing out: rank 0 runs it in a thread and broadcasts a control value every ``heartbeat_s()`` (waiting,
+    done, failed). Returns its result on rank 0 and None elsewhere; an exception in ``work`` is re-raised on
+    rank 0, and the other ranks raise RuntimeError naming ``what`` (instead of sitting out the timeout)."""
+    if world_size() == 1:
+        assert work is not None
+        return work()
+    code = torch.zeros(1, dtype=torch.long)
+    if rank() != 0:
+        while True:
+            torch.distributed.broadcast(code, 0)
+            if int(code[0]) == _DONE:
+                return None
+            if int(code[0]) == _FAILED:
+                raise RuntimeError(f"learner rank 0 failed while {what} (its log has the error)")
+    assert work is not None, "rank 0 needs the work"
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = work()
+        except BaseException as e:  # noqa: BLE001 — handed to the main thread, raised there
+            box["error"] = e
+
+    t = threading.Thread(target=run, name=f"rank0-{what}", daemon=True)
+    t.start()
+    while True:
+        t.join(heartbeat_s())
+        code[0] = _WAITING if t.is_alive() else (_FAILED if "error" in box else _DONE)
+        torch.distributed.broadcast(code, 0)
+        if int(code[0]) == _FAILED:
+            raise box["error"]
+        if int(code[0]) == _DONE:
+            return box["result"]
 
 
 def all_reduce_sum(x: Tensor) -> Tensor:
@@ -177,3 +238,13 @@ def global_whiten(adv: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
 def global_explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> tuple[float, float]:
     """``learner.losses.explained_variance`` (EV, mean value) over the real tokens of every rank's rows."""
     return explained_variance(values, returns, mask, reduce_sum=all_reduce_sum)
+
+
+def shutdown_distributed() -> None:
+    """Destroy the process group before the interpreter exits; a no-op without one.
+
+    A gloo process group still alive at interpreter exit is torn down during static destruction, where
+    torch 2.13 aborts ("terminate called without an active exception", SIGABRT) in about one exit in six
+    with two ranks. A learner that finished its last step must not then die of a signal."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
