@@ -183,7 +183,7 @@ class RolloutWorker:
                      "engine_restarts", "prompts_skipped", "weight_sync_seconds", "generation_seconds", "weight_version",
                      "samples_per_second", "prompts_in_flight"):
             self._m(name)  # every series exists (zero) from the start, so dashboards show it before the first event
-        curve = client_curve_keys(cfg.buffer.curve)
+        curve = client_curve_keys(cfg.buffer.curve, "actor")
         self.watcher = WeightWatcher(cfg.learner.publish_addr, cfg.learner.query_addr, curve=curve,
                                      poll_s=self.a.weight_poll_s, query_timeout_s=self.a.weight_query_timeout_s)
         self.sender = AsyncGroupSender(cfg.buffer.ingest_addr, self.actor_id, curve=curve,

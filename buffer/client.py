@@ -2,7 +2,7 @@
 
 Actors (DEALER -> the buffer's ROUTER at ``buffer.ingest_addr``; asyncio, ``zmq.asyncio``)::
 
-    sender = AsyncGroupSender(cfg.buffer.ingest_addr, actor_id, curve=client_curve_keys(cfg.buffer.curve))
+    sender = AsyncGroupSender(cfg.buffer.ingest_addr, actor_id, curve=client_curve_keys(cfg.buffer.curve, "actor"))
     grant = await sender.acquire(n=1, timeout_s=None)  # CreditGrant: waits until the buffer admits work
     ...generate grant.n groups with weights >= grant.learner_version...
     ack = await sender.send(group, timeout_s=None)     # IngestAck, returned only after the LMDB commit
@@ -18,20 +18,24 @@ Many tasks may ``acquire`` and ``send`` at once (that is how several groups are 
   ``TimeoutError`` after ``timeout_s`` (``None`` = wait forever); ``ProtocolError`` when the buffer
   refuses the request (``ErrorReply`` with a ``buffer.credits.REFUSAL_REASONS`` reason: ``actor_key``, the
   id belongs to another CurveZMQ client key; ``too_many_actor_ids``; ``too_many_waiting``), so a refused
-  actor stops with the reason instead of asking again forever.
+  actor stops with the reason instead of asking again forever; also ``role`` when the client key is not an
+  actor's (then every ``send`` fails the same way).
 - ``send(group, timeout_s)`` re-sends the same encoded frame (same group_id) every ``ack_timeout_s``
   without an ack, and after two silent intervals reconnects with a fresh socket; the buffer stores a
   group_id once, so a re-send is harmless. An ack with ``committed=False`` (buffer full, storage error)
   is retried after a short back-off. Returns the first ``IngestAck`` with ``committed=True``
   (``duplicate=True`` if a previous copy had already arrived; ``error`` non-empty when the buffer recorded
-  the group but will not serve it: ``"stale"``, ``"filtered:uniform_reward"``). ``TimeoutError`` after
+  the group but will not serve it: ``"stale"``, ``"filtered:uniform_reward"``), or an ack with
+  ``committed=False`` and ``error`` starting ``"invalid:<reason>:"`` when the buffer refused the group as
+  unusable (``common.limits``: empty prompt, token id past the vocabulary, reward out of range, ...): final,
+  never stored, not re-sent. ``TimeoutError`` after
   ``timeout_s``; ``ProtocolError`` if the buffer answers ``ErrorReply`` (a frame it could not accept).
   ``resent`` counts re-sends (for ``vapo_actor_groups_resent``).
 
 Learner (REQ -> the buffer's ROUTER (REP envelope) at ``buffer.serve_addr``; lazy pirate: a REQ socket that timed out is
 closed and recreated)::
 
-    client = BatchClient(cfg.buffer.serve_addr, curve=...)
+    client = BatchClient(cfg.buffer.serve_addr, curve=client_curve_keys(cfg.buffer.curve, "learner"))
     reply = client.get_batch(learner_version, n_groups, timeout_s)  # BatchReply, groups oldest first
     samples = client.positives(n)                                   # list[Sample], random, distinct
     reply, frame = client.get_batch_frame(learner_version, n_groups, timeout_s)  # plus the exact reply bytes
@@ -73,6 +77,7 @@ from common.protocol import (
 )
 from common.security import ClientKeys, apply_client_curve
 
+INVALID = "invalid:"  # IngestAck.error prefix of a group the buffer refused as unusable (final, never stored)
 _REPLY_MAX_BYTES = 1 << 40  # replies come from our own buffer; a 512-group batch exceeds 64 MiB
 _RETRY_BACKOFF_S = 0.2
 
@@ -146,16 +151,20 @@ class AsyncGroupSender:
                     self._credits += msg.n
                     self.learner_version = max(self.learner_version, msg.learner_version)
                     self._cond.notify_all()
-            elif isinstance(msg, ErrorReply) and msg.reason in REFUSAL_REASONS:
+            elif isinstance(msg, ErrorReply) and (msg.reason in REFUSAL_REASONS or msg.reason == "role"):
                 assert self._cond is not None
                 async with self._cond:
                     self._refused = ProtocolError("remote", f"credit refused: {msg.reason}: {msg.message}")
                     self._cond.notify_all()
+                if msg.reason == "role":  # this key may not ingest at all: every send fails too
+                    self._fail_sends(ProtocolError("remote", f"{msg.reason}: {msg.message}"))
             elif isinstance(msg, ErrorReply):
-                err = ProtocolError("remote", f"{msg.reason}: {msg.message}")
-                for fut in self._acks.values():
-                    if not fut.done():
-                        fut.set_exception(err)
+                self._fail_sends(ProtocolError("remote", f"{msg.reason}: {msg.message}"))
+
+    def _fail_sends(self, err: ProtocolError) -> None:
+        for fut in self._acks.values():
+            if not fut.done():
+                fut.set_exception(err)
 
     async def _reconnect(self, generation: int) -> None:
         if generation != self._generation:
@@ -244,8 +253,8 @@ class AsyncGroupSender:
                         await self._reconnect(generation)
                         silent = 0
                     continue
-                if ack.committed:
-                    return ack
+                if ack.committed or ack.error.startswith(INVALID):
+                    return ack  # stored, or refused for good: re-sending the same group cannot help
                 await asyncio.sleep(_RETRY_BACKOFF_S)  # full / storage error: back off, then re-send
                 self.resent += 1
         finally:

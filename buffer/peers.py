@@ -1,4 +1,5 @@
-"""Which ROUTER peers are still connected: the buffer drops the state of a connection that closed.
+"""Which ROUTER peers are still connected (the buffer drops the state of a connection that closed), and how
+many were refused at the handshake.
 
 Not a CLI; used by ``buffer.server`` for both of its ROUTER sockets.
 """
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
+
+from common.security import HANDSHAKE_FAILED
 
 
 class Peers:
@@ -17,10 +20,14 @@ class Peers:
     (``ZMQ_SRCFD``), which links the two. libzmq queues the disconnect event before it closes the
     descriptor, so draining the monitor before reading data (``gone`` first in every loop turn) never
     mistakes a new connection that reuses the number for the old one.
+
+    The same monitor reports connections refused at the CurveZMQ handshake (``refused`` counts them): such a
+    client never gets a frame through, so this is the only place a stranger shows.
     """
 
     def __init__(self, sock: zmq.Socket) -> None:
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
+        self.refused = 0
         self._fd_of: dict[bytes, int] = {}
         self._ids_on: dict[int, set[bytes]] = {}
 
@@ -43,7 +50,9 @@ class Peers:
         out: list[bytes] = []
         while self.monitor.poll(0):
             ev = recv_monitor_message(self.monitor)
-            if ev["event"] == zmq.EVENT_DISCONNECTED:
+            if ev["event"] & HANDSHAKE_FAILED:
+                self.refused += 1
+            elif ev["event"] == zmq.EVENT_DISCONNECTED:
                 for ident in self._ids_on.pop(int(ev["value"]), ()):
                     self._fd_of.pop(ident, None)
                     out.append(ident)

@@ -75,7 +75,7 @@ closed), ``buffer.writer`` (the commit thread) and ``buffer.store`` (every LMDB 
 Deviations: groups are deleted from LMDB when served (a learner crash loses the batches served since its
 last checkpoint: it resumes from that checkpoint and trains on fresh groups instead); the DAPO uniform-reward filter runs at ingest, not at serve
 time, so filtered groups never take space; positives are harvested from every new group (also stale or
-filtered ones: NLL replay is off-policy by design).
+filtered ones: NLL replay is off-policy by design), except responses cut at the length limit.
 """
 
 from __future__ import annotations
@@ -110,6 +110,7 @@ from buffer.store import (
 from buffer.waits import BatchWait, BatchWaits
 from buffer.writer import Pending, Writer
 from common.config import Config
+from common.limits import group_problem, limits_from_config
 from common.metrics import Metrics
 from common.protocol import (
     BatchRequest,
@@ -146,6 +147,7 @@ class BufferServer:
         per_actor = b.max_credit_per_actor or 2 * cfg.actors.prompts_in_flight
         self.credits = CreditLedger(per_actor, b.max_credit_per_connection or per_actor, b.credit_ttl_s)
         self.max_batch_groups = min(b.max_batch_groups, b.capacity_groups)
+        self.limits = limits_from_config(cfg)
         self._lock_fd = lock_server(cfg.buffer_path)  # one server per directory; an offline repair waits
         try:
             self.store = BufferStore(
@@ -175,6 +177,8 @@ class BufferServer:
         self._dropped_since_reply = 0
         self._filtered_since_reply = 0
         self._rejected: dict[str, int] = {}
+        self._invalid: dict[str, int] = {}
+        self._auth_refused = {"ingest": 0, "serve": 0}
         self._timeouts = 0
         self._storage_errors = 0
         self._ingest_commits = 0
@@ -277,7 +281,8 @@ class BufferServer:
         unlock_server(self._lock_fd)
 
     def _drop_gone(self) -> None:
-        """Forget the state of connections that closed: their credit and their waiting batch requests."""
+        """Forget the state of connections that closed: their credit and their waiting batch requests (and
+        count the connections refused at the handshake)."""
         for ident in self.ingest_peers.gone():
             released = self.credits.release_connection(ident)
             if released:
@@ -285,6 +290,12 @@ class BufferServer:
         for ident in self.serve_peers.gone():
             if self._waits.abandon(ident):
                 log.info("a client left while its batch request waited: dropped the request")
+        for name, peers in (("ingest", self.ingest_peers), ("serve", self.serve_peers)):
+            new = peers.refused - self._auth_refused[name]
+            if new:
+                self._auth_refused[name] = peers.refused
+                self.m.auth_refused.labels(socket=name).inc(new)
+                log.warning("%s socket: refused %d connection(s) at the CurveZMQ handshake", name, new)
 
     # ------------------------------------------------------------------ ingest
 
@@ -316,11 +327,19 @@ class BufferServer:
             except ProtocolError as e:
                 self._send_ingest(ident, self._reject(e.reason, str(e)))
                 continue
-            if isinstance(msg, CreditRequest):
-                credit_msgs.append((ident, msg, self._client_key(body[0])))
-                continue
-            if not isinstance(msg, SampleGroup):
+            if not isinstance(msg, CreditRequest | SampleGroup):
                 self._send_ingest(ident, self._reject("unexpected_type", f"{msg.TYPE} not accepted on ingest"))
+                continue
+            key = self._client_key(body[0])
+            if self.curve.enabled and self.curve.role(key) != "actor":
+                self._send_ingest(ident, self._reject("role", f"{msg.TYPE} is for actor keys only"))
+                continue
+            if isinstance(msg, CreditRequest):
+                credit_msgs.append((ident, msg, key))
+                continue
+            bad = group_problem(msg, self.limits)
+            if bad is not None:
+                self._refuse_group(ident, msg, *bad)
                 continue
             rec = self._record(msg, frame, lv, pos_reward)
             if rec.fate == STORED and not self._has_room(len(frame)):
@@ -333,6 +352,15 @@ class BufferServer:
             self._next.append((rec, (ident, msg.group_id, msg.actor_id)))
         for ident, req, key in credit_msgs:
             self._on_credit_request(ident, req, key)
+
+    def _refuse_group(self, ident: bytes, g: SampleGroup, reason: str, message: str) -> None:
+        """A protocol-valid group the learner could not use: never stored, answered with a final error."""
+        self._invalid[reason] = self._invalid.get(reason, 0) + 1
+        self.m.invalid_groups.labels(reason=reason).inc()
+        self.credits.consume(g.actor_id)  # generated on a credit: it must not hold that credit until the ttl
+        log.warning("refused group %s of actor %d: %s: %s", g.group_id[:64], g.actor_id, reason, message)
+        self._send_ingest(ident, encode(IngestAck(group_id=g.group_id, committed=False, duplicate=False,
+                                                  error=f"invalid:{reason}: {message}"[:4000])))
 
     def _client_key(self, frame: zmq.Frame) -> str | None:
         """The sender's CURVE public key (ZAP User-Id, z85) when CurveZMQ is on, else None."""
@@ -363,11 +391,14 @@ class BufferServer:
 
     def _record(self, g: SampleGroup, frame: bytes, lv: int, pos_reward: float) -> GroupRecord:
         positives: list[tuple[bytes, bytes]] = []
-        if any(s.reward >= pos_reward for s in g.samples):
+        # A response cut at the length limit is never a positive, whatever its reward: imitating it would
+        # teach the policy not to stop.
+        keep = [s.reward >= pos_reward and s.finish_reason != "length" for s in g.samples]
+        if any(keep):
             # Stored as the exact bytes they arrived in: cut out of the frame, not encoded again.
             frames = sample_frames(frame)
             positives = [(positive_hash(s.prompt_ids, s.output_ids), f)
-                         for s, f in zip(g.samples, frames, strict=True) if s.reward >= pos_reward]
+                         for s, f, k in zip(g.samples, frames, keep, strict=True) if k]
         fate = STORED
         if g.weight_version < lv - self.k:
             fate = STALE
@@ -484,6 +515,11 @@ class BufferServer:
             return
         if ident in self._waits:  # only a non-REQ client can do this; the first request keeps its place
             reply(self._reject("busy", "this connection already has a batch request waiting"))
+            return
+        if (self.curve.enabled and isinstance(msg, BatchRequest | PositivesRequest)
+                and self.curve.role(self._client_key(body[0])) != "learner"):
+            # Taking groups and moving the durable learner version is the learner's alone; counters are for all.
+            reply(self._reject("role", f"{msg.TYPE} is for the learner's key only"))
             return
         self._wait_writer()
         if isinstance(msg, BatchRequest):
@@ -609,6 +645,11 @@ class BufferServer:
         })
         for reason, n in self._rejected.items():
             out[f"rejected_{reason}"] = float(n)
+        for reason, n in self._invalid.items():
+            out[f"invalid_{reason}"] = float(n)
+        out["invalid_total"] = float(sum(self._invalid.values()))
+        out["auth_refused_ingest"] = float(self._auth_refused["ingest"])
+        out["auth_refused_serve"] = float(self._auth_refused["serve"])
         return out
 
     def _update_gauges(self, force: bool = False) -> None:

@@ -1,30 +1,41 @@
 """CurveZMQ helpers shared by every vapo server socket (buffer ingest/serve, learner weight publisher).
 
-The rule: a socket may bind without encryption only to a *local* endpoint —
-``tcp://`` on a loopback address (127.0.0.0/8, ``::1``, ``localhost``), or ``ipc://`` / ``inproc://``.
-Anything else (a routable address, ``*``, ``0.0.0.0``, ``::``, a host name) needs CurveZMQ keys: the
-server's secret key and a directory of authorised client public keys. Without them
-:func:`server_curve` raises :class:`SecurityError`, whose message says what is missing; callers turn it
-into a refusal to start. When keys are configured they are used even on loopback binds.
+Every client of a run authenticates, loopback included: the launcher writes a key set into
+``<run dir>/keys`` (``generate_run_keys``) when the config names none and points ``buffer.curve.keys_dir``
+at it, so any other local process (another user's job on a shared node) is refused at the handshake.
+A key's *role* is its file name in ``authorized_clients/``: ``actor*.key``, ``learner*.key``,
+``monitor*.key`` (the launcher's health probe). Servers look the role up from the ZAP User-Id (the client's
+z85 public key) of each frame and serve each message type to its role only (``buffer.server``).
+
+Without any key configured a server still binds a *local* endpoint unauthenticated (``tcp://`` on a
+loopback address, ``ipc://``, ``inproc://``): that is for a component started by hand, and it logs a
+warning. Anything else (a routable address, ``*``, ``0.0.0.0``, ``::``, a host name) needs keys; without
+them :func:`server_curve` raises :class:`SecurityError`, whose message says what is missing; callers turn
+it into a refusal to start.
 
 Keys are pyzmq's certificate files (``zmq.auth.create_certificates``): ``<name>.key`` holds the public
-key, ``<name>.key_secret`` both. ``python -m buffer.keys DIR`` writes a server pair, client pairs and an
-``authorized_clients/`` directory.
+key, ``<name>.key_secret`` both (mode 0600). ``python -m buffer.keys DIR`` writes the same set as the
+launcher. Keys come from ``curve.keys_dir`` (``server.key_secret``, ``authorized_clients/``,
+``server.key``, ``<role>.key_secret``) unless a path of its own is set (``server_secret_key`` ...).
 
 Usage (server)::
 
     sec = server_curve(ctx, [cfg.buffer.ingest_addr, cfg.buffer.serve_addr], cfg.buffer.curve)
     sock = ctx.socket(zmq.ROUTER); sec.apply(sock); sock.bind(addr)
+    role = sec.role(frame.get("User-Id"))            # "actor" | "learner" | "monitor"; None = unknown
 
 Usage (client)::
 
-    keys = client_curve_keys(cfg.buffer.curve)        # None when no client keys are configured
+    keys = client_curve_keys(cfg.buffer.curve, "actor")   # None when no keys are configured
     sock = ctx.socket(zmq.DEALER); apply_client_curve(sock, keys); sock.connect(addr)
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +44,8 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+
+log = logging.getLogger("vapo.security")
 
 
 class SecurityError(RuntimeError):
@@ -71,11 +84,25 @@ def is_loopback_host(host: str) -> bool:
         return False  # "*", 0.0.0.0, interface names, host names: may be routable
 
 
+ROLES = ("actor", "learner", "monitor")
+
+
+def key_role(name: str) -> str | None:
+    """The role a key's file name gives it: ``actor``, ``actor-3``, ``learner``, ``monitor-a`` ...; None
+    for any other name."""
+    stem = name[: -len(".key")] if name.endswith(".key") else name
+    for role in ROLES:
+        if stem == role or stem.startswith(role + "-"):
+            return role
+    return None
+
+
 @dataclass
 class ServerKeys:
     public: bytes
     secret: bytes
     authorized_dir: Path
+    roles: dict[str, str]  # client public key (z85, the ZAP User-Id) -> role
 
 
 @dataclass
@@ -85,7 +112,7 @@ class ClientKeys:
     server_public: bytes
 
 
-def _load(path: str, what: str, need_secret: bool) -> tuple[bytes, bytes | None]:
+def _load(path: str | Path, what: str, need_secret: bool) -> tuple[bytes, bytes | None]:
     p = Path(path)
     if not p.is_file():
         raise SecurityError(f"{what}: key file {p} not found (generate keys with `python -m buffer.keys DIR`)")
@@ -98,30 +125,60 @@ def _load(path: str, what: str, need_secret: bool) -> tuple[bytes, bytes | None]
     return public, secret
 
 
+def _key_path(explicit: str, keys_dir: str, name: str) -> str:
+    """An explicitly configured key path, else ``keys_dir/name`` (``""`` when neither is set)."""
+    if explicit:
+        return explicit
+    return str(Path(keys_dir) / name) if keys_dir else ""
+
+
+def _roles(d: Path) -> dict[str, str]:
+    roles: dict[str, str] = {}
+    for f in sorted(d.glob("*.key")):
+        role = key_role(f.name)
+        if role is None:
+            raise SecurityError(f"authorised client key {f}: its file name must say its role "
+                                f"({', '.join(r + '*.key' for r in ROLES)}); `python -m buffer.keys DIR` names them")
+        public, _ = _load(f, "authorised client key", need_secret=False)
+        roles[public.decode("ascii")] = role
+    return roles
+
+
 def server_keys(curve: Any) -> ServerKeys | None:
-    """Load the server keys named by a CurveConfig; None when none are configured."""
-    if not curve.server_secret_key and not curve.authorized_clients_dir:
+    """Load the server keys named by a CurveConfig (or found in its keys_dir); None when none are configured."""
+    keys_dir = getattr(curve, "keys_dir", "")
+    secret_path = _key_path(curve.server_secret_key, keys_dir, "server.key_secret")
+    auth_dir = _key_path(curve.authorized_clients_dir, keys_dir, "authorized_clients")
+    if not secret_path and not auth_dir:
         return None
-    if not curve.server_secret_key:
+    if not secret_path:
         raise SecurityError("curve.server_secret_key is empty but curve.authorized_clients_dir is set")
-    if not curve.authorized_clients_dir:
+    if not auth_dir:
         raise SecurityError("curve.authorized_clients_dir is empty: no client could ever connect")
-    public, secret = _load(curve.server_secret_key, "curve.server_secret_key", need_secret=True)
-    d = Path(curve.authorized_clients_dir)
+    public, secret = _load(secret_path, "curve.server_secret_key", need_secret=True)
+    d = Path(auth_dir)
     if not d.is_dir() or not any(d.glob("*.key")):
         raise SecurityError(f"curve.authorized_clients_dir {d} has no client public keys (*.key)")
     assert secret is not None
-    return ServerKeys(public=public, secret=secret, authorized_dir=d)
+    return ServerKeys(public=public, secret=secret, authorized_dir=d, roles=_roles(d))
 
 
-def client_curve_keys(curve: Any) -> ClientKeys | None:
-    """Load a client's keys (own secret + server public) from a CurveConfig; None when not configured."""
-    if not curve.client_secret_key and not curve.server_public_key:
+def client_curve_keys(curve: Any, role: str = "") -> ClientKeys | None:
+    """Load a client's keys (own secret + server public) from a CurveConfig; None when not configured.
+
+    With ``curve.keys_dir`` the client's secret is ``<keys_dir>/<role>.key_secret`` (``role`` one of ROLES)
+    unless ``curve.client_secret_key`` names one."""
+    keys_dir = getattr(curve, "keys_dir", "")
+    if keys_dir and not curve.client_secret_key and role not in ROLES:
+        raise SecurityError(f"curve.keys_dir is set: a client must name its role ({', '.join(ROLES)}), got {role!r}")
+    client_path = _key_path(curve.client_secret_key, keys_dir, f"{role}.key_secret")
+    server_path = _key_path(curve.server_public_key, keys_dir, "server.key")
+    if not client_path and not server_path:
         return None
-    if not curve.client_secret_key or not curve.server_public_key:
+    if not client_path or not server_path:
         raise SecurityError("CURVE client needs both curve.client_secret_key and curve.server_public_key")
-    public, secret = _load(curve.client_secret_key, "curve.client_secret_key", need_secret=True)
-    server_public, _ = _load(curve.server_public_key, "curve.server_public_key", need_secret=False)
+    public, secret = _load(client_path, "curve.client_secret_key", need_secret=True)
+    server_public, _ = _load(server_path, "curve.server_public_key", need_secret=False)
     assert secret is not None
     return ClientKeys(public=public, secret=secret, server_public=server_public)
 
@@ -136,6 +193,12 @@ class ServerCurve:
     @property
     def enabled(self) -> bool:
         return self.keys is not None
+
+    def role(self, user_id: str | None) -> str | None:
+        """The role of the client key a frame came with (its ZAP User-Id); None when unknown or CURVE is off."""
+        if self.keys is None or not user_id:
+            return None
+        return self.keys.roles.get(user_id)
 
     def apply(self, sock: zmq.Socket) -> None:
         if self.keys is None:
@@ -164,6 +227,9 @@ def server_curve(ctx: zmq.Context, bind_addrs: list[str], curve: Any) -> ServerC
                 "host push or pull data. Bind to 127.0.0.1, or generate keys with `python -m buffer.keys DIR` "
                 "and set curve.server_secret_key and curve.authorized_clients_dir."
             )
+        log.warning("no CurveZMQ keys configured: %s accept any local client (the launcher always generates "
+                    "keys; a component started by hand without them is open to every local process)",
+                    ", ".join(bind_addrs))
         return ServerCurve(None, None)
     auth = ThreadAuthenticator(ctx)
     auth.start()
@@ -181,16 +247,44 @@ def apply_client_curve(sock: zmq.Socket, keys: ClientKeys | None) -> None:
     sock.curve_serverkey = keys.server_public
 
 
+# Socket monitor events of a connection whose handshake failed: no key, a key not authorised, a wrong server
+# key, or a client without CURVE. Servers count them (their clients never get a frame through).
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
 def generate_keypair(directory: str | Path, name: str) -> tuple[Path, Path]:
     """Write ``<name>.key`` (public) and ``<name>.key_secret`` into ``directory``; returns both paths."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(str(d), name)
+    old = os.umask(0o077)  # the secret is never readable by others, not even between write and chmod
+    try:
+        public, secret = zmq.auth.create_certificates(str(d), name)
+    finally:
+        os.umask(old)
     Path(secret).chmod(0o600)
     return Path(public), Path(secret)
+
+
+def generate_run_keys(directory: str | Path, actors: int = 0) -> Path:
+    """A run's key set in ``directory`` (mode 0700): the server pair, one pair per role (``actor``,
+    ``learner``, ``monitor``; plus ``actor-<i>`` for i < ``actors``), and ``authorized_clients/`` holding
+    every client's public key. Existing pairs are kept (a resumed run keeps its keys). Returns the directory."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    d.chmod(0o700)
+    auth = d / "authorized_clients"
+    auth.mkdir(exist_ok=True)
+    for name in ["server", *ROLES, *(f"actor-{i}" for i in range(actors))]:
+        if not (d / f"{name}.key_secret").is_file() or not (d / f"{name}.key").is_file():
+            generate_keypair(d, name)
+        if name != "server":
+            shutil.copyfile(d / f"{name}.key", auth / f"{name}.key")
+    return d
 
 
 __all__ = [
     "SecurityError", "is_local_endpoint", "is_loopback_host", "endpoint_host", "ServerKeys", "ClientKeys",
     "ServerCurve", "server_keys", "client_curve_keys", "server_curve", "apply_client_curve", "generate_keypair",
+    "generate_run_keys", "ROLES", "key_role", "HANDSHAKE_FAILED",
 ]

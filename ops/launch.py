@@ -18,88 +18,29 @@ end it prints a summary table and writes PNG plots to ``runs/<name>/plots/``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "ops"))
 
-from common import lifeline  # noqa: E402
+from launch_child import Child, LaunchError  # noqa: E402
+from launch_progress import Progress, say  # noqa: E402
+
+from common import lifeline, remote  # noqa: E402
 from common.config import Config, ConfigError, load_config, save_config  # noqa: E402
 from common.metrics import Metrics  # noqa: E402
 from common.placement import STORE_FILE_ENV, build_plan  # noqa: E402
 
 PY = sys.executable
-_RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 STOP_GRACE_S = 6.0
-
-
-@dataclass
-class Child:
-    """One supervised process (its own process group, so its engine children stop with it)."""
-
-    name: str
-    cmd: list[str]
-    log_path: Path
-    max_restarts: int = 0
-    env: dict[str, str] = field(default_factory=dict)
-    proc: subprocess.Popen | None = None
-    restarts: int = 0
-    started_at: float = 0.0
-
-    def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
-        log.write(f"\n=== {time.strftime('%H:%M:%S')} start: {' '.join(self.cmd)}\n".encode())
-        log.flush()
-        # A parent that ran torch.distributed leaves rendezvous variables behind; a child learner would try
-        # to reuse that (taken) MASTER_PORT. Each child sets up its own.
-        env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS_VARS}
-        env.update(self.env)
-        # lifeline: the child (and, transitively, its own children) dies with this launcher, even on SIGKILL.
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     **lifeline.popen_kwargs(env))
-        log.close()
-        self.started_at = time.time()
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    @property
-    def returncode(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
-    def signal(self, sig: int) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join("    " + line for line in text[-lines:])
-
-
-class LaunchError(RuntimeError):
-    def __init__(self, component: str, message: str) -> None:
-        super().__init__(f"{component}: {message}")
-        self.component = component
-
-
-def say(msg: str) -> None:
-    print(f"[vapo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 # ------------------------------------------------------------------------------------------ health
@@ -131,7 +72,7 @@ def buffer_healthy(cfg: Config, timeout_s: float = 1.0) -> bool:
 def _apply_client_curve(sock: Any, cfg: Config) -> None:
     from common.security import apply_client_curve, client_curve_keys
 
-    apply_client_curve(sock, client_curve_keys(cfg.buffer.curve))
+    apply_client_curve(sock, client_curve_keys(cfg.buffer.curve, "monitor"))
 
 
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:
@@ -157,77 +98,6 @@ def wait_until(what: str, ok: Any, child: Child | None, timeout_s: float) -> Non
     raise LaunchError(what, f"not healthy after {timeout_s:.0f} s" + (f"\n{child.tail()}" if child else ""))
 
 
-# ----------------------------------------------------------------------------------------- progress
-
-
-class Progress:
-    """Follows <run dir>/metrics.jsonl and prints one line per learner step and per evaluation."""
-
-    def __init__(self, path: Path, total_steps: int) -> None:
-        self.path = path
-        self.offset = 0
-        self.total = total_steps
-        self.t0 = time.time()
-        self.records: list[dict[str, Any]] = []
-        self.last_eval: float | None = None
-        self.base_eval: float | None = None
-        self.last_time: float | None = None
-
-    def poll(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        cut = data.rfind(b"\n") + 1  # only whole lines; a line being written is read next time
-        self.offset += cut
-        new = []
-        for line in data[:cut].splitlines():
-            try:
-                new.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        for r in new:
-            if r.get("kind") == "learner_step" and isinstance(r.get("time"), int | float):
-                if self.last_time is not None and r["time"] > self.last_time:
-                    r.setdefault("samples_per_second", r.get("samples", 0) / (r["time"] - self.last_time))
-                self.last_time = r["time"]
-            self.records.append(r)
-            self._print(r)
-        return new
-
-    def _print(self, r: dict[str, Any]) -> None:
-        kind = r.get("kind", "")
-        ev = r if kind == "eval" else r.get("eval")
-        if kind == "value_pretrain":
-            say(f"value pretraining step {r.get('step', '?')}: explained variance (fresh groups) "
-                f"{_fmt(r.get('explained_variance'))}  loss {_fmt(r.get('loss'), 4)}")
-        elif kind == "learner_step":
-            step = int(r.get("weight_version", r.get("step", 0)))
-            elapsed = time.time() - self.t0
-            eta = elapsed / max(step, 1) * max(self.total - step, 0)
-            say(
-                f"step {step}/{self.total}  reward {_fmt(r.get('reward_mean'))}"
-                f"  ev {_fmt(r.get('value_explained_variance'))}  staleness {_fmt(r.get('staleness_mean'), 2)}"
-                f"  samples/s {_fmt(r.get('samples_per_second'), 1)}  len {_fmt(r.get('response_length_mean'), 1)}"
-                f"  ETA {int(eta // 60)}m{int(eta % 60):02d}s"
-            )
-        if isinstance(ev, dict):
-            acc = ev.get("avg_at_k")
-            if isinstance(acc, int | float):
-                if self.base_eval is None:
-                    self.base_eval = float(acc)
-                self.last_eval = float(acc)
-            say(f"eval  v{r.get('weight_version', r.get('version', '?'))}: held-out avg@k {_fmt(acc)}"
-                f"  greedy {_fmt(ev.get('greedy_accuracy'))}  length {_fmt(ev.get('mean_response_length'), 1)}")
-
-
-def _fmt(v: Any, digits: int = 3) -> str:
-    if isinstance(v, int | float):
-        return f"{v:.{digits}f}"
-    return "-"
-
-
 # ------------------------------------------------------------------------------------------ launcher
 
 
@@ -248,6 +118,20 @@ def resolve_run(cfg_path: str | None, overrides: list[str], resume: bool) -> tup
     if resume and not run_dir.exists():
         raise LaunchError("launcher", f"--resume: no run at {run_dir}")
     return cfg, overrides
+
+
+def ensure_run_keys(cfg: Config) -> Path | None:
+    """Every ZeroMQ socket of the run authenticates its clients, loopback included: when ``buffer.curve`` names
+    no key, write a key set to ``<run dir>/keys`` (0700, secrets 0600; kept on --resume) and point
+    ``buffer.curve.keys_dir`` at it, so each process uses the key of its role. Returns the keys directory."""
+    from common.security import generate_run_keys
+
+    c = cfg.buffer.curve
+    if c.server_secret_key or c.server_public_key or c.client_secret_key or c.authorized_clients_dir:
+        return None  # keys of the operator's own making (e.g. on a shared filesystem): used as configured
+    if not c.keys_dir:
+        c.keys_dir = str(abs_run_dir(cfg) / "keys")
+    return generate_run_keys(c.keys_dir)
 
 
 def write_prometheus_config(cfg: Config, path: Path) -> None:
@@ -282,11 +166,46 @@ class Launcher:
         self.plan = build_plan(cfg, self.cfg_file, PY, ROOT, self.run_dir)
         for name, text in self.plan.files.items():  # hostfile / deepspeed_env for multi-host learners
             (self.run_dir / name).write_text(text)
+        self._beats = threading.Event()  # set: the heartbeat thread ends
+        self._pdsh_offset = 0  # learner log bytes already read for pdsh's reports
+        if any(p.via == "ssh" for p in self.plan.procs):
+            threading.Thread(target=self._heartbeat, name="ssh-heartbeat", daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        """A byte down every ssh link each ssh_alive_interval_s: the remote guards' proof that we live. A
+        thread, so a main loop blocked in a health wait does not starve them."""
+        while not self._beats.wait(self.cfg.placement.ssh_alive_interval_s):
+            for c in list(self.children.values()):
+                if c.via == "ssh":
+                    c.beat()
+
+    def check_links(self) -> None:
+        """A lost host stops the run: ssh's exit code 255 for a process started over ssh, pdsh's report of a
+        non-zero ssh exit for learner ranks (their peers would otherwise wait for the collective timeout)."""
+        for c in self.children.values():
+            if c.via == "ssh" and c.returncode == remote.SSH_LOST:
+                raise LaunchError(c.name, f"lost host {c.host}: ssh exited with code 255 (no answer for "
+                                  f"{remote.lost_after_s(self.cfg)} s, or no connection); stopping the run "
+                                  f"(--resume continues it)\n{c.tail()}")
+        learner = self.children.get("learner")
+        if learner is None or learner.via != "pdsh":
+            return
+        try:
+            with open(learner.log_path, "rb") as f:
+                f.seek(self._pdsh_offset)
+                data = f.read()
+        except OSError:
+            return
+        cut = data.rfind(b"\n") + 1  # whole lines only
+        self._pdsh_offset += cut
+        for host, code in remote.pdsh_failures(data[:cut].decode(errors="replace")).items():
+            why = "host lost (ssh exit 255)" if code == remote.SSH_LOST else f"its ssh exited with code {code}"
+            raise LaunchError("learner", f"learner ranks on {host} ended: {why}; stopping the run\n{learner.tail()}")
 
     def child(self, name: str) -> Child:
         """The plan's process ``name`` as a supervised child (its environment and devices from the plan)."""
         p = self.plan.proc(name)
-        c = Child(name, p.argv, self.logs / f"{name}.log", p.max_restarts, env=dict(p.env))
+        c = Child(name, p.argv, self.logs / f"{name}.log", p.max_restarts, env=dict(p.env), via=p.via, host=p.host)
         self.children[name] = c
         return c
 
@@ -339,7 +258,10 @@ class Launcher:
         store = self.plan.proc("learner").env.get(STORE_FILE_ENV)
         if store:  # a file store left by a killed run would make the new ranks rendezvous with ghosts
             Path(store).unlink(missing_ok=True)
-        self.start(self.child("learner"))
+        learner = self.child("learner")
+        # pdsh's reports are looked for in what this run appends (a resumed run's log has the old run's).
+        self._pdsh_offset = learner.log_path.stat().st_size if learner.log_path.exists() else 0
+        self.start(learner)
         ranks = len(self.plan.ranks)
         say("learner started" + (f" ({ranks} DeepSpeed ranks)" if ranks > 1 else "")
             + (" (resume=auto)" if self.resume else ""))
@@ -357,6 +279,7 @@ class Launcher:
                     say("learner finished")
                     return
                 raise LaunchError("learner", f"exited with code {learner.returncode}\n{learner.tail()}")
+            self.check_links()
             for c in list(self.children.values()):
                 if c.name == "learner" or c.alive():
                     continue
@@ -372,12 +295,14 @@ class Launcher:
 
     def stop_all(self) -> None:
         self.stopping = True
+        self._beats.set()
         # Learner first (it stops consuming batches; it resumes from its last checkpoint), then actors/engines,
-        # then the buffer.
+        # then the buffer. A process behind ssh is stopped by closing its link: its guard SIGTERMs it, and
+        # ssh returns once it has exited.
         order = sorted(self.children.values(), key=lambda c: (c.name != "learner", c.name == "buffer"))
         for c in order:
             if c.alive():
-                c.signal(signal.SIGTERM)
+                c.hang_up() if c.via == "ssh" else c.signal(signal.SIGTERM)
         # One deadline for all of them (not one per child), so that stopping is bounded however many
         # children are slow: SIGTERM grace, then SIGKILL every process group at once.
         deadline = time.time() + STOP_GRACE_S
@@ -468,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, LaunchError) as e:
         print(f"ops/launch.sh: {e}", file=sys.stderr)
         return 2
+    ensure_run_keys(cfg)
     cfg_file = save_config(cfg)
     write_prometheus_config(cfg, cfg.run_dir / "prometheus.yml")
     launcher = Launcher(cfg, cfg_file.resolve(), args.resume)

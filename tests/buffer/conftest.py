@@ -104,6 +104,8 @@ class BufferProc:
         self.overrides = [
             f"buffer.path={self.path}", f"buffer.ingest_addr={self.ingest_addr}",
             f"buffer.serve_addr={self.serve_addr}", "buffer.metrics_port=0", "run.log_level=WARNING",
+            # make_sample's token ids, whatever model.path holds on this machine (the ingest bound reads it)
+            "buffer.vocab_size=1000",
         ] + list(overrides or [])
         self.log = workdir / "buffer.log"
         self.proc: subprocess.Popen[bytes] | None = None

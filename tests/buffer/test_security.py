@@ -88,10 +88,12 @@ def test_remote_bind_without_keys_refuses_to_start(tmp_path: Path) -> None:
 def test_only_authorised_curve_clients_can_push_or_pull(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    gen = subprocess.run([sys.executable, "-m", "buffer.keys", str(keys), "--clients", "2"], cwd=REPO,
+    gen = subprocess.run([sys.executable, "-m", "buffer.keys", str(keys), "--actors", "2"], cwd=REPO,
                          capture_output=True, text=True, timeout=60, env=env)
     assert gen.returncode == 0, gen.stderr
-    assert sorted(p.name for p in (keys / "authorized_clients").iterdir()) == ["client-0.key", "client-1.key"]
+    assert sorted(p.name for p in (keys / "authorized_clients").iterdir()) == [
+        "actor-0.key", "actor-1.key", "actor.key", "learner.key", "monitor.key"]
+    assert (keys / "learner.key_secret").stat().st_mode & 0o777 == 0o600 and keys.stat().st_mode & 0o777 == 0o700
     again = subprocess.run([sys.executable, "-m", "buffer.keys", str(keys)], cwd=REPO, capture_output=True,
                            text=True, timeout=60, env=env)
     assert again.returncode == 2 and "exists" in again.stderr  # never silently replaces keys
@@ -111,7 +113,8 @@ def test_only_authorised_curve_clients_can_push_or_pull(tmp_path: Path) -> None:
     try:
         assert srv.info["curve"] is True
         good = client_curve_keys(CurveConfig(server_public_key=str(keys / "server.key"),
-                                             client_secret_key=str(keys / "client-1.key_secret")))
+                                             client_secret_key=str(keys / "actor-1.key_secret")))
+        learner = client_curve_keys(CurveConfig(keys_dir=str(keys)), "learner")
         rogue = client_curve_keys(CurveConfig(server_public_key=str(keys / "server.key"),
                                               client_secret_key=str(rogue_secret)))
         # Wrong client key (server key known): the ZAP handshake fails, nothing is pushed or pulled.
@@ -145,10 +148,12 @@ def test_only_authorised_curve_clients_can_push_or_pull(tmp_path: Path) -> None:
             sock.close()
         ctx.term()
         # The authorised client pushes and pulls.
-        with SyncSender(ingest, 1, curve=good, ack_timeout_s=2) as s, BatchClient(serve, curve=good) as c:
+        with SyncSender(ingest, 1, curve=good, ack_timeout_s=2) as s, BatchClient(serve, curve=learner) as c:
             assert s.send(make_group("good"), timeout_s=10).committed
             st = c.stats()
             assert st["accepted_groups"] == 1 and st["rejected_total"] == 0
+            # The refused connections above were counted (rogue key, no CURVE, impostor server key).
+            assert st["auth_refused_ingest"] >= 3 and st["auth_refused_serve"] >= 2, st
             assert [g.group_id for g in c.get_batch(0, 1, 5).groups] == ["good"]
     finally:
         srv.cleanup()

@@ -222,7 +222,7 @@ def test_made_up_actor_ids_cannot_take_all_credit_and_a_gone_connection_frees_it
 @pytest.mark.timeout(120)
 def test_with_curve_an_actor_id_belongs_to_one_client_key(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
-    gen = subprocess.run([sys.executable, "-m", "buffer.keys", str(keys), "--clients", "2"], cwd=REPO,
+    gen = subprocess.run([sys.executable, "-m", "buffer.keys", str(keys), "--actors", "2"], cwd=REPO,
                          capture_output=True, text=True, timeout=60, env=ENV)
     assert gen.returncode == 0, gen.stderr
     srv = BufferProc(tmp_path, [f"buffer.curve.server_secret_key={keys / 'server.key_secret'}",
@@ -231,7 +231,7 @@ def test_with_curve_an_actor_id_belongs_to_one_client_key(tmp_path: Path) -> Non
     try:
         def client(i: int) -> Any:
             return client_curve_keys(CurveConfig(server_public_key=str(keys / "server.key"),
-                                                 client_secret_key=str(keys / f"client-{i}.key_secret")))
+                                                 client_secret_key=str(keys / f"actor-{i}.key_secret")))
 
         with SyncSender(srv.ingest_addr, 5, curve=client(0), ack_timeout_s=0.5) as owner, \
                 SyncSender(srv.ingest_addr, 5, curve=client(1), ack_timeout_s=0.5) as thief:
@@ -239,7 +239,7 @@ def test_with_curve_an_actor_id_belongs_to_one_client_key(tmp_path: Path) -> Non
             # Refused (ErrorReply actor_key): the thief learns why at once instead of waiting forever.
             with pytest.raises(ProtocolError, match="credit refused: actor_key"):
                 thief.acquire(1, timeout_s=30)
-            with BatchClient(srv.serve_addr, curve=client(0)) as c:
+            with BatchClient(srv.serve_addr, curve=client(0)) as c:  # any role may read the counters
                 assert c.stats()["rejected_actor_key"] >= 1
             assert owner.acquire(1, timeout_s=10).n == 1  # the owner keeps working
     finally:
@@ -250,7 +250,7 @@ def test_with_curve_an_actor_id_belongs_to_one_client_key(tmp_path: Path) -> Non
 
 
 def test_inspect_shows_the_current_map_size(buffer_proc: Any) -> None:
-    srv = buffer_proc(["buffer.map_size_bytes=1048576", "buffer.capacity_groups=100000"])
+    srv = buffer_proc(["buffer.map_size_bytes=1048576", "buffer.capacity_groups=100000", "actors.max_new_tokens=2000"])
     with SyncSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr) as c:
         s.send_many([make_group(f"m{i}", g=8, length=2000) for i in range(30)], timeout_s=60)  # ~2 MB: grows
         live = int(c.stats()["map_size"])

@@ -337,6 +337,20 @@ def test_positives_dedup_eviction_and_restart(buffer_proc: Any) -> None:
         assert after == before
 
 
+def test_truncated_responses_are_never_stored_as_positives(buffer_proc: Any) -> None:
+    """A reward-1 response cut at the length limit (finish_reason "length") is not harvested: imitating it
+    would teach the policy not to stop."""
+    srv = buffer_proc()
+    done, cut = make_sample(reward=1.0, seed=1), make_sample(reward=1.0, seed=2)
+    cut.finish_reason = "length"
+    g = SampleGroup(group_id="t1", prompt_id="p", task="t", actor_id=0, samples=[done, cut], created_at=0.0)
+    with SyncSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr) as c:
+        assert s.send(g, timeout_s=10).committed
+        assert c.stats()["positives"] == 1
+        assert [positive_hash(x.prompt_ids, x.output_ids) for x in c.positives(10)] == [
+            positive_hash(done.prompt_ids, done.output_ids)]
+
+
 # -------------------------------------------------------------------------------- filters and capacity
 
 
@@ -405,7 +419,7 @@ def test_disk_full_is_an_error_ack_and_a_metric_not_a_crash(tmp_path: Path) -> N
     def small_disk() -> None:  # RLIMIT_FSIZE: writes past 3 MiB fail with EFBIG, like a full disk
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    srv = BufferProc(tmp_path, ["buffer.map_size_bytes=1048576", "learner.batch_groups=2",
+    srv = BufferProc(tmp_path, ["buffer.map_size_bytes=1048576", "learner.batch_groups=2", "actors.max_new_tokens=2000",
                                 "buffer.capacity_groups=100000"])
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     orig_popen = subprocess.Popen
