@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -55,13 +55,40 @@ T = TypeVar("T")
 def world_size() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size()
+    adopt_slurm_env()
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def rank() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank()
+    adopt_slurm_env()
     return int(os.environ.get("RANK", "0"))
+
+
+def _tasks_on_node(tasks_per_node: str, node: int) -> int:
+    """Entry ``node`` of Slurm's compressed task counts, e.g. ``"2(x3),1"`` = 2, 2, 2, 1."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        n, _, times = part.partition("(x")
+        counts += [int(n)] * (int(times.rstrip(")")) if times else 1)
+    return counts[node] if 0 <= node < len(counts) else counts[0]
+
+
+def adopt_slurm_env(env: MutableMapping[str, str] = os.environ) -> None:
+    """Rank variables for a task that srun started (one ``srun ... python -m learner`` step), which has only
+    Slurm's own: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE from SLURM_PROCID, the step's task count, SLURM_LOCALID
+    and its tasks on this node. A launcher's RANK wins; MASTER_ADDR/MASTER_PORT come from whoever started the
+    step. Without this every task of a Slurm learner would be rank 0 of a world of 1."""
+    if "RANK" in env or "SLURM_PROCID" not in env:
+        return
+    ntasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS") or "1"
+    per_node = (env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE")
+                or env.get("SLURM_TASKS_PER_NODE") or ntasks)
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = ntasks
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    env["LOCAL_SIZE"] = str(_tasks_on_node(per_node, int(env.get("SLURM_NODEID", "0"))))
 
 
 def loss_scale_for_dp() -> float:
@@ -82,7 +109,8 @@ def setup_distributed(cfg: Config) -> None:
     """Initialise torch.distributed, then DeepSpeed's communication layer on top of it; idempotent.
 
     Under a launcher (deepspeed, torchrun) the rendezvous comes from its environment (``env://``), or from
-    the file ``$VAPO_STORE_FILE`` when the ranks share a host. Without a launcher the process is rank 0 of 1
+    the file ``$VAPO_STORE_FILE`` when the ranks share a host; tasks of one srun step derive their rank
+    variables from Slurm's (``adopt_slurm_env``). Without a launcher the process is rank 0 of 1
     and uses an in-process store. Only a learner spanning hosts listens on a port (placement.master_port)."""
     want = "cpu" if cfg.run.device == "cpu" else "cuda"
     if os.environ.get("DS_ACCELERATOR", want) != want:
@@ -91,6 +119,7 @@ def setup_distributed(cfg: Config) -> None:
         log.warning("DS_ACCELERATOR=%s does not match run.device=%s; using %s",
                     os.environ["DS_ACCELERATOR"], cfg.run.device, want)
     os.environ["DS_ACCELERATOR"] = want
+    adopt_slurm_env()
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -126,6 +155,10 @@ def setup_distributed(cfg: Config) -> None:
             if store_file:
                 kw.update(init_method=f"file://{store_file}", rank=int(os.environ["RANK"]), world_size=ws)
             else:
+                missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+                if missing:
+                    raise RuntimeError(f"learner rank {os.environ['RANK']} of {ws}: {' and '.join(missing)} not set; "
+                                       "the launcher (deepspeed, torchrun, or whoever runs srun) must set them")
                 kw.update(init_method="env://")
             torch.distributed.init_process_group(backend, **kw)
     # DeepSpeed adopts the existing process group (it only creates one when none exists).
