@@ -18,12 +18,15 @@ RL return); ``rewards`` keeps the verifier's reward, which alone decides what is
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from common.limits import SampleLimits, group_problem, limits_from_config, model_shape, sample_problem
 from common.protocol import Sample, SampleGroup
 
 
@@ -43,6 +46,7 @@ class Batch:
     truncated: Tensor  # [B] bool: finish_reason == "length"
     group_index: Tensor  # [B] long: index of the sample's group in the batch (-1 for replayed positives)
     is_replay: Tensor  # [B] bool: a stored positive added for the NLL term only (no PPO loss)
+    excluded: Tensor  # [B] bool: kept out of the policy and value losses (truncated, with algo.truncated=mask)
 
     @property
     def size(self) -> int:
@@ -50,8 +54,9 @@ class Batch:
 
     @property
     def ppo_mask(self) -> Tensor:
-        """Tokens that enter the policy and value losses (replayed positives only feed the NLL)."""
-        return self.mask * (~self.is_replay).to(self.mask.dtype).unsqueeze(-1)
+        """Tokens that enter the policy and value losses (replayed positives only feed the NLL; excluded rows
+        feed nothing)."""
+        return self.mask * (~(self.is_replay | self.excluded)).to(self.mask.dtype).unsqueeze(-1)
 
     def select(self, idx: Tensor | list[int]) -> Batch:
         """Rows ``idx``, with the sequence and response axes trimmed to what those rows need."""
@@ -131,6 +136,7 @@ def collate_samples(
         truncated=torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.bool),
         group_index=torch.tensor(group_index if group_index is not None else [-1] * B, dtype=torch.long),
         is_replay=torch.full((B,), is_replay, dtype=torch.bool),
+        excluded=torch.zeros(B, dtype=torch.bool),
     )
 
 
@@ -160,3 +166,54 @@ def gather_positions(x: Tensor, positions: Tensor) -> Tensor:
     """``x[b, positions[b, t]]`` for x ``[B, S]`` or ``[B, S, V]`` → ``[B, T]`` or ``[B, T, V]``."""
     rows = torch.arange(x.shape[0], device=x.device).unsqueeze(-1)
     return x[rows, positions.to(x.device)]
+
+
+def row_limits(cfg: Any) -> SampleLimits:
+    """What a usable row is for this learner: the run's bounds (``common.limits``), with the vocabulary of the
+    model it trains (``buffer.vocab_size`` may only narrow it: an id past the embedding table is an index error)."""
+    lim = limits_from_config(cfg)
+    vocab = model_shape(cfg.model.path)[0]
+    if vocab and (lim.vocab_size == 0 or lim.vocab_size > vocab):
+        lim = replace(lim, vocab_size=vocab)
+    return lim
+
+
+def drop_unusable(groups: list[SampleGroup], extra: list[Sample], lim: SampleLimits
+                  ) -> tuple[list[SampleGroup], list[Sample], dict[str, int]]:
+    """The groups and replayed positives the learner can train on, and how many samples were dropped per reason.
+
+    The buffer refuses such groups at ingest; this is the learner's own guard (a buffer directory filled before
+    the check, a changed config on resume): a bad sample drops its whole group (group statistics need all of
+    it), a bad positive only itself. Never raises on what a row holds."""
+    dropped: dict[str, int] = {}
+    kept: list[SampleGroup] = []
+    for g in groups:
+        bad = group_problem(g, lim)
+        if bad is None:
+            kept.append(g)
+        else:
+            dropped[bad[0]] = dropped.get(bad[0], 0) + len(g.samples)
+    pos: list[Sample] = []
+    for s in extra:
+        bad = sample_problem(s, lim)
+        if bad is None:
+            pos.append(s)
+        else:
+            dropped[bad[0]] = dropped.get(bad[0], 0) + 1
+    return kept, pos, dropped
+
+
+def fetch_usable(fetch_n: Callable[[int], tuple[list[SampleGroup], list[Sample]]], n_groups: int, lim: SampleLimits,
+                 count: Callable[[str, int], None]) -> tuple[list[SampleGroup], list[Sample]]:
+    """``n_groups`` usable groups (and the replayed positives that came with them) from ``fetch_n(k)``, which
+    returns k groups: unusable ones are dropped, counted with ``count(reason, samples)`` and asked for again.
+    Every rank of a learner sees the same groups, so every rank asks alike."""
+    groups: list[SampleGroup] = []
+    extra: list[Sample] = []
+    while len(groups) < n_groups:
+        got, pos, dropped = drop_unusable(*fetch_n(n_groups - len(groups)), lim)
+        for reason, n in dropped.items():
+            count(reason, n)
+        groups += got
+        extra += pos
+    return groups, extra

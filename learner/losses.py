@@ -8,6 +8,12 @@ count is used.
 
 - Policy (VAPO §3.3 / DAPO eq. 8-10, clip-higher): L = −Σ_t min(r_t·A_t, clip(r_t, 1−ε_low, 1+ε_high)·A_t) / N,
   r_t = exp(logp_t − logp_old_t); ``loss_agg="seq_mean"`` gives the vanilla per-sequence mean instead.
+  Dual clip (Ye et al. 2020, verl's ``clip_ratio_c``): for A_t < 0 the objective is bounded below by c·A_t,
+  so a token whose ratio ran far above 1 + ε_high (an engine/learner mismatch, a stale sample) gives a
+  bounded loss and no gradient instead of one growing linearly in r_t.
+- Behaviour importance weights (``behaviour_weight``): π_prox / π_behav per token, either AReaL's (tokens
+  above the cap masked) or verl's truncated importance sampling (clamped at the cap, per token or per
+  sequence), and the engine/learner mismatch statistics (``mismatch_stats``).
 - Value: ½(V − R)², optionally clipped around the old values (PPO value clipping).
 - NLL (VAPO §3.4, eq. 10): −Σ logp over tokens of reward-1 samples / number of those tokens.
 - Statistics: masked advantage whitening and the critic's explained variance, from float64 sufficient
@@ -21,6 +27,7 @@ response with a 152k vocabulary fit.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -103,20 +110,27 @@ def policy_loss(
     loss_agg: str = "token_mean",
     normalizer: Tensor | float | None = None,
     importance_weight: Tensor | None = None,
+    clip_ratio_c: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clip-higher PPO surrogate. All inputs ``[B, T]``.
 
     ``old_logprobs`` are the logprobs the ratio is taken against (behaviour, or the recomputed proximal
-    policy for AReaL's decoupled objective); ``importance_weight`` (decoupled only) multiplies each token's
-    objective by the clamped behaviour weight π_prox/π_behav and carries no gradient.
+    policy); ``importance_weight`` (decoupled / rollout correction) multiplies each token's objective by the
+    behaviour weight (``behaviour_weight``) and carries no gradient. ``clip_ratio_c`` > 1: dual clip, the
+    objective of a token with A < 0 is max(min(r·A, clip(r)·A), c·A) (0 = off).
 
-    Returns (loss, stats) with stats: clip_fraction_low, clip_fraction_high, approx_kl, ratio_mean
-    (detached token means over real tokens of this call).
+    Returns (loss, stats) with stats: clip_fraction_low, clip_fraction_high, clip_fraction_dual, approx_kl,
+    ratio_mean (detached token means over real tokens of this call).
     """
     log_ratio = (logprobs - old_logprobs) * mask.to(logprobs.dtype)
     ratio = torch.exp(log_ratio)
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     obj = torch.minimum(ratio * advantages, clipped * advantages)
+    dual = torch.zeros_like(obj, dtype=torch.bool)
+    if clip_ratio_c > 0.0:
+        bound = clip_ratio_c * advantages
+        dual = (advantages < 0) & (obj < bound)
+        obj = torch.where(dual, bound, obj)
     if importance_weight is not None:
         obj = obj * importance_weight.detach()
     loss = _aggregate(-obj, mask, loss_agg, normalizer)
@@ -126,11 +140,53 @@ def policy_loss(
         stats = {
             "clip_fraction_low": masked_mean(low, mask),
             "clip_fraction_high": masked_mean(high, mask),
+            "clip_fraction_dual": masked_mean(dual.to(logprobs.dtype), mask),
             # k1 estimator of KL(old || new), as verl's ppo_kl.
             "approx_kl": masked_mean(-log_ratio, mask),
             "ratio_mean": masked_mean(ratio, mask),
         }
     return loss, stats
+
+
+def behaviour_weight(prox_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, cap: float,
+                     mode: str = "mask", level: str = "token") -> Tensor:
+    """Importance weight π_prox / π_behav ``[B, T]`` (0 on padding) that corrects a ratio taken against the
+    proximal (learner-recomputed) policy for the tokens having been sampled by the behaviour (engine) policy.
+
+    ``mode="mask"`` (AReaL's decoupled objective): a token whose weight exceeds ``cap`` gets weight 0 (its
+    loss is dropped; the normaliser still counts it). ``mode="truncate"`` (verl's truncated importance
+    sampling): the weight is min(w, cap). ``level="sequence"`` uses one weight per row, exp(Σ_t log w_t)
+    over its real tokens (truncate only: computed in log space, so a long row cannot overflow)."""
+    m = mask.to(prox_logprobs.dtype)
+    log_w = (prox_logprobs - behaviour_logprobs) * m
+    if level == "sequence":
+        if mode != "truncate":
+            raise ValueError("sequence-level weights are truncated, not masked")
+        seq = log_w.sum(-1, keepdim=True).clamp(max=math.log(cap))
+        return torch.exp(seq).expand_as(m) * m
+    if level != "token":
+        raise ValueError(f"level must be token or sequence, got {level!r}")
+    w = torch.exp(log_w)
+    if mode == "mask":
+        return torch.where(w > cap, torch.zeros_like(w), w) * m
+    if mode == "truncate":
+        return w.clamp(max=cap) * m
+    raise ValueError(f"mode must be mask or truncate, got {mode!r}")
+
+
+def mismatch_stats(learner_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor) -> tuple[float, float, float]:
+    """Engine/learner mismatch over real tokens: (Σ_t KL estimate, token count, max ratio π_learner/π_behav).
+
+    The KL is KL(π_behav ‖ π_learner) per token by the k3 estimator (r − 1) − log r with r = π_learner/π_behav
+    (unbiased for tokens sampled from π_behav, never negative; verl's rollout-correction KL). Only
+    meaningful when both log-probs belong to the same weights (the rows' weight version). Sums, not a mean,
+    so that micro-batches and ranks add up."""
+    m = mask.bool()
+    if not bool(m.any()):
+        return 0.0, 0.0, 0.0
+    log_r = (learner_logprobs.double() - behaviour_logprobs.double())[m]
+    k3 = torch.expm1(log_r) - log_r
+    return float(k3.sum()), float(m.sum()), float(torch.exp(log_r.max()))
 
 
 def value_loss(

@@ -9,19 +9,26 @@ Step (VAPO arXiv 2504.05118 §3):
     fetch            groups with weight_version >= version - max_staleness (rank 0 asks the buffer, the
                      other ranks decode the frames it broadcasts; learner.data.fetch), + stored positives
                      for NLL replay (optional)
-    collate          padded prompt+response tensors, response mask, behaviour logprobs (learner.batch)
+    collate          padded prompt+response tensors, response mask, behaviour logprobs (learner.batch);
+                     truncated responses treated as ``algo.truncated`` says (keep | mask | zero_reward)
     values           V(s_t) of the batch from the critic before its update (skipped when the targets are
-                     Monte-Carlo, λ_critic = 1 without value clipping: EV then comes from critic_update)
+                     Monte-Carlo, λ_critic = 1 without value clipping, and the actor reads the post-update
+                     critic: EV then comes from critic_update's own forwards)
     critic_update    fit V to λ_critic (= 1: Monte-Carlo) returns, epochs × mini-batches
-    fresh_values     V(s_t) again, from the updated critic (critic-then-actor)
+    fresh_values     V(s_t) again, from the updated critic (``algo.actor_values=post_update``; skipped with
+                     ``pre_update``, verl's order, where the advantages read the values pass)
     advantages       decoupled GAE with per-sample length-adaptive λ_actor = 1 − 1/(α·l); or GRPO
-    proximal         (learner.off_policy=decoupled only) logprobs of the current policy, AReaL-style
-    actor_update     clip-higher token-level PPO + μ·NLL on the batch's verified positives
+    proximal         (learner.off_policy=decoupled | rollout_correction) logprobs of the current policy and
+                     the behaviour importance weight (AReaL's masked, or verl's truncated)
+    actor_update     clip-higher (+ dual clip) token-level PPO + μ·NLL on the batch's verified, untruncated
+                     positives; its first mini-batch measures the engine/learner mismatch
     version += 1     (the runner then checkpoints, publishes weights and evaluates, every N versions)
 
 Deviations from the paper: mini-batches are cut from one seeded permutation per step and reused by every
 epoch; the ratio is taken against the rollout engine's behaviour logprobs (``behaviour``) unless
-``decoupled`` is set; tiny-model hyper-parameters live in ops/configs/default.yaml.
+``decoupled`` or ``rollout_correction`` is set; the actor's advantages read the critic after its update
+(``algo.actor_values=post_update``) unless ``pre_update``; tiny-model hyper-parameters live in
+ops/configs/default.yaml.
 ``algo.advantage=grpo`` (no critic) and ``algo.loss_agg=seq_mean`` turn the same loop into the GRPO /
 vanilla-PPO baselines.
 """
@@ -44,7 +51,8 @@ from common.config import Config
 from common.metrics import Metrics
 from common.modeling import load_tokenizer, pad_token_id
 from learner.advantages import decoupled_gae, gae, grpo_advantages, length_adaptive_lambda, terminal_rewards
-from learner.batch import Batch, collate, collate_samples, concat
+from learner.batch import Batch, collate, collate_samples, concat, fetch_usable, row_limits
+from learner.losses import behaviour_weight
 from learner.data import DataSource, fetch
 from learner.dist import global_explained_variance, global_whiten, setup_distributed
 from learner.models import build_critic, build_policy
@@ -110,6 +118,7 @@ class Learner:
         self.version = 0
         self.samples_seen = 0
         self.metrics = metrics or Metrics("learner")
+        self.row_limits = row_limits(cfg)
         self.last: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------------------- step
@@ -131,8 +140,11 @@ class Learner:
                 stats.update(ev_stats)
             with t("critic_update"):
                 stats.update(self.update_critic(d, returns=returns, old_values=old_values))
-            with t("fresh_values"):
-                values = compute_values(self.critic, d.batch, rows=d.minibatches, limits=d.limits)
+            if self.cfg.algo.actor_values == "pre_update":
+                values = old_values
+            else:
+                with t("fresh_values"):
+                    values = compute_values(self.critic, d.batch, rows=d.minibatches, limits=d.limits)
             with t("advantages"):
                 advantages = self.gae_advantages(d, values=values)
                 stats["lambda_actor_mean"] = self.lambda_actor_mean(d)
@@ -140,13 +152,13 @@ class Learner:
             with t("advantages"):
                 advantages = self.grpo_advantages(d)
         old_logprobs, importance_weight = d.batch.behaviour_logprobs, None
-        if self.cfg.learner.off_policy == "decoupled":
+        if self.cfg.learner.off_policy != "behaviour":
             with t("proximal"):
                 old_logprobs, importance_weight = self.proximal(d)
         with t("actor_update"):
             stats.update(actor_update(self.policy, d.batch, minibatches=d.minibatches, advantages=advantages,
                                       old_logprobs=old_logprobs, importance_weight=importance_weight,
-                                      limits=d.limits, params=self.actor_params))
+                                      limits=d.limits, params=self.actor_params, version=self.version))
         self.version += 1
         stats.update(self.summary(d, phases=t, t_start=t_start))
         self.samples_seen += stats["samples"]
@@ -157,14 +169,28 @@ class Learner:
     # ------------------------------------------------------------------------------------------ phases
 
     def fetch(self) -> tuple[list[protocol.SampleGroup], list[protocol.Sample]]:
+        """The step's groups and replayed positives, without rows the learner cannot use (dropped, counted,
+        and made up for by asking the buffer again)."""
         lc = self.cfg.learner
-        return fetch(self.source, self.version, lc.batch_groups, lc.batch_timeout_s, self.cfg.nll.replay_fraction,
-                     self.cfg.buffer.positive_reward)
+        return fetch_usable(
+            lambda n: fetch(self.source, self.version, n, lc.batch_timeout_s, self.cfg.nll.replay_fraction,
+                            self.cfg.buffer.positive_reward),
+            lc.batch_groups, self.row_limits, self.count_unusable)
+
+    def count_unusable(self, reason: str, n: int) -> None:
+        self.metrics.unusable_samples.labels(reason=reason).inc(n)
+        log.warning("dropped %d batch samples the learner cannot use: %s", n, reason)
 
     def make_batch(self, *, groups: list[protocol.SampleGroup], extra: list[protocol.Sample]) -> Batch:
-        kw = {"max_new_tokens": self.cfg.actors.max_new_tokens, "overlong_buffer": self.cfg.algo.overlong_buffer,
-              "overlong_penalty_value": self.cfg.algo.overlong_penalty}
+        ac = self.cfg.algo
+        kw = {"max_new_tokens": ac.overlong_max_length or self.cfg.actors.max_new_tokens,
+              "overlong_buffer": ac.overlong_buffer, "overlong_penalty_value": ac.overlong_penalty}
         batch = collate(groups, self.pad_id, **kw)
+        cut = batch.truncated & ~batch.is_replay
+        if ac.truncated == "zero_reward":  # the verifier's reward goes; the overlong shaping (if any) stays
+            batch.scores = torch.where(cut, batch.scores - batch.rewards, batch.scores)
+        elif ac.truncated == "mask":  # DAPO's overlong filtering: no policy or value loss on them
+            batch.excluded = batch.excluded | cut
         if extra:
             batch = concat(batch, collate_samples(extra, self.pad_id, is_replay=True), self.pad_id)
         return batch
@@ -181,12 +207,14 @@ class Learner:
 
     @property
     def value_pass(self) -> bool:
-        """Whether the critic's update needs V before it. With λ_critic = 1 the targets are Monte-Carlo
-        returns, which do not depend on V, and without value clipping nothing else reads the pre-update
-        values: no separate value pass; the explained variance then comes from the critic update's own
-        forwards (each mini-batch before its own step)."""
+        """Whether V is computed before the critic's update. With λ_critic = 1 the targets are Monte-Carlo
+        returns, which do not depend on V; without value clipping and with the actor reading the post-update
+        critic nothing else reads the pre-update values: no separate value pass, and the explained variance
+        then comes from the critic update's own forwards (each mini-batch before its own step: partly
+        in-sample with two or more mini-batches). With a value pass the EV is of values no update has seen."""
         ac = self.cfg.algo
-        return not (ac.decoupled_gae and ac.lambda_critic == 1.0 and ac.value_clip <= 0.0)
+        return (ac.actor_values == "pre_update"
+                or not (ac.decoupled_gae and ac.lambda_critic == 1.0 and ac.value_clip <= 0.0))
 
     def critic_targets(self, d: StepData) -> tuple[Tensor, Tensor, dict[str, float]]:
         """(returns, pre-update values (zeros without a value pass), their EV stats ({} without))."""
@@ -234,12 +262,15 @@ class Learner:
         return float(d.lam[real].mean()) if real.any() else 0.0
 
     def proximal(self, d: StepData) -> tuple[Tensor, Tensor]:
-        """(π_prox logprobs, the clamped behaviour importance weight π_prox / π_behav) for AReaL's
-        decoupled objective."""
-        b = d.batch
+        """(π_prox logprobs, the behaviour importance weight π_prox / π_behav): AReaL's decoupled objective
+        (tokens whose weight exceeds ``learner.decoupled_weight_cap`` are masked) or verl's rollout
+        correction (truncated at ``learner.rollout_correction_cap``, per token or per sequence)."""
+        b, lc = d.batch, self.cfg.learner
         prox = compute_logprobs(self.policy, b, rows=d.minibatches, limits=d.limits)
-        weight = torch.exp(prox - b.behaviour_logprobs).clamp(max=self.cfg.learner.decoupled_weight_cap) * b.mask
-        return prox, weight
+        if lc.off_policy == "decoupled":
+            return prox, behaviour_weight(prox, b.behaviour_logprobs, b.mask, lc.decoupled_weight_cap, mode="mask")
+        return prox, behaviour_weight(prox, b.behaviour_logprobs, b.mask, lc.rollout_correction_cap, mode="truncate",
+                                      level=lc.rollout_correction_level)
 
     # ------------------------------------------------------------------------------------------ record
 
@@ -272,8 +303,9 @@ class Learner:
         m.step.set(s["step"])
         m.last_step_timestamp_seconds.set(s["time"])
         for key in ("critic_loss", "value_explained_variance", "value_mean", "policy_loss", "nll_loss",
-                    "clip_fraction_low", "clip_fraction_high", "approx_kl", "entropy", "lambda_actor_mean",
-                    "reward_mean", "positives_fraction", "response_length_mean", "tokens_per_second"):
+                    "clip_fraction_low", "clip_fraction_high", "clip_fraction_dual", "approx_kl", "entropy",
+                    "lambda_actor_mean", "reward_mean", "positives_fraction", "response_length_mean",
+                    "tokens_per_second", "mismatch_kl", "mismatch_ratio_max", "mismatch_tokens"):
             if key in s:
                 getattr(m, key).set(s[key])
         m.grad_norm.labels(model="actor").set(s.get("actor_grad_norm", float("nan")))

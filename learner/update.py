@@ -41,6 +41,7 @@ from learner.dist import all_reduce_sum, loss_scale_for_dp, rank, world_size
 from learner.losses import (
     chunked_token_logprobs,
     entropy_from_logits,
+    mismatch_stats,
     nll_loss,
     policy_loss,
     token_logprobs,
@@ -270,15 +271,34 @@ class Accum:
     """Token-weighted sums of statistics, all-reduced at the end of a phase."""
 
     sums: dict[str, float] = field(default_factory=dict)
+    peaks: dict[str, float] = field(default_factory=dict)
+    totals: dict[str, float] = field(default_factory=dict)
 
     def add(self, name: str, value: float, weight: float = 1.0) -> None:
         self.sums[name] = self.sums.get(name, 0.0) + float(value) * weight
         self.sums[name + "/w"] = self.sums.get(name + "/w", 0.0) + weight
 
+    def peak(self, name: str, value: float) -> None:
+        """A maximum over micro-batches and ranks (reported as 0 when no rank saw a value)."""
+        self.peaks[name] = max(self.peaks.get(name, 0.0), float(value))
+
+    def total(self, name: str, value: float) -> None:
+        """A plain sum over micro-batches and ranks."""
+        self.totals[name] = self.totals.get(name, 0.0) + float(value)
+
     def reduce(self) -> dict[str, float]:
         keys = sorted(k for k in self.sums if not k.endswith("/w"))
-        vec = all_reduce_sum(torch.tensor([[self.sums[k], self.sums[k + "/w"]] for k in keys] or [[0.0, 0.0]]))
-        return {k: float(vec[i, 0] / vec[i, 1]) if vec[i, 1] > 0 else 0.0 for i, k in enumerate(keys)}
+        rows = [[self.sums[k], self.sums[k + "/w"]] for k in keys] + [[self.totals[k], 1.0] for k in sorted(self.totals)]
+        vec = all_reduce_sum(torch.tensor(rows or [[0.0, 0.0]], dtype=torch.float64))
+        out = {k: float(vec[i, 0] / vec[i, 1]) if vec[i, 1] > 0 else 0.0 for i, k in enumerate(keys)}
+        out.update({k: float(vec[len(keys) + i, 0]) for i, k in enumerate(sorted(self.totals))})
+        if self.peaks:  # the same names on every rank (the caller declares them unconditionally)
+            names = sorted(self.peaks)
+            top = torch.tensor([self.peaks[k] for k in names], dtype=torch.float64)
+            if world_size() > 1:
+                torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX)
+            out.update({k: float(top[i]) for i, k in enumerate(names)})
+        return out
 
 
 def critic_update(
@@ -326,8 +346,8 @@ def critic_update(
 
 @dataclass(frozen=True)
 class ActorParams:
-    """The actor update's hyper-parameters (learner.ppo_epochs, algo.clip_low/clip_high/loss_agg/entropy_coef,
-    nll.coef)."""
+    """The actor update's hyper-parameters (learner.ppo_epochs, algo.clip_low/clip_high/clip_ratio_c/loss_agg/
+    entropy_coef, nll.coef)."""
 
     epochs: int
     clip_low: float  # ε_low: the ratio's lower clip is 1 − ε_low
@@ -336,12 +356,20 @@ class ActorParams:
     nll_coef: float  # μ of the positive-example NLL (VAPO eq. 10)
     entropy_coef: float  # entropy bonus; 0 = none
     positive_reward: float = 1.0  # samples with reward >= this are the NLL's positives (buffer.positive_reward)
+    clip_ratio_c: float = 3.0  # dual clip: for A < 0 the objective is at least c·A (0 = off)
 
     @classmethod
     def from_config(cls, cfg: Any) -> ActorParams:
         ac = cfg.algo
         return cls(epochs=cfg.learner.ppo_epochs, clip_low=ac.clip_low, clip_high=ac.clip_high, loss_agg=ac.loss_agg,
-                   nll_coef=cfg.nll.coef, entropy_coef=ac.entropy_coef, positive_reward=cfg.buffer.positive_reward)
+                   nll_coef=cfg.nll.coef, entropy_coef=ac.entropy_coef, positive_reward=cfg.buffer.positive_reward,
+                   clip_ratio_c=ac.clip_ratio_c)
+
+
+def nll_positive_rows(batch: Batch, threshold: float) -> Tensor:
+    """``[B]`` bool: rows whose tokens the NLL imitates: verifier reward >= ``threshold`` and not cut at the
+    length limit (a truncated response that happens to contain a right answer would teach not stopping)."""
+    return (batch.rewards >= threshold) & ~batch.truncated
 
 
 def actor_update(
@@ -354,18 +382,26 @@ def actor_update(
     limits: MicroLimits | int,
     params: ActorParams,
     importance_weight: Tensor | None = None,
+    version: int | None = None,
 ) -> dict[str, float]:
-    """Clip-higher PPO (+ μ·NLL on verified positives, + optional entropy bonus) with one optimizer step
-    per mini-batch. The PPO term is normalised by the mini-batch's real (non-replay) tokens across
-    ranks (or its sequences for ``seq_mean``); the NLL by the mini-batch's positive tokens across ranks."""
+    """Clip-higher PPO (+ μ·NLL on verified, untruncated positives, + optional entropy bonus) with one
+    optimizer step per mini-batch. The PPO term is normalised by the mini-batch's real (non-replay) tokens
+    across ranks (or its sequences for ``seq_mean``); the NLL by the mini-batch's positive tokens across ranks.
+
+    ``version`` (the weights being updated): the first mini-batch's forwards, which precede every optimizer
+    step, measure the engine/learner mismatch on its rows generated by exactly these weights
+    (mismatch_kl, mismatch_ratio_max, mismatch_tokens; ``losses.mismatch_stats``)."""
     p = params
     acc = Accum()
     lim = MicroLimits.of(limits)
     ppo_mask = batch.ppo_mask
-    pos_mask = batch.mask * (batch.rewards >= p.positive_reward).to(batch.mask.dtype).unsqueeze(-1)
+    pos_mask = batch.mask * nll_positive_rows(batch, p.positive_reward).to(batch.mask.dtype).unsqueeze(-1)
     scale = loss_scale_for_dp()
-    for _ in range(p.epochs):
-        for mbrows in minibatches:
+    if version is not None:  # declared on every rank, whatever rows it holds: the reduction is collective
+        acc.peak("mismatch_ratio_max", 0.0)
+        acc.total("mismatch_tokens", 0.0)
+    for epoch in range(p.epochs):
+        for k_mb, mbrows in enumerate(minibatches):
             # Every rank holds every row, so the mini-batch's global counts need no collective.
             pm = ppo_mask[mbrows].double()
             n_tok, n_seq, n_pos = pm.sum(), (pm.sum(-1) > 0).sum().double(), pos_mask[mbrows].double().sum()
@@ -381,9 +417,11 @@ def actor_update(
                 iw = importance_weight[micro.rows, :T].to(dev) if importance_weight is not None else None
                 pl, st = policy_loss(logp, old_logprobs[micro.rows, :T].to(dev), advantages[micro.rows, :T].to(dev),
                                      m, clip_low=p.clip_low, clip_high=p.clip_high, loss_agg=p.loss_agg,
-                                     normalizer=norm.to(logp.dtype), importance_weight=iw)
-                nll = nll_loss(logp, sub.mask * micro.weight, sub.rewards, normalizer=n_pos.to(logp.dtype),
-                               threshold=p.positive_reward)
+                                     normalizer=norm.to(logp.dtype), importance_weight=iw, clip_ratio_c=p.clip_ratio_c)
+                nll = nll_loss(logp, pos_mask[micro.rows, :T].to(dev) * micro.weight, sub.rewards,
+                               normalizer=n_pos.to(logp.dtype), threshold=float("-inf"))
+                if version is not None and epoch == 0 and k_mb == 0 and micro.weight > 0:
+                    _measure_mismatch(acc, logp, sub, version)
                 loss = pl + p.nll_coef * nll
                 if p.entropy_coef > 0:
                     loss = loss - p.entropy_coef * (ent * m).sum() / n_tok.to(ent.dtype).clamp(min=1.0)
@@ -391,7 +429,7 @@ def actor_update(
                 parts["policy_loss"] += float(pl.detach())
                 parts["nll_loss"] += float(nll.detach())
                 ntok = float(m.sum())
-                for k in ("clip_fraction_low", "clip_fraction_high", "approx_kl", "ratio_mean"):
+                for k in ("clip_fraction_low", "clip_fraction_high", "clip_fraction_dual", "approx_kl", "ratio_mean"):
                     acc.add(k, float(st[k]), ntok)
                 acc.add("entropy", float((ent.detach() * m).sum()) / max(ntok, 1.0), ntok)
             policy.step()
@@ -399,3 +437,12 @@ def actor_update(
                 acc.add(k, v * world_size(), 1.0)
             acc.add("actor_grad_norm", grad_norm(policy) if rank() == 0 else 0.0, 1.0 if rank() == 0 else 0.0)
     return acc.reduce()
+
+
+def _measure_mismatch(acc: Accum, logp: Tensor, sub: Batch, version: int) -> None:
+    """Add one micro-batch's engine/learner mismatch (rows generated by ``version``, not replayed) to ``acc``."""
+    same = ((sub.weight_version == version) & ~sub.is_replay).to(sub.mask.dtype).unsqueeze(-1).to(logp.device)
+    kl_sum, n, top = mismatch_stats(logp.detach(), sub.behaviour_logprobs.to(logp.device), sub.mask.to(logp.device) * same)
+    acc.add("mismatch_kl", kl_sum / n if n else 0.0, n)
+    acc.total("mismatch_tokens", n)
+    acc.peak("mismatch_ratio_max", top)

@@ -21,7 +21,8 @@ PANELS: dict[str, list[tuple[str, str, list[tuple[str, str]]]]] = {
         ("Response length", "short", [("vapo_learner_response_length_mean", "train"), ("vapo_learner_eval_response_length", "held-out")]),
         ("Policy entropy", "short", [("vapo_learner_entropy", "entropy")]),
         ("Approx KL", "short", [("vapo_learner_approx_kl", "approx KL")]),
-        ("Clip fractions", "percentunit", [("vapo_learner_clip_fraction_low", "low (1-ε_low)"), ("vapo_learner_clip_fraction_high", "high (1+ε_high)")]),
+        ("Clip fractions", "percentunit", [("vapo_learner_clip_fraction_low", "low (1-ε_low)"), ("vapo_learner_clip_fraction_high", "high (1+ε_high)"), ("vapo_learner_clip_fraction_dual", "dual (c·A)")]),
+        ("Engine/learner mismatch (same weights)", "short", [("vapo_learner_mismatch_kl", "KL(behaviour ‖ learner) per token"), ("vapo_learner_mismatch_ratio_max", "max ratio")]),
         ("Losses", "short", [("vapo_learner_policy_loss", "policy"), ("vapo_learner_nll_loss", "NLL (positives)")]),
     ],
     "Critic": [

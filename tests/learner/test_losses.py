@@ -239,3 +239,63 @@ def test_chunked_logprobs_never_hold_more_than_a_chunk_of_logits() -> None:
     lp.sum().backward()
     assert seen == [N // chunks] * (2 * chunks)  # forward, then one recomputation per chunk in backward
     assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean"])
+@pytest.mark.parametrize("weight", [None, 2.0])
+def test_dual_clip_caps_the_gradient_of_a_huge_ratio_with_negative_advantage(loss_agg: str, weight: float | None) -> None:
+    """Ratios 20, 2.5, 1.1 with A = −1 on three tokens of one row. Without the dual clip the objective is
+    r·A (A < 0 takes the unclipped term above 1 + ε_high), so d loss / d logp = −r·A·w / 3 = (20, 2.5, 1.1)·w/3:
+    the r = 20 token dominates. With c = 3 that token's objective is c·A = −3, a constant: gradient 0, and
+    the others (r < c) are unchanged. Hand-derived; the same in every aggregation and with an importance weight."""
+    ratios = torch.tensor([[20.0, 2.5, 1.1]])
+    adv, mask = -torch.ones(1, 3), torch.ones(1, 3)
+    iw = None if weight is None else torch.full((1, 3), weight)
+    w = 1.0 if weight is None else weight
+    grads, losses = {}, {}
+    for c in (0.0, 3.0):
+        logp = torch.log(ratios).requires_grad_(True)
+        loss, st = policy_loss(logp, torch.zeros(1, 3), adv, mask, 0.2, 0.28, loss_agg=loss_agg,
+                               importance_weight=iw, clip_ratio_c=c)
+        loss.backward()
+        grads[c], losses[c] = logp.grad[0], float(loss)
+        assert st["clip_fraction_dual"].item() == pytest.approx(0.0 if c == 0 else 1 / 3)
+    torch.testing.assert_close(grads[0.0], torch.tensor([20.0, 2.5, 1.1]) * w / 3)
+    torch.testing.assert_close(grads[3.0], torch.tensor([0.0, 2.5, 1.1]) * w / 3)
+    assert losses[0.0] == pytest.approx((20 + 2.5 + 1.1) * w / 3, rel=1e-6)
+    assert losses[3.0] == pytest.approx((3 + 2.5 + 1.1) * w / 3, rel=1e-6)
+    # A positive advantage is bounded by clip-higher already: the dual clip leaves it alone.
+    logp = torch.log(ratios).requires_grad_(True)
+    policy_loss(logp, torch.zeros(1, 3), -adv, mask, 0.2, 0.28, loss_agg=loss_agg, clip_ratio_c=3.0)[0].backward()
+    torch.testing.assert_close(logp.grad[0], torch.tensor([0.0, 0.0, -1.1]) / 3)
+
+
+def test_behaviour_weight_masks_or_truncates_above_the_cap() -> None:
+    """log π_prox − log π_behav = log 8, log 0.5, log 1.5 on one row, padding after. AReaL masks the token
+    above the cap (weight 0), verl's truncated IS clamps it; per sequence the product 8·0.5·1.5 = 6 is
+    truncated to the cap on every real token."""
+    from learner.losses import behaviour_weight
+
+    prox = torch.log(torch.tensor([[8.0, 0.5, 1.5, 1.0]]))
+    behav = torch.zeros(1, 4)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    torch.testing.assert_close(behaviour_weight(prox, behav, mask, 5.0, mode="mask"), torch.tensor([[0.0, 0.5, 1.5, 0.0]]))
+    torch.testing.assert_close(behaviour_weight(prox, behav, mask, 5.0, mode="truncate"),
+                               torch.tensor([[5.0, 0.5, 1.5, 0.0]]))
+    torch.testing.assert_close(behaviour_weight(prox, behav, mask, 2.0, mode="truncate", level="sequence"),
+                               torch.tensor([[2.0, 2.0, 2.0, 0.0]]))
+    torch.testing.assert_close(behaviour_weight(prox, behav, mask, 10.0, mode="truncate", level="sequence"),
+                               torch.tensor([[6.0, 6.0, 6.0, 0.0]]))
+    with pytest.raises(ValueError):
+        behaviour_weight(prox, behav, mask, 2.0, mode="mask", level="sequence")
+
+
+def test_mismatch_stats_hand_derived() -> None:
+    """k3 = (r − 1) − log r per real token: r = 2 gives 1 − log 2, r = 1 gives 0; padding (r = e^5) is
+    ignored, so the max ratio is 2."""
+    from learner.losses import mismatch_stats
+
+    learner_lp = torch.tensor([[math.log(2.0), 0.0, 5.0]])
+    kl_sum, n, top = mismatch_stats(learner_lp, torch.zeros(1, 3), torch.tensor([[1.0, 1.0, 0.0]]))
+    assert n == 2 and kl_sum == pytest.approx(1 - math.log(2)) and top == pytest.approx(2.0)
+    assert mismatch_stats(learner_lp, torch.zeros(1, 3), torch.zeros(1, 3)) == (0.0, 0.0, 0.0)

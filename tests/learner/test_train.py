@@ -37,9 +37,13 @@ def lambda_gae_loop(b, vals: torch.Tensor, alpha: float) -> torch.Tensor:
     return adv
 
 
-def reference_update(cfg, policy_state, critic_state, groups, pad_id: int, coupled: bool = False):
+def reference_update(cfg, policy_state, critic_state, groups, pad_id: int, coupled: bool = False,
+                     pre_update: bool = False):
     """The VAPO step written out in plain torch, one forward per mini-batch, python-loop GAE.
-    ``coupled``: the critic's targets are the actor's λ-returns A^λ + V (the no-decoupled-GAE ablation)."""
+    ``coupled``: the critic's targets are the actor's λ-returns A^λ + V (the no-decoupled-GAE ablation);
+    ``pre_update``: the actor's advantages use the critic's values from before its update (verl's order).
+    Returns (policy state, critic state, {actor_grad_norm, critic_grad_norm}: the mean over mini-batches of
+    the gradient norm before clipping, which sees a lost or doubled normaliser that AdamW's update hides)."""
     policy = load_policy_module(cfg.model.path)
     policy.load_state_dict(policy_state)
     critic = load_critic_module(cfg)
@@ -56,22 +60,23 @@ def reference_update(cfg, policy_state, critic_state, groups, pad_id: int, coupl
 
     # Critic first: Monte-Carlo targets (λ_critic = 1, γ = 1): the final reward at every real token.
     returns = b.scores.unsqueeze(-1) * b.mask
+    with torch.no_grad():
+        v_old = values(torch.arange(B)) * b.mask
     if coupled:
-        with torch.no_grad():
-            v_old = values(torch.arange(B)) * b.mask
         returns = (lambda_gae_loop(b, v_old, ac.alpha) + v_old) * b.mask
     opt_c = torch.optim.AdamW(critic.parameters(), lr=lc.critic_lr, weight_decay=lc.weight_decay)
+    norms = {"actor_grad_norm": 0.0, "critic_grad_norm": 0.0}
     for rows in mbs:
         v = values(rows)
         m = b.mask[rows]
         loss = 0.5 * (((v - returns[rows]) ** 2) * m).sum() / m.sum()
         opt_c.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(critic.parameters(), lc.grad_clip)
+        norms["critic_grad_norm"] += float(torch.nn.utils.clip_grad_norm_(critic.parameters(), lc.grad_clip)) / len(mbs)
         opt_c.step()
-    # Advantages from the UPDATED critic, per-sample λ = 1 - 1/(α l), backward recursion.
+    # Advantages from the UPDATED critic (or the one before its update), per-sample λ = 1 - 1/(α l).
     with torch.no_grad():
-        vals = values(torch.arange(B)) * b.mask
+        vals = v_old if pre_update else values(torch.arange(B)) * b.mask
     adv = lambda_gae_loop(b, vals, ac.alpha)
     m = b.mask
     mean = (adv * m).sum() / m.sum()
@@ -93,19 +98,20 @@ def reference_update(cfg, policy_state, critic_state, groups, pad_id: int, coupl
         loss = pg + cfg.nll.coef * nll
         opt_p.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), lc.grad_clip)
+        norms["actor_grad_norm"] += float(torch.nn.utils.clip_grad_norm_(policy.parameters(), lc.grad_clip)) / len(mbs)
         opt_p.step()
     del rows_b
-    return policy.state_dict(), critic.state_dict()
+    return policy.state_dict(), critic.state_dict(), norms
 
 
 def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("decoupled", [True, False])
-def test_step_matches_plain_torch_reference(tiny_model_dir: Path, decoupled: bool) -> None:
-    cfg = make_cfg(tiny_model_dir, f"algo.decoupled_gae={str(decoupled).lower()}")
+@pytest.mark.parametrize("decoupled, actor_values", [(True, "post_update"), (False, "post_update"),
+                                                      (True, "pre_update")])
+def test_step_matches_plain_torch_reference(tiny_model_dir: Path, decoupled: bool, actor_values: str) -> None:
+    cfg = make_cfg(tiny_model_dir, f"algo.decoupled_gae={str(decoupled).lower()}", f"algo.actor_values={actor_values}")
     learner = Learner(cfg, None)
     p0 = {k: v.clone() for k, v in learner.policy.module.state_dict().items()}
     c0 = {k: v.clone() for k, v in learner.critic.module.state_dict().items()}
@@ -113,14 +119,20 @@ def test_step_matches_plain_torch_reference(tiny_model_dir: Path, decoupled: boo
     assert torch.equal(c0["backbone.embed_tokens.weight"], p0["model.embed_tokens.weight"])
     groups = synth_groups(4, 4, VOCAB, seed=3, max_new_tokens=cfg.actors.max_new_tokens)
     stats = learner.step(groups)
-    ref_p, ref_c = reference_update(cfg, p0, c0, groups, learner.pad_id, coupled=not decoupled)
+    ref_p, ref_c, ref_norms = reference_update(cfg, p0, c0, groups, learner.pad_id, coupled=not decoupled,
+                                               pre_update=actor_values == "pre_update")
     got_p = learner.policy.module.state_dict()
     got_c = learner.critic.module.state_dict()
     assert _max_diff(p0, got_p) > 1e-4 and _max_diff(c0, got_c) > 1e-4  # the step changed both models
     assert _max_diff(ref_c, got_c) < 2e-5
     assert _max_diff(ref_p, got_p) < 2e-5
+    # Gradients before the optimizer step: AdamW hides a uniform scale of the gradient, the norm does not.
+    for k, v in ref_norms.items():
+        assert stats[k] == pytest.approx(v, rel=1e-4), (k, stats[k], v)
     assert stats["weight_version"] == 1 and learner.version == 1
-    assert set(stats["phase_seconds"]) >= {"collate", "values", "critic_update", "fresh_values", "advantages", "actor_update"}
+    phases = {"collate", "values", "critic_update", "advantages", "actor_update"}
+    assert set(stats["phase_seconds"]) >= phases | ({"fresh_values"} if actor_values == "post_update" else set())
+    assert ("fresh_values" in stats["phase_seconds"]) == (actor_values == "post_update")
 
 
 @pytest.mark.parametrize("reward", [0.0, 1.0])
@@ -192,5 +204,92 @@ def test_replayed_positives_feed_only_the_nll(tiny_model_dir: Path) -> None:
     plain.step(groups)
     replay = Learner(make_cfg(tiny_model_dir, "nll.coef=0", "learner.mini_batches=1"), None)
     replay.step(groups, stored[:3])
-    assert _max_diff(plain.policy.module.state_dict(), replay.policy.module.state_dict()) < 1e-6
-    assert _max_diff(plain.critic.module.state_dict(), replay.critic.module.state_dict()) < 1e-6
+    # Replayed rows change how micro-batches are cut (summation order: ~1e-6 after Adam, which divides
+    # near-zero gradient entries by their own size); a leak into the PPO or value loss moves ~lr = 1e-3.
+    assert _max_diff(plain.policy.module.state_dict(), replay.policy.module.state_dict()) < 2e-5
+    assert _max_diff(plain.critic.module.state_dict(), replay.critic.module.state_dict()) < 2e-5
+
+
+def _with_truncated_positives(seed: int):
+    """4 groups of 4 where every reward-1 row is a truncated one (12 tokens, the limit) and vice versa."""
+    groups = synth_groups(4, 4, VOCAB, seed=seed)
+    for i, s in enumerate(s for g in groups for s in g.samples):
+        s.reward = float(i % 2)
+        s.finish_reason = "length" if s.reward == 1.0 else "stop"
+    return groups
+
+
+@pytest.mark.parametrize("policy", ["keep", "mask", "zero_reward"])
+def test_truncated_responses_never_feed_the_nll_and_follow_the_policy(tiny_model_dir: Path, policy: str) -> None:
+    """Reward-1 rows cut at the length limit are never NLL positives (the NLL is exactly 0 here, where
+    they are the only reward-1 rows); ``algo.truncated`` decides their RL return (keep: the verifier's,
+    zero_reward: 0 plus any overlong shaping) or removes them from the policy and value losses (mask)."""
+    groups = _with_truncated_positives(seed=6)
+    learner = Learner(make_cfg(tiny_model_dir, f"algo.truncated={policy}"), None)
+    b = learner.make_batch(groups=groups, extra=[])
+    cut = b.truncated
+    assert bool(cut.any()) and bool((b.rewards[cut] == 1).all())
+    assert torch.equal(b.scores[cut], torch.full((int(cut.sum()),), 0.0 if policy == "zero_reward" else 1.0))
+    assert bool((b.ppo_mask[cut].sum(-1) == 0).all()) == (policy == "mask")
+    assert bool((b.ppo_mask[~cut].sum(-1) == b.lengths[~cut]).all())
+    stats = learner.step(groups)
+    assert stats["nll_loss"] == 0.0 and math.isfinite(stats["policy_loss"])
+
+
+def test_soft_overlong_punishment_uses_its_own_max_length(tiny_model_dir: Path) -> None:
+    """DAPO: R_length = 0 up to L_max − L_cache, then ((L_max − L_cache) − l) / L_cache, −1 from L_max on;
+    here L_max = 10 (algo.overlong_max_length, below actors.max_new_tokens) and L_cache = 4."""
+    groups = synth_groups(4, 4, VOCAB, seed=7)
+    learner = Learner(make_cfg(tiny_model_dir, "algo.overlong_buffer=4", "algo.overlong_max_length=10",
+                               "algo.truncated=keep"), None)
+    b = learner.make_batch(groups=groups, extra=[])
+    expected = torch.tensor([-min(max(int(n) - 6, 0) / 4, 1.0) for n in b.lengths])
+    assert bool((expected < 0).any()) and bool((expected == -1).any())
+    torch.testing.assert_close(b.scores - b.rewards, expected)
+
+
+def _on_policy(groups, model: Path):
+    """``groups`` with behaviour logprobs equal to the untrained policy's own (fp32, the same weights)."""
+    import numpy as np
+
+    from learner.update import compute_logprobs
+
+    probe = Learner(make_cfg(model), None)
+    b = collate(groups, probe.pad_id)
+    lp = compute_logprobs(probe.policy, b, torch.arange(b.size), 64)
+    for i, s in enumerate(s for g in groups for s in g.samples):
+        s.output_logprobs = lp[i, : s.response_length].numpy().astype(np.float32)
+    return groups
+
+
+def test_mismatch_is_measured_at_version_equality(tiny_model_dir: Path) -> None:
+    """The learner's own log-probs against the behaviour ones on rows generated by the weights being
+    updated: 0 KL and ratio 1 when they are the same; > 0 for the synthetic (unrelated) logprobs; no
+    measurement at all (0 tokens) when every row comes from another version."""
+    same = Learner(make_cfg(tiny_model_dir), None).step(_on_policy(synth_groups(4, 4, VOCAB, seed=8), tiny_model_dir))
+    assert same["mismatch_tokens"] > 0 and abs(same["mismatch_kl"]) < 1e-6
+    assert same["mismatch_ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    off = Learner(make_cfg(tiny_model_dir), None).step(synth_groups(4, 4, VOCAB, seed=8))
+    assert off["mismatch_kl"] > 0.1 and off["mismatch_tokens"] == same["mismatch_tokens"]
+    other = Learner(make_cfg(tiny_model_dir), None).step(synth_groups(4, 4, VOCAB, seed=8, version=3))
+    assert other["mismatch_tokens"] == 0 and other["mismatch_kl"] == 0.0
+
+
+@pytest.mark.parametrize("off_policy", ["decoupled", "rollout_correction"])
+def test_behaviour_weight_with_an_active_cap(tiny_model_dir: Path, off_policy: str) -> None:
+    """Tokens whose behaviour logprob is far below the learner's (weight π_prox/π_behav ≈ e^6 > cap):
+    AReaL's decoupled objective masks them (weight 0), verl's rollout correction truncates them (weight =
+    cap); every other token keeps its exact weight."""
+    groups = synth_groups(4, 4, VOCAB, seed=9)
+    for s in (s for g in groups[:2] for s in g.samples):
+        s.output_logprobs[0] = -10.0
+    learner = Learner(make_cfg(tiny_model_dir, f"learner.off_policy={off_policy}"), None)
+    d = learner.step_data(learner.make_batch(groups=groups, extra=[]))
+    prox, w = learner.proximal(d)
+    raw = torch.exp(prox - d.batch.behaviour_logprobs) * d.batch.mask
+    cap = learner.cfg.learner.decoupled_weight_cap if off_policy == "decoupled" else learner.cfg.learner.rollout_correction_cap
+    over = raw > cap
+    assert int(over.sum()) >= 8
+    assert torch.equal(w[over], torch.full((int(over.sum()),), 0.0 if off_policy == "decoupled" else cap))
+    torch.testing.assert_close(w[~over], raw[~over])
+    assert math.isfinite(learner.step(groups)["policy_loss"])

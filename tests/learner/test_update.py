@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from learner.batch import collate
@@ -70,10 +71,18 @@ def _both(learner: Learner) -> dict[str, torch.Tensor]:
             **{"c." + k: v for k, v in learner.critic.module.state_dict().items()}}
 
 
+def _same_gradients(a: Learner, b: Learner, rel: float = 1e-5) -> None:
+    """Gradient norms before clipping: AdamW's update is nearly blind to a uniform gradient scale (a lost
+    or doubled normaliser), the norm is not."""
+    for k in ("actor_grad_norm", "critic_grad_norm"):
+        assert a.last[k] == pytest.approx(b.last[k], rel=rel), (k, a.last[k], b.last[k])
+
+
 def test_token_budget_update_equals_row_count_update(tiny_model_dir: Path) -> None:
     rows = _run(tiny_model_dir, "learner.micro_batch_size=3")
     tokens = _run(tiny_model_dir, "learner.micro_batch_size=64", "learner.micro_batch_tokens=60")
     assert _max_diff(_both(rows), _both(tokens)) < 1e-5
+    _same_gradients(rows, tokens)
     assert _max_diff(_both(rows), _both(Learner(make_cfg(tiny_model_dir), None))) > 1e-4  # the step did something
 
 
@@ -83,6 +92,7 @@ def test_chunked_logprobs_update_equals_full_logits_update(tiny_model_dir: Path)
     full = _run(tiny_model_dir, "learner.logits_chunk_elements=0", "algo.entropy_coef=0.01")
     chunked = _run(tiny_model_dir, "learner.logits_chunk_elements=64", "algo.entropy_coef=0.01")
     assert _max_diff(_both(full), _both(chunked)) < 1e-5
+    _same_gradients(full, chunked)
     for k in ("policy_loss", "nll_loss", "entropy", "approx_kl"):
         assert abs(full.last[k] - chunked.last[k]) < 1e-5, k
 
@@ -108,10 +118,13 @@ def test_monte_carlo_targets_need_no_value_pass(tiny_model_dir: Path) -> None:
         counts[extra[0] if extra else "default"] = n[0]
         return learner
 
-    fast, slow = run(), run("algo.value_clip=1e6")
+    fast, slow, pre = run(), run("algo.value_clip=1e6"), run("algo.actor_values=pre_update")
     assert _max_diff(_both(fast), _both(slow)) < 1e-6
-    # 16 rows, micro_batch_size 3: 6 forwards per pass; the default runs update + fresh values only.
-    assert counts == {"default": 12, "algo.value_clip=1e6": 18}
+    # 16 rows, micro_batch_size 3: 6 forwards per pass; the default runs update + fresh values only,
+    # pre_update a value pass + update (the advantages read the value pass: no fresh values).
+    assert counts == {"default": 12, "algo.value_clip=1e6": 18, "algo.actor_values=pre_update": 12}
+    # pre_update reports the EV of the value pass, values no update has seen: here the slow run's.
+    assert pre.last["value_explained_variance"] == pytest.approx(slow.last["value_explained_variance"], abs=1e-6)
     # One mini-batch: the update's forward precedes any step, so its values are the old pass's exactly.
     assert math.isfinite(fast.last["value_explained_variance"])
     assert abs(fast.last["value_explained_variance"] - slow.last["value_explained_variance"]) < 1e-6
@@ -122,7 +135,6 @@ def test_actor_and_critic_update_take_keywords_and_actor_params(tiny_model_dir: 
     """The update functions are called by keyword (a positional call is refused), and ActorParams carries
     the actor's hyper-parameters: with zero advantages the PPO term is exactly 0 and only μ·NLL moves the
     policy; the critic update reports its loss and moves the critic."""
-    import pytest
 
     from learner.advantages import terminal_rewards
     from learner.update import ActorParams, actor_update, critic_update, minibatch_rows
