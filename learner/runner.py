@@ -25,7 +25,7 @@ from common.cli import config_from_argv, setup_logging
 from common.config import Config
 from common.metrics import Metrics
 from learner.data import DataSource
-from learner.dist import all_reduce_sum, rank, world_size
+from learner.dist import all_reduce_sum, rank, shutdown_distributed, world_size
 from learner.records import append_jsonl
 from learner.train import Learner
 
@@ -71,8 +71,10 @@ class Runner:
             self.weights_root.mkdir(parents=True, exist_ok=True)
             prune(self.weights_root, cfg.learner.keep_weights)  # drops *.tmp left by a crash
             published = latest_update(self.weights_root)
+            refused = self.learner.metrics.auth_refused
             self.publisher = WeightPublisher(cfg.learner.publish_addr, cfg.learner.query_addr, cfg.buffer.curve,
-                                             latest=published)
+                                             latest=published,
+                                             on_refused=lambda sock: refused.labels(socket=sock).inc())
         # Every rank decides alike from the newest published version (rank 0 reads it).
         mine = self.publisher.latest.version if self.publisher is not None and self.publisher.latest else -1
         published_v = int(all_reduce_sum(torch.tensor([mine if rank() == 0 else 0]))[0])
@@ -232,12 +234,15 @@ def main(argv: list[str] | None = None) -> int:
         save_config(cfg, cfg.run_dir / "learner_config.yaml")
         if cfg.metrics.prometheus:
             metrics.serve(cfg.learner.metrics_port, cfg.metrics.host)
-    critic_path = None
-    if (cfg.value_pretrain.enabled and cfg.algo.advantage == "gae" and resolve_checkpoint(cfg) is None):
-        from learner.value_pretrain import pretrain_critic
+    try:
+        critic_path = None
+        if (cfg.value_pretrain.enabled and cfg.algo.advantage == "gae" and resolve_checkpoint(cfg) is None):
+            from learner.value_pretrain import pretrain_critic
 
-        critic_path = pretrain_critic(cfg, source, metrics=metrics)
-    Runner(cfg, source, critic_path=critic_path, metrics=metrics).run()
+            critic_path = pretrain_critic(cfg, source, metrics=metrics)
+        Runner(cfg, source, critic_path=critic_path, metrics=metrics).run()
+    finally:
+        shutdown_distributed()
     if metrics.last_scrape > 0 and cfg.metrics.final_scrape_wait_s > 0:
         # Pull-based monitoring never sees values set after its last scrape: stay for one more, so that
         # the final step (and a short run's only steps) reach Grafana. Only when someone is scraping.

@@ -45,6 +45,8 @@ HARNESS = textwrap.dedent("""
         sd = {{"p." + k: v.clone().contiguous() for k, v in learner.policy.module.state_dict().items()}}
         sd.update({{"c." + k: v.clone().contiguous() for k, v in learner.critic.module.state_dict().items()}})
         save_file(sd, out)
+    from learner.dist import shutdown_distributed  # a live gloo group at exit aborts 1 exit in ~6
+    shutdown_distributed()
 """)
 
 
@@ -137,6 +139,8 @@ ZERO3_HARNESS = textwrap.dedent("""
         save_file(sd, out)
     with open(out + f".counts{{rank()}}.json", "w") as fh:
         json.dump({{**counts, "replay_positives": s1["replay_positives"]}}, fh)
+    from learner.dist import shutdown_distributed  # a live gloo group at exit aborts 1 exit in ~6
+    shutdown_distributed()
 """)
 
 
