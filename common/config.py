@@ -14,6 +14,7 @@ field with its documentation.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import sys
 import types
 import typing
@@ -464,6 +465,15 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
     raise ConfigError(f"{key}: unsupported field type {_type_name(tp)}")
 
 
+def _did_you_mean(key: str, names: set[str]) -> str:
+    """A hint naming the known keys nearest ``key``: close spellings (``group_sizee``), else keys with
+    ``key`` as one of their ``_`` words (``lr`` -> ``actor_lr, critic_lr, ...``), else a shared prefix."""
+    close = (difflib.get_close_matches(key, names, n=3, cutoff=0.75)
+             or [n for n in names if key in n.split("_")]
+             or [n for n in names if n.startswith(key[:3])])
+    return f" (did you mean {', '.join(sorted(close))}?)" if close else ""
+
+
 def _merge(obj: Any, data: dict[str, Any], prefix: str = "") -> None:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or '<root>'}: expected a mapping, got {data!r}")
@@ -472,8 +482,7 @@ def _merge(obj: Any, data: dict[str, Any], prefix: str = "") -> None:
     for k, v in data.items():
         key = f"{prefix}{k}"
         if k not in names:
-            close = [n for n in names if n.startswith(str(k)[:3])]
-            hint = f" (did you mean {', '.join(sorted(close))}?)" if close else ""
+            hint = _did_you_mean(str(k), names)
             raise ConfigError(f"{key}: unknown config key{hint}")
         current = getattr(obj, k)
         if dataclasses.is_dataclass(current):

@@ -90,3 +90,14 @@ def test_cli_help_and_error_exit_codes() -> None:
     assert out.returncode == 0 and "algo.alpha" in out.stdout and "length-adaptive" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "common.config", "x.y=1"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "x: unknown config key" in bad.stderr
+
+
+@pytest.mark.parametrize(("override", "hint"), [
+    ("learner.lr=1e-6", "did you mean actor_lr, critic_lr, value_head_lr_scale?"),       # a word of the known keys
+    ("learner.total_step=3", "did you mean total_steps?"),           # a near spelling
+    ("buffer.max_stalenes=1", "did you mean max_staleness?"),
+])
+def test_unknown_key_suggests_the_nearest_known_ones(override: str, hint: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert str(e.value).endswith(f"unknown config key ({hint})"), str(e.value)
