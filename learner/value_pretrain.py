@@ -31,8 +31,9 @@ from common.cli import config_from_argv, setup_logging
 from common.config import Config
 from common.metrics import Metrics
 from common.modeling import load_tokenizer, pad_token_id
+from common.protocol import SampleGroup
 from learner.advantages import gae, terminal_rewards
-from learner.batch import collate
+from learner.batch import collate, fetch_usable, row_limits
 from learner.data import DataSource, fetch
 from learner.dist import global_explained_variance, rank
 from learner.models import build_critic, full_state_dict, save_critic
@@ -77,7 +78,16 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
     pad = pad_token_id(load_tokenizer(cfg.model.path))
     critic = build_critic(cfg, lr=vp.lr)
     mbs = MicroLimits.from_config(lc)
-    held, _ = fetch(source, 0, vp.eval_groups, lc.batch_timeout_s)
+    lim = row_limits(cfg)
+
+    def usable(n: int) -> list[SampleGroup]:  # rows the learner cannot use are dropped, counted, asked for again
+        def dropped(reason: str, k: int) -> None:
+            m.unusable_samples.labels(reason=reason).inc(k)
+            log.warning("value pretraining: dropped %d batch samples the learner cannot use: %s", k, reason)
+
+        return fetch_usable(lambda k: fetch(source, 0, k, lc.batch_timeout_s), n, lim, dropped)[0]
+
+    held = usable(vp.eval_groups)
     held_batch = collate(held, pad)
     ev0, _ = heldout_ev(critic, held_batch, cfg.algo.gamma, mbs)
     best, since_best, step, best_step = ev0, 0, 0, 0
@@ -88,7 +98,7 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
     history: list[dict[str, Any]] = []
     while step < vp.steps and since_best < vp.patience:
         t0 = time.perf_counter()
-        groups, _ = fetch(source, 0, vp.batch_groups, lc.batch_timeout_s)
+        groups = usable(vp.batch_groups)
         batch = collate(groups, pad)
         minibatches = minibatch_rows(batch.size, lc.mini_batches, cfg.run.seed + 7919, step)
         mine = my_rows(minibatches, batch, mbs)

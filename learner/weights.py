@@ -30,13 +30,14 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import zmq
 from torch import Tensor, nn
+from zmq.utils.monitor import recv_monitor_message
 
 from common import protocol, security
 from common.checksum import weights_sha256
@@ -400,14 +401,21 @@ def prune(root: Path, keep: int) -> list[int]:
 
 
 class WeightPublisher:
-    """PUB socket for WeightUpdate + a REP thread answering WeightQuery with the latest one."""
+    """PUB socket for WeightUpdate + a REP thread answering WeightQuery with the latest one.
+
+    With CurveZMQ keys only the run's clients connect (any role: what they read is the path of published
+    weights); connections refused at the handshake are counted in ``refused`` per socket and reported to
+    ``on_refused(socket)`` (from the REP thread)."""
 
     def __init__(self, publish_addr: str, query_addr: str, curve: Any = None,
-                 latest: protocol.WeightUpdate | None = None) -> None:
+                 latest: protocol.WeightUpdate | None = None,
+                 on_refused: Callable[[str], None] | None = None) -> None:
         self.ctx = zmq.Context.instance()
         self._curve = None
         self._latest = latest
         self._stop = threading.Event()
+        self.refused = {"publish": 0, "query": 0}
+        self._on_refused = on_refused
         # common.security refuses a non-loopback bind without CurveZMQ keys.
         self._curve = security.server_curve(self.ctx, [publish_addr, query_addr],
                                             curve if curve is not None else CurveConfig())
@@ -417,6 +425,8 @@ class WeightPublisher:
             self._curve.apply(self.pub)
         self.pub.bind(publish_addr)
         self.publish_endpoint = self.pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        # Handed to the REP thread, which alone reads it from here on.
+        self._pub_monitor = self.pub.get_monitor_socket(security.HANDSHAKE_FAILED)
         self._rep_ready = threading.Event()
         self._rep_error: BaseException | None = None
         self.query_endpoint = ""
@@ -438,13 +448,20 @@ class WeightPublisher:
         except BaseException as e:  # surfaced to the constructor
             self._rep_error = e
             self._rep_ready.set()
+            self._pub_monitor.close(linger=0)
             rep.close()
             return
         self._rep_ready.set()
+        monitors = {self._pub_monitor: "publish", rep.get_monitor_socket(security.HANDSHAKE_FAILED): "query"}
         poller = zmq.Poller()
-        poller.register(rep, zmq.POLLIN)
+        for sock in (rep, *monitors):
+            poller.register(sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(100):
+            events = dict(poller.poll(100))
+            for mon, name in monitors.items():
+                if mon in events:
+                    self._count_refused(mon, name)
+            if rep not in events:
                 continue
             frame = rep.recv()
             try:
@@ -455,7 +472,17 @@ class WeightPublisher:
             except protocol.ProtocolError as e:
                 out = protocol.encode(protocol.ErrorReply(reason=e.reason, message=str(e)[:4000]))
             rep.send(out)
+        for mon in monitors:
+            mon.close(linger=0)
         rep.close()
+
+    def _count_refused(self, monitor: zmq.Socket, name: str) -> None:
+        while monitor.poll(0):
+            recv_monitor_message(monitor)
+            self.refused[name] += 1
+            log.warning("weight %s socket: refused a connection at the CurveZMQ handshake", name)
+            if self._on_refused is not None:
+                self._on_refused(name)
 
     @property
     def latest(self) -> protocol.WeightUpdate | None:

@@ -22,7 +22,7 @@ import pytest
 
 from buffer.client import AsyncGroupSender
 from common.protocol import CreditGrant, IngestAck, Sample, SampleGroup
-from common.security import ClientKeys
+from common.security import ClientKeys, generate_run_keys
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -91,6 +91,13 @@ class SyncSender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def run_keys(directory: Path) -> tuple[list[str], Path]:
+    """A run's CurveZMQ key set (what the launcher writes) and the override that makes every process use it;
+    clients take theirs with ``client_curve_keys(CurveConfig(keys_dir=str(d)), role)``."""
+    d = generate_run_keys(directory)
+    return [f"buffer.curve.keys_dir={d}"], d
 
 
 class BufferProc:
