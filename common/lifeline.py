@@ -18,7 +18,7 @@ Two mechanisms, because neither covers every case alone:
   and call ``watch_ancestor()`` at start: a daemon thread blocks on a pidfd of that ancestor and kills
   its own process when the ancestor exits. The start time guards against a reused pid; the boot id and
   pid namespace in the token make a copy that travelled to another host (ssh, srun) a no-op there.
-  Processes on other hosts are not covered: they depend on their remote launcher (ssh/srun/pdsh).
+  Processes on other hosts are tied to their ssh link instead (``common.remote``), or to srun.
 
 SIGKILL, not SIGTERM: the parent that would have run the orderly stop is gone, and a child stuck in a
 blocking call could ignore SIGTERM forever. Everything durable in vapo is written to survive SIGKILL

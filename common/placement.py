@@ -26,12 +26,16 @@ refuses a placement that cannot hold them (``placement.gpu_memory_gib``,
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import shutil
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common import remote
 from common.config import Config, ConfigError
 from common.security import is_local_endpoint
 
@@ -51,6 +55,7 @@ class Proc:
     env: dict[str, str]
     gpus: tuple[int, ...] = ()  # global GPU indices
     max_restarts: int = 0
+    via: str = ""  # how it reaches its host: "" (host 0) | ssh | srun; the learner: pdsh | srun across hosts
 
 
 @dataclass(frozen=True)
@@ -171,44 +176,94 @@ def read_model_config(path: str | Path) -> dict[str, Any] | None:
 # --------------------------------------------------------------------------------------------- plan
 
 
-def _wrap_remote(cfg: Config, host: str, argv: list[str], env: dict[str, str], root: Path) -> list[str]:
-    """``argv`` with ``env`` run on ``host`` from the same repository path (a shared filesystem)."""
-    inner = ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *argv]
-    if cfg.placement.remote == "srun":
-        # --overlap: the step shares the allocation's nodes with the others (engines, learner).
-        return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap", f"--chdir={root}", *inner]
-    # -tt: the remote process gets SIGHUP when this ssh client dies (a stopped or killed launcher).
-    return ["ssh", "-tt", "-o", "BatchMode=yes", host, f"cd {shlex.quote(str(root))} && exec {shlex.join(inner)}"]
+@dataclass
+class _Build:
+    """What the parts of one plan share while it is built."""
+
+    cfg: Config
+    py: str
+    root: Path
+    run_dir: Path
+    cfgf: str
+    environ: Mapping[str, str]
+    base_env: dict[str, str]
+    procs: list[Proc] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def cpu(self) -> bool:
+        return self.cfg.run.device == "cpu"
+
+    def host_of(self, g: int) -> str:
+        return self.cfg.placement.hosts[g // self.cfg.placement.gpus_per_host]
+
+    def local(self, g: int) -> int:
+        return g % self.cfg.placement.gpus_per_host
+
+    def proc(self, name: str, role: str, host: str, argv: list[str], env: dict[str, str],
+             gpus: tuple[int, ...], restarts: int) -> Proc:
+        """A process of the plan; on a host other than host 0 wrapped in ssh or srun, carrying ``env`` and the
+        launcher's socket-interface variables (``common.remote.FORWARD_PREFIXES``)."""
+        if host == self.cfg.placement.hosts[0]:
+            return Proc(name, role, host, argv, env, gpus, restarts)
+        env = {**remote.forwarded_env(self.environ), **env}
+        argv = remote.wrap_remote(self.cfg, host, argv, env, self.root, self.py, self.environ)
+        return Proc(name, role, host, argv, {}, gpus, restarts, via=self.cfg.placement.remote)
 
 
 def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, root: Path | None = None,
-               run_dir: Path | None = None, hf_config: dict[str, Any] | None = None) -> Plan:
-    """The processes of a run, validated. ``hf_config`` overrides reading ``model.path/config.json``."""
+               run_dir: Path | None = None, hf_config: dict[str, Any] | None = None,
+               environ: Mapping[str, str] | None = None) -> Plan:
+    """The processes of a run, validated. ``hf_config`` overrides reading ``model.path/config.json``;
+    ``environ`` (default: this process's) gives PATH, ``VAPO_SSH_ARGS`` and the variables forwarded to
+    other hosts."""
     py = python or sys.executable
-    root = root or Path(__file__).resolve().parents[1]
-    run_dir = run_dir or cfg.run_dir
-    cfgf = str(cfg_file)
     pl = cfg.placement
-    cpu = cfg.run.device == "cpu"
-    if cpu and len(pl.hosts) == 1:
-        return _cpu_plan(cfg, cfgf, py, {"PYTHONUNBUFFERED": "1"})
+    if cfg.run.device == "cpu" and len(pl.hosts) == 1:
+        return _cpu_plan(cfg, str(cfg_file), py, {"PYTHONUNBUFFERED": "1"})
     # Every process names its accelerator: an inherited DS_ACCELERATOR=cpu would build a CUDA learner on
     # DeepSpeed's CPU accelerator (and the reverse on CPU hosts).
-    base_env = {"PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": cfg.run.device}
+    b = _Build(cfg, py, root or Path(__file__).resolve().parents[1], run_dir or cfg.run_dir, str(cfg_file),
+               os.environ if environ is None else environ, {"PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": cfg.run.device})
+    eg, lg = _device_lists(cfg)
+    lg = sorted(lg, key=lambda g: (g // pl.gpus_per_host, g))  # DeepSpeed numbers ranks host-major
+    ranks = [Rank(r, b.host_of(g), b.local(g), g) for r, g in enumerate(lg)]
+    if ranks[0].host != pl.hosts[0]:
+        raise ConfigError(f"placement.learner_gpus: learner rank 0 must run on host 0 ({pl.hosts[0]}): it talks to the "
+                          "buffer and publishes the weights there")
+    b.procs.append(Proc("buffer", "buffer", pl.hosts[0], [py, "-m", "buffer", b.cfgf], dict(b.base_env), (), 3))
+    b.procs.append(_learner(b, ranks))
+    _engines_and_actors(b, eg)
+    if cfg.learner.eval_every > 0 and not cfg.learner.eval_engine_url and cfg.engine.kind != "external":
+        engine0 = next((p for p in b.procs if p.name in ("engine-0", "actor-0")), None)
+        if engine0 is not None and engine0.host != pl.hosts[0]:
+            raise ConfigError(f"learner.eval_engine_url: held-out evaluation runs on a rollout engine, and engine 0 is on "
+                              f"{engine0.host}, not on host 0 where learner rank 0 runs: give the URL of an engine that "
+                              "host 0 can reach, or learner.eval_every=0")
+    plan = Plan(cfg.run.device, b.procs, ranks, files=b.files, notes=b.notes)
+    if b.cpu:
+        b.notes.append("run.device=cpu: placement.*_gpus name slots (no device is assigned); GPU memory not checked")
+    else:
+        plan.memory = check_memory(cfg, plan, eg, lg, hf_config)
+    return plan
 
-    # ---- device bookkeeping: GPUs, or on CPU across hosts the same arithmetic over slots
-    unit = "slot" if cpu else "GPU"
+
+def _device_lists(cfg: Config) -> tuple[list[int], list[int]]:
+    """Engine and learner GPUs (CPU: slots), checked against the hosts and each other."""
+    pl = cfg.placement
+    cpu = cfg.run.device == "cpu"
+    unit, where = ("slot", " with several placement.hosts") if cpu else ("GPU", "")
     n_gpus = len(pl.hosts) * pl.gpus_per_host
     engines_needed = cfg.engine.kind != "external"
     eg = parse_gpus(pl.engine_gpus, "placement.engine_gpus")
     lg = parse_gpus(pl.learner_gpus, "placement.learner_gpus")
     if not lg:
-        raise ConfigError(f"placement.learner_gpus: run.device={cfg.run.device}"
-                          f"{' with several placement.hosts' if cpu else ''} needs the learner's {unit}s, e.g. "
+        raise ConfigError(f"placement.learner_gpus: run.device={cfg.run.device}{where} needs the learner's {unit}s, e.g. "
                           "placement.learner_gpus=0 (see ops/configs/gpu-small.yaml, gpu-node8.yaml)")
     if engines_needed and not eg:
-        raise ConfigError(f"placement.engine_gpus: run.device={cfg.run.device}{' with several placement.hosts' if cpu else ''} "
-                          f"needs the engines' {unit}s, e.g. placement.engine_gpus=0")
+        raise ConfigError(f"placement.engine_gpus: run.device={cfg.run.device}{where} needs the engines' {unit}s, "
+                          "e.g. placement.engine_gpus=0")
     for key, gs in (("placement.engine_gpus", eg), ("placement.learner_gpus", lg)):
         bad = [g for g in gs if g >= n_gpus]
         if bad:
@@ -222,90 +277,108 @@ def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, roo
     if engines_needed and len(eg) != cfg.actors.num_actors * tp:
         raise ConfigError(f"placement.engine_gpus: {len(eg)} {unit}(s) for actors.num_actors={cfg.actors.num_actors} "
                           f"engines x {tp} {unit}(s) each (engine.sglang_tp_size) = {cfg.actors.num_actors * tp}; make them match")
+    return eg, lg
 
-    def host_of(g: int) -> str:
-        return pl.hosts[g // pl.gpus_per_host]
 
-    def local(g: int) -> int:
-        return g % pl.gpus_per_host
-
-    lg = sorted(lg, key=lambda g: (g // pl.gpus_per_host, g))  # DeepSpeed numbers ranks host-major
-    ranks = [Rank(r, host_of(g), local(g), g) for r, g in enumerate(lg)]
-    if ranks[0].host != pl.hosts[0]:
-        raise ConfigError(f"placement.learner_gpus: learner rank 0 must run on host 0 ({pl.hosts[0]}): it talks to the "
-                          "buffer and publishes the weights there")
+def _learner(b: _Build, ranks: list[Rank]) -> Proc:
+    """The learner: DeepSpeed's launcher with one rank per learner GPU (slot); across hosts pdsh or srun."""
+    cfg, pl = b.cfg, b.cfg.placement
     learner_hosts = list(dict.fromkeys(r.host for r in ranks))
-    if pl.remote == "srun" and len(learner_hosts) > 1:
-        counts = {h: sorted(r.local_gpu for r in ranks if r.host == h) for h in learner_hosts}
-        if any(v != list(range(len(v))) for v in counts.values()) or len({len(v) for v in counts.values()}) > 1:
-            raise ConfigError("placement.learner_gpus: under placement.remote=srun DeepSpeed's Slurm launcher places "
-                              f"ranks by count, not by GPU id: give every learner host its first N GPUs (got {counts})")
-
-    procs: list[Proc] = []
-    notes: list[str] = []
-    files: dict[str, str] = {}
-    procs.append(Proc("buffer", "buffer", pl.hosts[0], [py, "-m", "buffer", cfgf], dict(base_env), (), 3))
-
-    # ---- learner: DeepSpeed's launcher, one rank per learner GPU (slot)
     ds_env = {"DS_ACCELERATOR": cfg.run.device, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    if cpu and len(learner_hosts) > 1:
+    if b.cpu and len(learner_hosts) > 1:
         # DeepSpeed's shared-memory all-reduce joins the ranks of one host only; across hosts it is plain gloo
         # (and no ~80 s JIT build of the op on every host).
         ds_env["VAPO_DS_SHM"] = "0"
-    learner_env = {**base_env, **ds_env}
-    ds = [py, "-m", "deepspeed.launcher.runner", "--master_port", str(pl.master_port), "--no_local_rank"]
-    if cpu and len(ranks) == 1:
-        ds = [py, "-m", "learner"]  # one CPU rank: no launcher, as in a one-host CPU run
-    elif len(learner_hosts) == 1:
-        if cpu:
-            # DeepSpeed's CPU accelerator counts one device per NUMA node, so the slots come from a hostfile
-            # (one host: no ssh involved, hence no ssh check).
-            files["hostfile"] = f"localhost slots={pl.gpus_per_host}\n"
-            ds += ["--hostfile", str((run_dir / "hostfile").resolve()), "--no_ssh_check"]
-        ds += ["--include", "localhost:" + ",".join(str(r.local_gpu) for r in ranks), "--master_addr", "127.0.0.1"]
-        # One host: the ranks rendezvous in a file (the launcher removes a stale one), so no port is opened.
-        learner_env[STORE_FILE_ENV] = str((run_dir / "torch_store").resolve())
-    else:
-        include = "@".join(f"{h}:" + ",".join(str(r.local_gpu) for r in ranks if r.host == h) for h in learner_hosts)
-        files["hostfile"] = "".join(f"{h} slots={pl.gpus_per_host}\n" for h in learner_hosts)
-        # DeepSpeed forwards only a few variables to other hosts; the rest travel in this file.
-        files["deepspeed_env"] = "".join(f"{k}={v}\n" for k, v in sorted(ds_env.items()))
-        learner_env["DS_ENV_FILE"] = str((run_dir / "deepspeed_env").resolve())
-        if not pl.store_protection:
-            raise ConfigError(f"placement.store_protection: the learner spans {len(learner_hosts)} hosts, so its "
-                              f"torch.distributed store listens on {pl.hosts[0]}:{pl.master_port} on every interface, "
-                              "without authentication; say how that port is protected (firewall | private_network)")
-        ds += ["--hostfile", str((run_dir / "hostfile").resolve()), "--include", include,
-               "--master_addr", pl.hosts[0], "--launcher", "slurm" if pl.remote == "srun" else "pdsh"]
-        notes.append(f"learner spans {len(learner_hosts)} hosts: the torch.distributed store listens on "
-                     f"{pl.hosts[0]}:{pl.master_port}; keep that port inside the cluster network")
-    if ds[1:3] != ["-m", "learner"]:
-        ds += ["--module", "learner"]
-    procs.append(Proc("learner", "learner", pl.hosts[0], [*ds, cfgf], learner_env, tuple(lg), 0))
+    env = {**b.base_env, **ds_env}
+    gpus = tuple(r.gpu for r in ranks)
+    if len(learner_hosts) > 1:
+        return _learner_across_hosts(b, ranks, learner_hosts, ds_env)
+    if b.cpu and len(ranks) == 1:  # one CPU rank: no launcher, as in a one-host CPU run
+        return Proc("learner", "learner", pl.hosts[0], [b.py, "-m", "learner", b.cfgf], env, gpus, 0)
+    ds = [b.py, "-m", "deepspeed.launcher.runner", "--master_port", str(pl.master_port), "--no_local_rank"]
+    if b.cpu:
+        # DeepSpeed's CPU accelerator counts one device per NUMA node, so the slots come from a hostfile
+        # (one host: no ssh involved, hence no ssh check).
+        b.files["hostfile"] = f"localhost slots={pl.gpus_per_host}\n"
+        ds += ["--hostfile", str((b.run_dir / "hostfile").resolve()), "--no_ssh_check"]
+    ds += ["--include", "localhost:" + ",".join(str(r.local_gpu) for r in ranks), "--master_addr", "127.0.0.1"]
+    # One host: the ranks rendezvous in a file (the launcher removes a stale one), so no port is opened.
+    env[STORE_FILE_ENV] = str((b.run_dir / "torch_store").resolve())
+    return Proc("learner", "learner", pl.hosts[0], [*ds, "--module", "learner", b.cfgf], env, gpus, 0)
 
-    # ---- engines and actors: actor i beside engine i
+
+def _learner_across_hosts(b: _Build, ranks: list[Rank], hosts: list[str], ds_env: dict[str, str]) -> Proc:
+    """ssh: DeepSpeed's launcher, ``--hostfile`` + pdsh. srun: one step of all ranks (DeepSpeed's Slurm runner
+    sets no RANK/WORLD_SIZE/MASTER_ADDR and drops ``--module``): each rank derives its rank from Slurm's
+    SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID and meets rank 0 at MASTER_ADDR:MASTER_PORT."""
+    cfg, pl = b.cfg, b.cfg.placement
+    if not pl.store_protection:
+        raise ConfigError(f"placement.store_protection: the learner spans {len(hosts)} hosts, so its "
+                          f"torch.distributed store listens on {pl.hosts[0]}:{pl.master_port} on every interface, "
+                          "without authentication; say how that port is protected (firewall | private_network)")
+    master = pl.master_addr or pl.hosts[0]
+    b.notes.append(f"learner spans {len(hosts)} hosts: the torch.distributed store listens on "
+                   f"{master}:{pl.master_port}; keep that port inside the cluster network")
+    ds_env = {**ds_env, **remote.forwarded_env(b.environ)}
+    gpus = tuple(r.gpu for r in ranks)
+    per_host = {h: sorted(r.local_gpu for r in ranks if r.host == h) for h in hosts}
+    if pl.remote == "srun":
+        if any(v != list(range(len(v))) for v in per_host.values()) or len({len(v) for v in per_host.values()}) > 1:
+            raise ConfigError("placement.learner_gpus: under placement.remote=srun one srun step places the ranks by count "
+                              f"(--ntasks-per-node), not by GPU id: give every learner host its first N GPUs (got {per_host})")
+        n = len(per_host[hosts[0]])
+        env = {**b.base_env, **ds_env, "MASTER_ADDR": master, "MASTER_PORT": str(pl.master_port)}
+        cpus = remote.srun_cpus(cfg, b.environ)
+        argv = ["srun", f"--nodes={len(hosts)}", f"--ntasks={len(ranks)}", f"--ntasks-per-node={n}",
+                f"--nodelist={','.join(hosts)}", "--distribution=block", "--overlap", "--kill-on-bad-exit=1",
+                *([f"--cpus-per-task={max(cpus // n, 1)}"] if cpus else []), f"--chdir={b.root}",
+                "env", *(f"{k}={v}" for k, v in sorted(env.items())), b.py, "-m", "learner", b.cfgf]
+        b.notes.append("learner ranks follow Slurm's node order (task 0 on the first node of the step): list "
+                       "placement.hosts in the allocation's order, as ops/slurm/vapo.sbatch does")
+        return Proc("learner", "learner", pl.hosts[0], argv, {}, gpus, 0, via="srun")
+    if shutil.which("pdsh", path=b.environ.get("PATH")) is None:
+        raise ConfigError(f"placement.remote: the learner spans {len(hosts)} hosts and placement.remote=ssh starts its "
+                          "ranks with DeepSpeed's pdsh launcher, but pdsh is not on PATH: install it (Debian/Ubuntu: "
+                          "apt-get install pdsh) or use placement.remote=srun inside a Slurm allocation")
+    include = "@".join(f"{h}:" + ",".join(str(g) for g in per_host[h]) for h in hosts)
+    b.files["hostfile"] = "".join(f"{h} slots={pl.gpus_per_host}\n" for h in hosts)
+    # DeepSpeed forwards only a few variables to other hosts; the rest travel in this file.
+    b.files["deepspeed_env"] = "".join(f"{k}={v}\n" for k, v in sorted(ds_env.items()))
+    env = {**b.base_env, **ds_env, "DS_ENV_FILE": str((b.run_dir / "deepspeed_env").resolve()),
+           "PDSH_SSH_ARGS_APPEND": remote.pdsh_ssh_args(cfg, b.environ)}
+    # --no_ssh_check: DeepSpeed's own check runs a bare `ssh HOST hostname`, without placement.ssh_args.
+    ds = [b.py, "-m", "deepspeed.launcher.runner", "--master_port", str(pl.master_port), "--no_local_rank",
+          "--hostfile", str((b.run_dir / "hostfile").resolve()), "--include", include, "--master_addr", master,
+          "--launcher", "pdsh", "--no_ssh_check", "--module", "learner", b.cfgf]
+    return Proc("learner", "learner", pl.hosts[0], ds, env, gpus, 0, via="pdsh")
+
+
+def _engines_and_actors(b: _Build, eg: list[int]) -> None:
+    """Engine i on the next engine.sglang_tp_size engine GPUs (CPU: slots), its actor beside it."""
+    cfg, pl = b.cfg, b.cfg.placement
+    tp = engine_tp(cfg)
     remote_actor = False
     for i in range(cfg.actors.num_actors):
-        gpus = eg[i * tp:(i + 1) * tp] if engines_needed else []
-        hosts = {host_of(g) for g in gpus}
+        gpus = eg[i * tp:(i + 1) * tp] if cfg.engine.kind != "external" else []
+        hosts = {b.host_of(g) for g in gpus}
         if len(hosts) > 1:
             raise ConfigError(f"placement.engine_gpus: engine {i} would span hosts {sorted(hosts)}; an engine's "
                               f"{tp} tensor-parallel GPUs must be on one host")
         host = hosts.pop() if hosts else pl.hosts[0]
-        visible = {"CUDA_VISIBLE_DEVICES": ",".join(str(local(g)) for g in gpus)} if gpus and not cpu else {}
-        actor_env = dict(base_env)
+        visible = {"CUDA_VISIBLE_DEVICES": ",".join(str(b.local(g)) for g in gpus)} if gpus and not b.cpu else {}
+        actor_env = dict(b.base_env)
         if cfg.engine.kind == "sglang":
             from actors.sglang_launcher import sglang_command
 
             argv, env = sglang_command(cfg, i)
-            env = {**base_env, **env, **visible}
-            procs.append(_proc(cfg, f"engine-{i}", "engine", host, argv, env, tuple(gpus), cfg.engine.max_restarts, root))
+            b.procs.append(b.proc(f"engine-{i}", "engine", host, argv, {**b.base_env, **env, **visible}, tuple(gpus),
+                                  cfg.engine.max_restarts))
         elif cfg.engine.kind == "rollout_server":
             actor_env.update(visible)  # the actor starts its engine, which inherits the devices
         remote_actor |= host != pl.hosts[0]
-        procs.append(_proc(cfg, f"actor-{i}", "actor", host, [py, "-m", "actors", cfgf, "--actor-id", str(i)],
-                           actor_env, tuple(gpus) if cfg.engine.kind == "rollout_server" else (),
-                           cfg.engine.max_restarts, root))
+        b.procs.append(b.proc(f"actor-{i}", "actor", host, [b.py, "-m", "actors", b.cfgf, "--actor-id", str(i)],
+                              actor_env, tuple(gpus) if cfg.engine.kind == "rollout_server" else (),
+                              cfg.engine.max_restarts))
     if remote_actor:
         local_addrs = [k for k, a in (("buffer.ingest_addr", cfg.buffer.ingest_addr),
                                       ("learner.publish_addr", cfg.learner.publish_addr),
@@ -313,28 +386,8 @@ def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, roo
         if local_addrs:
             raise ConfigError(f"{', '.join(local_addrs)}: actors run on other hosts, so these must be addresses they can "
                               "reach (e.g. tcp://0.0.0.0:5555 with CurveZMQ keys in buffer.curve.*; python -m buffer.keys)")
-        notes.append(f"actors on other hosts read weights from {run_dir}/weights: the run directory must be on a "
-                     "filesystem every host mounts at the same path")
-
-    if cfg.learner.eval_every > 0 and not cfg.learner.eval_engine_url and cfg.engine.kind != "external":
-        engine0 = next((p for p in procs if p.name in ("engine-0", "actor-0")), None)
-        if engine0 is not None and engine0.host != pl.hosts[0]:
-            raise ConfigError(f"learner.eval_engine_url: held-out evaluation runs on a rollout engine, and engine 0 is on "
-                              f"{engine0.host}, not on host 0 where learner rank 0 runs: give the URL of an engine that "
-                              "host 0 can reach, or learner.eval_every=0")
-    plan = Plan(cfg.run.device, procs, ranks, files=files, notes=notes)
-    if cpu:
-        notes.append("run.device=cpu: placement.*_gpus name slots (no device is assigned); GPU memory not checked")
-    else:
-        plan.memory = check_memory(cfg, plan, eg, lg, hf_config)
-    return plan
-
-
-def _proc(cfg: Config, name: str, role: str, host: str, argv: list[str], env: dict[str, str],
-          gpus: tuple[int, ...], restarts: int, root: Path) -> Proc:
-    if host != cfg.placement.hosts[0]:
-        argv, env = _wrap_remote(cfg, host, argv, env, root), {}
-    return Proc(name, role, host, argv, env, gpus, restarts)
+        b.notes.append(f"actors on other hosts read weights from {b.run_dir}/weights: the run directory must be on a "
+                       "filesystem every host mounts at the same path")
 
 
 def _cpu_plan(cfg: Config, cfgf: str, py: str, base_env: dict[str, str]) -> Plan:

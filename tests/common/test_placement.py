@@ -7,7 +7,9 @@ given, model states that cannot fit, a learner started without DeepSpeed's launc
 
 from __future__ import annotations
 
+import os
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,16 @@ QWEN_7B = dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, interm
 QWEN_32B = dict(vocab_size=152064, hidden_size=5120, num_hidden_layers=64, intermediate_size=27648,
                 num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False)
 GPU_CONFIGS = [("gpu-small.yaml", QWEN_05B), ("gpu-node8.yaml", QWEN_7B), ("paper.yaml", QWEN_32B)]
+
+
+@pytest.fixture(autouse=True)
+def _pdsh_on_path(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Multi-host ssh plans need pdsh at plan time; where it is not installed a stand-in satisfies the check."""
+    if shutil.which("pdsh") is None:
+        d = tmp_path_factory.mktemp("bin")
+        (d / "pdsh").write_text("#!/bin/sh\nexit 1\n")
+        (d / "pdsh").chmod(0o755)
+        monkeypatch.setenv("PATH", f"{d}{os.pathsep}{os.environ.get('PATH', '')}")
 
 
 def test_parameter_counts_match_the_published_models() -> None:
@@ -154,7 +166,7 @@ def test_cpu_default_plan_is_unchanged() -> None:
     ("paper.yaml", QWEN_32B, ["placement.engine_gpus=0-7,36-63", "placement.learner_gpus=8-35"],
      "rank 0 must run on host 0"),
     ("paper.yaml", QWEN_32B, ["buffer.ingest_addr=tcp://127.0.0.1:5555"], "buffer.ingest_addr: actors run on other hosts"),
-    ("paper.yaml", QWEN_32B, ["placement.remote=srun"], "DeepSpeed's Slurm launcher places ranks by count"),
+    ("paper.yaml", QWEN_32B, ["placement.remote=srun"], "one srun step places the ranks by count"),
     ("paper.yaml", QWEN_32B, ["placement.store_protection="], "placement.store_protection: the learner spans 4 hosts"),
     ("paper.yaml", QWEN_32B, ["placement.engine_gpus=32-63,0-3", "actors.num_actors=9"], None),
     ("default.yaml", None, ["placement.engine_gpus=0"], "run.device=cpu"),
@@ -276,3 +288,61 @@ def test_cpu_plan_across_hosts_learner_on_host_0(tmp_path: Path) -> None:
 def test_cpu_plan_across_hosts_refuses_bad_slots(tmp_path: Path, overrides: list[str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         _cpu_hosts_plan(tmp_path, *overrides)
+
+
+# ------------------------------------------------------------------------------------------ Slurm route
+
+SRUN_7B = ["placement.remote=srun", "placement.learner_gpus=0-3,8-11,16-19,24-27",
+           "placement.engine_gpus=4-7,12-15,20-23,28-63", "actors.num_actors=12"]
+
+
+def _srun_tasks(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    opts = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv[1:argv.index("env")] if "=" in a}
+    return opts, argv[argv.index("env") + 1:]
+
+
+def test_srun_learner_is_one_step_of_all_ranks() -> None:
+    """DeepSpeed's Slurm runner sets no RANK/WORLD_SIZE/MASTER_ADDR and drops --module: the plan starts the
+    ranks itself as one srun step, MASTER_ADDR/MASTER_PORT in its environment."""
+    cfg, plan = _plan("paper.yaml", QWEN_7B, *SRUN_7B, "placement.master_addr=10.0.0.1")
+    learner = plan.proc("learner")
+    assert learner.argv[0] == "srun" and learner.via == "srun" and "deepspeed.launcher.runner" not in learner.argv
+    opts, inner = _srun_tasks(learner.argv)
+    assert opts["--nodes"] == "4" and opts["--ntasks"] == "16" and opts["--ntasks-per-node"] == "4"
+    assert opts["--nodelist"] == "node0,node1,node2,node3" and "--overlap" in learner.argv
+    assert "--kill-on-bad-exit=1" in learner.argv  # one dead rank ends the step, not a hang at a collective
+    env = dict(w.split("=", 1) for w in inner if "=" in w and not w.startswith("/"))
+    assert env["MASTER_ADDR"] == "10.0.0.1" and env["MASTER_PORT"] == str(cfg.placement.master_port)
+    assert env["DS_ACCELERATOR"] == "cuda"
+    assert inner[-4:] == ["/venv/bin/python", "-m", "learner", "/run/config.yaml"]
+
+
+def test_srun_ranks_match_the_plan_through_slurms_variables() -> None:
+    """The contract with learner/dist.py: each task of the step, given the variables Slurm sets under block
+    distribution, becomes exactly the plan's rank on the plan's host and local GPU."""
+    dist = pytest.importorskip("learner.dist")
+    if not hasattr(dist, "adopt_slurm_env"):
+        pytest.skip("learner.dist does not derive ranks from Slurm's variables yet")
+    _, plan = _plan("paper.yaml", QWEN_7B, *SRUN_7B)
+    opts, _ = _srun_tasks(plan.proc("learner").argv)
+    nodes, n = opts["--nodelist"].split(","), int(opts["--ntasks-per-node"])
+    for r in plan.ranks:
+        node = r.rank // n  # block distribution: tasks fill the first node, then the next
+        env = {"SLURM_PROCID": str(r.rank), "SLURM_NTASKS": opts["--ntasks"], "SLURM_STEP_NUM_TASKS": opts["--ntasks"],
+               "SLURM_LOCALID": str(r.rank % n), "SLURM_NODEID": str(node),
+               "SLURM_STEP_TASKS_PER_NODE": f"{n}(x{len(nodes)})"}
+        dist.adopt_slurm_env(env)
+        assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == (str(r.rank), "16", str(r.local_gpu))
+        assert nodes[node] == r.host
+
+
+def test_srun_engines_and_actors_get_the_cpus_of_a_node() -> None:
+    # srun gives a step one CPU unless told otherwise.
+    _, plan = _plan("paper.yaml", QWEN_7B, *SRUN_7B, "placement.srun_cpus_per_task=16")
+    remote = [p for p in plan.procs if p.host != "node0"]
+    assert remote and all(p.argv[0] == "srun" and "--cpus-per-task=16" in p.argv for p in remote)
+    assert "--cpus-per-task=4" in plan.proc("learner").argv  # 16 CPUs over 4 ranks per node
+    cfg = load_config(ROOT / "ops" / "configs" / "paper.yaml", SRUN_7B)  # 0: the allocation's own count
+    plan = build_plan(cfg, "/run/config.yaml", "/venv/bin/python", ROOT, Path("/run"), hf_config=QWEN_7B,
+                      environ={"SLURM_CPUS_ON_NODE": "96", "PATH": ""})
+    assert "--cpus-per-task=96" in plan.proc("actor-5").argv

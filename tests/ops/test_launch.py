@@ -223,3 +223,76 @@ def test_launcher_health_check_uses_the_configured_curve_client_keys(tmp_path: P
         assert sock.getsockopt(zmq.MECHANISM) == zmq.CURVE
     finally:
         sock.close(0)
+
+
+def _launch_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("launch_mod_links", ROOT / "ops" / "launch.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules["launch_mod_links"] = mod
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def _bare_launcher(mod, tmp_path: Path, *overrides: str):
+    from common.config import load_config, save_config
+
+    cfg = load_config(ROOT / "ops" / "configs" / "smoke.yaml", [f"run.root={tmp_path}", "run.name=links", *overrides])
+    return mod.Launcher(cfg, save_config(cfg).resolve(), False)
+
+
+def test_launcher_stops_the_run_when_a_remote_host_is_lost(tmp_path: Path) -> None:
+    """ssh exits 255 when its host is gone (keep-alive unanswered, connection refused): that is a lost host,
+    which stops the run in order, not a crash to restart. pdsh reports the same for learner ranks."""
+    mod = _launch_module()
+    launcher = _bare_launcher(mod, tmp_path)
+    lost = mod.Child("actor-1", ["sh", "-c", "exit 255"], tmp_path / "actor-1.log", 3, via="ssh", host="h2")
+    launcher.children = {"actor-1": lost}
+    lost.start()
+    wait_for(lambda: not lost.alive(), 10, "the ssh stand-in to exit")
+    with pytest.raises(mod.LaunchError, match="lost host h2: ssh exited with code 255"):
+        launcher.check_links()
+    # An ordinary exit of a remote process is left to the restart logic.
+    launcher.children = {"actor-1": mod.Child("actor-1", ["sh", "-c", "exit 3"], tmp_path / "a.log", 3, via="ssh")}
+    launcher.children["actor-1"].start()
+    wait_for(lambda: not launcher.children["actor-1"].alive(), 10, "the process to exit")
+    launcher.check_links()
+    # Learner ranks behind pdsh: its report in the learner log, only what this run appended.
+    log = tmp_path / "learner.log"
+    log.write_text("pdsh@h0: h3: ssh exited with exit code 255\n")  # an earlier run's
+    script = "echo 'pdsh@h0: h1: ssh exited with exit code 255'; sleep 30"
+    learner = mod.Child("learner", ["sh", "-c", script], log, 0, via="pdsh")
+    launcher.children = {"learner": learner}
+    launcher._pdsh_offset = log.stat().st_size
+    learner.start()
+    try:
+        wait_for(lambda: "h1:" in log.read_text(), 10, "pdsh's report")
+        with pytest.raises(mod.LaunchError, match="learner ranks on h1 ended: host lost"):
+            launcher.check_links()
+    finally:
+        launcher.stop_all()
+
+
+def test_launcher_heartbeat_keeps_a_guarded_process_and_its_stop_ends_it(tmp_path: Path) -> None:
+    """The launcher's side of the ssh link: heartbeats keep the remote guard's process running past the
+    guard's timeout; stop_all closes the link and the guarded process ends within the stop grace."""
+    import threading
+
+    mod = _launch_module()
+    launcher = _bare_launcher(mod, tmp_path, "placement.ssh_alive_interval_s=1", "placement.ssh_alive_count_max=2")
+    marker = tmp_path / "guarded-child-marker"
+    guarded = [sys.executable, "-m", "common.remote", "--timeout", "2", "--", sys.executable, "-c",
+               f"import time; open({str(marker)!r}, 'w').close(); time.sleep(600)"]
+    c = mod.Child("actor-1", guarded, tmp_path / "actor-1.log", 0, via="ssh", host="h2")
+    launcher.children = {"actor-1": c}
+    threading.Thread(target=launcher._heartbeat, daemon=True).start()
+    c.start()
+    wait_for(marker.exists, 20, "the guarded process to start")
+    t_start = time.time()
+    wait_for(lambda: time.time() - t_start > 5 or not c.alive(), 10, "5 s (2.5 guard timeouts) to pass")
+    assert c.alive(), c.tail()
+    t0 = time.time()
+    launcher.stop_all()
+    assert not c.alive() and time.time() - t0 < mod.STOP_GRACE_S
+    assert processes_mentioning(str(marker)) == []

@@ -1,0 +1,175 @@
+"""Processes on other hosts: the ssh options, the command that starts them, and their lifeline.
+
+    wrap_remote(cfg, host, argv, env, root, py)   # the ssh or srun command the plan gives a remote process
+    ssh_options(cfg, environ)                     # options of every ssh the launcher (and pdsh) runs
+    python -m common.remote --timeout S -- ARGV   # on the remote host: ARGV, which dies with its ssh link
+    pdsh_failures(text)                           # hosts whose pdsh'd ssh (learner ranks) exited non-zero
+
+A process started over ssh runs under a guard (``main`` here) that watches its stdin, which is the ssh
+channel: the launcher writes a heartbeat byte every ``placement.ssh_alive_interval_s`` and closes it to stop
+the process. The guard stops its process (SIGTERM, SIGKILL after ``GRACE_S``) on end of file (the launcher
+stopped, died, or its ssh client was killed) or when no byte came for ``interval × ssh_alive_count_max``
+seconds (the link is gone, however the remote sshd is configured). On the launcher's side ssh's own
+keep-alive (ServerAliveInterval × ServerAliveCountMax) ends the ssh client with exit code 255 within the
+same bound, which the launcher reads as a lost host. Learner ranks on other hosts start through DeepSpeed's
+pdsh launcher, which gives them no stdin: their ssh gets a terminal (``-tt``), so the kernel sends them
+SIGHUP when the session closes, and pdsh reports a lost host as ``<host>: ssh exited with exit code 255``.
+srun'd processes need none of this: Slurm ends a step whose srun ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from common import lifeline
+
+SSH_ARGS_ENV = "VAPO_SSH_ARGS"  # extra ssh options from the environment, after placement.ssh_args
+SSH_LOST = 255  # ssh's exit code when the connection fails or is lost (a remote command's own codes pass through)
+GRACE_S = 4.0  # SIGTERM → SIGKILL on the remote host; below the launcher's own stop grace (6 s)
+# Socket-interface and rendezvous-tuning variables of the launcher's environment that every process on
+# another host needs as well (gloo otherwise binds the address its hostname resolves to, which Debian's
+# /etc/hosts makes 127.0.1.1: unreachable from the other ranks).
+FORWARD_PREFIXES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_IB_", "NCCL_DEBUG",
+                    "TORCH_NCCL_", "TORCH_DISTRIBUTED_DEBUG")
+_PDSH_EXIT = re.compile(r"^pdsh@[^:]+: ([^:\s]+): ssh exited with exit code (\d+)", re.MULTILINE)
+
+
+def forwarded_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables of ``FORWARD_PREFIXES`` set in ``environ`` (default: this process's)."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in sorted(environ.items()) if k.startswith(FORWARD_PREFIXES)}
+
+
+def user_ssh_args(cfg: Any, environ: Mapping[str, str] | None = None) -> list[str]:
+    """``placement.ssh_args`` then ``$VAPO_SSH_ARGS`` (e.g. ``-F cluster_ssh_config``), split like a shell."""
+    environ = os.environ if environ is None else environ
+    return shlex.split(cfg.placement.ssh_args) + shlex.split(environ.get(SSH_ARGS_ENV, ""))
+
+
+def ssh_options(cfg: Any, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Options of every ssh to another host. The user's come first: ssh keeps the first value of an option."""
+    pl = cfg.placement
+    return [*user_ssh_args(cfg, environ), "-o", "BatchMode=yes", "-o", f"ConnectTimeout={pl.ssh_connect_timeout_s}",
+            "-o", f"ServerAliveInterval={pl.ssh_alive_interval_s}", "-o", f"ServerAliveCountMax={pl.ssh_alive_count_max}"]
+
+
+def lost_after_s(cfg: Any) -> int:
+    """Seconds after which a silent ssh link counts as lost, on both ends."""
+    return cfg.placement.ssh_alive_interval_s * cfg.placement.ssh_alive_count_max
+
+
+def pdsh_ssh_args(cfg: Any, environ: Mapping[str, str] | None = None) -> str:
+    """``PDSH_SSH_ARGS_APPEND`` for DeepSpeed's pdsh launcher (pdsh splits it on blanks, so no quoting)."""
+    return " ".join([*ssh_options(cfg, environ), "-tt"])
+
+
+def srun_cpus(cfg: Any, environ: Mapping[str, str] | None = None) -> int:
+    """CPUs of an srun'd engine/actor step: ``placement.srun_cpus_per_task``, or when 0 the CPUs Slurm gave
+    this (host 0's) allocation, ``$SLURM_CPUS_ON_NODE``; 0 = leave srun's default."""
+    environ = os.environ if environ is None else environ
+    if cfg.placement.srun_cpus_per_task:
+        return int(cfg.placement.srun_cpus_per_task)
+    try:
+        return int(environ.get("SLURM_CPUS_ON_NODE", "0"))
+    except ValueError:
+        return 0
+
+
+def wrap_remote(cfg: Any, host: str, argv: list[str], env: dict[str, str], root: Path, py: str,
+                environ: Mapping[str, str] | None = None) -> list[str]:
+    """``argv`` with ``env`` run on ``host`` from the same repository path (a shared filesystem)."""
+    inner = ["env", *(f"{k}={v}" for k, v in sorted(env.items()))]
+    if cfg.placement.remote == "srun":
+        # --overlap: the step shares the allocation's nodes with the others (engines, learner). Without
+        # --cpus-per-task a step gets one CPU, and an engine or actor confined to it crawls.
+        cpus = srun_cpus(cfg, environ)
+        return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap",
+                *([f"--cpus-per-task={cpus}"] if cpus else []), f"--chdir={root}", *inner, *argv]
+    guarded = [*inner, py, "-m", "common.remote", "--timeout", str(lost_after_s(cfg)), "--", *argv]
+    return ["ssh", *ssh_options(cfg, environ), host, f"cd {shlex.quote(str(root))} && exec {shlex.join(guarded)}"]
+
+
+def pdsh_failures(text: str) -> dict[str, int]:
+    """``{host: exit code}`` of every ``pdsh@here: host: ssh exited with exit code N`` line in ``text``."""
+    return {m.group(1): int(m.group(2)) for m in _PDSH_EXIT.finditer(text)}
+
+
+# ------------------------------------------------------------------------------------ the remote guard
+
+
+def _stop(child: subprocess.Popen, grace_s: float) -> int:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(child.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            return _code(child.wait(timeout=grace_s))
+        except subprocess.TimeoutExpired:
+            continue
+    return _code(child.wait())
+
+
+def _code(rc: int) -> int:
+    return 128 - rc if rc < 0 else rc  # killed by signal N: 128 + N, as a shell reports it
+
+
+def guard(argv: list[str], timeout_s: float, grace_s: float = GRACE_S, stdin_fd: int = 0) -> int:
+    """Run ``argv`` until it exits, ``stdin_fd`` reaches end of file, or no byte arrives for ``timeout_s``."""
+    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True, **lifeline.popen_kwargs())
+    last = [time.monotonic()]
+    eof = threading.Event()
+
+    def read() -> None:
+        while True:
+            try:
+                data = os.read(stdin_fd, 4096)
+            except OSError:
+                data = b""
+            if not data:
+                eof.set()
+                return
+            last[0] = time.monotonic()
+
+    threading.Thread(target=read, name="ssh-link", daemon=True).start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while child.poll() is None:
+        if eof.is_set() or stop.is_set():
+            return _stop(child, grace_s)
+        if time.monotonic() - last[0] > timeout_s:
+            print(f"common.remote: no heartbeat from the launcher for {timeout_s:g} s; stopping {argv[0]}",
+                  file=sys.stderr, flush=True)
+            return _stop(child, grace_s)
+        eof.wait(0.2)  # wakes at once on end of file; otherwise re-checks the child and the deadline
+    return _code(child.returncode)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m common.remote",
+                                 description="Run a command on this host for as long as the ssh link to the launcher "
+                                 "lives: stop it on end of stdin or when no heartbeat byte came for --timeout seconds.")
+    ap.add_argument("--timeout", type=float, required=True, help="seconds without a heartbeat byte before stopping")
+    ap.add_argument("--grace", type=float, default=GRACE_S, help="SIGTERM to SIGKILL seconds")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- the command and its arguments")
+    args = ap.parse_args(argv)
+    cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not cmd:
+        ap.error("no command given")
+    return guard(cmd, args.timeout, args.grace)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

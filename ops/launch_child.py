@@ -1,0 +1,94 @@
+"""A supervised child of the launcher (``ops/launch.py``): its own process group and log, a lifeline to the
+launcher, and for a process behind ssh the link the launcher beats on (``common.remote``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common import lifeline
+
+ROOT = Path(__file__).resolve().parents[1]
+# Slurm's task variables too: a learner rank derives its rank from them when RANK is unset, and in the batch
+# script's environment they describe the batch step, not the child.
+_RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                    "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+
+
+@dataclass
+class Child:
+    """One supervised process (its own process group, so its engine children stop with it)."""
+
+    name: str
+    cmd: list[str]
+    log_path: Path
+    max_restarts: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    via: str = ""  # "ssh": its stdin is the ssh link the launcher beats on (common.remote)
+    host: str = ""
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+        log.write(f"\n=== {time.strftime('%H:%M:%S')} start: {' '.join(self.cmd)}\n".encode())
+        log.flush()
+        # A parent that ran torch.distributed leaves rendezvous variables behind; a child learner would try
+        # to reuse that (taken) MASTER_PORT. Each child sets up its own.
+        env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS_VARS}
+        env.update(self.env)
+        # lifeline: the child (and, transitively, its own children) dies with this launcher, even on SIGKILL.
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     stdin=subprocess.PIPE if self.via == "ssh" else None, **lifeline.popen_kwargs(env))
+        log.close()
+        self.started_at = time.time()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def signal(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def beat(self) -> None:
+        """One heartbeat byte down the ssh link (the remote guard stops its process without them)."""
+        try:
+            if self.proc is not None and self.proc.stdin is not None and self.alive():
+                self.proc.stdin.write(b"\n")
+                self.proc.stdin.flush()
+        except (OSError, ValueError):  # the link is gone or closed: supervision sees the exit
+            pass
+
+    def hang_up(self) -> None:
+        """End of file on the ssh link: the remote guard stops its process (SIGTERM, then SIGKILL)."""
+        try:
+            if self.proc is not None and self.proc.stdin is not None:
+                self.proc.stdin.close()
+        except OSError:
+            pass
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join("    " + line for line in text[-lines:])
+
+
+class LaunchError(RuntimeError):
+    def __init__(self, component: str, message: str) -> None:
+        super().__init__(f"{component}: {message}")
+        self.component = component

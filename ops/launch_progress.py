@@ -1,0 +1,81 @@
+"""The launcher's progress lines: one per learner step, value-pretraining step and evaluation, read from
+``<run dir>/metrics.jsonl`` as the learner appends to it (``ops/launch.py``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+def say(msg: str) -> None:
+    print(f"[vapo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Progress:
+    """Follows <run dir>/metrics.jsonl and prints one line per learner step and per evaluation."""
+
+    def __init__(self, path: Path, total_steps: int) -> None:
+        self.path = path
+        self.offset = 0
+        self.total = total_steps
+        self.t0 = time.time()
+        self.records: list[dict[str, Any]] = []
+        self.last_eval: float | None = None
+        self.base_eval: float | None = None
+        self.last_time: float | None = None
+
+    def poll(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        cut = data.rfind(b"\n") + 1  # only whole lines; a line being written is read next time
+        self.offset += cut
+        new = []
+        for line in data[:cut].splitlines():
+            try:
+                new.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        for r in new:
+            if r.get("kind") == "learner_step" and isinstance(r.get("time"), int | float):
+                if self.last_time is not None and r["time"] > self.last_time:
+                    r.setdefault("samples_per_second", r.get("samples", 0) / (r["time"] - self.last_time))
+                self.last_time = r["time"]
+            self.records.append(r)
+            self._print(r)
+        return new
+
+    def _print(self, r: dict[str, Any]) -> None:
+        kind = r.get("kind", "")
+        ev = r if kind == "eval" else r.get("eval")
+        if kind == "value_pretrain":
+            say(f"value pretraining step {r.get('step', '?')}: explained variance (fresh groups) "
+                f"{_fmt(r.get('explained_variance'))}  loss {_fmt(r.get('loss'), 4)}")
+        elif kind == "learner_step":
+            step = int(r.get("weight_version", r.get("step", 0)))
+            elapsed = time.time() - self.t0
+            eta = elapsed / max(step, 1) * max(self.total - step, 0)
+            say(
+                f"step {step}/{self.total}  reward {_fmt(r.get('reward_mean'))}"
+                f"  ev {_fmt(r.get('value_explained_variance'))}  staleness {_fmt(r.get('staleness_mean'), 2)}"
+                f"  samples/s {_fmt(r.get('samples_per_second'), 1)}  len {_fmt(r.get('response_length_mean'), 1)}"
+                f"  ETA {int(eta // 60)}m{int(eta % 60):02d}s"
+            )
+        if isinstance(ev, dict):
+            acc = ev.get("avg_at_k")
+            if isinstance(acc, int | float):
+                if self.base_eval is None:
+                    self.base_eval = float(acc)
+                self.last_eval = float(acc)
+            say(f"eval  v{r.get('weight_version', r.get('version', '?'))}: held-out avg@k {_fmt(acc)}"
+                f"  greedy {_fmt(ev.get('greedy_accuracy'))}  length {_fmt(ev.get('mean_response_length'), 1)}")
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if isinstance(v, int | float):
+        return f"{v:.{digits}f}"
+    return "-"
