@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import urllib.request
 from pathlib import Path
 
@@ -90,3 +91,38 @@ def test_a_process_that_exits_right_after_the_final_scrape_has_sent_it() -> None
             failures += 1
     assert child.wait(timeout=20) == 0
     assert any("vapo_learner_weight_version 7.0" in b for b in bodies), (len(bodies), failures)
+
+
+def _documented_metrics() -> dict[str, tuple[str, str]]:
+    """docs/ARCHITECTURE.md section 5's table: full metric name -> (type, labels cell). A name written
+    `_x` after a full `vapo_<component>_...` name abbreviates `vapo_<component>_x`."""
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "ARCHITECTURE.md").read_text()
+    section = text.split("\n## 5. ", 1)[1].split("\n## 6. ", 1)[0]
+    out: dict[str, tuple[str, str]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 4 or not cells[0].startswith("`vapo_"):
+            continue
+        component = ""
+        for tok in re.findall(r"`([^`]+)`", cells[0]):
+            if tok.startswith("vapo_"):
+                component = tok.split("_")[1]
+                out[tok] = (cells[1], cells[2])
+            else:
+                out[f"vapo_{component}{tok}"] = (cells[1], cells[2])
+    return out
+
+
+def test_architecture_metrics_table_matches_the_declared_metrics() -> None:
+    """Every metric declared in common/metrics.py is in ARCHITECTURE's table with its type and labels, and
+    the table names nothing that is not declared."""
+    doc = _documented_metrics()
+    declared = {s.full_name: s for s in SPECS}
+    assert sorted(set(declared) - set(doc)) == [], "declared but not in docs/ARCHITECTURE.md section 5"
+    assert sorted(set(doc) - set(declared)) == [], "in docs/ARCHITECTURE.md section 5 but not declared"
+    for name, (kind, labels) in doc.items():
+        s = declared[name]
+        assert kind == s.kind, (name, kind, s.kind)
+        names = {x.strip() for x in re.sub(r"\([^)]*\)", "", labels).split(",") if x.strip()}
+        assert names == set(s.labels), (name, labels, s.labels)
