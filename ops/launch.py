@@ -38,6 +38,7 @@ from common import lifeline, remote  # noqa: E402
 from common.config import Config, ConfigError, load_config, save_config  # noqa: E402
 from common.metrics import Metrics  # noqa: E402
 from common.placement import STORE_FILE_ENV, build_plan  # noqa: E402
+from common.preflight import missing_files  # noqa: E402
 
 PY = sys.executable
 STOP_GRACE_S = 6.0
@@ -46,8 +47,13 @@ STOP_GRACE_S = 6.0
 # ------------------------------------------------------------------------------------------ health
 
 
+class ProbeError(RuntimeError):
+    """A health probe that cannot succeed however long it waits (its keys, a wrong server): said at once."""
+
+
 def buffer_healthy(cfg: Config, timeout_s: float = 1.0) -> bool:
-    """The buffer answers a StatsRequest on its learner socket."""
+    """The buffer answers a StatsRequest on its learner socket (False: no answer yet; ProbeError: the probe
+    cannot work, e.g. a client key file that does not exist)."""
     import zmq
 
     from common import protocol
@@ -56,14 +62,20 @@ def buffer_healthy(cfg: Config, timeout_s: float = 1.0) -> bool:
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        _apply_client_curve(sock, cfg)
-        sock.connect(cfg.buffer.serve_addr)
+        try:
+            _apply_client_curve(sock, cfg)
+            sock.connect(cfg.buffer.serve_addr)
+        except Exception as e:
+            raise ProbeError(f"the health probe cannot reach buffer.serve_addr={cfg.buffer.serve_addr}: {e}") from None
         sock.send(protocol.encode(protocol.StatsRequest()))
-        if sock.poll(int(timeout_s * 1000)):
+        if not sock.poll(int(timeout_s * 1000)):
+            return False
+        try:
             protocol.decode_as(sock.recv(), protocol.StatsReply)
-            return True
-        return False
-    except Exception:
+        except Exception as e:
+            raise ProbeError(f"buffer.serve_addr={cfg.buffer.serve_addr} answered, but not as a vapo buffer: {e}") from None
+        return True
+    except zmq.ZMQError:
         return False
     finally:
         sock.close(0)
@@ -89,8 +101,11 @@ def wait_until(what: str, ok: Any, child: Child | None, timeout_s: float) -> Non
     deadline = time.time() + timeout_s
     delay = 0.05
     while time.time() < deadline:
-        if ok():
-            return
+        try:
+            if ok():
+                return
+        except ProbeError as e:
+            raise LaunchError(what, str(e) + (f"\n{child.tail()}" if child else "")) from None
         if child is not None and not child.alive():
             raise LaunchError(child.name, f"exited with code {child.returncode} while starting\n{child.tail()}")
         time.sleep(delay)  # polling a health condition with a deadline, not synchronising on time
@@ -361,7 +376,10 @@ def dry_run(args: argparse.Namespace) -> int:
         print(f"ops/launch.sh: {e}", file=sys.stderr)
         return 2
     print(plan.render())
-    return 0
+    missing = missing_files(cfg, ROOT)
+    for line in missing:
+        print(f"ops/launch.sh: missing {line}", file=sys.stderr)
+    return 2 if missing else 0
 
 
 def _stop(_signum: int, _frame: Any) -> None:
@@ -390,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, overrides = resolve_run(args.config, args.overrides, args.resume)
         build_plan(cfg, abs_run_dir(cfg) / "config.yaml", PY, ROOT)  # refuse a bad placement before anything is written
+        missing = missing_files(cfg, ROOT)
+        if missing:
+            raise ConfigError("files the config names do not exist:\n  " + "\n  ".join(missing))
     except (ConfigError, LaunchError) as e:
         print(f"ops/launch.sh: {e}", file=sys.stderr)
         return 2

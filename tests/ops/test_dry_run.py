@@ -2,23 +2,50 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from common.config import load_config
+from common.preflight import missing_files
+from tests.common.test_placement import QWEN_05B, QWEN_7B, QWEN_32B
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _launch(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(ROOT / "ops" / "launch.sh"), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+def _launch(*args: str, path_dir: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    if path_dir is not None:  # multi-host ssh plans need pdsh at plan time: a stand-in where it is missing
+        env["PATH"] = f"{path_dir}{os.pathsep}{env.get('PATH', '')}"
+    return subprocess.run([str(ROOT / "ops" / "launch.sh"), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=env)
 
 
-@pytest.mark.parametrize("config,ranks,engines", [("gpu-small.yaml", 1, 1), ("gpu-node8.yaml", 6, 2),
-                                                  ("paper.yaml", 28, 9)])
-def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path: Path, config: str, ranks: int, engines: int) -> None:
+def _model_and_data(tmp_path: Path, hf: dict) -> list[str]:
+    """A model directory with the config.json of the real model, a jsonl task file, a pdsh on PATH."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(hf))
+    (tmp_path / "train.jsonl").write_text('{"question": "1+1", "answer": "2"}\n')
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if shutil.which("pdsh") is None:
+        (bin_dir / "pdsh").write_text("#!/bin/sh\nexit 1\n")
+        (bin_dir / "pdsh").chmod(0o755)
+    return [f"model.path={tmp_path / 'model'}", f"task.name=jsonl:{tmp_path / 'train.jsonl'}"]
+
+
+@pytest.mark.parametrize("config,ranks,engines,hf", [("gpu-small.yaml", 1, 1, QWEN_05B), ("gpu-node8.yaml", 6, 2, QWEN_7B),
+                                                     ("paper.yaml", 28, 9, QWEN_32B)])
+def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path: Path, config: str, ranks: int, engines: int,
+                                                    hf: dict) -> None:
     # Flags may follow the overrides (`CONFIG key=val --dry-run`), as they may precede them.
-    p = _launch(f"ops/configs/{config}", f"run.root={tmp_path / 'runs'}", "--dry-run")
+    files = _model_and_data(tmp_path, hf)
+    p = _launch(f"ops/configs/{config}", f"run.root={tmp_path / 'runs'}", *files, "--dry-run", path_dir=tmp_path / "bin")
     assert p.returncode == 0, p.stderr
     out = p.stdout
     assert f"{ranks} learner rank(s)" in out
@@ -38,3 +65,35 @@ def test_resume_flag_after_the_overrides_is_accepted(tmp_path: Path) -> None:
     p = _launch("ops/configs/smoke.yaml", f"run.root={tmp_path}", "--dry-run", "--resume")
     assert p.returncode == 0, p.stderr
     assert " -m learner " in p.stdout and "DS_ACCELERATOR=cpu" in p.stdout  # the CPU plan: one learner process
+
+
+def test_dry_run_names_every_missing_file_by_its_key(tmp_path: Path) -> None:
+    """Every file a config names is checked before anything starts: each missing one is named by its key,
+    and the exit code says the run would fail."""
+    nokeys = tmp_path / "nokeys"
+    p = _launch("ops/configs/paper.yaml", f"run.root={tmp_path / 'runs'}", f"model.path={tmp_path / 'nomodel'}",
+                f"task.name=jsonl:{tmp_path / 'no.jsonl'}", f"buffer.curve.server_secret_key={nokeys}/server.key_secret",
+                f"buffer.curve.client_secret_key={nokeys}/actor.key_secret", f"buffer.curve.keys_dir={nokeys}",
+                f"engine.admin_api_key_file={tmp_path / 'no.key'}", f"placement.ssh_args=-F {tmp_path / 'no_ssh_config'}",
+                "--dry-run", path_dir=tmp_path)
+    assert p.returncode == 2, p.stdout[-2000:]
+    for key in ("model.path", "task.name", "buffer.curve.server_secret_key", "buffer.curve.client_secret_key",
+                "buffer.curve.keys_dir (server_public_key)", "engine.admin_api_key_file", "placement.ssh_args"):
+        assert f"missing {key}: " in p.stderr, (key, p.stderr)
+    assert "process plan" in p.stdout  # the plan is still shown
+    assert not (tmp_path / "runs").exists()
+
+
+def test_paper_keys_are_what_the_documented_command_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """paper.yaml's keys are found after `python -m buffer.keys keys/` (the README's command) in the
+    repository root: the server's and every client role's."""
+    from common.security import ROLES, client_curve_keys, server_keys
+
+    subprocess.run([sys.executable, "-m", "buffer.keys", "keys/"], cwd=tmp_path, check=True, capture_output=True,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    cfg = load_config(ROOT / "ops" / "configs" / "paper.yaml")
+    monkeypatch.chdir(tmp_path)  # every process of a run starts in the repository root
+    assert server_keys(cfg.buffer.curve) is not None
+    for role in ROLES:
+        assert client_curve_keys(cfg.buffer.curve, role) is not None
+    assert not [m for m in missing_files(cfg, tmp_path) if m.startswith("buffer.curve")]

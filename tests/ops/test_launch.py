@@ -296,3 +296,19 @@ def test_launcher_heartbeat_keeps_a_guarded_process_and_its_stop_ends_it(tmp_pat
     launcher.stop_all()
     assert not c.alive() and time.time() - t0 < mod.STOP_GRACE_S
     assert processes_mentioning(str(marker)) == []
+
+
+def test_buffer_probe_reports_a_missing_key_file_at_once(tmp_path: Path) -> None:
+    """A probe that cannot work (its client key file does not exist) says why at once, instead of waiting out
+    its deadline and reporting the buffer "not healthy"."""
+    from common.config import load_config
+    from common.security import generate_keypair
+
+    mod = _launch_module()
+    server_pub, _ = generate_keypair(tmp_path, "server")
+    cfg = load_config(None, [f"buffer.curve.server_public_key={server_pub}",
+                             f"buffer.curve.client_secret_key={tmp_path / 'client-0.key_secret'}"])
+    t0 = time.time()
+    with pytest.raises(mod.LaunchError, match="client-0.key_secret not found"):
+        mod.wait_until("buffer", lambda: mod.buffer_healthy(cfg), None, 10)
+    assert time.time() - t0 < 3
