@@ -94,7 +94,8 @@ class BootstrapConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = f("runs/_base/addition-tiny", "HF model dir of the base policy; built by learner.sft if missing")
+    path: str = f("ops/bases/addition-tiny", "HF model dir of the base policy (shipped: ops/bases/*, checked against its manifest.json); built by learner.sft if missing")
+    rebuild: bool = f(False, "ops/launch.sh: rebuild model.path with learner.sft even when it exists (replaces it and its manifest; a modified shipped base is refused without this)")
     dtype: str = f("float32", "parameter dtype for engines and learner: float32 | bfloat16 | float16")
     bootstrap: BootstrapConfig = sub(BootstrapConfig, "how learner.sft builds the embedded base policy")
 
@@ -284,6 +285,11 @@ class PlacementConfig:
     ssh_alive_count_max: int = f(3, "ssh ServerAliveCountMax: a link silent for interval x this is lost; the launcher stops the run, the remote process stops itself")
     srun_cpus_per_task: int = f(0, "placement.remote=srun: CPUs of each srun'd engine/actor step, learner steps split them over their ranks per host (0 = $SLURM_CPUS_ON_NODE; srun's own default is one)")
     gpu_memory_gib: float = f(80.0, "memory of one GPU; the launcher refuses a placement whose estimated model states do not fit")
+    gpu_peak_tflops: float = f(989.0, "balance estimate (--dry-run): dense bf16 peak TFLOP/s of one GPU (H100/H800 SXM 989, A100 312)")
+    learner_utilization: float = f(0.35, "balance estimate: fraction of peak the learner's training reaches (ZeRO-3 with activation checkpointing: ~0.3-0.4)")
+    engine_utilization: float = f(0.12, "balance estimate: fraction of peak an engine's generation reaches (decoding is memory-bound: ~0.1-0.15)")
+    est_prompt_tokens: int = f(256, "balance estimate: mean prompt length in tokens")
+    est_response_tokens: int = f(0, "balance estimate: mean response length in tokens (0 = half of actors.max_new_tokens)")
     learner_memory_fraction: float = f(0.6, "share of a learner GPU that model states (weights, grads, Adam) may take; the rest is activations")
 
 
@@ -411,6 +417,11 @@ def _validate(cfg: Config) -> None:
         ("placement.ssh_alive_interval_s", cfg.placement.ssh_alive_interval_s >= 1, "must be >= 1"),
         ("placement.ssh_alive_count_max", cfg.placement.ssh_alive_count_max >= 1, "must be >= 1"),
         ("placement.srun_cpus_per_task", cfg.placement.srun_cpus_per_task >= 0, "must be >= 0"),
+        ("placement.gpu_peak_tflops", cfg.placement.gpu_peak_tflops > 0, "must be > 0"),
+        ("placement.learner_utilization", 0 < cfg.placement.learner_utilization <= 1, "must be in (0, 1]"),
+        ("placement.engine_utilization", 0 < cfg.placement.engine_utilization <= 1, "must be in (0, 1]"),
+        ("placement.est_prompt_tokens", cfg.placement.est_prompt_tokens >= 0, "must be >= 0"),
+        ("placement.est_response_tokens", cfg.placement.est_response_tokens >= 0, "must be >= 0"),
         ("task.min_digits", 1 <= cfg.task.min_digits <= cfg.task.max_digits, "must satisfy 1 <= min <= max_digits"),
         ("task.min_steps", 1 <= cfg.task.min_steps <= cfg.task.max_steps <= 99, "must satisfy 1 <= min <= max_steps <= 99"),
     ]

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import remote
+from common import balance, remote
 from common.config import Config, ConfigError
 from common.security import is_local_endpoint
 
@@ -74,6 +74,7 @@ class Plan:
     procs: list[Proc]
     ranks: list[Rank]
     memory: dict[str, Any] = field(default_factory=dict)
+    balance: dict[str, Any] = field(default_factory=dict)  # common.balance.estimate: time per step of each side
     files: dict[str, str] = field(default_factory=dict)  # run-dir relative name -> content the launcher writes
     notes: list[str] = field(default_factory=list)
 
@@ -98,6 +99,9 @@ class Plan:
             lines += [f"    {ln}" for ln in text.splitlines()]
         if self.memory:
             lines.append("  memory: " + json.dumps(self.memory, sort_keys=True))
+        if self.balance:
+            line, warning = balance.describe(self.balance)
+            lines += [f"  {line}"] + ([f"  {warning}"] if warning else [])
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -245,7 +249,11 @@ def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, roo
     if b.cpu:
         b.notes.append("run.device=cpu: placement.*_gpus name slots (no device is assigned); GPU memory not checked")
     else:
-        plan.memory = check_memory(cfg, plan, eg, lg, hf_config)
+        hf = hf_config if hf_config is not None else read_model_config(cfg.model.path)
+        plan.memory = check_memory(cfg, plan, eg, lg, hf)
+        if hf is not None and plan.memory:  # the shape was readable
+            engine_gpus = len(eg) if cfg.engine.kind != "external" else 0
+            plan.balance = balance.estimate(cfg, engine_gpus, len(lg), count_parameters(hf), hf)
     return plan
 
 

@@ -132,15 +132,15 @@ def test_gpu_config_plans_add_up(name: str, hf: dict) -> None:
 
 def test_paper_plan_spans_hosts_with_a_hostfile_and_remote_starts() -> None:
     cfg, plan = _plan("paper.yaml", QWEN_32B)
-    assert len(plan.ranks) == 28 and len({r.host for r in plan.ranks}) == 4
+    assert len(plan.ranks) == 48 and len({r.host for r in plan.ranks}) == 7
     learner = plan.proc("learner")
     assert "--hostfile" in learner.argv and learner.argv[learner.argv.index("--launcher") + 1] == "pdsh"
     assert plan.files["hostfile"].splitlines()[0] == "node0 slots=8"
     assert "DS_ACCELERATOR=cuda" in plan.files["deepspeed_env"]
     remote = [p for p in plan.procs if p.host != "node0"]
     assert remote and all(p.argv[0] == "ssh" for p in remote)
-    # 32B policy + critic over 28 ZeRO-3 ranks: (32.76e9 + 31.99e9) * 16 / 28 bytes.
-    expected = (32_763_876_352 + 31_985_313_793) * 16 / 28 / GIB
+    # 32B policy + critic over 48 ZeRO-3 ranks: (32.76e9 + 31.99e9) * 16 / 48 bytes.
+    expected = (32_763_876_352 + 31_985_313_793) * 16 / 48 / GIB
     assert plan.memory["learner_states_gib_per_gpu"] == pytest.approx(expected, abs=0.01)
 
 
@@ -156,24 +156,24 @@ def test_cpu_default_plan_is_unchanged() -> None:
     # A 32B policy + critic cannot be trained on one shared GPU.
     ("gpu-small.yaml", QWEN_32B, [], "placement.learner_gpus: policy \\+ critic model states need"),
     # The paper's placement with a quarter of the learner GPUs does not fit either.
-    ("paper.yaml", QWEN_32B, ["placement.learner_gpus=4-10", "placement.engine_gpus=0-3,32-63"], "model states"),
+    ("paper.yaml", QWEN_32B, ["placement.learner_gpus=4-10", "placement.engine_gpus=0-3,52-63"], "model states"),
     ("gpu-node8.yaml", QWEN_7B, ["placement.learner_gpus=1-7"], "given to both engines and the learner"),
     ("gpu-node8.yaml", QWEN_7B, ["placement.engine_gpus=0"], "engine_gpus: 1 GPU"),
     ("gpu-node8.yaml", QWEN_7B, ["placement.learner_gpus=2-8"], "GPU 8 does not exist"),
     ("gpu-node8.yaml", QWEN_7B, ["placement.learner_gpus="], "needs the learner's GPUs"),
-    ("paper.yaml", QWEN_32B, ["placement.engine_gpus=6-9,32-63", "placement.learner_gpus=0-5,10-31"],
+    ("paper.yaml", QWEN_32B, ["placement.engine_gpus=6-9,52-63", "placement.learner_gpus=0-5,10-51"],
      "would span hosts"),
-    ("paper.yaml", QWEN_32B, ["placement.engine_gpus=0-7,36-63", "placement.learner_gpus=8-35"],
+    ("paper.yaml", QWEN_32B, ["placement.engine_gpus=0-7,56-63", "placement.learner_gpus=8-55"],
      "rank 0 must run on host 0"),
     ("paper.yaml", QWEN_32B, ["buffer.ingest_addr=tcp://127.0.0.1:5555"], "buffer.ingest_addr: actors run on other hosts"),
     ("paper.yaml", QWEN_32B, ["placement.remote=srun"], "one srun step places the ranks by count"),
-    ("paper.yaml", QWEN_32B, ["placement.store_protection="], "placement.store_protection: the learner spans 4 hosts"),
-    ("paper.yaml", QWEN_32B, ["placement.engine_gpus=32-63,0-3", "actors.num_actors=9"], None),
+    ("paper.yaml", QWEN_32B, ["placement.store_protection="], "placement.store_protection: the learner spans 7 hosts"),
+    ("paper.yaml", QWEN_32B, ["placement.engine_gpus=52-63,0-3"], None),
     ("default.yaml", None, ["placement.engine_gpus=0"], "run.device=cpu"),
 ])
 def test_bad_placements_are_refused_naming_the_key(name: str, hf: dict | None, overrides: list[str],
                                                    match: str | None) -> None:
-    if match is None:  # a reordered engine list is still valid: engine 0 moves to host 4 ...
+    if match is None:  # a reordered engine list is still valid: engine 0 moves to host 6 ...
         with pytest.raises(ConfigError, match="learner.eval_engine_url"):  # ... so evaluation needs a URL
             _plan(name, hf, *overrides)
         return

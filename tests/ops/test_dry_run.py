@@ -40,7 +40,7 @@ def _model_and_data(tmp_path: Path, hf: dict) -> list[str]:
 
 
 @pytest.mark.parametrize("config,ranks,engines,hf", [("gpu-small.yaml", 1, 1, QWEN_05B), ("gpu-node8.yaml", 6, 2, QWEN_7B),
-                                                     ("paper.yaml", 28, 9, QWEN_32B)])
+                                                     ("paper.yaml", 48, 4, QWEN_32B)])
 def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path: Path, config: str, ranks: int, engines: int,
                                                     hf: dict) -> None:
     # Flags may follow the overrides (`CONFIG key=val --dry-run`), as they may precede them.
