@@ -10,8 +10,11 @@ Sockets (one thread, one ``zmq.Poller``):
   answered ``IngestAck(committed=True)`` only after that commit. A re-sent group_id is acknowledged again
   (``duplicate=True``) and stored once. ``IngestAck.error`` is ``""`` when the group was stored,
   ``"stale"`` / ``"filtered:uniform_reward"`` when it was recorded but will never be served (still
-  ``committed=True``: do not re-send), and ``"full: ..."`` / ``"storage: ..."`` with ``committed=False``
-  when it was not stored (re-send later).
+  ``committed=True``: do not re-send), ``"full: ..."`` / ``"storage: ..."`` with ``committed=False``
+  when it was not stored (re-send later), and ``"invalid:<reason>: ..."`` with ``committed=False`` when the
+  group breaks the ingest bounds of ``common.limits`` (empty prompt or response, token id past the
+  vocabulary, reward outside the task's range, logprob > 0, too long): never stored, counted in
+  ``vapo_buffer_invalid_groups{reason}``, final (re-sending cannot help).
 - ``buffer.serve_addr`` (ROUTER; clients are REQ sockets, so the wire is what a REP socket spoke) — the
   learner sends ``BatchRequest(learner_version, n_groups, timeout_ms)``: groups with
   ``weight_version < learner_version - max_staleness`` are deleted and counted, then the ``n_groups``
@@ -59,6 +62,13 @@ take all capacity. A connection that closes gives back its unused credit at once
 reports the closed descriptor, and every frame carries the descriptor it came on). With CurveZMQ an actor
 id belongs to the first client key that asks credit for it (until the buffer restarts); another key
 asking for it is refused (``actor_key``).
+
+Roles: with CurveZMQ keys (every launched run: ``common.security``) each frame carries its client key, and
+the key's role decides what it may send: ``SampleGroup`` and ``CreditRequest`` only from ``actor`` keys,
+``BatchRequest`` and ``PositivesRequest`` (which take groups and move the learner version) only from the
+``learner`` key, ``StatsRequest`` from any key of the run; anything else is answered ``ErrorReply(role)``.
+A client without a key of the run never gets a frame through; the socket monitors count those connections
+(``vapo_buffer_auth_refused{socket}``).
 
 Bad frames on either socket are counted in ``vapo_buffer_rejected_frames{reason}`` (``ProtocolError``
 reason, ``multipart``, ``unexpected_type``), answered with ``ErrorReply``, and the server keeps serving.

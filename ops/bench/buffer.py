@@ -5,7 +5,9 @@
 Prints one JSON line. Workload: groups of 16 samples with 1,000-token responses (100-token prompts),
 rewards all 0 (no positives harvesting), sent by ``--senders`` processes through ``AsyncGroupSender.send``
 (``--window`` concurrent sends, default 32) over TCP on 127.0.0.1 to ``python -m buffer`` (a subprocess),
-acknowledged after each LMDB commit (fsync on). Credit/admission is not exercised (the senders do not acquire). The baseline, in
+acknowledged after each LMDB commit (fsync on). As in a launched run, every client authenticates with the
+run's CurveZMQ key of its role (``--no-curve``: plain sockets, to measure what encryption costs) and every
+group passes the ingest bounds (``common.limits``; vocabulary 151,936 as Qwen2's). Credit/admission is not exercised (the senders do not acquire). The baseline, in
 the same run: one process writing the same encoded frames to a fresh LMDB with the same key layout,
 ``buffer.commit_batch`` groups per transaction, same sync settings. Then ``BatchClient.get_batch`` for
 512 groups, timed to bytes received and to decoded ``BatchReply``.
@@ -59,8 +61,15 @@ def build_groups(n: int, seed: int, prefix: str, g: int, tokens: int) -> list[An
     return out
 
 
+def _keys(keys_dir: str, role: str) -> Any:
+    from common.config import CurveConfig
+    from common.security import client_curve_keys
+
+    return client_curve_keys(CurveConfig(keys_dir=keys_dir), role) if keys_dir else None
+
+
 def sender_main(addr: str, actor: int, n: int, g: int, tokens: int, window: int, rounds: int, ready: Any,
-                starts: list[Any], results: Any) -> None:
+                starts: list[Any], results: Any, keys_dir: str = "") -> None:
     import asyncio
 
     from buffer.client import AsyncGroupSender
@@ -75,7 +84,7 @@ def sender_main(addr: str, actor: int, n: int, g: int, tokens: int, window: int,
         return list(await asyncio.gather(*(one(x) for x in groups)))
 
     async def main() -> None:
-        async with AsyncGroupSender(addr, actor, ack_timeout_s=30.0) as s:
+        async with AsyncGroupSender(addr, actor, ack_timeout_s=30.0, curve=_keys(keys_dir, "actor")) as s:
             for r in range(rounds):
                 groups = build_groups(n, 1000 * r + actor, f"s{actor}-r{r}", g, tokens)
                 ready.put(actor)
@@ -128,6 +137,7 @@ def main() -> int:
     ap.add_argument("--commit-batch", type=int, default=64)
     ap.add_argument("--window", type=int, default=32, help="unacknowledged groups per sender")
     ap.add_argument("--rounds", type=int, default=3, help="alternating ingest/raw rounds (medians reported)")
+    ap.add_argument("--no-curve", action="store_true", help="plain sockets (no CurveZMQ), to measure its cost")
     args = ap.parse_args()
     n_total = args.senders * args.groups_per_sender
     if n_total * args.rounds < 2 * args.serve_groups:
@@ -139,10 +149,16 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="vapo-bench-buffer-"))
     ingest, serve = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     env = dict(os.environ, PYTHONPATH=str(REPO))
+    keys_dir = ""
+    if not args.no_curve:
+        from common.security import generate_run_keys
+
+        keys_dir = str(generate_run_keys(work / "keys"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "buffer", f"buffer.path={work / 'buffer'}", f"buffer.ingest_addr={ingest}",
          f"buffer.serve_addr={serve}", "buffer.metrics_port=0", f"buffer.commit_batch={args.commit_batch}",
-         "buffer.capacity_groups=1000000", "run.log_level=WARNING"],
+         "buffer.capacity_groups=1000000", "run.log_level=WARNING", f"buffer.curve.keys_dir={keys_dir}",
+         "buffer.vocab_size=151936", f"actors.max_new_tokens={args.tokens}", f"model.path={work / 'no-model'}"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert proc.stdout is not None
@@ -155,7 +171,7 @@ def main() -> int:
         starts = [ctx.Event() for _ in range(args.rounds)]
         senders = [ctx.Process(target=sender_main, args=(ingest, a, args.groups_per_sender, args.group_size,
                                                          args.tokens, args.window, args.rounds, ready, starts,
-                                                         results))
+                                                         results, keys_dir))
                    for a in range(args.senders)]
         for p in senders:
             p.start()
@@ -180,7 +196,7 @@ def main() -> int:
         raw_s = statistics.median(raw_times)
         n_total_all = n_total * args.rounds
 
-        with BatchClient(serve, request_timeout_s=120) as c:
+        with BatchClient(serve, request_timeout_s=120, curve=_keys(keys_dir, "learner")) as c:
             stats = c.stats()
             assert stats["depth_groups"] == n_total_all, stats
             t0 = time.perf_counter()
@@ -221,6 +237,7 @@ def main() -> int:
             "ingest_s_rounds": [round(t, 3) for t in ingest_times],
             "raw_s_rounds": [round(t, 3) for t in raw_times],
             "resent": resent,
+            "curve": not args.no_curve,
             "ingest_commits": int(stats["ingest_commits"]),
             "cpus": os.cpu_count(),
         }

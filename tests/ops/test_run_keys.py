@@ -1,0 +1,57 @@
+"""The launcher gives every run its own CurveZMQ keys when the config names none (every socket of the run then
+authenticates its clients, loopback included), keeps them on --resume, and leaves keys it did not make alone."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import zmq
+
+from common.config import load_config
+from common.security import SecurityError, client_curve_keys, generate_keypair, server_keys
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _launch_module():
+    spec = importlib.util.spec_from_file_location("launch_keys_mod", ROOT / "ops" / "launch.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules["launch_keys_mod"] = mod
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def test_the_launcher_writes_per_run_keys_with_roles_and_private_modes(tmp_path: Path) -> None:
+    mod = _launch_module()
+    cfg = load_config(None, [f"run.root={tmp_path}", "run.name=k"])
+    keys = mod.ensure_run_keys(cfg)
+    assert keys == tmp_path / "k" / "keys" and cfg.buffer.curve.keys_dir == str(keys)
+    assert keys.stat().st_mode & 0o777 == 0o700
+    for role in ("server", "actor", "learner", "monitor"):
+        assert (keys / f"{role}.key_secret").stat().st_mode & 0o777 == 0o600
+    srv = server_keys(cfg.buffer.curve)
+    assert srv is not None and sorted(srv.roles.values()) == ["actor", "learner", "monitor"]
+    monitor = client_curve_keys(cfg.buffer.curve, "monitor")
+    assert monitor is not None and srv.roles[monitor.public.decode()] == "monitor"
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    try:
+        mod._apply_client_curve(sock, cfg)  # the health probe: the monitor key, not an actor's or the learner's
+        assert sock.getsockopt(zmq.MECHANISM) == zmq.CURVE
+    finally:
+        sock.close(0)
+    with pytest.raises(SecurityError, match="must name its role"):
+        client_curve_keys(cfg.buffer.curve)  # with a keys directory, no client can go without a role
+    before = (keys / "learner.key_secret").read_bytes()
+    again = load_config(None, [f"run.root={tmp_path}", "run.name=k"])
+    assert mod.ensure_run_keys(again) == keys and (keys / "learner.key_secret").read_bytes() == before  # --resume
+
+
+def test_keys_named_in_the_config_are_used_as_they_are(tmp_path: Path) -> None:
+    mod = _launch_module()
+    pub, _ = generate_keypair(tmp_path / "mine", "server")
+    cfg = load_config(None, [f"run.root={tmp_path}", "run.name=k", f"buffer.curve.server_public_key={pub}"])
+    assert mod.ensure_run_keys(cfg) is None and cfg.buffer.curve.keys_dir == ""
+    assert not (tmp_path / "k" / "keys").exists()
