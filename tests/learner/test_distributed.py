@@ -25,7 +25,7 @@ OVERRIDES = ["learner.batch_groups=4", "learner.mini_batches=2", "learner.micro_
              "learner.value_head_init_std=0.02"]
 
 HARNESS = textwrap.dedent("""
-    import sys
+    import json, sys
     sys.path.insert(0, {repo!r})
     import torch
     from safetensors.torch import save_file
@@ -36,36 +36,46 @@ HARNESS = textwrap.dedent("""
     from tests.learner.synth import child_env, synth_groups
 
     model, out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    GRADS = {grads!r}
     cfg = load_config(None, [f"model.path={{model}}", *{overrides!r}])
     src = ListSource(synth_groups(4, 4, 60, seed=21)) if rank() == 0 else None
     learner = Learner(cfg, src)
-    learner.step()                                        # fetched on rank 0, broadcast to rank 1
-    learner.step(synth_groups(1, 3, 60, seed=22))         # 3 rows: rank 1 has none in one mini-batch
+    s1 = learner.step()                                   # fetched on rank 0, broadcast to rank 1
+    s2 = learner.step(synth_groups(1, 3, 60, seed=22))    # 3 rows: rank 1 has none in one mini-batch
     if rank() == 0:
         sd = {{"p." + k: v.clone().contiguous() for k, v in learner.policy.module.state_dict().items()}}
         sd.update({{"c." + k: v.clone().contiguous() for k, v in learner.critic.module.state_dict().items()}})
         save_file(sd, out)
+        with open(out + ".stats.json", "w") as fh:
+            json.dump([{{k: s[k] for k in GRADS}} for s in (s1, s2)], fh)
     from learner.dist import shutdown_distributed  # a live gloo group at exit aborts 1 exit in ~6
     shutdown_distributed()
 """)
 
+# Gradient norms before clipping, per step (mean over its mini-batches): AdamW moves parameters by ~lr
+# whatever the gradient's scale, so a lost or doubled normaliser (world size, token count) shows in these
+# and hardly in the parameters.
+GRADS = ("actor_grad_norm", "critic_grad_norm")
 
-def _one_rank(model: Path) -> dict[str, torch.Tensor]:
+
+def _one_rank(model: Path) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
     from common.config import load_config
     from learner.data import ListSource
 
     cfg = load_config(None, [f"model.path={model}", *OVERRIDES])
     learner = Learner(cfg, ListSource(synth_groups(4, 4, 60, seed=21)))
-    learner.step()
-    learner.step(synth_groups(1, 3, 60, seed=22))
+    stats = [learner.step(), learner.step(synth_groups(1, 3, 60, seed=22))]
     sd = {"p." + k: v.clone() for k, v in learner.policy.module.state_dict().items()}
     sd.update({"c." + k: v.clone() for k, v in learner.critic.module.state_dict().items()})
-    return sd
+    return sd, [{k: s[k] for k in GRADS} for s in stats]
 
 
-def _two_ranks(model: Path, tmp_path: Path, shm: bool, deepspeed_launcher: bool) -> dict[str, torch.Tensor]:
+def _two_ranks(model: Path, tmp_path: Path, shm: bool,
+               deepspeed_launcher: bool) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
+    import json
+
     harness = tmp_path / "dist_harness.py"
-    harness.write_text(HARNESS.format(repo=str(REPO), overrides=OVERRIDES))
+    harness.write_text(HARNESS.format(repo=str(REPO), overrides=OVERRIDES, grads=GRADS))
     out = tmp_path / "two_ranks.safetensors"
     env = child_env(OMP_NUM_THREADS="1", VAPO_DS_SHM="1" if shm else "0")
     if deepspeed_launcher:  # adds --local_rank=N to our arguments; ~15 s slower to start than torchrun
@@ -76,27 +86,36 @@ def _two_ranks(model: Path, tmp_path: Path, shm: bool, deepspeed_launcher: bool)
                "--master_port", str(free_port()), str(harness), str(model), str(out)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-4000:])
-    return load_file(str(out))
+    return load_file(str(out)), json.loads(Path(f"{out}.stats.json").read_text())
 
 
-def _compare(one: dict[str, torch.Tensor], two: dict[str, torch.Tensor]) -> None:
+def _compare(one: dict[str, torch.Tensor], two: dict[str, torch.Tensor],
+             grads_one: list[dict[str, float]] | None = None, grads_two: list[dict[str, float]] | None = None) -> None:
     assert one.keys() == two.keys()
     diff = max(float((one[k] - two[k]).abs().max()) for k in one)
-    # Adam steps of size ~lr = 1e-3: a wrong normaliser or rank share shows as ~1e-3, reduction order as ~1e-6.
+    # Adam steps of size ~lr = 1e-3: a wrong rank share shows as ~1e-3, reduction order as ~1e-6; a uniform
+    # gradient scale hardly shows here (Adam divides it out), hence the gradient norms below.
     assert diff < 2e-5, diff
+    if grads_one is not None and grads_two is not None:
+        assert len(grads_one) == len(grads_two)
+        for a, b in zip(grads_one, grads_two, strict=True):
+            for k in GRADS:
+                assert b[k] == pytest.approx(a[k], rel=1e-4), (k, a[k], b[k])
 
 
 def test_two_ranks_equal_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
-    two = _two_ranks(tiny_model_dir, tmp_path, shm=False, deepspeed_launcher=False)
-    _compare(_one_rank(tiny_model_dir), two)
+    two, g2 = _two_ranks(tiny_model_dir, tmp_path, shm=False, deepspeed_launcher=False)
+    one, g1 = _one_rank(tiny_model_dir)
+    _compare(one, two, g1, g2)
 
 
 @pytest.mark.slow
 def test_two_ranks_deepspeed_launcher_with_shm_allreduce(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Same under the DeepSpeed launcher, with DeepSpeed's shared-memory all-reduce op (JIT-built once into
     TORCH_EXTENSIONS_DIR: ~80 s the first time, which is why this is slow)."""
-    two = _two_ranks(tiny_model_dir, tmp_path, shm=True, deepspeed_launcher=True)
-    _compare(_one_rank(tiny_model_dir), two)
+    two, g2 = _two_ranks(tiny_model_dir, tmp_path, shm=True, deepspeed_launcher=True)
+    one, g1 = _one_rank(tiny_model_dir)
+    _compare(one, two, g1, g2)
 
 
 # ZeRO-3: every forward gathers parameters across ranks, so both ranks must run exactly as many forwards
@@ -132,13 +151,15 @@ ZERO3_HARNESS = textwrap.dedent("""
     learner.critic.module.register_forward_pre_hook(counter("critic"))
     learner.policy.module.get_output_embeddings().register_forward_pre_hook(counter("lm_head"))
     s1 = learner.step()                                   # fetched on rank 0 (+ replayed positives)
-    learner.step(odd)                                     # 3 rows: one mini-batch has a single row
+    s2 = learner.step(odd)                                # 3 rows: one mini-batch has a single row
     sd = {{"p." + k: v.clone().contiguous() for k, v in full_state_dict(learner.policy).items()}}
     sd.update({{"c." + k: v.clone().contiguous() for k, v in full_state_dict(learner.critic).items()}})
     if rank() == 0:
         save_file(sd, out)
     with open(out + f".counts{{rank()}}.json", "w") as fh:
         json.dump({{**counts, "replay_positives": s1["replay_positives"]}}, fh)
+    with open(out + f".stats{{rank()}}.json", "w") as fh:
+        json.dump([{{k: s[k] for k in ("actor_grad_norm", "critic_grad_norm")}} for s in (s1, s2)], fh)
     from learner.dist import shutdown_distributed  # a live gloo group at exit aborts 1 exit in ~6
     shutdown_distributed()
 """)
@@ -183,8 +204,7 @@ def test_zero3_two_ranks_unequal_rows_run_equal_forwards_and_equal_one_rank(tiny
     groups, positives, odd = zero3_data()
     cfg = load_config(None, [f"model.path={tiny_model_dir}", *[o for o in ZERO3 if "zero_stage" not in o]])
     one = Learner(cfg, ListSource(groups, positives=positives))
-    one.step()
-    one.step(odd)
+    g1 = [{k: s[k] for k in GRADS} for s in (one.step(), one.step(odd))]
     ref = {"p." + k: v for k, v in one.policy.module.state_dict().items()}
     ref.update({"c." + k: v for k, v in one.critic.module.state_dict().items()})
-    _compare(ref, load_file(str(out)))
+    _compare(ref, load_file(str(out)), g1, json.loads(Path(f"{out}.stats0.json").read_text()))
