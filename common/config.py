@@ -159,7 +159,8 @@ class CurveConfig:
 
 @dataclass
 class BufferConfig:
-    path: str = f("", "LMDB directory (empty = <run dir>/buffer)")
+    path: str = f("", "LMDB directory (empty = <run dir>/buffer on one host; across several placement.hosts <local_root>/<run name>/buffer)")
+    local_root: str = f("/var/tmp/vapo", "a run across several hosts keeps its LMDB buffer under <local_root>/<run name>/buffer on host 0, off the shared filesystem that holds runs/ (LMDB's memory map and locks are unsafe on NFS and similar)")
     ingest_addr: str = f("tcp://127.0.0.1:5555", "ROUTER address where actors send groups")
     serve_addr: str = f("tcp://127.0.0.1:5556", "address of the buffer's ROUTER socket (REQ/REP envelope) where the learner asks for batches")
     max_staleness: int = f(1, "serve only groups with weight_version >= learner version - max_staleness (0 = sync)")
@@ -324,7 +325,11 @@ class Config:
 
     @property
     def buffer_path(self) -> Path:
-        return Path(self.buffer.path) if self.buffer.path else self.run_dir / "buffer"
+        if self.buffer.path:
+            return Path(self.buffer.path)
+        if len(self.placement.hosts) > 1:  # runs/ is then on a network filesystem every host mounts
+            return Path(self.buffer.local_root) / self.run.name / "buffer"
+        return self.run_dir / "buffer"
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {

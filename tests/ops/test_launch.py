@@ -312,3 +312,49 @@ def test_buffer_probe_reports_a_missing_key_file_at_once(tmp_path: Path) -> None
     with pytest.raises(mod.LaunchError, match="client-0.key_secret not found"):
         mod.wait_until("buffer", lambda: mod.buffer_healthy(cfg), None, 10)
     assert time.time() - t0 < 3
+
+
+def test_prometheus_config_scrapes_sglang_engines(tmp_path: Path) -> None:
+    """SGLang engines serve sglang:* on their HTTP port's /metrics: the generated prometheus.yml scrapes them,
+    on host 0 by the bind address, on other hosts by the host's name when they bind a routable address."""
+    import yaml
+
+    from common.config import load_config
+    from common.placement import build_plan
+    from tests.common.test_placement import QWEN_7B, QWEN_32B
+
+    mod = _launch_module()
+    cfg = load_config(ROOT / "ops" / "configs" / "gpu-node8.yaml")
+    plan = build_plan(cfg, tmp_path / "config.yaml", sys.executable, ROOT, tmp_path, hf_config=QWEN_7B)
+    mod.write_prometheus_config(cfg, tmp_path / "prometheus.yml", plan)
+    jobs = {j["job_name"]: j["static_configs"][0]["targets"] for j in
+            yaml.safe_load((tmp_path / "prometheus.yml").read_text())["scrape_configs"]}
+    assert jobs["vapo_sglang"] == [f"127.0.0.1:{cfg.engine.base_port}", f"127.0.0.1:{cfg.engine.base_port + 1}"]
+    # paper.yaml: engine 0 on host 0, engines 1-3 on node6/node7, reachable when bound to a routable address.
+    env = {"PATH": os.environ.get("PATH", "") + ":" + str(tmp_path)}
+    (tmp_path / "pdsh").write_text("#!/bin/sh\n")
+    (tmp_path / "pdsh").chmod(0o755)
+    cfg = load_config(ROOT / "ops" / "configs" / "paper.yaml", ["engine.host=0.0.0.0",
+                                                                 "engine.bind_protection=private_network"])
+    plan = build_plan(cfg, tmp_path / "config.yaml", sys.executable, ROOT, tmp_path, hf_config=QWEN_32B, environ=env)
+    port = cfg.engine.base_port
+    assert mod.engine_targets(cfg, plan) == [f"0.0.0.0:{port}", f"node6:{port + 1}", f"node7:{port + 2}",
+                                             f"node7:{port + 3}"]
+
+
+def test_a_run_across_hosts_keeps_its_buffer_off_the_shared_run_directory(tmp_path: Path) -> None:
+    """runs/ of a multi-host run is on a network filesystem, where LMDB's memory map and locks are unsafe: the
+    buffer defaults to buffer.local_root on host 0; a leftover buffer of the same name makes a new run name."""
+    from common.config import load_config
+
+    one = load_config(ROOT / "ops" / "configs" / "smoke.yaml", [f"run.root={tmp_path}", "run.name=r"])
+    assert one.buffer_path == tmp_path / "r" / "buffer"  # one host: unchanged
+    multi = [f"run.root={tmp_path}", "run.name=r", "placement.hosts=[h0,h1]", f"buffer.local_root={tmp_path / 'local'}"]
+    cfg = load_config(ROOT / "ops" / "configs" / "smoke.yaml", multi)
+    assert cfg.buffer_path == tmp_path / "local" / "r" / "buffer"
+    assert load_config(ROOT / "ops" / "configs" / "smoke.yaml", [*multi, "buffer.path=/x/b"]).buffer_path == Path("/x/b")
+    mod = _launch_module()
+    (tmp_path / "local" / "r" / "buffer").mkdir(parents=True)
+    (tmp_path / "local" / "r" / "buffer" / "data.mdb").write_bytes(b"")
+    cfg, _ = mod.resolve_run(str(ROOT / "ops" / "configs" / "smoke.yaml"), multi, False)
+    assert cfg.run.name.startswith("r-") and not cfg.buffer_path.exists()
