@@ -7,8 +7,10 @@
 #
 # Without a flag the mode of an existing .venv is kept (ops/launch.sh and ops/test.sh call this with none),
 # so a GPU machine set up once with --cuda stays on CUDA. Returns in seconds when nothing changed (a stamp of
-# pyproject.toml + this file + the mode is kept in .venv). Variables: PYTHON (interpreter for the venv),
-# VAPO_VENV (venv directory, default .venv).
+# pyproject.toml + this file + the mode is kept in .venv). --cuda first checks Python >= 3.11, glibc >= 2.34
+# and an NVIDIA driver for CUDA 13, and after installing that torch sees a GPU (ops/setup_checks.py).
+# Variables: PYTHON (interpreter for the venv), VAPO_VENV (venv directory, default .venv),
+# VAPO_SETUP_NO_GPU=1 (--cuda on a machine without GPUs, e.g. a login node: no driver/GPU checks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -19,7 +21,7 @@ SGLANG_VERSION=0.5.23     # GPU: the SGLang release vapo's client follows (actor
 DEEPSPEED_VERSION=0.19.8
 MODE_FILE="$VENV/.vapo-mode"
 
-usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; }
 MODE=""
 for arg in "$@"; do
   case "$arg" in
@@ -39,6 +41,11 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/python"
 fi
 
 die() { echo "ops/setup.sh: $*" >&2; exit 1; }
+if [ "$MODE" = cuda ]; then
+  # Python, glibc and the NVIDIA driver before anything is downloaded: each fails much later, and obscurely
+  # ("cannot download sglang", a torch that sees no GPU), when it is wrong (VAPO_SETUP_NO_GPU=1 skips the driver).
+  "$PY" "$ROOT/ops/setup_checks.py" before || exit 1
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
@@ -69,7 +76,6 @@ if [ "$MODE" = cpu ]; then
   torch_is "$CPU_TORCH" cpu || die "a dependency replaced torch $CPU_TORCH (CPU) with $("$VPY" -c 'import torch; print(torch.__version__, torch.version.cuda)'); on a GPU machine use ops/setup.sh --cuda"
 else
   echo "[setup] preparing $VENV for GPUs (SGLang $SGLANG_VERSION, its CUDA torch, DeepSpeed $DEEPSPEED_VERSION)" >&2
-  command -v nvidia-smi >/dev/null 2>&1 || echo "[setup] warning: nvidia-smi not found; installing anyway (the CUDA torch only runs where a driver is)" >&2
   "${PIP[@]}" "setuptools>=68" wheel packaging
   # The torch that this SGLang release pins, read from its own metadata (not guessed): everything else
   # must agree with it.
@@ -100,6 +106,7 @@ EOF
   rm -f /tmp/vapo-pip-check.$$
   "$VPY" -c "import sglang, deepspeed, torch; print(f'[setup] torch {torch.__version__} (CUDA {torch.version.cuda}), sglang {sglang.__version__}, deepspeed {deepspeed.__version__}')" >&2 \
     || die "SGLang or DeepSpeed does not import with torch $TORCH_PIN"
+  "$VPY" "$ROOT/ops/setup_checks.py" after || exit 1  # a CUDA build that sees a GPU
 fi
 echo "$MODE" > "$MODE_FILE"
 echo "$want" > "$STAMP"
