@@ -1,13 +1,16 @@
 """``<run dir>/metrics.jsonl``: one JSON object per line, appended by rank 0 of the learner.
 
-Not a CLI. Records carry a ``kind``: ``learner_step`` and ``eval`` (``learner.runner``), ``value_pretrain``
-(``learner.value_pretrain``); ``ops/report.py`` and ``ops/launch.py`` read them. Its own module because
-both writers use it and ``learner.runner`` sits above ``learner.value_pretrain``.
+Not a CLI. Records carry a ``kind``: ``header`` (``learner.runner.main``, first, and again at each resumed
+start: what produced the records that follow, from ``common.provenance``), ``learner_step`` and ``eval``
+(``learner.runner``), ``value_pretrain`` (``learner.value_pretrain``); ``ops/report.py`` and
+``ops/launch.py`` read them, and every reader selects records by ``kind``. Its own module because both
+writers use it and ``learner.runner`` sits above ``learner.value_pretrain``.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,3 +20,23 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as fh:
         fh.write(json.dumps(record, default=float) + "\n")
+
+
+def header_record(cfg: Any) -> dict[str, Any]:
+    """``{"kind": "header", "time", "run", "resumed", **common.provenance.for_config(cfg)}``: commit, base
+    checksum, CPU model and SIMD flags, torch/DeepSpeed versions, thread settings, load."""
+    from common import provenance
+
+    path = cfg.run_dir / "metrics.jsonl"
+    resumed = path.exists() and path.stat().st_size > 0
+    return {"kind": "header", "time": time.time(), "run": cfg.run.name, "resumed": resumed,
+            **provenance.for_config(cfg)}
+
+
+def write_header(cfg: Any) -> dict[str, Any]:
+    """Append the header record to the run's metrics.jsonl (a resumed run gets one per start: the machine
+    may have changed); returns it."""
+    rec = header_record(cfg)
+    append_jsonl(cfg.run_dir / "metrics.jsonl", rec)
+    return rec
+

@@ -26,7 +26,7 @@ from common.config import Config
 from common.metrics import Metrics
 from learner.data import DataSource
 from learner.dist import all_reduce_sum, rank, shutdown_distributed, world_size
-from learner.records import append_jsonl
+from learner.records import append_jsonl, write_header
 from learner.train import Learner
 
 log = logging.getLogger("learner")
@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     metrics = Metrics("learner")
     if rank() == 0:
         save_config(cfg, cfg.run_dir / "learner_config.yaml")
+        if cfg.metrics.jsonl:
+            write_header(cfg)  # before value pretraining: every record below was produced by this
         if cfg.metrics.prometheus:
             metrics.serve(cfg.learner.metrics_port, cfg.metrics.host)
     try:

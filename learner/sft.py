@@ -36,6 +36,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import random  # noqa: E402
+import shlex  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -46,6 +47,8 @@ import torch  # noqa: E402
 from common.config import Config, ConfigError, load_config, to_dict  # noqa: E402
 from common.modeling import build_char_tokenizer, build_tiny_qwen2, save_hf  # noqa: E402
 from common.tasks import Prompt, Task, encode_prompt, get_task, stable_hash  # noqa: E402
+
+MANIFEST = "manifest.json"  # beside the weights: checksum, command, config, machine, held-out figures
 
 
 def make_example(tokenizer: Any, task: Task, prompt: Prompt, seed: int, error_rate: float) -> tuple[list[int], int]:
@@ -186,8 +189,43 @@ def train(cfg: Config, log: Any = print) -> tuple[torch.nn.Module, Any, dict[str
     return model, tokenizer, stats
 
 
-def run(cfg: Config, log: Any = print) -> dict[str, Any]:
-    """Train, evaluate on the held-out split, save to ``cfg.model.path``; returns the saved stats."""
+def manifest_for(path: str | Path, stats: dict[str, Any], command: str) -> dict[str, Any]:
+    """The ``manifest.json`` of a built base: name, checksum, the command and config that built it, the
+    machine (``common.provenance``) and the held-out figures of the closing evaluation."""
+    from common import provenance
+
+    out = Path(path)
+    ev = stats.get("eval") or {}
+    machine = provenance.collect(None, {"bootstrap": stats["threads"]})
+    return {
+        "name": out.name,
+        "sha256": provenance.base_checksum(out),
+        "bytes": sum(f.stat().st_size for f in out.iterdir() if f.is_file()),
+        "command": command,
+        "config": {"task": stats["task"], "bootstrap": stats["bootstrap"], "device": stats["device"],
+                   "max_new_tokens": stats.get("max_new_tokens")},
+        "built_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine,
+        "sft": {k: stats[k] for k in ("parameters", "steps", "stopped_by_time_cap", "sft_seconds", "steps_per_s",
+                                      "final_loss_ema", "total_seconds") if k in stats},
+        "heldout": {"k": ev.get("k"), f"avg@{ev.get('k')}": ev.get("avg_at_k"), "greedy": ev.get("greedy_accuracy"),
+                    "n_prompts": ev.get("n_prompts"),
+                    "response_length": [ev.get("min_response_length"), ev.get("max_response_length")]},
+    }
+
+
+def write_manifest(path: str | Path, manifest: dict[str, Any]) -> Path:
+    """Write ``<path>/manifest.json`` (tmp file + rename: a reader never sees half of it)."""
+    f = Path(path) / MANIFEST
+    tmp = f.with_name(f.name + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.rename(f)
+    return f
+
+
+def run(cfg: Config, log: Any = print, command: str = "") -> dict[str, Any]:
+    """Train, evaluate on the held-out split, save to ``cfg.model.path`` with its ``manifest.json``;
+    returns the saved stats."""
     from learner.evaluate import evaluate
 
     t_all = time.perf_counter()
@@ -206,9 +244,21 @@ def run(cfg: Config, log: Any = print) -> dict[str, Any]:
     stats["task"] = to_dict(cfg.task)
     stats["bootstrap"] = to_dict(b)
     model.eval().to("cpu")
+    stats["max_new_tokens"] = cfg.actors.max_new_tokens
     out = save_hf(model, tokenizer, cfg.model.path, extra={"bootstrap": stats})
+    write_manifest(out, manifest_for(out, stats, command or "python -m learner.sft (called as a library)"))
     log(f"sft: saved {out} ({stats['sft_seconds']:.0f} s of SFT, {stats['total_seconds']:.0f} s total)")
     return stats
+
+
+def record_check(base: Path, built: Path, overrides: list[str]) -> None:
+    """Store the short check build ``built`` (its overrides and held-out figures) in ``base``'s manifest."""
+    check = json.loads((built / MANIFEST).read_text())
+    m = json.loads((base / MANIFEST).read_text())
+    m["rebuild_check"] = {"overrides": [o for o in overrides if not o.startswith("model.path=")],
+                          "command": check["command"], "sha256": check["sha256"], "heldout": check["heldout"],
+                          "sft": check["sft"], "machine": check["machine"]}
+    write_manifest(base, m)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config", nargs="?", default=None, help="config YAML (default: built-in defaults)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.bootstrap.max_steps=100")
     ap.add_argument("--if-missing", action="store_true", help="do nothing when model.path already holds a model")
+    ap.add_argument("--record-check", metavar="BASE_DIR", default=None,
+                    help="this is a short check build of BASE_DIR (e.g. fewer max_steps): store its command and "
+                    "held-out figures as BASE_DIR/manifest.json's rebuild_check, which the rebuild test compares with")
     args = ap.parse_args(argv)
     path, overrides = args.config, list(args.overrides)
     if path is not None and "=" in path and not Path(path).is_file():
@@ -234,10 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sft: {cfg.model.path} exists; nothing to do (--if-missing)")
         return 0
     try:
-        stats = run(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        command = shlex.join(["python", "-m", "learner.sft", *(sys.argv[1:] if argv is None else argv)])
+        stats = run(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True), command=command)
     except ValueError as e:
         print(f"sft: {e}", file=sys.stderr)
         return 2
+    if args.record_check:
+        record_check(Path(args.record_check), Path(cfg.model.path), overrides)
     summary = {k: v for k, v in stats.items() if k not in ("task", "bootstrap", "eval")}
     if "eval" in stats:
         ev = stats["eval"]

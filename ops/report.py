@@ -3,7 +3,8 @@
     .venv/bin/python ops/report.py runs/<name>        # re-make the summary and plots of any run
 
 Called by ``ops/launch.py`` when a run finishes. Plots (``runs/<name>/plots/``): reward, held-out
-accuracy, value explained variance, response length, staleness, throughput; ``summary.json`` beside them.
+accuracy, value explained variance, response length, staleness, throughput; ``summary.json`` beside them,
+with ``provenance`` (commit, base checksum, CPU, versions, threads) from the metrics.jsonl ``header`` record.
 """
 
 from __future__ import annotations
@@ -93,10 +94,21 @@ def summarize(run_dir: Path, wall_s: float | None = None) -> dict[str, Any]:
         "evals": evals,
         "wall_seconds": round(wall_s, 1) if wall_s is not None else None,
     }
+    out.update(provenance_of(records))
     vp = [r for r in records if r.get("kind") == "value_pretrain"]
     if vp:
         # The critic RL starts from is the best on the held-out groups (learner.value_pretrain).
         out["value_pretrain_explained_variance"] = vp[-1].get("best_explained_variance", vp[-1].get("explained_variance"))
+    return out
+
+
+def provenance_of(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """``provenance``: the first metrics.jsonl header (what produced the run), or None for runs written
+    before headers existed; ``provenance_resumes``: later headers (a resumed run), when there are any."""
+    heads = [{k: v for k, v in r.items() if k != "kind"} for r in records if r.get("kind") == "header"]
+    out: dict[str, Any] = {"provenance": heads[0] if heads else None}
+    if len(heads) > 1:
+        out["provenance_resumes"] = heads[1:]
     return out
 
 
@@ -168,10 +180,17 @@ def print_table(summary: dict[str, Any]) -> None:
     t.add_row("samples trained on", fmt(summary["samples"]))
     t.add_row("wall time (s)", fmt(summary.get("wall_seconds")))
     Console().print(t)
+    from common.provenance import describe
+
+    Console().print(f"produced by: {describe(summary.get('provenance'))}", soft_wrap=True)
 
 
 def finish(cfg: Any, run_dir: Path, wall_s: float) -> dict[str, Any]:
     summary = summarize(run_dir, wall_s)
+    if summary["provenance"] is None:  # metrics.jsonl=false, or a learner that never started: this machine
+        from common.provenance import for_config
+
+        summary["provenance"] = {"source": "launcher at the end of the run", **for_config(cfg)}
     if getattr(cfg.metrics, "plots", True):
         summary["plots"] = [str(p) for p in plot(run_dir)]
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

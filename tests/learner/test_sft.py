@@ -97,3 +97,26 @@ def test_cli_help_and_bad_config(capsys: pytest.CaptureFixture[str]) -> None:
     assert "model.bootstrap.nope" in capsys.readouterr().err
     assert main(["task.name=jsonl:/no/such.jsonl"]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_sft_writes_a_manifest_that_names_what_built_the_base(tmp_path: Path) -> None:
+    from common.checksum import weights_sha256
+
+    out = tmp_path / "base"
+    assert main([*TINY, f"model.path={out}", "model.bootstrap.eval_k=2"]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    info = json.loads((out / "vapo_info.json").read_text())["bootstrap"]
+    assert m["name"] == "base" and m["sha256"] == weights_sha256(out)
+    assert m["command"].startswith("python -m learner.sft ") and f"model.path={out}" in m["command"]
+    assert m["config"]["bootstrap"]["max_steps"] == 6 and m["config"]["task"]["max_digits"] == 3
+    assert m["heldout"]["avg@2"] == info["eval"]["avg_at_k"] and m["heldout"]["greedy"] == info["eval"]["greedy_accuracy"]
+    assert m["machine"]["cpu"]["model"] and m["machine"]["versions"]["torch"] == torch.__version__
+    assert m["machine"]["threads"]["bootstrap"] == 1 and m["sft"]["steps"] == 6
+    # A shorter check build of the same base is recorded in the base's manifest for the rebuild test.
+    check = tmp_path / "check"
+    assert main([*TINY, f"model.path={check}", "model.bootstrap.max_steps=3", "model.bootstrap.eval_k=2",
+                 f"--record-check={out}"]) == 0
+    rc = json.loads((out / "manifest.json").read_text())["rebuild_check"]
+    assert rc["overrides"] == [*TINY, "model.bootstrap.max_steps=3", "model.bootstrap.eval_k=2"]
+    assert rc["sha256"] == weights_sha256(check) and rc["sft"]["steps"] == 3
+    assert json.loads((out / "manifest.json").read_text())["sha256"] == weights_sha256(out)  # the rest unchanged

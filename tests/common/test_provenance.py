@@ -1,0 +1,54 @@
+"""common.provenance: what produced a result, read from the machine and the checkout themselves."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from common import provenance
+from common.checksum import weights_sha256
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_collect_reports_this_checkout_machine_and_libraries(tiny_model_dir: Path) -> None:
+    p = provenance.collect(tiny_model_dir, {"learner": 1})
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert p["commit"]["sha"] == head and isinstance(p["commit"]["dirty"], bool)
+    model = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                 if ln.startswith("model name"))
+    assert p["cpu"]["model"] == model
+    assert p["cpu"]["torch_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert all(f.startswith(provenance.SIMD_PREFIXES) for f in p["cpu"]["simd_flags"])
+    assert p["versions"]["torch"] == torch.__version__ and p["versions"]["deepspeed"] == metadata.version("deepspeed")
+    assert p["threads"]["learner"] == 1 and p["threads"]["torch"] == torch.get_num_threads()
+    assert p["base"]["sha256"] == weights_sha256(tiny_model_dir)
+    json.dumps(p)  # it goes into JSON records as it is
+    line = provenance.describe(p)
+    assert head[:10] in line and torch.__version__ in line and p["base"]["sha256"][:12] in line
+    assert provenance.describe(None) == "unknown"
+
+
+def test_base_without_weights_or_outside_git_is_recorded_as_unknown(tmp_path: Path) -> None:
+    assert provenance.base_checksum(tmp_path / "missing") is None
+    assert provenance.commit(tmp_path) == {"sha": None, "dirty": None}
+
+
+def test_verify_base_accepts_the_described_weights_and_names_a_changed_one(tiny_model_dir: Path, tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    assert provenance.verify_base(base) is None  # no manifest: nothing to check against
+    (base / "manifest.json").write_text(json.dumps({"sha256": weights_sha256(base)}))
+    assert provenance.verify_base(base) is None
+    w = next(base.glob("*.safetensors"))
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 1
+    w.write_bytes(bytes(data))
+    problem = provenance.verify_base(base)
+    assert problem is not None and "not the one its manifest.json describes" in problem
+    assert weights_sha256(base) in problem
