@@ -9,6 +9,8 @@ the embedded default task (addition, the 0.6M-parameter base). Writes ``docs/RES
     .venv/bin/python ops/bench/experiments.py --report-only      # re-make docs/RESULTS.md from finished runs
     .venv/bin/python ops/bench/experiments.py --jobs 2           # runs in parallel, each on its own ports
     .venv/bin/python ops/bench/experiments.py --suite long       # issue 15: the long-horizon task (long_suite.py)
+    .venv/bin/python ops/bench/experiments.py --suite actor_values   # pre- vs post-update critic for the
+                                                                     # actor's advantages (actor_values_suite.py)
 
 Every run is a plain ``ops/launch.sh <config> run.root=runs/exp run.name=<exp>-s<seed> ...``; its
 directory is the record. Resumable: a run with ``summary.json`` is done and skipped, a run with a checkpoint
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import actor_values_suite  # noqa: E402
 import long_suite  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -382,6 +385,10 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
              "sampling (DAPO). "
              "Accuracy is held-out avg@8 (256 prompts × 8 samples at temperature 1); wall times are learner time "
              "from the base evaluation, net of held-out evaluations.", ""]
+    from common.provenance import machines_line
+
+    lines += ["Produced by (each run's metrics.jsonl header): "
+              + machines_line([root / run_name(e, s) for e in SUITE for s in e.seeds]), ""]
     if notes.exists():
         lines += [notes.read_text().rstrip(), ""]
 
@@ -574,6 +581,24 @@ def run_long(root: Path, args: argparse.Namespace) -> int:
     return failures
 
 
+def run_actor_values(root: Path, args: argparse.Namespace) -> int:
+    """The actor_values suite (actor_values_suite.py): run what is missing, print one JSON summary line."""
+    suite = [e for e in actor_values_suite.experiments(Experiment) if not args.only or e.name in args.only]
+    todo = [(e, s) for e in suite for s in (args.seeds or e.seeds)]
+    if args.list:
+        for e, s in todo:
+            print(f"{run_name(e, s):32s} {status(root, e, s):10s} {e.steps:3d} steps  {e.label}")
+        return 0
+    failures = 0
+    if not args.report_only:
+        root.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        failures = run_suite(root.resolve(), [(e, s) for e, s in todo if status(root, e, s) != "done"], args.jobs)
+    print(json.dumps({"bench": "experiments", "suite": "actor_values", "failed_runs": failures,
+                      "arms": actor_values_suite.summary(root, load_run)}))
+    return 1 if failures else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", default="runs/exp", help="parent directory of the experiment runs (default runs/exp)")
@@ -586,10 +611,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
     ap.add_argument("--out", default="docs/RESULTS.md", help="report path (plots go to <its dir>/results/)")
     ap.add_argument("--notes", default="docs/results/notes.md", help="hand-written reading included in the report")
-    ap.add_argument("--suite", choices=["default", "long"], default="default",
+    ap.add_argument("--suite", choices=["default", "long", "actor_values"], default="default",
                     help="default: issue 8 on the embedded default task (root runs/exp); long: issue 15's long-horizon "
-                    "task (root runs/exp-long, its own section of the report)")
+                    "task (root runs/exp-long, its own section of the report); actor_values: pre- vs post-update "
+                    "critic values for the actor, default and long tasks, 2 seeds (root runs/exp-actor-values, a "
+                    "JSON summary, no report)")
     args = ap.parse_args(argv)
+    if args.suite == "actor_values":
+        return run_actor_values(REPO / (args.root if args.root != "runs/exp" else "runs/exp-actor-values"), args)
     if args.suite == "long":
         root = (REPO / (args.root if args.root != "runs/exp" else "runs/exp-long")).resolve()
         if args.list:

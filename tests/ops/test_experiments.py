@@ -229,3 +229,26 @@ def test_long_suite_reads_buckets_from_a_rerun_final_evaluation(exp: ModuleType,
     _long_run(tmp_path / "new-s0", {0: 0.3, 40: 0.6}, 0.5)
     ls.final_eval(tmp_path / "new-s0", print)  # it has the tables already: nothing to re-run
     assert not (tmp_path / "new-s0" / "final_eval.json").exists()
+
+
+def test_actor_values_suite_resolves_and_summarises(exp: ModuleType, tmp_path: Path) -> None:
+    """The pre- vs post-update critic comparison: 2 tasks x 2 arms x 2 seeds at equal samples, every run a
+    valid config that differs from its twin only in algo.actor_values; the JSON line summarises finished runs
+    (final avg@8 at step 40, reported EV, mismatch KL on the steps that measured one)."""
+    suite = exp.actor_values_suite.experiments(exp.Experiment)
+    assert len(suite) == 4 and all(e.seeds == (0, 1) and e.steps == 40 for e in suite)
+    for e in suite:
+        cfg = load_config(ROOT / e.config, [*e.overrides, f"learner.total_steps={e.steps}"])
+        assert cfg.algo.actor_values == e.name.split("_", 2)[2]
+    for arm, acc in (("post_update", 0.6), ("pre_update", 0.7)):
+        for s in (0, 1):
+            make_run(tmp_path / f"av_default_{arm}-s{s}", {0: 0.4, 40: acc + 0.02 * s})
+    d = tmp_path / "av_default_pre_update-s0"
+    recs = (d / "metrics.jsonl").read_text().splitlines()[:-1]
+    recs = [json.dumps(json.loads(r) | {"mismatch_tokens": 10, "mismatch_kl": 0.002}) for r in recs]
+    (d / "metrics.jsonl").write_text("\n".join(recs) + "\n")
+    out = exp.actor_values_suite.summary(tmp_path, exp.load_run)
+    assert out["default/post_update"]["final_avg_at_8"] == pytest.approx(0.61)
+    assert out["default/pre_update"]["per_seed"] == [0.7, 0.72] and out["default/pre_update"]["ev_mean"] == 0.3
+    assert out["default/pre_update"]["mismatch_kl_mean"] == 0.002 and out["default/post_update"]["mismatch_kl_mean"] is None
+    assert out["long/pre_update"]["seeds_done"] == 0
