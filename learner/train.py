@@ -52,9 +52,9 @@ from common.metrics import Metrics
 from common.modeling import load_tokenizer, pad_token_id
 from learner.advantages import decoupled_gae, gae, grpo_advantages, length_adaptive_lambda, terminal_rewards
 from learner.batch import Batch, collate, collate_samples, concat, fetch_usable, row_limits
-from learner.losses import behaviour_weight
 from learner.data import DataSource, fetch
 from learner.dist import global_explained_variance, global_whiten, setup_distributed
+from learner.losses import behaviour_weight
 from learner.models import build_critic, build_policy
 from learner.update import (
     ActorParams,
