@@ -305,9 +305,12 @@ class Learner:
         for key in ("critic_loss", "value_explained_variance", "value_mean", "policy_loss", "nll_loss",
                     "clip_fraction_low", "clip_fraction_high", "clip_fraction_dual", "approx_kl", "entropy",
                     "lambda_actor_mean", "reward_mean", "positives_fraction", "response_length_mean",
-                    "tokens_per_second", "mismatch_kl", "mismatch_ratio_max", "mismatch_tokens"):
+                    "tokens_per_second", "mismatch_tokens"):
             if key in s:
                 getattr(m, key).set(s[key])
+        if s.get("mismatch_tokens", 0) > 0:  # a step without rows of its own version keeps the last measurement
+            m.mismatch_kl.set(s["mismatch_kl"])
+            m.mismatch_ratio_max.set(s["mismatch_ratio_max"])
         m.grad_norm.labels(model="actor").set(s.get("actor_grad_norm", float("nan")))
         m.lr.labels(model="actor").set(s["actor_lr"])
         if "critic_lr" in s:

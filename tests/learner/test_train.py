@@ -269,8 +269,15 @@ def test_mismatch_is_measured_at_version_equality(tiny_model_dir: Path) -> None:
     same = Learner(make_cfg(tiny_model_dir), None).step(_on_policy(synth_groups(4, 4, VOCAB, seed=8), tiny_model_dir))
     assert same["mismatch_tokens"] > 0 and abs(same["mismatch_kl"]) < 1e-6
     assert same["mismatch_ratio_max"] == pytest.approx(1.0, abs=1e-5)
-    off = Learner(make_cfg(tiny_model_dir), None).step(synth_groups(4, 4, VOCAB, seed=8))
+    learner = Learner(make_cfg(tiny_model_dir), None)
+    off = learner.step(synth_groups(4, 4, VOCAB, seed=8))
     assert off["mismatch_kl"] > 0.1 and off["mismatch_tokens"] == same["mismatch_tokens"]
+    # The next step's rows are a version old: no measurement; the gauges keep the last one, tokens say 0.
+    stale = learner.step(synth_groups(4, 4, VOCAB, seed=10))
+    reg = learner.metrics.registry
+    assert stale["mismatch_tokens"] == 0 and reg.get_sample_value("vapo_learner_mismatch_tokens") == 0
+    assert reg.get_sample_value("vapo_learner_mismatch_kl") == pytest.approx(off["mismatch_kl"])
+    assert reg.get_sample_value("vapo_learner_mismatch_ratio_max") == pytest.approx(off["mismatch_ratio_max"])
     other = Learner(make_cfg(tiny_model_dir), None).step(synth_groups(4, 4, VOCAB, seed=8, version=3))
     assert other["mismatch_tokens"] == 0 and other["mismatch_kl"] == 0.0
 
