@@ -358,7 +358,10 @@ def _learner_across_hosts(b: _Build, ranks: list[Rank], hosts: list[str], ds_env
     ds = [b.py, "-m", "deepspeed.launcher.runner", "--master_port", str(pl.master_port), "--no_local_rank",
           "--hostfile", str((b.run_dir / "hostfile").resolve()), "--include", include, "--master_addr", master,
           "--launcher", "pdsh", "--no_ssh_check", "--module", "learner", b.cfgf]
-    return Proc("learner", "learner", pl.hosts[0], ds, env, gpus, 0, via="pdsh")
+    # The runner under a guard (stdin from the launcher, no heartbeat: it is local): when the launcher dies
+    # the guard stops the runner's process group, so pdsh's ssh sessions close and the remote ranks get SIGHUP.
+    guarded = [b.py, "-m", "common.remote", "--timeout", "0", "--", *ds]
+    return Proc("learner", "learner", pl.hosts[0], guarded, env, gpus, 0, via="pdsh")
 
 
 def _engines_and_actors(b: _Build, eg: list[int]) -> None:

@@ -149,7 +149,7 @@ def guard(argv: list[str], timeout_s: float, grace_s: float = GRACE_S, stdin_fd:
     while child.poll() is None:
         if eof.is_set() or stop.is_set():
             return _stop(child, grace_s)
-        if time.monotonic() - last[0] > timeout_s:
+        if timeout_s > 0 and time.monotonic() - last[0] > timeout_s:
             print(f"common.remote: no heartbeat from the launcher for {timeout_s:g} s; stopping {argv[0]}",
                   file=sys.stderr, flush=True)
             return _stop(child, grace_s)
@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m common.remote",
                                  description="Run a command on this host for as long as the ssh link to the launcher "
                                  "lives: stop it on end of stdin or when no heartbeat byte came for --timeout seconds.")
-    ap.add_argument("--timeout", type=float, required=True, help="seconds without a heartbeat byte before stopping")
+    ap.add_argument("--timeout", type=float, required=True,
+                    help="seconds without a heartbeat byte before stopping (0: only end of stdin stops it)")
     ap.add_argument("--grace", type=float, default=GRACE_S, help="SIGTERM to SIGKILL seconds")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- the command and its arguments")
     args = ap.parse_args(argv)

@@ -348,7 +348,7 @@ class Launcher:
         order = sorted(self.children.values(), key=lambda c: (c.name != "learner", c.name == "buffer"))
         for c in order:
             if c.alive():
-                c.hang_up() if c.via == "ssh" else c.signal(signal.SIGTERM)
+                c.hang_up() if c.via in ("ssh", "pdsh") else c.signal(signal.SIGTERM)
         # One deadline for all of them (not one per child), so that stopping is bounded however many
         # children are slow: SIGTERM grace, then SIGKILL every process group at once.
         deadline = time.time() + STOP_GRACE_S

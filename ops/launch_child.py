@@ -27,7 +27,7 @@ class Child:
     log_path: Path
     max_restarts: int = 0
     env: dict[str, str] = field(default_factory=dict)
-    via: str = ""  # "ssh": its stdin is the ssh link the launcher beats on (common.remote)
+    via: str = ""  # "ssh": its stdin is the ssh link the launcher beats on; "pdsh": a local guard's stdin (common.remote)
     host: str = ""
     proc: subprocess.Popen | None = None
     restarts: int = 0
@@ -43,8 +43,14 @@ class Child:
         env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS_VARS}
         env.update(self.env)
         # lifeline: the child (and, transitively, its own children) dies with this launcher, even on SIGKILL.
+        kw = lifeline.popen_kwargs(env)
+        if self.via == "pdsh":
+            # A guard (common.remote) around DeepSpeed's runner: it must outlive this launcher long enough to
+            # stop the runner's process group, pdsh and its ssh clients included, when our end of its stdin
+            # closes; killed with us by the parent-death signal it could not.
+            kw.pop("preexec_fn", None)
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     stdin=subprocess.PIPE if self.via == "ssh" else None, **lifeline.popen_kwargs(env))
+                                     stdin=subprocess.PIPE if self.via in ("ssh", "pdsh") else None, **kw)
         log.close()
         self.started_at = time.time()
 

@@ -70,6 +70,12 @@ def _plan(name: str, hf: dict, *overrides: str):
     return cfg, build_plan(cfg, "/run/config.yaml", "/venv/bin/python", ROOT, Path("/run"), hf_config=hf)
 
 
+def _runner(p) -> list[str]:
+    """The command inside the plan's local guard (``python -m common.remote ... -- CMD``), else the command."""
+    argv = p.argv
+    return argv[argv.index("--") + 1:] if argv[1:3] == ["-m", "common.remote"] else argv
+
+
 def _env_of(p) -> dict[str, str]:
     """The environment a process really gets: the plan's, or the `env K=V` inside its ssh/srun command."""
     if p.env:
@@ -96,7 +102,7 @@ def test_gpu_config_plans_add_up(name: str, hf: dict) -> None:
         assert "DS_ACCELERATOR=cpu" not in " ".join(p.argv)
     # The learner is DeepSpeed's launcher with one rank per learner GPU.
     learner = plan.proc("learner")
-    assert learner.argv[1:3] == ["-m", "deepspeed.launcher.runner"] and "--module" in learner.argv
+    assert _runner(learner)[1:3] == ["-m", "deepspeed.launcher.runner"] and "--module" in learner.argv
     assert len(plan.ranks) == len(parse_gpus(pl.learner_gpus, "")) == len(learner.gpus)
     assert [r.rank for r in plan.ranks] == list(range(len(plan.ranks)))
     assert plan.ranks[0].host == pl.hosts[0]
@@ -189,7 +195,7 @@ def test_deepspeed_launcher_accepts_the_learner_command(name: str, hf: dict, tmp
 
     cfg = load_config(ROOT / "ops" / "configs" / name)
     plan = build_plan(cfg, tmp_path / "config.yaml", "/venv/bin/python", ROOT, tmp_path, hf_config=hf)
-    args = parse_args(plan.proc("learner").argv[3:])
+    args = parse_args(_runner(plan.proc("learner"))[3:])
     assert args.module and args.no_local_rank and args.user_script == "learner"
     assert args.user_args == [str(tmp_path / "config.yaml")]
     if "hostfile" in plan.files:
@@ -239,7 +245,7 @@ def _ds_ranks(plan, tmp_path: Path) -> dict[str, list[int]]:
 
     for name, text in plan.files.items():
         (tmp_path / name).write_text(text)
-    args = parse_args(plan.proc("learner").argv[3:])
+    args = parse_args(_runner(plan.proc("learner"))[3:])
     assert args.module and args.user_script == "learner"
     active = parse_inclusion_exclusion(fetch_hostfile(args.hostfile), args.include, args.exclude)
     return {h: list(s) for h, s in active.items()}

@@ -4,6 +4,7 @@ here (the rehearsal, ``ops/rehearse.sh``, runs the same guard behind a real sshd
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -142,3 +143,144 @@ def test_a_learner_across_hosts_over_ssh_needs_pdsh_at_plan_time(tmp_path: Path)
     _plan(tmp_path, {"PATH": str(empty)}, "placement.learner_gpus=0", "placement.engine_gpus=1,4,7")
     _plan(tmp_path, {"PATH": str(empty)}, "placement.remote=srun", "placement.learner_gpus=0,2",
           "placement.engine_gpus=1,4,7")
+
+
+# ------------------------------------------------------------------------- through a real sshd (loopback)
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory: pytest.TempPathFactory):
+    """An sshd of our own on 127.0.0.1 (own host and user keys, own config; ~/.ssh untouched) and the ssh
+    config file that reaches it, passed as placement.ssh_args=-F FILE like a cluster's."""
+    sshd_bin, keygen = shutil.which("sshd") or "/usr/sbin/sshd", shutil.which("ssh-keygen")
+    if not (Path(sshd_bin).exists() and keygen and shutil.which("ssh")):
+        pytest.skip("openssh-server/client not installed")
+    from tests.ports import free_port
+
+    d = tmp_path_factory.mktemp("sshd")
+    for name in ("hostkey", "userkey"):
+        subprocess.run([keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
+    shutil.copy(d / "userkey.pub", d / "authorized_keys")
+    port = free_port()
+    (d / "sshd_config").write_text(
+        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d}/hostkey\nPidFile {d}/sshd.pid\n"
+        f"AuthorizedKeysFile {d}/authorized_keys\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+        "PermitRootLogin prohibit-password\nStrictModes no\nUsePAM no\n")
+    (d / "ssh_config").write_text(f"Host h0 h1 h2 h3\n  HostName 127.0.0.1\nHost *\n  Port {port}\n  IdentityFile {d}/userkey\n  StrictHostKeyChecking no\n"
+                                  "  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n")
+    Path("/run/sshd").mkdir(exist_ok=True) if os.geteuid() == 0 else None
+    proc = subprocess.Popen([sshd_bin, "-D", "-f", str(d / "sshd_config"), "-E", str(d / "sshd.log")])
+    probe = ["ssh", "-F", str(d / "ssh_config"), "-o", "BatchMode=yes", "127.0.0.1", "true"]
+    try:
+        wait_for(lambda: subprocess.run(probe, capture_output=True, timeout=10).returncode == 0 or proc.poll() is not None,
+                 20, "sshd to accept our key")
+        if proc.poll() is not None:
+            pytest.skip(f"sshd would not start here: {(d / 'sshd.log').read_text()[-500:]}")
+        yield {"config": d / "ssh_config", "proc": proc}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _remote_sleeper(sshd, tmp_path: Path, *overrides: str) -> tuple[list[str], Path]:
+    """The plan's own ssh command for a process on host 127.0.0.1 that records its pid and sleeps."""
+    cfg = load_config(ROOT / "ops" / "configs" / "smoke.yaml", [f"placement.ssh_args=-F {sshd['config']}", *overrides])
+    marker = tmp_path / f"remote-{time.monotonic_ns()}.pid"
+    argv = [sys.executable, "-c", f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(600)"]
+    return remote.wrap_remote(cfg, "127.0.0.1", argv, {}, ROOT, sys.executable, {}), marker
+
+
+def test_over_real_ssh_a_killed_launcher_takes_its_remote_process_along(sshd, tmp_path: Path) -> None:
+    cmd, marker = _remote_sleeper(sshd, tmp_path)
+    client = subprocess.Popen(cmd, stdin=subprocess.PIPE)  # the launcher's side: it holds the link open
+    wait_for(lambda: marker.exists() and marker.read_text(), 30, "the remote process to start")
+    pid = int(marker.read_text())
+    t0 = time.time()
+    client.kill()  # the launcher (and with it its ssh client) dies by SIGKILL
+    client.wait()
+    wait_for(lambda: not _alive(pid), 10, "the remote process to stop")
+    assert time.time() - t0 < 10
+
+
+def test_over_real_ssh_a_lost_host_ends_ssh_with_255(sshd, tmp_path: Path) -> None:
+    """The launcher's reading of a lost host: sshd (the host) gone, the ssh client exits 255, and the remote
+    process stops itself (its link closed)."""
+    cmd, marker = _remote_sleeper(sshd, tmp_path)
+    client = subprocess.Popen(cmd, stdin=subprocess.PIPE)
+    wait_for(lambda: marker.exists() and marker.read_text(), 30, "the remote process to start")
+    pid = int(marker.read_text())
+    # This connection's sshd processes: children of the listening sshd. Killing them is the host going away.
+    children = [int(p) for p in Path(f"/proc/{sshd['proc'].pid}/task/{sshd['proc'].pid}/children").read_text().split()]
+    for child in children:
+        os.kill(child, 9)
+    assert client.wait(timeout=30) == remote.SSH_LOST
+    wait_for(lambda: not _alive(pid), 30, "the remote process to stop without its link")
+
+
+def test_over_real_ssh_heartbeats_keep_the_process_and_the_launchers_stop_ends_it(sshd, tmp_path: Path) -> None:
+    import importlib.util
+    import threading
+
+    spec = importlib.util.spec_from_file_location("launch_mod_ssh", ROOT / "ops" / "launch.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules["launch_mod_ssh"] = mod
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    overrides = ["placement.ssh_alive_interval_s=1", "placement.ssh_alive_count_max=2"]  # guard timeout 2 s
+    cmd, marker = _remote_sleeper(sshd, tmp_path, *overrides)
+    from common.config import save_config
+
+    cfg = load_config(ROOT / "ops" / "configs" / "smoke.yaml", [f"run.root={tmp_path}", "run.name=ssh", *overrides])
+    launcher = mod.Launcher(cfg, save_config(cfg).resolve(), False)
+    c = mod.Child("actor-1", cmd, tmp_path / "actor-1.log", 0, via="ssh", host="127.0.0.1")
+    launcher.children = {"actor-1": c}
+    threading.Thread(target=launcher._heartbeat, daemon=True).start()
+    c.start()
+    wait_for(lambda: marker.exists() and marker.read_text(), 30, "the remote process to start")
+    pid = int(marker.read_text())
+    t_start = time.time()
+    wait_for(lambda: time.time() - t_start > 5 or not _alive(pid), 10, "2.5 guard timeouts to pass")
+    assert _alive(pid), c.tail()
+    t0 = time.time()
+    launcher.stop_all()
+    wait_for(lambda: not _alive(pid), mod.STOP_GRACE_S, "the remote process to stop")
+    assert not c.alive() and time.time() - t0 < mod.STOP_GRACE_S
+
+
+def test_over_real_ssh_and_pdsh_learner_ranks_start_on_their_hosts_and_die_with_the_launcher(sshd, tmp_path: Path) -> None:
+    """The plan's learner across hosts h0 and h1 (both this machine through the ssh config's HostName):
+    DeepSpeed's runner, pdsh, ssh with placement.ssh_args, the env file. Each rank gets its rank and the
+    forwarded variables; a launcher killed by SIGKILL takes every rank along (its guard stops pdsh)."""
+    if shutil.which("pdsh") is None:
+        pytest.skip("pdsh is not installed")
+    environ = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    cfg = load_config(ROOT / "ops" / "configs" / "smoke.yaml",
+                      [*MULTI, f"placement.ssh_args=-F {sshd['config']}", "placement.master_addr=127.0.0.1"])
+    run = tmp_path / "run"
+    run.mkdir()
+    plan = build_plan(cfg, run / "config.yaml", sys.executable, ROOT, run, environ=environ)
+    out = tmp_path / "out"
+    out.mkdir()
+    plan.files["deepspeed_env"] += f"PROBE_OUT={out}\n"  # where the stand-in ranks report
+    for name, text in plan.files.items():
+        (run / name).write_text(text)
+    learner = plan.proc("learner")
+    argv = [*learner.argv[:-2], "tests.common.rank_probe", str(run / "config.yaml")]
+    launcher = ("import sys, time; sys.path[:0] = [{root!r}, {ops!r}]; from launch_child import Child; "
+                "c = Child('learner', {argv!r}, __import__('pathlib').Path({log!r}), 0, env={env!r}, via='pdsh'); "
+                "c.start(); print('started', flush=True); time.sleep(600)").format(
+        root=str(ROOT), ops=str(ROOT / "ops"), argv=argv, log=str(tmp_path / "learner.log"), env=learner.env)
+    fake_launcher = subprocess.Popen([sys.executable, "-c", launcher], env=environ, stdout=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: len(list(out.glob("rank*.json"))) == 3, 90, "3 ranks to report")
+    finally:
+        records = {int(json.loads(f.read_text())["RANK"]): json.loads(f.read_text()) for f in out.glob("rank*.json")}
+        fake_launcher.kill()  # SIGKILL: no orderly stop
+        fake_launcher.wait()
+    # Rank 0 alone on h0, ranks 1-2 on h1. DeepSpeed numbers local ranks rank % ranks-on-the-host, so on an
+    # uneven layout h1's two ranks hold local ranks 1 and 0: each host's local ranks are still 0..n-1.
+    assert sorted(records) == [0, 1, 2] and {v["WORLD_SIZE"] for v in records.values()} == {"3"}
+    assert records[0]["LOCAL_RANK"] == "0" and {records[1]["LOCAL_RANK"], records[2]["LOCAL_RANK"]} == {"0", "1"}
+    for v in records.values():
+        assert (v["MASTER_ADDR"], v["DS_ACCELERATOR"], v["GLOO_SOCKET_IFNAME"], v["VAPO_DS_SHM"]) == \
+            ("127.0.0.1", "cpu", "lo", "0")
+    wait_for(lambda: not any(_alive(v["pid"]) for v in records.values()), 30, "every rank to stop")
