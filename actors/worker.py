@@ -323,7 +323,7 @@ class RolloutWorker:
 
     def _record(self, group: SampleGroup, ack: Any, resent: int) -> None:
         rewards = [s.reward for s in group.samples]
-        n_pos = sum(1 for r in rewards if r >= 1.0)
+        n_pos = sum(1 for r in rewards if r >= self.cfg.buffer.positive_reward)  # the buffer's and learner's test too
         tokens = sum(s.response_length for s in group.samples)
         self.counts["groups"] += 1
         self.counts["samples"] += len(rewards)

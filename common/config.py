@@ -172,7 +172,7 @@ class BufferConfig:
     map_size_bytes: int = f(1 << 30, "initial LMDB map size (grows automatically)")
     commit_batch: int = f(64, "most groups written in one LMDB transaction")
     max_map_size_bytes: int = f(0, "LMDB map size ceiling; past it writes fail as storage errors (0 = free disk)")
-    positive_reward: float = f(1.0, "samples with reward >= this are verified-correct positives")
+    positive_reward: float = f(1.0, "samples with reward >= this are verified-correct positives, for every role: the buffer's positives store, the learner's NLL mask, replay count and positives_fraction, the actors' positives_rate")
     credit_ttl_s: float = f(600.0, "seconds after which a granted, unused credit stops counting as in flight")
     max_credit_per_actor: int = f(0, "most credit one actor id may hold (granted, unused); 0 = 2 x actors.prompts_in_flight")
     max_credit_per_connection: int = f(0, "most credit the actor ids of one ingest connection may hold together; 0 = max_credit_per_actor")
