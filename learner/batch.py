@@ -140,6 +140,21 @@ def collate_samples(
     )
 
 
+def apply_truncation_policy(batch: Batch, policy: str) -> Batch:
+    """``algo.truncated`` on the batch's real rows cut at the length limit, in place: ``keep`` leaves them,
+    ``zero_reward`` takes the verifier's reward out of their RL return (any overlong shaping stays),
+    ``mask`` excludes them from the policy and value losses (DAPO's overlong filtering). Replayed positives
+    are never truncated ones (the buffer does not store those) and are left alone."""
+    cut = batch.truncated & ~batch.is_replay
+    if policy == "zero_reward":
+        batch.scores = torch.where(cut, batch.scores - batch.rewards, batch.scores)
+    elif policy == "mask":
+        batch.excluded = batch.excluded | cut
+    elif policy != "keep":
+        raise ValueError(f"truncated policy must be keep, mask or zero_reward, got {policy!r}")
+    return batch
+
+
 def collate(groups: list[SampleGroup], pad_id: int, **kw: int | float) -> Batch:
     """All samples of ``groups`` in order (group g's samples are consecutive rows)."""
     samples = [s for g in groups for s in g.samples]

@@ -51,7 +51,15 @@ from common.config import Config
 from common.metrics import Metrics
 from common.modeling import load_tokenizer, pad_token_id
 from learner.advantages import decoupled_gae, gae, grpo_advantages, length_adaptive_lambda, terminal_rewards
-from learner.batch import Batch, collate, collate_samples, concat, fetch_usable, row_limits
+from learner.batch import (
+    Batch,
+    apply_truncation_policy,
+    collate,
+    collate_samples,
+    concat,
+    fetch_usable,
+    row_limits,
+)
 from learner.data import DataSource, fetch
 from learner.dist import global_explained_variance, global_whiten, setup_distributed
 from learner.losses import behaviour_weight
@@ -185,12 +193,7 @@ class Learner:
         ac = self.cfg.algo
         kw = {"max_new_tokens": ac.overlong_max_length or self.cfg.actors.max_new_tokens,
               "overlong_buffer": ac.overlong_buffer, "overlong_penalty_value": ac.overlong_penalty}
-        batch = collate(groups, self.pad_id, **kw)
-        cut = batch.truncated & ~batch.is_replay
-        if ac.truncated == "zero_reward":  # the verifier's reward goes; the overlong shaping (if any) stays
-            batch.scores = torch.where(cut, batch.scores - batch.rewards, batch.scores)
-        elif ac.truncated == "mask":  # DAPO's overlong filtering: no policy or value loss on them
-            batch.excluded = batch.excluded | cut
+        batch = apply_truncation_policy(collate(groups, self.pad_id, **kw), ac.truncated)
         if extra:
             batch = concat(batch, collate_samples(extra, self.pad_id, is_replay=True), self.pad_id)
         return batch
