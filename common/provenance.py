@@ -160,5 +160,46 @@ def describe(p: dict[str, Any] | None) -> str:
             + (f", base {base[:12]}" if base else ""))
 
 
+def of_run(run_dir: str | Path) -> dict[str, Any] | None:
+    """What produced a run: its metrics.jsonl's first ``header`` record (None: a run from before headers)."""
+    import json
+
+    f = Path(run_dir) / "metrics.jsonl"
+    if not f.is_file():
+        return None
+    with f.open() as fh:
+        for line in fh:
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if r.get("kind") == "header":
+                return r
+    return None
+
+
+def machines_line(run_dirs: list[Path]) -> str:
+    """One line for a results table: each distinct machine/versions/threads/base, with its run count and
+    commits, and how many runs recorded none ("unknown")."""
+    groups: dict[str, tuple[int, set[str]]] = {}
+    unknown = 0
+    for d in run_dirs:
+        p = of_run(d)
+        if p is None:
+            unknown += int((Path(d) / "metrics.jsonl").is_file())
+            continue
+        c, v, t = p.get("cpu", {}), p.get("versions", {}), p.get("threads", {})
+        key = (f"{c.get('model')} ({c.get('torch_capability')}, {c.get('logical_cpus')} CPUs, load "
+               f"{p.get('load_1m')} at start), torch {v.get('torch')}, deepspeed {v.get('deepspeed')}, threads "
+               f"learner {t.get('learner')} / engine {t.get('engine')}, base {((p.get('base') or {}).get('sha256') or '?')[:12]}")
+        n, commits = groups.get(key, (0, set()))
+        sha = (p.get("commit") or {}).get("sha")
+        groups[key] = (n + 1, commits | {(sha or "?")[:10] + ("+dirty" if (p.get("commit") or {}).get("dirty") else "")})
+    parts = [f"{k}: {n} run{'s' if n != 1 else ''}, commit {', '.join(sorted(cs))}" for k, (n, cs) in groups.items()]
+    if unknown:
+        parts.append(f"unknown (no metrics.jsonl header): {unknown} run{'s' if unknown != 1 else ''}")
+    return "; ".join(parts) if parts else "unknown (no runs)"
+
+
 __all__ = ["base_checksum", "collect", "commit", "cpu", "describe", "for_config", "load", "machine_key",
-           "threads", "verify_base", "versions"]
+           "machines_line", "of_run", "threads", "verify_base", "versions"]

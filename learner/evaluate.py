@@ -8,7 +8,7 @@ Library use (the learner calls it every ``learner.eval_every`` steps)::
 
 CLI::
 
-    python -m learner.evaluate --model runs/_base/addition-tiny [--task addition] [--k 8] [--config cfg.yaml]
+    python -m learner.evaluate --model ops/bases/addition-tiny [--task addition] [--k 8] [--config cfg.yaml]
 
 prints one JSON object. In-process generation runs the rollout server's scheduler and KV-cache model
 runner on the given model (``actors.rollout_server.scheduler.generate_passes``: the decode loop the actors sample

@@ -52,7 +52,11 @@ class Progress:
     def _print(self, r: dict[str, Any]) -> None:
         kind = r.get("kind", "")
         ev = r if kind == "eval" else r.get("eval")
-        if kind == "value_pretrain":
+        if kind == "header":
+            from common.provenance import describe
+
+            say(f"learner {'resumed' if r.get('resumed') else 'started'} on {describe(r)}")
+        elif kind == "value_pretrain":
             say(f"value pretraining step {r.get('step', '?')}: explained variance (fresh groups) "
                 f"{_fmt(r.get('explained_variance'))}  loss {_fmt(r.get('loss'), 4)}")
         elif kind == "learner_step":

@@ -1,6 +1,6 @@
 """rollout_server: a small real inference engine that serves SGLang's native HTTP API (CPU, or CUDA).
 
-    python -m actors.rollout_server --model-path runs/_base/addition-tiny --port 30000 [--device cpu]
+    python -m actors.rollout_server --model-path ops/bases/addition-tiny --port 30000 [--device cpu]
 
 The rollout engine of ``engine.kind = rollout_server`` (config section ``engine``): each actor starts one
 (``process.RolloutServerProcess``) and talks to it exactly as it talks to SGLang. Modules:

@@ -6,7 +6,7 @@ Prints one JSON line. Both sides run the same ``learner.train.Learner.step`` cod
 update → fresh values → advantages → actor update, same mini-/micro-batches, same losses); the baseline
 swaps the two DeepSpeed-wrapped models for a minimal wrapper around the bare module + ``torch.optim.AdamW`` +
 ``clip_grad_norm_``, so the ratio is DeepSpeed's own overhead. Steps alternate between the two sides so
-machine contention hits both. Model: ``runs/_base/addition-tiny`` when it exists, otherwise a random tiny
+machine contention hits both. Model: ``ops/bases/addition-tiny`` (the shipped base) when it exists, otherwise a random tiny
 Qwen2 of the default shape (hidden 128, 3 layers); data: synthetic groups shaped like the addition task.
 Target: ratio ≥ 0.8 (``ratio`` = DeepSpeed tokens/s ÷ plain tokens/s over wall time; ``ratio_cpu_time``
 uses this process's CPU seconds, which other processes on a shared machine disturb less). To compare two
@@ -69,9 +69,9 @@ class PlainModel:
 
 
 def model_dir(tmp: Path) -> tuple[Path, str]:
-    base = REPO / "runs" / "_base" / "addition-tiny"
+    base = REPO / "ops" / "bases" / "addition-tiny"
     if (base / "config.json").is_file():
-        return base, "runs/_base/addition-tiny"
+        return base, "ops/bases/addition-tiny"
     from common.modeling import build_char_tokenizer, build_tiny_qwen2, save_hf
 
     tok = build_char_tokenizer()

@@ -193,6 +193,10 @@ def section(root: Path, load_run: Any, fmt: Any, fmt_k: Any, mean_std: Any, plot
         rows[name] = got
     vapo_name = alpha_name(best) if best is not None else None
     L = [BEGIN, "", "## Long-horizon miniature: VAPO vs DAPO vs GRPO where the value model should matter (issue 15)", ""]
+    from common.provenance import machines_line
+
+    L += ["Produced by (each run's metrics.jsonl header): "
+          + machines_line([d for rs in rows.values() for d, _ in rs]), ""]
     bases = [_eval_records(d)[0] for rs in rows.values() for d, _ in rs]  # every run starts from the same base
     base_rec = next((b for b in bases if "by_response_length" in b), bases[0] if bases else None)
     if base_rec is not None:

@@ -2,7 +2,7 @@
 
     .venv/bin/python ops/bench/rollout.py [--clients 16 --prompts 64 --samples 8 --max-new-tokens 64]
 
-Model: ``runs/_base/addition-tiny`` when it exists, else a random Qwen2 of the default bootstrap size
+Model: ``ops/bases/addition-tiny`` (the shipped base) when it exists, else a random Qwen2 of the default bootstrap size
 (hidden 128, 3 layers, char tokenizer). Both sides sample at temperature 1 with EOS ignored and a fixed
 ``max_new_tokens``, so they generate exactly the same number of tokens:
 
@@ -41,7 +41,7 @@ from common.modeling import build_char_tokenizer, build_tiny_qwen2, load_model, 
 
 
 def model_dir(tmp: Path) -> tuple[Path, str]:
-    base = REPO / "runs" / "_base" / "addition-tiny"
+    base = REPO / "ops" / "bases" / "addition-tiny"
     if (base / "config.json").exists():
         return base, str(base.relative_to(REPO))
     b = BootstrapConfig()

@@ -52,3 +52,21 @@ def test_verify_base_accepts_the_described_weights_and_names_a_changed_one(tiny_
     problem = provenance.verify_base(base)
     assert problem is not None and "not the one its manifest.json describes" in problem
     assert weights_sha256(base) in problem
+
+
+def test_machines_line_names_each_machine_and_the_runs_without_a_header(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from common.config import load_config
+    from learner.records import append_jsonl, write_header
+
+    dirs = []
+    for name in ("a", "b", "old"):
+        cfg = load_config(None, [f"run.root={tmp_path}", f"run.name={name}", f"model.path={tiny_model_dir}"])
+        if name != "old":
+            write_header(cfg)
+        append_jsonl(cfg.run_dir / "metrics.jsonl", {"kind": "learner_step", "step": 1})
+        dirs.append(cfg.run_dir)
+    assert provenance.of_run(dirs[2]) is None and provenance.of_run(dirs[0])["kind"] == "header"
+    line = provenance.machines_line(dirs)
+    p = provenance.of_run(dirs[0])
+    assert f"{p['cpu']['model']} ({p['cpu']['torch_capability']}" in line and ": 2 runs, commit " in line
+    assert p["base"]["sha256"][:12] in line and line.endswith("unknown (no metrics.jsonl header): 1 run")
