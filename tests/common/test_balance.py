@@ -40,8 +40,10 @@ def test_step_flops_and_seconds_by_hand() -> None:
 
 
 def test_passes_follow_the_algorithm() -> None:
-    cfg = load_config(ROOT / "ops" / "configs" / "paper.yaml")
+    cfg = load_config(ROOT / "ops" / "configs" / "paper.yaml", ["learner.off_policy=behaviour"])
     assert balance.passes(cfg) == (4.0, 5.0)  # checkpointed: 3 + 1 per epoch; the critic's value pass
+    cfg = load_config(ROOT / "ops" / "configs" / "paper.yaml", ["learner.off_policy=rollout_correction"])
+    assert balance.passes(cfg) == (5.0, 5.0)  # pi_old recomputed: one more policy forward
     cfg = load_config(ROOT / "ops" / "configs" / "paper.yaml", ["algo.advantage=grpo", "learner.ppo_epochs=2",
                                                                  "learner.activation_checkpointing=false",
                                                                  "learner.off_policy=decoupled"])
