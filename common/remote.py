@@ -70,8 +70,11 @@ def lost_after_s(cfg: Any) -> int:
 
 
 def pdsh_ssh_args(cfg: Any, environ: Mapping[str, str] | None = None) -> str:
-    """``PDSH_SSH_ARGS_APPEND`` for DeepSpeed's pdsh launcher (pdsh splits it on blanks, so no quoting)."""
-    return " ".join([*ssh_options(cfg, environ), "-tt"])
+    """``PDSH_SSH_ARGS_APPEND`` for DeepSpeed's pdsh launcher: one already in the environment first, then
+    ours (pdsh splits it on blanks, so no quoting)."""
+    environ = os.environ if environ is None else environ
+    inherited = environ.get("PDSH_SSH_ARGS_APPEND", "").split()
+    return " ".join([*inherited, *ssh_options(cfg, environ), "-tt"])
 
 
 def srun_cpus(cfg: Any, environ: Mapping[str, str] | None = None) -> int:

@@ -111,7 +111,7 @@ def _bin_with_pdsh(tmp_path: Path) -> str:
 
 
 def test_remote_processes_get_ssh_options_forwarded_variables_and_the_guard(tmp_path: Path) -> None:
-    environ = {"PATH": _bin_with_pdsh(tmp_path), "VAPO_SSH_ARGS": "-F /tmp/cluster_ssh_config",
+    environ = {"PATH": _bin_with_pdsh(tmp_path), "VAPO_SSH_ARGS": "-F /tmp/cluster_ssh_config", "PDSH_SSH_ARGS_APPEND": "-q",
                "GLOO_SOCKET_IFNAME": "veth0", "NCCL_SOCKET_IFNAME": "ib0", "TP_SOCKET_IFNAME": "veth0", "HOME": "/x"}
     cfg, plan = _plan(tmp_path, environ, "placement.ssh_args=-p 2222", "placement.ssh_alive_interval_s=4",
                       "placement.ssh_alive_count_max=2", "placement.master_addr=10.9.0.1")
@@ -130,7 +130,7 @@ def test_remote_processes_get_ssh_options_forwarded_variables_and_the_guard(tmp_
     assert learner.via == "pdsh" and "--no_ssh_check" in learner.argv
     assert learner.argv[learner.argv.index("--master_addr") + 1] == "10.9.0.1"
     append = learner.env["PDSH_SSH_ARGS_APPEND"].split()
-    assert append[:4] == ["-p", "2222", "-F", "/tmp/cluster_ssh_config"] and "-tt" in append
+    assert append[:5] == ["-q", "-p", "2222", "-F", "/tmp/cluster_ssh_config"] and "-tt" in append  # the user's kept
     assert "ServerAliveInterval=4" in append
 
 
