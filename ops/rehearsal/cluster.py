@@ -23,7 +23,7 @@ from typing import Any
 NETNS_PREFIX = "vapo-"  # namespace names: vapo-h0, vapo-h1, ...; the hostnames inside are h0, h1, ...
 BRIDGE = "vapo-br0"
 SUBNET = "10.213.7"  # a private /24 used only between namespaces this file creates
-DAEMONS = ("sshd", "slurmd", "slurmctld")
+DAEMONS = ("sshd", "slurmd", "slurmctld", "slurmscriptd")  # slurmscriptd: slurmctld's helper
 PACKAGES = {"ip": "iproute2", "sshd": "openssh-server", "ssh": "openssh-client", "ssh-keygen": "openssh-client",
             "pdsh": "pdsh", "slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "sbatch": "slurm-wlm",
             "munged": "munge", "unshare": "util-linux"}
@@ -177,6 +177,14 @@ class Cluster:
         self._start("h0", ["slurmctld", "-D"])
         for h in self.hosts:
             self._start(h, ["slurmd", "-D", "-N", h])
+        self._wait_ready()
+
+    def restart_host(self, host: str) -> None:
+        """A killed host back up: its sshd and slurmd again (the namespace and its address never left)."""
+        self.daemons = [d for d in self.daemons if d.poll() is None]
+        self._start(host, ["/usr/sbin/sshd", "-D", "-f", str(self.tmp / "ssh" / f"sshd-{host}.conf"), "-E",
+                           str(self.tmp / "logs" / f"sshd-{host}.log")])
+        self._start(host, ["slurmd", "-D", "-N", host])
         self._wait_ready()
 
     def _network(self) -> None:

@@ -1,0 +1,222 @@
+"""The rehearsal's stages on a running cluster; each returns figures for the JSON line.
+
+Times are scaled down: the process-group timeout is ``DIST_TIMEOUT_S`` (paper scale: 30 min) and rank 0
+waits longer than that for the buffer while the engine hosts are frozen for ``FREEZE_S``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from rehearsal.cluster import Cluster
+from rehearsal.runs import CONFIG, ROOT, Run, describe, finish, launch, leftovers
+
+DIST_TIMEOUT_S = 4.0  # learner.dist_timeout_s of the rehearsal's runs
+FREEZE_S = 3 * DIST_TIMEOUT_S  # engines stopped until the learner has been silent this long
+RUN_TIMEOUT_S = 420.0  # one rehearsal run, launcher start to exit
+# A killed learner host: rank 0's next collective fails within the process-group timeout (or pdsh reports
+# the lost ssh at once), then the launcher's stop grace (6 s) and the remote guards' SIGTERM→SIGKILL.
+STOP_BOUND_S = 60.0
+
+
+def _wait(what: str, ok: Any, run: Run, timeout_s: float) -> None:
+    deadline = time.time() + timeout_s
+    while not ok():
+        if run.proc.poll() is not None:
+            raise RuntimeError(f"{what}: the launcher exited ({run.proc.returncode}) first:\n{run.tail()}")
+        if time.time() > deadline:
+            raise RuntimeError(f"{what}: not reached within {timeout_s:.0f} s:\n{run.tail()}")
+        time.sleep(0.5)  # polling the run's metrics with a deadline
+
+
+def roles_per_host(c: Cluster) -> dict[str, dict[str, int]]:
+    """What each host runs now: learner rank processes, engines (distinct ports), actors (distinct ids);
+    guards, ssh and launcher wrappers not counted."""
+    out: dict[str, dict[str, int]] = {}
+    for h in c.hosts:
+        seen: dict[str, set[str]] = {"learner": set(), "engine": set(), "actor": set()}
+        for i, cmd in enumerate(describe(c, h)):
+            argv = cmd.split()
+            if not argv or Path(argv[0]).name not in ("python", "python3") or "common.remote" in cmd:
+                continue
+            if "actors.rollout_server" in cmd and "--port" in argv:
+                seen["engine"].add(argv[argv.index("--port") + 1])
+            elif " -m actors " in f" {cmd} " and "--actor-id" in argv:
+                seen["actor"].add(argv[argv.index("--actor-id") + 1])
+            elif " -m learner " in f" {cmd} ":
+                seen["learner"].add(str(i))
+        out[h] = {role: len(v) for role, v in seen.items() if v}
+    return out
+
+
+def freeze(c: Cluster, hosts: list[str], sig: int) -> int:
+    """``sig`` (SIGSTOP/SIGCONT) to the engines on ``hosts``: generation stops, everything else (actors,
+    their ssh lifelines) keeps running, so the buffer simply receives nothing."""
+    n = 0
+    for h in hosts:
+        for p in c.run_pids(h):
+            try:
+                if b"rollout_server" not in Path(f"/proc/{p}/cmdline").read_bytes():
+                    continue
+            except OSError:
+                continue
+            try:
+                os.kill(p, sig)
+                n += 1
+            except ProcessLookupError:
+                pass
+    return n
+
+
+def rank0_stall(c: Cluster, run: Run, engine_hosts: list[str]) -> float:
+    """Freeze the engines until the learner has written nothing for ``FREEZE_S`` (rank 0 waits for a batch
+    or an evaluation, the other ranks in a collective), then thaw them; returns the seconds between the
+    last record before and the first after (the rank-0 wait the other ranks outlived)."""
+    freeze(c, engine_hosts, signal.SIGSTOP)
+    try:
+        n, t_last = len(run.records()), time.time()
+        deadline = time.time() + 120
+        while time.time() - t_last < FREEZE_S and time.time() < deadline and run.proc.poll() is None:
+            if len(run.records()) != n:
+                n, t_last = len(run.records()), time.time()
+            time.sleep(0.2)  # polling the run's metrics for its progress
+    finally:
+        freeze(c, engine_hosts, signal.SIGCONT)
+    while len(run.records()) == n and run.proc.poll() is None and time.time() < deadline + 120:
+        time.sleep(0.2)  # polling for the first record after the thaw
+    return round(time.time() - t_last, 1)
+
+
+def ssh_route(c: Cluster, stamp: str, logs: Path, extra: list[str]) -> dict[str, Any]:
+    """paper.yaml's topology over ssh/pdsh, with check 1: a rank-0 wait past the process-group timeout."""
+    run = launch(c, f"rehearsal-{stamp}", [f"learner.dist_timeout_s={DIST_TIMEOUT_S:g}", *extra], logs)
+    _wait("first RL step", lambda: run.steps() >= 1, run, RUN_TIMEOUT_S)
+    placed = roles_per_host(c)
+    engine_hosts = [h for h, r in placed.items() if r.get("engine")]
+    stall = rank0_stall(c, run, engine_hosts)
+    finish(run, RUN_TIMEOUT_S)
+    evals = run.evals()
+    left = leftovers(c)
+    return {
+        "ssh_route": {"rc": run.rc, "seconds": run.seconds, "steps": run.steps(), "total_steps": _total_steps(run),
+                      "run": run.name},
+        "learner_ranks_per_host": {h: r.get("learner", 0) for h, r in placed.items() if r.get("learner")},
+        "engines_per_host": {h: r.get("engine", 0) for h, r in placed.items() if r.get("engine")},
+        "actors_per_host": {h: r.get("actor", 0) for h, r in placed.items() if r.get("actor")},
+        "steps": run.steps(),
+        "base_accuracy": evals[0] if evals else None,
+        "final_accuracy": evals[-1] if len(evals) > 1 else None,
+        "check_pg_timeout": {"ok": run.rc == 0 and stall > DIST_TIMEOUT_S, "dist_timeout_s": DIST_TIMEOUT_S,
+                             "rank0_wait_s": stall},
+        "procs_left": left,
+    }
+
+
+def plan_checks(c: Cluster, stamp: str, logs: Path, extra: list[str]) -> dict[str, Any]:
+    """Check 2: a missing key file named by --dry-run. Check 3: no pdsh refused at plan time, nothing started."""
+    key = "buffer.curve.client_secret_key"
+    r = c.run("h0", ["ops/launch.sh", CONFIG, f"{key}=runs/_rehearsal/keys/client.key_secret", *extra, "--dry-run"],
+              cwd=ROOT, timeout=120)
+    said = (r.stdout + r.stderr).strip().splitlines()
+    missing_key = {"ok": r.returncode != 0 and any(key in ln for ln in said), "rc": r.returncode,
+                   "said": next((ln for ln in said if key in ln), said[-1] if said else "")[:300]}
+    # pdsh hidden on h0 only (a mount in that host's namespace), as on a head node without it.
+    name = f"rehearsal-nopdsh-{stamp}"
+    hide = 'mount --bind /dev/null "$(command -v pdsh)" && exec "$@"'
+    t0 = time.time()
+    r = c.run("h0", ["sh", "-c", hide, "sh", "ops/launch.sh", CONFIG, f"run.name={name}", *extra], cwd=ROOT, timeout=180)
+    said = (r.stdout + r.stderr).strip().splitlines()
+    started = (ROOT / "runs" / name / "logs").exists()
+    no_pdsh = {"ok": r.returncode != 0 and not started and any("pdsh" in ln for ln in said), "rc": r.returncode,
+               "seconds": round(time.time() - t0, 1), "anything_started": started,
+               "said": next((ln for ln in said if "pdsh" in ln), said[-1] if said else "")[:300]}
+    return {"check_missing_key_dry_run": missing_key, "check_no_pdsh_plan_time": no_pdsh,
+            "procs_left": leftovers(c, 5)}
+
+
+def slurm_route(c: Cluster, stamp: str, logs: Path, extra: list[str]) -> dict[str, Any]:
+    """Check 4: sbatch ops/slurm/vapo.sbatch runs the same training, remote processes through srun."""
+    name = f"rehearsal-slurm-{stamp}"
+    out = logs / f"{name}.out"
+    logs.mkdir(parents=True, exist_ok=True)
+    # The script asks for 8 GPUs a node; the rehearsal's nodes have none, and one slot each.
+    argv = ["sbatch", "--wait", f"--nodes={len(c.hosts)}", "--gpus-per-node=0", f"--output={out}",
+            "ops/slurm/vapo.sbatch", CONFIG, f"run.name={name}", "placement.gpus_per_host=1",
+            f"learner.dist_timeout_s={DIST_TIMEOUT_S:g}", *extra]
+    t0 = time.time()
+    p = c.popen("h0", argv, cwd=ROOT, env=c.env(VAPO_REMOTE="srun"), stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, start_new_session=True)
+    run = finish(Run(name, p, out, t0), RUN_TIMEOUT_S)
+    evals = run.evals()
+    ok = run.rc == 0 and run.steps() >= _total_steps(run)
+    return {"check_slurm_route": {"ok": ok, "rc": run.rc, "seconds": run.seconds, "steps": run.steps(),
+                                  "final_accuracy": evals[-1] if evals else None, "run": name},
+            "procs_left": leftovers(c)}
+
+
+def _total_steps(run: Run) -> int:
+    import yaml
+
+    cfg = yaml.safe_load((run.dir / "config.yaml").read_text()) if (run.dir / "config.yaml").exists() else {}
+    return int(cfg.get("learner", {}).get("total_steps", 1 << 30))
+
+
+def kill_host(c: Cluster, stamp: str, logs: Path, extra: list[str], victim: str = "h1") -> dict[str, Any]:
+    """Check 5: every process of a learner host killed mid-run; the run stops in order within
+    STOP_BOUND_S, no acknowledged group is lost, and --resume on the host, back up, runs to the end."""
+    from buffer.store import inspect
+
+    name = f"rehearsal-kill-{stamp}"
+    over = [f"learner.dist_timeout_s={DIST_TIMEOUT_S:g}", "learner.total_steps=6", "learner.checkpoint_every=2",
+            "learner.eval_every=0", *extra]
+    run = launch(c, name, over, logs)
+    _wait("a checkpoint and a step after it", lambda: run.steps() >= 3 and any((run.dir / "checkpoints").glob("*")),
+          run, RUN_TIMEOUT_S)
+    before = inspect(run.buffer_path())["counters"]
+    t_kill = time.time()
+    c.kill_host(victim)
+    finish(run, time.time() - run.t0 + STOP_BOUND_S)
+    stop_s = round(time.time() - t_kill, 1)
+    left = leftovers(c)
+    after = inspect(run.buffer_path())["counters"]
+    c.restart_host(victim)
+    resumed = finish(launch(c, name, over, logs, resume=True), RUN_TIMEOUT_S)
+    total = _total_steps(resumed)
+    lost = before["accepted_groups"] - after["accepted_groups"]
+    return {"check_kill_host": {
+        "ok": run.rc not in (0, None) and stop_s <= STOP_BOUND_S and not any(left.values()) and lost <= 0
+        and resumed.rc == 0 and resumed.steps() >= total,
+        "host": victim, "stopped_after_s": stop_s, "bound_s": STOP_BOUND_S, "launcher_rc": run.rc,
+        "procs_left_after_stop": sum(len(v) for v in left.values()), "left_after_stop": left, "acked_groups_at_kill": before["accepted_groups"],
+        "stored_groups_after_stop": after["accepted_groups"], "resume_rc": resumed.rc, "resume_steps": resumed.steps(),
+        "total_steps": total, "run": name},
+        "procs_left": leftovers(c)}
+
+
+def run_all(c: Cluster, stamp: str, logs: Path, skip: set[str], extra: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    left = 0
+    stages = {"ssh": ssh_route, "plan": plan_checks, "slurm": slurm_route, "kill": kill_host}
+    for stage, fn in stages.items():
+        if stage in skip:
+            continue
+        t0 = time.time()
+        try:
+            r = fn(c, stamp, logs, extra)
+        except Exception as e:  # noqa: BLE001 - one failed stage is reported; the others still run
+            r = {f"check_{stage}_stage": {"ok": False, "error": f"{type(e).__name__}: {e}"[-1500:]},
+                 "procs_left": leftovers(c)}
+        stage_left = r.pop("procs_left")
+        left += sum(len(v) for v in stage_left.values())
+        if stage_left:
+            r[f"{stage}_left_behind"] = stage_left
+        r[f"{stage}_stage_s"] = round(time.time() - t0, 1)
+        out.update(r)
+    out["procs_left_after_runs"] = left
+    out["ok_checks"] = all(v.get("ok") for k, v in out.items() if k.startswith("check_"))
+    return out

@@ -1,0 +1,90 @@
+"""``ops/rehearse.sh``: the multi-host path rehearsed on one machine; prints one JSON line of figures.
+
+    ops/rehearse.sh [--hosts 4] [--keep-logs DIR] [--skip slurm,kill,...]
+
+Stages (the README's "Rehearsing the multi-host path" describes each): cluster up (hosts h0..h3), the
+base model and CurveZMQ keys (before the timed part), the ssh route (``ops/launch.sh`` on h0: buffer and
+learner rank 0 there, a ZeRO-3 learner over h0+h1 via DeepSpeed's hostfile and pdsh, engines + actors on
+h2 and h3 over ssh) with a process-group timeout of a few seconds and a longer rank-0 wait, the plan-time
+checks (a missing key file, no pdsh), the Slurm route (``sbatch ops/slurm/vapo.sbatch``), a host killed
+during a run then ``--resume``, and cluster down. Every process of every host is counted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/: the rehearsal package
+
+from rehearsal import checks  # noqa: E402
+from rehearsal.cluster import Cluster, missing_prerequisites  # noqa: E402
+from rehearsal.runs import CONFIG, ROOT  # noqa: E402
+
+KEYS = "runs/_rehearsal/keys"
+STAGES = ("ssh", "plan", "slurm", "kill")
+
+
+def prepare() -> None:
+    """The base model (once; not timed) and the run's CurveZMQ keys, by the documented command."""
+    py = str(ROOT / ".venv/bin/python")
+    subprocess.run([py, "-m", "learner.sft", CONFIG, "--if-missing"], cwd=ROOT, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run([py, "-m", "buffer.keys", KEYS, "--force"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+
+
+def _stop(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ops/rehearse.sh", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hosts", type=int, default=4, help="hosts (network namespaces) to make; at least 4")
+    ap.add_argument("--keep-logs", default="", help="copy the daemons' and launchers' logs here (default runs/_rehearsal/logs)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every run of the rehearsal (repeatable)")
+    ap.add_argument("--skip", default="", help=f"comma-separated stages to leave out: {','.join(STAGES)}")
+    args = ap.parse_args(argv)
+    skip = {s for s in args.skip.split(",") if s}
+    if args.hosts < 4 or skip - set(STAGES):
+        ap.error("--hosts must be >= 4 and --skip names stages among " + ",".join(STAGES))
+    why = missing_prerequisites()
+    if why:
+        print(json.dumps({"ok": False, "skipped": why}), flush=True)
+        return 3
+    signal.signal(signal.SIGTERM, _stop)  # Ctrl-C and SIGTERM both tear the cluster down
+    signal.signal(signal.SIGHUP, _stop)
+    logs = Path(args.keep_logs or ROOT / "runs/_rehearsal/logs").resolve()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    prepare()
+    t0 = time.time()
+    out: dict[str, Any] = {"ok": False, "hosts": args.hosts}
+    cluster = Cluster(args.hosts, keep=logs / f"daemons-{stamp}")
+    try:
+        cluster.up()
+        out["cluster_up_s"] = round(time.time() - t0, 1)
+        out.update(checks.run_all(cluster, stamp, logs, skip, args.set))
+    except KeyboardInterrupt:
+        out["interrupted"] = True
+    except Exception as e:  # noqa: BLE001 - reported in the JSON line, after the teardown below
+        out["error"] = f"{type(e).__name__}: {e}"[-2000:]
+    finally:
+        left = cluster.down()
+        out["procs_left_at_teardown"] = sum(left.values())
+        namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        out["namespaces_left"] = sum(1 for h in cluster.hosts if cluster.ns(h) in namespaces.split())
+        out["seconds"] = round(time.time() - t0, 1)
+    out["ok"] = bool(out.get("ok_checks")) and not out.get("interrupted") and out["namespaces_left"] == 0 \
+        and out.get("procs_left_after_runs", 1) == 0
+    print(json.dumps(out), flush=True)
+    return 0 if out["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The multi-host path rehearsed on one machine: hosts h0..h3 as network namespaces on a bridge, each with
+# its own address, hostname, sshd and slurmd (slurmctld on h0, munged), paper.yaml's topology in miniature
+# on CPU (ops/configs/rehearsal.yaml), the scale checks, and everything torn down at the end (also on
+# Ctrl-C or failure). Prints one JSON line of figures; exits 0 when every check passed, 3 when this
+# machine cannot host it (not root, no namespaces, packages missing: see the README), 1 otherwise.
+#   sudo ops/rehearse.sh                 # ~10 min on 2 cores
+#   ops/rehearse.sh --skip slurm,kill    # the ssh route and plan-time checks only
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ops/setup.sh
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/vapo/torch_extensions}
+export TOKENIZERS_PARALLELISM=false
+export HF_HUB_OFFLINE=1
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+exec .venv/bin/python ops/rehearsal/main.py "$@"
