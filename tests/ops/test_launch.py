@@ -267,7 +267,8 @@ def test_launcher_stops_the_run_when_a_remote_host_is_lost(tmp_path: Path) -> No
     launcher._pdsh_offset = log.stat().st_size
     learner.start()
     try:
-        wait_for(lambda: "h1:" in log.read_text(), 10, "pdsh's report")
+        # The report itself (a line of its own), not the launcher's header line that quotes the command.
+        wait_for(lambda: "\npdsh@h0: h1:" in log.read_text(), 10, "pdsh's report")
         with pytest.raises(mod.LaunchError, match="learner ranks on h1 ended: host lost"):
             launcher.check_links()
     finally:
