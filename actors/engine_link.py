@@ -31,8 +31,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from actors.rollout_server.process import EngineStartError, RolloutServerProcess
@@ -58,6 +60,21 @@ def engine_url(cfg: Config, actor_id: int) -> str | None:
     if e.kind == "sglang":
         return f"http://{e.host}:{e.base_port + actor_id}"
     return None
+
+
+def engine_api_key(cfg: Config) -> str:
+    """The key this worker's engine requires on its control endpoints (weight updates, pause, continue,
+    abort, flush; SGLang's ``--admin-api-key``): a fresh random one for our own rollout_server, the content
+    of ``engine.admin_api_key_file`` for an engine started by someone else ('' without one: that engine
+    takes anyone's control requests)."""
+    if cfg.engine.kind == "rollout_server":
+        return secrets.token_urlsafe(32)
+    if not cfg.engine.admin_api_key_file:
+        return ""
+    try:
+        return Path(cfg.engine.admin_api_key_file).read_text().strip()
+    except OSError as e:
+        raise EngineLinkError(f"engine.admin_api_key_file: cannot read {cfg.engine.admin_api_key_file}: {e}") from e
 
 
 def as_version(v: Any) -> int:
@@ -98,6 +115,11 @@ class EngineLink:
         self.gate = asyncio.Event()  # set while the engine accepts requests
         self.control = asyncio.Lock()  # weight syncs and engine restarts, one at a time
         self.trouble = asyncio.Event()  # a request failed: the engine may be gone
+        self._syncing = False  # a weight sync talks to the engine (health probes use /model_info)
+        self._sync_call: asyncio.Task[Any] | None = None  # the sync's request in flight
+        # The engine's API key: ours is fresh per worker (passed to the child in its environment, never
+        # on its command line), a remote engine's is read from engine.admin_api_key_file.
+        self.api_key = engine_api_key(cfg)
 
     @property
     def owned(self) -> bool:
@@ -170,15 +192,20 @@ class EngineLink:
                 self.process = RolloutServerProcess(self.cfg, self.actor_id,
                                                    self.cfg.run_dir / "logs" / f"engine-{self.actor_id}.log")
             version, path = await asyncio.to_thread(self._newest_verified)
-            url = await self.process.start(path, version)
-            self.client = SGLangClient(url, timeout_s=self.generate_timeout_s)
+            url = await self.process.start(path, version, api_key=self.api_key)
+            self.client = self._client(url)
             self._set_version(version, path)
             return
-        self.client = SGLangClient(url, timeout_s=self.generate_timeout_s)
+        self.client = self._client(url)
         await self.client.wait_healthy(self.cfg.engine.startup_timeout_s)
         served = as_version(await self.client.get_weight_version())
         self._set_version(served, self.model_path if served == self.version else self.cfg.model.path)
         await self._sync_locked(idle=True)  # newest weights before the first request
+
+    def _client(self, url: str) -> SGLangClient:
+        # Control requests (pause, continue, model info) get a probe's deadline.
+        return SGLangClient(url, timeout_s=self.generate_timeout_s, control_timeout_s=self.cfg.engine.health_timeout_s,
+                            api_key=self.api_key or None)
 
     async def supervise(self) -> None:
         """Runs for the worker's life: restart our engine when it dies, or wait for and re-sync a remote one."""
@@ -213,35 +240,79 @@ class EngineLink:
 
     async def watch_health(self) -> None:
         """Liveness beyond process exit: an engine whose scheduler hung (or a remote one that stopped
-        answering) fails ``/health``. ``engine.health_failures`` consecutive failures, one probe every
-        ``engine.health_interval_s`` of at most ``engine.health_timeout_s`` each, count as dead: our own
-        rollout_server is killed (its supervisor restarts it), a remote engine is waited for and re-synced.
-        No probe counts while this worker pauses, updates or restarts the engine: SGLang's /health runs a
-        generation, which cannot run then."""
+        answering) fails its probes. One probe starts every ``engine.health_interval_s`` whatever the
+        previous one is doing, each with a deadline of ``engine.health_timeout_s``, so
+        ``engine.health_failures`` failures in a row are seen within ``health_failures x health_interval_s
+        + health_timeout_s`` of the hang. Then our own rollout_server is killed (its supervisor restarts it;
+        a weight sync waiting on it fails at once), and a remote engine is waited for and re-synced.
+        While this link updates the engine the probe is ``/model_info`` instead of ``/health``: SGLang's
+        /health runs a generation, which cannot run while paused or loading, but its HTTP front end still
+        answers. No probe counts while the engine is restarted or the gate is closed for another reason."""
         e = self.cfg.engine
+        loop = asyncio.get_running_loop()
         failures = 0
-        while True:
-            await asyncio.sleep(e.health_interval_s)
-            client = self.client
-            if client is None or not self.gate.is_set() or self.control.locked():
-                failures = 0
-                continue
-            ok = await client.health(e.health_timeout_s)
-            if ok or self.control.locked() or client is not self.client:
-                failures = 0
-                continue
-            failures += 1
-            log.warning("actor %d: engine %s failed /health (%d/%d)", self.actor_id, client.base_url, failures,
-                        e.health_failures)
-            if failures < e.health_failures:
-                continue
-            failures = 0
-            if self.process is not None and self.process.running():
-                log.error("actor %d: engine (pid %s) failed %d /health probes in a row; killing it to restart it",
-                          self.actor_id, self.process.pid, e.health_failures)
-                self.process.kill()
-            else:
-                self.trouble.set()
+        probes: set[asyncio.Task[tuple[float, bool | None, str]]] = set()
+        next_at = loop.time() + e.health_interval_s
+        try:
+            while True:
+                wait_s = max(0.0, next_at - loop.time())
+                if probes:
+                    done, probes = await asyncio.wait(probes, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+                else:
+                    await asyncio.sleep(wait_s)
+                    done = set()
+                results = sorted(t.result() for t in done if not t.cancelled())
+                for _, verdict, endpoint in results:  # in the order the probes started
+                    if verdict is None or verdict:
+                        failures = 0
+                        continue
+                    failures += 1
+                    log.warning("actor %d: engine %s failed %s (%d/%d)", self.actor_id, self.url, endpoint,
+                                failures, e.health_failures)
+                    if failures >= e.health_failures:
+                        failures = 0
+                        for t in probes:  # they ask the engine being replaced
+                            t.cancel()
+                        probes = set()
+                        self._declare_dead()
+                        break
+                if loop.time() >= next_at:
+                    next_at += e.health_interval_s * max(1, int((loop.time() - next_at) / e.health_interval_s) + 1)
+                    probes.add(loop.create_task(self._probe(loop.time())))
+        finally:
+            for t in probes:
+                t.cancel()
+
+    async def _probe(self, started: float) -> tuple[float, bool | None, str]:
+        """One probe: (its start time, True ok | False failed | None does not count, endpoint)."""
+        client = self.client
+        syncing = self._syncing
+        endpoint = "/model_info" if syncing else "/health"
+        if client is None or not (self.gate.is_set() or syncing):
+            return started, None, endpoint
+        if syncing:
+            try:
+                await client.model_info(self.cfg.engine.health_timeout_s)
+                ok = True
+            except SGLangError:
+                ok = False
+        else:
+            ok = await client.health(self.cfg.engine.health_timeout_s)
+        if client is not self.client or not ok and not (self.gate.is_set() or self._syncing):
+            return started, None, endpoint  # restarted or paused by us meanwhile: about another state
+        return started, ok, endpoint
+
+    def _declare_dead(self) -> None:
+        e = self.cfg.engine
+        if self.process is not None and self.process.running():
+            log.error("actor %d: engine (pid %s) failed %d %s in a row; killing it to restart it", self.actor_id,
+                      self.process.pid, e.health_failures,
+                      "health probes during a weight sync" if self._syncing else "/health probes")
+            self.process.kill()
+        elif self.process is None:
+            if self._sync_call is not None:  # a remote engine: the sync waiting on it gives up now
+                self._sync_call.cancel()
+            self.trouble.set()
 
     async def _supervise_remote(self) -> None:
         """An engine we do not own stopped answering or went back to older weights (it was restarted):
@@ -314,18 +385,22 @@ class EngineLink:
             return False
         assert self.client is not None
         client = self.client
+        # The update's deadline: the engine's own read deadline, plus one probe's worth for the rest.
+        load_s = self.cfg.engine.weight_load_timeout_s + self.cfg.engine.health_timeout_s
+        self._syncing = True
         try:
             if self.a.weight_sync == "abort" and not idle:
                 self.gate.clear()
                 try:
-                    await client.pause_generation("abort")
-                    await client.update_weights_from_disk(upd.path, weight_version=upd.version)
+                    await self._call(client.pause_generation("abort"))
+                    await self._call(client.update_weights_from_disk(upd.path, weight_version=upd.version,
+                                                                     timeout_s=load_s))
                 finally:
                     with contextlib.suppress(SGLangError):
-                        await client.continue_generation()
+                        await self._call(client.continue_generation())
                     self.gate.set()
             else:
-                await client.update_weights_from_disk(upd.path, weight_version=upd.version)
+                await self._call(client.update_weights_from_disk(upd.path, weight_version=upd.version, timeout_s=load_s))
         except SGLangError as e:
             if e.status is None:  # engine unreachable: the supervisor reloads the newest weights
                 log.warning("actor %d: weight update v%d failed, engine unreachable: %s", self.actor_id, upd.version, e)
@@ -334,6 +409,8 @@ class EngineLink:
             if not await self._served_anyway(client, upd, e):
                 self._refuse(upd, "load_error", e.message)
                 return False
+        finally:
+            self._syncing = False
         latency = max(0.0, time.time() - upd.created_at)
         self._set_version(upd.version, upd.path)
         self.counts["weight_syncs"] += 1
@@ -341,6 +418,21 @@ class EngineLink:
         self._m("weight_sync_seconds").observe(latency)
         log.info("actor %d: serving weights v%d (%.3f s after publish)", self.actor_id, upd.version, latency)
         return True
+
+    async def _call(self, coro: Any) -> Any:
+        """Await one of the sync's requests as a task the health watcher can cancel when it finds the
+        engine dead (a cancelled request reads as an unreachable engine)."""
+        task = asyncio.ensure_future(coro)
+        self._sync_call = task
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled() and not asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                raise SGLangError("engine", None, "declared dead by its health probes") from None
+            task.cancel()
+            raise
+        finally:
+            self._sync_call = None
 
     async def _served_anyway(self, client: SGLangClient, upd: Any, e: SGLangError) -> bool:
         """After an update answered with an error: True when the engine generates with ``upd`` anyway.

@@ -174,9 +174,19 @@ class SGLangClient:
     """One engine's native API. Safe to share between tasks of one event loop."""
 
     def __init__(self, base_url: str, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
-                 session: aiohttp.ClientSession | None = None) -> None:
+                 session: aiohttp.ClientSession | None = None, control_timeout_s: float = 60.0,
+                 api_key: str | None = None) -> None:
+        """``timeout_s``: deadline of /generate and weight updates; ``control_timeout_s``: of every other
+        request (pause, continue, abort, flush, model info). No request goes without one: an engine that
+        stops answering (SIGSTOPped, a hung HTTP loop) must fail its caller, never hold it forever.
+        ``api_key``: sent as ``Authorization: Bearer`` on every request (SGLang's ``--api-key`` or
+        ``--admin-api-key``; endpoints that need none ignore it)."""
         self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.control_timeout_s = control_timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session = session
         self._own_session = session is None
 
@@ -200,9 +210,11 @@ class SGLangClient:
     async def _request(self, method: str, endpoint: str, payload: Any = None,
                        timeout_s: float | None = None, ok_statuses: tuple[int, ...] = (200,)) -> tuple[int, Any, str]:
         url = f"{self.base_url}/{endpoint}"
-        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+        # aiohttp reads timeout=None as "no deadline at all": an absent timeout_s means the client's own.
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, self.connect_timeout_s))
         try:
-            async with self._sess().request(method, url, json=payload, timeout=timeout) as resp:
+            async with self._sess().request(method, url, json=payload, timeout=timeout, headers=self.headers) as resp:
                 raw = await resp.read()
                 text = raw.decode("utf-8", errors="replace")
                 try:
@@ -214,7 +226,7 @@ class SGLangClient:
                     raise SGLangError(endpoint, resp.status, error_message(body, text), body)
                 return resp.status, body, text
         except TimeoutError as e:
-            raise SGLangError(endpoint, None, f"timed out after {timeout_s or self.timeout.total} s") from e
+            raise SGLangError(endpoint, None, f"timed out after {timeout_s} s") from e
         except aiohttp.ClientError as e:
             raise SGLangError(endpoint, None, f"cannot reach {url}: {e}") from e
 
@@ -261,18 +273,18 @@ class SGLangClient:
 
     async def pause_generation(self, mode: str = "abort") -> None:
         """SGLang modes: abort (abort in-flight requests), retract, in_place (keep them, KV cache kept)."""
-        await self._request("POST", "pause_generation", {"mode": mode})
+        await self._request("POST", "pause_generation", {"mode": mode}, self.control_timeout_s)
 
     async def continue_generation(self) -> None:
-        await self._request("POST", "continue_generation", {})
+        await self._request("POST", "continue_generation", {}, self.control_timeout_s)
 
     async def flush_cache(self) -> bool:
         """True when flushed; False when the server refused because requests are running or waiting."""
-        status, _, _ = await self._request("POST", "flush_cache", None, ok_statuses=(200, 400))
+        status, _, _ = await self._request("POST", "flush_cache", None, self.control_timeout_s, ok_statuses=(200, 400))
         return status == 200
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        await self._request("POST", "abort_request", {"rid": rid, "abort_all": abort_all})
+        await self._request("POST", "abort_request", {"rid": rid, "abort_all": abort_all}, self.control_timeout_s)
 
     # ------------------------------------------------------------------ introspection
 
@@ -290,8 +302,9 @@ class SGLangClient:
         except SGLangError:
             return False
 
-    async def model_info(self, timeout_s: float | None = 30.0) -> dict[str, Any]:
+    async def model_info(self, timeout_s: float | None = None) -> dict[str, Any]:
         """``/model_info``; ``/get_model_info`` (its deprecated name) only on a server without it."""
+        timeout_s = self.control_timeout_s if timeout_s is None else timeout_s
         try:
             _, body, _ = await self._request("GET", "model_info", timeout_s=timeout_s)
         except SGLangError as e:

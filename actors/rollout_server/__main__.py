@@ -6,8 +6,11 @@ context=... weight_version=... load_s=...``, which supervisors (``process.Rollou
 the URL. Exit codes: 0 after SIGTERM/SIGINT; 1 when the scheduler thread died (its supervisor restarts
 it) or the model cannot be loaded or served; 2 for a bad command line.
 
-A non-loopback ``--host`` needs ``--bind-protection`` (``engine.bind_protection``): the control API has no
-authentication.
+Control endpoints (weight updates, pause, continue, abort, flush) need the admin API key when one is
+set (``--admin-api-key``, as SGLang's flag, or the ``VAPO_ENGINE_ADMIN_API_KEY`` environment variable,
+which is how a worker passes it: a command line is readable by every user of the machine). A
+non-loopback ``--host`` needs ``--bind-protection`` (``engine.bind_protection``) all the same: /generate
+stays open.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 from aiohttp import web
 
 from actors.rollout_server.http import Server
+from actors.rollout_server.process import ADMIN_KEY_ENV
 from actors.rollout_server.sampling import DEFAULT_MAX_N
 from actors.rollout_server.scheduler import Scheduler
 from common.config import EngineConfig
@@ -69,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued-tokens", type=int, default=0,
                    help="most prompt + max_new_tokens tokens waiting for a slot; a request past it gets 503 "
                         "(0 = 16 x --max-batch-size x context length)")
+    p.add_argument("--max-prompts-per-request", type=int, default=0,
+                   help="most prompts in one /generate, counted in the raw body before it is parsed "
+                        "(400 above; 0 = 16 x --max-batch-size)")
+    p.add_argument("--admin-api-key", default=None,
+                   help=f"Bearer key the control endpoints require (SGLang's flag; default: ${ADMIN_KEY_ENV}; "
+                        "empty = none)")
     p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="largest request body (413 above)")
     p.add_argument("--http-read-timeout-s", type=float, default=60.0,
                    help="a request body must arrive within this (408 otherwise)")
@@ -121,7 +131,8 @@ async def _serve(args: argparse.Namespace) -> None:
                           max_queued_tokens=args.max_queued_tokens, on_death=on_death)
     server = Server(scheduler, tokenizer, args.model_path, tok_path, metrics, max_n=args.max_n,
                     weight_load_timeout_s=args.weight_load_timeout_s, imitate_sglang=args.imitate_sglang,
-                    enable_metrics=args.enable_metrics, refuse_flush=args.refuse_flush)
+                    enable_metrics=args.enable_metrics, refuse_flush=args.refuse_flush,
+                    admin_api_key=args.admin_api_key, max_prompts=args.max_prompts_per_request)
     gc.freeze()  # the model, tokenizer and imports never become garbage: keep them out of every GC pass
     # handler_cancellation: a client that disconnects (or times out) cancels its handler, which aborts its
     # sequences so they stop holding KV-cache slots. keepalive_timeout also closes a connection that never
@@ -153,6 +164,8 @@ class SchedulerDied(RuntimeError):
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.admin_api_key is None:
+        args.admin_api_key = os.environ.get(ADMIN_KEY_ENV, "")
     if not is_loopback_host(args.host) and not args.bind_protection:
         raise SystemExit(f"rollout_server: --host {args.host} is not a loopback address and the engine's control API "
                          f"(/update_weights_from_disk, /pause_generation, ...) has no authentication; bind 127.0.0.1, "

@@ -40,6 +40,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from actors.rollout_server.guard import admin_auth_middleware, check_generate_body, quiet_protocol_errors
 from actors.rollout_server.sampling import DEFAULT_MAX_N, RequestError, SamplingParams, short_repr
 from actors.rollout_server.scheduler import PAUSE_MODES, Scheduler, SchedulerBusy, Sequence, new_rid
 from actors.sglang_client import gc_paused
@@ -116,8 +117,12 @@ async def _read_body(request: web.Request) -> bytes:
                              f"{request.headers.get('Content-Encoding', 'identity')!r}): {short_repr(str(e), 200)}") from None
 
 
-async def _json_body(request: web.Request, required: bool = True) -> dict[str, Any]:
+async def _json_body(request: web.Request, required: bool = True,
+                     check: Callable[[bytes], str | None] | None = None) -> dict[str, Any]:
+    """The body as a JSON object; ``check(raw)`` may refuse it (RequestError) before it is parsed."""
     raw = await _read_body(request)
+    if check is not None and (why := check(raw)) is not None:
+        raise RequestError(why)
     if not raw.strip():
         if required:
             raise BadRequest("Field required: request body is empty")
@@ -158,9 +163,13 @@ class Server:
 
     def __init__(self, scheduler: Scheduler, tokenizer: Any, model_path: str, tokenizer_path: str,
                  metrics: Metrics, *, max_n: int = DEFAULT_MAX_N, weight_load_timeout_s: float = 600.0,
-                 imitate_sglang: bool = False, enable_metrics: bool = True, refuse_flush: bool = False) -> None:
+                 imitate_sglang: bool = False, enable_metrics: bool = True, refuse_flush: bool = False,
+                 admin_api_key: str = "", max_prompts: int = 0) -> None:
         self.scheduler = scheduler
         self.max_n = max_n
+        self.admin_api_key = admin_api_key
+        # Most prompts in one /generate (0: as many sequences as 16 full batches).
+        self.max_prompts = max_prompts or 16 * scheduler.max_batch_size
         self.weight_load_timeout_s = weight_load_timeout_s
         # SGLang imitation (tests): real SGLang 0.5.23's behaviours where they differ from this server's.
         self.imitate_sglang = imitate_sglang
@@ -211,6 +220,9 @@ class Server:
                 raise BadRequest("input_ids: Input should be a valid list")
             if len(ids) == 0:
                 raise RequestError("input_ids cannot be empty.")
+            if len(ids) > self.max_prompts and not isinstance(ids[0], int):
+                raise RequestError(f"The request has {len(ids)} prompts, more than the server takes in one request "
+                                   f"({self.max_prompts}, --max-prompts-per-request).")
             if _is_int_list(ids):
                 return [ids], True
             if all(_is_int_list(x) for x in ids):
@@ -220,6 +232,9 @@ class Server:
             raise RequestError("text input needs a tokenizer; the server runs with --skip-tokenizer-init")
         single = isinstance(text, str)
         texts = [text] if single else text
+        if isinstance(texts, list) and len(texts) > self.max_prompts:
+            raise RequestError(f"The request has {len(texts)} prompts, more than the server takes in one request "
+                               f"({self.max_prompts}, --max-prompts-per-request).")
         if not (isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts)):
             raise BadRequest("text: Input should be a valid string or list of strings")
         limit = self.scheduler.context_length * self.max_token_chars
@@ -231,6 +246,9 @@ class Server:
         # Off the event loop: a long batch takes a while to tokenise, and /health must keep answering.
         ids_list = await asyncio.to_thread(lambda: [self.tokenizer(t)["input_ids"] for t in texts])
         return ids_list, single
+
+    def _census(self, raw: bytes) -> str | None:
+        return check_generate_body(raw, self.max_prompts, self.scheduler.max_queued_tokens)
 
     @staticmethod
     def _per_item(value: Any, n: int, name: str, default: Any) -> list[Any]:
@@ -244,7 +262,7 @@ class Server:
 
     async def generate(self, request: web.Request) -> web.Response:
         try:
-            body = await _json_body(request)
+            body = await _json_body(request, check=self._census)
             if body.get("stream"):
                 raise RequestError("stream=true is not supported by rollout_server")
             prompts, is_single = await self._prompts(body)
@@ -402,6 +420,7 @@ class Server:
             self.metrics.bad_requests.labels(endpoint="update_weights_from_disk").inc()
             return _validation_error(str(e))
         version = None if version is None else str(version)
+        self._control(request, f"model_path={short_repr(path, 200)}")
         async with self._update_lock:
             if load_format not in (None, "auto", "safetensors"):
                 ok, msg = False, f"Failed to update weights: load_format {load_format!r} is not supported (auto | safetensors)."
@@ -460,14 +479,23 @@ class Server:
         except BadRequest as e:
             self.metrics.bad_requests.labels(endpoint="pause_generation").inc()
             return _validation_error(str(e))
+        self._control(request, f"mode={mode}")
         await asyncio.wrap_future(self.scheduler.pause(mode))
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
+        self._control(request)
         await asyncio.wrap_future(self.scheduler.resume())
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
+    def _control(self, request: web.Request, what: str = "", status: str = "ok") -> None:
+        """Pauses and aborts change what every client gets: each one is logged with its peer and counted."""
+        self.metrics.control_requests.labels(endpoint=request.path.lstrip("/"), status=status).inc()
+        (log.info if status == "ok" else log.warning)("%s %s from %s%s", request.path, status, request.remote,
+                                                      f" ({what})" if what else "")
+
     async def flush_cache(self, request: web.Request) -> web.Response:
+        self._control(request)
         ok = await asyncio.wrap_future(self.scheduler.flush_cache())
         return web.Response(text=FLUSH_CACHE_TEXT, status=200 if ok else 400)
 
@@ -477,6 +505,7 @@ class Server:
         except BadRequest as e:
             return _validation_error(str(e))
         rid, abort_all = body.get("rid", ""), bool(body.get("abort_all", False))
+        self._control(request, "abort_all" if abort_all else f"rid={short_repr(rid, 80)}")
         if abort_all:
             await asyncio.wrap_future(self.scheduler.abort(None, "Aborted by abort_request."))
         elif isinstance(rid, str) and rid:
@@ -485,9 +514,17 @@ class Server:
         return web.Response(status=200)
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 while generating; 503 while paused (SGLang's /health, a generation, cannot run then and
+        fails after SGLANG_HEALTH_CHECK_TIMEOUT; here the 503 is immediate and names the pause)."""
         if self.imitate_sglang:  # SGLang 0.5.23 serves /health with the /health_generate handler
             return await self.health_generate(request)
+        if self.scheduler.alive and self.scheduler.paused is not None:
+            return web.Response(status=503, text=f"generation paused (mode={self.scheduler.paused})\n")
         return await self.ping(request)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """SGLang's /ready: 200 when the server takes new requests (alive and not paused), else 503."""
+        return web.Response(status=200 if self.scheduler.alive and self.scheduler.paused is None else 503)
 
     async def ping(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.scheduler.alive else 503)
@@ -560,7 +597,12 @@ class Server:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def app(self, max_body_bytes: int = 32 << 20, read_timeout_s: float = 60.0) -> web.Application:
-        app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors_middleware])
+        middlewares: list[Any] = [_errors_middleware]
+        if self.admin_api_key:
+            middlewares.append(admin_auth_middleware(
+                self.admin_api_key, lambda r: self._control(r, "no or wrong admin API key", status="unauthorized")))
+        quiet_protocol_errors()
+        app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
         app["max_body_bytes"] = max_body_bytes
         app["read_timeout_s"] = read_timeout_s
         r = app.router
@@ -575,6 +617,7 @@ class Server:
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health_generate)
         r.add_get("/ping", self.ping)
+        r.add_get("/ready", self.ready)
         r.add_get("/model_info", self.model_info)
         r.add_get("/get_model_info", self.model_info)  # SGLang's deprecated name for the same handler
         if not self.imitate_sglang:  # an older SGLang route, gone in 0.5.23

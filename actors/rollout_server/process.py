@@ -28,6 +28,9 @@ log = logging.getLogger("vapo.actors.engine")
 REPO = Path(__file__).resolve().parents[2]
 
 
+ADMIN_KEY_ENV = "VAPO_ENGINE_ADMIN_API_KEY"  # rollout_server's --admin-api-key when the flag is not given
+
+
 class EngineStartError(RuntimeError):
     """The engine exited or did not become healthy within ``engine.startup_timeout_s``."""
 
@@ -75,14 +78,17 @@ class RolloutServerProcess:
     def running(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
 
-    async def start(self, model_path: str, weight_version: int) -> str:
-        """Start the engine and wait for its ready line and ``/health``; returns its base URL."""
+    async def start(self, model_path: str, weight_version: int, api_key: str = "") -> str:
+        """Start the engine and wait for its ready line and ``/health``; returns its base URL. ``api_key``
+        reaches the child in its environment (``VAPO_ENGINE_ADMIN_API_KEY``): a command line is readable by every
+        user of the machine, a process environment only by its owner."""
         await self.stop()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = rollout_server_command(self.cfg, self.actor_id, model_path, weight_version,
                                      seed=self.cfg.run.seed * 1000 + self.actor_id + 100 * self.starts)
         self.starts += 1
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+               ADMIN_KEY_ENV: api_key}
         with open(self.log_path, "ab") as errf:
             errf.write(f"\n=== {time.strftime('%H:%M:%S')} start: {' '.join(cmd)}\n".encode())
             errf.flush()
@@ -148,4 +154,4 @@ class RolloutServerProcess:
             pass
 
 
-__all__ = ["EngineStartError", "RolloutServerProcess", "rollout_server_command"]
+__all__ = ["ADMIN_KEY_ENV", "EngineStartError", "RolloutServerProcess", "rollout_server_command"]

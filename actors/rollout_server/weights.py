@@ -2,9 +2,15 @@
 copy it in.
 
 ``LiveWeights(model).read(path)`` reads every tensor of an HF checkpoint directory (one file or shards)
-and refuses unknown or missing tensors, shape mismatches and non-finite values; ``install(sd)`` then copies
-the tensors into the model's parameters in place (the scheduler calls it between two decode steps). Only
-regular files are opened: a FIFO named like a checkpoint would block the reader forever.
+and refuses unknown or missing tensors, shape mismatches, non-float dtypes (integer or bool tensors are
+no weights: casting them would serve garbage) and values that are not finite once cast to the served
+dtype; ``install(sd)`` then copies the tensors into the model's parameters in place (the scheduler calls
+it between two decode steps). A float dtype other than the served one is cast, as SGLang's loaders do
+(``param.data.copy_``), and refused when the cast overflows (an fp32 value past fp16's range).
+
+Only regular files are read, and the check is made on the opened file: each file is opened with
+``O_NONBLOCK`` (opening a FIFO then returns at once instead of waiting for a writer), ``fstat``-ed, and
+read through ``/proc/self/fd`` so that a path swapped for a FIFO after the check cannot be what is read.
 
 Deviations from SGLang: safetensors only (``load_format`` auto | safetensors), always from local disk.
 """
@@ -12,6 +18,7 @@ Deviations from SGLang: safetensors only (``load_format`` auto | safetensors), a
 from __future__ import annotations
 
 import json
+import os
 import stat
 from pathlib import Path
 
@@ -22,15 +29,27 @@ class WeightLoadError(RuntimeError):
     """A checkpoint that cannot be read or does not fit the served model."""
 
 
-def _regular_file(p: Path) -> None:
-    """Refuse anything but a regular file: opening a FIFO (or a device) named like a checkpoint blocks the
-    reader forever, which no later timeout can interrupt."""
+def _open_regular(p: Path) -> int:
+    """An fd of ``p`` if the opened file is a regular file; anything else is refused. Opening a FIFO (or a
+    device) for reading blocks until a writer appears, in a call that holds the interpreter, so no later
+    timeout or signal handler could interrupt it: O_NONBLOCK makes that open return at once."""
     try:
-        mode = p.stat().st_mode
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
-        raise WeightLoadError(f"cannot stat {p.name}: {e}") from e
-    if not stat.S_ISREG(mode):
-        raise WeightLoadError(f"{p.name} is not a regular file")
+        raise WeightLoadError(f"cannot open {p.name}: {e.strerror or e}") from e
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise WeightLoadError(f"{p.name} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_regular_text(p: Path) -> str:
+    fd = _open_regular(p)
+    with os.fdopen(fd, "rb") as f:
+        return f.read().decode("utf-8", errors="replace")
 
 
 def read_state_dict(model_path: str | Path) -> dict[str, torch.Tensor]:
@@ -42,20 +61,24 @@ def read_state_dict(model_path: str | Path) -> dict[str, torch.Tensor]:
         raise WeightLoadError(f"model_path {str(path)!r} is not a directory")
     index = path / "model.safetensors.index.json"
     if index.exists():
-        _regular_file(index)
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(_read_regular_text(index))["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise WeightLoadError(f"{index.name} is not a safetensors index: {e}") from e
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise WeightLoadError(f"no *.safetensors files in {str(path)!r}")
-    for name in files:
-        _regular_file(path / name)
     out: dict[str, torch.Tensor] = {}
     for name in files:
+        fd = _open_regular(path / name)
         try:
-            out.update(load_file(str(path / name), device="cpu"))
+            # The opened (checked) file itself, whatever the name points at by now.
+            out.update(load_file(f"/proc/self/fd/{fd}", device="cpu"))
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
             raise WeightLoadError(f"cannot read {name}: {e}") from e
+        finally:
+            os.close(fd)
     return out
 
 
@@ -79,10 +102,17 @@ class LiveWeights:
         if missing:
             raise WeightLoadError(f"checkpoint lacks tensors: {missing[:5]}")
         for name, t in sd.items():
-            if tuple(t.shape) != tuple(self.params[name].shape):
-                raise WeightLoadError(f"shape mismatch for {name}: {tuple(t.shape)} vs {tuple(self.params[name].shape)}")
-            if not torch.isfinite(t.float()).all():
-                raise WeightLoadError(f"non-finite values in {name}")
+            live = self.params[name]
+            if tuple(t.shape) != tuple(live.shape):
+                raise WeightLoadError(f"shape mismatch for {name}: {tuple(t.shape)} vs {tuple(live.shape)}")
+            if not t.is_floating_point():
+                raise WeightLoadError(f"{name} has dtype {str(t.dtype).removeprefix('torch.')}: weights must be "
+                                      f"floating point (served as {str(live.dtype).removeprefix('torch.')})")
+            if t.dtype != live.dtype:
+                t = sd[name] = t.to(live.dtype)
+            if not torch.isfinite(t).all():
+                raise WeightLoadError(f"non-finite values in {name}"
+                                      + ("" if t.dtype == torch.float32 else f" (as {str(t.dtype).removeprefix('torch.')})"))
         return sd
 
     def install(self, sd: dict[str, torch.Tensor]) -> None:

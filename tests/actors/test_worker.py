@@ -208,6 +208,43 @@ def test_engine_that_stops_answering_health_is_killed_and_restarted(stack, tmp_p
     _check_shard_once(s, groups, M, version=0)
 
 
+def test_hung_engine_with_a_weight_sync_pending_is_restarted_within_the_health_bound(
+        stack, tmp_path: Path, tiny_model_dir: Path) -> None:
+    """SIGSTOPped engine, then a new version published: the sync's update request hangs on it. Probes go on
+    during the sync, so the engine is killed within health_failures x health_interval_s + health_timeout_s
+    (plus scheduling slack) and restarted on the new weights (it used to wait for ever)."""
+    interval, timeout, failures = 0.5, 1.0, 3
+    bound = failures * interval + timeout
+    s = stack("actors.group_size=2", "actors.max_new_tokens=8", "actors.prompts_in_flight=2", "actors.max_prompts=6",
+              "actors.weight_sync=wait", f"engine.health_interval_s={interval}", f"engine.health_timeout_s={timeout}",
+              f"engine.health_failures={failures}", "learner.batch_groups=4", "buffer.max_staleness=1")
+    s.start_buffer()
+    with contextlib.closing(WeightPublisher(s.publish, s.query)) as learner:
+        p = s.start_actors("--actor-id", "0")
+        ready = read_tagged(p, "ACTOR READY", 120, s.tmp / "actors.log")
+        hung = ready["engine_pid"]
+        try:
+            wait_for(lambda: s.cursor(0)["next"] >= 1, 60, "a prompt taken")
+            v1 = make_weights(tiny_model_dir, tmp_path / "weights" / "v1", 0.9, 1)
+            os.kill(hung, signal.SIGSTOP)
+            t_stop = time.monotonic()
+            learner.publish(v1)
+            wait_for(lambda: not Path(f"/proc/{hung}").exists() or "Z" in Path(f"/proc/{hung}/stat").read_text().split()[2],
+                     bound + 30, "the hung engine killed")
+            killed_after = time.monotonic() - t_stop
+            wait_for(lambda: s.worker_state(0).get("engine_pid") not in (None, hung), 60, "a new engine")
+            wait_for(lambda: s.worker_state(0).get("weight_version") == 1, 60, "the new engine on v1")
+            s.drain_until(lambda: p.poll() is not None, 150)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hung, signal.SIGKILL)
+        done = read_tagged(p, "ACTOR DONE", 30, s.tmp / "actors.log")
+        assert p.wait(timeout=30) == 0
+    assert killed_after < bound + 5, (killed_after, bound)
+    assert done["fatal"] is None and done["engine_restarts"] == 1 and done["weight_version"] == 1
+    assert "health probes during a weight sync in a row; killing it" in (s.tmp / "actors.log").read_text()
+
+
 def _check_shard_once(s: Stack, groups: list, m: int, version: int) -> None:
     ids = sorted(int(g.group_id.split("-p")[1]) for g in groups)
     assert ids == list(range(m))  # every prompt of the shard exactly once
