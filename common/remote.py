@@ -37,11 +37,13 @@ from common import lifeline
 SSH_ARGS_ENV = "VAPO_SSH_ARGS"  # extra ssh options from the environment, after placement.ssh_args
 SSH_LOST = 255  # ssh's exit code when the connection fails or is lost (a remote command's own codes pass through)
 GRACE_S = 4.0  # SIGTERM → SIGKILL on the remote host; below the launcher's own stop grace (6 s)
-# Socket-interface and rendezvous-tuning variables of the launcher's environment that every process on
-# another host needs as well (gloo otherwise binds the address its hostname resolves to, which Debian's
-# /etc/hosts makes 127.0.1.1: unreachable from the other ranks).
+# Variables of the launcher's environment that every process on another host needs as well: socket
+# interfaces and rendezvous tuning (gloo otherwise binds the address its hostname resolves to, which
+# Debian's /etc/hosts makes 127.0.1.1: unreachable from the other ranks), and the run-time settings
+# ops/launch.sh exports (offline Hugging Face, the torch extensions cache, passive OpenMP waits).
 FORWARD_PREFIXES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_IB_", "NCCL_DEBUG",
-                    "TORCH_NCCL_", "TORCH_DISTRIBUTED_DEBUG")
+                    "TORCH_NCCL_", "TORCH_DISTRIBUTED_DEBUG", "HF_HUB_OFFLINE", "HF_HOME", "TRANSFORMERS_OFFLINE",
+                    "TOKENIZERS_PARALLELISM", "TORCH_EXTENSIONS_DIR", "OMP_WAIT_POLICY")
 _PDSH_EXIT = re.compile(r"^pdsh@[^:]+: ([^:\s]+): ssh exited with exit code (\d+)", re.MULTILINE)
 
 

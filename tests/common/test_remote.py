@@ -284,3 +284,11 @@ def test_over_real_ssh_and_pdsh_learner_ranks_start_on_their_hosts_and_die_with_
         assert (v["MASTER_ADDR"], v["DS_ACCELERATOR"], v["GLOO_SOCKET_IFNAME"], v["VAPO_DS_SHM"]) == \
             ("127.0.0.1", "cpu", "lo", "0")
     wait_for(lambda: not any(_alive(v["pid"]) for v in records.values()), 30, "every rank to stop")
+
+
+def test_remote_processes_get_what_launch_sh_exports() -> None:
+    # Without them a remote actor would not be offline (HF) nor share the torch extensions cache.
+    env = remote.forwarded_env({"HF_HUB_OFFLINE": "1", "TORCH_EXTENSIONS_DIR": "/c", "OMP_WAIT_POLICY": "PASSIVE",
+                                "TOKENIZERS_PARALLELISM": "false", "HOME": "/root", "RANK": "3"})
+    assert env == {"HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false",
+                   "TORCH_EXTENSIONS_DIR": "/c"}
