@@ -27,10 +27,11 @@ MULTI = ["placement.hosts=[h0,h1,h2,h3]", "placement.gpus_per_host=2", "placemen
          "actors.num_actors=3"]
 
 
-def _guarded(tmp_path: Path, timeout: float, child: str) -> tuple[subprocess.Popen, Path]:
-    """``python -m common.remote`` running a child that writes its pid to a file and then ``child``."""
+def _guarded(tmp_path: Path, timeout: float, child: str, setup: str = "pass") -> tuple[subprocess.Popen, Path]:
+    """``python -m common.remote`` running a child that runs ``setup``, writes its pid to a file (so the
+    test starts only once ``setup`` is in force) and then ``child``."""
     pid_file = tmp_path / "child.pid"
-    code = f"import os, time, sys; open({str(pid_file)!r}, 'w').write(str(os.getpid())); {child}"
+    code = f"import os, signal, time, sys; {setup}; open({str(pid_file)!r}, 'w').write(str(os.getpid())); {child}"
     g = subprocess.Popen([sys.executable, "-m", "common.remote", "--timeout", str(timeout), "--grace", "2", "--",
                           sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE)
     wait_for(lambda: pid_file.exists() and pid_file.read_text(), 20, "the guarded child to start")
@@ -78,9 +79,9 @@ def test_guard_stops_its_process_without_heartbeats_and_keeps_it_with_them(tmp_p
 def test_guard_passes_the_exit_code_through_and_kills_a_stubborn_child(tmp_path: Path) -> None:
     g, _ = _guarded(tmp_path, 30, "sys.exit(7)")
     assert g.wait(timeout=10) == 7
-    stubborn = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    # The child ignores SIGTERM before it reports its pid: closing the link earlier would test nothing.
     (tmp_path / "child.pid").unlink()
-    g, pid_file = _guarded(tmp_path, 30, stubborn)
+    g, pid_file = _guarded(tmp_path, 30, "time.sleep(600)", setup="signal.signal(signal.SIGTERM, signal.SIG_IGN)")
     assert g.stdin is not None
     g.stdin.close()
     assert g.wait(timeout=10) == 128 + 9 and not _alive(int(pid_file.read_text()))
