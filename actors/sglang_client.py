@@ -271,6 +271,37 @@ class SGLangClient:
             raise SGLangError("update_weights_from_disk", status, error_message(body, text), body)
         return str(body.get("message", ""))
 
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str = "nccl", timeout_s: float | None = None) -> str:
+        """Join the learner's weight-update process group (blocks until every member has joined)."""
+        return await self._success("init_weights_update_group", {
+            "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group_name, "backend": backend}, timeout_s)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              weight_version: int | str | None = None, flush_cache: bool = True,
+                                              abort_all_requests: bool = False,
+                                              load_format: str | None = "flattened_bucket",
+                                              group_name: str = "weight_update_group",
+                                              timeout_s: float | None = None) -> str:
+        """Receive one broadcast from the group's rank 0 (a flattened bucket by default) and load it."""
+        payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                                   "flush_cache": flush_cache, "abort_all_requests": abort_all_requests,
+                                   "load_format": load_format}
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        return await self._success("update_weights_from_distributed", payload, timeout_s)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> str:
+        return await self._success("destroy_weights_update_group", {"group_name": group_name}, self.control_timeout_s)
+
+    async def _success(self, endpoint: str, payload: dict[str, Any], timeout_s: float | None) -> str:
+        status, body, text = await self._request("POST", endpoint, payload, timeout_s, ok_statuses=(200, 400))
+        if not isinstance(body, dict) or not body.get("success"):
+            raise SGLangError(endpoint, status, error_message(body, text), body)
+        return str(body.get("message", ""))
+
     async def pause_generation(self, mode: str = "abort") -> None:
         """SGLang modes: abort (abort in-flight requests), retract, in_place (keep them, KV cache kept)."""
         await self._request("POST", "pause_generation", {"mode": mode}, self.control_timeout_s)

@@ -1,0 +1,271 @@
+"""Distributed weight push (``learner.weight_transport: distributed``): ZeRO-3 gathers of at most
+``learner.bucket_bytes``, each broadcast by rank 0 as one SGLang flattened bucket to every engine of the
+weight-update group; the durable disk version is written from the same bytes in the background.
+
+- **Group**: rank 0 of the learner is rank 0 of a process group whose other ranks are the engines (engine
+  ``i`` at ``rank_offset = 1 + i``), built through each engine's ``/init_weights_update_group``
+  (``open_group`` listens, the members are told ``init_bodies()``, ``join`` waits for all of them). gloo on
+  CPU, NCCL on CUDA (``common.weight_bucket``). Every collective on it waits at most ``timeout_s``: a dead
+  or hung engine fails the push, which closes the group (it is rebuilt on the next open) and leaves that
+  version to the disk path; the learner goes on.
+- **Plan**: ``bucket_plan(model)``: the state-dict tensors (tied aliases dropped, as on disk) in order, split
+  into buckets of at most ``bucket_bytes``; the same for every version, so the members post the same
+  ``names, dtypes, shapes`` per bucket each time (``BucketMeta.body()``).
+- **Push**: ``iter_buckets`` is collective under ZeRO-3 (every rank gathers one bucket's parameters at a
+  time); rank 0 flattens the bucket on the device, checks it is finite there (NaN/Inf refuse the version
+  before a byte leaves the device), broadcasts it and hands a host copy to ``DurableWriter``.
+- **Disk off the critical path** (``DurableWriter``): a background thread writes the host buckets as one
+  safetensors file per bucket (``model-0000i-of-0000n.safetensors`` + the index), hashing each file as it
+  is written (``common.checksum.weights_sha256``'s digest, without reading anything back), then the
+  ``STABLE`` marker and the rename, as ``learner.weights.write_version``; ``on_done(WeightUpdate)`` announces
+  it. Rank 0 holds the version's host copy until it is written (the model's size in host memory).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import shutil
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from common import protocol
+from common.weight_bucket import BucketMeta, Group, dtype_name, flatten, master_store, new_group, plan_buckets
+from learner.dist import rank
+from learner.weights import STABLE, _aliases, _gathered, is_partitioned, unwrap, version_dir
+
+log = logging.getLogger(__name__)
+
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
+
+
+def _entries(model: Any) -> list[tuple[str, Tensor]]:
+    module = unwrap(model)
+    entries = list(module.state_dict(keep_vars=True).items())
+    alias = _aliases(module, entries)
+    return [(n, t) for n, t in entries if n not in alias]
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(getattr(t, "ds_shape", t.shape))
+
+
+def bucket_plan(model: Any, bucket_bytes: int) -> list[BucketMeta]:
+    """The buckets of a push (every rank computes the same plan from the same model)."""
+    return plan_buckets(((n, t.dtype, _shape(t)) for n, t in _entries(model)), bucket_bytes)
+
+
+def iter_buckets(model: Any, plan: list[BucketMeta]) -> Iterator[Tensor | None]:
+    """One flattened bucket per plan entry: on rank 0 a device tensor, elsewhere None; collective under
+    ZeRO-3 (every rank must run it to the end). ValueError (after the gathers) on a non-finite weight."""
+    by_name = dict(_entries(model))
+    partitioned = is_partitioned(unwrap(model))
+    me = rank()
+    bad: str | None = None
+    for meta in plan:
+        ts = [by_name[n] for n in meta.names]
+        with _gathered([t for t in ts if hasattr(t, "ds_id")] if partitioned else [], modifier_rank=None):
+            if me != 0:
+                yield None
+                continue
+            buf = flatten([t.data for t in ts])
+            if bad is None:
+                for name, t in zip(meta.names, ts, strict=True):
+                    if t.is_floating_point() and not bool(torch.isfinite(t.data).all()):
+                        bad = name
+                        break
+            yield None if bad is not None else buf
+    if bad is not None:
+        raise ValueError(f"weight {bad} has NaN or Inf values; this version is not published (training diverged?)")
+
+
+@dataclass
+class PushResult:
+    """What one push did (rank 0)."""
+
+    version: int
+    broadcast: bool  # every member received every bucket
+    error: str = ""
+    bytes: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: {"gather": 0.0, "broadcast": 0.0, "host_copy": 0.0})
+
+
+class WeightPusher:
+    """Rank 0's side of the weight-update group, and the push of one version (every rank calls ``push``)."""
+
+    def __init__(self, bucket_bytes: int, backend: str = "gloo", master_address: str = "127.0.0.1",
+                 master_port: int = 0, timeout_s: float = 60.0, group_name: str = "weight_update_group") -> None:
+        self.bucket_bytes, self.backend, self.timeout_s = bucket_bytes, backend, timeout_s
+        self.master_address, self.master_port, self.group_name = master_address, master_port, group_name
+        self.group: Group | None = None
+        self._store: Any = None
+        self.world_size = 0
+        self.plan: list[BucketMeta] | None = None
+
+    def open_group(self, n_engines: int) -> list[dict[str, Any]]:
+        """Listen for a new group of ``n_engines`` engines (any old group is closed); returns each engine's
+        ``/init_weights_update_group`` body, in engine order."""
+        self.close()
+        self.world_size = 1 + n_engines
+        self._store = master_store(self.master_address, self.master_port, self.world_size, self.timeout_s)
+        return [{"master_address": self.master_address, "master_port": int(self._store.port), "rank_offset": 1 + i,
+                 "world_size": self.world_size, "group_name": self.group_name, "backend": self.backend}
+                for i in range(n_engines)]
+
+    def join(self) -> None:
+        """Rank 0 joins the group opened by ``open_group``; RuntimeError when a member does not join within
+        ``timeout_s``."""
+        if self._store is None:
+            raise RuntimeError("join before open_group")
+        try:
+            self.group = new_group(self.backend, self.master_address, int(self._store.port), 0, self.world_size,
+                                   self.group_name, self.timeout_s, store=self._store)
+        except Exception:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group, self._store = None, None
+
+    def push(self, model: Any, version: int, sink: Callable[[BucketMeta, Tensor], None] | None = None) -> PushResult | None:
+        """Gather and broadcast every bucket of ``model`` (collective under ZeRO-3); ``sink`` gets each
+        bucket's host copy on rank 0 (the durable writer). A failed broadcast closes the group and the
+        remaining buckets still reach ``sink``. Rank 0 returns a PushResult, the others None."""
+        if self.plan is None:
+            self.plan = bucket_plan(model, self.bucket_bytes)
+        res = PushResult(version=version, broadcast=self.group is not None)
+        t = time.perf_counter()
+        for meta, buf in zip(self.plan, iter_buckets(model, self.plan), strict=True):
+            now = time.perf_counter()
+            res.seconds["gather"] += now - t
+            t = now
+            if buf is None:
+                continue
+            res.bytes += buf.numel()
+            if res.broadcast and self.group is not None:
+                try:
+                    self.group.broadcast(buf)
+                except Exception as e:  # a member died or hung: this version goes by disk
+                    res.broadcast, res.error = False, str(e)[:500]
+                    log.warning("weight push v%d: broadcast failed (%s); the group is closed", version, res.error)
+                    self.close()
+                now = time.perf_counter()
+                res.seconds["broadcast"] += now - t
+                t = now
+            if sink is not None:
+                sink(meta, buf if buf.device.type == "cpu" else buf.to("cpu"))
+                now = time.perf_counter()
+                res.seconds["host_copy"] += now - t
+                t = now
+        return res if rank() == 0 else None
+
+
+class DurableWriter:
+    """Writes pushed versions to disk in a background thread (one at a time, in order), hashing as it
+    writes; ``on_done`` gets each version's ``WeightUpdate`` (or is not called when writing failed)."""
+
+    def __init__(self, root: Path, on_done: Callable[[protocol.WeightUpdate], None], extra_files: Callable[[Path], None] | None = None) -> None:
+        self.root, self.on_done, self.extra_files = root, on_done, extra_files
+        self._q: queue.Queue[tuple[int, list[tuple[BucketMeta, Tensor]]] | threading.Event] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="weight-writer", daemon=True)
+        self._thread.start()
+        self.last_error: BaseException | None = None
+        self.seconds: dict[int, float] = {}
+
+    def submit(self, version: int, buckets: list[tuple[BucketMeta, Tensor]]) -> None:
+        self._q.put((version, buckets))
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Until every submitted version is written (True) or ``timeout_s`` passed (False)."""
+        done = threading.Event()
+        self._q.put(done)
+        return done.wait(timeout_s)
+
+    def close(self, timeout_s: float = 600.0) -> None:
+        self.wait(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            version, buckets = item
+            t0 = time.perf_counter()
+            try:
+                update = write_buckets(self.root, version, buckets, self.extra_files)
+            except BaseException as e:  # noqa: BLE001 — reported; the next version is written anyway
+                self.last_error = e
+                log.error("writing weights v%d failed: %s", version, e)
+                continue
+            finally:
+                buckets.clear()
+            self.seconds[version] = time.perf_counter() - t0
+            self.on_done(update)
+
+
+def _write_safetensors(path: Path, meta: BucketMeta, buf: Tensor, h: Any) -> int:
+    """One bucket as a safetensors file (the bucket's bytes are the data section as they are); feeds the
+    file's name, size and bytes to ``h`` as ``weights_sha256`` does; returns the file size."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for name, dt, shape in zip(meta.names, meta.dtypes, meta.shapes, strict=True):
+        n = torch.Size(shape).numel() * getattr(torch, dt).itemsize
+        header[name] = {"dtype": _ST_DTYPES[getattr(torch, dt)], "shape": shape, "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
+    head = struct.pack("<Q", len(raw)) + raw
+    data = memoryview(buf.numpy())
+    size = len(head) + len(data)
+    h.update(path.name.encode())
+    h.update(b"\0")
+    h.update(size.to_bytes(8, "little"))
+    with path.open("wb") as f:
+        for chunk in (head, data):
+            f.write(chunk)
+            h.update(chunk)
+    return size
+
+
+def write_buckets(root: Path, version: int, buckets: list[tuple[BucketMeta, Tensor]],
+                  extra_files: Callable[[Path], None] | None = None) -> protocol.WeightUpdate:
+    """Version ``version`` from its host buckets: ``v<N>.tmp`` → files + index + STABLE → ``v<N>``."""
+    final, tmp = version_dir(root, version), root / f"v{version}.tmp"
+    if final.exists():
+        raise FileExistsError(f"weights {final} already exist; a version is never published twice")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    n = len(buckets)
+    names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    h = hashlib.sha256()  # the files are hashed in name order, which is bucket order here
+    weight_map: dict[str, str] = {}
+    total = 0
+    for fname, (meta, buf) in zip(names, buckets, strict=True):
+        _write_safetensors(tmp / fname, meta, buf, h)
+        weight_map.update({k: fname for k in meta.names})
+        total += meta.nbytes
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
+    if extra_files is not None:
+        extra_files(tmp)  # config, generation config, tokenizer
+    digest, created = h.hexdigest(), time.time()
+    (tmp / STABLE).write_text(json.dumps({"version": version, "sha256": digest, "files": names, "created_at": created}))
+    tmp.rename(final)
+    return protocol.WeightUpdate(version=version, path=str(final.resolve()), sha256=digest, created_at=created)
+
+
+__all__ = ["DurableWriter", "PushResult", "WeightPusher", "bucket_plan", "dtype_name", "iter_buckets", "write_buckets"]
