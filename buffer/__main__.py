@@ -15,8 +15,9 @@ USAGE = """usage: python -m buffer [config.yaml] [key=value ...]
 
 Runs the vapo buffer: actors push groups to buffer.ingest_addr (ZeroMQ ROUTER), the learner pulls
 batches from buffer.serve_addr (ROUTER, REQ/REP envelope); data lives in LMDB at buffer.path (default <run dir>/buffer).
-Prometheus metrics on buffer.metrics_port. Non-loopback binds need CurveZMQ keys
-(python -m buffer.keys DIR). Inspect the data with python -m buffer.inspect PATH (its
+Prometheus metrics on buffer.metrics_port. Clients authenticate with the run's CurveZMQ keys
+(buffer.curve.keys_dir: the launcher writes <run dir>/keys; python -m buffer.keys DIR); without keys only
+a local bind is allowed and any local process may connect. Inspect the data with python -m buffer.inspect PATH (its
 --set-learner-version N repairs a wrong learner version while the buffer is stopped).
 
 examples:
