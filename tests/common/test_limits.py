@@ -14,7 +14,7 @@ from common.protocol import Sample
 
 
 def _sample(p: int = 3, n: int = 4, top: int = 9, reward: float = 1.0, lp: float = -0.5) -> Sample:
-    out = np.arange(n, dtype=np.int32) % (top + 1)
+    out = np.zeros(n, np.int32)
     out[-1] = top
     return Sample(prompt_ids=np.ones(p, np.int32), output_ids=out, output_logprobs=np.full(n, lp, np.float32),
                   reward=reward, finish_reason="stop", weight_version=0, response_length=n)
