@@ -12,13 +12,14 @@
   them first; ``none`` pauses nothing (SGLang then loads each bucket only once the running requests end:
   the drain this path exists to avoid).
 
-A failure (the engine or the group died, a bucket refused) raises ``SGLangError``; the engine then serves
-whatever it had (possibly a partial mix, as SGLang warns), so the caller must load the version from disk
-before it generates again.
+A failure (the engine or the group died, a bucket refused) raises ``SGLangError`` and leaves the engine
+paused: its weights may be a mix of two versions (as SGLang warns), so the caller loads the version from
+disk (``/update_weights_from_disk`` applies at once while paused) before it continues generation.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
@@ -66,15 +67,124 @@ async def receive_push(client: SGLangClient, buckets: list[dict[str, Any]], vers
         rep.receive_s = time.perf_counter() - t0
         return rep
     await client.pause_generation(pause)
-    try:
-        t1 = time.perf_counter()
-        await _post_buckets(client, buckets, version, pause != "in_place", group_name, timeout_s)
-        rep.receive_s = time.perf_counter() - t1
-    finally:
-        with contextlib.suppress(SGLangError):
-            await client.continue_generation()
-        rep.pause_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    await _post_buckets(client, buckets, version, pause != "in_place", group_name, timeout_s)
+    rep.receive_s = time.perf_counter() - t1
+    await client.continue_generation()
+    rep.pause_s = time.perf_counter() - t0
     return rep
 
 
-__all__ = ["PAUSE_MODES", "PushReport", "join_group", "receive_push"]
+class PushMember:
+    """One worker's membership in the learner's weight push (``learner.weight_transport: distributed``).
+
+    A DEALER to ``learner.push_addr`` (the buffer's CurveZMQ client keys when configured). Whenever the
+    link's engine is up with a client not yet announced (start, restart), sends ``PushJoin``; on
+    ``PushGroup`` posts ``/init_weights_update_group`` and answers ``PushDone(version=-1)``; on
+    ``PushVersion`` takes the link's control lock (no disk sync or restart meanwhile), posts the buckets
+    (``receive_push`` with ``actors.push_pause``), moves the link to the version and answers ``PushDone``.
+    A push that fails leaves the engine's weights a mix: the link is told the engine is in trouble and
+    stays on the old version number, so the version's durable copy is loaded from disk once announced
+    (``EngineLink.sync_loop``), or the engine is restarted with it.
+    """
+
+    def __init__(self, link: Any, push_addr: str, pause: str, curve: Any = None, ctx: Any = None,
+                 recover_timeout_s: float = 600.0) -> None:
+        import zmq.asyncio
+
+        self.recover_timeout_s = recover_timeout_s
+        self.link, self.push_addr, self.pause, self.curve = link, push_addr, pause, curve
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.group: Any = None  # the PushGroup this engine joined
+        self._announced: Any = None  # the client a PushJoin was sent for
+        self.starts = 0
+
+    async def run(self) -> None:
+        import zmq
+
+        from common import protocol
+        from common.security import apply_client_curve
+
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        apply_client_curve(sock, self.curve)
+        sock.connect(self.push_addr)
+        try:
+            while True:
+                link = self.link
+                if link.client is not None and link.client is not self._announced and link.gate.is_set():
+                    self._announced, self.group = link.client, None
+                    self.starts += 1
+                    await sock.send(protocol.encode(protocol.PushJoin(actor_id=link.actor_id, engine_start=self.starts)))
+                if not await sock.poll(200):
+                    continue
+                try:
+                    msg = protocol.decode(await sock.recv())
+                except protocol.ProtocolError:
+                    continue
+                if isinstance(msg, protocol.PushGroup):
+                    asyncio.ensure_future(self._join(sock, msg))
+                elif isinstance(msg, protocol.PushVersion):
+                    await sock.send(protocol.encode(await self._receive(msg)))
+        finally:
+            sock.close(linger=0)
+
+    async def _join(self, sock: Any, msg: Any) -> None:
+        from common import protocol
+
+        self.group = None
+        client = self.link.client
+        ok, text = True, ""
+        try:
+            await join_group(client, msg.to_wire(), timeout_s=None)
+            self.group = msg
+        except SGLangError as e:
+            ok, text = False, e.message[:2000]
+        await sock.send(protocol.encode(protocol.PushDone(actor_id=self.link.actor_id, epoch=msg.epoch, version=-1,
+                                                          ok=ok, pause_s=0.0, message=text)))
+
+    async def _receive(self, msg: Any) -> Any:
+        from common import protocol
+
+        link = self.link
+        ok, text, rep = False, "", PushReport()
+        if self.group is None or self.group.epoch != msg.epoch:
+            text = f"not in group {msg.epoch}"
+        else:
+            async with link.control:
+                try:
+                    rep = await receive_push(link.client, self.group.buckets, msg.version, pause=self.pause,
+                                             group_name=self.group.group_name)
+                    ok = True
+                except SGLangError as e:
+                    text = e.message[:2000]
+                    self.group = None
+                    link.gate.clear()  # paused on a possible mix of versions: nothing new goes to it
+                    asyncio.ensure_future(self._recover(msg.version))
+                if ok and msg.version > link.version:
+                    link._set_version(msg.version, link.model_path)
+            for phase, s in (("pause", rep.pause_s), ("load", rep.receive_s)):
+                link._m("weight_sync_phase_seconds", phase=phase, transport="distributed").observe(s)
+        return protocol.PushDone(actor_id=link.actor_id, epoch=msg.epoch, version=msg.version, ok=ok,
+                                 pause_s=rep.pause_s, message=text)
+
+    async def _recover(self, version: int) -> None:
+        """After a failed push: load ``version`` (or newer) from disk once its durable copy is announced,
+        then continue generation. An engine that is gone is the supervisor's (it restarts it with the
+        newest verified weights)."""
+        link = self.link
+        deadline = time.monotonic() + self.recover_timeout_s
+        while (link.watcher.latest is None or link.watcher.latest.version < version) and time.monotonic() < deadline:
+            await link.watcher.query()
+            await asyncio.sleep(0.5)
+        async with link.control:
+            client = link.client
+            with contextlib.suppress(SGLangError):
+                await link._sync_locked(idle=True)
+                await client.continue_generation()
+            if link.version < version:
+                link.report_trouble()  # still not on it: let the health path decide (restart reloads)
+            link.gate.set()
+
+
+__all__ = ["PAUSE_MODES", "PushMember", "PushReport", "join_group", "receive_push"]

@@ -211,6 +211,12 @@ class RolloutWorker:
                      loop.create_task(link.supervise(), name="supervise"),
                      loop.create_task(self._report_loop(), name="report"),
                      loop.create_task(link.watch_health(), name="health")]
+            if cfg.learner.weight_transport == "distributed":  # the learner broadcasts; disk is the fallback
+                from actors.weight_push_client import PushMember
+
+                member = PushMember(link, cfg.learner.push_addr, self.a.push_pause, curve=curve)
+                tasks.append(loop.create_task(member.run(), name="push"))
+            n_core = len(tasks)
             self.watcher.changed.set()  # apply anything newer than what the engine started with
             prompts = [loop.create_task(self._prompt_loop(), name=f"prompt-{i}") for i in range(self.a.prompts_in_flight)]
             tasks += prompts
@@ -226,7 +232,7 @@ class RolloutWorker:
                     if exc is not None:
                         log.error("task %s failed", t.get_name(), exc_info=exc)
                         self._fail(f"task {t.get_name()} failed: {type(exc).__name__}: {exc}")
-                    elif t in tasks[:5]:
+                    elif t in tasks[:n_core]:
                         self._fail(f"task {t.get_name()} ended unexpectedly")
             for w in waiters:
                 w.cancel()

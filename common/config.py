@@ -134,7 +134,8 @@ class ActorsConfig:
     top_p: float = f(1.0, "nucleus sampling p")
     top_k: int = f(-1, "top-k sampling (-1 = off)")
     max_new_tokens: int = f(96, "response token limit")
-    weight_sync: str = f("wait", "in-flight requests on a weight update: wait (finish on old weights) | abort")
+    weight_sync: str = f("wait", "in-flight requests on a disk weight update: wait (finish on old weights) | abort")
+    push_pause: str = f("in_place", "in-flight requests during a distributed push (learner.weight_transport=distributed): in_place (paused with their KV cache, continue on the new weights; their tokens carry each span's version) | retract (re-queued, recomputed) | abort | none (SGLang then drains before each bucket)")
     send_timeout_s: float = f(10.0, "seconds before an unacknowledged group is re-sent with the same group_id")
     metrics_base_port: int = f(9300, "actor i serves /metrics on metrics_base_port + i (0 = any free port)")
     max_prompts: int = f(0, "stop each worker after this many of its prompts, counted across restarts (0 = run until stopped)")
@@ -214,6 +215,13 @@ class LearnerConfig:
     query_addr: str = f("tcp://127.0.0.1:5558", "REP address where late subscribers ask for the latest weights")
     weights_every: int = f(1, "publish weights every N steps")
     keep_weights: int = f(3, "newest weight versions kept on disk")
+    weight_transport: str = f("disk", "how a new version reaches the engines: disk (safetensors under <run dir>/weights, each engine loads them: /update_weights_from_disk) | distributed (rank 0 broadcasts flattened buckets to the engines' weight-update group: /update_weights_from_distributed; the disk version is then written in the background, for restarts and engines that missed a push)")
+    bucket_bytes: int = f(512 << 20, "weight_transport=distributed: most bytes gathered and broadcast at a time (one /update_weights_from_distributed call each)")
+    push_addr: str = f("tcp://127.0.0.1:5559", "weight_transport=distributed: ROUTER address where actors join the weight-update group and report each push")
+    push_master_address: str = f("127.0.0.1", "weight_transport=distributed: address the engines reach learner rank 0's group store and broadcasts at (learner rank 0's host on the engines' network)")
+    push_master_port: int = f(0, "weight_transport=distributed: port of the group store (0 = a free one, sent to the engines)")
+    push_backend: str = f("auto", "weight_transport=distributed: the group's backend: gloo | nccl | auto (nccl when run.device is cuda)")
+    push_timeout_s: float = f(60.0, "weight_transport=distributed: longest a group join or one bucket's broadcast waits for the engines; past it the group is dropped, that version reaches the engines from disk, and the group is rebuilt at the next version with the engines that answered")
     checkpoint_every: int = f(10, "full checkpoint (policy + critic + optimizers + cursors) every N steps")
     keep_checkpoints: int = f(2, "newest checkpoints kept")
     resume: str = f("auto", "auto (newest complete checkpoint) | never | <checkpoint path>")
@@ -341,6 +349,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "actors.weight_sync": ("wait", "abort"),
     "learner.precision": ("fp32", "bf16", "fp16"),
     "learner.off_policy": ("behaviour", "decoupled", "rollout_correction"),
+    "actors.push_pause": ("in_place", "retract", "abort", "none"),
+    "learner.weight_transport": ("disk", "distributed"),
+    "learner.push_backend": ("auto", "gloo", "nccl"),
     "learner.rollout_correction_level": ("token", "sequence"),
     "algo.truncated": ("keep", "mask", "zero_reward"),
     "algo.actor_values": ("post_update", "pre_update"),

@@ -445,6 +445,118 @@ class WeightQuery(Message):
         return cls()
 
 
+def _check_buckets(v: Any) -> list[dict[str, Any]]:
+    """``PushGroup.buckets``: each ``{"names": [str], "dtypes": [str], "shapes": [[int]]}``, one length."""
+    if not isinstance(v, list) or len(v) > MAX_LIST_LEN:
+        raise _err("bad_type", f"buckets must be a list of at most {MAX_LIST_LEN}")
+    out = []
+    for b in v:
+        b = _expect_fields("bucket", b, ("names", "dtypes", "shapes"))
+        names, dtypes, shapes = b["names"], b["dtypes"], b["shapes"]
+        if not all(isinstance(x, list) for x in (names, dtypes, shapes)) or not len(names) == len(dtypes) == len(shapes):
+            raise _err("bad_value", "bucket: names, dtypes and shapes must be lists of one length")
+        out.append({"names": [_check_str("name", n) for n in names], "dtypes": [_check_str("dtype", d) for d in dtypes],
+                    "shapes": [[_check_nonneg("dim", x) for x in (sh if isinstance(sh, list) else [None])] for sh in shapes]})
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class PushJoin(Message):
+    """Actor -> learner (push socket): engine ``actor_id`` is up, started at ``engine_start`` (a new value
+    after each restart); include it in the next weight-update group."""
+
+    actor_id: int
+    engine_start: int
+
+    TYPE: ClassVar[str] = "PushJoin"
+    _FIELDS: ClassVar[tuple[str, ...]] = ("actor_id", "engine_start")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"actor_id": int(self.actor_id), "engine_start": int(self.engine_start)}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> PushJoin:
+        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
+        return cls(actor_id=_check_nonneg("actor_id", d["actor_id"]), engine_start=_check_int("engine_start", d["engine_start"]))
+
+
+@dataclass(frozen=True, eq=False)
+class PushGroup(Message):
+    """Learner -> actor: join group ``epoch`` (SGLang's ``/init_weights_update_group`` fields) and expect
+    every pushed version as ``buckets`` (each one ``/update_weights_from_distributed``'s names, dtypes, shapes)."""
+
+    epoch: int
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+    buckets: list[dict[str, Any]]
+
+    TYPE: ClassVar[str] = "PushGroup"
+    _FIELDS: ClassVar[tuple[str, ...]] = ("epoch", "master_address", "master_port", "rank_offset", "world_size",
+                                          "group_name", "backend", "buckets")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self._FIELDS}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> PushGroup:
+        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
+        return cls(epoch=_check_nonneg("epoch", d["epoch"]), master_address=_check_str("master_address", d["master_address"]),
+                   master_port=_check_int("master_port", d["master_port"], 1, 65535),
+                   rank_offset=_check_int("rank_offset", d["rank_offset"], 1), world_size=_check_int("world_size", d["world_size"], 2),
+                   group_name=_check_str("group_name", d["group_name"]), backend=_check_str("backend", d["backend"]),
+                   buckets=_check_buckets(d["buckets"]))
+
+
+@dataclass(frozen=True, eq=False)
+class PushVersion(Message):
+    """Learner -> actor: version ``version`` is being broadcast on group ``epoch`` now: post its buckets."""
+
+    epoch: int
+    version: int
+
+    TYPE: ClassVar[str] = "PushVersion"
+    _FIELDS: ClassVar[tuple[str, ...]] = ("epoch", "version")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"epoch": int(self.epoch), "version": int(self.version)}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> PushVersion:
+        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
+        return cls(epoch=_check_nonneg("epoch", d["epoch"]), version=_check_nonneg("version", d["version"]))
+
+
+@dataclass(frozen=True, eq=False)
+class PushDone(Message):
+    """Actor -> learner: its engine joined group ``epoch`` (``version`` -1) or loaded ``version`` (``ok``),
+    with generation paused ``pause_s``; ``message`` says why not."""
+
+    actor_id: int
+    epoch: int
+    version: int
+    ok: bool
+    pause_s: float
+    message: str
+
+    TYPE: ClassVar[str] = "PushDone"
+    _FIELDS: ClassVar[tuple[str, ...]] = ("actor_id", "epoch", "version", "ok", "pause_s", "message")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"actor_id": int(self.actor_id), "epoch": int(self.epoch), "version": int(self.version), "ok": bool(self.ok),
+                "pause_s": float(self.pause_s), "message": self.message}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> PushDone:
+        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
+        return cls(actor_id=_check_nonneg("actor_id", d["actor_id"]), epoch=_check_nonneg("epoch", d["epoch"]),
+                   version=_check_int("version", d["version"], -1), ok=_check_bool("ok", d["ok"]),
+                   pause_s=_check_float("pause_s", d["pause_s"]), message=_check_long_str("message", d["message"]))
+
+
 @dataclass(frozen=True, eq=False)
 class ErrorReply(Message):
     """Any server -> client when a request cannot be served; ``reason`` is a short label."""
@@ -544,11 +656,13 @@ class StatsReply(Message):
 
 AnyMessage = (
     Sample | SampleGroup | IngestAck | CreditRequest | CreditGrant | BatchRequest | BatchReply | PositivesRequest
-    | PositivesReply | StatsRequest | StatsReply | WeightUpdate | WeightQuery | ErrorReply
+    | PositivesReply | StatsRequest | StatsReply | WeightUpdate | WeightQuery | ErrorReply | PushJoin | PushGroup
+    | PushVersion | PushDone
 )
 _ALL: tuple[type[AnyMessage], ...] = (
     Sample, SampleGroup, IngestAck, CreditRequest, CreditGrant, BatchRequest, BatchReply,
     PositivesRequest, PositivesReply, StatsRequest, StatsReply, WeightUpdate, WeightQuery, ErrorReply,
+    PushJoin, PushGroup, PushVersion, PushDone,
 )
 MESSAGE_TYPES: dict[str, type[AnyMessage]] = {cls.TYPE: cls for cls in _ALL}
 M = TypeVar("M", bound=Message)
@@ -699,6 +813,7 @@ __all__ = [
     "PROTOCOL_VERSION", "DEFAULT_MAX_FRAME_BYTES", "ProtocolError", "Message", "AnyMessage", "Sample",
     "SampleGroup", "IngestAck", "CreditRequest", "CreditGrant", "BatchRequest", "BatchReply", "PositivesRequest",
     "PositivesReply", "StatsRequest", "StatsReply", "WeightUpdate", "WeightQuery", "ErrorReply",
+    "PushJoin", "PushGroup", "PushVersion", "PushDone",
     "encode", "encode_batch_reply", "encode_positives_reply", "sample_frames", "decode", "decode_as",
     "FINISH_REASONS",
 ]

@@ -89,8 +89,27 @@ def plan_buckets(entries: Iterable[tuple[str, torch.dtype, Sequence[int]]], buck
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The bucket of ``tensors``: their bytes, concatenated in order, as one uint8 tensor."""
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+    """The bucket of ``tensors``: their bytes, concatenated in order, as one uint8 tensor (one copy, into a
+    buffer allocated once; ``torch.cat`` of byte views costs half as much again)."""
+    views = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    out = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8, device=views[0].device if views else "cpu")
+    off = 0
+    for v in views:
+        out[off:off + v.numel()].copy_(v)
+        off += v.numel()
+    return out
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether a floating-point tensor holds no NaN or Inf. One reduction (NaN and Inf propagate through a
+    sum, accumulated in fp32 at least) instead of ``isfinite(t).all()``, which writes a mask as large as
+    the tensor: ~20x faster on CPU. A sum that overflows with finite values is checked exactly."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+    if bool(torch.isfinite(t.sum(dtype=acc))):
+        return True
+    return bool(torch.isfinite(t).all())
 
 
 def empty_bucket(meta_dtypes: Sequence[str], shapes: Sequence[Sequence[int]], device: Any = "cpu") -> torch.Tensor:
@@ -134,10 +153,16 @@ class Group:
     def broadcast(self, t: torch.Tensor) -> None:
         """``broadcast(t, src=0)`` on this group, waiting at most the group's timeout (RuntimeError past it,
         or at once when a member's connection is gone)."""
+        self.wait(self.start_broadcast(t))
+
+    def start_broadcast(self, t: torch.Tensor) -> Any:
+        """``broadcast`` begun, not awaited: the caller prepares the next bucket meanwhile, then ``wait``s."""
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
-        work = self.pg.broadcast([t], opts)
+        return self.pg.broadcast([t], opts)
+
+    def wait(self, work: Any) -> None:
         work.wait(datetime.timedelta(seconds=self.timeout_s))
 
     def close(self) -> None:
@@ -177,5 +202,5 @@ def new_group(backend: str, master_address: str, master_port: int, rank: int, wo
     return Group(pg, store, rank, world_size, group_name, timeout_s)
 
 
-__all__ = ["DEFAULT_GROUP", "FLATTENED_BUCKET", "BucketMeta", "Group", "dtype_name", "empty_bucket", "flatten",
+__all__ = ["DEFAULT_GROUP", "FLATTENED_BUCKET", "BucketMeta", "Group", "all_finite", "dtype_name", "empty_bucket", "flatten",
            "master_store", "new_group", "nbytes", "parse_dtype", "plan_buckets", "unflatten"]

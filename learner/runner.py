@@ -75,6 +75,12 @@ class Runner:
             self.publisher = WeightPublisher(cfg.learner.publish_addr, cfg.learner.query_addr, cfg.buffer.curve,
                                              latest=published,
                                              on_refused=lambda sock: refused.labels(socket=sock).inc())
+        self.push = None
+        if cfg.learner.weight_transport == "distributed":
+            from learner.push_coordinator import PushCoordinator
+
+            self.push = PushCoordinator(cfg, self.weights_root, self.publisher, self.learner.metrics,
+                                        self.learner.tokenizer, getattr(self.learner.policy.module, "config", None))
         # Every rank decides alike from the newest published version (rank 0 reads it).
         mine = self.publisher.latest.version if self.publisher is not None and self.publisher.latest else -1
         published_v = int(all_reduce_sum(torch.tensor([mine if rank() == 0 else 0]))[0])
@@ -98,8 +104,15 @@ class Runner:
     def publish(self) -> None:
         from learner.weights import publish_policy
 
+        if self.push is not None:  # broadcast now; the durable version is announced once written
+            self.push.publish(self.learner.policy, self.learner.version)
+            self.learner.metrics.weight_version.set(self.learner.version)
+            return
+        t0 = time.perf_counter()
         update = publish_policy(self.learner.policy, self.learner.tokenizer, self.weights_root, self.learner.version,
                                 self.cfg.learner.keep_weights, self.publisher)
+        self.learner.metrics.weight_sync_phase_seconds.labels(phase="disk_write", transport="disk").observe(
+            time.perf_counter() - t0)
         if update is not None:
             self.learner.metrics.weights_published.inc()
             self.learner.metrics.weight_version.set(update.version)
@@ -192,6 +205,8 @@ class Runner:
             if lc.checkpoint_every > 0 and L.version % lc.checkpoint_every != 0:
                 checkpoint.save(self.ckpt_root, L, lc.keep_checkpoints)
         finally:
+            if self.push is not None:
+                self.push.close()  # the last durable version is written and announced first
             if self.publisher is not None:
                 self.publisher.close()
         return L

@@ -40,7 +40,16 @@ import torch
 from torch import Tensor
 
 from common import protocol
-from common.weight_bucket import BucketMeta, Group, dtype_name, flatten, master_store, new_group, plan_buckets
+from common.weight_bucket import (
+    BucketMeta,
+    Group,
+    all_finite,
+    dtype_name,
+    flatten,
+    master_store,
+    new_group,
+    plan_buckets,
+)
 from learner.dist import rank
 from learner.weights import STABLE, _aliases, _gathered, is_partitioned, unwrap, version_dir
 
@@ -81,7 +90,7 @@ def iter_buckets(model: Any, plan: list[BucketMeta]) -> Iterator[Tensor | None]:
             buf = flatten([t.data for t in ts])
             if bad is None:
                 for name, t in zip(meta.names, ts, strict=True):
-                    if t.is_floating_point() and not bool(torch.isfinite(t.data).all()):
+                    if not all_finite(t.data):
                         bad = name
                         break
             yield None if bad is not None else buf
@@ -146,6 +155,7 @@ class WeightPusher:
         if self.plan is None:
             self.plan = bucket_plan(model, self.bucket_bytes)
         res = PushResult(version=version, broadcast=self.group is not None)
+        pending: Any = None  # the previous bucket's broadcast, in flight while the next one is gathered
         t = time.perf_counter()
         for meta, buf in zip(self.plan, iter_buckets(model, self.plan), strict=True):
             now = time.perf_counter()
@@ -154,13 +164,8 @@ class WeightPusher:
             if buf is None:
                 continue
             res.bytes += buf.numel()
-            if res.broadcast and self.group is not None:
-                try:
-                    self.group.broadcast(buf)
-                except Exception as e:  # a member died or hung: this version goes by disk
-                    res.broadcast, res.error = False, str(e)[:500]
-                    log.warning("weight push v%d: broadcast failed (%s); the group is closed", version, res.error)
-                    self.close()
+            if res.broadcast:
+                pending = self._broadcast(res, pending, buf)
                 now = time.perf_counter()
                 res.seconds["broadcast"] += now - t
                 t = now
@@ -169,7 +174,26 @@ class WeightPusher:
                 now = time.perf_counter()
                 res.seconds["host_copy"] += now - t
                 t = now
+        if res.broadcast and pending is not None:
+            self._broadcast(res, pending, None)
+            res.seconds["broadcast"] += time.perf_counter() - t
         return res if rank() == 0 else None
+
+
+    def _broadcast(self, res: PushResult, pending: Any, buf: Tensor | None) -> Any:
+        """Wait for the broadcast in flight, start ``buf``'s; on failure close the group (this version goes
+        by disk) and return None."""
+        try:
+            if pending is not None and self.group is not None:
+                self.group.wait(pending)
+            if buf is None or self.group is None:
+                return None
+            return self.group.start_broadcast(buf)
+        except Exception as e:  # a member died or hung
+            res.broadcast, res.error = False, str(e)[:500]
+            log.warning("weight push v%d: broadcast failed (%s); the group is closed", res.version, res.error)
+            self.close()
+            return None
 
 
 class DurableWriter:

@@ -32,7 +32,16 @@ import torch
 from aiohttp import web
 
 from actors.rollout_server.body import BadRequest, check_text, json_body, validation_error
-from common.weight_bucket import DEFAULT_GROUP, FLATTENED_BUCKET, Group, empty_bucket, new_group, parse_dtype, unflatten
+from common.weight_bucket import (
+    DEFAULT_GROUP,
+    FLATTENED_BUCKET,
+    Group,
+    all_finite,
+    empty_bucket,
+    new_group,
+    parse_dtype,
+    unflatten,
+)
 
 if TYPE_CHECKING:
     from actors.rollout_server.http import Server
@@ -229,7 +238,7 @@ class DistributedUpdates:
                 return False, f"Failed to update parameter online: {name} is not a parameter of the served model."
             if tuple(t.shape) != tuple(p.shape):
                 return False, f"Failed to update parameter online: shape of {name} is {tuple(t.shape)}, served {tuple(p.shape)}."
-            if not bool(torch.isfinite(t).all()):
+            if not all_finite(t):
                 return False, f"Failed to update parameter online: {name} holds NaN or Inf values."
         return True, "Succeeded to update parameter online."
 

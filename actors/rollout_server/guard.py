@@ -5,8 +5,8 @@
   ``AuthLevel.ADMIN_OPTIONAL``) need ``Authorization: Bearer <key>``; without it the answer is SGLang's
   ``401 {"error": "Unauthorized"}``. ``/generate``, ``/model_info``, ``/health*``, ``/ready`` and
   ``/metrics`` stay open, as in SGLang with only ``--admin-api-key`` set.
-- **Body census** (``census``): the number of JSON arrays and of value separators in a body, counted
-  outside strings at C speed, bound the prompts and values a request can hold. A /generate body with more
+- **Body census** (``check_generate_body``): the number of JSON arrays and of value separators in a
+  body, counted outside strings at C speed, bound the prompts and values a request can hold. A /generate body with more
   prompts than ``--max-prompts-per-request`` or more values than any admissible request could carry is
   refused before ``json.loads`` builds millions of small objects (seconds of a blocked event loop and
   gigabytes of memory for a 27 MiB body of one-token prompts).
@@ -32,42 +32,41 @@ _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 # Values a /generate request may carry besides its prompt tokens, per array it holds (each prompt's
 # sampling_params object has ~20 fields, a stop_token_ids list, a rid and flags) and for the top level.
 VALUES_PER_ARRAY = 64
+FEW_STRINGS = 4096
 BODY_SLACK = 256
 
 log = logging.getLogger("vapo.rollout_server")
 
 
-def census(raw: bytes) -> tuple[int, int]:
-    """(arrays, separators) of a JSON body, strings not counted. Cheap when the body holds few brackets
-    and commas at all (plain counts are upper bounds); exact otherwise (strings blanked first)."""
-    return raw.count(b"["), raw.count(b",")
-
-
-def exact_census(raw: bytes) -> tuple[int, int]:
-    bare = _STRING.sub(b'""', raw)
-    return bare.count(b"["), bare.count(b",")
+def _outside_strings(raw: bytes, ch: bytes, total: int) -> int:
+    """How many of the ``total`` ``ch`` bytes of a JSON body lie outside its strings: string by string
+    when there are few (no copy of the body), else on a copy with every string emptied."""
+    if raw.count(b'"') > 2 * FEW_STRINGS:
+        return _STRING.sub(b'""', raw).count(ch)
+    for m in _STRING.finditer(raw):
+        total -= raw.count(ch, m.start(), m.end())
+    return total
 
 
 def check_generate_body(raw: bytes, max_prompts: int, max_tokens: int) -> str | None:
     """Why this /generate body cannot be admissible (None when it might be). Every prompt is an array, so
     arrays bound the prompts; every token but the first of a prompt follows a separator, so separators
     beyond what the arrays' other fields can use are prompt tokens, and a request whose prompt tokens
-    alone pass ``max_tokens`` (the queue bound) is refused after parsing anyway."""
+    alone pass ``max_tokens`` (the queue bound) is refused after parsing anyway. Plain byte counts are
+    upper bounds; only a count over its bound is redone outside strings."""
     arrays_cap = 4 * max_prompts + BODY_SLACK  # input_ids, stop_token_ids, rid and flag lists per prompt
-
-    def why(arrays: int, seps: int) -> str | None:
+    arrays = raw.count(b"[")
+    if arrays > arrays_cap:
+        arrays = _outside_strings(raw, b"[", arrays)
         if arrays > arrays_cap:
             return (f"The request holds {arrays} JSON arrays: more prompts than the server takes in one "
                     f"request ({max_prompts}, --max-prompts-per-request).")
-        values_cap = max_tokens + VALUES_PER_ARRAY * arrays + BODY_SLACK
-        if seps > values_cap:
-            return (f"The request holds more than {values_cap} values: more prompt tokens than the server "
-                    f"queues ({max_tokens}, --max-queued-tokens).")
-        return None
-
-    if why(*census(raw)) is None:  # plain counts are upper bounds: nothing to refuse
-        return None
-    return why(*exact_census(raw))
+    values_cap = max_tokens + VALUES_PER_ARRAY * arrays + BODY_SLACK
+    seps = raw.count(b",")
+    if seps > values_cap and _outside_strings(raw, b",", seps) > values_cap:
+        return (f"The request holds more than {values_cap} values: more prompt tokens than the server "
+                f"queues ({max_tokens}, --max-queued-tokens).")
+    return None
 
 
 def _bearer_ok(header: str | None, key: str) -> bool:

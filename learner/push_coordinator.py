@@ -1,0 +1,230 @@
+"""Rank 0's coordination of distributed weight pushes with the actors (``learner.weight_transport:
+distributed``); ``learner.runner`` calls ``publish`` on every rank instead of the disk path.
+
+Wire (ZeroMQ ROUTER at ``learner.push_addr``, each actor a DEALER; ``common.protocol``):
+
+- ``PushJoin(actor_id, engine_start)``: an actor's engine is up (again); membership changes.
+- ``PushGroup(epoch, master_address, master_port, rank_offset, world_size, group_name, backend, buckets)``:
+  when membership changed, rank 0 opens group ``epoch`` (``WeightPusher.open_group``), tells each member
+  its ``rank_offset`` (``1 + its place``) and the bucket plan, and joins (at most ``push_timeout_s``). Each
+  member answers ``PushDone(version=-1)``. A failed join leaves this version to disk, and only the members
+  that answered ok stay members (the others rejoin with their next ``PushJoin``).
+- ``PushVersion(epoch, version)`` to every member, then the buckets are gathered and broadcast
+  (``WeightPusher.push``); each member posts them to its engine and answers ``PushDone(version, ok,
+  pause_s)``. A member that does not answer ok by the next publish is dropped from the next group, which
+  is then rebuilt; the learner never waits for a member past ``push_timeout_s`` per bucket.
+
+Disk: the pushed bytes are written as the durable version by ``DurableWriter`` in the background, and the
+``WeightUpdate`` is published (PUB + REP, ``learner.weights.WeightPublisher``) once that version is on
+disk: actors whose engine missed the push (or restarted) load it from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from common import protocol, security
+from common.config import Config, CurveConfig
+from learner.dist import rank
+from learner.weight_push import DurableWriter, PushResult, WeightPusher
+from learner.weights import prune
+
+log = logging.getLogger(__name__)
+
+
+class PushCoordinator:
+    """Membership and pushes (rank 0 holds the socket and the group; every rank calls ``publish``)."""
+
+    def __init__(self, cfg: Config, weights_root: Path, publisher: Any, metrics: Any = None, tokenizer: Any = None,
+                 model_config: Any = None) -> None:
+        lc = cfg.learner
+        backend = lc.push_backend if lc.push_backend != "auto" else ("nccl" if cfg.run.device == "cuda" else "gloo")
+        self.pusher = WeightPusher(lc.bucket_bytes, backend, lc.push_master_address, lc.push_master_port, lc.push_timeout_s)
+        self.timeout_s = lc.push_timeout_s
+        self.keep = lc.keep_weights
+        self.metrics = metrics
+        self.publisher = publisher
+        self._pub_lock = threading.Lock()
+        self.members: dict[int, tuple[bytes, int]] = {}  # actor_id -> (ZeroMQ identity, engine_start)
+        self.group_members: list[int] = []
+        self.epoch = 0
+        self.dirty = False
+        self.done: dict[tuple[int, int], dict[int, protocol.PushDone]] = {}  # (epoch, version) -> actor -> report
+        self._cv = threading.Condition()
+        self._out: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
+        self._stop = threading.Event()
+        self.writer: DurableWriter | None = None
+        self.last: PushResult | None = None
+        if rank() != 0:
+            return
+
+        def extra(tmp: Path) -> None:
+            if model_config is not None:
+                model_config.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+
+        self.writer = DurableWriter(weights_root, self._announce, extra)
+        ctx = zmq.Context.instance()
+        self._curve = security.server_curve(ctx, [lc.push_addr], cfg.buffer.curve if cfg.buffer.curve else CurveConfig())
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            self._curve.apply(self.sock)
+        self.sock.bind(lc.push_addr)
+        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._thread = threading.Thread(target=self._serve, name="weight-push", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ socket thread
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            while not self._out.empty():
+                ident, frame = self._out.get_nowait()
+                self.sock.send_multipart([ident, frame])
+            if not self.sock.poll(20):
+                continue
+            ident, frame = self.sock.recv_multipart()[:2]
+            try:
+                msg = protocol.decode(frame)
+            except protocol.ProtocolError as e:
+                log.warning("bad frame on the push socket: %s", e)
+                continue
+            with self._cv:
+                if isinstance(msg, protocol.PushJoin):
+                    if self.members.get(msg.actor_id) != (ident, msg.engine_start):
+                        self.members[msg.actor_id] = (ident, msg.engine_start)
+                        self.dirty = True
+                        log.info("actor %d joins the weight push (engine start %d)", msg.actor_id, msg.engine_start)
+                elif isinstance(msg, protocol.PushDone):
+                    self.done.setdefault((msg.epoch, msg.version), {})[msg.actor_id] = msg
+                    self._cv.notify_all()
+        self.sock.close(linger=0)
+
+    def _send(self, actor_id: int, msg: protocol.Message) -> None:
+        ident = self.members[actor_id][0]
+        self._out.put((ident, protocol.encode(msg)))
+
+    def _wait_done(self, key: tuple[int, int], ids: list[int], timeout_s: float) -> dict[int, protocol.PushDone]:
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while len(self.done.get(key, {})) < len(ids) and (left := deadline - time.monotonic()) > 0:
+                self._cv.wait(left)
+            return dict(self.done.get(key, {}))
+
+    # ------------------------------------------------------------------ group
+
+    def _rebuild(self) -> bool:
+        """A new group of the current members (rank 0); False when it could not be built."""
+        with self._cv:
+            ids = sorted(self.members)
+            self.dirty = False
+        self.pusher.close()
+        self.group_members = []
+        if not ids:
+            return False
+        self.epoch += 1
+        t0 = time.perf_counter()
+        bodies = self.pusher.open_group(len(ids))
+        plan = [b.body() for b in self.pusher.plan or []]
+        for aid, body in zip(ids, bodies, strict=True):
+            self._send(aid, protocol.PushGroup(epoch=self.epoch, buckets=plan, **body))
+        try:
+            self.pusher.join()
+        except Exception as e:
+            log.warning("weight-update group %d: not every engine joined within %.0f s (%s); this version goes by disk",
+                        self.epoch, self.timeout_s, str(e)[:300])
+        replies = self._wait_done((self.epoch, -1), ids, 5.0 if self.pusher.group is not None else 0.5)
+        with self._cv:  # members that did not join are dropped until they join again
+            for aid in ids:
+                if not (aid in replies and replies[aid].ok) and self.members.get(aid) is not None:
+                    self.members.pop(aid, None)
+                    self.dirty = True
+        self._observe("group", time.perf_counter() - t0)
+        if self.pusher.group is None:
+            return False
+        self.group_members = ids
+        if self.metrics is not None:
+            self.metrics.weight_push_members.set(len(ids))
+        log.info("weight-update group %d: learner + %d engines (actors %s)", self.epoch, len(ids), ids)
+        return True
+
+    # ------------------------------------------------------------------ publish
+
+    def publish(self, model: Any, version: int) -> PushResult | None:
+        """Push ``version`` to the group and queue its durable write (every rank calls this; collective
+        under ZeRO-3). Returns rank 0's PushResult."""
+        from learner.weight_push import bucket_plan
+
+        if self.pusher.plan is None:
+            self.pusher.plan = bucket_plan(model, self.pusher.bucket_bytes)
+        if rank() == 0:
+            self._drop_silent()
+            if self.dirty or (self.pusher.group is None and self.members):
+                self._rebuild()
+            for aid in self.group_members if self.pusher.group is not None else []:
+                self._send(aid, protocol.PushVersion(epoch=self.epoch, version=version))
+        held: list[Any] = []
+        res = self.pusher.push(model, version, sink=lambda meta, buf: held.append((meta, buf)) if rank() == 0 else None)
+        if res is None:
+            return None
+        assert self.writer is not None
+        self.writer.submit(version, held)
+        outcome = "no_group" if not self.group_members else "ok" if res.broadcast else "failed"
+        if outcome == "failed":
+            self.dirty = True
+        if self.metrics is not None:
+            self.metrics.weight_pushes.labels(outcome=outcome).inc()
+        for phase, s in res.seconds.items():
+            self._observe(phase, s)
+        self.last = res
+        return res
+
+    def _drop_silent(self) -> None:
+        """Members that did not report the previous push ok (dead, hung or failed) leave the group."""
+        if self.last is None or not self.group_members:
+            return
+        # The broadcast is over, so each live member is loading or has loaded; a short grace for its report.
+        got = self._wait_done((self.epoch, self.last.version), self.group_members, min(5.0, self.timeout_s))
+        bad = [aid for aid in self.group_members if not (aid in got and got[aid].ok)]
+        if bad:
+            log.warning("actors %s did not report weights v%d loaded; rebuilding the group without them until they rejoin",
+                        bad, self.last.version)
+            with self._cv:
+                for aid in bad:
+                    self.members.pop(aid, None)
+                self.dirty = True
+
+    def _observe(self, phase: str, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.weight_sync_phase_seconds.labels(phase=phase, transport="distributed").observe(seconds)
+
+    def _announce(self, update: protocol.WeightUpdate) -> None:
+        """Writer thread: a durable version is complete; announce it and prune old ones."""
+        if self.writer is not None and update.version in self.writer.seconds:
+            self._observe("disk_write", self.writer.seconds[update.version])
+        if self.publisher is not None:
+            with self._pub_lock:
+                self.publisher.publish(update)
+        if self.metrics is not None:
+            self.metrics.weights_published.inc()
+        prune(Path(update.path).parent, self.keep)
+
+    def close(self, timeout_s: float = 600.0) -> None:
+        if self.writer is not None:
+            self.writer.close(timeout_s)
+        self._stop.set()
+        if rank() == 0 and self._thread.is_alive():
+            self._thread.join(5)
+        self.pusher.close()
+
+
+__all__ = ["PushCoordinator"]

@@ -1,0 +1,200 @@
+"""Distributed weight push against real rollout_server processes: the learner's ``WeightPusher`` (rank 0
+of a gloo group, this process) and engines joined through ``/init_weights_update_group``, buckets through
+``/update_weights_from_distributed`` (with an admin API key, as the workers run them)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from actors.rollout_server.dist_update import param_digest
+from actors.rollout_server.weights import read_state_dict
+from actors.sglang_client import SGLangClient, SGLangError
+from actors.weight_push_client import join_group, receive_push
+from common.checksum import weights_sha256
+from common.modeling import load_model
+from learner.weight_push import DurableWriter, WeightPusher, bucket_plan
+from learner.weights import write_version
+
+KEY = "test-admin-key"
+
+
+def perturbed(model_dir: Path, delta: float) -> torch.nn.Module:
+    model = load_model(model_dir).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(delta)
+    return model
+
+
+async def digest(c: SGLangClient) -> tuple[str, str]:
+    _, body, _ = await c._request("GET", "weights_digest", timeout_s=60)
+    return body["sha256"], body["weight_version"]
+
+
+async def open_group(pusher: WeightPusher, clients: list[SGLangClient]) -> None:
+    bodies = pusher.open_group(len(clients))
+    joined = asyncio.ensure_future(asyncio.to_thread(pusher.join))
+    await asyncio.gather(*(join_group(c, b, timeout_s=60) for c, b in zip(clients, bodies, strict=True)))
+    await joined
+
+
+async def push(pusher: WeightPusher, model: torch.nn.Module, version: int, clients: list[SGLangClient],
+               writer: DurableWriter, pause: str = "in_place") -> tuple[Any, list[Any]]:
+    held: list[Any] = []
+
+    def learner() -> Any:
+        res = pusher.push(model, version, sink=lambda meta, buf: held.append((meta, buf)))
+        writer.submit(version, held)
+        return res
+
+    t = asyncio.ensure_future(asyncio.to_thread(learner))
+    plan = [b.body() for b in pusher.plan or []]
+    reps = await asyncio.gather(*(receive_push(c, plan, version, pause=pause, timeout_s=60) for c in clients),
+                                return_exceptions=True)
+    return await t, reps
+
+
+def test_distributed_push_is_bitwise_the_disk_version(tiny_model_dir: Path, server_factory: Any, tmp_path: Path) -> None:
+    engines = [server_factory(tiny_model_dir, "--admin-api-key", KEY) for _ in range(2)]
+    model = perturbed(tiny_model_dir, 1e-3)
+
+    async def main() -> None:
+        clients = [SGLangClient(e.url, api_key=KEY, timeout_s=60) for e in engines]
+        try:
+            before = [await digest(c) for c in clients]
+            pusher = WeightPusher(4096, "gloo", timeout_s=30)  # several buckets even for the tiny model
+            pusher.plan = bucket_plan(model, pusher.bucket_bytes)
+            assert len(pusher.plan) > 2
+            await open_group(pusher, clients)
+            done: list[Any] = []
+            writer = DurableWriter(tmp_path / "pushed", done.append)
+            res, reps = await push(pusher, model, 1, clients, writer)
+            assert res.broadcast, res.error
+            assert not [r for r in reps if isinstance(r, BaseException)], reps
+            assert writer.wait(60) and len(done) == 1
+            write_version(tmp_path / "disk", 1, model, None)  # the disk transport, same weights
+            want = param_digest(read_state_dict(tmp_path / "disk" / "v1").items())
+            assert param_digest(read_state_dict(done[0].path).items()) == want
+            after = [await digest(c) for c in clients]
+            assert after == [(want, "1")] * 2
+            assert before[0][0] != want  # the push changed what the engines serve
+            # The durable copy's checksum was computed while writing: the actors' re-read agrees with it.
+            assert weights_sha256(done[0].path) == done[0].sha256
+            assert json.loads((Path(done[0].path) / "STABLE").read_text())["sha256"] == done[0].sha256
+            pusher.close()
+        finally:
+            for c in clients:
+                await c.close()
+
+    asyncio.run(main())
+
+
+def test_engine_killed_mid_broadcast(tiny_model_dir: Path, server_factory: Any, tmp_path: Path) -> None:
+    """One engine dies after its first bucket: the learner's push ends (bounded), the survivor and a
+    restarted engine load that version from disk and both join the rebuilt group for the next push."""
+    a, b = (server_factory(tiny_model_dir, "--admin-api-key", KEY) for _ in range(2))
+    model = perturbed(tiny_model_dir, 1e-3)
+
+    async def main() -> None:
+        ca, cb = (SGLangClient(e.url, api_key=KEY, timeout_s=60) for e in (a, b))
+        pusher = WeightPusher(4096, "gloo", timeout_s=20)
+        pusher.plan = bucket_plan(model, pusher.bucket_bytes)
+        plan = [m.body() for m in pusher.plan]
+        done: list[Any] = []
+        writer = DurableWriter(tmp_path / "w", done.append)
+        try:
+            await open_group(pusher, [ca, cb])
+            held: list[Any] = []
+
+            def learner() -> Any:
+                r = pusher.push(model, 1, sink=lambda meta, buf: held.append((meta, buf)))
+                writer.submit(1, held)
+                return r
+
+            t0 = time.monotonic()
+            lt = asyncio.ensure_future(asyncio.to_thread(learner))
+
+            async def dying() -> None:
+                await cb.update_weights_from_distributed(**plan[0], flush_cache=False, timeout_s=60)
+                b.proc.kill()  # mid-broadcast: the other buckets never reach it
+
+            ra = asyncio.ensure_future(receive_push(ca, plan, 1, timeout_s=60))
+            await dying()
+            res = await lt
+            assert not res.broadcast and res.error
+            assert time.monotonic() - t0 < 20 + 10  # the learner went on within its bounded wait
+            with pytest.raises(SGLangError):
+                await ra  # the survivor's bucket failed with the group
+            assert writer.wait(60) and done and done[0].version == 1
+            v1 = param_digest(read_state_dict(done[0].path).items())
+            # Recovery from disk: the survivor (still paused) loads it, a restarted engine starts from it.
+            await ca.update_weights_from_disk(done[0].path, weight_version=1)
+            await ca.continue_generation()
+            b2 = server_factory(tiny_model_dir, "--admin-api-key", KEY)
+            cb2 = SGLangClient(b2.url, api_key=KEY, timeout_s=60)
+            await cb2.update_weights_from_disk(done[0].path, weight_version=1)
+            assert [await digest(c) for c in (ca, cb2)] == [(v1, "1")] * 2
+            # The group is rebuilt with the restarted engine; the next version is pushed to both.
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1e-3)
+            await open_group(pusher, [ca, cb2])
+            res2, reps = await push(pusher, model, 2, [ca, cb2], writer)
+            assert res2.broadcast and not [r for r in reps if isinstance(r, BaseException)], reps
+            assert writer.wait(60)
+            v2 = param_digest(read_state_dict(done[-1].path).items())
+            assert v2 != v1 and [await digest(c) for c in (ca, cb2)] == [(v2, "2")] * 2
+            await cb2.close()
+        finally:
+            pusher.close()
+            for c in (ca, cb):
+                await c.close()
+
+    asyncio.run(main())
+
+
+def test_in_place_pause_under_load(tiny_model_dir: Path, server_factory: Any, tmp_path: Path) -> None:
+    """Requests running during a push keep going (no abort, no drain) and report the versions of their
+    tokens: a prefix on the old weights, the rest on the new."""
+    e = server_factory(tiny_model_dir, "--admin-api-key", KEY)
+    model = perturbed(tiny_model_dir, 1e-3)
+
+    async def main() -> None:
+        c = SGLangClient(e.url, api_key=KEY, timeout_s=120)
+        pusher = WeightPusher(1 << 20, "gloo", timeout_s=30)
+        pusher.plan = bucket_plan(model, pusher.bucket_bytes)
+        writer = DurableWriter(tmp_path / "w", lambda u: None)
+        try:
+            await open_group(pusher, [c])
+            params = {"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}
+            gen = asyncio.ensure_future(c._request("POST", "generate", {"input_ids": [[5, 6, 7]] * 4,
+                                                                       "sampling_params": params}, 120))
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # under load: requests are running when the push starts
+                _, info, _ = await c._request("GET", "get_server_info", timeout_s=10)
+                if info.get("running_requests", 0) >= 1:
+                    break
+            assert info.get("running_requests", 0) >= 1
+            res, reps = await push(pusher, model, 1, [c], writer, pause="in_place")
+            assert res.broadcast and not isinstance(reps[0], BaseException), reps
+            _, outs, _ = await gen
+            for o in outs:
+                assert o["meta_info"]["finish_reason"]["type"] == "length"
+                spans = o["meta_info"]["output_weight_version_spans"]
+                assert sum(k for _, k in spans) == 200
+                versions = [v for v, _ in spans]
+                assert versions[-1] == "1"
+            assert any([v for v, _ in o["meta_info"]["output_weight_version_spans"]] == ["default", "1"] for o in outs)
+            assert writer.wait(60)
+        finally:
+            pusher.close()
+            await c.close()
+
+    asyncio.run(main())
