@@ -111,7 +111,7 @@ def ssh_route(c: Cluster, stamp: str, logs: Path, extra: list[str]) -> dict[str,
         "steps": run.steps(),
         "base_accuracy": evals[0] if evals else None,
         "final_accuracy": evals[-1] if len(evals) > 1 else None,
-        "check_pg_timeout": {"ok": run.rc == 0 and stall > DIST_TIMEOUT_S, "dist_timeout_s": DIST_TIMEOUT_S,
+        "check_pg_timeout": {"ok": run.rc == 0 and run.steps() >= _total_steps(run) and stall > DIST_TIMEOUT_S, "dist_timeout_s": DIST_TIMEOUT_S,
                              "rank0_wait_s": stall},
         "procs_left": left,
     }

@@ -22,6 +22,7 @@ from typing import Any
 
 NETNS_PREFIX = "vapo-"  # namespace names: vapo-h0, vapo-h1, ...; the hostnames inside are h0, h1, ...
 BRIDGE = "vapo-br0"
+LOCK_FILE = "/run/vapo-rehearsal.lock"
 SUBNET = "10.213.7"  # a private /24 used only between namespaces this file creates
 DAEMONS = ("sshd", "slurmd", "slurmctld", "slurmscriptd")  # slurmscriptd: slurmctld's helper
 PACKAGES = {"ip": "iproute2", "sshd": "openssh-server", "ssh": "openssh-client", "ssh-keygen": "openssh-client",
@@ -94,8 +95,8 @@ class Cluster:
         self.keep = keep  # daemon logs are copied here on down()
         self.slurm_conf = self.tmp / "slurm" / "slurm.conf"
         self.ssh_config = self.tmp / "ssh" / "config"
-        self.bin = self.tmp / "bin"
         self.daemons: list[subprocess.Popen] = []
+        self._lock_fd = -1
 
     # ------------------------------------------------------------------ running things on a host
 
@@ -108,10 +109,10 @@ class Cluster:
         return ["ip", "netns", "exec", self.ns(host), "unshare", "--uts", "--mount", "sh", "-c", inner, "sh", *argv]
 
     def env(self, **extra: str) -> dict[str, str]:
-        """The environment of cluster commands: ssh/pdsh use the cluster's ssh config, Slurm its conf."""
+        """The environment of cluster commands: Slurm's conf, and the cluster's ssh config for the launcher's
+        ssh and pdsh through the documented ``$VAPO_SSH_ARGS`` (nothing read from ``~/.ssh``)."""
         e = dict(os.environ)
-        e.update(PATH=f"{self.bin}:{e.get('PATH', '/usr/bin:/bin')}", SLURM_CONF=str(self.slurm_conf),
-                 PDSH_RCMD_TYPE="ssh", PDSH_SSH_ARGS_APPEND=f"-F {self.ssh_config}")
+        e.update(SLURM_CONF=str(self.slurm_conf), VAPO_SSH_ARGS=f"-F {self.ssh_config}")
         e.update(extra)
         return e
 
@@ -165,6 +166,7 @@ class Cluster:
         self.down()
 
     def up(self) -> None:
+        self._lock()
         become_subreaper()
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation directory
         self._network()
@@ -178,6 +180,19 @@ class Cluster:
         for h in self.hosts:
             self._start(h, ["slurmd", "-D", "-N", h])
         self._wait_ready()
+
+    def _lock(self) -> None:
+        """One cluster per machine: the namespace and bridge names are fixed, so a second one would tear
+        down the first. The lock dies with this process, so a killed rehearsal never blocks the next."""
+        import fcntl
+
+        self._lock_fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise ClusterUnavailable(f"another rehearsal holds {LOCK_FILE} (one at a time per machine)") from None
 
     def restart_host(self, host: str) -> None:
         """A killed host back up: its sshd and slurmd again (the namespace and its address never left)."""
@@ -202,7 +217,7 @@ class Cluster:
 
     def _files(self) -> None:
         t = self.tmp
-        for d in ("ssh", "munge", "slurm", "logs", "bin", "slurm/state"):
+        for d in ("ssh", "munge", "slurm", "logs", "slurm/state"):
             (t / d).mkdir(parents=True, exist_ok=True)
         (t / "hosts").write_text("127.0.0.1 localhost\n" + "".join(f"{ip} {h}\n" for h, ip in self.ips.items()))
         _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(t / "ssh" / "id"))
@@ -216,10 +231,6 @@ class Cluster:
         self.ssh_config.write_text(
             f"Host *\n  IdentityFile {t}/ssh/id\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n"
             "  LogLevel ERROR\n  BatchMode yes\n  ConnectTimeout 5\n  ServerAliveInterval 2\n  ServerAliveCountMax 3\n")
-        # `ssh HOST` and pdsh in the launcher use the cluster's config, never ~/.ssh.
-        wrapper = self.bin / "ssh"
-        wrapper.write_text(f"#!/bin/sh\nexec /usr/bin/ssh -F {self.ssh_config} \"$@\"\n")
-        wrapper.chmod(0o755)
         nodes = "\n".join(f"NodeName={h} NodeAddr={ip} CPUs={self.cpus} State=UNKNOWN" for h, ip in self.ips.items())
         self.slurm_conf.write_text(f"""ClusterName=vapo-rehearsal
 SlurmctldHost=h0({self.ips['h0']})
@@ -262,7 +273,7 @@ PartitionName=rehearsal Nodes={','.join(self.hosts)} Default=YES MaxTime=INFINIT
         deadline = time.time() + timeout_s
         last = ""
         while time.time() < deadline:
-            ssh_ok = all(self.run("h0", ["ssh", h, "hostname"], timeout=20).stdout.strip() == h for h in self.hosts)
+            ssh_ok = all(self.run("h0", ["ssh", "-F", str(self.ssh_config), h, "hostname"], timeout=20).stdout.strip() == h for h in self.hosts)
             r = self.run("h0", ["sinfo", "-h", "-o", "%T", "-N"], timeout=20)
             last = f"ssh {'ok' if ssh_ok else 'not yet'}; sinfo: {r.stdout.split()} {r.stderr.strip()}"
             if ssh_ok and r.returncode == 0 and r.stdout.split() and all(s == "idle" for s in r.stdout.split()):
@@ -274,6 +285,9 @@ PartitionName=rehearsal Nodes={','.join(self.hosts)} Default=YES MaxTime=INFINIT
         """Stop every daemon and process on every host, remove the namespaces and the bridge. Returns the
         processes found on each host just before its namespace was removed (after the kill: must be 0)."""
         left: dict[str, int] = {}
+        if self._lock_fd < 0:  # never came up (another rehearsal owns the names): nothing here is ours
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return left
         for h in self.hosts:
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 if self.pids(h):
@@ -295,6 +309,8 @@ PartitionName=rehearsal Nodes={','.join(self.hosts)} Default=YES MaxTime=INFINIT
         if self.keep is not None and (self.tmp / "logs").exists():
             shutil.copytree(self.tmp / "logs", self.keep, dirs_exist_ok=True)
         shutil.rmtree(self.tmp, ignore_errors=True)
+        os.close(self._lock_fd)
+        self._lock_fd = -1
         return left
 
     def down_network(self) -> None:
