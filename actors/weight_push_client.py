@@ -163,6 +163,8 @@ class PushMember:
                     asyncio.ensure_future(self._recover(msg.version))
                 if ok and msg.version > link.version:
                     link._set_version(msg.version, link.model_path)
+                    link.counts["weight_syncs"] += 1
+                    link.counts["weight_pushes"] = link.counts.get("weight_pushes", 0) + 1
             for phase, s in (("pause", rep.pause_s), ("load", rep.receive_s)):
                 link._m("weight_sync_phase_seconds", phase=phase, transport="distributed").observe(s)
         return protocol.PushDone(actor_id=link.actor_id, epoch=msg.epoch, version=msg.version, ok=ok,

@@ -393,7 +393,10 @@ def _engines_and_actors(b: _Build, eg: list[int]) -> None:
     if remote_actor:
         local_addrs = [k for k, a in (("buffer.ingest_addr", cfg.buffer.ingest_addr),
                                       ("learner.publish_addr", cfg.learner.publish_addr),
-                                      ("learner.query_addr", cfg.learner.query_addr)) if is_local_endpoint(a)]
+                                      ("learner.query_addr", cfg.learner.query_addr),
+                                      *((("learner.push_addr", cfg.learner.push_addr),
+                                         ("learner.push_master_address", f"tcp://{cfg.learner.push_master_address}:1"))
+                                        if cfg.learner.weight_transport == "distributed" else ())) if is_local_endpoint(a)]
         if local_addrs:
             raise ConfigError(f"{', '.join(local_addrs)}: actors run on other hosts, so these must be addresses they can "
                               "reach (e.g. tcp://0.0.0.0:5555 with CurveZMQ keys in buffer.curve.*; python -m buffer.keys)")

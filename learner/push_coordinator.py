@@ -6,7 +6,7 @@ Wire (ZeroMQ ROUTER at ``learner.push_addr``, each actor a DEALER; ``common.prot
 - ``PushJoin(actor_id, engine_start)``: an actor's engine is up (again); membership changes.
 - ``PushGroup(epoch, master_address, master_port, rank_offset, world_size, group_name, backend, buckets)``:
   when membership changed, rank 0 opens group ``epoch`` (``WeightPusher.open_group``), tells each member
-  its ``rank_offset`` (``1 + its place``) and the bucket plan, and joins (at most ``push_timeout_s``). Each
+  its ``rank_offset`` (``1 + its place x engine.sglang_tp_size``) and the bucket plan, and joins (at most ``push_timeout_s``). Each
   member answers ``PushDone(version=-1)``. A failed join leaves this version to disk, and only the members
   that answered ok stay members (the others rejoin with their next ``PushJoin``).
 - ``PushVersion(epoch, version)`` to every member, then the buckets are gathered and broadcast
@@ -48,6 +48,7 @@ class PushCoordinator:
         backend = lc.push_backend if lc.push_backend != "auto" else ("nccl" if cfg.run.device == "cuda" else "gloo")
         self.pusher = WeightPusher(lc.bucket_bytes, backend, lc.push_master_address, lc.push_master_port, lc.push_timeout_s)
         self.timeout_s = lc.push_timeout_s
+        self.ranks_per_engine = cfg.engine.sglang_tp_size if cfg.engine.kind == "sglang" else 1
         self.keep = lc.keep_weights
         self.metrics = metrics
         self.publisher = publisher
@@ -72,7 +73,8 @@ class PushCoordinator:
                 tokenizer.save_pretrained(tmp)
 
         self.writer = DurableWriter(weights_root, self._announce, extra)
-        ctx = zmq.Context.instance()
+        # A context of its own: one ZAP authenticator per context, and the weight publisher's has one.
+        self.ctx = ctx = zmq.Context()
         self._curve = security.server_curve(ctx, [lc.push_addr], cfg.buffer.curve if cfg.buffer.curve else CurveConfig())
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -108,6 +110,8 @@ class PushCoordinator:
                     self.done.setdefault((msg.epoch, msg.version), {})[msg.actor_id] = msg
                     self._cv.notify_all()
         self.sock.close(linger=0)
+        self._curve.stop()
+        self.ctx.term()
 
     def _send(self, actor_id: int, msg: protocol.Message) -> None:
         ident = self.members[actor_id][0]
@@ -133,7 +137,7 @@ class PushCoordinator:
             return False
         self.epoch += 1
         t0 = time.perf_counter()
-        bodies = self.pusher.open_group(len(ids))
+        bodies = self.pusher.open_group(len(ids), self.ranks_per_engine)
         plan = [b.body() for b in self.pusher.plan or []]
         for aid, body in zip(ids, bodies, strict=True):
             self._send(aid, protocol.PushGroup(epoch=self.epoch, buckets=plan, **body))

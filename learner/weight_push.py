@@ -3,7 +3,7 @@
 weight-update group; the durable disk version is written from the same bytes in the background.
 
 - **Group**: rank 0 of the learner is rank 0 of a process group whose other ranks are the engines (engine
-  ``i`` at ``rank_offset = 1 + i``), built through each engine's ``/init_weights_update_group``
+  ``i``'s ranks at ``rank_offset = 1 + i x tp``), built through each engine's ``/init_weights_update_group``
   (``open_group`` listens, the members are told ``init_bodies()``, ``join`` waits for all of them). gloo on
   CPU, NCCL on CUDA (``common.weight_bucket``). Every collective on it waits at most ``timeout_s``: a dead
   or hung engine fails the push, which closes the group (it is rebuilt on the next open) and leaves that
@@ -121,15 +121,16 @@ class WeightPusher:
         self.world_size = 0
         self.plan: list[BucketMeta] | None = None
 
-    def open_group(self, n_engines: int) -> list[dict[str, Any]]:
-        """Listen for a new group of ``n_engines`` engines (any old group is closed); returns each engine's
-        ``/init_weights_update_group`` body, in engine order."""
+    def open_group(self, n_engines: int, ranks_per_engine: int = 1) -> list[dict[str, Any]]:
+        """Listen for a new group of ``n_engines`` engines of ``ranks_per_engine`` ranks each (SGLang's
+        tensor-parallel size: engine ``i``'s ranks are ``rank_offset + tp_rank``); any old group is closed.
+        Returns each engine's ``/init_weights_update_group`` body, in engine order."""
         self.close()
-        self.world_size = 1 + n_engines
+        self.world_size = 1 + n_engines * ranks_per_engine
         self._store = master_store(self.master_address, self.master_port, self.world_size, self.timeout_s)
-        return [{"master_address": self.master_address, "master_port": int(self._store.port), "rank_offset": 1 + i,
-                 "world_size": self.world_size, "group_name": self.group_name, "backend": self.backend}
-                for i in range(n_engines)]
+        return [{"master_address": self.master_address, "master_port": int(self._store.port),
+                 "rank_offset": 1 + i * ranks_per_engine, "world_size": self.world_size, "group_name": self.group_name,
+                 "backend": self.backend} for i in range(n_engines)]
 
     def join(self) -> None:
         """Rank 0 joins the group opened by ``open_group``; RuntimeError when a member does not join within

@@ -41,6 +41,9 @@ PANELS: dict[str, list[tuple[str, str, list[tuple[str, str]]]]] = {
         ("Time waiting for data", "s", [("vapo_learner_data_wait_seconds_total", "learner wait (total)"), ("sum(vapo_actor_credit_wait_seconds_total) or vector(0)", "actors blocked on credit"), ("sum(vapo_actor_weight_wait_seconds_total) or vector(0)", "actors waiting for granted weights")]),
         ("Weight-sync latency", "s", [("sum(vapo_actor_weight_sync_seconds_sum) / clamp_min(sum(vapo_actor_weight_sync_seconds_count), 1) or vector(0)", "mean publish → serving")]),
         ("Step time by phase", "s", [("vapo_learner_phase_seconds", "{{phase}}")]),
+        ("Weight sync by phase: learner (mean)", "s", [("sum by (phase, transport) (vapo_learner_weight_sync_phase_seconds_sum) / clamp_min(sum by (phase, transport) (vapo_learner_weight_sync_phase_seconds_count), 1) or vector(0)", "{{transport}} {{phase}}")]),
+        ("Weight sync by phase: engines (mean)", "s", [("sum by (phase, transport) (vapo_actor_weight_sync_phase_seconds_sum) / clamp_min(sum by (phase, transport) (vapo_actor_weight_sync_phase_seconds_count), 1) or vector(0)", "{{transport}} {{phase}}")]),
+        ("Distributed weight pushes", "short", [("sum by (outcome) (vapo_learner_weight_pushes_total) or vector(0)", "{{outcome}}"), ("vapo_learner_weight_push_members", "engines in the group")]),
     ],
     "Health": [
         ("Seconds since last learner step", "s", [("time() - vapo_learner_last_step_timestamp_seconds", "last-step age")]),
