@@ -304,7 +304,8 @@ class PlacementConfig:
 
 @dataclass
 class MetricsConfig:
-    host: str = f("127.0.0.1", "address every /metrics server binds to")
+    host: str = f("127.0.0.1", "address every /metrics server binds to (non-loopback needs metrics.bind_protection)")
+    bind_protection: str = f("", "non-loopback metrics.host only: how the unauthenticated /metrics ports are protected (they show run names, paths, rates and versions): firewall | private_network | auth_proxy (empty = refuse such binds)")
     jsonl: bool = f(True, "append learner metrics to <run dir>/metrics.jsonl")
     prometheus: bool = f(True, "serve Prometheus /metrics in every process")
     plots: bool = f(True, "write PNG plots to <run dir>/plots at the end")
@@ -346,6 +347,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "engine.kind": ("rollout_server", "sglang", "external"),
     "engine.logprobs": ("original", "scaled"),
     "engine.bind_protection": ("", "firewall", "private_network", "auth_proxy"),
+    "metrics.bind_protection": ("", "firewall", "private_network", "auth_proxy"),
     "actors.weight_sync": ("wait", "abort"),
     "learner.precision": ("fp32", "bf16", "fp16"),
     "learner.off_policy": ("behaviour", "decoupled", "rollout_correction"),
@@ -388,8 +390,11 @@ def _validate(cfg: Config) -> None:
         ("engine.health_interval_s", cfg.engine.health_interval_s > 0, "must be > 0"),
         ("engine.health_timeout_s", cfg.engine.health_timeout_s > 0, "must be > 0"),
         ("engine.host", is_loopback_host(cfg.engine.host) or bool(cfg.engine.bind_protection),
-         f"{cfg.engine.host!r} is not a loopback address: the engine's control API (/update_weights_from_disk, /pause_generation) has "
-         "no authentication; bind 127.0.0.1 or set engine.bind_protection (firewall | private_network | auth_proxy)"),
+         f"{cfg.engine.host!r} is not a loopback address: the engine's /generate has no authentication (its control "
+         "endpoints take an admin API key); bind 127.0.0.1 or set engine.bind_protection (firewall | private_network | auth_proxy)"),
+        ("metrics.host", not cfg.metrics.prometheus or is_loopback_host(cfg.metrics.host) or bool(cfg.metrics.bind_protection),
+         f"{cfg.metrics.host!r} is not a loopback address: every process's /metrics (no authentication) would be open "
+         "to whoever reaches it; bind 127.0.0.1 or set metrics.bind_protection (firewall | private_network | auth_proxy)"),
         ("buffer.max_staleness", cfg.buffer.max_staleness >= 0, "must be >= 0"),
         ("buffer.vocab_size", cfg.buffer.vocab_size >= 0, "must be >= 0"),
         ("task.reward_max", cfg.task.reward_min <= cfg.task.reward_max, "must be >= task.reward_min"),

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "ops"))
 
 from launch_child import Child, LaunchError  # noqa: E402
+from launch_failure import failure_notes  # noqa: E402
 from launch_progress import Progress, say  # noqa: E402
 
 from common import lifeline, provenance, remote  # noqa: E402
@@ -468,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except LaunchError as e:
         say(f"FAILED — {e}")
+        for note in failure_notes(launcher.run_dir, cfg.buffer_path if cfg.buffer_path.is_absolute() else ROOT / cfg.buffer_path):
+            say(note)
         launcher.stop_all()
         return 1
     launcher.stop_all()

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launch_failure import OutputTail  # ops/ is on sys.path, as for launch_child itself
+
 from common import lifeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,12 +34,15 @@ class Child:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = 0.0
+    output: OutputTail | None = None  # its output on the way to its log, the last lines kept in memory
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
-        log.write(f"\n=== {time.strftime('%H:%M:%S')} start: {' '.join(self.cmd)}\n".encode())
-        log.flush()
+        try:
+            with open(self.log_path, "ab") as log:
+                log.write(f"\n=== {time.strftime('%H:%M:%S')} start: {' '.join(self.cmd)}\n".encode())
+        except OSError:
+            pass  # a full disk: the child may still run, and its output is kept in memory (OutputTail)
         # A parent that ran torch.distributed leaves rendezvous variables behind; a child learner would try
         # to reuse that (taken) MASTER_PORT. Each child sets up its own.
         env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS_VARS}
@@ -49,9 +54,13 @@ class Child:
             # stop the runner's process group, pdsh and its ssh clients included, when our end of its stdin
             # closes; killed with us by the parent-death signal it could not.
             kw.pop("preexec_fn", None)
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        # Through a pipe the launcher reads: a child whose log write fails on a full disk still has its last
+        # lines (the error saying so included) in the launcher's memory for the failure message.
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True,
                                      stdin=subprocess.PIPE if self.via in ("ssh", "pdsh") else None, **kw)
-        log.close()
+        assert self.proc.stdout is not None
+        self.output = OutputTail(self.proc.stdout, self.log_path)
         self.started_at = time.time()
 
     def alive(self) -> bool:
@@ -87,11 +96,17 @@ class Child:
             pass
 
     def tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join("    " + line for line in text[-lines:])
+        """Its last output lines: from memory (complete even when the log could not be written)."""
+        if self.output is not None:
+            if self.returncode is not None:
+                self.output.wait()
+            text = self.output.tail(lines)
+        else:
+            try:
+                text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+            except OSError:
+                return ""
+        return "\n".join("    " + line for line in text)
 
 
 class LaunchError(RuntimeError):

@@ -101,3 +101,15 @@ def test_unknown_key_suggests_the_nearest_known_ones(override: str, hint: str) -
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
     assert str(e.value).endswith(f"unknown config key ({hint})"), str(e.value)
+
+
+def test_metrics_on_a_non_loopback_address_need_a_stated_protection() -> None:
+    """/metrics has no authentication: metrics.host=0.0.0.0 alone would show every process's metrics to
+    anyone who reaches the node."""
+    with pytest.raises(ConfigError, match=r"metrics.host: '0.0.0.0' is not a loopback address.*metrics.bind_protection"):
+        load_config(None, ["metrics.host=0.0.0.0"])
+    cfg = load_config(None, ["metrics.host=0.0.0.0", "metrics.bind_protection=firewall"])
+    assert cfg.metrics.bind_protection == "firewall"
+    assert load_config(None, ["metrics.host=0.0.0.0", "metrics.prometheus=false"]).metrics.host == "0.0.0.0"
+    with pytest.raises(ConfigError, match="metrics.bind_protection"):
+        load_config(None, ["metrics.host=0.0.0.0", "metrics.bind_protection=hope"])
