@@ -445,17 +445,21 @@ def check_memory(cfg: Config, plan: Plan, engine_gpus: list[int], learner_gpus: 
     critic = model_state_bytes(n["critic"], lc.zero_stage, world, lc.precision) / GIB if cfg.algo.advantage == "gae" else 0.0
     learner_states = policy + critic
     wbytes = 4 if cfg.model.dtype == "float32" else 2
+    # ZeRO-3 builds the critic beside the policy's states, one submodule at a time (deepspeed.zero.Init):
+    # the largest, the embedding (or an untied LM head), is whole on the GPU for a moment.
+    build_peak = learner_states + (n["vocab"] * n["hidden"] * wbytes / GIB if lc.zero_stage == 3 else 0.0)
     tp = engine_tp(cfg)
     engine_weights = n["policy"] * wbytes / tp / GIB if engine_gpus else 0.0
     engine_fraction = cfg.engine.sglang_mem_fraction_static if cfg.engine.kind == "sglang" else 0.0
     shared = bool(set(engine_gpus) & set(learner_gpus))
     learner_budget = gpu * (pl.learner_memory_fraction - (engine_fraction if shared else 0.0))
     mem = {"policy_params_b": round(n["policy"] / 1e9, 3), "critic_params_b": round(n["critic"] / 1e9, 3),
-           "learner_states_gib_per_gpu": round(learner_states, 2), "learner_budget_gib_per_gpu": round(learner_budget, 2),
+           "learner_states_gib_per_gpu": round(learner_states, 2), "learner_build_peak_gib_per_gpu": round(build_peak, 2),
+           "learner_budget_gib_per_gpu": round(learner_budget, 2),
            "engine_weights_gib_per_gpu": round(engine_weights, 2), "gpu_gib": gpu}
-    if learner_states > learner_budget:
+    if build_peak > learner_budget:
         raise ConfigError(
-            f"placement.learner_gpus: policy + critic model states need ~{learner_states:.1f} GiB per learner GPU "
+            f"placement.learner_gpus: policy + critic model states need ~{build_peak:.1f} GiB per learner GPU "
             f"({n['policy'] / 1e9:.2f}B + {n['critic'] / 1e9:.2f}B parameters, ZeRO-{lc.zero_stage} over {world} rank(s)) but "
             f"{learner_budget:.1f} GiB is allowed (placement.gpu_memory_gib={gpu:g} x placement.learner_memory_fraction="
             f"{pl.learner_memory_fraction:g}{' minus the engine share' if shared else ''}): add learner GPUs or raise "

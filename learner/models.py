@@ -15,6 +15,10 @@ micro-batches AND ranks: the token-level mean). DeepSpeed averages gradients ove
 ``learner.dist.loss_scale_for_dp`` returns the factor that turns that average back into the sum a globally
 normalised loss needs.
 
+ZeRO-3 builds partitioned (``learner.partitioned``): the modules are constructed under ``deepspeed.zero.Init``
+and each rank reads only its own slice of every tensor from the files, so no rank ever holds the whole
+policy or critic (``ops/bench/zero_build.py`` measures it against the old whole-model build).
+
 CPU: gloo, and the optimizer is a plain ``torch.optim.AdamW`` instance (a DeepSpeed-config optimizer
 JIT-builds a C++ op on CPU); ``learner.dist`` explains the shared-memory op it keeps from compiling. CUDA
 uses NCCL and the same code.
@@ -37,11 +41,35 @@ from torch import Tensor, nn
 from common.config import Config
 from learner.dist import rank, setup_distributed, world_size
 
+# False restores the old ZeRO-3 build (every rank loads the whole model; deepspeed.initialize partitions
+# it): ops/bench/zero_build.py measures both in one run.
+PARTITIONED_BUILD = True
+
+
+def partitioned_build(cfg: Config) -> bool:
+    """Whether ``build_policy``/``build_critic`` construct ZeRO-3 partitions directly."""
+    return PARTITIONED_BUILD and cfg.learner.zero_stage == 3
+
 
 def device_for(cfg: Config) -> torch.device:
     if cfg.run.device == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def _hf_module(auto_cls: Any, src: str | Path, hf_cfg: Any, dtype: str, partition: Config | None) -> nn.Module:
+    """``auto_cls`` with the weights in ``src``: ``from_pretrained``, or under ZeRO-3 (``partition`` given)
+    built partitioned, each rank reading only its own slices of the files."""
+    from common.modeling import torch_dtype
+
+    if partition is None:
+        return auto_cls.from_pretrained(str(src), config=hf_cfg, dtype=torch_dtype(dtype))
+    from learner.partitioned import build_empty, load_checkpoint
+
+    setup_distributed(partition)
+    model = build_empty(auto_cls, hf_cfg, torch_dtype(dtype), _ds_config(partition, partition.learner.grad_clip))
+    load_checkpoint(model, src)
+    return model
 
 
 def _ds_config(cfg: Config, grad_clip: float) -> dict[str, Any]:
@@ -58,6 +86,11 @@ def _ds_config(cfg: Config, grad_clip: float) -> dict[str, Any]:
     }
     if lc.precision == "bf16":
         conf["bf16"] = {"enabled": True}
+        if lc.zero_stage >= 1:
+            # Summed in bf16 (8 mantissa bits), a mini-batch's micro-batch gradients lose their small terms;
+            # DeepSpeed's ZeRO optimizers accumulate and reduce them in fp32 when asked. ZeRO-0 has no such
+            # path (DeepSpeed refuses the mix), so a one-rank bf16 learner without ZeRO accumulates in bf16.
+            conf["data_types"] = {"grad_accum_dtype": "fp32"}
     elif lc.precision == "fp16":
         conf["fp16"] = {"enabled": True, "initial_scale_power": 12}
     return conf
@@ -159,26 +192,27 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     model.config.use_cache = False
 
 
-def load_policy_module(path: str | Path, dtype: str = "float32", activation_checkpointing: bool = False) -> nn.Module:
-    from transformers import AutoModelForCausalLM
+def load_policy_module(path: str | Path, dtype: str = "float32", activation_checkpointing: bool = False,
+                       partition: Config | None = None) -> nn.Module:
+    """The policy in ``path``; ``partition`` (a ZeRO-3 config) builds it partitioned (``partitioned_build``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from common.modeling import torch_dtype
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype))
-    _no_dropout(model.config)
+    hf_cfg = AutoConfig.from_pretrained(str(path))
+    _no_dropout(hf_cfg)
+    model = _hf_module(AutoModelForCausalLM, path, hf_cfg, dtype, partition)
     model.config.use_cache = False
     if activation_checkpointing:
         enable_activation_checkpointing(model)
     return model
 
 
-def load_critic_module(cfg: Config, path: str | Path | None = None) -> Critic:
+def load_critic_module(cfg: Config, path: str | Path | None = None, partitioned: bool = False) -> Critic:
     """The critic initialised from the base policy (``path`` defaults to cfg.model.path); when ``path``
-    holds a saved critic (``save_critic``), its value head is loaded too."""
+    holds a saved critic (``save_critic``), its value head is loaded too. ``partitioned``: the backbone is
+    built ZeRO-3-partitioned (the small heads are not; ``deepspeed.initialize`` partitions them)."""
     from transformers import AutoConfig, AutoModel
 
     from common.config import ConfigError
-    from common.modeling import torch_dtype
 
     src = Path(path or cfg.model.path)
     hf_cfg = AutoConfig.from_pretrained(str(src))
@@ -188,7 +222,7 @@ def load_critic_module(cfg: Config, path: str | Path | None = None) -> Critic:
         raise ConfigError(f"learner.value_head_surprise=true needs a model with tied input/output embeddings; "
                           f"{src} has tie_word_embeddings=false (set learner.value_head_surprise=false)")
     _no_dropout(hf_cfg)
-    backbone = AutoModel.from_pretrained(str(src), config=hf_cfg, dtype=torch_dtype(cfg.model.dtype))
+    backbone = _hf_module(AutoModel, src, hf_cfg, cfg.model.dtype, cfg if partitioned else None)
     if cfg.learner.activation_checkpointing:
         enable_activation_checkpointing(backbone)
     critic = Critic(backbone, hf_cfg.hidden_size, cfg.learner.value_head_init_std, cfg.learner.value_head_init_bias,
@@ -273,8 +307,11 @@ def build_deepspeed(cfg: Config, module: nn.Module, lr: float, warmup_steps: int
     few dozen steps (the linear value head on 128 features does not need it and overshoots with it)."""
     import deepspeed
 
+    from learner.partitioned import to_device
+
     setup_distributed(cfg)
-    module = module.to(device_for(cfg))
+    train_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.learner.precision, torch.float32)
+    module = to_device(module, device_for(cfg), train_dtype)
     params: Any = [p for p in module.parameters() if p.requires_grad]
     if isinstance(module, Critic) and head_lr_scale != 1.0:
         head_ids = {id(p) for n, p in module.named_parameters() if n.startswith("surprise_head.")}
@@ -301,13 +338,48 @@ def build_deepspeed(cfg: Config, module: nn.Module, lr: float, warmup_steps: int
 
 
 def build_policy(cfg: Config, path: str | Path | None = None) -> Any:
-    module = load_policy_module(path or cfg.model.path, cfg.model.dtype, cfg.learner.activation_checkpointing)
+    module = load_policy_module(path or cfg.model.path, cfg.model.dtype, cfg.learner.activation_checkpointing,
+                                partition=cfg if partitioned_build(cfg) else None)
     return build_deepspeed(cfg, module, cfg.learner.actor_lr, cfg.learner.warmup_steps)
 
 
 def build_critic(cfg: Config, path: str | Path | None = None, lr: float | None = None) -> Any:
-    return build_deepspeed(cfg, load_critic_module(cfg, path), cfg.learner.critic_lr if lr is None else lr,
-                        cfg.learner.critic_warmup_steps, head_lr_scale=cfg.learner.value_head_lr_scale)
+    return build_deepspeed(cfg, load_critic_module(cfg, path, partitioned=partitioned_build(cfg)),
+                           cfg.learner.critic_lr if lr is None else lr,
+                           cfg.learner.critic_warmup_steps, head_lr_scale=cfg.learner.value_head_lr_scale)
+
+
+def release(model: Any) -> None:
+    """Let go of a DeepSpeed-wrapped model's memory: its hooks and optimizer form reference cycles that keep
+    weights, gradients and optimizer states alive until a garbage collection happens to run. The caller
+    then drops its own references and calls ``collect``."""
+    module = model.module
+    model.destroy()
+    # DeepSpeed 0.19's ZeRO-3 keeps two process-wide references that outlive destroy(): every engine's module
+    # stays at the base of a module-level stack (its forward-hook bookkeeping), and a class-level lru_cache of
+    # PartitionedParameterCoordinator keys on coordinators and submodules. Either keeps all states alive.
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import (
+        PartitionedParameterCoordinator as Coordinator,
+    )
+
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+    if isinstance(stack, list):
+        stack[:] = [m for m in stack if m is not module]
+    cached = getattr(Coordinator, "_PartitionedParameterCoordinator__params_to_release", None)
+    for fn in (cached, *(c.cell_contents for c in getattr(cached, "__closure__", None) or ())):
+        if hasattr(fn, "cache_clear"):  # a cache: the live engines' entries are recomputed when next used
+            fn.cache_clear()
+
+
+def collect() -> None:
+    """Free what ``release``d models held, now (host and accelerator)."""
+    import gc
+
+    from deepspeed.accelerator import get_accelerator
+
+    gc.collect()
+    get_accelerator().empty_cache()
 
 
 def grad_norm(model: Any) -> float:

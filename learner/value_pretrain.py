@@ -36,7 +36,7 @@ from learner.advantages import gae, terminal_rewards
 from learner.batch import collate, fetch_usable, row_limits
 from learner.data import DataSource, fetch
 from learner.dist import global_explained_variance, rank
-from learner.models import build_critic, full_state_dict, save_critic
+from learner.models import build_critic, collect, full_state_dict, release, save_critic
 from learner.records import append_jsonl
 from learner.update import MicroLimits, compute_values, critic_update, minibatch_rows, my_rows
 from learner.weights import load_host_tensors
@@ -146,6 +146,11 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
         log.info("value pretraining: saved the critic of step %d/%d (held-out EV %.4f) to %s", best_step, step, best, out)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()
+    # The RL learner builds its policy and critic next: this critic, its gradients and its optimizer
+    # states must be gone first, not whenever a garbage collection happens to run.
+    release(critic)
+    del critic
+    collect()
     return out
 
 

@@ -58,6 +58,15 @@ def test_bf16_step_is_finite_and_close(tiny_model_dir: Path) -> None:
     assert math.isfinite(learner.last["critic_loss"]) and math.isfinite(learner.last["policy_loss"])
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_under_zero_accumulates_gradients_in_fp32(tiny_model_dir: Path, stage: int) -> None:
+    learner = _step(tiny_model_dir, "learner.precision=bf16", f"learner.zero_stage={stage}")
+    for engine in (learner.policy, learner.critic):
+        assert engine.get_data_types() == (torch.bfloat16, torch.float32)
+    assert math.isfinite(learner.last["critic_loss"]) and math.isfinite(learner.last["policy_loss"])
+    assert all(torch.isfinite(v).all() for v in _params(learner).values())
+
+
 def test_zero3_matches_stage0_and_publishes_full_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 

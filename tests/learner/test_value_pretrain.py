@@ -82,3 +82,25 @@ def test_zero3_pretraining_saves_a_whole_critic(tiny_model_dir: Path, tmp_path: 
     ref = load_critic_module(cfg)
     assert {k: v.shape for k, v in critic.state_dict().items()} == {k: v.shape for k, v in ref.state_dict().items()}
     assert json.loads((out / "value_pretrain.json").read_text())["steps"] == 3
+
+
+def test_the_pretraining_critic_is_freed_before_pretrain_critic_returns(tiny_model_dir: Path, tmp_path: Path,
+                                                                        monkeypatch) -> None:  # noqa: ANN001
+    # The RL learner builds its policy and critic right after: the pretraining critic (weights, gradients,
+    # Adam states) must be gone by then, not left to a garbage collection that may never run in time.
+    import weakref
+
+    from learner import value_pretrain
+
+    built: list[weakref.ref] = []
+    real_build = value_pretrain.build_critic
+
+    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        engine = real_build(*args, **kwargs)
+        built.append(weakref.ref(engine.module))
+        return engine
+
+    monkeypatch.setattr(value_pretrain, "build_critic", recording)
+    cfg = vp_config(tiny_model_dir, tmp_path, 2, 8, "learner.zero_stage=3")
+    pretrain_critic(cfg, ListSource(learnable_groups(24, seed=4)))
+    assert len(built) == 1 and built[0]() is None
