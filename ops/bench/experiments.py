@@ -11,6 +11,8 @@ the embedded default task (addition, the 0.6M-parameter base). Writes ``docs/RES
     .venv/bin/python ops/bench/experiments.py --suite long       # issue 15: the long-horizon task (long_suite.py)
     .venv/bin/python ops/bench/experiments.py --suite actor_values   # pre- vs post-update critic for the
                                                                      # actor's advantages (actor_values_suite.py)
+    .venv/bin/python ops/bench/experiments.py --suite weight_sync    # draining (wait) vs in-place weight updates
+                                                                     # on the long task (weight_sync_suite.py)
 
 Every run is a plain ``ops/launch.sh <config> run.root=runs/exp run.name=<exp>-s<seed> ...``; its
 directory is the record. Resumable: a run with ``summary.json`` is done and skipped, a run with a checkpoint
@@ -42,6 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import actor_values_suite  # noqa: E402
 import long_suite  # noqa: E402
+import weight_sync_suite  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 FULL_STEPS = 60   # the default's budget: 60 steps x 32 prompts x G=8 = 15,360 samples
@@ -581,9 +584,11 @@ def run_long(root: Path, args: argparse.Namespace) -> int:
     return failures
 
 
-def run_actor_values(root: Path, args: argparse.Namespace) -> int:
-    """The actor_values suite (actor_values_suite.py): run what is missing, print one JSON summary line."""
-    suite = [e for e in actor_values_suite.experiments(Experiment) if not args.only or e.name in args.only]
+def run_actor_values(root: Path, args: argparse.Namespace, module: Any = actor_values_suite,
+                     label: str = "actor_values") -> int:
+    """A suite of arms with a JSON summary (actor_values_suite.py, weight_sync_suite.py): run what is
+    missing, print one JSON summary line."""
+    suite = [e for e in module.experiments(Experiment) if not args.only or e.name in args.only]
     todo = [(e, s) for e in suite for s in (args.seeds or e.seeds)]
     if args.list:
         for e, s in todo:
@@ -594,8 +599,8 @@ def run_actor_values(root: Path, args: argparse.Namespace) -> int:
         root.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         failures = run_suite(root.resolve(), [(e, s) for e, s in todo if status(root, e, s) != "done"], args.jobs)
-    print(json.dumps({"bench": "experiments", "suite": "actor_values", "failed_runs": failures,
-                      "arms": actor_values_suite.summary(root, load_run)}))
+    print(json.dumps({"bench": "experiments", "suite": label, "failed_runs": failures,
+                      "arms": module.summary(root, load_run)}))
     return 1 if failures else 0
 
 
@@ -611,12 +616,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
     ap.add_argument("--out", default="docs/RESULTS.md", help="report path (plots go to <its dir>/results/)")
     ap.add_argument("--notes", default="docs/results/notes.md", help="hand-written reading included in the report")
-    ap.add_argument("--suite", choices=["default", "long", "actor_values"], default="default",
+    ap.add_argument("--suite", choices=["default", "long", "actor_values", "weight_sync"], default="default",
                     help="default: issue 8 on the embedded default task (root runs/exp); long: issue 15's long-horizon "
                     "task (root runs/exp-long, its own section of the report); actor_values: pre- vs post-update "
                     "critic values for the actor, default and long tasks, 2 seeds (root runs/exp-actor-values, a "
-                    "JSON summary, no report)")
+                    "JSON summary, no report); weight_sync: weight updates that drain (wait, disk) against in-place "
+                    "pauses (distributed push) on the long task, 2 seeds (root runs/exp-weight-sync, a JSON summary)")
     args = ap.parse_args(argv)
+    if args.suite == "weight_sync":
+        return run_actor_values(REPO / (args.root if args.root != "runs/exp" else "runs/exp-weight-sync"), args,
+                                weight_sync_suite, "weight_sync")
     if args.suite == "actor_values":
         return run_actor_values(REPO / (args.root if args.root != "runs/exp" else "runs/exp-actor-values"), args)
     if args.suite == "long":
