@@ -9,7 +9,8 @@ Not a CLI; ``actors.worker`` runs one per worker:
   answer within ``actors.weight_query_timeout_s`` is closed and recreated (lazy pirate); no learner yet
   means no update (the worker serves the base model as version 0).
 - ``verify_update`` recomputes ``common.checksum.weights_sha256`` of the update's directory and compares
-  it with ``WeightUpdate.sha256`` before any engine is told to load it; ``verify_tensors`` then checks
+  it with ``WeightUpdate.sha256`` before any engine is told to load it (a version the learner hashed while
+  writing, with its sizes in ``STABLE``, is checked by file sizes instead of being read again); ``verify_tensors`` then checks
   that every tensor of the base model is there with its shape and that none holds NaN/Inf (engines load
   partial or non-finite weight sets without complaint).
 
@@ -35,12 +36,49 @@ from common.security import ClientKeys, apply_client_curve
 log = logging.getLogger("vapo.actors.weights")
 
 
+def learner_checked(path: str | Path, sha256: str | None = None) -> dict[str, int] | None:
+    """The file sizes the learner recorded in ``STABLE`` when it hashed the version while writing it and
+    refused non-finite weights on the device (a durable version of the distributed push), if the marker says
+    so (and names ``sha256`` when given); else None."""
+    import json
+
+    try:
+        info = json.loads((Path(path) / "STABLE").read_text())
+    except (OSError, ValueError):
+        return None
+    sizes = info.get("sizes") if isinstance(info, dict) else None
+    if not isinstance(sizes, dict) or info.get("finite") is not True or (sha256 is not None and info.get("sha256") != sha256):
+        return None
+    return sizes
+
+
+def _sizes_match(path: str | Path, sizes: dict[str, int]) -> str | None:
+    from common.checksum import weight_files
+
+    found = {p.name: p.stat().st_size for p in weight_files(path)}
+    if found != sizes:
+        return f"files of {path} are {found}, the learner wrote {sizes}"
+    return None
+
+
 def verify_update(update: Any) -> tuple[str, str] | None:
     """None when the update's files match its checksum, else ``(reason, message)``.
 
+    A version whose ``STABLE`` marker carries the learner's own check (``learner_checked``, with the
+    update's digest) is verified by its files' names and sizes, without reading it again: a partial copy or
+    a missing shard fails, bit rot inside a file does not (the engine's own read then refuses non-finite
+    values). Any other version is re-hashed whole.
+
     Reasons (``vapo_actor_weight_sync_failures{reason}``): ``missing`` (directory or files gone, e.g.
-    pruned by the learner), ``checksum`` (digest differs: partial copy, corruption, tampering).
+    pruned by the learner), ``checksum`` (digest or sizes differ: partial copy, corruption, tampering).
     """
+    sizes = learner_checked(update.path, update.sha256)
+    if sizes is not None:
+        try:
+            bad = _sizes_match(update.path, sizes)
+        except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
+            return "missing", str(e)
+        return None if bad is None else ("checksum", bad)
     try:
         digest = weights_sha256(update.path)
     except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
@@ -85,6 +123,9 @@ def verify_tensors(path: str | Path, expected: dict[str, tuple[int, ...]]) -> tu
     if bad_shape:
         n = bad_shape[0]
         return "shape", f"{n} has shape {found[n]} in {path}, the model's is {expected[n]}"
+    sizes = learner_checked(path)
+    if sizes is not None and _sizes_match(path, sizes) is None:
+        return None  # the learner refused non-finite weights before they left its device
     for f in sorted(Path(path).glob("*.safetensors")):
         try:
             with safe_open(str(f), framework="pt") as st:

@@ -17,8 +17,9 @@ weight-update group; the durable disk version is written from the same bytes in 
 - **Disk off the critical path** (``DurableWriter``): a background thread writes the host buckets as one
   safetensors file per bucket (``model-0000i-of-0000n.safetensors`` + the index), hashing each file as it
   is written (``common.checksum.weights_sha256``'s digest, without reading anything back), then the
-  ``STABLE`` marker and the rename, as ``learner.weights.write_version``; ``on_done(WeightUpdate)`` announces
-  it. Rank 0 holds the version's host copy until it is written (the model's size in host memory).
+  ``STABLE`` marker (with each file's size and ``finite: true``: actors then verify sizes instead of
+  re-reading the version, ``actors.weight_sync.verify_update``) and the rename, as
+  ``learner.weights.write_version``; ``on_done(WeightUpdate)`` announces it. Rank 0 holds the version's host copy until it is written (the model's size in host memory).
 """
 
 from __future__ import annotations
@@ -279,8 +280,9 @@ def write_buckets(root: Path, version: int, buckets: list[tuple[BucketMeta, Tens
     h = hashlib.sha256()  # the files are hashed in name order, which is bucket order here
     weight_map: dict[str, str] = {}
     total = 0
+    sizes: dict[str, int] = {}
     for fname, (meta, buf) in zip(names, buckets, strict=True):
-        _write_safetensors(tmp / fname, meta, buf, h)
+        sizes[fname] = _write_safetensors(tmp / fname, meta, buf, h)
         weight_map.update({k: fname for k in meta.names})
         total += meta.nbytes
     (tmp / "model.safetensors.index.json").write_text(
@@ -288,7 +290,10 @@ def write_buckets(root: Path, version: int, buckets: list[tuple[BucketMeta, Tens
     if extra_files is not None:
         extra_files(tmp)  # config, generation config, tokenizer
     digest, created = h.hexdigest(), time.time()
-    (tmp / STABLE).write_text(json.dumps({"version": version, "sha256": digest, "files": names, "created_at": created}))
+    # sizes + finite: what the learner checked (hashed while writing, NaN/Inf refused on the device), so that
+    # an actor can verify the version from its file sizes instead of reading it all again.
+    (tmp / STABLE).write_text(json.dumps({"version": version, "sha256": digest, "files": names, "created_at": created,
+                                          "sizes": sizes, "finite": True}))
     tmp.rename(final)
     return protocol.WeightUpdate(version=version, path=str(final.resolve()), sha256=digest, created_at=created)
 

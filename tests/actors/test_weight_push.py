@@ -198,3 +198,31 @@ def test_in_place_pause_under_load(tiny_model_dir: Path, server_factory: Any, tm
             await c.close()
 
     asyncio.run(main())
+
+
+def test_actor_verifies_a_learner_checked_version_by_sizes(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A durable version of the push carries the learner's own check (sizes, finite): the actor verifies
+    it by file sizes without reading it again; a short file fails, and a version without that record is
+    still re-hashed whole."""
+    from actors.weight_sync import verify_tensors, verify_update, checkpoint_tensors
+    from common.weight_bucket import flatten
+    from learner.weight_push import write_buckets
+
+    model = perturbed(tiny_model_dir, 1e-3)
+    plan = bucket_plan(model, 4096)
+    state = dict(model.state_dict())
+    upd = write_buckets(tmp_path, 1, [(m, flatten([state[n] for n in m.names])) for m in plan])
+    assert verify_update(upd) is None
+    assert verify_tensors(upd.path, checkpoint_tensors(tiny_model_dir)) is None
+    f = sorted(Path(upd.path).glob("*.safetensors"))[-1]
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0xFF  # same size: the size check passes, the full digest does not
+    f.write_bytes(bytes(raw))
+    assert verify_update(upd) is None
+    stable = Path(upd.path) / "STABLE"
+    info = json.loads(stable.read_text())
+    stable.write_text(json.dumps({k: v for k, v in info.items() if k not in ("sizes", "finite")}))
+    assert verify_update(upd)[0] == "checksum"  # no learner record: re-hashed, and the flipped byte is found
+    stable.write_text(json.dumps(info))
+    f.write_bytes(bytes(raw[:-8]))  # a partial copy
+    assert verify_update(upd)[0] == "checksum"
