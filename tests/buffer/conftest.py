@@ -111,8 +111,9 @@ class BufferProc:
         self.overrides = [
             f"buffer.path={self.path}", f"buffer.ingest_addr={self.ingest_addr}",
             f"buffer.serve_addr={self.serve_addr}", "buffer.metrics_port=0", "run.log_level=WARNING",
-            # make_sample's token ids, whatever model.path holds on this machine (the ingest bound reads it)
-            "buffer.vocab_size=1000",
+            # The ingest bounds read the model's vocabulary and context: no model (unless a test names one) and
+            # a vocabulary that fits make_sample's ids, whatever runs/_base holds on this machine.
+            f"model.path={workdir / 'no-model'}", "buffer.vocab_size=1000",
         ] + list(overrides or [])
         self.log = workdir / "buffer.log"
         self.proc: subprocess.Popen[bytes] | None = None

@@ -88,7 +88,7 @@ def server(tmp_path: Path) -> Iterator[BufferServer]:
     cfg = load_config(None, [
         f"buffer.path={tmp_path / 'lmdb'}", f"buffer.ingest_addr=ipc://{sock}/i", f"buffer.serve_addr=ipc://{sock}/s",
         "buffer.metrics_port=0", "metrics.prometheus=false", "learner.batch_groups=1", "buffer.positive_reward=1.0",
-        "buffer.vocab_size=1000",
+        "buffer.vocab_size=1000", f"model.path={tmp_path / 'no-model'}",
     ])
     srv = BufferServer(cfg, Metrics("buffer"))
     t = threading.Thread(target=srv.run, name="buffer-server", daemon=True)
