@@ -69,6 +69,9 @@ class GenerateOutput:
     text: str | None = None
     rid: str | None = None
     meta_info: dict[str, Any] = field(default_factory=dict, repr=False)
+    # [(version, n_tokens), ...] in token order when the server reports per-token versions and every one is
+    # numeric (an update in place mid-generation gives several); else None.
+    version_spans: list[tuple[int, int]] | None = None
 
     @property
     def weight_version_int(self) -> int | None:
@@ -148,12 +151,19 @@ def parse_output(item: dict[str, Any]) -> GenerateOutput:
     version = meta.get("weight_version")
     spans = meta.get("output_weight_version_spans")  # rollout_server extension: [[version, n_tokens], ...]
     sg_spans = meta.get("weight_versions")  # SGLang: [{"version", "start", "end"}, ...]
+    pairs: list[tuple[Any, Any]] = []
     if spans:
         min_version = _min_version([v for v, _ in spans], version)
+        pairs = [(v, k) for v, k in spans]
     elif sg_spans:
         min_version = _min_version([s.get("version") for s in sg_spans if isinstance(s, dict)], version)
+        pairs = [(s.get("version"), as_int(s.get("end", 0)) - as_int(s.get("start", 0)))  # type: ignore[operator]
+                 for s in sg_spans if isinstance(s, dict) and as_int(s.get("end")) is not None and as_int(s.get("start")) is not None]
     else:
         min_version = None if version is None else str(version)
+    numeric = [(as_int(v), as_int(k)) for v, k in pairs]
+    version_spans = ([(int(v), int(k)) for v, k in numeric] if numeric and all(v is not None and k for v, k in numeric)
+                     and sum(int(k) for _, k in numeric) == len(out_ids) else None)  # type: ignore[arg-type]
     # Keep the scalar metadata only: per-token lists stay out of long-lived objects.
     small_meta = {k: v for k, v in meta.items() if not isinstance(v, list)}
     return GenerateOutput(
@@ -161,7 +171,7 @@ def parse_output(item: dict[str, Any]) -> GenerateOutput:
         weight_version=None if version is None else str(version), min_weight_version=min_version,
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         completion_tokens=int(meta.get("completion_tokens", len(out_ids))),
-        text=item.get("text"), rid=meta.get("id"), meta_info=small_meta)
+        text=item.get("text"), rid=meta.get("id"), meta_info=small_meta, version_spans=version_spans)
 
 
 def parse_generate_response(body: Any) -> list[GenerateOutput]:

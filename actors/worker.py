@@ -400,6 +400,9 @@ class RolloutWorker:
         if version is None:  # SGLang started without --weight-version: what this worker loaded
             version = fallback_version
         verdict = self.task.verify(prompt, decode_response(self.tokenizer, o.output_ids))
+        spans = None
+        if o.version_spans and len(o.version_spans) > 1 and min(v for v, _ in o.version_spans) == version:
+            spans = np.asarray([x for pair in o.version_spans for x in pair], dtype=np.int64)  # tokens of several versions
         return Sample(
             prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
             output_ids=np.asarray(o.output_ids, dtype=np.int32),
@@ -408,6 +411,7 @@ class RolloutWorker:
             finish_reason=o.finish_reason if o.finish_reason in FINISH_REASONS else "stop",
             weight_version=int(version),
             response_length=len(o.output_ids),
+            version_spans=spans,
         )
 
     # ------------------------------------------------------------------ progress

@@ -180,6 +180,9 @@ class Sample(Message):
     finish_reason: str
     weight_version: int
     response_length: int
+    # Optional: [v0, n0, v1, n1, ...] int64, the weight version of each run of output tokens in order (an
+    # update in place mid-generation gives several); absent on the wire when not given. min(v) == weight_version.
+    version_spans: np.ndarray | None = None
 
     TYPE: ClassVar[str] = "Sample"
     _FIELDS: ClassVar[tuple[str, ...]] = (
@@ -196,11 +199,12 @@ class Sample(Message):
             "finish_reason": self.finish_reason,
             "weight_version": int(self.weight_version),
             "response_length": int(self.response_length),
+            **({} if self.version_spans is None else {"version_spans": _pack_array(self.version_spans, "<i8")}),
         }
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> Sample:
-        d = _expect_fields("Sample", d, cls._FIELDS)
+        d = _expect_fields("Sample", d, cls._FIELDS + (("version_spans",) if isinstance(d, dict) and "version_spans" in d else ()))
         prompt_ids = _unpack_array("prompt_ids", d["prompt_ids"], "<i4")
         output_ids = _unpack_array("output_ids", d["output_ids"], "<i4")
         logprobs = _unpack_array("output_logprobs", d["output_logprobs"], "<f4")
@@ -218,15 +222,32 @@ class Sample(Message):
         reason = _check_str("finish_reason", d["finish_reason"])
         if reason not in FINISH_REASONS:
             raise _err("bad_value", f"finish_reason {reason!r} not in {FINISH_REASONS}")
+        version = _check_int("weight_version", d["weight_version"], 0)
+        spans = None
+        if "version_spans" in d:
+            spans = _unpack_array("version_spans", d["version_spans"], "<i8")
+            vs, ns = spans[0::2], spans[1::2]
+            if spans.size % 2 or not spans.size or bool((ns < 1).any()) or bool((vs < 0).any()):
+                raise _err("bad_value", "version_spans must be [version >= 0, n_tokens >= 1] pairs")
+            if int(ns.sum()) != length or int(vs.min()) != version:
+                raise _err("length_mismatch", f"version_spans cover {int(ns.sum())} tokens from version "
+                           f"{int(vs.min())}; the sample has {length} from {version}")
         return cls(
             prompt_ids=prompt_ids,
             output_ids=output_ids,
             output_logprobs=logprobs,
             reward=_check_float("reward", d["reward"]),
             finish_reason=reason,
-            weight_version=_check_int("weight_version", d["weight_version"], 0),
+            weight_version=version,
             response_length=length,
+            version_spans=spans,
         )
+
+    def token_versions(self) -> np.ndarray:
+        """[L] int64: the weight version of each output token (``weight_version`` everywhere without spans)."""
+        if self.version_spans is None:
+            return np.full(self.response_length, self.weight_version, dtype=np.int64)
+        return np.repeat(self.version_spans[0::2], self.version_spans[1::2])
 
     @property
     def nbytes(self) -> int:

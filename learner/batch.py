@@ -47,6 +47,7 @@ class Batch:
     group_index: Tensor  # [B] long: index of the sample's group in the batch (-1 for replayed positives)
     is_replay: Tensor  # [B] bool: a stored positive added for the NLL term only (no PPO loss)
     excluded: Tensor  # [B] bool: kept out of the policy and value losses (truncated, with algo.truncated=mask)
+    token_versions: Tensor  # [B, T] long: weight version that generated each response token (0 on padding)
 
     @property
     def size(self) -> int:
@@ -66,7 +67,7 @@ class Batch:
         t_need = max(1, int(rows["lengths"].max().item())) if len(idx_t) else 1
         for name in ("input_ids", "attention_mask"):
             rows[name] = rows[name][:, : max(1, s_need)]
-        for name in ("positions", "response_ids", "mask", "behaviour_logprobs"):
+        for name in ("positions", "response_ids", "mask", "behaviour_logprobs", "token_versions"):
             rows[name] = rows[name][:, :t_need]
         return Batch(**rows)
 
@@ -107,6 +108,7 @@ def collate_samples(
     mask = np.zeros((B, T), dtype=np.float32)
     blogp = np.zeros((B, T), dtype=np.float32)
     pos = np.zeros((B, T), dtype=np.int64)
+    tver = np.zeros((B, T), dtype=np.int64)
     for i, s in enumerate(samples):
         p, n = int(plens[i]), int(lens[i])
         input_ids[i, :p] = s.prompt_ids
@@ -115,6 +117,7 @@ def collate_samples(
         resp[i, :n] = s.output_ids
         mask[i, :n] = 1.0
         blogp[i, :n] = s.output_logprobs
+        tver[i, :n] = s.token_versions()
         # logits at p + t − 1 predict token t; padded slots point at the last prompt token (masked out).
         pos[i, :] = p - 1
         pos[i, :n] = p - 1 + np.arange(n)
@@ -137,6 +140,7 @@ def collate_samples(
         group_index=torch.tensor(group_index if group_index is not None else [-1] * B, dtype=torch.long),
         is_replay=torch.full((B,), is_replay, dtype=torch.bool),
         excluded=torch.zeros(B, dtype=torch.bool),
+        token_versions=torch.from_numpy(tver),
     )
 
 

@@ -106,6 +106,12 @@ class StepData:
     staleness: Tensor  # [n_real] versions between each real row's weights and the weights being updated
 
 
+def _token_staleness(version: int, token_versions: Tensor, mask: Tensor) -> dict[str, float]:
+    st = (version - token_versions[mask > 0]).clamp(min=0).float()
+    return {"token_staleness_mean": float(st.mean()) if st.numel() else 0.0,
+            "token_staleness_max": float(st.max()) if st.numel() else 0.0}
+
+
 class Learner:
     """Policy + critic, the data source and the version counter; ``step()`` is one VAPO update."""
 
@@ -293,6 +299,10 @@ class Learner:
             "truncated_fraction": float(b.truncated[real].sum()) / n_real,
             "samples": n_real, "replay_positives": int(b.is_replay.sum()),
             "staleness_mean": float(staleness.float().mean()) if len(staleness) else 0.0,
+            "staleness_max": int(staleness.max()) if len(staleness) else 0,
+            # Per token (an in-place update mid-generation makes a sample's tokens of several versions; its
+            # staleness above counts from its oldest): the weights being updated were version - 1.
+            **_token_staleness(self.version - 1, b.token_versions[real], b.mask[real]),
             "tokens": tokens, "tokens_per_second": tokens / max(busy, 1e-9),
             "actor_lr": float(self.policy.get_lr()[0]),
             "phase_seconds": dict(phases.seconds), "step_seconds": time.perf_counter() - t_start,
