@@ -226,3 +226,81 @@ def test_actor_verifies_a_learner_checked_version_by_sizes(tiny_model_dir: Path,
     stable.write_text(json.dumps(info))
     f.write_bytes(bytes(raw[:-8]))  # a partial copy
     assert verify_update(upd)[0] == "checksum"
+
+
+ZERO3_HARNESS = '''
+import asyncio, json, sys, threading
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+import torch
+from common.config import load_config
+from learner.dist import rank
+from learner.models import build_policy
+from learner.weight_push import WeightPusher, bucket_plan
+from learner.weights import write_version
+from actors.sglang_client import SGLangClient
+from actors.weight_push_client import join_group, receive_push
+
+model, out, url, key = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+cfg = load_config(None, [f"model.path={{model}}", "learner.zero_stage=3", "metrics.prometheus=false"])
+policy = build_policy(cfg)
+with torch.no_grad():  # a version the engine does not serve yet: every partition moves
+    for p in policy.module.parameters():
+        p.ds_tensor.add_(1e-3)
+pusher = WeightPusher(4096, "gloo", timeout_s=60)
+pusher.plan = bucket_plan(policy, pusher.bucket_bytes)
+engine = None
+if rank() == 0:
+    body = pusher.open_group(1)[0]
+    plan = [b.body() for b in pusher.plan]
+
+    async def engine_side():
+        c = SGLangClient(url, api_key=key, timeout_s=120)
+        await join_group(c, body, timeout_s=120)
+        await receive_push(c, plan, 1, timeout_s=120)
+        await c.close()
+
+    engine = threading.Thread(target=asyncio.run, args=(engine_side(),))
+    engine.start()
+    pusher.join()
+res = pusher.push(policy, 1)
+if rank() == 0:
+    engine.join(120)
+update = write_version(out, 1, policy, None)
+if rank() == 0:
+    (out / "result.json").write_text(json.dumps({{"broadcast": res.broadcast, "error": res.error,
+                                                 "buckets": len(pusher.plan), "path": update.path}}))
+'''
+
+
+def test_two_rank_zero3_push_equals_the_disk_export(tiny_model_dir: Path, server_factory: Any, tmp_path: Path) -> None:
+    """Under 2-rank ZeRO-3 both ranks gather each bucket and rank 0 alone broadcasts: the engine then serves
+    exactly what the (collective) disk export of the same weights holds."""
+    import subprocess
+    import sys
+
+    from tests.learner.synth import child_env
+    from tests.ports import free_port
+
+    e = server_factory(tiny_model_dir, "--admin-api-key", KEY)
+    harness = tmp_path / "zero3_push.py"
+    repo = Path(__file__).resolve().parents[2]
+    harness.write_text(ZERO3_HARNESS.format(repo=str(repo)))
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(harness), str(tiny_model_dir), str(out), e.url, KEY]
+    p = subprocess.run(cmd, env=child_env(OMP_NUM_THREADS="1", VAPO_DS_SHM="0"), capture_output=True, text=True,
+                       timeout=900, cwd=repo)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-4000:])
+    r = json.loads((out / "result.json").read_text())
+    assert r["broadcast"] and r["buckets"] > 2, r
+
+    async def served() -> tuple[str, str]:
+        c = SGLangClient(e.url, api_key=KEY, timeout_s=60)
+        try:
+            return await digest(c)
+        finally:
+            await c.close()
+
+    assert asyncio.run(served()) == (param_digest(read_state_dict(r["path"]).items()), "1")
