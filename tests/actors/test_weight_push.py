@@ -304,3 +304,54 @@ def test_two_rank_zero3_push_equals_the_disk_export(tiny_model_dir: Path, server
             await c.close()
 
     assert asyncio.run(served()) == (param_digest(read_state_dict(r["path"]).items()), "1")
+
+
+@pytest.mark.parametrize("imitate", [False, True])
+def test_unpaused_bucket_waits_for_running_requests(tiny_model_dir: Path, server_factory: Any, tmp_path: Path,
+                                                    imitate: bool) -> None:
+    """Without a pause a bucket is applied only after the running requests end, which finish on the old
+    weights. SGLang (and the imitation) also waits before it receives, holding up the sender's broadcast;
+    rollout_server by default receives at once, so the learner is never held up by a drain."""
+    e = server_factory(tiny_model_dir, "--admin-api-key", KEY, *(["--imitate-sglang"] if imitate else []))
+    model = perturbed(tiny_model_dir, 1e-3)
+
+    async def main() -> None:
+        c = SGLangClient(e.url, api_key=KEY, timeout_s=120)
+        pusher = WeightPusher(1 << 20, "gloo", timeout_s=60)
+        pusher.plan = bucket_plan(model, pusher.bucket_bytes)
+        try:
+            await open_group(pusher, [c])
+            params = {"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}
+            sent = time.time()
+            gen = asyncio.ensure_future(c._request("POST", "generate", {"input_ids": [5, 6, 7], "sampling_params": params}, 120))
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                _, info, _ = await c._request("GET", "get_server_info", timeout_s=10)
+                if info.get("running_requests", 0) >= 1:
+                    break
+            times: dict[str, float] = {}
+
+            def learner() -> Any:
+                r = pusher.push(model, 1)
+                times["pushed_wall"] = time.time()
+                return r
+
+            lt = asyncio.ensure_future(asyncio.to_thread(learner))
+            rep = await receive_push(c, [b.body() for b in pusher.plan], 1, pause="none", timeout_s=120)
+            _, out, _ = await gen
+            assert (await lt).broadcast and rep.pause_s == 0.0
+            meta = out["meta_info"]
+            versions = ([s["version"] for s in meta["weight_versions"]] if imitate
+                        else [v for v, _ in meta["output_weight_version_spans"]])
+            assert versions == ["default"]  # drained: every token on the old weights
+            if imitate:  # the broadcast ended only after the request (created >= sent) had finished
+                assert times["pushed_wall"] >= sent + meta["e2e_latency"]
+            else:
+                # received at once, applied after the drain: the broadcast ended while the request still ran
+                assert times["pushed_wall"] < sent + meta["e2e_latency"]
+            assert (await digest(c))[1] == "1"
+        finally:
+            pusher.close()
+            await c.close()
+
+    asyncio.run(main())
