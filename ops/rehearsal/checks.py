@@ -125,11 +125,12 @@ def plan_checks(c: Cluster, stamp: str, logs: Path, extra: list[str]) -> dict[st
     said = (r.stdout + r.stderr).strip().splitlines()
     missing_key = {"ok": r.returncode != 0 and any(key in ln for ln in said), "rc": r.returncode,
                    "said": next((ln for ln in said if key in ln), said[-1] if said else "")[:300]}
-    # pdsh hidden on h0 only (a mount in that host's namespace), as on a head node without it.
+    # pdsh hidden for this one launch on h0 (a private mount), as on a head node without it.
     name = f"rehearsal-nopdsh-{stamp}"
     hide = 'mount --bind /dev/null "$(command -v pdsh)" && exec "$@"'
     t0 = time.time()
-    r = c.run("h0", ["sh", "-c", hide, "sh", "ops/launch.sh", CONFIG, f"run.name={name}", *extra], cwd=ROOT, timeout=180)
+    r = c.run("h0", ["unshare", "--mount", "sh", "-c", hide, "sh", "ops/launch.sh", CONFIG, f"run.name={name}", *extra],
+              cwd=ROOT, timeout=180)  # a mount namespace of its own: pdsh stays on h0 for the other stages
     said = (r.stdout + r.stderr).strip().splitlines()
     started = (ROOT / "runs" / name / "logs").exists()
     no_pdsh = {"ok": r.returncode != 0 and not started and any("pdsh" in ln for ln in said), "rc": r.returncode,

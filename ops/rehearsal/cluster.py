@@ -4,9 +4,12 @@ sshd and slurmd; slurmctld on h0 and munged in the root namespace. Everything li
     with Cluster(4) as c:          # up() on enter, down() on exit (also after an exception or Ctrl-C)
         c.run("h0", ["hostname"])  # -> CompletedProcess, run inside h0
 
-Each host's processes start as ``ip netns exec NS unshare --uts --mount sh -c 'hostname hN; mount --bind
-TMP/hosts /etc/hosts; exec CMD'``: a private hostname and an /etc/hosts that names every host (so gloo and
-pdsh resolve h0..hN to bridge addresses, never to 127.0.1.1), nothing changed on the machine itself.
+Each host has an init process started as ``ip netns exec NS unshare --uts --mount --pid --fork --mount-proc``
+that sets the hostname and bind-mounts TMP/hosts on /etc/hosts, and every process of the host enters its
+namespaces (``nsenter -t INIT --net --uts --mount --pid``): a private hostname, an /etc/hosts that names every
+host (so gloo and pdsh resolve h0..hN to bridge addresses, never to 127.0.1.1) and private process ids (a
+``pkill -f`` on one host, as DeepSpeed's pdsh runner sends to every host on a stop, reaches only that
+host's processes, as on separate machines). Nothing is changed on the machine itself.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ NETNS_PREFIX = "vapo-"  # namespace names: vapo-h0, vapo-h1, ...; the hostnames 
 BRIDGE = "vapo-br0"
 LOCK_FILE = "/run/vapo-rehearsal.lock"
 SUBNET = "10.213.7"  # a private /24 used only between namespaces this file creates
-DAEMONS = ("sshd", "slurmd", "slurmctld", "slurmscriptd")  # slurmscriptd: slurmctld's helper
-PACKAGES = {"ip": "iproute2", "sshd": "openssh-server", "ssh": "openssh-client", "ssh-keygen": "openssh-client",
+# A host's daemons and the wrappers that entered its namespaces (slurmscriptd: slurmctld's helper).
+DAEMONS = ("sshd", "slurmd", "slurmctld", "slurmscriptd", "nsenter", "unshare")
+PACKAGES = {"ip": "iproute2", "nsenter": "util-linux", "python3": "python3", "sshd": "openssh-server", "ssh": "openssh-client", "ssh-keygen": "openssh-client",
             "pdsh": "pdsh", "slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "sbatch": "slurm-wlm",
             "munged": "munge", "unshare": "util-linux"}
 
@@ -55,6 +59,18 @@ def reap(own: set[int] = frozenset()) -> int:
             except ChildProcessError:
                 pass
     return n
+
+
+def _zombie_children() -> bool:
+    me = str(os.getpid())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == "Z" and fields[1] == me:
+            return True
+    return False
 
 
 class ClusterUnavailable(RuntimeError):
@@ -96,6 +112,7 @@ class Cluster:
         self.slurm_conf = self.tmp / "slurm" / "slurm.conf"
         self.ssh_config = self.tmp / "ssh" / "config"
         self.daemons: list[subprocess.Popen] = []
+        self.inits: dict[str, int] = {}  # host -> pid (as seen here) of its init
         self._lock_fd = -1
 
     # ------------------------------------------------------------------ running things on a host
@@ -103,10 +120,31 @@ class Cluster:
     def ns(self, host: str) -> str:
         return NETNS_PREFIX + host
 
-    def wrap(self, host: str, argv: list[str]) -> list[str]:
-        """``argv`` run on ``host``: its network namespace, its hostname, the cluster's /etc/hosts."""
-        inner = f"hostname {host} && mount --bind {self.tmp}/hosts /etc/hosts && exec \"$@\""
-        return ["ip", "netns", "exec", self.ns(host), "unshare", "--uts", "--mount", "sh", "-c", inner, "sh", *argv]
+    def wrap(self, host: str, argv: list[str], cwd: str | Path | None = None) -> list[str]:
+        """``argv`` run on ``host`` in ``cwd`` (default: ours): its network, hostname, mount (/etc/hosts) and
+        process-id namespaces. (Entering a mount namespace moves to its root: hence --wd.)"""
+        return ["nsenter", "-t", str(self.inits[host]), "--net", "--uts", "--mount", "--pid",
+                f"--wd={cwd or os.getcwd()}", "--", *argv]
+
+    def _start_init(self, host: str) -> None:
+        """The host's init: the first process of its namespaces (they live as long as it does), reaping
+        whatever is orphaned on the host. Killing every process of the host kills it too."""
+        setup = (f"hostname {host} && mount --bind {self.tmp}/hosts /etc/hosts && exec python3 -c "
+                 "'import os, time\nwhile True:\n    try: os.wait()\n    except ChildProcessError: time.sleep(0.5)'")
+        p = subprocess.Popen(["ip", "netns", "exec", self.ns(host), "unshare", "--uts", "--mount", "--pid", "--fork",
+                              "--mount-proc", "sh", "-c", setup], start_new_session=True)
+        self.daemons.append(p)  # `unshare --fork` waits for the init; reaped with the daemons on down()
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                kids = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
+            except OSError:
+                kids = []
+            if kids and Path(f"/proc/{kids[0]}/comm").read_text().strip() == "python3":
+                self.inits[host] = int(kids[0])
+                return
+            time.sleep(0.05)  # polling for the init to exec, with a deadline
+        raise ClusterUnavailable(f"the init of {host} did not start (unshare --pid --mount-proc)")
 
     def env(self, **extra: str) -> dict[str, str]:
         """The environment of cluster commands: Slurm's conf, and the cluster's ssh config for the launcher's
@@ -118,11 +156,12 @@ class Cluster:
 
     def run(self, host: str, argv: list[str], timeout: float = 60, **kw: Any) -> subprocess.CompletedProcess:
         kw.setdefault("env", self.env())
-        return subprocess.run(self.wrap(host, argv), capture_output=True, text=True, timeout=timeout, **kw)
+        cmd = self.wrap(host, argv, kw.pop("cwd", None))
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
 
     def popen(self, host: str, argv: list[str], **kw: Any) -> subprocess.Popen:
         kw.setdefault("env", self.env())
-        return subprocess.Popen(self.wrap(host, argv), **kw)
+        return subprocess.Popen(self.wrap(host, argv, kw.pop("cwd", None)), **kw)
 
     def pids(self, host: str) -> list[int]:
         r = _sh("ip", "netns", "pids", self.ns(host), check=False)
@@ -136,7 +175,7 @@ class Cluster:
 
     def run_pids(self, host: str) -> list[int]:
         """Processes on ``host`` other than its daemons (sshd, slurmd, slurmctld): what a run left behind."""
-        return [p for p in self.pids(host) if self.comm(p) not in DAEMONS]
+        return [p for p in self.pids(host) if self.comm(p) not in DAEMONS and p != self.inits.get(host)]
 
     def kill_host(self, host: str, sig: int = signal.SIGKILL) -> int:
         """Kill every process in ``host``'s namespace (daemons included): a host that died."""
@@ -172,6 +211,8 @@ class Cluster:
         self._network()
         self._files()
         for h in self.hosts:
+            self._start_init(h)
+        for h in self.hosts:
             self._start(h, ["/usr/sbin/sshd", "-D", "-f", str(self.tmp / "ssh" / f"sshd-{h}.conf"), "-E",
                             str(self.tmp / "logs" / f"sshd-{h}.log")])
         self._start(None, ["munged", "--foreground", "--force", f"--socket={self.tmp}/munge/munge.sock", f"--pid-file={self.tmp}/munge/munged.pid",
@@ -197,6 +238,8 @@ class Cluster:
     def restart_host(self, host: str) -> None:
         """A killed host back up: its sshd and slurmd again (the namespace and its address never left)."""
         self.daemons = [d for d in self.daemons if d.poll() is None]
+        reap({d.pid for d in self.daemons})
+        self._start_init(host)
         self._start(host, ["/usr/sbin/sshd", "-D", "-f", str(self.tmp / "ssh" / f"sshd-{host}.conf"), "-E",
                            str(self.tmp / "logs" / f"sshd-{host}.log")])
         self._start(host, ["slurmd", "-D", "-N", host])
@@ -309,6 +352,9 @@ PartitionName=rehearsal Nodes={','.join(self.hosts)} Default=YES MaxTime=INFINIT
         if self.keep is not None and (self.tmp / "logs").exists():
             shutil.copytree(self.tmp / "logs", self.keep, dirs_exist_ok=True)
         shutil.rmtree(self.tmp, ignore_errors=True)
+        deadline = time.time() + 5
+        while reap() == 0 and time.time() < deadline and _zombie_children():
+            time.sleep(0.1)  # a dead host's init turns zombie once its namespace is torn down
         os.close(self._lock_fd)
         self._lock_fd = -1
         return left
