@@ -16,11 +16,14 @@ Wire (ZeroMQ ROUTER at ``learner.push_addr``, each actor a DEALER; ``common.prot
 
 Disk: the pushed bytes are written as the durable version by ``DurableWriter`` in the background, and the
 ``WeightUpdate`` is published (PUB + REP, ``learner.weights.WeightPublisher``) once that version is on
-disk: actors whose engine missed the push (or restarted) load it from there.
+disk: actors whose engine missed the push (or restarted) load it from there. ``<weights root>/PUSHED``
+records the newest version broadcast, written before its broadcast: a learner resumed behind it numbers
+its next version past it (``learner.runner``), as it does past the newest version on disk.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -39,6 +42,25 @@ from learner.weights import prune
 log = logging.getLogger(__name__)
 
 
+PUSHED = "PUSHED"  # <weights root>/PUSHED: the newest version a push was started for
+
+
+def pushed_version(root: Path) -> int:
+    """The newest version ever broadcast to the engines (-1 if none). The engines may serve it while its
+    durable copy was never completed (a crash behind the push), so a resumed learner must number past it:
+    a version is never reused."""
+    try:
+        return int(json.loads((root / PUSHED).read_text())["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
+def _mark_pushed(root: Path, version: int) -> None:
+    tmp = root / f".{PUSHED}.tmp"
+    tmp.write_text(json.dumps({"version": version}))
+    tmp.replace(root / PUSHED)
+
+
 class PushCoordinator:
     """Membership and pushes (rank 0 holds the socket and the group; every rank calls ``publish``)."""
 
@@ -48,6 +70,7 @@ class PushCoordinator:
         backend = lc.push_backend if lc.push_backend != "auto" else ("nccl" if cfg.run.device == "cuda" else "gloo")
         self.pusher = WeightPusher(lc.bucket_bytes, backend, lc.push_master_address, lc.push_master_port, lc.push_timeout_s)
         self.timeout_s = lc.push_timeout_s
+        self.root = weights_root
         self.ranks_per_engine = cfg.engine.sglang_tp_size if cfg.engine.kind == "sglang" else 1
         self.keep = lc.keep_weights
         self.metrics = metrics
@@ -174,6 +197,8 @@ class PushCoordinator:
             self._drop_silent()
             if self.dirty or (self.pusher.group is None and self.members):
                 self._rebuild()
+            if self.pusher.group is not None:
+                _mark_pushed(self.root, version)  # before any engine can hold it
             for aid in self.group_members if self.pusher.group is not None else []:
                 self._send(aid, protocol.PushVersion(epoch=self.epoch, version=version))
         held: list[Any] = []

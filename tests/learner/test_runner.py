@@ -89,3 +89,31 @@ def test_resume_republishes_the_checkpoint_weights_when_newer_ones_were_publishe
     assert learner.version == 5 and complete_versions(weights)[-1] == 5
     steps = [json.loads(x)["step"] for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 5]  # v4 is a republication, not an update
+
+
+def test_distributed_transport_writes_in_background_and_never_reuses_a_pushed_version(tiny_model_dir: Path,
+                                                                                      tmp_path: Path) -> None:
+    """With learner.weight_transport=distributed and no engine in the group yet, every version still lands
+    on disk (the background durable writer), and a learner resumed behind a version that was broadcast but
+    never made it to disk (a crash between the push and its write) numbers past it."""
+    from learner.weights import complete_versions
+
+    cfg = load_config(None, [f"run.root={tmp_path}", "run.name=r", f"model.path={tiny_model_dir}",
+                             "learner.total_steps=2", "learner.batch_groups=2", "learner.checkpoint_every=2",
+                             "learner.eval_every=0", "learner.keep_weights=10", "metrics.prometheus=false",
+                             "learner.weight_transport=distributed", "learner.push_addr=tcp://127.0.0.1:0",
+                             "learner.publish_addr=tcp://127.0.0.1:0", "learner.query_addr=tcp://127.0.0.1:0"])
+    groups = synth_groups(10, 2, 60, seed=4)
+    learner = Runner(cfg, ListSource(groups)).run()
+    weights = tmp_path / "r" / "weights"
+    assert learner.version == 2 and complete_versions(weights) == [0, 1, 2]
+    text = generate_latest(learner.metrics.registry).decode()
+    assert 'vapo_learner_weight_pushes_total{outcome="no_group"} 3.0' in text
+    assert "vapo_learner_weights_published_total 3.0" in text
+    (weights / "PUSHED").write_text(json.dumps({"version": 3}))  # v3 reached engines; its disk copy did not
+    cfg.learner.total_steps = 5
+    r = Runner(cfg, ListSource(groups))
+    assert r.learner.version == 4  # v2's weights (the checkpoint) republished under a fresh number
+    r.push.close()
+    r.publisher.close()
+    assert complete_versions(weights) == [0, 1, 2, 4]
