@@ -11,8 +11,11 @@ request failed.
   ``actors.sglang_launcher``); ``external``: ``engine.urls[i]``. Those two are waited for, then loaded with
   the newest weights.
 - **Supervision**: our server is restarted when it exits or fails ``engine.health_failures`` ``/health``
-  probes in a row (every ``engine.health_interval_s``, none while the link pauses or updates the engine),
-  at most ``engine.max_restarts`` times, then the worker fails. A remote engine that stops answering is
+  probes in a row (one started every ``engine.health_interval_s``, each with a deadline of
+  ``engine.health_timeout_s``; ``/model_info`` while the link updates the engine's weights, so a sync
+  waiting on a hung engine does not hide it), at most ``engine.max_restarts`` times, then the worker fails.
+  Every request to the engine has a deadline (``_client``), and carries the engine's admin API key
+  (``engine_api_key``). A remote engine that stops answering is
   waited for; one that comes back on older weights (it was restarted) is re-synced. Either counts in
   ``engine_restarts``.
 - **Weight sync** (``actors.weight_sync``): a newer ``WeightUpdate`` is verified (checksum, and with
@@ -116,6 +119,7 @@ class EngineLink:
         self.control = asyncio.Lock()  # weight syncs and engine restarts, one at a time
         self.trouble = asyncio.Event()  # a request failed: the engine may be gone
         self._syncing = False  # a weight sync talks to the engine (health probes use /model_info)
+        self._syncs = 0  # weight syncs started so far
         self._sync_call: asyncio.Task[Any] | None = None  # the sync's request in flight
         # The engine's API key: ours is fresh per worker (passed to the child in its environment, never
         # on its command line), a remote engine's is read from engine.admin_api_key_file.
@@ -286,7 +290,7 @@ class EngineLink:
     async def _probe(self, started: float) -> tuple[float, bool | None, str]:
         """One probe: (its start time, True ok | False failed | None does not count, endpoint)."""
         client = self.client
-        syncing = self._syncing
+        syncing, syncs = self._syncing, self._syncs
         endpoint = "/model_info" if syncing else "/health"
         if client is None or not (self.gate.is_set() or syncing):
             return started, None, endpoint
@@ -298,8 +302,11 @@ class EngineLink:
                 ok = False
         else:
             ok = await client.health(self.cfg.engine.health_timeout_s)
-        if client is not self.client or not ok and not (self.gate.is_set() or self._syncing):
-            return started, None, endpoint  # restarted or paused by us meanwhile: about another state
+        # A /health that failed while this link paused or loaded the engine (SGLang's cannot run then), or
+        # any probe of an engine restarted meanwhile, says nothing about the engine now.
+        overlapped = not syncing and (self._syncing or self._syncs != syncs)
+        if client is not self.client or not ok and (overlapped or not (self.gate.is_set() or self._syncing)):
+            return started, None, endpoint
         return started, ok, endpoint
 
     def _declare_dead(self) -> None:
@@ -388,6 +395,7 @@ class EngineLink:
         # The update's deadline: the engine's own read deadline, plus one probe's worth for the rest.
         load_s = self.cfg.engine.weight_load_timeout_s + self.cfg.engine.health_timeout_s
         self._syncing = True
+        self._syncs += 1
         try:
             if self.a.weight_sync == "abort" and not idle:
                 self.gate.clear()

@@ -4,7 +4,8 @@
 
 The rollout engine of ``engine.kind = rollout_server`` (config section ``engine``): each actor starts one
 (``process.RolloutServerProcess``) and talks to it exactly as it talks to SGLang. Modules:
-``__main__`` (command line, ready line), ``http`` (SGLang-shaped requests and responses), ``scheduler``
+``__main__`` (command line, ready line), ``http`` (SGLang-shaped requests and responses), ``body`` (request
+bodies within limits, error shapes), ``guard`` (admin API key, body census before parsing), ``scheduler``
 (continuous batching on one thread; ``generate_batch`` for in-process generation), ``model_runner``
 (KV-cache prefill/decode of Llama-style HF models), ``sampling`` (parameters, token sampler), ``weights``
 (checkpoint reading and checks for weight updates), ``process`` (a worker's child server).

@@ -3,7 +3,8 @@
 Endpoints and field names follow SGLang (``python/sglang/srt/entrypoints/http_server.py``,
 ``managers/io_struct.py``; shapes recorded in ``tests/actors/fixtures/sglang_api.json``):
 ``POST /generate``, ``POST /update_weights_from_disk``, ``POST /pause_generation``,
-``POST /continue_generation``, ``GET|POST /flush_cache``, ``POST /abort_request``, ``GET /health``,
+``POST /continue_generation``, ``POST /init_weights_update_group``, ``POST /update_weights_from_distributed``,
+``POST /destroy_weights_update_group`` (``dist_update.py``), ``GET|POST /flush_cache``, ``POST /abort_request``, ``GET /health``,
 ``GET /health_generate``, ``GET /ping``, ``GET /model_info`` (and its deprecated name ``/get_model_info``),
 ``GET /get_weight_version``, ``GET /get_server_info`` and ``GET /metrics`` (``vapo_engine_*``). Value errors
 answer 400 ``{"error": {"message"}}``, malformed bodies 400 ``{"object": "error", "message", "type": "Bad
@@ -17,7 +18,8 @@ queue past ``--max-queued-tokens`` is refused (400 if it could never fit, 503 wh
 before any of its sequences exists; text prompts that cannot fit the context are refused before they are
 tokenised. A body must arrive within ``--http-read-timeout-s`` (408) and a connection that completes no
 request within ``--http-idle-timeout-s`` is closed. Checkpoints are read in a thread of their own within
-``--weight-load-timeout-s``.
+``--weight-load-timeout-s``. Request bodies: ``body.py``; the admin API key and the census of a
+``/generate`` body before it is parsed: ``guard.py``.
 
 ``imitate_sglang`` (``--imitate-sglang``): the released SGLang 0.5.23's behaviour where it differs; see the
 package docstring. Deviations from SGLang: see the package docstring.
@@ -31,15 +33,22 @@ import logging
 import os
 import threading
 import time
-import zlib
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from actors.rollout_server.body import (
+    BadRequest,
+    check_text,
+    error_response,
+    errors_middleware,
+    is_int_list,
+    json_body,
+    validation_error,
+    value_error,
+)
+from actors.rollout_server.dist_update import DistributedUpdates
 from actors.rollout_server.guard import admin_auth_middleware, check_generate_body, quiet_protocol_errors
 from actors.rollout_server.sampling import DEFAULT_MAX_N, RequestError, SamplingParams, short_repr
 from actors.rollout_server.scheduler import PAUSE_MODES, Scheduler, SchedulerBusy, Sequence, new_rid
@@ -49,113 +58,10 @@ from common.metrics import Metrics
 log = logging.getLogger("vapo.rollout_server")
 
 HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))  # SGLang's http_server reads the same
-MAX_INT_DIGITS = 30  # no field takes an integer this long; longer ones are parsed as _HugeInt, never int()
 FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
                  "queued. Retract or finish them, then call /flush_cache.")  # SGLang's weight_updater message
 FLUSH_CACHE_TEXT = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
                     "waiting requests, the operation will not be performed.)\n")
-
-
-class BadRequest(Exception):
-    """Request body that does not validate (SGLang: pydantic RequestValidationError)."""
-
-
-class HttpError(Exception):
-    """A request refused before it is parsed: body too large (413), too slow (408), undecodable (400)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class _HugeInt:
-    """An integer literal too long to be any field's value; converting it would cost quadratic time (or hit
-    Python's 4300-digit limit). Field checks see a non-int and name the field."""
-
-    def __init__(self, digits: str) -> None:
-        self.n_digits = len(digits.lstrip("-"))
-
-    def __repr__(self) -> str:
-        return f"<integer of {self.n_digits} digits>"
-
-
-def _parse_int(digits: str) -> int | _HugeInt:
-    return int(digits) if len(digits) <= MAX_INT_DIGITS else _HugeInt(digits)
-
-
-def _error(status: int, message: str) -> web.Response:
-    """SGLang's ErrorResponse shape for HTTPExceptions (type = the status code as a string)."""
-    body = {"object": "error", "message": message, "type": str(status), "param": None, "code": status}
-    return web.json_response(body, status=status)
-
-
-def _validation_error(message: str) -> web.Response:
-    body = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
-    return web.json_response(body, status=400)
-
-
-def _value_error(message: str) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=400)
-
-
-async def _read_body(request: web.Request) -> bytes:
-    """The request body within the size limit (413) and read deadline (408); undecodable
-    Content-Encoding (a bad gzip stream) is a 400."""
-    limit = request.app["max_body_bytes"]
-    if request.content_length is not None and request.content_length > limit:
-        raise HttpError(413, f"request body: {request.content_length} bytes is more than the server accepts "
-                             f"({limit}, --max-body-bytes)")
-    try:
-        return await asyncio.wait_for(request.read(), request.app["read_timeout_s"])
-    except TimeoutError:
-        raise HttpError(408, f"request body: not received within {request.app['read_timeout_s']} s "
-                             "(--http-read-timeout-s)") from None
-    except web.HTTPRequestEntityTooLarge:
-        raise HttpError(413, f"request body: more than the server accepts ({limit} bytes, --max-body-bytes)") from None
-    except (RequestPayloadError, HttpProcessingError, zlib.error, EOFError, OSError, ValueError) as e:
-        raise HttpError(400, f"request body: cannot decode it (Content-Encoding "
-                             f"{request.headers.get('Content-Encoding', 'identity')!r}): {short_repr(str(e), 200)}") from None
-
-
-async def _json_body(request: web.Request, required: bool = True,
-                     check: Callable[[bytes], str | None] | None = None) -> dict[str, Any]:
-    """The body as a JSON object; ``check(raw)`` may refuse it (RequestError) before it is parsed."""
-    raw = await _read_body(request)
-    if check is not None and (why := check(raw)) is not None:
-        raise RequestError(why)
-    if not raw.strip():
-        if required:
-            raise BadRequest("Field required: request body is empty")
-        return {}
-    try:
-        body = json.loads(raw, parse_int=_parse_int)
-    except RecursionError:
-        raise BadRequest("JSON decode error: the body is nested too deeply") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"JSON decode error: {short_repr(str(e), 200)}") from None
-    except ValueError as e:  # e.g. an exponent float past the float range
-        raise BadRequest(f"JSON decode error: {short_repr(str(e), 200)}") from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"Input should be a JSON object, got {type(body).__name__}")
-    return body
-
-
-def _check_text(value: Any, field: str) -> None:
-    """A client string must be valid Unicode: a lone surrogate ("\\ud800") passes json.loads but no
-    tokenizer or encoder accepts it."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise BadRequest(f"{field}: Input should be a valid string (lone surrogate at position "
-                         f"{_first_surrogate(value)})") from None
-
-
-def _first_surrogate(s: str) -> int:
-    return next((i for i, c in enumerate(s) if 0xD800 <= ord(c) <= 0xDFFF), -1)
-
-
-def _is_int_list(x: Any) -> bool:
-    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
 class Server:
@@ -186,6 +92,7 @@ class Server:
         self.tokenizer_path = tokenizer_path
         self.metrics = metrics
         self._update_lock = asyncio.Lock()
+        self.dist_updates = DistributedUpdates(self)
         self.started = time.time()
         # Finished sequences cross from the scheduler thread to the event loop in batches: one wake-up per
         # scheduler step instead of one per sequence.
@@ -223,9 +130,9 @@ class Server:
             if len(ids) > self.max_prompts and not isinstance(ids[0], int):
                 raise RequestError(f"The request has {len(ids)} prompts, more than the server takes in one request "
                                    f"({self.max_prompts}, --max-prompts-per-request).")
-            if _is_int_list(ids):
+            if is_int_list(ids):
                 return [ids], True
-            if all(_is_int_list(x) for x in ids):
+            if all(is_int_list(x) for x in ids):
                 return ids, False
             raise BadRequest("input_ids: Input should be a list of integers or a list of lists of integers")
         if self.tokenizer is None:
@@ -239,7 +146,7 @@ class Server:
             raise BadRequest("text: Input should be a valid string or list of strings")
         limit = self.scheduler.context_length * self.max_token_chars
         for t in texts:
-            _check_text(t, "text")
+            check_text(t, "text")
             if len(t) > limit:
                 raise RequestError(f"text: {len(t)} characters cannot fit the model's context length "
                                    f"({self.scheduler.context_length} tokens).")
@@ -262,7 +169,7 @@ class Server:
 
     async def generate(self, request: web.Request) -> web.Response:
         try:
-            body = await _json_body(request, check=self._census)
+            body = await json_body(request, check=self._census)
             if body.get("stream"):
                 raise RequestError("stream=true is not supported by rollout_server")
             prompts, is_single = await self._prompts(body)
@@ -296,7 +203,7 @@ class Server:
             rid = body.get("rid")
             if isinstance(rid, str) or isinstance(rid, list) and all(isinstance(r, str) for r in rid):
                 for r in [rid] if isinstance(rid, str) else rid:
-                    _check_text(r, "rid")
+                    check_text(r, "rid")
             if rid is None:
                 rids = [new_rid() for _ in range(b)]
             elif isinstance(rid, str):
@@ -311,13 +218,13 @@ class Server:
             self.scheduler.admissible(n * sum(len(ids) + p.max_new_tokens for ids, p in zip(prompts, params, strict=True)))
         except BadRequest as e:
             self.metrics.bad_requests.labels(endpoint="generate").inc()
-            return _validation_error(str(e))
+            return validation_error(str(e))
         except RequestError as e:
             self.metrics.bad_requests.labels(endpoint="generate").inc()
-            return _value_error(str(e))
+            return value_error(str(e))
         except SchedulerBusy as e:
             self.metrics.bad_requests.labels(endpoint="generate").inc()
-            return _error(503, str(e))
+            return error_response(503, str(e))
 
         loop = asyncio.get_running_loop()
         self._loop = loop
@@ -338,7 +245,7 @@ class Server:
         try:
             self.scheduler.submit(seqs)
         except RuntimeError as e:  # SchedulerBusy (a race with another request) or a dead scheduler
-            return _error(503, str(e))
+            return error_response(503, str(e))
         try:
             done = await asyncio.gather(*futures)
         except asyncio.CancelledError:  # client went away: free the slots
@@ -400,16 +307,16 @@ class Server:
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         try:
-            body = await _json_body(request)
+            body = await json_body(request)
             path = body.get("model_path")
             if not isinstance(path, str) or not path:
                 raise BadRequest("model_path: Field required (a non-empty string)")
-            _check_text(path, "model_path")
+            check_text(path, "model_path")
             version = body.get("weight_version")
             if version is not None and not isinstance(version, str | int) or isinstance(version, bool):
                 raise BadRequest("weight_version: Input should be a valid string")
             if isinstance(version, str):
-                _check_text(version, "weight_version")
+                check_text(version, "weight_version")
             abort_all = body.get("abort_all_requests", False)
             if not isinstance(abort_all, bool):
                 raise BadRequest("abort_all_requests: Input should be a valid boolean")
@@ -418,7 +325,7 @@ class Server:
                 raise BadRequest("load_format: Input should be a valid string")
         except BadRequest as e:
             self.metrics.bad_requests.labels(endpoint="update_weights_from_disk").inc()
-            return _validation_error(str(e))
+            return validation_error(str(e))
         version = None if version is None else str(version)
         self._control(request, f"model_path={short_repr(path, 200)}")
         async with self._update_lock:
@@ -472,13 +379,13 @@ class Server:
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         try:
-            body = await _json_body(request, required=False)
+            body = await json_body(request, required=False)
             mode = body.get("mode", "abort")
             if mode not in PAUSE_MODES:
                 raise BadRequest(f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
         except BadRequest as e:
             self.metrics.bad_requests.labels(endpoint="pause_generation").inc()
-            return _validation_error(str(e))
+            return validation_error(str(e))
         self._control(request, f"mode={mode}")
         await asyncio.wrap_future(self.scheduler.pause(mode))
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
@@ -501,9 +408,9 @@ class Server:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         try:
-            body = await _json_body(request)
+            body = await json_body(request)
         except BadRequest as e:
-            return _validation_error(str(e))
+            return validation_error(str(e))
         rid, abort_all = body.get("rid", ""), bool(body.get("abort_all", False))
         self._control(request, "abort_all" if abort_all else f"rid={short_repr(rid, 80)}")
         if abort_all:
@@ -597,7 +504,7 @@ class Server:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def app(self, max_body_bytes: int = 32 << 20, read_timeout_s: float = 60.0) -> web.Application:
-        middlewares: list[Any] = [_errors_middleware]
+        middlewares: list[Any] = [errors_middleware]
         if self.admin_api_key:
             middlewares.append(admin_auth_middleware(
                 self.admin_api_key, lambda r: self._control(r, "no or wrong admin API key", status="unauthorized")))
@@ -611,6 +518,7 @@ class Server:
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
+        self.dist_updates.routes(r)  # /init_weights_update_group, /update_weights_from_distributed, /destroy_...
         r.add_get("/flush_cache", self.flush_cache)
         r.add_post("/flush_cache", self.flush_cache)
         r.add_post("/abort_request", self.abort_request)
@@ -626,23 +534,6 @@ class Server:
         if self.enable_metrics:  # SGLang serves /metrics only with --enable-metrics
             r.add_get("/metrics", self.metrics_endpoint)
         return app
-
-
-@web.middleware
-async def _errors_middleware(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
-    """HttpError -> its status with SGLang's error body; any other exception -> a logged 500 that names it
-    (no traceback to the client), and the server keeps serving."""
-    try:
-        return await handler(request)
-    except HttpError as e:
-        return _error(e.status, str(e))
-    except web.HTTPException:
-        raise
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:
-        log.exception("%s %s failed", request.method, request.path)
-        return _error(500, f"internal error: {type(e).__name__}")
 
 
 def _max_token_chars(tokenizer: Any) -> int:

@@ -213,3 +213,36 @@ def test_client_against_live_rollout_server(server_factory, tiny_model_dir: Path
             assert o.finish_reason == "length" and o.completion_tokens == 5 and o.min_weight_version == "4"
 
     asyncio.run(main())
+
+
+def test_every_request_to_a_stopped_engine_ends_at_its_deadline(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A SIGSTOPped engine accepts connections (the kernel does) and never answers: each call fails at the
+    client's deadline (control calls used to pass timeout=None to aiohttp, which waits for ever)."""
+    import os
+    import signal
+    import time
+
+    from conftest import start_rollout_server
+
+    srv = start_rollout_server(tiny_model_dir, tmp_path, "--weight-version", "0")
+
+    async def main() -> list[float]:
+        took = []
+        async with SGLangClient(srv.url, timeout_s=1.0, control_timeout_s=0.5) as c:
+            calls = [c.pause_generation("abort"), c.continue_generation(), c.flush_cache(),
+                     c.abort_request(abort_all=True), c.model_info(),
+                     c.update_weights_from_disk(str(tiny_model_dir), weight_version=1), c.generate([5, 6], {})]
+            for call in calls:
+                t = time.monotonic()
+                with pytest.raises(SGLangError, match="timed out"):
+                    await asyncio.wait_for(call, 10)
+                took.append(time.monotonic() - t)
+        return took
+
+    os.kill(srv.proc.pid, signal.SIGSTOP)
+    try:
+        took = asyncio.run(main())
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+        srv.stop()
+    assert all(t < 3 for t in took), took
