@@ -83,11 +83,11 @@ class Runner:
                                         self.learner.tokenizer, getattr(self.learner.policy.module, "config", None))
         # Every rank decides alike from the newest published version (rank 0 reads it).
         mine = self.publisher.latest.version if self.publisher is not None and self.publisher.latest else -1
-        published_v = int(all_reduce_sum(torch.tensor([mine if rank() == 0 else 0]))[0])
         if rank() == 0:  # a version pushed to the engines whose disk copy a crash cut short counts as published
             from learner.push_coordinator import pushed_version
 
             mine = max(mine, pushed_version(self.weights_root))
+        published_v = int(all_reduce_sum(torch.tensor([mine if rank() == 0 else 0]))[0])
         if published_v > self.learner.version:
             # Weights were published after the last checkpoint, by updates that are now lost. The actors
             # serve them, so continuing under their number with the checkpoint's weights would make
