@@ -12,12 +12,20 @@ learner recomputes. ``--enable-metrics`` is always passed: without it SGLang has
 non-loopback ``engine.host`` needs ``engine.bind_protection`` (config validation refuses it otherwise).
 The server starts at ``--weight-version 0``; the actor loads the newest published
 weights through ``/update_weights_from_disk`` before it generates.
+
+With ``engine.admin_api_key_file``, SGLang's control endpoints (weight updates, pause, continue, abort,
+flush) require that key (``--admin-api-key``), which the actors send: it reaches SGLang through
+``--config <key file>.sglang.yaml`` (written 0600 next to the key file), never on the command line, which
+every user of the machine can read.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shlex
 import sys
+from pathlib import Path
 
 from common.cli import config_from_argv
 from common.config import Config, ConfigError
@@ -25,7 +33,7 @@ from common.config import Config, ConfigError
 # Flags this module emits, as named in SGLang's ServerArgs (field name -> --kebab-case flag).
 SGLANG_FLAGS_USED = (
     "--model-path", "--host", "--port", "--tp-size", "--mem-fraction-static", "--dtype",
-    "--random-seed", "--weight-version", "--context-length", "--enable-metrics",
+    "--random-seed", "--weight-version", "--context-length", "--enable-metrics", "--config",
 )
 _DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -67,11 +75,29 @@ def sglang_command(cfg: Config, index: int) -> tuple[list[str], dict[str, str]]:
     ]
     if e.context_length > 0:
         argv += ["--context-length", str(e.context_length)]
+    if e.admin_api_key_file:
+        argv += ["--config", str(admin_key_config(e.admin_api_key_file))]
     argv += list(e.sglang_extra_args)
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpu_ids(cfg, index))}
     if e.logprobs == "original":
         env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
     return argv, env
+
+
+def admin_key_config(key_file: str) -> Path:
+    """``<key_file>.sglang.yaml`` (0600): ``admin-api-key: <the key>``, for SGLang's ``--config``."""
+    try:
+        key = Path(key_file).read_text().strip()
+    except OSError as ex:
+        raise ConfigError(f"engine.admin_api_key_file: cannot read {key_file}: {ex}") from ex
+    if not key:
+        raise ConfigError(f"engine.admin_api_key_file: {key_file} is empty")
+    out = Path(f"{key_file}.sglang.yaml")
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"admin-api-key: {json.dumps(key)}\n")  # a JSON string is a YAML string
+    return out
 
 
 USAGE = (f"{__doc__}\nusage: python -m actors.sglang_launcher [config.yaml] [key=value ...]\n"

@@ -118,7 +118,7 @@ class EngineConfig:
     health_timeout_s: float = f(30.0, "one /health probe's deadline; SGLang 0.5.23 runs a one-token generation for /health and gives up after 20 s")
     health_failures: int = f(3, "consecutive failed /health probes after which the engine counts as dead: restarted (rollout_server) or waited for")
     weight_load_timeout_s: float = f(600.0, "rollout_server: reading and checking a checkpoint for /update_weights_from_disk must finish within this; the actor gives an update request this + health_timeout_s")
-    admin_api_key_file: str = f("", "kind=sglang|external: file holding the engines' admin API key (SGLang --admin-api-key, e.g. in its --config YAML), sent as a Bearer token on control requests; rollout_server engines get a fresh key per worker instead")
+    admin_api_key_file: str = f("", "kind=sglang|external: file holding the engines' admin API key (SGLang --admin-api-key; the SGLang engines vapo starts get it through --config <file>.sglang.yaml), sent as a Bearer token on control requests; rollout_server engines get a fresh key per worker instead")
     imitate_sglang: bool = f(False, "rollout_server test mode: behave as real SGLang 0.5.23 (slow /health blocking while paused or loading, 400 after a load whose cache flush is refused, /model_info, meta_info.weight_versions)")
     sglang_mem_fraction_static: float = f(0.8, "sglang: --mem-fraction-static")
     sglang_tp_size: int = f(1, "sglang: --tp-size")

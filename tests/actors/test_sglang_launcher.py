@@ -21,6 +21,8 @@ SGLANG_SERVER_ARGS = {
     "--tp-size", "--random-seed", "--weight-version",
     # SGLang 0.5.23 arg_groups/fields/observability.py: enable_metrics (without it there is no /metrics)
     "--enable-metrics",
+    # SGLang 0.5.23 server_args.py: --config, a YAML of further options (utils/server_args_config_parser.py)
+    "--config",
 }
 SGLANG_DTYPES = {"auto", "half", "float16", "bfloat16", "float", "float32"}
 
@@ -79,3 +81,26 @@ def test_engine_gpus_follow_the_placement() -> None:
     assert sglang_command(cfg, 0)[1]["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
     assert sglang_command(cfg, 1)[1]["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
     assert sglang_command(cfg, 2)[1]["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+
+
+def test_admin_key_reaches_sglang_through_a_private_config_file(tmp_path) -> None:
+    """SGLang takes --admin-api-key; on a command line any local user could read it, so it goes in the YAML
+    of SGLang's --config (0600), which SGLang's parser turns back into the flag."""
+    import json as _json
+    import stat
+
+    import yaml
+
+    key_file = tmp_path / "engine.key"
+    key_file.write_text("s3cret: with a colon\n")
+    cfg = load_config(None, ["engine.kind=sglang", f"engine.admin_api_key_file={key_file}"])
+    argv, _ = sglang_command(cfg, 0)
+    assert "s3cret" not in " ".join(argv)
+    conf = tmp_path / "engine.key.sglang.yaml"
+    assert _flags(argv[3:])["--config"] == str(conf) and "--config" in SGLANG_FLAGS_USED
+    assert stat.S_IMODE(conf.stat().st_mode) == 0o600
+    assert yaml.safe_load(conf.read_text()) == {"admin-api-key": "s3cret: with a colon"}
+    assert _json.loads(conf.read_text().split(": ", 1)[1]) == "s3cret: with a colon"
+    key_file.write_text("")
+    with pytest.raises(ConfigError, match="is empty"):
+        sglang_command(cfg, 0)
