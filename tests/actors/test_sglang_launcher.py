@@ -77,10 +77,11 @@ def test_cli_prints_one_shell_command_per_engine() -> None:
 
 
 def test_engine_gpus_follow_the_placement() -> None:
-    cfg = load_config("ops/configs/paper.yaml")  # engine 0: GPUs 0-3 of host 0; engine 1: GPUs 32-35 = host 4's 0-3
+    # engine 0: GPUs 0-3 of host 0; engine 1: GPUs 52-55 = host 6's 4-7; engine 2: 56-59 = host 7's 0-3
+    cfg = load_config("ops/configs/paper.yaml", ["placement.engine_gpus=0-3,52-63"])
     assert sglang_command(cfg, 0)[1]["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
-    assert sglang_command(cfg, 1)[1]["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
-    assert sglang_command(cfg, 2)[1]["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    assert sglang_command(cfg, 1)[1]["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    assert sglang_command(cfg, 2)[1]["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
 
 
 def test_admin_key_reaches_sglang_through_a_private_config_file(tmp_path) -> None:
