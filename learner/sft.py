@@ -110,8 +110,9 @@ def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float) -> 
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
-def train(cfg: Config, log: Any = print) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
-    """Run the SFT; returns (model, tokenizer, stats). Does not save."""
+def train(cfg: Config, log: Any = print, stop_after: int | None = None) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
+    """Run the SFT; returns (model, tokenizer, stats). Does not save. ``stop_after``: end after that many
+    steps of the ``max_steps`` schedule (a check build: the same learning-rate schedule, cut short)."""
     b = cfg.model.bootstrap
     torch.set_num_threads(b.threads)
     task = get_task(cfg.task)
@@ -144,7 +145,8 @@ def train(cfg: Config, log: Any = print) -> tuple[torch.nn.Module, Any, dict[str
     step = 0
     hit_cap = False
     batches = BatchMaker(tokenizer, task, b.batch_size, b.seed, b.teacher_error_rate, b.length_group)
-    while step < b.max_steps:
+    last = min(b.max_steps, stop_after or b.max_steps)
+    while step < last:
         if time.perf_counter() - t0 >= b.seconds:
             hit_cap = True
             break
@@ -165,7 +167,7 @@ def train(cfg: Config, log: Any = print) -> tuple[torch.nn.Module, Any, dict[str
         step += 1
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         now = time.perf_counter()
-        if now - last_log >= b.log_every_s or step == b.max_steps:
+        if now - last_log >= b.log_every_s or step == last:
             el = now - t0
             log(f"sft: step {step}/{b.max_steps}  loss {ema:.4f}  {step / el:.2f} steps/s  "
                 f"{tokens / el:,.0f} tok/s  {el:.0f}s")
@@ -178,6 +180,7 @@ def train(cfg: Config, log: Any = print) -> tuple[torch.nn.Module, Any, dict[str
         "parameters": n_params,
         "steps": step,
         "max_steps": b.max_steps,
+        "stop_after": stop_after,
         "stopped_by_time_cap": hit_cap,
         "sft_seconds": round(seconds, 2),
         "steps_per_s": round(step / max(seconds, 1e-9), 3),
@@ -206,7 +209,7 @@ def manifest_for(path: str | Path, stats: dict[str, Any], command: str) -> dict[
                    "max_new_tokens": stats.get("max_new_tokens")},
         "built_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine,
-        "sft": {k: stats[k] for k in ("parameters", "steps", "stopped_by_time_cap", "sft_seconds", "steps_per_s",
+        "sft": {k: stats[k] for k in ("parameters", "steps", "stop_after", "stopped_by_time_cap", "sft_seconds", "steps_per_s",
                                       "final_loss_ema", "total_seconds") if k in stats},
         "heldout": {"k": ev.get("k"), f"avg@{ev.get('k')}": ev.get("avg_at_k"), "greedy": ev.get("greedy_accuracy"),
                     "n_prompts": ev.get("n_prompts"),
@@ -223,13 +226,13 @@ def write_manifest(path: str | Path, manifest: dict[str, Any]) -> Path:
     return f
 
 
-def run(cfg: Config, log: Any = print, command: str = "") -> dict[str, Any]:
+def run(cfg: Config, log: Any = print, command: str = "", stop_after: int | None = None) -> dict[str, Any]:
     """Train, evaluate on the held-out split, save to ``cfg.model.path`` with its ``manifest.json``;
     returns the saved stats."""
     from learner.evaluate import evaluate
 
     t_all = time.perf_counter()
-    model, tokenizer, stats = train(cfg, log)
+    model, tokenizer, stats = train(cfg, log, stop_after)
     b = cfg.model.bootstrap
     task = get_task(cfg.task)
     if b.eval_k > 0:
@@ -251,11 +254,11 @@ def run(cfg: Config, log: Any = print, command: str = "") -> dict[str, Any]:
     return stats
 
 
-def record_check(base: Path, built: Path, overrides: list[str]) -> None:
+def record_check(base: Path, built: Path, overrides: list[str], stop_after: int | None = None) -> None:
     """Store the short check build ``built`` (its overrides and held-out figures) in ``base``'s manifest."""
     check = json.loads((built / MANIFEST).read_text())
     m = json.loads((base / MANIFEST).read_text())
-    m["rebuild_check"] = {"overrides": [o for o in overrides if not o.startswith("model.path=")],
+    m["rebuild_check"] = {"overrides": [o for o in overrides if not o.startswith("model.path=")], "stop_after": stop_after,
                           "command": check["command"], "sha256": check["sha256"], "heldout": check["heldout"],
                           "sft": check["sft"], "machine": check["machine"]}
     write_manifest(base, m)
@@ -271,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config", nargs="?", default=None, help="config YAML (default: built-in defaults)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.bootstrap.max_steps=100")
     ap.add_argument("--if-missing", action="store_true", help="do nothing when model.path already holds a model")
+    ap.add_argument("--stop-after", type=int, default=None, metavar="N",
+                    help="end after N steps of the model.bootstrap.max_steps schedule (a shorter check build of a base)")
     ap.add_argument("--record-check", metavar="BASE_DIR", default=None,
                     help="this is a short check build of BASE_DIR (e.g. fewer max_steps): store its command and "
                     "held-out figures as BASE_DIR/manifest.json's rebuild_check, which the rebuild test compares with")
@@ -288,12 +293,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         command = shlex.join(["python", "-m", "learner.sft", *(sys.argv[1:] if argv is None else argv)])
-        stats = run(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True), command=command)
+        stats = run(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True), command=command,
+                    stop_after=args.stop_after)
     except ValueError as e:
         print(f"sft: {e}", file=sys.stderr)
         return 2
     if args.record_check:
-        record_check(Path(args.record_check), Path(cfg.model.path), overrides)
+        record_check(Path(args.record_check), Path(cfg.model.path), overrides, args.stop_after)
     summary = {k: v for k, v in stats.items() if k not in ("task", "bootstrap", "eval")}
     if "eval" in stats:
         ev = stats["eval"]

@@ -114,9 +114,20 @@ def test_sft_writes_a_manifest_that_names_what_built_the_base(tmp_path: Path) ->
     assert m["machine"]["threads"]["bootstrap"] == 1 and m["sft"]["steps"] == 6
     # A shorter check build of the same base is recorded in the base's manifest for the rebuild test.
     check = tmp_path / "check"
-    assert main([*TINY, f"model.path={check}", "model.bootstrap.max_steps=3", "model.bootstrap.eval_k=2",
+    assert main([*TINY, f"model.path={check}", "model.bootstrap.eval_k=2", "--stop-after", "3",
                  f"--record-check={out}"]) == 0
     rc = json.loads((out / "manifest.json").read_text())["rebuild_check"]
-    assert rc["overrides"] == [*TINY, "model.bootstrap.max_steps=3", "model.bootstrap.eval_k=2"]
+    assert rc["overrides"] == [*TINY, "model.bootstrap.eval_k=2"] and rc["stop_after"] == 3
     assert rc["sha256"] == weights_sha256(check) and rc["sft"]["steps"] == 3
     assert json.loads((out / "manifest.json").read_text())["sha256"] == weights_sha256(out)  # the rest unchanged
+
+
+def test_stop_after_cuts_the_same_schedule_short() -> None:
+    cfg = load_config(None, [*TINY, "model.bootstrap.eval_k=0", "model.bootstrap.max_steps=8"])
+    m1, _, s1 = train(cfg, log=lambda _: None, stop_after=3)
+    short = load_config(None, [*TINY, "model.bootstrap.eval_k=0", "model.bootstrap.max_steps=3"])
+    m2, _, s2 = train(short, log=lambda _: None)
+    assert s1["steps"] == s2["steps"] == 3 and s1["max_steps"] == 8 and s1["stop_after"] == 3
+    # Three steps of an 8-step schedule keep a higher learning rate at step 3 than a 3-step schedule.
+    w = "model.embed_tokens.weight"
+    assert not torch.equal(m1.state_dict()[w], m2.state_dict()[w])
