@@ -132,9 +132,12 @@ class PushMember:
     async def _join(self, sock: Any, msg: Any) -> None:
         from common import protocol
 
-        self.group = None
+        old, self.group = self.group, None
         client = self.link.client
         ok, text = True, ""
+        if old is not None:  # a rebuilt group has a new name: free the old one's connections on the engine
+            with contextlib.suppress(SGLangError):
+                await client.destroy_weights_update_group(old.group_name)
         try:
             await join_group(client, msg.to_wire(), timeout_s=None)
             self.group = msg

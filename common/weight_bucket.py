@@ -12,10 +12,10 @@ both sides agree byte for byte on what one ``/update_weights_from_distributed`` 
   dtype's size, so ``plan_buckets`` starts a new bucket rather than misalign one.
 - **Dtype names** are ``torch`` attribute names (``"bfloat16"``, ``"float32"``): SGLang resolves them with
   ``getattr(torch, dtype)``.
-- **Group** (``new_group``): SGLang's ``init_custom_process_group`` over ``tcp://master_address:master_port``;
-  rank 0 (the learner) hosts the TCP store, engine ``i``'s ranks are ``rank_offset + tp_rank``. Built here
-  directly from a ``TCPStore`` and a gloo (CPU) or NCCL (CUDA) process group, so that it never touches
-  ``torch.distributed``'s default group (the learner's DeepSpeed group, or none in an engine). Every
+- **Group** (``new_group``): SGLang's ``init_custom_process_group`` over ``tcp://master_address:master_port``,
+  built the same way (store prefixes, registration); rank 0 (the learner) hosts the TCP store, engine
+  ``i``'s ranks are ``rank_offset + tp_rank``; gloo (CPU) or NCCL (CUDA). It is not ``torch.distributed``'s
+  default group (the learner's DeepSpeed group, or none in an engine) and needs none. Every
   collective on it waits at most ``timeout_s``: a dead or hung member costs the others a bounded wait.
 """
 
@@ -167,9 +167,9 @@ class Group:
 
     def close(self) -> None:
         pg, self.pg, self.store = self.pg, None, None
-        if pg is not None and hasattr(pg, "shutdown"):
+        if pg is not None:
             try:
-                pg.shutdown()
+                torch.distributed.destroy_process_group(pg)  # closes its connections, frees its name
             except Exception:  # a group whose peer died may refuse an orderly shutdown
                 pass
 
@@ -185,20 +185,22 @@ def new_group(backend: str, master_address: str, master_port: int, rank: int, wo
               group_name: str = DEFAULT_GROUP, timeout_s: float = 60.0, store: Any = None) -> Group:
     """Join the group (blocks until all ``world_size`` members have joined, or raises after ``timeout_s``).
 
-    Rank 0 passes the store from ``master_store``; the others connect to ``master_address:master_port``."""
+    Built as SGLang's ``init_custom_process_group`` builds it (a ``PrefixStore(group_name)`` over the TCP
+    store, torch's ``_new_process_group_helper``, the group's ranks registered), so that its store keys and
+    connections match a real SGLang engine's. Rank 0 passes the store from ``master_store``; the others
+    connect to ``master_address:master_port``. A name is registered once per process: a rebuilt group takes
+    a new name, and ``Group.close`` unregisters the old one."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend {backend!r}: gloo | nccl")
     td = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = torch.distributed.TCPStore(master_address, master_port, world_size, rank == 0, td,
                                            wait_for_workers=False)
-    prefixed = torch.distributed.PrefixStore(f"{group_name}/", store)
-    if backend == "gloo":
-        pg = torch.distributed.ProcessGroupGloo(prefixed, rank, world_size, td)
-    elif backend == "nccl":
-        opts = torch.distributed.ProcessGroupNCCL.Options()
-        opts._timeout = td
-        pg = torch.distributed.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-    else:
-        raise ValueError(f"backend {backend!r}: gloo | nccl")
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                      group_name=group_name, backend_options=None, timeout=td)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return Group(pg, store, rank, world_size, group_name, timeout_s)
 
 

@@ -121,16 +121,22 @@ class WeightPusher:
         self._store: Any = None
         self.world_size = 0
         self.plan: list[BucketMeta] | None = None
+        self.opened = 0
+        self.current_name = group_name
 
     def open_group(self, n_engines: int, ranks_per_engine: int = 1) -> list[dict[str, Any]]:
         """Listen for a new group of ``n_engines`` engines of ``ranks_per_engine`` ranks each (SGLang's
         tensor-parallel size: engine ``i``'s ranks are ``rank_offset + tp_rank``); any old group is closed.
         Returns each engine's ``/init_weights_update_group`` body, in engine order."""
         self.close()
+        self.opened += 1
+        # A fresh name per group: torch registers a group's name once per process (SGLang's engines too,
+        # which would refuse a second group under the old name).
+        self.current_name = f"{self.group_name}_{self.opened}"
         self.world_size = 1 + n_engines * ranks_per_engine
         self._store = master_store(self.master_address, self.master_port, self.world_size, self.timeout_s)
         return [{"master_address": self.master_address, "master_port": int(self._store.port),
-                 "rank_offset": 1 + i * ranks_per_engine, "world_size": self.world_size, "group_name": self.group_name,
+                 "rank_offset": 1 + i * ranks_per_engine, "world_size": self.world_size, "group_name": self.current_name,
                  "backend": self.backend} for i in range(n_engines)]
 
     def join(self) -> None:
@@ -140,7 +146,7 @@ class WeightPusher:
             raise RuntimeError("join before open_group")
         try:
             self.group = new_group(self.backend, self.master_address, int(self._store.port), 0, self.world_size,
-                                   self.group_name, self.timeout_s, store=self._store)
+                                   self.current_name, self.timeout_s, store=self._store)
         except Exception:
             self.close()
             raise

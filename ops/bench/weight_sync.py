@@ -101,8 +101,8 @@ async def push_version(pusher: WeightPusher, model: torch.nn.Module, version: in
         return res
 
     t = asyncio.ensure_future(asyncio.to_thread(learner))
-    reports = await asyncio.gather(*(receive_push(c, plan, version, pause=pause) for c in clients),
-                                   return_exceptions=True)
+    reports = await asyncio.gather(*(receive_push(c, plan, version, pause=pause, group_name=pusher.current_name)
+                                     for c in clients), return_exceptions=True)
     return await t, list(reports)
 
 

@@ -56,8 +56,8 @@ async def push(pusher: WeightPusher, model: torch.nn.Module, version: int, clien
 
     t = asyncio.ensure_future(asyncio.to_thread(learner))
     plan = [b.body() for b in pusher.plan or []]
-    reps = await asyncio.gather(*(receive_push(c, plan, version, pause=pause, timeout_s=60) for c in clients),
-                                return_exceptions=True)
+    reps = await asyncio.gather(*(receive_push(c, plan, version, pause=pause, group_name=pusher.current_name,
+                                               timeout_s=60) for c in clients), return_exceptions=True)
     return await t, reps
 
 
@@ -122,10 +122,11 @@ def test_engine_killed_mid_broadcast(tiny_model_dir: Path, server_factory: Any, 
             lt = asyncio.ensure_future(asyncio.to_thread(learner))
 
             async def dying() -> None:
-                await cb.update_weights_from_distributed(**plan[0], flush_cache=False, timeout_s=60)
+                await cb.update_weights_from_distributed(**plan[0], flush_cache=False, group_name=pusher.current_name,
+                                                         timeout_s=60)
                 b.proc.kill()  # mid-broadcast: the other buckets never reach it
 
-            ra = asyncio.ensure_future(receive_push(ca, plan, 1, timeout_s=60))
+            ra = asyncio.ensure_future(receive_push(ca, plan, 1, group_name=pusher.current_name, timeout_s=60))
             await dying()
             res = await lt
             assert not res.broadcast and res.error
@@ -257,7 +258,7 @@ if rank() == 0:
     async def engine_side():
         c = SGLangClient(url, api_key=key, timeout_s=120)
         await join_group(c, body, timeout_s=120)
-        await receive_push(c, plan, 1, timeout_s=120)
+        await receive_push(c, plan, 1, group_name=body["group_name"], timeout_s=120)
         await c.close()
 
     engine = threading.Thread(target=asyncio.run, args=(engine_side(),))
@@ -337,7 +338,8 @@ def test_unpaused_bucket_waits_for_running_requests(tiny_model_dir: Path, server
                 return r
 
             lt = asyncio.ensure_future(asyncio.to_thread(learner))
-            rep = await receive_push(c, [b.body() for b in pusher.plan], 1, pause="none", timeout_s=120)
+            rep = await receive_push(c, [b.body() for b in pusher.plan], 1, pause="none",
+                                     group_name=pusher.current_name, timeout_s=120)
             _, out, _ = await gen
             assert (await lt).broadcast and rep.pause_s == 0.0
             meta = out["meta_info"]
