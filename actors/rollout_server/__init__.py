@@ -8,7 +8,8 @@ The rollout engine of ``engine.kind = rollout_server`` (config section ``engine`
 bodies within limits, error shapes), ``guard`` (admin API key, body census before parsing), ``scheduler``
 (continuous batching on one thread; ``generate_batch`` for in-process generation), ``model_runner``
 (KV-cache prefill/decode of Llama-style HF models), ``sampling`` (parameters, token sampler), ``weights``
-(checkpoint reading and checks for weight updates), ``process`` (a worker's child server).
+(checkpoint reading and checks for weight updates), ``dist_update`` (SGLang's weight-update group and
+``/update_weights_from_distributed`` over gloo), ``process`` (a worker's child server).
 
 ``--imitate-sglang`` (test mode, ``engine.imitate_sglang``): behave as the released SGLang 0.5.23 does where
 it differs: ``/health`` is ``/health_generate`` (a one-token generation polled once a second, 503 after
@@ -27,5 +28,8 @@ Deviations from SGLang, on purpose:
   which weights produced each output token, so a request that straddled an in-place weight update can be
   stamped with the oldest version;
   ``meta_info.weight_version`` keeps SGLang's meaning (the version served when the response was built).
+- ``/init_weights_update_group`` takes ``backend`` ``nccl`` as gloo (a CPU engine); outside the imitation a
+  bucket posted while generation runs is received at once and applied once the running requests end
+  (SGLang waits before it receives); ``GET /weights_digest`` (extension) hashes the served parameters.
 - No streaming, no stop strings, no penalties, no prefix cache; those requests get a 400.
 """
