@@ -31,7 +31,6 @@ import os
 import secrets
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
