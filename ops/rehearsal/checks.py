@@ -188,13 +188,16 @@ def kill_host(c: Cluster, stamp: str, logs: Path, extra: list[str], victim: str 
     c.restart_host(victim)
     resumed = finish(launch(c, name, over, logs, resume=True), RUN_TIMEOUT_S)
     total = _total_steps(resumed)
+    # The resumed learner's last checkpoint: it ends at total_steps as a version, which may come from
+    # republishing the checkpoint's weights past versions the killed run had published (not as a step).
+    final = max((int(p.name[1:]) for p in (run.dir / "checkpoints").glob("v[0-9]*")), default=0)
     lost = before["accepted_groups"] - after["accepted_groups"]
     return {"check_kill_host": {
         "ok": run.rc not in (0, None) and stop_s <= STOP_BOUND_S and not any(left.values()) and lost <= 0
-        and resumed.rc == 0 and resumed.steps() >= total,
+        and resumed.rc == 0 and final >= total,
         "host": victim, "stopped_after_s": stop_s, "bound_s": STOP_BOUND_S, "launcher_rc": run.rc,
         "procs_left_after_stop": sum(len(v) for v in left.values()), "left_after_stop": left, "acked_groups_at_kill": before["accepted_groups"],
-        "stored_groups_after_stop": after["accepted_groups"], "resume_rc": resumed.rc, "resume_steps": resumed.steps(),
+        "stored_groups_after_stop": after["accepted_groups"], "resume_rc": resumed.rc, "resume_final_version": final,
         "total_steps": total, "run": name},
         "procs_left": leftovers(c)}
 
