@@ -170,6 +170,12 @@ class WeightPusher:
             res.seconds["gather"] += now - t
             t = now
             if buf is None:
+                if rank() == 0 and self.group is not None:  # a non-finite weight: the engines stop at once
+                    res.broadcast, res.error = False, "non-finite weights"
+                    # gloo closes a group's connections only once nothing refers to it, a pending work
+                    # included (and the ValueError below keeps this frame alive)
+                    pending = None
+                    self.close()
                 continue
             res.bytes += buf.numel()
             if res.broadcast:

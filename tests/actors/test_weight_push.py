@@ -357,3 +357,34 @@ def test_unpaused_bucket_waits_for_running_requests(tiny_model_dir: Path, server
             await c.close()
 
     asyncio.run(main())
+
+
+def test_non_finite_weights_are_never_pushed(tiny_model_dir: Path, server_factory: Any, tmp_path: Path) -> None:
+    """A NaN in the policy refuses the version on the learner (before its bucket leaves the device): the
+    engine's pending bucket fails at once instead of waiting out its group, and it keeps its weights."""
+    e = server_factory(tiny_model_dir, "--admin-api-key", KEY)
+    model = perturbed(tiny_model_dir, 1e-3)
+    with torch.no_grad():
+        list(model.parameters())[-1].view(-1)[0] = float("nan")
+
+    async def main() -> None:
+        c = SGLangClient(e.url, api_key=KEY, timeout_s=120)
+        pusher = WeightPusher(4096, "gloo", timeout_s=60)
+        pusher.plan = bucket_plan(model, pusher.bucket_bytes)
+        try:
+            before = await digest(c)
+            await open_group(pusher, [c])
+            t0 = time.monotonic()
+            lt = asyncio.ensure_future(asyncio.to_thread(pusher.push, model, 1))
+            with pytest.raises(SGLangError):
+                await receive_push(c, [b.body() for b in pusher.plan], 1, group_name=pusher.current_name, timeout_s=120)
+            with pytest.raises(ValueError, match="NaN or Inf"):
+                await lt
+            assert time.monotonic() - t0 < 30  # not the group's timeout
+            await c.continue_generation()
+            assert (await digest(c))[1] == before[1]  # the version did not move
+        finally:
+            pusher.close()
+            await c.close()
+
+    asyncio.run(main())
