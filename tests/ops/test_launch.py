@@ -123,6 +123,13 @@ def test_smoke_run_completes_and_writes_the_run_dir(smoke_run) -> None:
         assert expected in pngs
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] >= 3
+    # What produced the run: the learner's header first, copied into the summary with the base's checksum.
+    from common.checksum import weights_sha256
+    from common.config import load_config
+
+    assert records[0]["kind"] == "header" and summary["provenance"]["commit"] == records[0]["commit"]
+    base = load_config(ROOT / "ops/configs/smoke.yaml").model.path
+    assert summary["provenance"]["base"]["sha256"] == weights_sha256(ROOT / base)
     assert "held-out accuracy" in smoke_run["out"]
 
 
