@@ -19,7 +19,9 @@ weight-update group; the durable disk version is written from the same bytes in 
   is written (``common.checksum.weights_sha256``'s digest, without reading anything back), then the
   ``STABLE`` marker (with each file's size and ``finite: true``: actors then verify sizes instead of
   re-reading the version, ``actors.weight_sync.verify_update``) and the rename, as
-  ``learner.weights.write_version``; ``on_done(WeightUpdate)`` announces it. Rank 0 holds the version's host copy until it is written (the model's size in host memory).
+  ``learner.weights.write_version``; ``on_done(WeightUpdate)`` announces it. Rank 0 holds each version's
+  host copy until it is written, at most two versions (a learner that publishes faster than its disk
+  writes then waits for the writer).
 """
 
 from __future__ import annotations
@@ -214,8 +216,12 @@ class DurableWriter:
     """Writes pushed versions to disk in a background thread (one at a time, in order), hashing as it
     writes; ``on_done`` gets each version's ``WeightUpdate`` (or is not called when writing failed)."""
 
-    def __init__(self, root: Path, on_done: Callable[[protocol.WeightUpdate], None], extra_files: Callable[[Path], None] | None = None) -> None:
+    def __init__(self, root: Path, on_done: Callable[[protocol.WeightUpdate], None],
+                 extra_files: Callable[[Path], None] | None = None, max_pending: int = 2) -> None:
         self.root, self.on_done, self.extra_files = root, on_done, extra_files
+        # Each pending version is a whole host copy of the model: a learner that publishes faster than the
+        # disk writes waits here (back-pressure) instead of filling host memory.
+        self._slots = threading.Semaphore(max_pending)
         self._q: queue.Queue[tuple[int, list[tuple[BucketMeta, Tensor]]] | threading.Event] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="weight-writer", daemon=True)
         self._thread.start()
@@ -223,6 +229,7 @@ class DurableWriter:
         self.seconds: dict[int, float] = {}
 
     def submit(self, version: int, buckets: list[tuple[BucketMeta, Tensor]]) -> None:
+        self._slots.acquire()
         self._q.put((version, buckets))
 
     def wait(self, timeout_s: float | None = None) -> bool:
@@ -250,6 +257,7 @@ class DurableWriter:
                 continue
             finally:
                 buckets.clear()
+                self._slots.release()
             self.seconds[version] = time.perf_counter() - t0
             self.on_done(update)
 
