@@ -227,9 +227,10 @@ class LearnerConfig:
     resume: str = f("auto", "auto (newest complete checkpoint) | never | <checkpoint path>")
     eval_every: int = f(10, "held-out evaluation every N steps (0 = off)")
     eval_k: int = f(8, "samples per held-out prompt for avg@k")
-    eval_via: str = f("auto", "held-out evaluation runs: local (in the learner process; one rank only) | engine (on a rollout engine, once it serves the published weights) | auto (local for a one-process CPU learner, else engine)")
-    eval_engine_url: str = f("", "eval_via=engine: the engine's base URL (empty = engine 0: engine.urls[0], or engine.host:engine.base_port)")
-    eval_timeout_s: float = f(3600.0, "eval_via=engine: longest an evaluation may take, waiting for the engine to serve the weights included; past it the step logs the failure and training goes on")
+    eval_via: str = f("auto", "held-out evaluation runs: local (in the learner process, between steps; one rank only) | engine (on rollout engines once they serve the published weights, in a background thread of rank 0 while training goes on) | auto (local for a one-process CPU learner, else engine)")
+    eval_engine_url: str = f("", "eval_via=engine: one engine's base URL (empty: see eval_engine_urls)")
+    eval_engine_urls: list[str] = f([], "eval_via=engine: engines the held-out prompts are dealt to, round-robin (empty = eval_engine_url alone if set, else engine.urls for external engines, else every engine of a one-host run, else engine 0)")
+    eval_timeout_s: float = f(0.0, "eval_via=engine: longest one evaluation may take (0 = no overall limit: each request gets the actors' generate timeout, each engine engine.weight_load_timeout_s + engine.health_timeout_s to serve the weights); a failed evaluation is recorded and training goes on")
     batch_timeout_s: float = f(600.0, "seconds to wait for a batch before failing")
     dist_timeout_s: float = f(1800.0, "torch.distributed timeout of a multi-rank learner: a rank silent this long (lost host, hung peer) fails the run; rank 0's long waits (batch, evaluation) do not count, the other ranks hear from it every min(30 s, a quarter of this)")
     metrics_port: int = f(9100, "learner /metrics port")
@@ -349,11 +350,11 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "engine.bind_protection": ("", "firewall", "private_network", "auth_proxy"),
     "metrics.bind_protection": ("", "firewall", "private_network", "auth_proxy"),
     "actors.weight_sync": ("wait", "abort"),
-    "learner.precision": ("fp32", "bf16", "fp16"),
-    "learner.off_policy": ("behaviour", "decoupled", "rollout_correction"),
     "actors.push_pause": ("in_place", "retract", "abort", "none"),
     "learner.weight_transport": ("disk", "distributed"),
     "learner.push_backend": ("auto", "gloo", "nccl"),
+    "learner.precision": ("fp32", "bf16", "fp16"),
+    "learner.off_policy": ("behaviour", "decoupled", "rollout_correction"),
     "learner.rollout_correction_level": ("token", "sequence"),
     "algo.truncated": ("keep", "mask", "zero_reward"),
     "algo.actor_values": ("post_update", "pre_update"),

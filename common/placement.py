@@ -239,7 +239,8 @@ def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, roo
     b.procs.append(Proc("buffer", "buffer", pl.hosts[0], [py, "-m", "buffer", b.cfgf], dict(b.base_env), (), 3))
     b.procs.append(_learner(b, ranks))
     _engines_and_actors(b, eg)
-    if cfg.learner.eval_every > 0 and not cfg.learner.eval_engine_url and cfg.engine.kind != "external":
+    if (cfg.learner.eval_every > 0 and not cfg.learner.eval_engine_url and not cfg.learner.eval_engine_urls
+            and cfg.engine.kind != "external"):
         engine0 = next((p for p in b.procs if p.name in ("engine-0", "actor-0")), None)
         if engine0 is not None and engine0.host != pl.hosts[0]:
             raise ConfigError(f"learner.eval_engine_url: held-out evaluation runs on a rollout engine, and engine 0 is on "

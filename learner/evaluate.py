@@ -29,6 +29,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -196,15 +197,15 @@ def evaluate(
     return report
 
 
-def eval_target(cfg: Any, world: int) -> tuple[str, str]:
-    """(``local`` | ``engine``, engine URL) for ``learner.eval_via`` with ``world`` learner ranks.
+def eval_target(cfg: Any, world: int) -> tuple[str, list[str]]:
+    """(``local`` | ``engine``, engine URLs) for ``learner.eval_via`` with ``world`` learner ranks.
 
     Generating through the training model is right only for one process: under ZeRO-3 every forward is a
     collective that all ranks must join, so a rank-0-only evaluation would hang the others (and a gathered
     copy of a large policy does not fit one rank). Anything else evaluates on a rollout engine."""
     from common.config import ConfigError
 
-    lc, e = cfg.learner, cfg.engine
+    lc = cfg.learner
     mode = lc.eval_via
     if mode == "auto":
         mode = "local" if world == 1 and cfg.run.device == "cpu" else "engine"
@@ -212,26 +213,60 @@ def eval_target(cfg: Any, world: int) -> tuple[str, str]:
         if world > 1:
             raise ConfigError(f"learner.eval_via=local: the learner has {world} ranks; in-process evaluation needs one "
                               "(use engine or auto)")
-        return "local", ""
-    url = lc.eval_engine_url or (e.urls[0] if e.kind == "external" and e.urls else "")
-    if not url:
-        if e.base_port <= 0:
-            raise ConfigError("learner.eval_engine_url: evaluating on an engine needs its URL; engine.base_port=0 gives "
-                              "engines random ports (set engine.base_port or learner.eval_engine_url)")
-        url = f"http://{e.host}:{e.base_port}"
-    return "engine", url.rstrip("/")
+        return "local", []
+    return "engine", eval_engine_urls(cfg)
+
+
+def eval_engine_urls(cfg: Any) -> list[str]:
+    """The engines an engine evaluation is spread over: ``learner.eval_engine_urls``, else
+    ``learner.eval_engine_url`` alone, else every external engine (``engine.urls``), else every engine of a
+    one-host run (engine i at ``engine.host:engine.base_port + i``), else engine 0 (the only one a loopback
+    engine on another host would leave reachable from learner rank 0)."""
+    from common.config import ConfigError
+    from common.placement import engine_tp, parse_gpus
+
+    lc, e = cfg.learner, cfg.engine
+    if lc.eval_engine_urls:
+        return [u.rstrip("/") for u in lc.eval_engine_urls]
+    if lc.eval_engine_url:
+        return [lc.eval_engine_url.rstrip("/")]
+    if e.kind == "external" and e.urls:
+        return [u.rstrip("/") for u in e.urls]
+    if e.base_port <= 0:
+        raise ConfigError("learner.eval_engine_url: evaluating on an engine needs its URL; engine.base_port=0 gives "
+                          "engines random ports (set engine.base_port or learner.eval_engine_urls)")
+    n = cfg.actors.num_actors
+    if cfg.run.device == "cuda" and cfg.placement.engine_gpus:
+        n = len(parse_gpus(cfg.placement.engine_gpus, "placement.engine_gpus")) // engine_tp(cfg)
+    if len(cfg.placement.hosts) > 1:
+        n = 1
+    return [f"http://{e.host}:{e.base_port + i}" for i in range(max(n, 1))]
 
 
 class EngineEvalError(RuntimeError):
     """The engine did not serve the requested weights, or failed while generating, within the deadline."""
 
 
-async def _engine_generate(url: str, ids: Sequence[Sequence[int]], k: int, max_new_tokens: int, temperature: float,
-                           version: int, timeout_s: float, concurrency: int) -> tuple[list[list[list[int]]], list[list[int]], str]:
+@dataclass
+class _Shard:
+    """One engine's part of an engine evaluation and what came back."""
+
+    url: str
+    ids: list[Sequence[int]]
+    sampled: list[list[list[int]]] = field(default_factory=list)
+    greedy: list[list[int]] = field(default_factory=list)
+    served: str = ""
+    versions: list[int] = field(default_factory=list)  # weight versions of the outputs (oldest token's, newest)
+
+
+async def _engine_generate(shard: _Shard, k: int, max_new_tokens: int, temperature: float, version: int,
+                           timeout_s: float, concurrency: int, request_timeout_s: float, version_wait_s: float) -> None:
     from actors.sglang_client import SGLangClient, SGLangError, as_int
 
+    url, ids = shard.url, shard.ids
     deadline = time.monotonic() + timeout_s
-    async with SGLangClient(url, timeout_s=timeout_s) as client:
+    wait_deadline = min(deadline, time.monotonic() + version_wait_s)
+    async with SGLangClient(url, timeout_s=min(timeout_s, request_timeout_s)) as client:
         # The engine's actor loads each published version; evaluate only once it serves ``version``.
         served: str | None = None
         delay = 0.05
@@ -243,8 +278,9 @@ async def _engine_generate(url: str, ids: Sequence[Sequence[int]], k: int, max_n
             v = as_int(served)
             if v is not None and v >= version:
                 break
-            if time.monotonic() > deadline:
-                raise EngineEvalError(f"{url} still serves weight version {served!r}, not {version}, after {timeout_s:.0f} s")
+            if time.monotonic() > wait_deadline:
+                raise EngineEvalError(f"{url} still serves weight version {served!r}, not {version}, after "
+                                      f"{min(timeout_s, version_wait_s):.0f} s")
             await asyncio.sleep(delay)  # polling the engine's state with a deadline
             delay = min(delay * 2, 2.0)
         gate = asyncio.Semaphore(max(1, concurrency))
@@ -257,7 +293,10 @@ async def _engine_generate(url: str, ids: Sequence[Sequence[int]], k: int, max_n
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise EngineEvalError(f"evaluation on {url} did not finish within {timeout_s:.0f} s")
-                outs = await client.generate(list(p), sp, return_logprob=False, timeout_s=left)
+                outs = await client.generate(list(p), sp, return_logprob=False, timeout_s=min(left, request_timeout_s))
+            for o in outs:
+                lo, hi = o.weight_version_int, as_int(o.weight_version)
+                shard.versions += [v for v in (lo, hi) if v is not None]
             return [o.output_ids for o in outs]
 
         try:
@@ -265,38 +304,68 @@ async def _engine_generate(url: str, ids: Sequence[Sequence[int]], k: int, max_n
             greedy = await asyncio.gather(*(one(p, 1, 0.0) for p in ids))
         except SGLangError as e:
             raise EngineEvalError(f"evaluation on {url}: {e}") from e
-    return list(sampled), [g[0] for g in greedy], str(served)
+    shard.sampled, shard.greedy, shard.served = list(sampled), [g[0] for g in greedy], str(served)
 
 
-def evaluate_on_engine(
-    url: str,
+async def _generate_sharded(shards: list[_Shard], **kw: Any) -> None:
+    await asyncio.gather(*(_engine_generate(sh, **kw) for sh in shards))
+
+
+def evaluate_on_engines(
+    urls: Sequence[str],
     tokenizer: Any,
     task: Task,
     version: int,
     k: int = 8,
     max_new_tokens: int = 96,
     temperature: float = 1.0,
-    timeout_s: float = 3600.0,
+    timeout_s: float = 0.0,
     concurrency: int = 64,
     prompts: Sequence[Prompt] | None = None,
+    request_timeout_s: float = 0.0,
+    version_wait_s: float = 0.0,
 ) -> dict[str, Any]:
-    """The same report as :func:`evaluate`, generated by a rollout engine (SGLang's native API) once it
+    """The same report as :func:`evaluate`, generated by rollout engines (SGLang's native API) once each
     serves weight ``version`` or newer: how a sharded (ZeRO-3) or multi-rank learner evaluates, since
-    generating through its training model would need every rank in every forward. ``k`` samples per
-    prompt in one request (``n = k``) plus a greedy one; responses end at the engine's EOS."""
+    generating through its training model would need every rank in every forward. The prompts are dealt
+    round-robin to ``urls`` and generated on all of them at once; ``k`` samples per prompt in one request
+    (``n = k``) plus a greedy one; responses end at the engine's EOS.
+
+    Limits (0 = none): ``timeout_s`` for the whole evaluation, ``request_timeout_s`` for one request (a size-
+    derived bound: the caller passes the actors' generate timeout), ``version_wait_s`` for an engine to
+    serve ``version``. ``weight_versions_evaluated`` = [oldest, newest] weight version of the outputs: an
+    engine may move to newer weights during an evaluation that runs beside training."""
     if k < 1:
-        raise ValueError(f"evaluate_on_engine: k must be >= 1, got {k}")
+        raise ValueError(f"evaluate_on_engines: k must be >= 1, got {k}")
+    if not urls:
+        raise ValueError("evaluate_on_engines: no engine URLs")
     t0 = time.perf_counter()
     prompts = list(task.eval_prompts() if prompts is None else prompts)
     ids = [encode_prompt(tokenizer, p) for p in prompts]
-    sampled, greedy, served = asyncio.run(_engine_generate(url, ids, k, max_new_tokens, temperature, version,
-                                                           timeout_s, concurrency))
+    shards = [_Shard(u, ids[i::len(urls)]) for i, u in enumerate(urls)]
+    shards = [sh for sh in shards if sh.ids]
+    none = 1e9  # "no limit" in seconds that aiohttp's deadline arithmetic accepts (it cannot take inf)
+    asyncio.run(_generate_sharded(shards, k=k, max_new_tokens=max_new_tokens, temperature=temperature,
+                                  version=version, timeout_s=timeout_s or none, concurrency=concurrency,
+                                  request_timeout_s=request_timeout_s or none, version_wait_s=version_wait_s or none))
+    n = len(urls)
+    sampled = [shards[i % n].sampled[i // n] for i in range(len(ids))]
+    greedy = [shards[i % n].greedy[i // n] for i in range(len(ids))]
     report = score(task, tokenizer, prompts, sampled, greedy, [tokenizer.eos_token_id])
+    versions = [v for sh in shards for v in sh.versions]
     report["temperature"] = temperature
-    report["engine_url"] = url
-    report["engine_weight_version"] = served
+    report["engine_url"] = shards[0].url
+    report["engine_urls"] = [sh.url for sh in shards]
+    report["prompts_per_engine"] = [len(sh.ids) for sh in shards]
+    report["engine_weight_version"] = shards[0].served
+    report["weight_versions_evaluated"] = [min(versions), max(versions)] if versions else None
     report["seconds"] = round(time.perf_counter() - t0, 3)
     return report
+
+
+def evaluate_on_engine(url: str, tokenizer: Any, task: Task, version: int, **kw: Any) -> dict[str, Any]:
+    """:func:`evaluate_on_engines` on one engine."""
+    return evaluate_on_engines([url], tokenizer, task, version, **kw)
 
 
 def main(argv: list[str] | None = None) -> int:

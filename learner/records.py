@@ -10,16 +10,20 @@ writers use it and ``learner.runner`` sits above ``learner.value_pretrain``.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+_lock = threading.Lock()  # rank 0's background evaluation appends beside the training loop
+
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     """Append ``record`` as one line; numbers that JSON lacks (numpy, tensors) are written as floats."""
+    line = json.dumps(record, default=float) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as fh:
-        fh.write(json.dumps(record, default=float) + "\n")
+    with _lock, path.open("a") as fh:
+        fh.write(line)
 
 
 def header_record(cfg: Any) -> dict[str, Any]:

@@ -63,6 +63,7 @@ class Runner:
             critic_path = pretrained
         self.learner = Learner(cfg, source, critic_path=critic_path, metrics=metrics)
         self.task: Any = None
+        self.evals: Any = None  # learner.eval_worker.BackgroundEval, rank 0's engine evaluations
         if ckpt is not None:
             checkpoint.load(ckpt, self.learner)
             log.info("resumed from %s at version %d", ckpt, self.learner.version)
@@ -122,48 +123,56 @@ class Runner:
             self.learner.metrics.weight_version.set(update.version)
 
     def evaluate(self) -> dict[str, Any]:
-        """Held-out evaluation of the current version, on rank 0 only (the other ranks return {} at once):
-        in-process for a one-process learner, otherwise on a rollout engine serving the published weights."""
+        """Held-out evaluation of the current version, on rank 0 only (the other ranks return {} at once).
+
+        A one-process learner evaluates in-process, now, and returns the report. Otherwise the published
+        version goes to the background evaluator (``learner.eval_worker``: all engines, off the training
+        path) and {} is returned; its ``eval`` record is appended to metrics.jsonl when it completes."""
         from common.tasks import get_task
-        from learner.evaluate import EngineEvalError, eval_target, evaluate, evaluate_on_engine
+        from learner.evaluate import eval_target, evaluate
 
         if rank() != 0:
             return {}
         if self.task is None:
             self.task = get_task(self.cfg.task)
         lc = self.cfg.learner
-        mode, url = eval_target(self.cfg, world_size())
+        mode, _ = eval_target(self.cfg, world_size())
         if mode == "engine":
-            published = self.publisher.latest.version if self.publisher is not None and self.publisher.latest else 0
-            try:
-                rep = evaluate_on_engine(url, self.learner.tokenizer, self.task, version=published, k=lc.eval_k,
-                                         max_new_tokens=self.cfg.actors.max_new_tokens,
-                                         temperature=self.cfg.actors.temperature, timeout_s=lc.eval_timeout_s)
-            except EngineEvalError as e:
-                log.error("held-out evaluation failed (training goes on): %s", e)
-                return {"error": str(e)}
-            rep["weight_version_evaluated"] = published
-        else:
-            model = self.learner.policy.module
-            if self.learner.policy.zero_optimization_stage() == 3:
-                # One rank holds every partition; a gathered copy runs plain forwards.
-                from learner.models import full_state_dict, load_policy_module
+            if self.evals is None:
+                from learner.eval_worker import BackgroundEval
 
-                state = full_state_dict(self.learner.policy)
-                model = load_policy_module(self.cfg.model.path, self.cfg.model.dtype)
-                model.load_state_dict(state)
-                model.to(next(self.learner.policy.module.parameters()).device)
-            rep = evaluate(model, self.learner.tokenizer, self.task, k=lc.eval_k, max_new_tokens=self.cfg.actors.max_new_tokens,
-                           temperature=self.cfg.actors.temperature, seed=self.cfg.run.seed)
+                self.evals = BackgroundEval(self.cfg, self.learner.tokenizer, self.task, self._record_eval)
+            self.evals.submit(self.publisher.latest.version if self.publisher is not None and self.publisher.latest else 0)
+            return {}
+        model = self.learner.policy.module
+        if self.learner.policy.zero_optimization_stage() == 3:
+            # One rank holds every partition; a gathered copy runs plain forwards.
+            from learner.models import full_state_dict, load_policy_module
+
+            state = full_state_dict(self.learner.policy)
+            model = load_policy_module(self.cfg.model.path, self.cfg.model.dtype)
+            model.load_state_dict(state)
+            model.to(next(self.learner.policy.module.parameters()).device)
+        rep = evaluate(model, self.learner.tokenizer, self.task, k=lc.eval_k, max_new_tokens=self.cfg.actors.max_new_tokens,
+                       temperature=self.cfg.actors.temperature, seed=self.cfg.run.seed)
+        self._set_eval_gauges(rep)
+        # Scalars plus the per-bucket and per-length tables (a report reads accuracy by response length
+        # from the run record; the per-prompt lists stay out of metrics.jsonl).
+        return {k: v for k, v in rep.items() if isinstance(v, int | float | str) or k in ("by_bucket", "by_response_length")}
+
+    def _set_eval_gauges(self, rep: dict[str, Any]) -> None:
         m = self.learner.metrics
         for key in ("avg_at_k", "pass_at_k", "greedy_accuracy"):
             if key in rep:
                 m.eval_accuracy.labels(metric=key).set(rep[key])
         if "mean_response_length" in rep:
             m.eval_response_length.set(rep["mean_response_length"])
-        # Scalars plus the per-bucket and per-length tables (a report reads accuracy by response length
-        # from the run record; the per-prompt lists stay out of metrics.jsonl).
-        return {k: v for k, v in rep.items() if isinstance(v, int | float | str) or k in ("by_bucket", "by_response_length")}
+
+    def _record_eval(self, rec: dict[str, Any]) -> None:
+        """The background evaluator's result (its thread): gauges and a metrics.jsonl ``eval`` record."""
+        self._set_eval_gauges(rec)
+        if self.cfg.metrics.jsonl:
+            append_jsonl(self.run_dir / "metrics.jsonl", rec)
 
     def run(self) -> Learner:
         from learner import checkpoint
@@ -175,10 +184,11 @@ class Runner:
                 # The base policy's held-out accuracy: the reference every later evaluation is read against.
                 t0 = time.perf_counter()
                 rep = self.evaluate()
-                log.info("base policy held-out: %s (%.1f s)", rep, time.perf_counter() - t0)
-                if cfg.metrics.jsonl:
-                    append_jsonl(self.run_dir / "metrics.jsonl",
-                                 {"kind": "eval", "weight_version": 0, "step": 0, "time": time.time(), **rep})
+                if rep:  # in-process; an engine evaluation writes its own record when it completes
+                    log.info("base policy held-out: %s (%.1f s)", rep, time.perf_counter() - t0)
+                    if cfg.metrics.jsonl:
+                        append_jsonl(self.run_dir / "metrics.jsonl",
+                                     {"kind": "eval", "weight_version": 0, "step": 0, "time": time.time(), **rep})
             while L.version < lc.total_steps and time.monotonic() < t_end:
                 stats = L.step()
                 t0 = time.perf_counter()
@@ -191,7 +201,9 @@ class Runner:
                 stats["phase_seconds"]["publish"] = time.perf_counter() - t0
                 if lc.eval_every > 0 and L.version % lc.eval_every == 0 and rank() == 0:
                     t0 = time.perf_counter()
-                    stats["eval"] = self.evaluate()
+                    rep = self.evaluate()
+                    if rep:
+                        stats["eval"] = rep
                     stats["phase_seconds"]["eval"] = time.perf_counter() - t0
                 if rank() == 0:
                     # Cumulative groups the source dropped: with dynamic sampling these were generated
@@ -208,6 +220,8 @@ class Runner:
                              stats["step_seconds"])
             if lc.checkpoint_every > 0 and L.version % lc.checkpoint_every != 0:
                 checkpoint.save(self.ckpt_root, L, lc.keep_checkpoints)
+            if self.evals is not None:  # the run's last evaluations land in metrics.jsonl before it ends
+                self.evals.finish()
         finally:
             if self.push is not None:
                 self.push.close()  # the last durable version is written and announced first
