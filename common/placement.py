@@ -40,6 +40,9 @@ from common.config import Config, ConfigError
 from common.security import is_local_endpoint
 
 STORE_FILE_ENV = "VAPO_STORE_FILE"  # learner.dist reads it: one-host ranks rendezvous in this file
+# Written by learner rank 0 into the run dir when its steps are done. The launcher trusts it, not the exit code:
+# DeepSpeed's multi-node runner exits 0 when its pdsh dies of a signal, so a run killed part-way looked finished.
+LEARNER_DONE_FILE = "learner_done.json"
 
 GIB = float(1 << 30)
 

@@ -44,3 +44,11 @@ def write_header(cfg: Any) -> dict[str, Any]:
     append_jsonl(cfg.run_dir / "metrics.jsonl", rec)
     return rec
 
+
+
+def write_json_atomic(path: Path, record: dict[str, Any]) -> None:
+    """``record`` as ``path``, all or nothing (a temp file renamed over it): readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, default=float) + "\n")
+    tmp.replace(path)

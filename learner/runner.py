@@ -26,7 +26,7 @@ from common.config import Config
 from common.metrics import Metrics
 from learner.data import DataSource
 from learner.dist import all_reduce_sum, rank, shutdown_distributed, world_size
-from learner.records import append_jsonl, write_header
+from learner.records import append_jsonl, write_header, write_json_atomic
 from learner.train import Learner
 
 log = logging.getLogger("learner")
@@ -222,6 +222,12 @@ class Runner:
                 checkpoint.save(self.ckpt_root, L, lc.keep_checkpoints)
             if self.evals is not None:  # the run's last evaluations land in metrics.jsonl before it ends
                 self.evals.finish()
+            if rank() == 0:
+                from common.placement import LEARNER_DONE_FILE
+
+                reason = "total_steps" if L.version >= lc.total_steps else "run.max_wall_seconds"
+                write_json_atomic(self.run_dir / LEARNER_DONE_FILE,
+                                  {"version": L.version, "total_steps": lc.total_steps, "reason": reason, "time": time.time()})
         finally:
             if self.push is not None:
                 self.push.close()  # the last durable version is written and announced first

@@ -38,7 +38,7 @@ from launch_progress import Progress, say  # noqa: E402
 from common import lifeline, provenance, remote  # noqa: E402
 from common.config import Config, ConfigError, load_config, save_config  # noqa: E402
 from common.metrics import Metrics  # noqa: E402
-from common.placement import STORE_FILE_ENV, build_plan  # noqa: E402
+from common.placement import LEARNER_DONE_FILE, STORE_FILE_ENV, build_plan  # noqa: E402
 from common.preflight import missing_files  # noqa: E402
 
 PY = sys.executable
@@ -305,6 +305,7 @@ class Launcher:
         store = self.plan.proc("learner").env.get(STORE_FILE_ENV)
         if store:  # a file store left by a killed run would make the new ranks rendezvous with ghosts
             Path(store).unlink(missing_ok=True)
+        (self.run_dir / LEARNER_DONE_FILE).unlink(missing_ok=True)  # only this start's learner may write it
         learner = self.child("learner")
         # pdsh's reports are looked for in what this run appends (a resumed run's log has the old run's).
         self._pdsh_offset = learner.log_path.stat().st_size if learner.log_path.exists() else 0
@@ -322,9 +323,12 @@ class Launcher:
             learner = self.children["learner"]
             if not learner.alive():
                 progress.poll()
-                if learner.returncode == 0:
+                if learner.returncode == 0 and (self.run_dir / LEARNER_DONE_FILE).exists():
                     say("learner finished")
                     return
+                if learner.returncode == 0:
+                    raise LaunchError("learner", f"exited with code 0 but never wrote {LEARNER_DONE_FILE}: a rank, or the "
+                                      f"pdsh/srun that carried it, was killed part-way\n{learner.tail()}")
                 raise LaunchError("learner", f"exited with code {learner.returncode}\n{learner.tail()}")
             self.check_links()
             for c in list(self.children.values()):

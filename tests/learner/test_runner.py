@@ -17,12 +17,14 @@ from tests.learner.synth import synth_groups
 def test_runner_logs_metrics_and_evaluates(tiny_model_dir: Path, tmp_path: Path) -> None:
     cfg = load_config(None, [f"run.root={tmp_path}", "run.name=r", f"model.path={tiny_model_dir}",
                              "learner.total_steps=2", "learner.batch_groups=2", "learner.eval_every=2",
-                             "learner.eval_k=1", "task.eval_size=4", "task.max_digits=2", "actors.max_new_tokens=8",
+                             "learner.eval_k=1", "task.eval_size=4", "task.max_digits=2", "actors.max_new_tokens=12",
                              "metrics.prometheus=false", "learner.checkpoint_every=0",
                              "learner.publish_addr=tcp://127.0.0.1:0", "learner.query_addr=tcp://127.0.0.1:0"])
     runner = Runner(cfg, ListSource(synth_groups(4, 3, 60, seed=6)))
     learner = runner.run()
     assert learner.version == 2  # v0 (the base policy), v1 and v2 were published
+    done = json.loads((tmp_path / "r" / "learner_done.json").read_text())  # what the launcher trusts, not exit 0
+    assert done["version"] == 2 and done["reason"] == "total_steps"
     all_recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["step"]) for r in all_recs] == [("eval", 0), ("learner_step", 1), ("learner_step", 2)]
     base = all_recs[0]  # the base policy is evaluated before the first step

@@ -366,3 +366,23 @@ def test_a_run_across_hosts_keeps_its_buffer_off_the_shared_run_directory(tmp_pa
     (tmp_path / "local" / "r" / "buffer" / "data.mdb").write_bytes(b"")
     cfg, _ = mod.resolve_run(str(ROOT / "ops" / "configs" / "smoke.yaml"), multi, False)
     assert cfg.run.name.startswith("r-") and not cfg.buffer_path.exists()
+
+
+def test_learner_exit_zero_without_its_done_file_is_a_failure(tmp_path: Path) -> None:
+    """DeepSpeed's multi-node runner exits 0 when pdsh dies of a signal, so a learner killed part-way exits 0:
+    only the done file that rank 0 writes after its last step says the run finished."""
+    mod = _launch_module()
+    launcher = _bare_launcher(mod, tmp_path)
+    launcher.progress = None
+
+    def learner_exits_0(script: str) -> None:
+        child = mod.Child("learner", ["sh", "-c", script], tmp_path / "learner.log", 0)
+        launcher.children = {"learner": child}
+        child.start()
+        wait_for(lambda: not child.alive(), 10, "the learner stand-in to exit")
+
+    learner_exits_0("echo 'step 1 of 3'; exit 0")
+    with pytest.raises(mod.LaunchError, match="exited with code 0 but never wrote learner_done.json"):
+        launcher.supervise()
+    learner_exits_0(f"echo '{{}}' > {launcher.run_dir / 'learner_done.json'}; exit 0")
+    launcher.supervise()  # returns: finished
