@@ -120,7 +120,7 @@ from buffer.store import (
 from buffer.waits import BatchWait, BatchWaits
 from buffer.writer import Pending, Writer
 from common.config import Config
-from common.limits import group_problem, limits_from_config
+from common.limits import group_problem, is_positive, limits_from_config
 from common.metrics import Metrics
 from common.protocol import (
     BatchRequest,
@@ -403,7 +403,7 @@ class BufferServer:
         positives: list[tuple[bytes, bytes]] = []
         # A response cut at the length limit is never a positive, whatever its reward: imitating it would
         # teach the policy not to stop.
-        keep = [s.reward >= pos_reward and s.finish_reason != "length" for s in g.samples]
+        keep = [is_positive(s, pos_reward) for s in g.samples]
         if any(keep):
             # Stored as the exact bytes they arrived in: cut out of the frame, not encoded again.
             frames = sample_frames(frame)

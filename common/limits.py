@@ -131,3 +131,10 @@ def _cheap_ok(s: Sample, lim: SampleLimits) -> bool:
 
 __all__ = ["SampleLimits", "REASONS", "LOGPROB_TOLERANCE", "limits_from_config", "model_shape", "sample_problem",
            "group_problem"]
+
+
+def is_positive(sample: Sample, positive_reward: float) -> bool:
+    """A verified-correct sample for the NLL term and the buffer's positives: reward >= ``positive_reward``
+    (``buffer.positive_reward``) and a finished response. A response cut at the length limit can still hold a
+    rewarded answer, but imitating it teaches the model not to stop."""
+    return sample.reward >= positive_reward and sample.finish_reason != "length"

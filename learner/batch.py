@@ -159,6 +159,16 @@ def apply_truncation_policy(batch: Batch, policy: str) -> Batch:
     return batch
 
 
+def collate_scored(groups: list[SampleGroup], pad_id: int, cfg: Any) -> Batch:
+    """``collate`` as the RL step and value pretraining both train on it: DAPO's overlong shaping
+    (``algo.overlong_*``) and the truncation policy (``algo.truncated``) applied, so the critic's pretraining
+    targets are the returns RL will ask it for."""
+    ac = cfg.algo
+    kw = {"max_new_tokens": ac.overlong_max_length or cfg.actors.max_new_tokens,
+          "overlong_buffer": ac.overlong_buffer, "overlong_penalty_value": ac.overlong_penalty}
+    return apply_truncation_policy(collate(groups, pad_id, **kw), ac.truncated)
+
+
 def collate(groups: list[SampleGroup], pad_id: int, **kw: int | float) -> Batch:
     """All samples of ``groups`` in order (group g's samples are consecutive rows)."""
     samples = [s for g in groups for s in g.samples]

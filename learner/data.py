@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from common import protocol
+from common.limits import is_positive
 from common.protocol import Sample, SampleGroup
 from learner.dist import broadcast_frames, broadcast_ints, rank, rank0_wait, world_size
 
@@ -80,9 +81,9 @@ class DataSource(Protocol):
 
 def fetch(source: DataSource | None, version: int, n_groups: int, timeout_s: float,
           replay_fraction: float = 0.0, positive_reward: float = 1.0) -> tuple[list[SampleGroup], list[Sample]]:
-    """The step's groups and stored positives (``replay_fraction`` per verified positive of the batch: a
-    sample with reward >= ``positive_reward``), the same on every rank. Rank 0 asks ``source``; the other
-    ranks pass None."""
+    """The step's groups and stored positives (``replay_fraction`` per positive of the batch, as
+    ``common.limits.is_positive`` says: finished, reward >= ``positive_reward``), the same on every rank.
+    Rank 0 asks ``source``; the other ranks pass None."""
     if world_size() == 1:
         assert source is not None, "rank 0 needs a data source"
         groups = source.get_batch(version, n_groups, timeout_s)
@@ -107,7 +108,7 @@ def fetch(source: DataSource | None, version: int, n_groups: int, timeout_s: flo
 
 
 def _n_replay(groups: list[SampleGroup], replay_fraction: float, positive_reward: float) -> int:
-    n_pos = sum(1 for g in groups for s in g.samples if s.reward >= positive_reward)
+    n_pos = sum(1 for g in groups for s in g.samples if is_positive(s, positive_reward))
     return int(round(replay_fraction * n_pos))
 
 

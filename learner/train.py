@@ -53,9 +53,8 @@ from common.modeling import load_tokenizer, pad_token_id
 from learner.advantages import decoupled_gae, gae, grpo_advantages, length_adaptive_lambda, terminal_rewards
 from learner.batch import (
     Batch,
-    apply_truncation_policy,
-    collate,
     collate_samples,
+    collate_scored,
     concat,
     fetch_usable,
     row_limits,
@@ -196,10 +195,7 @@ class Learner:
         log.warning("dropped %d batch samples the learner cannot use: %s", n, reason)
 
     def make_batch(self, *, groups: list[protocol.SampleGroup], extra: list[protocol.Sample]) -> Batch:
-        ac = self.cfg.algo
-        kw = {"max_new_tokens": ac.overlong_max_length or self.cfg.actors.max_new_tokens,
-              "overlong_buffer": ac.overlong_buffer, "overlong_penalty_value": ac.overlong_penalty}
-        batch = apply_truncation_policy(collate(groups, self.pad_id, **kw), ac.truncated)
+        batch = collate_scored(groups, self.pad_id, self.cfg)
         if extra:
             batch = concat(batch, collate_samples(extra, self.pad_id, is_replay=True), self.pad_id)
         return batch

@@ -33,7 +33,7 @@ from common.metrics import Metrics
 from common.modeling import load_tokenizer, pad_token_id
 from common.protocol import SampleGroup
 from learner.advantages import gae, terminal_rewards
-from learner.batch import collate, fetch_usable, row_limits
+from learner.batch import collate_scored, fetch_usable, row_limits
 from learner.data import DataSource, fetch
 from learner.dist import global_explained_variance, rank
 from learner.models import build_critic, collect, full_state_dict, release, save_critic
@@ -88,7 +88,7 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
         return fetch_usable(lambda k: fetch(source, 0, k, lc.batch_timeout_s), n, lim, dropped)[0]
 
     held = usable(vp.eval_groups)
-    held_batch = collate(held, pad)
+    held_batch = collate_scored(held, pad, cfg)
     ev0, _ = heldout_ev(critic, held_batch, cfg.algo.gamma, mbs)
     best, since_best, step, best_step = ev0, 0, 0, 0
     # The critic that goes on to RL is the best one on the held-out groups, not the last: patience stops
@@ -99,7 +99,7 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
     while step < vp.steps and since_best < vp.patience:
         t0 = time.perf_counter()
         groups = usable(vp.batch_groups)
-        batch = collate(groups, pad)
+        batch = collate_scored(groups, pad, cfg)
         minibatches = minibatch_rows(batch.size, lc.mini_batches, cfg.run.seed + 7919, step)
         mine = my_rows(minibatches, batch, mbs)
         # λ = 1 targets do not depend on V: no value pass before the update; the training-batch explained

@@ -44,3 +44,19 @@ def test_each_bound_refuses_just_past_its_edge() -> None:
     assert sample_problem(_sample(lp=math.nan), lim)[0] == "logprob"
     assert sample_problem(_sample(p=0), lim)[0] == "empty_prompt"
     assert sample_problem(_sample(top=2**31 - 1), SampleLimits()) is None  # unknown vocabulary: not checked
+
+
+def test_a_positive_is_rewarded_and_finished() -> None:
+    import numpy as np
+
+    from common.limits import is_positive
+    from common.protocol import Sample
+
+    def s(reward: float, finish: str) -> Sample:
+        return Sample(prompt_ids=np.array([1], dtype=np.int32), output_ids=np.array([2], dtype=np.int32),
+                      output_logprobs=np.array([-0.1], dtype=np.float32), reward=reward, finish_reason=finish,
+                      weight_version=0, response_length=1)
+
+    assert is_positive(s(1.0, "stop"), 1.0) and is_positive(s(0.7, "stop"), 0.5)
+    assert not is_positive(s(1.0, "length"), 1.0)   # cut at the limit: never imitated
+    assert not is_positive(s(0.4, "stop"), 0.5)

@@ -53,3 +53,22 @@ def test_overlong_penalty_changes_scores_not_rewards() -> None:
                         max_new_tokens=10, overlong_buffer=4, overlong_penalty_value=1.0)
     assert b.rewards.tolist() == [1.0, 1.0]
     assert b.scores.tolist() == [0.0, 1.0]
+
+
+def test_scored_collate_applies_the_runs_overlong_shaping_and_truncation_policy() -> None:
+    # What the RL step and value pretraining both train on: pretraining the critic on the raw verifier
+    # reward of a truncated row would fit it to returns RL never asks for.
+    from common.config import load_config
+    from common.protocol import SampleGroup
+    from learner.batch import collate_scored
+
+    group = SampleGroup(group_id="g", prompt_id="p", task="t", actor_id=0, created_at=0.0, samples=[
+        _sample([5], [6] * 10, 1.0, "length"), _sample([5], [6] * 7, 1.0), _sample([5], [6] * 3, 0.0)])
+    cfg = load_config(None, ["actors.max_new_tokens=10", "algo.truncated=zero_reward", "algo.overlong_buffer=4",
+                             "algo.overlong_penalty=1.0"])
+    b = collate_scored([group], 0, cfg)
+    # DAPO: length 10 of L_max 10 with a 4-token buffer -> -1; 7 -> (10 - 4 - 7) / 4 = -0.25; 3 -> 0.
+    # zero_reward takes the verifier's 1.0 out of the truncated row only.
+    assert b.scores.tolist() == [-1.0, 0.75, 0.0]
+    keep = load_config(None, ["actors.max_new_tokens=10", "algo.truncated=keep", "algo.overlong_buffer=0"])
+    assert collate_scored([group], 0, keep).scores.tolist() == [1.0, 1.0, 0.0]

@@ -192,7 +192,8 @@ def test_replayed_positives_feed_only_the_nll(tiny_model_dir: Path) -> None:
     stored = [s for g in synth_groups(3, 2, VOCAB, seed=13) for s in g.samples]
     for s in stored:
         s.reward = 1.0
-    n_pos = sum(s.reward >= 1.0 for g in groups for s in g.samples)
+    # finished rewarded rows only: a truncated one is never replayed against (the buffer does not store those)
+    n_pos = sum(s.reward >= 1.0 and s.finish_reason != "length" for g in groups for s in g.samples)
     cfg = make_cfg(tiny_model_dir, "nll.replay_fraction=0.5")
     learner = Learner(cfg, ListSource(groups, positives=stored))
     stats = learner.step()  # fetch path: groups + round(0.5 * n_pos) stored positives
