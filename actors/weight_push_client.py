@@ -28,6 +28,8 @@ from typing import Any
 from actors.sglang_client import SGLangClient, SGLangError
 
 PAUSE_MODES = ("in_place", "retract", "abort", "none")
+REJOIN_BACKOFF_S = 10.0
+MAX_REJOIN_BACKOFF_S = 600.0
 
 
 @dataclass
@@ -98,6 +100,12 @@ class PushMember:
         self.group: Any = None  # the PushGroup this engine joined
         self._announced: Any = None  # the client a PushJoin was sent for
         self.starts = 0
+        # After a failed join or push the learner drops this member; it joins again after a back-off that
+        # doubles while joins keep failing (each failed join costs the learner its push_timeout_s).
+        self._rejoin_at = 0.0
+        self._backoff_s = REJOIN_BACKOFF_S
+        self._failed_client: Any = None  # a restarted engine (a new client) joins at once
+        self._group_client: Any = None  # the client whose engine joined self.group
 
     async def run(self) -> None:
         import zmq
@@ -112,7 +120,8 @@ class PushMember:
         try:
             while True:
                 link = self.link
-                if link.client is not None and link.client is not self._announced and link.gate.is_set():
+                if (link.client is not None and link.client is not self._announced and link.gate.is_set()
+                        and (time.monotonic() >= self._rejoin_at or link.client is not self._failed_client)):
                     self._announced, self.group = link.client, None
                     self.starts += 1
                     await sock.send(protocol.encode(protocol.PushJoin(actor_id=link.actor_id, engine_start=self.starts)))
@@ -140,9 +149,13 @@ class PushMember:
                 await client.destroy_weights_update_group(old.group_name)
         try:
             await join_group(client, msg.to_wire(), timeout_s=None)
-            self.group = msg
+            self.group, self._group_client = msg, client
         except SGLangError as e:
             ok, text = False, e.message[:2000]
+        if ok:
+            self._backoff_s = REJOIN_BACKOFF_S
+        else:
+            self._dropped(double=True)
         await sock.send(protocol.encode(protocol.PushDone(actor_id=self.link.actor_id, epoch=msg.epoch, version=-1,
                                                           ok=ok, pause_s=0.0, message=text)))
 
@@ -151,10 +164,13 @@ class PushMember:
 
         link = self.link
         ok, text, rep = False, "", PushReport()
-        if self.group is None or self.group.epoch != msg.epoch:
-            text = f"not in group {msg.epoch}"
-        else:
-            async with link.control:
+        async with link.control:  # restarts happen under it: the client is the engine's from here on
+            if self.group is None or self.group.epoch != msg.epoch:
+                text = f"not in group {msg.epoch}"
+            elif link.client is not self._group_client:
+                # Restarted since it joined: the new engine is in no group (it joins again, at once).
+                text, self.group = "engine restarted since it joined", None
+            else:
                 try:
                     rep = await receive_push(link.client, self.group.buckets, msg.version, pause=self.pause,
                                              group_name=self.group.group_name)
@@ -162,6 +178,7 @@ class PushMember:
                 except SGLangError as e:
                     text = e.message[:2000]
                     self.group = None
+                    self._dropped(double=False)
                     link.gate.clear()  # paused on a possible mix of versions: nothing new goes to it
                     asyncio.ensure_future(self._recover(msg.version))
                 if ok and msg.version > link.version:
@@ -169,10 +186,17 @@ class PushMember:
                     link.counts["weight_syncs"] += 1
                     link.counts["weight_pushes"] = link.counts.get("weight_pushes", 0) + 1
                     link.counts["push_pause_ms"] = link.counts.get("push_pause_ms", 0) + round(rep.pause_s * 1000)
-            for phase, s in (("pause", rep.pause_s), ("load", rep.receive_s)):
-                link._m("weight_sync_phase_seconds", phase=phase, transport="distributed").observe(s)
+                for phase, s in (("pause", rep.pause_s), ("load", rep.receive_s)):
+                    link._m("weight_sync_phase_seconds", phase=phase, transport="distributed").observe(s)
         return protocol.PushDone(actor_id=link.actor_id, epoch=msg.epoch, version=msg.version, ok=ok,
                                  pause_s=rep.pause_s, message=text)
+
+    def _dropped(self, double: bool) -> None:
+        """The learner leaves this member out after a failure: announce again (same engine) after a back-off."""
+        self._announced, self._failed_client = None, self.link.client
+        self._rejoin_at = time.monotonic() + self._backoff_s
+        if double:
+            self._backoff_s = min(self._backoff_s * 2, MAX_REJOIN_BACKOFF_S)
 
     async def _recover(self, version: int) -> None:
         """After a failed push: load ``version`` (or newer) from disk once its durable copy is announced,

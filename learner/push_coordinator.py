@@ -78,6 +78,7 @@ class PushCoordinator:
         self._pub_lock = threading.Lock()
         self.members: dict[int, tuple[bytes, int]] = {}  # actor_id -> (ZeroMQ identity, engine_start)
         self.group_members: list[int] = []
+        self.group_entries: dict[int, tuple[bytes, int]] = {}  # each group member's membership when it joined
         self.epoch = 0
         self.dirty = False
         self.done: dict[tuple[int, int], dict[int, protocol.PushDone]] = {}  # (epoch, version) -> actor -> report
@@ -153,6 +154,7 @@ class PushCoordinator:
         """A new group of the current members (rank 0); False when it could not be built."""
         with self._cv:
             ids = sorted(self.members)
+            snapshot = dict(self.members)
             self.dirty = False
         self.pusher.close()
         self.group_members = []
@@ -170,15 +172,16 @@ class PushCoordinator:
             log.warning("weight-update group %d: not every engine joined within %.0f s (%s); this version goes by disk",
                         self.epoch, self.timeout_s, str(e)[:300])
         replies = self._wait_done((self.epoch, -1), ids, 5.0 if self.pusher.group is not None else 0.5)
-        with self._cv:  # members that did not join are dropped until they join again
+        with self._cv:  # members that did not join are dropped until they join again (a newer join stays)
             for aid in ids:
-                if not (aid in replies and replies[aid].ok) and self.members.get(aid) is not None:
+                if not (aid in replies and replies[aid].ok) and self.members.get(aid) == snapshot[aid]:
                     self.members.pop(aid, None)
                     self.dirty = True
         self._observe("group", time.perf_counter() - t0)
         if self.pusher.group is None:
             return False
         self.group_members = ids
+        self.group_entries = {aid: snapshot[aid] for aid in ids}
         if self.metrics is not None:
             self.metrics.weight_push_members.set(len(ids))
         log.info("weight-update group %d: learner + %d engines (actors %s)", self.epoch, len(ids), ids)
@@ -229,7 +232,9 @@ class PushCoordinator:
                         bad, self.last.version)
             with self._cv:
                 for aid in bad:
-                    self.members.pop(aid, None)
+                    # A member that joined again since (its engine restarted) stays: it is the new engine.
+                    if self.members.get(aid) == self.group_entries.get(aid):
+                        self.members.pop(aid, None)
                 self.dirty = True
 
     def _observe(self, phase: str, seconds: float) -> None:
