@@ -97,7 +97,7 @@ def child(path: str, model: str, out: str) -> None:
 
     from common.config import load_config
     from learner import models
-    from learner.dist import rank, setup_distributed, shutdown_distributed
+    from learner.dist import exit_process, rank, setup_distributed
 
     cfg = load_config(None, [f"model.path={model}", "learner.zero_stage=3", "learner.precision=fp32",
                              "model.dtype=float32", "metrics.prometheus=false"])
@@ -133,7 +133,7 @@ def child(path: str, model: str, out: str) -> None:
         rise[kind] = r / full_bytes
     (Path(out) / f"rank{rank()}.json").write_text(json.dumps(
         {"rise": rise, "pretrain_left": left / full_bytes, "full_bytes": full_bytes}))
-    shutdown_distributed()
+    exit_process(0)  # no interpreter finalisation: gloo's threads can abort a rank that finished
 
 
 def run_path(path: str, model: Path, ranks: int) -> list[dict[str, Any]]:

@@ -48,8 +48,8 @@ HARNESS = textwrap.dedent("""
         save_file(sd, out)
         with open(out + ".stats.json", "w") as fh:
             json.dump([{{k: s[k] for k in GRADS}} for s in (s1, s2)], fh)
-    from learner.dist import shutdown_distributed  # a live gloo group at exit aborts 1 exit in ~6
-    shutdown_distributed()
+    from learner.dist import exit_process  # no interpreter finalisation: gloo's threads can abort it
+    exit_process(0)
 """)
 
 # Gradient norms before clipping, per step (mean over its mini-batches): AdamW moves parameters by ~lr
@@ -160,8 +160,8 @@ ZERO3_HARNESS = textwrap.dedent("""
         json.dump({{**counts, "replay_positives": s1["replay_positives"]}}, fh)
     with open(out + f".stats{{rank()}}.json", "w") as fh:
         json.dump([{{k: s[k] for k in ("actor_grad_norm", "critic_grad_norm")}} for s in (s1, s2)], fh)
-    from learner.dist import shutdown_distributed  # a live gloo group at exit aborts 1 exit in ~6
-    shutdown_distributed()
+    from learner.dist import exit_process  # no interpreter finalisation: gloo's threads can abort it
+    exit_process(0)
 """)
 
 
