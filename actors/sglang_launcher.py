@@ -76,7 +76,7 @@ def sglang_command(cfg: Config, index: int) -> tuple[list[str], dict[str, str]]:
     if e.context_length > 0:
         argv += ["--context-length", str(e.context_length)]
     if e.admin_api_key_file:
-        argv += ["--config", str(admin_key_config(e.admin_api_key_file))]
+        argv += ["--config", str(admin_key_config_path(e.admin_api_key_file))]  # written by write_admin_key_config
     argv += list(e.sglang_extra_args)
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpu_ids(cfg, index))}
     if e.logprobs == "original":
@@ -84,15 +84,21 @@ def sglang_command(cfg: Config, index: int) -> tuple[list[str], dict[str, str]]:
     return argv, env
 
 
-def admin_key_config(key_file: str) -> Path:
-    """``<key_file>.sglang.yaml`` (0600): ``admin-api-key: <the key>``, for SGLang's ``--config``."""
+def admin_key_config_path(key_file: str) -> Path:
+    """Where ``write_admin_key_config`` puts SGLang's ``--config`` file for ``key_file`` (planning writes nothing)."""
+    return Path(f"{key_file}.sglang.yaml")
+
+
+def write_admin_key_config(key_file: str) -> Path:
+    """``<key_file>.sglang.yaml`` (0600): ``admin-api-key: <the key>``, for SGLang's ``--config``; written by
+    whoever starts the engines (the launcher, this module's CLI), not by planning (``--dry-run`` writes nothing)."""
     try:
         key = Path(key_file).read_text().strip()
     except OSError as ex:
         raise ConfigError(f"engine.admin_api_key_file: cannot read {key_file}: {ex}") from ex
     if not key:
         raise ConfigError(f"engine.admin_api_key_file: {key_file} is empty")
-    out = Path(f"{key_file}.sglang.yaml")
+    out = admin_key_config_path(key_file)
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -109,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(cfg, int):
         return cfg
     try:
+        if cfg.engine.admin_api_key_file:
+            write_admin_key_config(cfg.engine.admin_api_key_file)
         for i in range(cfg.actors.num_actors):
             cmd, env = sglang_command(cfg, i)
             print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))

@@ -284,6 +284,10 @@ class Launcher:
         """SGLang servers (rollout_server engines are started and supervised by their actor; external URLs
         are given). Engines on this host are waited for here; a remote one is waited for by its actor."""
         engines = [p for p in self.plan.procs if p.role == "engine"]
+        if engines and self.cfg.engine.admin_api_key_file:
+            from actors.sglang_launcher import write_admin_key_config
+
+            write_admin_key_config(self.cfg.engine.admin_api_key_file)  # the --config file their argv names
         for p in engines:
             self.start(self.child(p.name))
         here = self.cfg.placement.hosts[0]

@@ -222,7 +222,7 @@ def test_every_request_to_a_stopped_engine_ends_at_its_deadline(tiny_model_dir: 
     import signal
     import time
 
-    from conftest import start_rollout_server
+    from tests.actors.servers import start_rollout_server
 
     srv = start_rollout_server(tiny_model_dir, tmp_path, "--weight-version", "0")
 

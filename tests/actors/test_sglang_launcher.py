@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from actors.sglang_launcher import SGLANG_FLAGS_USED, sglang_command
+from actors.sglang_launcher import SGLANG_FLAGS_USED, sglang_command, write_admin_key_config
 from common.config import ConfigError, load_config
 
 # ServerArgs fields of sgl-project/sglang python/sglang/srt/server_args.py (commit 001067ff), as flags
@@ -99,9 +99,11 @@ def test_admin_key_reaches_sglang_through_a_private_config_file(tmp_path) -> Non
     assert "s3cret" not in " ".join(argv)
     conf = tmp_path / "engine.key.sglang.yaml"
     assert _flags(argv[3:])["--config"] == str(conf) and "--config" in SGLANG_FLAGS_USED
+    assert not conf.exists()  # planning (--dry-run) writes nothing; whoever starts the engines does
+    assert write_admin_key_config(str(key_file)) == conf
     assert stat.S_IMODE(conf.stat().st_mode) == 0o600
     assert yaml.safe_load(conf.read_text()) == {"admin-api-key": "s3cret: with a colon"}
     assert _json.loads(conf.read_text().split(": ", 1)[1]) == "s3cret: with a colon"
     key_file.write_text("")
     with pytest.raises(ConfigError, match="is empty"):
-        sglang_command(cfg, 0)
+        write_admin_key_config(str(key_file))
