@@ -15,7 +15,7 @@ One ``actors.rollout_server`` engine serves both phases, with the run's config (
 Each phase warms up (``--warmup`` s) and is then measured for ``--seconds``; the raw phase runs before and
 after the actor phase and the baseline is their mean, so drift in machine load affects both sides.
 Model: ``--model`` or a random Qwen2 of the config's bootstrap size (char tokenizer). Prints one JSON line.
-Target (issue 5): ratio >= 0.9.
+Target: ratio >= 0.9.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue-8 experiment suite: VAPO against vanilla PPO, GRPO and DAPO at the same sample budget, VAPO with
+"""The experiment suite of the embedded default task: VAPO against vanilla PPO, GRPO and DAPO at the same sample budget, VAPO with
 each component removed, async against synchronous training, the staleness sweep and an α sweep, all on
 the embedded default task (addition, the 0.6M-parameter base). Writes ``docs/RESULTS.md`` and
 ``docs/results/*.png``.
@@ -8,7 +8,7 @@ the embedded default task (addition, the 0.6M-parameter base). Writes ``docs/RES
     .venv/bin/python ops/bench/experiments.py --only vapo grpo   # some experiments (all their seeds)
     .venv/bin/python ops/bench/experiments.py --report-only      # re-make docs/RESULTS.md from finished runs
     .venv/bin/python ops/bench/experiments.py --jobs 2           # runs in parallel, each on its own ports
-    .venv/bin/python ops/bench/experiments.py --suite long       # issue 15: the long-horizon task (long_suite.py)
+    .venv/bin/python ops/bench/experiments.py --suite long       # the long-horizon task (long_suite.py)
     .venv/bin/python ops/bench/experiments.py --suite actor_values   # pre- vs post-update critic for the
                                                                      # actor's advantages (actor_values_suite.py)
     .venv/bin/python ops/bench/experiments.py --suite weight_sync    # draining (wait) vs in-place weight updates
@@ -430,7 +430,7 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
               "![accuracy vs trained samples](results/baselines_trained.png)", "",
               "![accuracy vs wall time](results/baselines_time.png)", ""]
 
-    # 2. default-run acceptance (issue 8, deliverable 1)
+    # 2. default-run acceptance
     vr = runs.get("vapo", [])
     if vr:
         lines += ["## The default run (`ops/launch.sh`, 3 seeds)", "",
@@ -617,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="docs/RESULTS.md", help="report path (plots go to <its dir>/results/)")
     ap.add_argument("--notes", default="docs/results/notes.md", help="hand-written reading included in the report")
     ap.add_argument("--suite", choices=["default", "long", "actor_values", "weight_sync"], default="default",
-                    help="default: issue 8 on the embedded default task (root runs/exp); long: issue 15's long-horizon "
+                    help="default: baselines, ablations, staleness and α on the embedded default task (root runs/exp); long: the long-horizon "
                     "task (root runs/exp-long, its own section of the report); actor_values: pre- vs post-update "
                     "critic values for the actor, default and long tasks, 2 seeds (root runs/exp-actor-values, a "
                     "JSON summary, no report); weight_sync: weight updates that drain (wait, disk) against in-place "

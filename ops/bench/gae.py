@@ -8,7 +8,7 @@ lengths. Baselines measured in the same run on the same inputs:
       both recursions (per-row λ_actor and λ_critic = 1) in one time loop;
   (b) copy: one plain copy of every input and output array ([B, T] rewards, values, mask, advantages,
       returns) — the memory-traffic floor.
-Targets (issue 2): ours ≥ 5× faster than (a), within 3× of (b).
+Targets: ours ≥ 5× faster than (a), within 3× of (b).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The long-horizon suite (issue 15): VAPO against DAPO and GRPO on ``ops/configs/long.yaml`` (the ``chain``
+"""The long-horizon suite: VAPO against DAPO and GRPO on ``ops/configs/long.yaml`` (the ``chain``
 task, responses 49-400 tokens), run by ``ops/bench/experiments.py --suite long``.
 
     .venv/bin/python ops/bench/experiments.py --suite long              # run what is missing, then report
@@ -16,7 +16,7 @@ Two phases, both resumable (a finished run is skipped, a checkpointed one contin
 Every run generates the same samples per step (32 prompts x G = 8); DAPO's dynamic sampling pays for the
 groups it drops and VAPO for its value pretraining, and the report counts both. After training, each VAPO
 run's critic is probed with ``ops/bench/value_curve.py`` (saved as ``value_curve.json`` in the run dir).
-The report is one section of ``docs/RESULTS.md``, between two markers, so the issue-8 tables stay as they are.
+The report is one section of ``docs/RESULTS.md``, between two markers, so the default task's tables stay as they are.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def alpha_name(a: float) -> str:
     return f"long_vapo_a{a:g}"
 
 
-# The follow-up (issue 15: "test the most likely change"): the critic without the surprise feature, whose
+# The follow-up (the most likely change, tested): the critic without the surprise feature, whose
 # value reads the policy's own log-probs and so can only tell "unlikely" from "likely", not wrong from
 # right; a plain linear head on the backbone, trained at the paper's 2:1 critic:actor lr ratio.
 PLAIN_CRITIC = ("learner.value_head_surprise=false", "learner.critic_lr=2.0e-4", "value_pretrain.lr=2.0e-4")
@@ -192,7 +192,7 @@ def section(root: Path, load_run: Any, fmt: Any, fmt_k: Any, mean_std: Any, plot
                 got.append((d, r))
         rows[name] = got
     vapo_name = alpha_name(best) if best is not None else None
-    L = [BEGIN, "", "## Long-horizon miniature: VAPO vs DAPO vs GRPO where the value model should matter (issue 15)", ""]
+    L = [BEGIN, "", "## Long-horizon miniature: VAPO vs DAPO vs GRPO where the value model should matter", ""]
     from common.provenance import machines_line
 
     L += ["Produced by (each run's metrics.jsonl header): "

@@ -169,7 +169,7 @@ def _long_run(d: Path, accs: dict[int, float], reward: float, advantage: str = "
     (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
 
 
-def test_long_suite_picks_alpha_on_training_reward_and_keeps_the_issue8_tables(exp: ModuleType, tmp_path: Path) -> None:
+def test_long_suite_picks_alpha_on_training_reward_and_keeps_the_default_tables(exp: ModuleType, tmp_path: Path) -> None:
     ls = exp.long_suite
     root = tmp_path / "exp-long"
     steps = {0: 0.45, 20: 0.6, 40: 0.7}
@@ -199,16 +199,16 @@ def test_long_suite_picks_alpha_on_training_reward_and_keeps_the_issue8_tables(e
         {"failed_checked": 31, "value_before_first_mistake": 0.6, "value_after_first_mistake": 0.2,
          "value_change_at_mistake": -0.25, "fraction_dropping": 0.9, "mean_abs_change_elsewhere": 0.01}))
     out = tmp_path / "RESULTS.md"
-    out.write_text("# Results\n\nissue-8 tables\n")
+    out.write_text("# Results\n\ndefault-task tables\n")
     block = exp.write_long_report(root, out)
     text = out.read_text()
-    assert text.startswith("# Results\n\nissue-8 tables\n") and text.count(ls.BEGIN) == 1
+    assert text.startswith("# Results\n\ndefault-task tables\n") and text.count(ls.BEGIN) == 1
     assert "| VAPO α = 0.2 (picked by the sweep) | 1 | 0.700 ± 0.000 (0.700–0.700) | 0.950 | 0.800 / 0.700 / 0.600 |" in block
     assert "| DAPO | 3 | 0.610 ± 0.010 (0.600–0.620) |" in block and "| GRPO | 0 | not run yet |" in block
     assert "| 0.2 **(picked)** | 0.90 / 0.97 / 0.99 | 0.700 |" in block and "| 0.05 | 0.60 / 0.87 / 0.95 |" in block
     assert "| 31 | 0.600 → 0.200 | -0.250 (0.90) | 0.010 |" in block
     assert "| long_vapo_a0.2-s0 | 24, 0 s, 0.400 | 0.30 / 0.30 / 0.30 / 0.30 / 0.30 |" in block  # (2 + 1) groups x G
-    # Writing it again replaces the section; re-making the issue-8 report keeps it.
+    # Writing it again replaces the section; re-making the default task's report keeps it.
     exp.write_long_report(root, out)
     assert out.read_text() == text
     exp.write_report(tmp_path / "none", out, tmp_path / "no-notes.md")
