@@ -6,15 +6,7 @@ On start it prints one line ``BUFFER READY {json}`` (addresses, metrics port, pi
 Sockets (one thread, one ``zmq.Poller``):
 
 - ``buffer.ingest_addr`` (ROUTER) — actors' DEALERs send ``SampleGroup`` and ``CreditRequest`` frames.
-  Groups arriving together (up to ``buffer.commit_batch``) are written in one LMDB transaction and each is
-  answered ``IngestAck(committed=True)`` only after that commit. A re-sent group_id is acknowledged again
-  (``duplicate=True``) and stored once. ``IngestAck.error`` is ``""`` when the group was stored,
-  ``"stale"`` / ``"filtered:uniform_reward"`` when it was recorded but will never be served (still
-  ``committed=True``: do not re-send), ``"full: ..."`` / ``"storage: ..."`` with ``committed=False``
-  when it was not stored (re-send later), and ``"invalid:<reason>: ..."`` with ``committed=False`` when the
-  group breaks the ingest bounds of ``common.limits`` (empty prompt or response, token id past the
-  vocabulary, reward outside the task's range, logprob > 0, too long): never stored, counted in
-  ``vapo_buffer_invalid_groups{reason}``, final (re-sending cannot help).
+  Each group is answered with an ``IngestAck`` after its commit (the ``error`` values: ``buffer.ingest``).
 - ``buffer.serve_addr`` (ROUTER; clients are REQ sockets, so the wire is what a REP socket spoke) — the
   learner sends ``BatchRequest(learner_version, n_groups, timeout_ms)``: groups with
   ``weight_version < learner_version - max_staleness`` are deleted and counted, then the ``n_groups``
@@ -37,31 +29,7 @@ of it. Anything higher is refused (``ErrorReply(reason="learner_version")``) and
 version below the stored one is served under the stored one (a learner resumed from an older checkpoint).
 ``python -m buffer.inspect PATH --set-learner-version N`` repairs it while the server is stopped.
 
-Admission control (AReaL's staleness bound): an actor asks ``CreditRequest(actor_id, n)`` — "I want n
-more groups' worth of credit" (replaces any earlier waiting request of that actor; n = 0 withdraws it)
-— and generates only after a ``CreditGrant``. AReaL admits while
-``(max_staleness + version + 1) * batch_groups - (accepted + running) > 0``. Here ``version * batch_groups``
-is counted as the groups the learner has consumed (plus the batch it is waiting for), not the version
-number it reports, so ``accepted - consumed = depth``::
-
-    capacity = max_staleness * batch_groups + (largest n_groups of the waiting BatchRequests, else 0)
-               - (groups waiting in LMDB + credits in flight)
-
-also capped by ``buffer.capacity_groups`` / ``capacity_bytes``. Grants are deferred while capacity is
-zero. Counting consumption instead of the reported version keeps the bound right when the learner takes
-several batches per version (value pretraining) or resumes from an older checkpoint; with
-``max_staleness = 0`` actors work only while the learner waits, which makes the system synchronous.
-Every term is durable or re-derivable after a restart (AReaL bug #1388): depth, totals and the learner
-version are LMDB counters; credits in flight restart at zero (groups from old grants still count when
-they arrive), and a grant not used within ``buffer.credit_ttl_s`` stops counting. A grant carries the
-learner version: actors that generate with weights at least that new never produce stale groups.
-
-No actor id holds more than ``buffer.max_credit_per_actor`` unused credits and no ingest connection more
-than ``buffer.max_credit_per_connection`` across its actor ids, so a client inventing actor ids cannot
-take all capacity. A connection that closes gives back its unused credit at once (the socket monitor
-reports the closed descriptor, and every frame carries the descriptor it came on). With CurveZMQ an actor
-id belongs to the first client key that asks credit for it (until the buffer restarts); another key
-asking for it is refused (``actor_key``).
+Admission control (credits, AReaL's staleness bound; ``CreditRequest`` / ``CreditGrant``): ``buffer.ingest``.
 
 Roles: with CurveZMQ keys (every launched run: ``common.security``) each frame carries its client key, and
 the key's role decides what it may send: ``SampleGroup`` and ``CreditRequest`` only from ``actor`` keys,
@@ -78,9 +46,11 @@ Threads: the main thread owns every socket and validates frames; one writer thre
 each batch's LMDB transaction (page writes and fsync release the GIL), so validation of the next batch
 overlaps the commit of the previous one. The main thread touches the store only while the writer is idle.
 
-This module is the event loop. The pieces it drives: ``buffer.credits`` (the credit ledger and the
-admission capacity, pure), ``buffer.waits`` (waiting batch requests), ``buffer.peers`` (which connections
-closed), ``buffer.writer`` (the commit thread) and ``buffer.store`` (every LMDB access).
+This module is the event loop. The pieces it drives: ``buffer.ingest`` (the ingest socket: validation,
+roles, commit acks, credit requests), ``buffer.stats`` (counters and gauges), ``buffer.credits`` (the
+credit ledger and the admission capacity, pure), ``buffer.waits`` (waiting batch requests),
+``buffer.peers`` (which connections closed), ``buffer.writer`` (the commit thread) and ``buffer.store``
+(every LMDB access).
 
 Deviations: groups are deleted from LMDB when served (a learner crash loses the batches served since its
 last checkpoint: it resumes from that checkpoint and trains on fresh groups instead); the DAPO uniform-reward filter runs at ingest, not at serve
@@ -105,39 +75,36 @@ from typing import Any
 import zmq
 
 from buffer.credits import CreditLedger, admission_capacity, free_capacity
-from buffer.peers import Peers
-from buffer.store import (
-    FILTERED,
-    STALE,
-    STORED,
-    BufferStore,
-    GroupRecord,
-    StorageError,
-    lock_server,
-    positive_hash,
-    unlock_server,
+from buffer.ingest import (
+    client_key,
+    drain_ingest,
+    finish_commit,
+    grant_credits,
+    has_room,
+    on_credit_request,
+    record_group,
+    refuse_group,
+    send_ingest,
 )
+from buffer.peers import Peers
+from buffer.stats import server_stats, update_gauges
+from buffer.store import BufferStore, StorageError, lock_server, unlock_server
 from buffer.waits import BatchWait, BatchWaits
 from buffer.writer import Pending, Writer
 from common.config import Config
-from common.limits import group_problem, is_positive, limits_from_config
+from common.limits import limits_from_config
 from common.metrics import Metrics
 from common.protocol import (
     BatchRequest,
-    CreditGrant,
-    CreditRequest,
     ErrorReply,
-    IngestAck,
     PositivesRequest,
     ProtocolError,
-    SampleGroup,
     StatsReply,
     StatsRequest,
     decode,
     encode,
     encode_batch_reply,
     encode_positives_reply,
-    sample_frames,
 )
 from common.security import server_curve
 
@@ -314,72 +281,16 @@ class BufferServer:
         self.m.rejected_frames.labels(reason=reason).inc()
         return encode(ErrorReply(reason=reason, message=message[:4000]))
 
-    def _drain_ingest(self) -> None:
-        """Read, validate and queue groups for the next commit; answer everything else at once."""
-        credit_msgs: list[tuple[bytes, CreditRequest, str | None]] = []
-        lv, pos_reward = self.learner_version, self.cfg.buffer.positive_reward
-        for _ in range(4 * self.cfg.buffer.commit_batch):
-            if len(self._next) >= self.cfg.buffer.commit_batch:
-                break
-            try:
-                parts = self.ingest.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            ident, body = parts[0].bytes, parts[1:]
-            if body:
-                self.ingest_peers.seen(ident, body[-1])
-            if len(body) != 1:
-                self._send_ingest(ident, self._reject("multipart", f"expected 1 frame, got {len(body)}"))
-                continue
-            frame = body[0].buffer  # zero-copy view; LMDB copies it once, into the page
-            try:
-                msg = decode(frame, self.max_frame)
-            except ProtocolError as e:
-                self._send_ingest(ident, self._reject(e.reason, str(e)))
-                continue
-            if not isinstance(msg, CreditRequest | SampleGroup):
-                self._send_ingest(ident, self._reject("unexpected_type", f"{msg.TYPE} not accepted on ingest"))
-                continue
-            key = self._client_key(body[0])
-            if self.curve.enabled and self.curve.role(key) != "actor":
-                self._send_ingest(ident, self._reject("role", f"{msg.TYPE} is for actor keys only"))
-                continue
-            if isinstance(msg, CreditRequest):
-                credit_msgs.append((ident, msg, key))
-                continue
-            bad = group_problem(msg, self.limits)
-            if bad is not None:
-                self._refuse_group(ident, msg, *bad)
-                continue
-            rec = self._record(msg, frame, lv, pos_reward)
-            if rec.fate == STORED and not self._has_room(len(frame)):
-                self._wait_writer()
-                if not self._has_room(len(frame)) and self._known(msg.group_id) is None:
-                    self._send_ingest(ident, encode(IngestAck(
-                        group_id=msg.group_id, committed=False, duplicate=False,
-                        error=f"full: {self.store.counters['depth_groups']} groups waiting")))
-                    continue
-            self._next.append((rec, (ident, msg.group_id, msg.actor_id)))
-        for ident, req, key in credit_msgs:
-            self._on_credit_request(ident, req, key)
-
-    def _refuse_group(self, ident: bytes, g: SampleGroup, reason: str, message: str) -> None:
-        """A protocol-valid group the learner could not use: never stored, answered with a final error."""
-        self._invalid[reason] = self._invalid.get(reason, 0) + 1
-        self.m.invalid_groups.labels(reason=reason).inc()
-        self.credits.consume(g.actor_id)  # generated on a credit: it must not hold that credit until the ttl
-        log.warning("refused group %s of actor %d: %s: %s", g.group_id[:64], g.actor_id, reason, message)
-        self._send_ingest(ident, encode(IngestAck(group_id=g.group_id, committed=False, duplicate=False,
-                                                  error=f"invalid:{reason}: {message}"[:4000])))
-
-    def _client_key(self, frame: zmq.Frame) -> str | None:
-        """The sender's CURVE public key (ZAP User-Id, z85) when CurveZMQ is on, else None."""
-        if not self.curve.enabled:
-            return None
-        try:
-            return frame.get("User-Id") or None
-        except zmq.ZMQError:
-            return None
+    # The ingest side (validation, roles, commit acks, credits) lives in buffer.ingest, bound as methods.
+    _drain_ingest = drain_ingest
+    _refuse_group = refuse_group
+    _client_key = client_key
+    _record = record_group
+    _has_room = has_room
+    _finish = finish_commit
+    _send_ingest = send_ingest
+    _on_credit_request = on_credit_request
+    _grant_credits = grant_credits
 
     def _submit(self) -> None:
         batch, self._next = self._next, []
@@ -399,88 +310,9 @@ class BufferServer:
         for batch, before, results, err in self.writer.collect():
             self._finish(batch, before, results, err)
 
-    def _record(self, g: SampleGroup, frame: bytes, lv: int, pos_reward: float) -> GroupRecord:
-        positives: list[tuple[bytes, bytes]] = []
-        # A response cut at the length limit is never a positive, whatever its reward: imitating it would
-        # teach the policy not to stop.
-        keep = [is_positive(s, pos_reward) for s in g.samples]
-        if any(keep):
-            # Stored as the exact bytes they arrived in: cut out of the frame, not encoded again.
-            frames = sample_frames(frame)
-            positives = [(positive_hash(s.prompt_ids, s.output_ids), f)
-                         for s, f, k in zip(g.samples, frames, keep, strict=True) if k]
-        fate = STORED
-        if g.weight_version < lv - self.k:
-            fate = STALE
-        elif self.cfg.buffer.filter_uniform_groups and len({s.reward for s in g.samples}) == 1:
-            fate = FILTERED
-        return GroupRecord(g.group_id, frame, g.weight_version, len(g.samples), positives, fate)
-
-    def _has_room(self, nbytes: int) -> bool:
-        c = self.store.counters
-        new = [r for r, _ in self._next + self.writer.batch if r.fate == STORED]
-        groups = c["depth_groups"] + len(new)
-        size = c["depth_bytes"] + sum(len(r.frame) for r in new) + nbytes
-        return groups < self.cfg.buffer.capacity_groups and size <= self.cfg.buffer.capacity_bytes
-
     def _known(self, group_id: str) -> bytes | None:
         self._wait_writer()
         return self.store.known(group_id)
-
-    def _finish(self, batch: list[Pending], before: dict[str, int],
-                results: list[tuple[str, bool]] | None, err: StorageError | None) -> None:
-        """Acknowledge a batch whose transaction has committed (or report its storage error)."""
-        if err is not None or results is None:
-            self._storage_errors += 1
-            reason = err.reason if err is not None else "unknown"
-            self.m.storage_errors.labels(reason=reason).inc()
-            log.error("storage error, %d groups not stored (senders will retry): %s", len(batch), err)
-            for _, (ident, gid, _) in batch:
-                self._send_ingest(ident, encode(IngestAck(
-                    group_id=gid, committed=False, duplicate=False, error=f"storage: {err}"[:4000])))
-            return
-        self._ingest_commits += 1
-        after = self.store.counters
-        for (_, (ident, gid, actor_id)), (outcome, dup) in zip(batch, results, strict=True):
-            if not dup:
-                self.credits.consume(actor_id)
-            note = "" if outcome == "stored" else ("filtered:uniform_reward" if outcome == "filtered" else outcome)
-            self._send_ingest(ident, encode(IngestAck(group_id=gid, committed=True, duplicate=dup, error=note)))
-        self.m.acked_groups.inc(len(batch))
-        self.m.duplicate_groups.inc(after["duplicates"] - before["duplicates"])
-        n_filtered = after["filtered"] - before["filtered"]
-        if n_filtered:
-            self.m.filtered_groups.labels(reason="uniform_reward").inc(n_filtered)
-            self._filtered_since_reply += n_filtered
-        n_stale = after["stale_dropped"] - before["stale_dropped"]
-        if n_stale:
-            self.m.stale_dropped_groups.inc(n_stale)
-            self._dropped_since_reply += n_stale
-        self.m.positives_duplicates.inc(after["positives_duplicates"] - before["positives_duplicates"])
-        self.m.positives_evicted.inc(after["positives_evicted"] - before["positives_evicted"])
-        self._depth_changed = True
-
-    def _send_ingest(self, ident: bytes, frame: bytes) -> None:
-        try:
-            self.ingest.send_multipart([ident, frame], zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("ingest reply queue full; dropping a reply (the sender will re-send)")
-
-    # ------------------------------------------------------------------ credits
-
-    def _on_credit_request(self, ident: bytes, req: CreditRequest, key: str | None = None) -> None:
-        refused = self.credits.request(ident, req.actor_id, req.n, key)
-        if refused is not None:
-            self._send_ingest(ident, self._reject(refused.reason, refused.message))
-        elif req.n > 0 and self.capacity() < req.n:
-            self.m.admission_waits.inc()
-
-    def _grant_credits(self) -> None:
-        if not self.credits.waiting:
-            return
-        for g in self.credits.grant(self.capacity(), time.monotonic()):
-            self._send_ingest(g.ident, encode(CreditGrant(n=g.n, learner_version=self.learner_version)))
-            self.m.credit_granted.inc(g.n)
 
     # ------------------------------------------------------------------ learner requests
 
@@ -631,52 +463,9 @@ class BufferServer:
 
     # ------------------------------------------------------------------ observability
 
-    def stats(self) -> dict[str, float]:
-        c = self.store.counters
-        out: dict[str, float] = {k: float(v) for k, v in c.items()}
-        out.update({
-            "positives": float(self.store.positives_count),
-            "min_version": float(self.store.min_version()),
-            "max_version": float(self.store.max_version()),
-            "credit_outstanding": float(self.credits.in_flight),
-            "credit_waiting": float(self.credits.waiting),
-            "credit_released": float(self.credits.released),
-            "batch_waiting": float(len(self._waits)),
-            "batch_waits_abandoned": float(self._waits.abandoned),
-            "admission_capacity": float(self.capacity()),
-            "rejected_total": float(sum(self._rejected.values())),
-            "batch_timeouts": float(self._timeouts),
-            "storage_errors": float(self._storage_errors),
-            "ingest_commits": float(self._ingest_commits),
-            "lmdb_bytes": float(self.store.data_bytes()),
-            "map_size": float(self.store.map_size),
-            "metrics_port": float(self.m.port or 0),
-            "pid": float(os.getpid()),
-        })
-        for reason, n in self._rejected.items():
-            out[f"rejected_{reason}"] = float(n)
-        for reason, n in self._invalid.items():
-            out[f"invalid_{reason}"] = float(n)
-        out["invalid_total"] = float(sum(self._invalid.values()))
-        out["auth_refused_ingest"] = float(self._auth_refused["ingest"])
-        out["auth_refused_serve"] = float(self._auth_refused["serve"])
-        return out
-
-    def _update_gauges(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last_gauges < 0.5:
-            return
-        self._last_gauges = now
-        c = self.store.counters
-        self.m.depth_groups.set(c["depth_groups"])
-        self.m.depth_samples.set(c["depth_samples"])
-        self.m.depth_bytes.set(c["depth_bytes"])
-        self.m.positives_stored.set(self.store.positives_count)
-        self.m.credit_outstanding.set(self.credits.in_flight)
-        self.m.credit_waiting.set(self.credits.waiting)
-        self.m.admission_capacity.set(self.capacity())
-        self.m.learner_version.set(c["learner_version"])
-        self.m.lmdb_bytes.set(self.store.data_bytes())
+    # StatsReply counters and Prometheus gauges: buffer.stats.
+    stats = server_stats
+    _update_gauges = update_gauges
 
 
 def serve_forever(cfg: Config, ready: Callable[[dict[str, Any]], None] | None = None) -> int:
