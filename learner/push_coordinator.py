@@ -15,7 +15,7 @@ Wire (ZeroMQ ROUTER at ``learner.push_addr``, each actor a DEALER; ``common.prot
   is then rebuilt; the learner never waits for a member past ``push_timeout_s`` per bucket.
 
 Disk: the pushed bytes are written as the durable version by ``DurableWriter`` in the background, and the
-``WeightUpdate`` is published (PUB + REP, ``learner.weights.WeightPublisher``) once that version is on
+``WeightUpdate`` is published (PUB + REP, ``learner.publisher.WeightPublisher``) once that version is on
 disk: actors whose engine missed the push (or restarted) load it from there. ``<weights root>/PUSHED``
 records the newest version broadcast, written before its broadcast: a learner resumed behind it numbers
 its next version past it (``learner.runner``), as it does past the newest version on disk.

@@ -51,7 +51,8 @@ class Runner:
     def __init__(self, cfg: Config, source: DataSource | None, critic_path: str | Path | None = None,
                  metrics: Metrics | None = None) -> None:
         from learner import checkpoint
-        from learner.weights import WeightPublisher, latest_update, prune
+        from learner.publisher import WeightPublisher
+        from learner.weights import latest_update, prune
 
         self.cfg = cfg
         self.run_dir = cfg.run_dir

@@ -23,7 +23,7 @@ from actor_harness import REPO, Stack, env, make_weights, metric, read_tagged, s
 from actors.sglang_client import SGLangClient, SGLangError
 from common import protocol
 from common.checksum import weights_sha256
-from learner.weights import WeightPublisher
+from learner.publisher import WeightPublisher
 from tests.polling import wait_for
 from tests.ports import free_port
 

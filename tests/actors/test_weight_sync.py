@@ -12,7 +12,7 @@ from actor_harness import make_weights
 
 from actors.weight_sync import WeightWatcher, verify_update
 from common import protocol
-from learner.weights import WeightPublisher
+from learner.publisher import WeightPublisher
 
 
 def _addrs() -> tuple[str, str]:

@@ -21,7 +21,7 @@ from actor_harness import Stack, make_weights, metric, read_tagged, scrape, term
 from common.config import load_config
 from common.modeling import load_model, load_tokenizer
 from common.tasks import decode_response, encode_prompt, get_task
-from learner.weights import WeightPublisher
+from learner.publisher import WeightPublisher
 from tests.polling import wait_for
 from tests.ports import free_port
 

@@ -17,7 +17,7 @@ from common.security import (
     generate_keypair,
     generate_run_keys,
 )
-from learner.weights import WeightPublisher
+from learner.publisher import WeightPublisher
 from tests.polling import wait_for
 
 

@@ -11,9 +11,9 @@ import zmq
 from common import protocol
 from common.checksum import weights_sha256
 from common.modeling import load_model, load_tokenizer
+from learner.publisher import WeightPublisher
 from learner.weights import (
     STABLE,
-    WeightPublisher,
     complete_versions,
     latest_update,
     prune,
