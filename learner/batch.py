@@ -215,20 +215,14 @@ def drop_unusable(groups: list[SampleGroup], extra: list[Sample], lim: SampleLim
     the check, a changed config on resume): a bad sample drops its whole group (group statistics need all of
     it), a bad positive only itself. Never raises on what a row holds."""
     dropped: dict[str, int] = {}
-    kept: list[SampleGroup] = []
-    for g in groups:
-        bad = group_problem(g, lim)
-        if bad is None:
-            kept.append(g)
-        else:
-            dropped[bad[0]] = dropped.get(bad[0], 0) + len(g.samples)
-    pos: list[Sample] = []
-    for s in extra:
-        bad = sample_problem(s, lim)
-        if bad is None:
-            pos.append(s)
-        else:
-            dropped[bad[0]] = dropped.get(bad[0], 0) + 1
+
+    def usable(problem: tuple[str, str] | None, n_samples: int) -> bool:
+        if problem is not None:
+            dropped[problem[0]] = dropped.get(problem[0], 0) + n_samples
+        return problem is None
+
+    kept = [g for g in groups if usable(group_problem(g, lim), len(g.samples))]
+    pos = [s for s in extra if usable(sample_problem(s, lim), 1)]
     return kept, pos, dropped
 
 
