@@ -14,6 +14,11 @@ critic EV the learner reported (with ``pre_update`` it is the EV of values no up
 ``post_update`` it is read from the critic update's own forwards, so the two arms' EVs are not measured
 the same way) and the mean engine/learner mismatch KL. The default flips to whichever arm wins on both
 tasks by more than the seed spread; otherwise ``post_update`` stays.
+
+The suite also measures each other learner-maths default on the default task against the run that turns it off
+(2 seeds, same budget, the ``post_update`` arm as the reference): ``no_dual_clip`` (``algo.clip_ratio_c=0``,
+no cap on the ratio for negative advantages) and ``truncated_keep`` (``algo.truncated=keep``: a response cut at
+``actors.max_new_tokens`` keeps its reward and can be a positive), so no default change regresses silently.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ STEPS = 40
 SEEDS = (0, 1)
 TASKS = {"default": "ops/configs/default.yaml", "long": "ops/configs/long.yaml"}
 ARMS = ("post_update", "pre_update")
+# Default-task-only arms: one learner-maths default turned off each (the reference is post_update, all defaults on).
+DEFAULT_CHANGES: dict[str, tuple[str, ...]] = {"no_dual_clip": ("algo.clip_ratio_c=0",),
+                                               "truncated_keep": ("algo.truncated=keep",)}
 
 
 def name(task: str, arm: str) -> str:
@@ -33,10 +41,12 @@ def name(task: str, arm: str) -> str:
 
 
 def experiments(Experiment: Any) -> list[Any]:
-    """The 2 tasks x 2 arms, each with seeds 0 and 1."""
-    return [Experiment(name(t, a), "actor_values", f"VAPO on {t}, algo.actor_values={a}", cfg,
+    """The 2 tasks x 2 arms, then the default-task change arms, each with seeds 0 and 1."""
+    arms = [Experiment(name(t, a), "actor_values", f"VAPO on {t}, algo.actor_values={a}", cfg,
                        (f"algo.actor_values={a}",), seeds=SEEDS, steps=STEPS)
             for t, cfg in TASKS.items() for a in ARMS]
+    return arms + [Experiment(name("default", a), "actor_values", f"VAPO on default, {' '.join(ov)}",
+                              TASKS["default"], ov, seeds=SEEDS, steps=STEPS) for a, ov in DEFAULT_CHANGES.items()]
 
 
 def summary(root: Path, load_run: Any) -> dict[str, Any]:
@@ -44,27 +54,27 @@ def summary(root: Path, load_run: Any) -> dict[str, Any]:
     import json
 
     out: dict[str, Any] = {}
-    for t in TASKS:
-        for a in ARMS:
-            accs, evs, kls = [], [], []
-            for s in SEEDS:
-                d = root / f"{name(t, a)}-s{s}"
-                run = load_run(d)
-                if run is None:
+    arms = [(t, a) for t in TASKS for a in ARMS] + [("default", a) for a in DEFAULT_CHANGES]
+    for t, a in arms:
+        accs, evs, kls = [], [], []
+        for s in SEEDS:
+            d = root / f"{name(t, a)}-s{s}"
+            run = load_run(d)
+            if run is None:
+                continue
+            accs.append(run.final(STEPS)["acc"])
+            evs += [r["ev"] for r in run.steps if r.get("ev") is not None]
+            for line in (d / "metrics.jsonl").read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
                     continue
-                accs.append(run.final(STEPS)["acc"])
-                evs += [r["ev"] for r in run.steps if r.get("ev") is not None]
-                for line in (d / "metrics.jsonl").read_text().splitlines():
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    if rec.get("kind") == "learner_step" and rec.get("mismatch_tokens", 0) > 0:
-                        kls.append(float(rec["mismatch_kl"]))
-            out[f"{t}/{a}"] = {
-                "seeds_done": len(accs), "final_avg_at_8": round(statistics.fmean(accs), 4) if accs else None,
-                "per_seed": [round(x, 4) for x in accs],
-                "ev_mean": round(statistics.fmean(evs), 4) if evs else None,
-                "mismatch_kl_mean": round(statistics.fmean(kls), 6) if kls else None,
-            }
+                if rec.get("kind") == "learner_step" and rec.get("mismatch_tokens", 0) > 0:
+                    kls.append(float(rec["mismatch_kl"]))
+        out[f"{t}/{a}"] = {
+            "seeds_done": len(accs), "final_avg_at_8": round(statistics.fmean(accs), 4) if accs else None,
+            "per_seed": [round(x, 4) for x in accs],
+            "ev_mean": round(statistics.fmean(evs), 4) if evs else None,
+            "mismatch_kl_mean": round(statistics.fmean(kls), 6) if kls else None,
+        }
     return out
