@@ -37,7 +37,9 @@ from typing import Any
 
 from common import balance, remote
 from common.config import Config, ConfigError
+from common.gpu_spec import engine_tp, parse_gpus
 from common.security import is_local_endpoint
+from common.sglang_args import sglang_command
 
 STORE_FILE_ENV = "VAPO_STORE_FILE"  # learner.dist reads it: one-host ranks rendezvous in this file
 # Written by learner rank 0 into the run dir when its steps are done. The launcher trusts it, not the exit code:
@@ -107,37 +109,6 @@ class Plan:
             lines += [f"  {line}"] + ([f"  {warning}"] if warning else [])
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------------ parsing
-
-
-def parse_gpus(spec: str, key: str) -> list[int]:
-    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11]; ConfigError naming ``key`` on anything else or repeats."""
-    out: list[int] = []
-    for part in (p.strip() for p in spec.split(",")):
-        if not part:
-            continue
-        try:
-            if "-" in part:
-                lo, hi = (int(x) for x in part.split("-", 1))
-                if hi < lo:
-                    raise ValueError
-                out.extend(range(lo, hi + 1))
-            else:
-                out.append(int(part))
-        except ValueError:
-            raise ConfigError(f"{key}: {spec!r} is not a GPU list like '0-3' or '0,2,5-7'") from None
-    if any(g < 0 for g in out):
-        raise ConfigError(f"{key}: GPU indices must be >= 0")
-    if len(set(out)) != len(out):
-        raise ConfigError(f"{key}: {spec!r} names a GPU twice")
-    return out
-
-
-def engine_tp(cfg: Config) -> int:
-    """GPUs per engine: SGLang's tensor-parallel size; our rollout_server uses one device."""
-    return cfg.engine.sglang_tp_size if cfg.engine.kind == "sglang" else 1
 
 
 # ------------------------------------------------------------------------------------------- memory
@@ -383,8 +354,6 @@ def _engines_and_actors(b: _Build, eg: list[int]) -> None:
         visible = {"CUDA_VISIBLE_DEVICES": ",".join(str(b.local(g)) for g in gpus)} if gpus and not b.cpu else {}
         actor_env = dict(b.base_env)
         if cfg.engine.kind == "sglang":
-            from actors.sglang_launcher import sglang_command
-
             argv, env = sglang_command(cfg, i)
             b.procs.append(b.proc(f"engine-{i}", "engine", host, argv, {**b.base_env, **env, **visible}, tuple(gpus),
                                   cfg.engine.max_restarts))
@@ -419,8 +388,6 @@ def _cpu_plan(cfg: Config, cfgf: str, py: str, base_env: dict[str, str]) -> Plan
     procs = [Proc("buffer", "buffer", host, [py, "-m", "buffer", cfgf], dict(env), (), 3),
              Proc("learner", "learner", host, [py, "-m", "learner", cfgf], dict(env), (), 0)]
     if cfg.engine.kind == "sglang":
-        from actors.sglang_launcher import sglang_command
-
         for i in range(cfg.actors.num_actors):
             argv, e = sglang_command(cfg, i)
             procs.append(Proc(f"engine-{i}", "engine", host, argv, {**env, **e}, (), cfg.engine.max_restarts))

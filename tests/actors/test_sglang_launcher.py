@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from actors.sglang_launcher import SGLANG_FLAGS_USED, sglang_command, write_admin_key_config
+from actors.sglang_launcher import write_admin_key_config
 from common.config import ConfigError, load_config
+from common.sglang_args import SGLANG_FLAGS_USED, sglang_command
 
 # ServerArgs fields of sgl-project/sglang python/sglang/srt/server_args.py (commit 001067ff), as flags
 # (field model_path -> --model-path): host, port, model_path, tokenizer_path, skip_tokenizer_init,
