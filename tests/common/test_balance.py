@@ -10,9 +10,10 @@ import pytest
 from common import balance
 from common.config import load_config
 from common.placement import build_plan
-from tests.common.test_placement import QWEN_32B, _pdsh_on_path  # noqa: F401 - the fixture applies here too
+from tests.common.placement_fixtures import QWEN_32B
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.usefixtures("pdsh_on_path")
 
 
 def test_step_flops_and_seconds_by_hand() -> None:

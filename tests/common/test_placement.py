@@ -7,36 +7,20 @@ given, model states that cannot fit, a learner started without DeepSpeed's launc
 
 from __future__ import annotations
 
-import os
 import shlex
-import shutil
 from pathlib import Path
 
 import pytest
 
 from common.config import ConfigError, load_config
 from common.placement import GIB, build_plan, count_parameters, model_state_bytes, parse_gpus
+from tests.common.placement_fixtures import QWEN_05B, QWEN_7B, QWEN_32B
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Shapes from the released Qwen2.5 config.json files; parameter counts as published.
-QWEN_05B = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, intermediate_size=4864,
-                num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
-QWEN_7B = dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, intermediate_size=18944,
-               num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
-QWEN_32B = dict(vocab_size=152064, hidden_size=5120, num_hidden_layers=64, intermediate_size=27648,
-                num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False)
+pytestmark = pytest.mark.usefixtures("pdsh_on_path")
+
 GPU_CONFIGS = [("gpu-small.yaml", QWEN_05B), ("gpu-node8.yaml", QWEN_7B), ("paper.yaml", QWEN_32B)]
-
-
-@pytest.fixture(autouse=True)
-def _pdsh_on_path(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Multi-host ssh plans need pdsh at plan time; where it is not installed a stand-in satisfies the check."""
-    if shutil.which("pdsh") is None:
-        d = tmp_path_factory.mktemp("bin")
-        (d / "pdsh").write_text("#!/bin/sh\nexit 1\n")
-        (d / "pdsh").chmod(0o755)
-        monkeypatch.setenv("PATH", f"{d}{os.pathsep}{os.environ.get('PATH', '')}")
 
 
 def test_parameter_counts_match_the_published_models() -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from common.config import load_config
 from common.preflight import missing_files
-from tests.common.test_placement import QWEN_05B, QWEN_7B, QWEN_32B
+from tests.common.placement_fixtures import QWEN_05B, QWEN_7B, QWEN_32B
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -329,7 +329,7 @@ def test_prometheus_config_scrapes_sglang_engines(tmp_path: Path) -> None:
 
     from common.config import load_config
     from common.placement import build_plan
-    from tests.common.test_placement import QWEN_7B, QWEN_32B
+    from tests.common.placement_fixtures import QWEN_7B, QWEN_32B
 
     mod = _launch_module()
     cfg = load_config(ROOT / "ops" / "configs" / "gpu-node8.yaml")
