@@ -14,25 +14,11 @@ from __future__ import annotations
 import logging
 import sys
 
-from common.config import Config, ConfigError, load_config_args
+# config_from_argv lives beside the config it reads (``python -m common.config`` uses it too, and common.config
+# importing this module back would be a cycle); every other command takes it from here.
+from common.config import config_from_argv
 
-
-def config_from_argv(prog: str, usage: str, argv: list[str] | None = None) -> Config | int:
-    """The config named by ``argv`` (default ``sys.argv[1:]``), or the exit code the command should return.
-
-    ``-h``/``--help`` prints ``usage`` and gives 0; an unknown key, bad value or unreadable file is reported
-    as ``<prog>: config error: ...`` on stderr and gives 2. ``--local_rank=N`` (added by the DeepSpeed
-    launcher) is ignored.
-    """
-    args = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("--local_rank")]
-    if any(a in ("-h", "--help") for a in args):
-        print(usage)
-        return 0
-    try:
-        return load_config_args(args)
-    except ConfigError as e:
-        print(f"{prog}: config error: {e}", file=sys.stderr)
-        return 2
+__all__ = ["config_from_argv", "setup_logging"]
 
 
 def setup_logging(level: str, name: str = "%(name)s") -> None:

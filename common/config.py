@@ -366,15 +366,26 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _validate(cfg: Config) -> None:
-    from common.security import is_loopback_host  # one definition of "loopback" for every bind rule
+Check = tuple[str, bool, str]  # (dotted key, holds, why not)
 
+
+def _validate(cfg: Config) -> None:
+    """The first broken rule as a ConfigError: choices first, then the checks in declaration order."""
     for key, allowed in _CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
-    checks: list[tuple[str, bool, str]] = [
+    checks = [*_actor_engine_checks(cfg), *_buffer_checks(cfg), *_learner_algo_checks(cfg), *_placement_task_checks(cfg)]
+    for key, ok, why in checks:
+        if not ok:
+            raise ConfigError(f"{key}: {why}")
+
+
+def _actor_engine_checks(cfg: Config) -> list[Check]:
+    from common.security import is_loopback_host  # one definition of "loopback" for every bind rule
+
+    return [
         ("actors.group_size", cfg.actors.group_size >= 1, "must be >= 1"),
         ("actors.num_actors", cfg.actors.num_actors >= 1, "must be >= 1"),
         ("actors.max_new_tokens", cfg.actors.max_new_tokens >= 1, "must be >= 1"),
@@ -396,6 +407,11 @@ def _validate(cfg: Config) -> None:
         ("metrics.host", not cfg.metrics.prometheus or is_loopback_host(cfg.metrics.host) or bool(cfg.metrics.bind_protection),
          f"{cfg.metrics.host!r} is not a loopback address: every process's /metrics (no authentication) would be open "
          "to whoever reaches it; bind 127.0.0.1 or set metrics.bind_protection (firewall | private_network | auth_proxy)"),
+    ]
+
+
+def _buffer_checks(cfg: Config) -> list[Check]:
+    return [
         ("buffer.max_staleness", cfg.buffer.max_staleness >= 0, "must be >= 0"),
         ("buffer.vocab_size", cfg.buffer.vocab_size >= 0, "must be >= 0"),
         ("task.reward_max", cfg.task.reward_min <= cfg.task.reward_max, "must be >= task.reward_min"),
@@ -411,6 +427,11 @@ def _validate(cfg: Config) -> None:
         ("buffer.max_batch_groups", cfg.buffer.max_batch_groups >= 1, "must be >= 1"),
         ("buffer.max_batch_wait_s", cfg.buffer.max_batch_wait_s >= 5, "must be >= 5 (the learner asks in waits of 5 s)"),
         ("buffer.learner_version_max_step", cfg.buffer.learner_version_max_step >= 1, "must be >= 1"),
+    ]
+
+
+def _learner_algo_checks(cfg: Config) -> list[Check]:
+    return [
         ("learner.batch_groups", cfg.learner.batch_groups >= 1, "must be >= 1"),
         ("learner.mini_batches", cfg.learner.mini_batches >= 1, "must be >= 1"),
         ("learner.ppo_epochs", cfg.learner.ppo_epochs >= 1, "must be >= 1"),
@@ -430,6 +451,11 @@ def _validate(cfg: Config) -> None:
         ("nll.coef", cfg.nll.coef >= 0, "must be >= 0"),
         ("nll.replay_fraction", cfg.nll.replay_fraction >= 0, "must be >= 0"),
         ("metrics.final_scrape_wait_s", cfg.metrics.final_scrape_wait_s >= 0, "must be >= 0"),
+    ]
+
+
+def _placement_task_checks(cfg: Config) -> list[Check]:
+    return [
         ("placement.hosts", len(cfg.placement.hosts) >= 1 and all(cfg.placement.hosts), "must name at least one host"),
         ("placement.gpus_per_host", cfg.placement.gpus_per_host >= 1, "must be >= 1"),
         ("placement.master_port", 0 < cfg.placement.master_port < 65536, "must be a port number"),
@@ -447,9 +473,6 @@ def _validate(cfg: Config) -> None:
         ("task.min_digits", 1 <= cfg.task.min_digits <= cfg.task.max_digits, "must satisfy 1 <= min <= max_digits"),
         ("task.min_steps", 1 <= cfg.task.min_steps <= cfg.task.max_steps <= 99, "must satisfy 1 <= min <= max_steps <= 99"),
     ]
-    for key, ok, why in checks:
-        if not ok:
-            raise ConfigError(f"{key}: {why}")
 
 
 # ------------------------------------------------------------------------------------- typed merging
@@ -626,9 +649,25 @@ def usage() -> str:
     return "usage: python -m common.config [config.yaml] [key=value ...]\n\nPrints the resolved config. Fields:\n\n" + "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from common.cli import config_from_argv  # common.cli builds on this module
+def config_from_argv(prog: str, usage: str, argv: list[str] | None = None) -> Config | int:
+    """The config named by ``argv`` (default ``sys.argv[1:]``), or the exit code the command should return.
 
+    ``-h``/``--help`` prints ``usage`` and gives 0; an unknown key, bad value or unreadable file is reported
+    as ``<prog>: config error: ...`` on stderr and gives 2. ``--local_rank=N`` (added by the DeepSpeed
+    launcher) is ignored.
+    """
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("--local_rank")]
+    if any(a in ("-h", "--help") for a in args):
+        print(usage)
+        return 0
+    try:
+        return load_config_args(args)
+    except ConfigError as e:
+        print(f"{prog}: config error: {e}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
     cfg = config_from_argv("common.config", usage(), argv)
     if isinstance(cfg, int):
         return cfg
