@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.actors.http_fixtures import call, message
 from tests.actors.servers import start_rollout_server
-from tests.actors.test_rollout_server_hostile import call, message
 from tests.polling import wait_for
 
 KEY = "k3y-for-this-test"

@@ -13,43 +13,18 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.actors.http_fixtures import call, message
 from tests.polling import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 LIMITS = ("--max-body-bytes", "1000000", "--max-queued-tokens", "3000", "--http-idle-timeout-s", "2",
           "--http-read-timeout-s", "2", "--max-n", "64", "--max-batch-size", "8")
-
-
-def call(url: str, path: str, payload: Any = None, raw: bytes | None = None, headers: dict[str, str] | None = None,
-         timeout: float = 30) -> tuple[int, Any]:
-    data = raw if raw is not None else (json.dumps(payload).encode() if payload is not None else None)
-    req = urllib.request.Request(url + path, data=data, method="POST" if data is not None else "GET",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, body = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, body = e.code, e.read()
-    try:
-        return status, json.loads(body) if body else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return status, body.decode(errors="replace")
-
-
-def message(body: Any) -> str:
-    """The message of either SGLang error shape."""
-    if isinstance(body, dict):
-        err = body.get("error")
-        return str(err["message"] if isinstance(err, dict) else body.get("message"))
-    return str(body)
 
 
 def rss_kib(pid: int) -> int:

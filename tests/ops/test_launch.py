@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ops.process_fixtures import processes_mentioning
 from tests.polling import wait_for
 from tests.ports import free_port, port_overrides
 
@@ -29,22 +30,6 @@ LAUNCH = ROOT / "ops" / "launch.sh"
 
 def smoke_overrides(root: Path, name: str) -> list[str]:
     return [f"run.root={root}", f"run.name={name}", *port_overrides()]
-
-
-def processes_mentioning(text: str) -> list[str]:
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmd and int(pid) != os.getpid():
-            out.append(f"{pid}: {cmd}")
-    return out
-
-
 
 
 def promql_range(port: int, expr: str, start: float, end: float) -> list:

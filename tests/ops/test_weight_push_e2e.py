@@ -38,7 +38,7 @@ def test_engine_killed_during_a_run_with_the_push_rejoins(tmp_path: Path) -> Non
     import os
     import signal
 
-    from tests.ops.test_launch import processes_mentioning
+    from tests.ops.process_fixtures import processes_mentioning
 
     ports = port_overrides()
     base_port = next(p.split("=")[1] for p in ports if p.startswith("engine.base_port="))
