@@ -26,7 +26,7 @@ request failed.
   error whose version the engine generates with anyway (SGLang: 400 after a completed load whose cache
   flush was refused) is accepted.
 
-Deviations: none from SGLang's API; the link uses only what ``actors.sglang_client`` speaks.
+Deviations: none from SGLang's API; the link uses only what ``common.sglang_client`` speaks.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from actors.rollout_server.process import EngineStartError, RolloutServerProcess
-from actors.sglang_client import SGLangClient, SGLangError
 from actors.weight_sync import WeightWatcher, checkpoint_tensors, verify_tensors, verify_update
 from common.config import Config
+from common.sglang_client import SGLangClient, SGLangError
 
 # The worker's logger: these lines were always the worker's, and log readers match on its name.
 log = logging.getLogger("vapo.actors.worker")

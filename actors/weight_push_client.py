@@ -1,4 +1,4 @@
-"""An engine's side of a distributed weight push, through SGLang's own API (``actors.sglang_client``).
+"""An engine's side of a distributed weight push, through SGLang's own API (``common.sglang_client``).
 
 - ``join_group(client, body)``: ``/init_weights_update_group`` with the body the learner's
   ``WeightPusher.open_group`` made for this engine (it blocks until every member has joined).
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from actors.sglang_client import SGLangClient, SGLangError
+from common.sglang_client import SGLangClient, SGLangError
 
 PAUSE_MODES = ("in_place", "retract", "abort", "none")
 REJOIN_BACKOFF_S = 10.0

@@ -51,13 +51,13 @@ import numpy as np
 from actors.cursor import PromptCursor, group_id_for
 from actors.engine_link import EngineLink, EngineLinkError, engine_url
 from actors.rollout_server.process import EngineStartError
-from actors.sglang_client import GenerateOutput, SGLangError
 from actors.weight_sync import WeightWatcher
 from buffer.client import AsyncGroupSender
 from common.config import Config
 from common.metrics import Metrics
 from common.protocol import FINISH_REASONS, Sample, SampleGroup
 from common.security import client_curve_keys
+from common.sglang_client import GenerateOutput, SGLangError
 from common.tasks import Prompt, decode_response, encode_prompt, get_task
 
 log = logging.getLogger("vapo.actors.worker")

@@ -261,7 +261,7 @@ class _Shard:
 
 async def _engine_generate(shard: _Shard, k: int, max_new_tokens: int, temperature: float, version: int,
                            timeout_s: float, concurrency: int, request_timeout_s: float, version_wait_s: float) -> None:
-    from actors.sglang_client import SGLangClient, SGLangError, as_int
+    from common.sglang_client import SGLangClient, SGLangError, as_int
 
     url, ids = shard.url, shard.ids
     deadline = time.monotonic() + timeout_s

@@ -17,7 +17,7 @@ ROOT=$(pwd)
 VENV=${VAPO_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
 CPU_TORCH=2.13.0          # the CPU build these machines carry on disk
-SGLANG_VERSION=0.5.23     # GPU: the SGLang release vapo's client follows (actors/sglang_client.py)
+SGLANG_VERSION=0.5.23     # GPU: the SGLang release vapo's client follows (common/sglang_client.py)
 DEEPSPEED_VERSION=0.19.8
 MODE_FILE="$VENV/.vapo-mode"
 

@@ -54,8 +54,8 @@ from actors.rollout_server.dist_update import DistributedUpdates
 from actors.rollout_server.guard import admin_auth_middleware, check_generate_body, quiet_protocol_errors
 from actors.rollout_server.sampling import DEFAULT_MAX_N, RequestError, SamplingParams
 from actors.rollout_server.scheduler import Scheduler, SchedulerBusy, Sequence, new_rid
-from actors.sglang_client import gc_paused
 from common.metrics import Metrics
+from common.sglang_client import gc_paused
 
 log = logging.getLogger("vapo.rollout_server")
 

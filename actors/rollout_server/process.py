@@ -20,9 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from actors.sglang_client import SGLangClient
 from common import lifeline
 from common.config import Config
+from common.sglang_client import SGLangClient
 
 log = logging.getLogger("vapo.actors.engine")
 REPO = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ One ``actors.rollout_server`` engine serves both phases, with the run's config (
 ``ops/configs/default.yaml``: G = 8, prompts_in_flight = 16, max_new_tokens = 96, temperature 1):
 
 - raw: ``prompts_in_flight`` concurrent asyncio loops POST ``/generate`` (n = G, return_logprob) for this
-  actor's prompts through ``actors.sglang_client``, and count samples — the engine's throughput with no
+  actor's prompts through ``common.sglang_client``, and count samples — the engine's throughput with no
   verification, no buffer, no credit;
 - actors: ``python -m actors --actor-id 0`` with ``engine.kind=external`` pointing at the same engine, a real
   buffer (``python -m buffer``, LMDB) and no learner; throughput is the growth of the buffer's committed
@@ -37,8 +37,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from actors.sglang_client import SGLangClient  # noqa: E402
 from common.config import Config, load_config  # noqa: E402
+from common.sglang_client import SGLangClient  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
        "TOKENIZERS_PARALLELISM": "false"}

@@ -8,7 +8,7 @@ Model: ``ops/bases/addition-tiny`` (the shipped base) when it exists, else a ran
 
 - server: ``python -m actors.rollout_server`` as a subprocess; ``clients`` concurrent asyncio clients each
   POST one /generate of ``prompts`` prompts with ``n = samples`` and ``return_logprob`` (through
-  ``actors.sglang_client``, as the actors do);
+  ``common.sglang_client``, as the actors do);
 - baseline: the same ``clients`` batches, one after another, through ``model.generate`` (left-padded batch
   of ``prompts`` prompts, ``num_return_sequences = samples``), in this process with the same torch threads.
 
@@ -35,9 +35,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from actors.sglang_client import SGLangClient  # noqa: E402
 from common.config import BootstrapConfig  # noqa: E402
 from common.modeling import build_char_tokenizer, build_tiny_qwen2, load_model, save_hf  # noqa: E402
+from common.sglang_client import SGLangClient  # noqa: E402
 
 
 def model_dir(tmp: Path) -> tuple[Path, str]:

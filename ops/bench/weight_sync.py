@@ -43,8 +43,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from actors.rollout_server.dist_update import param_digest  # noqa: E402
-from actors.sglang_client import SGLangClient  # noqa: E402
 from actors.weight_push_client import join_group, receive_push  # noqa: E402
+from common.sglang_client import SGLangClient  # noqa: E402
 from learner.weight_push import DurableWriter, WeightPusher  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""actors.sglang_client against SGLang's recorded shapes (replayed by an in-process fake) and a live rollout_server."""
+"""common.sglang_client against SGLang's recorded shapes (replayed by an in-process fake) and a live rollout_server."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from aiohttp import web
 
-from actors.sglang_client import SGLangClient, SGLangError, error_message, parse_generate_response
 from common.modeling import load_model
+from common.sglang_client import SGLangClient, SGLangError, error_message, parse_generate_response
 from learner.losses import token_logprobs
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "sglang_api.json").read_text())

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 from actor_harness import REPO, Stack, env, make_weights, metric, read_tagged, scrape
 
-from actors.sglang_client import SGLangClient, SGLangError
 from common import protocol
 from common.checksum import weights_sha256
+from common.sglang_client import SGLangClient, SGLangError
 from learner.publisher import WeightPublisher
 from tests.polling import wait_for
 from tests.ports import free_port

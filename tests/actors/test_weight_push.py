@@ -15,10 +15,10 @@ import torch
 
 from actors.rollout_server.dist_update import param_digest
 from actors.rollout_server.weights import read_state_dict
-from actors.sglang_client import SGLangClient, SGLangError
 from actors.weight_push_client import join_group, receive_push
 from common.checksum import weights_sha256
 from common.modeling import load_model
+from common.sglang_client import SGLangClient, SGLangError
 from learner.weight_push import DurableWriter, WeightPusher, bucket_plan
 from learner.weights import write_version
 
@@ -239,7 +239,7 @@ from learner.dist import rank
 from learner.models import build_policy
 from learner.weight_push import WeightPusher, bucket_plan
 from learner.weights import write_version
-from actors.sglang_client import SGLangClient
+from common.sglang_client import SGLangClient
 from actors.weight_push_client import join_group, receive_push
 
 model, out, url, key = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
