@@ -13,7 +13,7 @@ import pytest
 
 from buffer.client import AsyncGroupSender, BatchClient
 from common.protocol import PositivesReply, decode
-from tests.buffer.conftest import SyncSender, make_group
+from tests.buffer.fixtures import SyncSender, make_group
 from tests.polling import wait_for
 
 

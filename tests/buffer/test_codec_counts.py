@@ -36,7 +36,7 @@ from buffer.server import BufferServer
 from common import protocol
 from common.config import load_config
 from common.metrics import Metrics
-from tests.buffer.conftest import make_group
+from tests.buffer.fixtures import make_group
 
 
 class Counts:

@@ -22,7 +22,7 @@ from common.security import (
     is_local_endpoint,
     server_curve,
 )
-from tests.buffer.conftest import REPO, BufferProc, SyncSender, make_group
+from tests.buffer.fixtures import REPO, BufferProc, SyncSender, make_group
 
 
 @pytest.mark.parametrize("addr,local", [

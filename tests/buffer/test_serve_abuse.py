@@ -26,7 +26,7 @@ from buffer.client import BatchClient
 from common.config import CurveConfig
 from common.protocol import BatchRequest, CreditRequest, ErrorReply, ProtocolError, decode, encode
 from common.security import client_curve_keys
-from tests.buffer.conftest import REPO, BufferProc, SyncSender, make_group
+from tests.buffer.fixtures import REPO, BufferProc, SyncSender, make_group
 from tests.polling import wait_for
 
 ENV = dict(os.environ, PYTHONPATH=str(REPO))

@@ -23,7 +23,7 @@ from common.protocol import (
     encode,
 )
 from common.security import ClientKeys, apply_client_curve, client_curve_keys, generate_keypair
-from tests.buffer.conftest import BufferProc, SyncSender, make_group, make_sample, run_keys
+from tests.buffer.fixtures import BufferProc, SyncSender, make_group, make_sample, run_keys
 from tests.polling import wait_for
 
 

@@ -18,7 +18,7 @@ from buffer.client import BatchClient
 from common.config import CurveConfig, load_config
 from common.protocol import BatchRequest, CreditRequest, SampleGroup, encode
 from common.security import client_curve_keys
-from tests.buffer.conftest import SyncSender, make_sample
+from tests.buffer.fixtures import SyncSender, make_sample
 from tests.polling import wait_for
 from tests.ports import port_overrides
 
