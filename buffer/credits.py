@@ -1,6 +1,6 @@
 """The buffer's credit ledger: who asked for credit, who holds how much, and how much may be admitted.
 
-Not a CLI; used by ``buffer.server`` (the rules are in its module docstring: admission control). Pure
+Not a CLI; used by ``buffer.admission`` (the rules are in its module docstring). Pure
 bookkeeping: no sockets, no LMDB, no clock. The caller passes ``now`` (``time.monotonic()`` seconds) and the
 admission capacity, and sends the grants and refusals this class returns.
 
@@ -25,7 +25,7 @@ MAX_WAITING = 1 << 16  # actors with a deferred credit request
 
 
 def admission_capacity(max_staleness: int, batch_groups: int, pending_n: int, depth: int, in_flight: int) -> int:
-    """Groups that may still be admitted under the staleness bound (see ``buffer.server``); may be negative.
+    """Groups that may still be admitted under the staleness bound (see ``buffer.admission``); may be negative.
 
     ``max_staleness * batch_groups + pending_n - (depth + in_flight)``: ``pending_n`` is the largest
     ``n_groups`` of the waiting batch requests (0 when none waits).

@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from buffer.store import inspect, repair_learner_version
+from buffer.directory import inspect, repair_learner_version
 
 EPILOG = """repair:
   The buffer serves only groups with weight_version >= learner_version - buffer.max_staleness and accepts

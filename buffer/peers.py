@@ -1,7 +1,7 @@
 """Which ROUTER peers are still connected (the buffer drops the state of a connection that closed), and how
 many were refused at the handshake.
 
-Not a CLI; used by ``buffer.server`` for both of its ROUTER sockets.
+Not a CLI; used by ``buffer.server`` (serve socket) and ``buffer.ingest`` (ingest socket).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class Peers:
     def __init__(self, sock: zmq.Socket) -> None:
         self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
         self.refused = 0
+        self.refused_reported = 0  # the part of ``refused`` already handed out by ``new_refusals``
         self._fd_of: dict[bytes, int] = {}
         self._ids_on: dict[int, set[bytes]] = {}
 
@@ -57,6 +58,12 @@ class Peers:
                     self._fd_of.pop(ident, None)
                     out.append(ident)
         return out
+
+    def new_refusals(self) -> int:
+        """Handshake refusals since the last call (for a counter metric that only goes up)."""
+        new = self.refused - self.refused_reported
+        self.refused_reported = self.refused
+        return new
 
     def close(self) -> None:
         self.monitor.close(linger=0)

@@ -29,7 +29,7 @@ of it. Anything higher is refused (``ErrorReply(reason="learner_version")``) and
 version below the stored one is served under the stored one (a learner resumed from an older checkpoint).
 ``python -m buffer.inspect PATH --set-learner-version N`` repairs it while the server is stopped.
 
-Admission control (credits, AReaL's staleness bound; ``CreditRequest`` / ``CreditGrant``): ``buffer.ingest``.
+Admission control (credits, AReaL's staleness bound; ``CreditRequest`` / ``CreditGrant``): ``buffer.admission``.
 
 Roles: with CurveZMQ keys (every launched run: ``common.security``) each frame carries its client key, and
 the key's role decides what it may send: ``SampleGroup`` and ``CreditRequest`` only from ``actor`` keys,
@@ -46,11 +46,15 @@ Threads: the main thread owns every socket and validates frames; one writer thre
 each batch's LMDB transaction (page writes and fsync release the GIL), so validation of the next batch
 overlaps the commit of the previous one. The main thread touches the store only while the writer is idle.
 
-This module is the event loop. The pieces it drives: ``buffer.ingest`` (the ingest socket: validation,
-roles, commit acks, credit requests), ``buffer.stats`` (counters and gauges), ``buffer.credits`` (the
-credit ledger and the admission capacity, pure), ``buffer.waits`` (waiting batch requests),
-``buffer.peers`` (which connections closed), ``buffer.writer`` (the commit thread) and ``buffer.store``
-(every LMDB access).
+This module is the event loop: it owns the sockets, reads the serve socket and routes every frame to the
+role that answers it. The roles, each owning its state: ``buffer.ingest`` (``Ingest``: the ingest socket,
+validation, roles, the commit pipeline and its acks), ``buffer.admission`` (``Admission``: credit requests
+and grants, the admission capacity), ``buffer.serving`` (``BatchServing``: batch requests, the wait list,
+staleness), ``buffer.positives`` (``Positives``: harvest at ingest, ``PositivesRequest``), ``buffer.stats``
+(``BufferStats``: ``StatsRequest``, gauges) and ``buffer.frames`` (``FrameRejections``: refused frames).
+Below them: ``buffer.credits`` (the credit ledger, pure), ``buffer.waits`` (the wait list),
+``buffer.peers`` (which connections closed), ``buffer.writer`` (the commit thread), ``buffer.store`` (every
+LMDB access; layout in ``buffer.layout``) and ``buffer.directory`` (the one-server lock).
 
 Deviations: groups are deleted from LMDB when served (a learner crash loses the batches served since its
 last checkpoint: it resumes from that checkpoint and trains on fresh groups instead); the DAPO uniform-reward filter runs at ingest, not at serve
@@ -63,7 +67,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import signal
 import sys
 import threading
@@ -74,23 +77,16 @@ from typing import Any
 
 import zmq
 
-from buffer.credits import CreditLedger, admission_capacity, free_capacity
-from buffer.ingest import (
-    client_key,
-    drain_ingest,
-    finish_commit,
-    grant_credits,
-    has_room,
-    on_credit_request,
-    record_group,
-    refuse_group,
-    send_ingest,
-)
+from buffer.admission import Admission
+from buffer.directory import lock_server, unlock_server
+from buffer.frames import FrameRejections, client_key
+from buffer.ingest import Ingest
 from buffer.peers import Peers
-from buffer.stats import server_stats, update_gauges
-from buffer.store import BufferStore, StorageError, lock_server, unlock_server
-from buffer.waits import BatchWait, BatchWaits
-from buffer.writer import Pending, Writer
+from buffer.positives import Positives
+from buffer.serving import BatchServing
+from buffer.stats import BufferStats
+from buffer.store import BufferStore
+from buffer.writer import Writer
 from common.config import Config
 from common.limits import limits_from_config
 from common.metrics import Metrics
@@ -103,8 +99,6 @@ from common.protocol import (
     StatsRequest,
     decode,
     encode,
-    encode_batch_reply,
-    encode_positives_reply,
 )
 from common.security import server_curve
 
@@ -117,19 +111,12 @@ class BufferServer:
     def __init__(self, cfg: Config, metrics: Metrics | None = None) -> None:
         b = cfg.buffer
         self.cfg = cfg
-        self.k = b.max_staleness
-        self.batch_groups = cfg.learner.batch_groups
-        self.max_frame = b.max_frame_bytes
-        self.m = metrics or Metrics("buffer")
-        per_actor = b.max_credit_per_actor or 2 * cfg.actors.prompts_in_flight
-        self.credits = CreditLedger(per_actor, b.max_credit_per_connection or per_actor, b.credit_ttl_s)
-        self.max_batch_groups = min(b.max_batch_groups, b.capacity_groups)
-        self.limits = limits_from_config(cfg)
+        self.metrics = metrics or Metrics("buffer")
         self._lock_fd = lock_server(cfg.buffer_path)  # one server per directory; an offline repair waits
         try:
             self.store = BufferStore(
                 cfg.buffer_path, map_size=b.map_size_bytes, max_map_size=b.max_map_size_bytes,
-                positives_capacity=b.positives_capacity, on_commit=self.m.commit_latency_seconds.observe,
+                positives_capacity=b.positives_capacity, on_commit=self.metrics.commit_latency_seconds.observe,
             )
         except BaseException:
             unlock_server(self._lock_fd)
@@ -142,35 +129,38 @@ class BufferServer:
             self.ctx.term()
             unlock_server(self._lock_fd)
             raise
-        self.ingest = self._socket(zmq.ROUTER, b.ingest_addr)
-        self.serve = self._socket(zmq.ROUTER, b.serve_addr)
-        self.ingest_peers = Peers(self.ingest)
-        self.serve_peers = Peers(self.serve)
+        ingest_sock = self._socket(zmq.ROUTER, b.ingest_addr)
+        self.serve_sock = self._socket(zmq.ROUTER, b.serve_addr)
+        self.serve_peers = Peers(self.serve_sock)
         self.writer = Writer(self.store, self.ctx)
-        self._next: list[Pending] = []  # validated, waiting for a commit
         self._stop = threading.Event()
-        self._rng = random.Random(cfg.run.seed)
-        self._waits = BatchWaits()
-        self._dropped_since_reply = 0
-        self._filtered_since_reply = 0
-        self._rejected: dict[str, int] = {}
-        self._invalid: dict[str, int] = {}
-        self._auth_refused = {"ingest": 0, "serve": 0}
-        self._timeouts = 0
-        self._storage_errors = 0
-        self._ingest_commits = 0
-        self._last_gauges = 0.0
-        self._depth_changed = True
-        self._update_gauges(force=True)
+        self._reading_ingest = False
+        self._build_roles(ingest_sock)
+        self.stats.update_gauges(force=True)
         c = self.store.counters
         log.info("buffer at %s: %d groups waiting (versions %d..%d), %d positives, learner version %d",
                  cfg.buffer_path, c["depth_groups"], self.store.min_version(), self.store.max_version(),
                  self.store.positives_count, c["learner_version"])
 
+    def _build_roles(self, ingest_sock: zmq.Socket) -> None:
+        """One object per role; they reach each other only through the callbacks wired here."""
+        cfg, store, metrics = self.cfg, self.store, self.metrics
+        self.rejections = FrameRejections(metrics)
+        self.positives = Positives(store, cfg.run.seed)
+        self.serving = BatchServing(cfg, store, metrics=metrics, rejections=self.rejections, reply=self._reply,
+                                    settle=self._settle, served=self._batch_served)
+        self.admission = Admission(cfg, store, metrics=metrics, rejections=self.rejections,
+                                   pending_n=self.serving.waits.pending_n, send=self._answer_actor)
+        self.ingest = Ingest(cfg, ingest_sock, store, self.writer, metrics=metrics, rejections=self.rejections,
+                             curve=self.curve, limits=limits_from_config(cfg),
+                             consume_credit=self.admission.consume, on_committed=self.serving.note_commit)
+        self.stats = BufferStats(store, metrics, ingest=self.ingest, serving=self.serving,
+                                 admission=self.admission, rejections=self.rejections, serve_peers=self.serve_peers)
+
     def _socket(self, kind: int, addr: str) -> zmq.Socket:
         s = self.ctx.socket(kind)
         s.linger = 0
-        s.maxmsgsize = 4 * self.max_frame
+        s.maxmsgsize = 4 * self.cfg.buffer.max_frame_bytes
         s.sndhwm = 10000
         s.rcvhwm = 10000
         self.curve.apply(s)
@@ -181,19 +171,16 @@ class BufferServer:
             raise OSError(f"cannot bind {addr}: {e}") from None
         return s
 
-    # ------------------------------------------------------------------ properties
+    # ------------------------------------------------------------------ callbacks between roles
 
-    @property
-    def learner_version(self) -> int:
-        return self.store.counters["learner_version"]
+    def _settle(self) -> None:
+        self.ingest.settle()
 
-    def capacity(self) -> int:
-        c = self.store.counters
-        pending_n = self._waits.pending_n()
-        in_flight = self.credits.in_flight
-        adm = admission_capacity(self.k, self.batch_groups, pending_n, c["depth_groups"], in_flight)
-        return free_capacity(adm, c["depth_groups"], c["depth_bytes"], in_flight,
-                             self.cfg.buffer.capacity_groups, self.cfg.buffer.capacity_bytes)
+    def _answer_actor(self, ident: bytes, frame: bytes) -> None:
+        self.ingest.send(ident, frame)
+
+    def _batch_served(self) -> None:
+        self.stats.update_gauges(force=True)
 
     # ------------------------------------------------------------------ loop
 
@@ -202,54 +189,50 @@ class BufferServer:
 
     def run(self) -> None:
         poller = zmq.Poller()
-        for sock in (self.writer.notify, self.serve, self.ingest_peers.monitor, self.serve_peers.monitor):
+        for sock in (self.writer.notify, self.serve_sock, self.ingest.peers.monitor, self.serve_peers.monitor):
             poller.register(sock, zmq.POLLIN)
-        registered = {self.ingest: False}
         try:
             while not self._stop.is_set():
                 try:
-                    self._turn(poller, registered)
+                    self._turn(poller)
                 except Exception as e:
                     # A bug must not take the buffer down: log, count, answer the waiting requests, carry on.
                     log.exception("unexpected error in the buffer loop")
-                    self.m.storage_errors.labels(reason="internal").inc()
-                    for w in self._waits.clear():
-                        self._reply(w.ident, w.envelope, encode(ErrorReply(reason="internal", message=repr(e)[:4000])))
-            self._wait_writer()
+                    self.metrics.storage_errors.labels(reason="internal").inc()
+                    self.serving.fail_all(repr(e)[:4000])
+            self.ingest.settle()
         finally:
             self.close()
 
-    def _turn(self, poller: zmq.Poller, registered: dict[zmq.Socket, bool]) -> None:
+    def _turn(self, poller: zmq.Poller) -> None:
         # Stop reading ingest while the next batch is full (the ZeroMQ queues push back on senders).
-        on = len(self._next) < self.cfg.buffer.commit_batch
-        if on != registered[self.ingest]:
-            (poller.register(self.ingest, zmq.POLLIN) if on else poller.unregister(self.ingest))
-            registered[self.ingest] = on
+        on = self.ingest.accepting
+        if on != self._reading_ingest:
+            (poller.register(self.ingest.sock, zmq.POLLIN) if on else poller.unregister(self.ingest.sock))
+            self._reading_ingest = on
         timeout_ms = 100.0
-        first = self._waits.first_deadline()
+        first = self.serving.waits.first_deadline()
         if first is not None:
             timeout_ms = max(0.0, min(timeout_ms, (first - time.monotonic()) * 1000))
         events = dict(poller.poll(timeout_ms))
         self._drop_gone()  # before reading data: see Peers
         if self.writer.notify in events:
-            self._collect_writer()
-        if self.ingest in events:
-            self._drain_ingest()
-        if self._next and not self.writer.busy:
-            self._submit()
-        if self.serve in events:
+            self.ingest.collect()
+        if self.ingest.sock in events:
+            for ident, req, key in self.ingest.drain():
+                self.admission.on_request(ident, req, key)
+        self.ingest.submit()
+        if self.serve_sock in events:
             self._drain_serve()
-        if self._waits:
-            self._try_serve()
-        self.credits.expire(time.monotonic())
-        self._grant_credits()
-        self._update_gauges()
+        self.serving.serve_waiting()
+        self.admission.grant()
+        self.stats.update_gauges()
 
     def close(self) -> None:
         self.writer.stop()
-        self.ingest_peers.close()
+        self.ingest.peers.close()
         self.serve_peers.close()
-        for s in (self.ingest, self.serve, self.writer.notify):
+        for s in (self.ingest.sock, self.serve_sock, self.writer.notify):
             if not s.closed:
                 s.close(linger=0)
         self.curve.stop()
@@ -260,73 +243,30 @@ class BufferServer:
     def _drop_gone(self) -> None:
         """Forget the state of connections that closed: their credit and their waiting batch requests (and
         count the connections refused at the handshake)."""
-        for ident in self.ingest_peers.gone():
-            released = self.credits.release_connection(ident)
-            if released:
-                log.info("an ingest connection closed: released its %d unused credits", released)
+        for ident in self.ingest.peers.gone():
+            self.admission.release_connection(ident)
         for ident in self.serve_peers.gone():
-            if self._waits.abandon(ident):
+            if self.serving.waits.abandon(ident):
                 log.info("a client left while its batch request waited: dropped the request")
-        for name, peers in (("ingest", self.ingest_peers), ("serve", self.serve_peers)):
-            new = peers.refused - self._auth_refused[name]
+        for name, peers in (("ingest", self.ingest.peers), ("serve", self.serve_peers)):
+            new = peers.new_refusals()
             if new:
-                self._auth_refused[name] = peers.refused
-                self.m.auth_refused.labels(socket=name).inc(new)
+                self.metrics.auth_refused.labels(socket=name).inc(new)
                 log.warning("%s socket: refused %d connection(s) at the CurveZMQ handshake", name, new)
 
-    # ------------------------------------------------------------------ ingest
-
-    def _reject(self, reason: str, message: str) -> bytes:
-        self._rejected[reason] = self._rejected.get(reason, 0) + 1
-        self.m.rejected_frames.labels(reason=reason).inc()
-        return encode(ErrorReply(reason=reason, message=message[:4000]))
-
-    # The ingest side (validation, roles, commit acks, credits) lives in buffer.ingest, bound as methods.
-    _drain_ingest = drain_ingest
-    _refuse_group = refuse_group
-    _client_key = client_key
-    _record = record_group
-    _has_room = has_room
-    _finish = finish_commit
-    _send_ingest = send_ingest
-    _on_credit_request = on_credit_request
-    _grant_credits = grant_credits
-
-    def _submit(self) -> None:
-        batch, self._next = self._next, []
-        self.m.ingested_groups.inc(len(batch))
-        self.writer.submit(batch, dict(self.store.counters))
-
-    def _wait_writer(self) -> None:
-        """Finish the commit in progress; every main-thread LMDB access goes through here first.
-
-        Nothing is submitted again until the main loop's next turn, so the caller has LMDB to itself.
-        """
-        while self.writer.busy:
-            self.writer.wait()
-            self._collect_writer()
-
-    def _collect_writer(self) -> None:
-        for batch, before, results, err in self.writer.collect():
-            self._finish(batch, before, results, err)
-
-    def _known(self, group_id: str) -> bytes | None:
-        self._wait_writer()
-        return self.store.known(group_id)
-
-    # ------------------------------------------------------------------ learner requests
+    # ------------------------------------------------------------------ the serve socket
 
     def _reply(self, ident: bytes, envelope: list[bytes], frame: bytes, copy: bool = True) -> None:
         try:
-            self.serve.send_multipart([ident, *envelope, frame], zmq.NOBLOCK, copy=copy)
+            self.serve_sock.send_multipart([ident, *envelope, frame], zmq.NOBLOCK, copy=copy)
         except zmq.Again:
             log.warning("serve reply queue full; dropping a reply (the client times out and asks again)")
 
     def _drain_serve(self) -> None:
-        """Answer what can be answered now; batch requests join the wait list (served by ``_try_serve``)."""
+        """Answer what can be answered now; batch requests join the wait list (``BatchServing``)."""
         for _ in range(256):
             try:
-                parts = self.serve.recv_multipart(zmq.NOBLOCK, copy=False)
+                parts = self.serve_sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             ident, rest = parts[0].bytes, parts[1:]
@@ -336,136 +276,43 @@ class BufferServer:
             if rest and len(rest[0]) == 0:  # a REQ client's empty delimiter: echo it so REQ accepts the reply
                 envelope, rest = [b""], rest[1:]
             try:
-                self._handle_serve(ident, envelope, rest)
+                self._route_serve(ident, envelope, rest)
             except Exception as e:  # a bug in one request must not take the buffer down
                 log.exception("unexpected error answering a serve request")
-                self.m.storage_errors.labels(reason="internal").inc()
-                self._waits.remove(ident)
+                self.metrics.storage_errors.labels(reason="internal").inc()
+                self.serving.waits.remove(ident)
                 self._reply(ident, envelope, encode(ErrorReply(reason="internal", message=repr(e)[:4000])))
 
-    def _handle_serve(self, ident: bytes, envelope: list[bytes], body: list[zmq.Frame]) -> None:
+    def _route_serve(self, ident: bytes, envelope: list[bytes], body: list[zmq.Frame]) -> None:
         def reply(frame: bytes) -> None:
             self._reply(ident, envelope, frame)
 
+        reject = self.rejections.reject
         if len(body) != 1:
-            reply(self._reject("multipart", f"expected 1 frame, got {len(body)}"))
+            reply(reject("multipart", f"expected 1 frame, got {len(body)}"))
             return
         try:
-            msg = decode(body[0].bytes, self.max_frame)
+            msg = decode(body[0].bytes, self.cfg.buffer.max_frame_bytes)
         except ProtocolError as e:
-            reply(self._reject(e.reason, str(e)))
+            reply(reject(e.reason, str(e)))
             return
-        if ident in self._waits:  # only a non-REQ client can do this; the first request keeps its place
-            reply(self._reject("busy", "this connection already has a batch request waiting"))
+        if ident in self.serving.waits:  # only a non-REQ client can do this; the first request keeps its place
+            reply(reject("busy", "this connection already has a batch request waiting"))
             return
         if (self.curve.enabled and isinstance(msg, BatchRequest | PositivesRequest)
-                and self.curve.role(self._client_key(body[0])) != "learner"):
+                and self.curve.role(client_key(self.curve, body[0])) != "learner"):
             # Taking groups and moving the durable learner version is the learner's alone; counters are for all.
-            reply(self._reject("role", f"{msg.TYPE} is for the learner's key only"))
+            reply(reject("role", f"{msg.TYPE} is for the learner's key only"))
             return
-        self._wait_writer()
+        self.ingest.settle()
         if isinstance(msg, BatchRequest):
-            self._on_batch_request(ident, envelope, msg)
+            self.serving.on_request(ident, envelope, msg)
         elif isinstance(msg, PositivesRequest):
-            # Stored frames were validated at ingest: spliced into the reply, not decoded again.
-            reply(encode_positives_reply(self.store.sample_positives(min(msg.n, 1 << 16), self._rng)))
+            reply(self.positives.reply(msg))
         elif isinstance(msg, StatsRequest):
-            reply(encode(StatsReply(stats=self.stats())))
+            reply(encode(StatsReply(stats=self.stats.reply())))
         else:
-            reply(self._reject("unexpected_type", f"{msg.TYPE} not accepted on serve"))
-
-    def _check_batch_request(self, req: BatchRequest) -> tuple[str, str] | None:
-        """(reason, message) when the request is refused, else None."""
-        b = self.cfg.buffer
-        if not 1 <= req.n_groups <= self.max_batch_groups:
-            return "bad_request", (f"n_groups={req.n_groups} outside [1, {self.max_batch_groups}] "
-                                   f"(buffer.max_batch_groups={b.max_batch_groups}, "
-                                   f"buffer.capacity_groups={b.capacity_groups})")
-        if req.timeout_ms > b.max_batch_wait_s * 1000:
-            return "bad_request", (f"timeout_ms={req.timeout_ms} exceeds buffer.max_batch_wait_s={b.max_batch_wait_s:g} s; "
-                                   "ask again after a timeout reply instead")
-        c = self.store.counters
-        limit = max(c["learner_version"], c["served_version"] + b.learner_version_max_step)
-        if req.learner_version > limit:
-            return "learner_version", (
-                f"learner_version={req.learner_version} is more than buffer.learner_version_max_step="
-                f"{b.learner_version_max_step} past {c['served_version']}, the learner version of the last full "
-                f"batch served (stored learner version {c['learner_version']}): only the learner moves it, one "
-                "step per batch. If this is the learner (e.g. resumed against a new buffer directory), stop the "
-                f"buffer and run: python -m buffer.inspect {self.cfg.buffer_path} --set-learner-version "
-                f"{max(0, req.learner_version - 1)}")
-        return None
-
-    def _on_batch_request(self, ident: bytes, envelope: list[bytes], req: BatchRequest) -> None:
-        refused = self._check_batch_request(req)
-        if refused is not None:
-            self._reply(ident, envelope, self._reject(*refused))
-            return
-        try:
-            self.store.set_learner_version(req.learner_version)
-        except StorageError as e:
-            self.m.storage_errors.labels(reason=e.reason).inc()
-            self._reply(ident, envelope, encode(ErrorReply(reason="storage", message=str(e)[:4000])))
-            return
-        self.m.learner_version.set(self.learner_version)
-        old = self._waits.add(BatchWait(ident, envelope, req, time.monotonic() + req.timeout_ms / 1000.0))
-        if old is not None:  # the wait list was full: the oldest request gets a timeout reply
-            self._timeouts += 1
-            self.m.batch_timeouts.inc()
-            self._reply(old.ident, old.envelope, encode(ErrorReply(
-                reason="timeout", message=f"evicted: {self._waits.limit} batch requests waiting; ask again")))
-        self._depth_changed = True
-
-    def _try_serve(self) -> None:
-        """Serve every waiting request that can be served (oldest first), time out the expired ones."""
-        now = time.monotonic()
-        check_all = self._depth_changed
-        self._depth_changed = False
-        for w in self._waits:
-            if check_all or now >= w.deadline:
-                self._serve_one(w, now)
-
-    def _serve_one(self, w: BatchWait, now: float) -> None:
-        self._wait_writer()
-        req = w.req
-        min_version = max(0, self.learner_version - self.k)
-        # Only a full learner batch moves served_version, to the version the request carried (not the stored
-        # one, which another client may have raised a step: recording that would let it drift a step per batch).
-        full = req.n_groups >= min(self.batch_groups, self.max_batch_groups)
-        try:
-            frames, dropped = self.store.take_groups(
-                req.n_groups, min_version, served_version=req.learner_version if full else None)
-        except StorageError as e:
-            self.m.storage_errors.labels(reason=e.reason).inc()
-            self._waits.remove(w.ident)
-            self._reply(w.ident, w.envelope, encode(ErrorReply(reason="storage", message=str(e)[:4000])))
-            return
-        if dropped:
-            self.m.stale_dropped_groups.inc(dropped)
-            self._dropped_since_reply += dropped
-        if frames:
-            n = len(frames)
-            reply = encode_batch_reply(frames, self._dropped_since_reply, self._filtered_since_reply)
-            del frames
-            self._waits.remove(w.ident)
-            self._reply(w.ident, w.envelope, reply, copy=False)  # tens of MB: hand the buffer to ZeroMQ
-            self._dropped_since_reply = self._filtered_since_reply = 0
-            self.m.served_groups.inc(n)
-            self.m.batch_serve_seconds.observe(time.monotonic() - now)
-            self._update_gauges(force=True)
-        elif now >= w.deadline:
-            self._timeouts += 1
-            self.m.batch_timeouts.inc()
-            self._waits.remove(w.ident)
-            depth = self.store.counters["depth_groups"]
-            self._reply(w.ident, w.envelope, encode(ErrorReply(
-                reason="timeout", message=f"{depth} of {req.n_groups} groups after {req.timeout_ms} ms")))
-
-    # ------------------------------------------------------------------ observability
-
-    # StatsReply counters and Prometheus gauges: buffer.stats.
-    stats = server_stats
-    _update_gauges = update_gauges
+            reply(reject("unexpected_type", f"{msg.TYPE} not accepted on serve"))
 
 
 def serve_forever(cfg: Config, ready: Callable[[dict[str, Any]], None] | None = None) -> int:

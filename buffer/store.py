@@ -1,27 +1,9 @@
 """The buffer's durable state: one LMDB environment, no sockets.
 
-Used by ``buffer.server`` (the only writer) and ``buffer.inspect`` (read-only, safe while the server runs).
+Used by ``buffer.server`` (the only writer, through its roles) and ``buffer.directory`` (offline repair).
 
-Databases:
-
-- ``groups``: key = big-endian ``(weight_version, seq, n_samples)`` (8 + 8 + 4 bytes), so a cursor walks
-  groups oldest weight version first, arrival order within a version. Value = the group's encoded
-  ``SampleGroup`` frame exactly as received (stored and served without a copy being re-encoded: see
-  ``common.protocol.encode_batch_reply``).
-- ``gindex``: group_id -> outcome byte (``S`` stored, ``F`` filtered, ``X`` stale on arrival) + group key.
-  Re-sent group_ids find their entry and are acknowledged again without a second copy. Entries are kept
-  after a group is served, so a late re-send is still recognised (about 40 bytes per group ever seen).
-- ``positives``: key = big-endian seq; value = 16-byte hash + encoded ``Sample`` frame. Keys are contiguous
-  from ``pos_head`` to ``pos_next - 1``; eviction removes the oldest (head) first.
-- ``pindex``: blake2b-128(len(prompt) | prompt ids | output ids) -> positives key (deduplication).
-- ``meta``: named signed 64-bit counters (depth, totals, learner version, sequence numbers) written in the
-  same transaction as the data they describe, so they are exact after any crash; the server re-seeds its
-  admission control from them on start. ``served_version`` is the learner version that the last full
-  learner batch served was requested with: the server lets a client raise the learner version only a
-  bounded step past it.
-
-A running server holds an exclusive ``flock`` on ``server.lock`` in the directory (:func:`lock_server`), so a
-second server, or an offline repair (:func:`repair_learner_version`), cannot write under it.
+The key layout, value encodings and counters are in ``buffer.layout``; the directory lock, the offline
+repair and the read-only summary (``inspect``) in ``buffer.directory``.
 
 Every write is one transaction (a batch of groups, a batch take); callers acknowledge only after
 :meth:`BufferStore.put_groups` returns, i.e. after the commit. ``MapFullError`` grows the map (doubling,
@@ -33,13 +15,10 @@ limit, I/O error) aborts the transaction, leaves the previous committed state in
 from __future__ import annotations
 
 import errno
-import fcntl
-import hashlib
 import os
 import random
 import resource
 import shutil
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -48,29 +27,17 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
-import numpy as np
 
-_GKEY = struct.Struct(">QQI")  # weight_version, seq, n_samples (never affects order: seq is unique)
-_U32 = struct.Struct(">I")
-_Q = struct.Struct(">Q")
-_I64 = struct.Struct(">q")
-HASH_BYTES = 16
-
-STORED, FILTERED, STALE = b"S", b"F", b"X"
-OUTCOMES = {STORED: "stored", FILTERED: "filtered", STALE: "stale"}
-
-COUNTERS = (
-    "next_seq",  # next group sequence number
-    "depth_groups", "depth_samples", "depth_bytes",  # groups waiting to be served
-    "accepted_groups", "accepted_samples",  # ever stored
-    "served_groups", "served_batches",
-    "stale_dropped",  # groups removed or refused for staleness
-    "filtered",  # groups refused by a filter
-    "duplicates",  # re-sent group_ids
-    "learner_version",  # newest learner version seen
-    "served_version",  # learner version the last full learner batch served was requested with
-    "pos_next", "pos_head",  # positives key range
-    "positives_duplicates", "positives_evicted",
+from buffer.layout import (
+    FILTERED,
+    GROUP_KEY,
+    HASH_BYTES,
+    OUTCOMES,
+    POSITIVE_KEY,
+    STORED,
+    read_counters,
+    version_bound,
+    write_counters,
 )
 
 
@@ -92,15 +59,6 @@ class GroupRecord:
     n_samples: int
     positives: list[tuple[bytes, bytes]]  # (hash, encoded Sample) of verified-correct samples
     fate: bytes = STORED  # STORED, FILTERED or STALE, applied only if the group_id is new
-
-
-def positive_hash(prompt_ids: np.ndarray, output_ids: np.ndarray) -> bytes:
-    """Dedup key of a positive: same prompt tokens and same output tokens."""
-    h = hashlib.blake2b(digest_size=HASH_BYTES)
-    h.update(_U32.pack(int(prompt_ids.shape[0])))
-    h.update(np.ascontiguousarray(prompt_ids, dtype="<i4").tobytes())
-    h.update(np.ascontiguousarray(output_ids, dtype="<i4").tobytes())
-    return h.digest()
 
 
 def _classify(e: Exception, path: Path | None = None) -> str:
@@ -166,13 +124,7 @@ class BufferStore:
 
     def _read_counters(self) -> dict[str, int]:
         with self.env.begin() as txn:
-            return _counters(txn, self.meta)
-
-    @staticmethod
-    def _put_counters(txn: lmdb.Transaction, meta: Any, c: dict[str, int], old: dict[str, int]) -> None:
-        for k, v in c.items():
-            if old.get(k) != v or txn.get(k.encode(), db=meta) is None:
-                txn.put(k.encode(), _I64.pack(v), db=meta)
+            return read_counters(txn, self.meta)
 
     def _grow(self) -> None:
         new = self._map_size * 2
@@ -195,7 +147,7 @@ class BufferStore:
                 txn = self.env.begin(write=True)
                 try:
                     result = fn(txn, c)
-                    self._put_counters(txn, self.meta, c, self.counters)
+                    write_counters(txn, self.meta, c, self.counters)
                 except BaseException:
                     txn.abort()
                     raise
@@ -243,7 +195,7 @@ class BufferStore:
                     continue
                 key = b""
                 if r.fate == STORED:
-                    key = _GKEY.pack(r.weight_version, c["next_seq"], r.n_samples)
+                    key = GROUP_KEY.pack(r.weight_version, c["next_seq"], r.n_samples)
                     c["next_seq"] += 1
                     txn.put(key, r.frame, db=self.groups)
                     c["depth_groups"] += 1
@@ -268,7 +220,7 @@ class BufferStore:
         dropped = 0
         cur = txn.cursor(db=self.groups)
         while cur.first():
-            version, _, n_samples = _GKEY.unpack(cur.key())
+            version, _, n_samples = GROUP_KEY.unpack(cur.key())
             if version >= min_version:
                 break
             c["depth_groups"] -= 1
@@ -302,7 +254,7 @@ class BufferStore:
                 v = cur.value()
                 frames.append(v)
                 c["depth_groups"] -= 1
-                c["depth_samples"] -= _GKEY.unpack(cur.key())[2]
+                c["depth_samples"] -= GROUP_KEY.unpack(cur.key())[2]
                 c["depth_bytes"] -= len(v)
                 cur.delete()
             if frames:
@@ -337,10 +289,10 @@ class BufferStore:
 
     def min_version(self) -> int:
         """Oldest weight version waiting (-1 when empty)."""
-        return _version_bound(self.env, self.groups, last=False)
+        return version_bound(self.env, self.groups, last=False)
 
     def max_version(self) -> int:
-        return _version_bound(self.env, self.groups, last=True)
+        return version_bound(self.env, self.groups, last=True)
 
     # ------------------------------------------------------------------ positives
 
@@ -350,14 +302,14 @@ class BufferStore:
         if txn.get(h, db=self.pindex) is not None:
             c["positives_duplicates"] += 1
             return
-        key = _Q.pack(c["pos_next"])
+        key = POSITIVE_KEY.pack(c["pos_next"])
         c["pos_next"] += 1
         txn.put(key, h + frame, db=self.positives)
         txn.put(h, key, db=self.pindex)
 
     def _evict_positives(self, txn: lmdb.Transaction, c: dict[str, int]) -> None:
         while c["pos_next"] - c["pos_head"] > self.positives_capacity:
-            key = _Q.pack(c["pos_head"])
+            key = POSITIVE_KEY.pack(c["pos_head"])
             v = txn.get(key, db=self.positives)
             if v is not None:
                 txn.delete(v[:HASH_BYTES], db=self.pindex)
@@ -377,7 +329,7 @@ class BufferStore:
         out = []
         with self.env.begin() as txn:
             for i in picks:
-                v = txn.get(_Q.pack(head + i), db=self.positives)
+                v = txn.get(POSITIVE_KEY.pack(head + i), db=self.positives)
                 if v is not None:
                     out.append(v[HASH_BYTES:])
         return out
@@ -402,71 +354,6 @@ class BufferStore:
         return self._map_size
 
 
-def _counters(txn: lmdb.Transaction, meta: Any) -> dict[str, int]:
-    out = {}
-    for name in COUNTERS:
-        v = txn.get(name.encode(), db=meta)
-        out[name] = _I64.unpack(v)[0] if v is not None else 0
-    if txn.get(b"served_version", db=meta) is None:
-        # A directory written before served_version existed: trust its learner version as served, so the
-        # learner that wrote it may continue one step past it.
-        out["served_version"] = out["learner_version"]
-    return out
-
-
-LOCK_FILE = "server.lock"
-
-
-def lock_server(path: str | Path) -> int:
-    """Take the buffer directory's exclusive server lock; returns the fd to keep open while serving.
-
-    Raises OSError naming the holder's pid when another process (a server, a repair) holds it. The kernel
-    drops the lock when the holder dies, so a SIGKILLed server never blocks its restart.
-    """
-    p = Path(path)
-    p.mkdir(parents=True, exist_ok=True)
-    fd = os.open(p / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise OSError(errno.EBUSY, f"buffer directory {p} is in use by a running buffer server (pid {holder})") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-def unlock_server(fd: int) -> None:
-    os.close(fd)  # closing the last descriptor releases the flock
-
-
-def repair_learner_version(path: str | Path, version: int) -> int:
-    """Offline repair: set the durable learner version (e.g. after a bad client raised it); returns the old one.
-
-    Refuses (OSError) while a server runs on ``path``: the server keeps its own copy of the counters.
-    """
-    p = Path(path)
-    if not (p / "data.mdb").is_file():
-        raise FileNotFoundError(f"{p} is not an LMDB buffer directory (no data.mdb)")
-    fd = lock_server(p)
-    try:
-        store = BufferStore(p)
-        try:
-            return store.reset_learner_version(version)
-        finally:
-            store.close()
-    finally:
-        unlock_server(fd)
-
-
-def _version_bound(env: lmdb.Environment, db: Any, last: bool) -> int:
-    with env.begin() as txn:
-        cur = txn.cursor(db=db)
-        ok = cur.last() if last else cur.first()
-        return _Q.unpack(cur.key()[:8])[0] if ok else -1
-
-
 def _file_bytes(path: Path) -> int:
     try:
         st = os.stat(path / "data.mdb")
@@ -480,45 +367,3 @@ def _file_size(path: Path) -> int:
         return os.stat(path / "data.mdb").st_size
     except FileNotFoundError:
         return 0
-
-
-def inspect(path: str | Path) -> dict[str, Any]:
-    """Summary of a buffer directory from one read-only snapshot (works while the server writes)."""
-    p = Path(path)
-    if not (p / "data.mdb").is_file():
-        raise FileNotFoundError(f"{p} is not an LMDB buffer directory (no data.mdb)")
-    # map_size=0 adopts the size recorded in the file; any other value would be reported instead (LMDB keeps
-    # the larger of the requested and the recorded size), which showed py-lmdb's 10 MiB default here.
-    env = lmdb.open(str(p), readonly=True, lock=True, max_dbs=8, subdir=True, readahead=False, map_size=0)
-    try:
-        with env.begin() as txn:
-            dbs = {}
-            for name in ("groups", "gindex", "positives", "pindex", "meta"):
-                try:
-                    dbs[name] = env.open_db(name.encode(), txn=txn, create=False)
-                except lmdb.NotFoundError:
-                    raise FileNotFoundError(f"{p}: database {name!r} missing; not a vapo buffer") from None
-            counters = _counters(txn, dbs["meta"])
-            cur = txn.cursor(db=dbs["groups"])
-            min_v = _Q.unpack(cur.key()[:8])[0] if cur.first() else None
-            max_v = _Q.unpack(cur.key()[:8])[0] if cur.last() else None
-            n_groups = txn.stat(dbs["groups"])["entries"]
-            n_pos = txn.stat(dbs["positives"])["entries"]
-        info = env.info()
-    finally:
-        env.close()
-    st = os.stat(p / "data.mdb")
-    return {
-        "path": str(p),
-        "groups": n_groups,
-        "samples": counters["depth_samples"],
-        "group_bytes": counters["depth_bytes"],
-        "positives": n_pos,
-        "min_weight_version": min_v,
-        "max_weight_version": max_v,
-        "learner_version": counters["learner_version"],
-        "bytes_on_disk": int(st.st_blocks) * 512,
-        "file_size": int(st.st_size),
-        "map_size": int(info["map_size"]),
-        "counters": counters,
-    }

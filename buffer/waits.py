@@ -1,6 +1,6 @@
 """The buffer's wait list: batch requests that wait for enough groups, at most one per serve connection.
 
-Not a CLI; used by ``buffer.server`` (which serves them from its event loop). No sockets and no clock:
+Not a CLI; used by ``buffer.serving`` (which serves them from the event loop). No sockets and no clock:
 deadlines are absolute ``time.monotonic()`` seconds computed by the caller.
 """
 

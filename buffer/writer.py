@@ -1,6 +1,6 @@
 """The buffer's writer thread: LMDB commits of one batch of groups overlap validation of the next.
 
-Not a CLI; used by ``buffer.server``.
+Not a CLI; started by ``buffer.server``, fed and collected by ``buffer.ingest``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Writer:
     """One thread that runs ``store.put_groups`` for a batch while the main thread validates the next.
 
     LMDB commits (page writes + fsync) release the GIL, so decoding overlaps the disk. The main thread
-    touches LMDB only while the writer is idle (``BufferServer._wait_writer``: ``wait`` then ``collect``); sockets stay on the main
+    touches LMDB only while the writer is idle (``Ingest.settle``: ``wait`` then ``collect``); sockets stay on the main
     thread, which is woken through an inproc PAIR socket.
     """
 

@@ -19,7 +19,8 @@ import pytest
 import zmq
 
 from buffer.client import BatchClient
-from buffer.store import BufferStore, positive_hash
+from buffer.layout import positive_hash
+from buffer.store import BufferStore
 from common.protocol import (
     PROTOCOL_VERSION,
     ErrorReply,
@@ -28,7 +29,7 @@ from common.protocol import (
     decode,
     encode,
 )
-from tests.buffer.conftest import REPO, BufferProc, SyncSender, make_group, make_sample
+from tests.buffer.fixtures import REPO, BufferProc, SyncSender, make_group, make_sample
 from tests.polling import wait_for
 
 

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from buffer.store import FILTERED, STALE, BufferStore, GroupRecord, StorageError, inspect, positive_hash
+from buffer.directory import inspect
+from buffer.layout import FILTERED, STALE, positive_hash
+from buffer.store import BufferStore, GroupRecord, StorageError
 from common.protocol import SampleGroup, decode, encode
-from tests.buffer.conftest import make_group
+from tests.buffer.fixtures import make_group
 
 
 def record(g: SampleGroup, fate: bytes = b"S", pos_reward: float = 1.0) -> GroupRecord:

@@ -187,7 +187,8 @@ def audit_buffer(path: Path) -> dict[str, int]:
     """
     import lmdb
 
-    from buffer.store import FILTERED, STALE, STORED, inspect
+    from buffer.directory import inspect
+    from buffer.layout import FILTERED, STALE, STORED
 
     info = inspect(path)
     c = info["counters"]
