@@ -170,7 +170,7 @@ def _total_steps(run: Run) -> int:
 def kill_host(c: Cluster, stamp: str, logs: Path, extra: list[str], victim: str = "h1") -> dict[str, Any]:
     """Check 5: every process of a learner host killed mid-run; the run stops in order within
     STOP_BOUND_S, no acknowledged group is lost, and --resume on the host, back up, runs to the end."""
-    from buffer.store import inspect
+    from buffer.directory import inspect
 
     name = f"rehearsal-kill-{stamp}"
     over = [f"learner.dist_timeout_s={DIST_TIMEOUT_S:g}", "learner.total_steps=6", "learner.checkpoint_every=2",
