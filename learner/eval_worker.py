@@ -101,11 +101,10 @@ class BackgroundEval:
     def _evaluate(self, version: int) -> dict[str, Any]:
         from learner.evaluate import EngineEvalError, evaluate_on_engines
 
-        lc = self.cfg.learner
         t0 = time.perf_counter()
         rec: dict[str, Any] = {"kind": "eval", "weight_version": version, "step": version}
         try:
-            rep = evaluate_on_engines(self.urls, self.tokenizer, self.task, version=version, k=lc.eval_k,
+            rep = evaluate_on_engines(self.urls, self.tokenizer, self.task, version=version, k=self.cfg.learner.eval_k,
                                       max_new_tokens=self.cfg.actors.max_new_tokens,
                                       temperature=self.cfg.actors.temperature, **eval_limits(self.cfg))
         except (EngineEvalError, OSError) as e:

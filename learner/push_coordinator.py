@@ -66,13 +66,16 @@ class PushCoordinator:
 
     def __init__(self, cfg: Config, weights_root: Path, publisher: Any, metrics: Any = None, tokenizer: Any = None,
                  model_config: Any = None) -> None:
-        lc = cfg.learner
-        backend = lc.push_backend if lc.push_backend != "auto" else ("nccl" if cfg.run.device == "cuda" else "gloo")
-        self.pusher = WeightPusher(lc.bucket_bytes, backend, lc.push_master_address, lc.push_master_port, lc.push_timeout_s)
-        self.timeout_s = lc.push_timeout_s
+        learner_cfg = cfg.learner
+        backend = learner_cfg.push_backend
+        if backend == "auto":
+            backend = "nccl" if cfg.run.device == "cuda" else "gloo"
+        self.pusher = WeightPusher(learner_cfg.bucket_bytes, backend, learner_cfg.push_master_address,
+                                   learner_cfg.push_master_port, learner_cfg.push_timeout_s)
+        self.timeout_s = learner_cfg.push_timeout_s
         self.root = weights_root
         self.ranks_per_engine = cfg.engine.sglang_tp_size if cfg.engine.kind == "sglang" else 1
-        self.keep = lc.keep_weights
+        self.keep = learner_cfg.keep_weights
         self.metrics = metrics
         self.publisher = publisher
         self._pub_lock = threading.Lock()
@@ -99,12 +102,13 @@ class PushCoordinator:
         self.writer = DurableWriter(weights_root, self._announce, extra)
         # A context of its own: one ZAP authenticator per context, and the weight publisher's has one.
         self.ctx = ctx = zmq.Context()
-        self._curve = security.server_curve(ctx, [lc.push_addr], cfg.buffer.curve if cfg.buffer.curve else CurveConfig())
+        self._curve = security.server_curve(ctx, [learner_cfg.push_addr],
+                                            cfg.buffer.curve if cfg.buffer.curve else CurveConfig())
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         if self._curve is not None:
             self._curve.apply(self.sock)
-        self.sock.bind(lc.push_addr)
+        self.sock.bind(learner_cfg.push_addr)
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._thread = threading.Thread(target=self._serve, name="weight-push", daemon=True)
         self._thread.start()

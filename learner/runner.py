@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,7 +27,10 @@ from common.metrics import Metrics
 from learner.data import DataSource
 from learner.dist import all_reduce_sum, rank, shutdown_distributed, world_size
 from learner.records import append_jsonl, write_header, write_json_atomic
-from learner.train import Learner
+from learner.train import Learner, Phases
+
+if TYPE_CHECKING:
+    from learner.publisher import WeightPublisher
 
 log = logging.getLogger("learner")
 
@@ -45,67 +48,91 @@ def resolve_checkpoint(cfg: Config) -> Path | None:
     return p
 
 
+# The cumulative group counts a source keeps. Groups the source dropped were generated (paid for) but never
+# trained on, so samples-to-accuracy must count them; a source reports only the counts it keeps (a
+# ListSource counts consumed groups only), and the record has a ``<count>_total`` field for each of those.
+SOURCE_COUNTS = ("groups_consumed", "stale_dropped", "filtered")
+
+
+def source_totals(source: DataSource | None) -> dict[str, int]:
+    """``{"<count>_total": n}`` for each of ``SOURCE_COUNTS`` that ``source`` keeps."""
+    counts = {key: getattr(source, key, None) for key in SOURCE_COUNTS}
+    return {f"{key}_total": int(count) for key, count in counts.items() if count is not None}
+
+
 class Runner:
     """The learner process: resume → (publish) → steps with checkpoint / weight push / eval → jsonl."""
 
     def __init__(self, cfg: Config, source: DataSource | None, critic_path: str | Path | None = None,
                  metrics: Metrics | None = None) -> None:
         from learner import checkpoint
-        from learner.publisher import WeightPublisher
-        from learner.weights import latest_update, prune
 
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         self.weights_root = self.run_dir / "weights"
         self.ckpt_root = self.run_dir / "checkpoints"
-        ckpt = resolve_checkpoint(cfg)
+        resume_from = resolve_checkpoint(cfg)
         pretrained = self.run_dir / "critic_pretrained"
         if critic_path is None and pretrained.is_dir():
             critic_path = pretrained
         self.learner = Learner(cfg, source, critic_path=critic_path, metrics=metrics)
         self.task: Any = None
         self.evals: Any = None  # learner.eval_worker.BackgroundEval, rank 0's engine evaluations
-        if ckpt is not None:
-            checkpoint.load(ckpt, self.learner)
-            log.info("resumed from %s at version %d", ckpt, self.learner.version)
-        self.publisher = None
-        if rank() == 0:
-            self.weights_root.mkdir(parents=True, exist_ok=True)
-            prune(self.weights_root, cfg.learner.keep_weights)  # drops *.tmp left by a crash
-            published = latest_update(self.weights_root)
-            refused = self.learner.metrics.auth_refused
-            self.publisher = WeightPublisher(cfg.learner.publish_addr, cfg.learner.query_addr, cfg.buffer.curve,
-                                             latest=published,
-                                             on_refused=lambda sock: refused.labels(socket=sock).inc())
+        if resume_from is not None:
+            checkpoint.load(resume_from, self.learner)
+            log.info("resumed from %s at version %d", resume_from, self.learner.version)
+        self.publisher = self._start_publisher() if rank() == 0 else None
         self.push = None
         if cfg.learner.weight_transport == "distributed":
             from learner.push_coordinator import PushCoordinator
 
             self.push = PushCoordinator(cfg, self.weights_root, self.publisher, self.learner.metrics,
                                         self.learner.tokenizer, getattr(self.learner.policy.module, "config", None))
-        # Every rank decides alike from the newest published version (rank 0 reads it).
-        mine = self.publisher.latest.version if self.publisher is not None and self.publisher.latest else -1
+        published = self._published_version()
+        if published > self.learner.version:
+            self._renumber_past(published)
+        if published < self.learner.version:
+            self.publish()
+        self.learner.metrics.weight_version.set(self.learner.version)
+
+    def _start_publisher(self) -> WeightPublisher:
+        """Rank 0's WeightPublisher, announcing the newest complete version on disk."""
+        from learner.publisher import WeightPublisher
+        from learner.weights import latest_update, prune
+
+        learner_cfg = self.cfg.learner
+        self.weights_root.mkdir(parents=True, exist_ok=True)
+        prune(self.weights_root, learner_cfg.keep_weights)  # drops *.tmp left by a crash
+        refused = self.learner.metrics.auth_refused
+        return WeightPublisher(learner_cfg.publish_addr, learner_cfg.query_addr, self.cfg.buffer.curve,
+                               latest=latest_update(self.weights_root),
+                               on_refused=lambda sock: refused.labels(socket=sock).inc())
+
+    def _published_version(self) -> int:
+        """The newest published version (-1: none), read by rank 0: every rank decides alike from it."""
+        newest = self.publisher.latest.version if self.publisher is not None and self.publisher.latest else -1
         if rank() == 0:  # a version pushed to the engines whose disk copy a crash cut short counts as published
             from learner.push_coordinator import pushed_version
 
-            mine = max(mine, pushed_version(self.weights_root))
-        published_v = int(all_reduce_sum(torch.tensor([mine if rank() == 0 else 0]))[0])
-        if published_v > self.learner.version:
-            # Weights were published after the last checkpoint, by updates that are now lost. The actors
-            # serve them, so continuing under their number with the checkpoint's weights would make
-            # groups from orphaned weights look fresh. Republish the checkpoint's weights under a new
-            # number instead: a version is never reused and never names two different sets of weights.
-            log.warning("weights v%d exist beyond checkpoint v%d; republishing the checkpoint's weights as v%d",
-                        published_v, self.learner.version, published_v + 1)
-            self.learner.version = published_v + 1
-            if cfg.learner.checkpoint_every > 0:
-                # Checkpoint the renumbered state before publishing it: a crash before the next update then
-                # resumes at this version instead of skipping another, so repeated crashes move the version
-                # at most two past the buffer's last served batch (buffer.learner_version_max_step).
-                checkpoint.save(self.ckpt_root, self.learner, cfg.learner.keep_checkpoints)
-        if published_v < self.learner.version:
-            self.publish()
-        self.learner.metrics.weight_version.set(self.learner.version)
+            newest = max(newest, pushed_version(self.weights_root))
+        return int(all_reduce_sum(torch.tensor([newest if rank() == 0 else 0]))[0])
+
+    def _renumber_past(self, published: int) -> None:
+        """Weights were published after the last checkpoint, by updates that are now lost.
+
+        The actors serve them, so continuing under their number with the checkpoint's weights would make
+        groups from orphaned weights look fresh. The checkpoint's weights are republished under a new
+        number instead: a version is never reused and never names two different sets of weights."""
+        from learner import checkpoint
+
+        log.warning("weights v%d exist beyond checkpoint v%d; republishing the checkpoint's weights as v%d",
+                    published, self.learner.version, published + 1)
+        self.learner.version = published + 1
+        if self.cfg.learner.checkpoint_every > 0:
+            # Checkpoint the renumbered state before publishing it: a crash before the next update then
+            # resumes at this version instead of skipping another, so repeated crashes move the version
+            # at most two past the buffer's last served batch (buffer.learner_version_max_step).
+            checkpoint.save(self.ckpt_root, self.learner, self.cfg.learner.keep_checkpoints)
 
     def publish(self) -> None:
         from learner.weights import publish_policy
@@ -136,7 +163,6 @@ class Runner:
             return {}
         if self.task is None:
             self.task = get_task(self.cfg.task)
-        lc = self.cfg.learner
         mode, _ = eval_target(self.cfg, world_size())
         if mode == "engine":
             if self.evals is None:
@@ -154,20 +180,21 @@ class Runner:
             model = load_policy_module(self.cfg.model.path, self.cfg.model.dtype)
             model.load_state_dict(state)
             model.to(next(self.learner.policy.module.parameters()).device)
-        rep = evaluate(model, self.learner.tokenizer, self.task, k=lc.eval_k, max_new_tokens=self.cfg.actors.max_new_tokens,
-                       temperature=self.cfg.actors.temperature, seed=self.cfg.run.seed)
+        rep = evaluate(model, self.learner.tokenizer, self.task, k=self.cfg.learner.eval_k,
+                       max_new_tokens=self.cfg.actors.max_new_tokens, temperature=self.cfg.actors.temperature,
+                       seed=self.cfg.run.seed)
         self._set_eval_gauges(rep)
         # Scalars plus the per-bucket and per-length tables (a report reads accuracy by response length
         # from the run record; the per-prompt lists stay out of metrics.jsonl).
         return {k: v for k, v in rep.items() if isinstance(v, int | float | str) or k in ("by_bucket", "by_response_length")}
 
     def _set_eval_gauges(self, rep: dict[str, Any]) -> None:
-        m = self.learner.metrics
+        metrics = self.learner.metrics
         for key in ("avg_at_k", "pass_at_k", "greedy_accuracy"):
             if key in rep:
-                m.eval_accuracy.labels(metric=key).set(rep[key])
+                metrics.eval_accuracy.labels(metric=key).set(rep[key])
         if "mean_response_length" in rep:
-            m.eval_response_length.set(rep["mean_response_length"])
+            metrics.eval_response_length.set(rep["mean_response_length"])
 
     def _record_eval(self, rec: dict[str, Any]) -> None:
         """The background evaluator's result (its thread): gauges and a metrics.jsonl ``eval`` record."""
@@ -176,65 +203,80 @@ class Runner:
             append_jsonl(self.run_dir / "metrics.jsonl", rec)
 
     def run(self) -> Learner:
-        from learner import checkpoint
-
-        cfg, lc, L = self.cfg, self.cfg.learner, self.learner
-        t_end = time.monotonic() + cfg.run.max_wall_seconds if cfg.run.max_wall_seconds > 0 else float("inf")
+        learner_cfg = self.cfg.learner
+        max_wall = self.cfg.run.max_wall_seconds
+        deadline = time.monotonic() + max_wall if max_wall > 0 else float("inf")
         try:
-            if lc.eval_every > 0 and L.version == 0 and rank() == 0:
-                # The base policy's held-out accuracy: the reference every later evaluation is read against.
-                t0 = time.perf_counter()
-                rep = self.evaluate()
-                if rep:  # in-process; an engine evaluation writes its own record when it completes
-                    log.info("base policy held-out: %s (%.1f s)", rep, time.perf_counter() - t0)
-                    if cfg.metrics.jsonl:
-                        append_jsonl(self.run_dir / "metrics.jsonl",
-                                     {"kind": "eval", "weight_version": 0, "step": 0, "time": time.time(), **rep})
-            while L.version < lc.total_steps and time.monotonic() < t_end:
-                stats = L.step()
-                t0 = time.perf_counter()
-                if lc.checkpoint_every > 0 and L.version % lc.checkpoint_every == 0:
-                    checkpoint.save(self.ckpt_root, L, lc.keep_checkpoints)
-                stats["phase_seconds"]["checkpoint"] = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                if L.version % max(lc.weights_every, 1) == 0 or L.version >= lc.total_steps:
-                    self.publish()
-                stats["phase_seconds"]["publish"] = time.perf_counter() - t0
-                if lc.eval_every > 0 and L.version % lc.eval_every == 0 and rank() == 0:
-                    t0 = time.perf_counter()
-                    rep = self.evaluate()
-                    if rep:
-                        stats["eval"] = rep
-                    stats["phase_seconds"]["eval"] = time.perf_counter() - t0
-                if rank() == 0:
-                    # Cumulative groups the source dropped: with dynamic sampling these were generated
-                    # (paid for) but never trained on, so samples-to-accuracy must count them.
-                    for key in ("groups_consumed", "stale_dropped", "filtered"):
-                        if hasattr(L.source, key):
-                            stats[f"{key}_total"] = int(getattr(L.source, key))
-                    if cfg.metrics.jsonl:
-                        append_jsonl(self.run_dir / "metrics.jsonl", {"kind": "learner_step", **stats})
-                    log.info("v%d reward %.3f critic %.4f EV %.3f policy %.4f nll %.3f len %.1f %.0f tok/s %.2fs",
-                             L.version, stats["reward_mean"], stats.get("critic_loss", float("nan")),
-                             stats.get("value_explained_variance", float("nan")), stats["policy_loss"],
-                             stats["nll_loss"], stats["response_length_mean"], stats["tokens_per_second"],
-                             stats["step_seconds"])
-            if lc.checkpoint_every > 0 and L.version % lc.checkpoint_every != 0:
-                checkpoint.save(self.ckpt_root, L, lc.keep_checkpoints)
-            if self.evals is not None:  # the run's last evaluations land in metrics.jsonl before it ends
-                self.evals.finish()
-            if rank() == 0:
-                from common.placement import LEARNER_DONE_FILE
-
-                reason = "total_steps" if L.version >= lc.total_steps else "run.max_wall_seconds"
-                write_json_atomic(self.run_dir / LEARNER_DONE_FILE,
-                                  {"version": L.version, "total_steps": lc.total_steps, "reason": reason, "time": time.time()})
+            if learner_cfg.eval_every > 0 and self.learner.version == 0 and rank() == 0:
+                self._evaluate_base_policy()
+            while self.learner.version < learner_cfg.total_steps and time.monotonic() < deadline:
+                self._train_step()
+            self._finish()
         finally:
             if self.push is not None:
                 self.push.close()  # the last durable version is written and announced first
             if self.publisher is not None:
                 self.publisher.close()
-        return L
+        return self.learner
+
+    def _evaluate_base_policy(self) -> None:
+        """The base policy's held-out accuracy: the reference every later evaluation is read against."""
+        t0 = time.perf_counter()
+        rep = self.evaluate()
+        if rep:  # in-process; an engine evaluation writes its own record when it completes
+            log.info("base policy held-out: %s (%.1f s)", rep, time.perf_counter() - t0)
+            if self.cfg.metrics.jsonl:
+                append_jsonl(self.run_dir / "metrics.jsonl",
+                             {"kind": "eval", "weight_version": 0, "step": 0, "time": time.time(), **rep})
+
+    def _train_step(self) -> None:
+        """One learner step, then its checkpoint, weight push and evaluation when due, timed as phases."""
+        from learner import checkpoint
+
+        learner_cfg, learner = self.cfg.learner, self.learner
+        stats = learner.step()
+        phases = Phases()
+        with phases("checkpoint"):
+            if learner_cfg.checkpoint_every > 0 and learner.version % learner_cfg.checkpoint_every == 0:
+                checkpoint.save(self.ckpt_root, learner, learner_cfg.keep_checkpoints)
+        with phases("publish"):
+            if learner.version % max(learner_cfg.weights_every, 1) == 0 or learner.version >= learner_cfg.total_steps:
+                self.publish()
+        if learner_cfg.eval_every > 0 and learner.version % learner_cfg.eval_every == 0 and rank() == 0:
+            with phases("eval"):
+                rep = self.evaluate()
+            if rep:
+                stats["eval"] = rep
+        stats["phase_seconds"].update(phases.seconds)
+        if rank() == 0:
+            self._record_step(stats)
+
+    def _record_step(self, stats: dict[str, Any]) -> None:
+        """Rank 0: the step's metrics.jsonl record (with the source's running totals) and its log line."""
+        stats.update(source_totals(self.learner.source))
+        if self.cfg.metrics.jsonl:
+            append_jsonl(self.run_dir / "metrics.jsonl", {"kind": "learner_step", **stats})
+        log.info("v%d reward %.3f critic %.4f EV %.3f policy %.4f nll %.3f len %.1f %.0f tok/s %.2fs",
+                 self.learner.version, stats["reward_mean"], stats.get("critic_loss", float("nan")),
+                 stats.get("value_explained_variance", float("nan")), stats["policy_loss"],
+                 stats["nll_loss"], stats["response_length_mean"], stats["tokens_per_second"],
+                 stats["step_seconds"])
+
+    def _finish(self) -> None:
+        """The final checkpoint, the last evaluations, and the done file the launcher trusts (not exit 0)."""
+        from learner import checkpoint
+
+        learner_cfg, version = self.cfg.learner, self.learner.version
+        if learner_cfg.checkpoint_every > 0 and version % learner_cfg.checkpoint_every != 0:
+            checkpoint.save(self.ckpt_root, self.learner, learner_cfg.keep_checkpoints)
+        if self.evals is not None:  # the run's last evaluations land in metrics.jsonl before it ends
+            self.evals.finish()
+        if rank() == 0:
+            from common.placement import LEARNER_DONE_FILE
+
+            reason = "total_steps" if version >= learner_cfg.total_steps else "run.max_wall_seconds"
+            write_json_atomic(self.run_dir / LEARNER_DONE_FILE, {"version": version, "total_steps": learner_cfg.total_steps,
+                                                                 "reason": reason, "time": time.time()})
 
 
 USAGE = """usage: python -m learner [config.yaml] [key=value ...]

@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,84 +68,125 @@ def _snapshot(critic: Any) -> dict[str, torch.Tensor] | None:
     return state if rank() == 0 else None
 
 
+@dataclass
+class _Best:
+    """The best critic so far on the held-out groups: the one that goes on to RL, not the last.
+
+    Patience stops after a run of non-improving steps, and those steps can have made the critic worse."""
+
+    explained_variance: float
+    state: dict[str, torch.Tensor] | None
+    step: int = 0
+    steps_since: int = 0
+
+
+def _usable_fetcher(cfg: Config, source: DataSource | None, metrics: Metrics) -> Callable[[int], list[SampleGroup]]:
+    """``n -> n groups``; rows the learner cannot use are dropped, counted, asked for again."""
+    limits = row_limits(cfg)
+
+    def dropped(reason: str, count: int) -> None:
+        metrics.unusable_samples.labels(reason=reason).inc(count)
+        log.warning("value pretraining: dropped %d batch samples the learner cannot use: %s", count, reason)
+
+    def usable(n: int) -> list[SampleGroup]:
+        return fetch_usable(lambda k: fetch(source, 0, k, cfg.learner.batch_timeout_s), n, limits, dropped)[0]
+
+    return usable
+
+
+def _train_on(critic: Any, cfg: Config, groups: list[SampleGroup], pad: int, micro: MicroLimits,
+              step: int) -> tuple[dict[str, Any], float]:
+    """One critic update on ``groups``: (its stats, the explained variance on its own rows)."""
+    batch = collate_scored(groups, pad, cfg)
+    minibatches = minibatch_rows(batch.size, cfg.learner.mini_batches, cfg.run.seed + 7919, step)
+    mine = my_rows(minibatches, batch, micro)
+    # λ = 1 targets do not depend on V: no value pass before the update; the training-batch explained
+    # variance is read from the update's own forwards (each mini-batch before its own step).
+    no_values = torch.zeros(batch.mask.shape)
+    returns = _targets(batch, no_values, cfg.algo.gamma)
+    seen = torch.zeros(batch.mask.shape)
+    stats = critic_update(critic, batch, minibatches=minibatches, returns=returns, old_values=no_values, epochs=1,
+                          limits=micro, value_clip=0.0, record=seen)
+    train_ev, _ = global_explained_variance(seen[mine], returns[mine], batch.mask[mine])
+    return stats, train_ev
+
+
+def _report(cfg: Config, metrics: Metrics, rec: dict[str, Any]) -> None:
+    """One pretraining step's gauges, metrics.jsonl record and log line."""
+    metrics.value_pretrain_step.set(rec["step"])
+    metrics.value_pretrain_loss.set(rec["loss"])
+    metrics.value_pretrain_explained_variance.set(rec["explained_variance"])
+    if rank() == 0:
+        if cfg.metrics.jsonl:
+            append_jsonl(cfg.run_dir / "metrics.jsonl", rec)
+        log.info("value pretraining %d/%d: loss %.4f held-out EV %.4f (best %.4f) V̄ %.3f", rec["step"],
+                 cfg.value_pretrain.steps, rec["loss"], rec["explained_variance"], rec["best_explained_variance"],
+                 rec["value_mean"])
+
+
+def _train(critic: Any, cfg: Config, usable: Callable[[int], list[SampleGroup]], held_batch: Any, pad: int,
+           micro: MicroLimits, metrics: Metrics, best: _Best) -> int:
+    """Steps until ``value_pretrain.steps`` or patience runs out, keeping ``best`` current; the steps taken."""
+    settings, step = cfg.value_pretrain, 0
+    while step < settings.steps and best.steps_since < settings.patience:
+        t0 = time.perf_counter()
+        stats, train_ev = _train_on(critic, cfg, usable(settings.batch_groups), pad, micro, step)
+        step += 1
+        ev, value_mean = heldout_ev(critic, held_batch, cfg.algo.gamma, micro)
+        if ev > best.explained_variance + 1e-4:
+            best.explained_variance, best.steps_since, best.step = ev, 0, step
+            best.state = _snapshot(critic)
+        else:
+            best.steps_since += 1
+        _report(cfg, metrics, {
+            "kind": "value_pretrain", "step": step, "loss": stats["critic_loss"], "explained_variance": ev,
+            "train_explained_variance": train_ev, "value_mean": value_mean,
+            "best_explained_variance": best.explained_variance,
+            "grad_norm": stats.get("critic_grad_norm", float("nan")), "seconds": time.perf_counter() - t0,
+            "time": time.time()})
+    return step
+
+
+def _save_best(critic: Any, best: _Best, out: Path, steps: int, initial_ev: float) -> None:
+    """Load the best weights back into the critic and save it to ``out`` (collective)."""
+    # The best weights go back into the engine (rank 0 holds them; under ZeRO-3 each gathered group is
+    # handed to every rank's partition) and are saved from there, one group at a time: no rank builds a
+    # second whole critic.
+    if rank() == 0 and best.state is None:
+        raise RuntimeError("value pretraining: rank 0 has no snapshot of the best critic")
+    load_host_tensors(critic, best.state)
+    best.state = None
+    save_critic(critic, out)
+    if rank() == 0:
+        (out / "value_pretrain.json").write_text(json.dumps(
+            {"steps": steps, "best_step": best.step, "explained_variance": best.explained_variance,
+             "initial_explained_variance": initial_ev}))
+        log.info("value pretraining: saved the critic of step %d/%d (held-out EV %.4f) to %s", best.step, steps,
+                 best.explained_variance, out)
+
+
 def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = None,
                     metrics: Metrics | None = None) -> Path:
     """Run value pretraining and return the saved critic's directory (reused if it already exists)."""
-    vp, lc = cfg.value_pretrain, cfg.learner
+    settings = cfg.value_pretrain
     out = out or cfg.run_dir / "critic_pretrained"
     if out.is_dir() and (out / "value_head.safetensors").is_file():
         log.info("value pretraining: reusing %s", out)
         return out
-    m = metrics or Metrics("learner")
+    metrics = metrics or Metrics("learner")
     pad = pad_token_id(load_tokenizer(cfg.model.path))
-    critic = build_critic(cfg, lr=vp.lr)
-    mbs = MicroLimits.from_config(lc)
-    lim = row_limits(cfg)
-
-    def usable(n: int) -> list[SampleGroup]:  # rows the learner cannot use are dropped, counted, asked for again
-        def dropped(reason: str, k: int) -> None:
-            m.unusable_samples.labels(reason=reason).inc(k)
-            log.warning("value pretraining: dropped %d batch samples the learner cannot use: %s", k, reason)
-
-        return fetch_usable(lambda k: fetch(source, 0, k, lc.batch_timeout_s), n, lim, dropped)[0]
-
-    held = usable(vp.eval_groups)
-    held_batch = collate_scored(held, pad, cfg)
-    ev0, _ = heldout_ev(critic, held_batch, cfg.algo.gamma, mbs)
-    best, since_best, step, best_step = ev0, 0, 0, 0
-    # The critic that goes on to RL is the best one on the held-out groups, not the last: patience stops
-    # after a run of non-improving steps, and those steps can have made it worse.
-    best_state = _snapshot(critic)
-    log.info("value pretraining: held-out EV %.4f before training", ev0)
-    history: list[dict[str, Any]] = []
-    while step < vp.steps and since_best < vp.patience:
-        t0 = time.perf_counter()
-        groups = usable(vp.batch_groups)
-        batch = collate_scored(groups, pad, cfg)
-        minibatches = minibatch_rows(batch.size, lc.mini_batches, cfg.run.seed + 7919, step)
-        mine = my_rows(minibatches, batch, mbs)
-        # λ = 1 targets do not depend on V: no value pass before the update; the training-batch explained
-        # variance is read from the update's own forwards (each mini-batch before its own step).
-        no_values = torch.zeros(batch.mask.shape)
-        returns = _targets(batch, no_values, cfg.algo.gamma)
-        seen = torch.zeros(batch.mask.shape)
-        st = critic_update(critic, batch, minibatches=minibatches, returns=returns, old_values=no_values, epochs=1,
-                           limits=mbs, value_clip=0.0, record=seen)
-        train_ev, _ = global_explained_variance(seen[mine], returns[mine], batch.mask[mine])
-        step += 1
-        ev, vmean = heldout_ev(critic, held_batch, cfg.algo.gamma, mbs)
-        if ev > best + 1e-4:
-            best, since_best, best_step = ev, 0, step
-            best_state = _snapshot(critic)
-        else:
-            since_best += 1
-        rec = {"kind": "value_pretrain", "step": step, "loss": st["critic_loss"], "explained_variance": ev,
-               "train_explained_variance": train_ev, "value_mean": vmean, "best_explained_variance": best,
-               "grad_norm": st.get("critic_grad_norm", float("nan")), "seconds": time.perf_counter() - t0,
-               "time": time.time()}
-        history.append(rec)
-        m.value_pretrain_step.set(step)
-        m.value_pretrain_loss.set(st["critic_loss"])
-        m.value_pretrain_explained_variance.set(ev)
-        if rank() == 0:
-            if cfg.metrics.jsonl:
-                append_jsonl(cfg.run_dir / "metrics.jsonl", rec)
-            log.info("value pretraining %d/%d: loss %.4f held-out EV %.4f (best %.4f) V̄ %.3f",
-                     step, vp.steps, st["critic_loss"], ev, best, vmean)
-    if best < vp.min_explained_variance:
-        log.warning("value pretraining ended with explained variance %.4f < %.4f", best, vp.min_explained_variance)
-    # The best weights go back into the engine (rank 0 holds them; under ZeRO-3 each gathered group is
-    # handed to every rank's partition) and are saved from there, one group at a time: no rank builds a
-    # second whole critic.
-    if rank() == 0 and best_state is None:
-        raise RuntimeError("value pretraining: rank 0 has no snapshot of the best critic")
-    load_host_tensors(critic, best_state)
-    best_state = None
-    save_critic(critic, out)
-    if rank() == 0:
-        (out / "value_pretrain.json").write_text(json.dumps(
-            {"steps": step, "best_step": best_step, "explained_variance": best, "initial_explained_variance": ev0}))
-        log.info("value pretraining: saved the critic of step %d/%d (held-out EV %.4f) to %s", best_step, step, best, out)
+    critic = build_critic(cfg, lr=settings.lr)
+    micro = MicroLimits.from_config(cfg.learner)
+    usable = _usable_fetcher(cfg, source, metrics)
+    held_batch = collate_scored(usable(settings.eval_groups), pad, cfg)
+    initial_ev, _ = heldout_ev(critic, held_batch, cfg.algo.gamma, micro)
+    best = _Best(initial_ev, _snapshot(critic))
+    log.info("value pretraining: held-out EV %.4f before training", initial_ev)
+    steps = _train(critic, cfg, usable, held_batch, pad, micro, metrics, best)
+    if best.explained_variance < settings.min_explained_variance:
+        log.warning("value pretraining ended with explained variance %.4f < %.4f", best.explained_variance,
+                    settings.min_explained_variance)
+    _save_best(critic, best, out, steps, initial_ev)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()
     # The RL learner builds its policy and critic next: this critic, its gradients and its optimizer
