@@ -6,6 +6,8 @@ waits longer than that for the buffer while the engine hosts are frozen for ``FR
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rehearsal.cluster import Cluster
+from rehearsal.push import ADMIN_KEY_ENV, DigestPoller, param_digest_of, sync_figures
 from rehearsal.runs import CONFIG, ROOT, Run, describe, finish, launch, leftovers
 
 DIST_TIMEOUT_S = 4.0  # learner.dist_timeout_s of the rehearsal's runs
@@ -51,6 +54,24 @@ def roles_per_host(c: Cluster) -> dict[str, dict[str, int]]:
             elif " -m learner " in f" {cmd} ":
                 seen["learner"].add(str(i))
         out[h] = {role: len(v) for role, v in seen.items() if v}
+    return out
+
+
+def engines_now(c: Cluster) -> list[tuple[str, int, str]]:
+    """(host, port, admin key) of each rollout_server engine running now. An actor starts its engine with a
+    fresh admin key in the engine's environment only; the rehearsal, root on this machine, reads it there
+    to ask the engine for its ``/weights_digest`` (a control endpoint)."""
+    out = []
+    for h in c.hosts:
+        for p in c.run_pids(h):
+            try:
+                argv = Path(f"/proc/{p}/cmdline").read_bytes().decode().split("\0")
+                if "actors.rollout_server" not in argv or "--port" not in argv:
+                    continue
+                env = dict(kv.split("=", 1) for kv in Path(f"/proc/{p}/environ").read_bytes().decode().split("\0") if "=" in kv)
+            except OSError:
+                continue
+            out.append((h, int(argv[argv.index("--port") + 1]), env.get(ADMIN_KEY_ENV, "")))
     return out
 
 
@@ -92,14 +113,19 @@ def rank0_stall(c: Cluster, run: Run, engine_hosts: list[str]) -> float:
     return round(time.time() - t_last, 1)
 
 
-def ssh_route(c: Cluster, stamp: str, logs: Path, extra: list[str]) -> dict[str, Any]:
-    """paper.yaml's topology over ssh/pdsh, with check 1: a rank-0 wait past the process-group timeout."""
-    run = launch(c, f"rehearsal-{stamp}", [f"learner.dist_timeout_s={DIST_TIMEOUT_S:g}", *extra], logs)
-    _wait("first RL step", lambda: run.steps() >= 1, run, RUN_TIMEOUT_S)
-    placed = roles_per_host(c)
-    engine_hosts = [h for h, r in placed.items() if r.get("engine")]
-    stall = rank0_stall(c, run, engine_hosts)
-    finish(run, RUN_TIMEOUT_S)
+def ssh_route(c: Cluster, stamp: str, logs: Path, extra: list[str], digests: bool = False) -> dict[str, Any]:
+    """paper.yaml's topology over ssh/pdsh, with check 1: a rank-0 wait past the process-group timeout.
+    With ``digests``, also the disk transport's weight-sync figures, the engines' digests polled meanwhile."""
+    over = [f"learner.dist_timeout_s={DIST_TIMEOUT_S:g}", *(["learner.keep_weights=100"] if digests else []), *extra]
+    run = launch(c, f"rehearsal-{stamp}", over, logs)
+    poller = DigestPoller(c, lambda: engines_now(c)) if digests else None
+    with poller or contextlib.nullcontext():
+        _wait("first RL step", lambda: run.steps() >= 1, run, RUN_TIMEOUT_S)
+        placed = roles_per_host(c)
+        engine_hosts = [h for h, r in placed.items() if r.get("engine")]
+        stall = rank0_stall(c, run, engine_hosts)
+        finish(run, RUN_TIMEOUT_S)
+    sync = {"weight_sync_disk": sync_figures(run.dir, "disk", poller.seen, param_digest_of)} if poller else {}
     evals = run.evals()
     left = leftovers(c)
     return {
@@ -114,7 +140,29 @@ def ssh_route(c: Cluster, stamp: str, logs: Path, extra: list[str]) -> dict[str,
         "check_pg_timeout": {"ok": run.rc == 0 and run.steps() >= _total_steps(run) and stall > DIST_TIMEOUT_S, "dist_timeout_s": DIST_TIMEOUT_S,
                              "rank0_wait_s": stall},
         "procs_left": left,
+        **sync,
     }
+
+
+def push_route(c: Cluster, stamp: str, logs: Path, extra: list[str]) -> dict[str, Any]:
+    """Check 6 (opt-in, ``--push``): the same training with ``learner.weight_transport=distributed``: rank 0
+    on h0 broadcasts each version to the engines on h2 and h3 over gloo (across the shaped link with
+    ``--link``); every step done, every actor's pushes ok, the engines bitwise equal to the disk version."""
+    # Addresses as the rehearsal's config names the others: h0's, which /etc/hosts maps to the bridge.
+    over = [f"learner.dist_timeout_s={DIST_TIMEOUT_S:g}", "learner.weight_transport=distributed",
+            "learner.push_addr=tcp://h0:5559", "learner.push_master_address=h0", "learner.keep_weights=100", *extra]
+    run = launch(c, f"rehearsal-push-{stamp}", over, logs)
+    with DigestPoller(c, lambda: engines_now(c)) as poller:
+        finish(run, RUN_TIMEOUT_S)
+    figures = sync_figures(run.dir, "distributed", poller.seen, param_digest_of)
+    total = _total_steps(run)
+    pushes_ok = bool(figures["actors"]) and all(
+        not a["fatal"] and not a["weight_sync_failures"] and (a["weight_pushes"] or 0) >= 1 and a["weight_version"] == total
+        for a in figures["actors"])
+    ok = run.rc == 0 and run.steps() >= total and pushes_ok and figures["bitwise"]["ok"]
+    return {"check_push_shaped": {"ok": ok, "rc": run.rc, "seconds": run.seconds, "steps": run.steps(), "total_steps": total,
+                                  "pushes_ok": pushes_ok, "bitwise_equal": figures["bitwise"]["ok"], "run": run.name},
+            "weight_sync_distributed": figures, "procs_left": leftovers(c)}
 
 
 def plan_checks(c: Cluster, stamp: str, logs: Path, extra: list[str]) -> dict[str, Any]:
@@ -202,10 +250,13 @@ def kill_host(c: Cluster, stamp: str, logs: Path, extra: list[str], victim: str 
         "procs_left": leftovers(c)}
 
 
-def run_all(c: Cluster, stamp: str, logs: Path, skip: set[str], extra: list[str]) -> dict[str, Any]:
+def run_all(c: Cluster, stamp: str, logs: Path, skip: set[str], extra: list[str], push: bool = False) -> dict[str, Any]:
+    """The stages not in ``skip``; with ``push`` also the distributed push's run and both transports' figures
+    (``weight_sync``: disk from the ssh route's run, distributed from the push run)."""
     out: dict[str, Any] = {}
     left = 0
-    stages = {"ssh": ssh_route, "plan": plan_checks, "slurm": slurm_route, "kill": kill_host}
+    stages = {"ssh": functools.partial(ssh_route, digests=push), "plan": plan_checks, "slurm": slurm_route,
+              "kill": kill_host, **({"push": push_route} if push else {})}
     for stage, fn in stages.items():
         if stage in skip:
             continue
@@ -220,6 +271,9 @@ def run_all(c: Cluster, stamp: str, logs: Path, skip: set[str], extra: list[str]
         if stage_left:
             r[f"{stage}_left_behind"] = stage_left
         r[f"{stage}_stage_s"] = round(time.time() - t0, 1)
+        for transport in ("disk", "distributed"):
+            if f"weight_sync_{transport}" in r:
+                out.setdefault("weight_sync", {})[transport] = r.pop(f"weight_sync_{transport}")
         out.update(r)
     out["procs_left_after_runs"] = left
     out["ok_checks"] = all(v.get("ok") for k, v in out.items() if k.startswith("check_"))

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rehearsal.push import Link, tc_argv
+
 NETNS_PREFIX = "vapo-"  # namespace names: vapo-h0, vapo-h1, ...; the hostnames inside are h0, h1, ...
 BRIDGE = "vapo-br0"
 LOCK_FILE = "/run/vapo-rehearsal.lock"
@@ -190,6 +192,18 @@ class Cluster:
 
     def link(self, host: str, up: bool) -> None:
         _sh("ip", "link", "set", f"v{host}", "up" if up else "down")
+
+    def shape(self, link: Link) -> dict[str, str]:
+        """Every host's egress (its ``eth0``) shaped as ``link``; returns each host's qdisc as tc shows it.
+        The qdiscs are removed with the namespaces on ``down()``."""
+        shown = {}
+        for h in self.hosts:
+            r = _sh(*tc_argv(link, self.ns(h)), check=False)
+            if r.returncode != 0:
+                raise ClusterUnavailable(f"tc on {h}: {r.stderr.strip()} (a delay needs the kernel's netem qdisc; "
+                                         "a rate alone uses tbf)")
+            shown[h] = _sh("ip", "netns", "exec", self.ns(h), "tc", "qdisc", "show", "dev", "eth0").stdout.strip()
+        return shown
 
     # ------------------------------------------------------------------------------ up / down
 

@@ -1,6 +1,6 @@
 """``ops/rehearse.sh``: the multi-host path rehearsed on one machine; prints one JSON line of figures.
 
-    ops/rehearse.sh [--hosts 4] [--keep-logs DIR] [--skip slurm,kill,...]
+    ops/rehearse.sh [--hosts 4] [--keep-logs DIR] [--skip slurm,kill,...] [--link RATE[,DELAY]] [--push]
 
 Stages (the README's "Rehearsing the multi-host path" describes each): cluster up (hosts h0..h3), the
 base model and CurveZMQ keys (before the timed part), the ssh route (``ops/launch.sh`` on h0: buffer and
@@ -8,12 +8,15 @@ learner rank 0 there, a ZeRO-3 learner over h0+h1 via DeepSpeed's hostfile and p
 h2 and h3 over ssh) with a process-group timeout of a few seconds and a longer rank-0 wait, the plan-time
 checks (a missing key file, no pdsh), the Slurm route (``sbatch ops/slurm/vapo.sbatch``), a host killed
 during a run then ``--resume``, and cluster down. Every process of every host is counted at the end.
+``--link`` shapes every host's link with tc before the stages; ``--push`` adds a run with the distributed
+weight push and both transports' figures (``weight_sync`` in the JSON line; ``rehearsal.push``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/: the rehear
 
 from rehearsal import checks  # noqa: E402
 from rehearsal.cluster import Cluster, missing_prerequisites  # noqa: E402
+from rehearsal.push import Link, parse_link  # noqa: E402
 from rehearsal.runs import CONFIG, ROOT  # noqa: E402
 
 KEYS = "runs/_rehearsal/keys"
@@ -50,11 +54,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every run of the rehearsal (repeatable)")
     ap.add_argument("--skip", default="", help=f"comma-separated stages to leave out: {','.join(STAGES)}")
+    ap.add_argument("--link", default="", metavar="RATE[,DELAY]",
+                    help="shape every host's link with tc, e.g. 1gbit or 1gbit,2ms (a delay needs the netem qdisc)")
+    ap.add_argument("--push", action="store_true",
+                    help="also a run with learner.weight_transport=distributed, and both transports' figures")
     args = ap.parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
     if args.hosts < 4 or skip - set(STAGES):
         ap.error("--hosts must be >= 4 and --skip names stages among " + ",".join(STAGES))
+    try:
+        link: Link | None = parse_link(args.link) if args.link else None
+    except ValueError as e:
+        ap.error(str(e))
     why = missing_prerequisites()
+    if not why and link is not None and shutil.which("tc") is None:
+        why = "missing Debian packages: iproute2 (tc, for --link)"
     if why:
         print(json.dumps({"ok": False, "skipped": why}), flush=True)
         return 3
@@ -69,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster.up()
         out["cluster_up_s"] = round(time.time() - t0, 1)
-        out.update(checks.run_all(cluster, stamp, logs, skip, args.set))
+        if link is not None:
+            out["link"] = {"spec": link.describe(), "qdiscs": cluster.shape(link)}
+        out.update(checks.run_all(cluster, stamp, logs, skip, args.set, push=args.push))
+        if "weight_sync" in out:
+            out["weight_sync"]["link"] = link.describe() if link is not None else "unshaped"
     except KeyboardInterrupt:
         out["interrupted"] = True
     except Exception as e:  # noqa: BLE001 - reported in the JSON line, after the teardown below

@@ -1,0 +1,201 @@
+"""The weight sync in the rehearsal: a shaped link between the hosts (``--link``), and the figures of each
+transport read back from a run's own records (``--push`` adds a run with the distributed push).
+
+    link = parse_link("1gbit,2ms")          # -> Link(rate="1gbit", delay="2ms")
+    tc_argv(link, "vapo-h2")                # the qdisc on h2's side of its veth (its egress)
+    sync_figures(run_dir, "distributed", seen)   # -> the transport's figures as one dict
+
+Every packet between two hosts leaves one host's ``eth0`` once, so a qdisc on each host's ``eth0`` shapes
+every path between hosts exactly once (a host's own loopback stays unshaped, as on a real machine). The
+qdiscs live in the hosts' namespaces and go with them on teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|bps|kbps|mbps|gbps)$")
+_DELAY = re.compile(r"^\d+(?:\.\d+)?(us|ms|s)$")
+# tc's units: SI prefixes, *bit in bits and *bps in bytes per second.
+_BITS_PER_UNIT = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
+# tbf drops a packet larger than its bucket, and veth hands it segmentation-offloaded packets up to 64 KiB.
+MIN_BURST_BYTES = 1 << 17
+TBF_LATENCY = "50ms"  # how long a packet may queue before tbf drops it
+ADMIN_KEY_ENV = "VAPO_ENGINE_ADMIN_API_KEY"  # as actors.rollout_server.process passes it to the engine
+
+
+@dataclass(frozen=True)
+class Link:
+    rate: str
+    delay: str = ""
+
+    @property
+    def bits_per_second(self) -> float:
+        m = _RATE.match(self.rate)
+        assert m is not None
+        return float(m.group(1)) * _BITS_PER_UNIT[m.group(2)]
+
+    def describe(self) -> str:
+        return self.rate + (f",{self.delay}" if self.delay else "")
+
+
+def parse_link(spec: str) -> Link:
+    """``RATE[,DELAY]`` in tc's units (``1gbit``, ``100mbit``, ``2ms``); ValueError naming what is wrong."""
+    rate, _, delay = spec.strip().lower().partition(",")
+    if not _RATE.match(rate) or float(_RATE.match(rate).group(1)) <= 0:
+        raise ValueError(f"--link {spec!r}: the rate must be a number and a tc unit (bit kbit mbit gbit bps kbps mbps gbps)")
+    if delay and not _DELAY.match(delay):
+        raise ValueError(f"--link {spec!r}: the delay must be a number and us, ms or s")
+    return Link(rate, delay)
+
+
+def tc_argv(link: Link, netns: str, dev: str = "eth0") -> list[str]:
+    """The command that shapes ``dev`` in ``netns``: tbf for a rate alone, netem (rate and delay) with a delay."""
+    head = ["ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root"]
+    if link.delay:
+        # netem's queue holds the packets in flight for the delay; the default 1000 packets would drop some.
+        return [*head, "netem", "rate", link.rate, "delay", link.delay, "limit", "100000"]
+    burst = max(int(link.bits_per_second / 8 / 100), MIN_BURST_BYTES)  # 10 ms of the rate, at least 128 KiB
+    return [*head, "tbf", "rate", link.rate, "burst", str(burst), "latency", TBF_LATENCY]
+
+
+def actor_summaries(run_dir: Path) -> list[dict[str, Any]]:
+    """Each actor's ``ACTOR DONE`` json (its last one) from the run's actor logs."""
+    out = []
+    for log in sorted((run_dir / "logs").glob("actor-*.log")):
+        done = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("ACTOR DONE ")]
+        if done:
+            try:
+                out.append(json.loads(done[-1][len("ACTOR DONE "):]))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def _steps(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("kind") == "learner_step":
+            out.append(rec)
+    return out
+
+
+def disk_versions(run_dir: Path) -> list[int]:
+    """The complete (``STABLE``) weight versions on disk, oldest first."""
+    return sorted(int(p.name[1:]) for p in (run_dir / "weights").glob("v[0-9]*") if (p / "STABLE").exists())
+
+
+def version_bytes(version_dir: Path) -> int:
+    """The tensors' bytes of one version (its safetensors files): what either transport moves per engine."""
+    return sum(p.stat().st_size for p in version_dir.glob("*.safetensors"))
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 4) if values else None
+
+
+def bitwise(run_dir: Path, seen: dict[str, dict[int, str]], digest: Any) -> dict[str, Any]:
+    """Each engine's digests (``seen``: engine -> version -> sha256 as it served them) against ``digest``
+    (a version directory -> its param digest) of the same version on disk; ok when every engine was seen
+    serving the newest disk version and each of its versions still on disk matches byte for byte."""
+    versions = disk_versions(run_dir)
+    newest = versions[-1] if versions else None
+    want = {v: digest(run_dir / "weights" / f"v{v}") for v in versions if any(v in s for s in seen.values())}
+    mismatched = sorted({f"{e}@v{v}" for e, s in seen.items() for v, sha in s.items() if v in want and sha != want[v]})
+    at_newest = {e: newest in s for e, s in seen.items()}
+    ok = bool(seen) and newest is not None and all(at_newest.values()) and not mismatched
+    return {"ok": ok, "newest_disk_version": newest, "engines": len(seen), "engines_at_newest": sum(at_newest.values()),
+            "versions_compared": sum(1 for s in seen.values() for v in s if v in want), "mismatched": mismatched}
+
+
+def sync_figures(run_dir: Path, transport: str, seen: dict[str, dict[int, str]] | None = None,
+                 digest: Any = None) -> dict[str, Any]:
+    """One transport's figures from a run's records: the learner's ``publish`` phase per step (rank 0 blocked;
+    the other ranks wait for it), the actors' ``ACTOR DONE`` counters (the push's engine pause, the disk
+    path's publish-to-serving latency), bytes per version, and the engines' digests when ``seen``."""
+    steps = _steps(run_dir)
+    blocked = [float(r["phase_seconds"]["publish"]) for r in steps if "publish" in r.get("phase_seconds", {})]
+    actors = actor_summaries(run_dir)
+    pushes = sum(int(a.get("weight_pushes", 0)) for a in actors)
+    pause_ms = sum(int(a.get("push_pause_ms", 0)) for a in actors)
+    latencies = [float(x) for a in actors for x in a.get("weight_sync_latency_s", [])]
+    versions = disk_versions(run_dir)
+    out: dict[str, Any] = {
+        "transport": transport, "publishes": len(blocked), "learner_blocked_s_mean": _mean(blocked),
+        "learner_blocked_s_max": round(max(blocked), 4) if blocked else None,
+        "engine_pause_s_mean": round(pause_ms / 1000 / pushes, 4) if pushes else None, "engine_pushes": pushes,
+        "disk_syncs": len(latencies), "disk_sync_latency_s_mean": _mean(latencies),
+        "bytes_per_version": version_bytes(run_dir / "weights" / f"v{versions[-1]}") if versions else None,
+        "actors": [{k: a.get(k) for k in ("actor_id", "weight_version", "weight_syncs", "weight_pushes",
+                                          "weight_sync_failures", "push_pause_ms", "fatal")} for a in actors]}
+    if seen is not None and digest is not None:
+        out["bitwise"] = bitwise(run_dir, seen, digest)
+    return out
+
+
+def param_digest_of(version_dir: Path) -> str:
+    """``param_digest`` of a published version's tensors (as ``ops/bench/weight_sync.py`` computes it)."""
+    from actors.rollout_server.dist_update import param_digest
+    from common.generation.weights import read_state_dict
+
+    return param_digest(read_state_dict(version_dir).items())
+
+
+# Run on an engine's host: GET /weights_digest of each engine in $VAPO_DIGEST_QUERY ([url, key] pairs; the
+# keys travel in the environment, never on a command line), one JSON line of [url, version, sha256 | null].
+_QUERY = """import json, os, urllib.request
+out = []
+for url, key in json.loads(os.environ["VAPO_DIGEST_QUERY"]):
+    req = urllib.request.Request(url + "/weights_digest", headers={"Authorization": "Bearer " + key} if key else {})
+    try:
+        body = json.loads(urllib.request.urlopen(req, timeout=5).read())
+        out.append([url, int(body["weight_version"]), body["sha256"]])
+    except Exception as e:
+        out.append([url, None, None])
+print(json.dumps(out))
+"""
+
+
+class DigestPoller:
+    """Polls every engine's ``/weights_digest`` while a run goes on (the engines stop with the run, so the
+    digests are taken while they serve): ``seen`` maps an engine (host:port) to version -> sha256."""
+
+    def __init__(self, cluster: Any, engines: Any, every_s: float = 0.5) -> None:
+        self.cluster, self.engines, self.every_s = cluster, engines, every_s
+        self.seen: dict[str, dict[int, str]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="digest-poller", daemon=True)
+
+    def __enter__(self) -> DigestPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001, S112 - an engine restarting or gone: the next poll tries again
+                continue
+
+    def poll(self) -> None:
+        """One round: ``engines()`` gives (host, port, admin key) of each engine running now."""
+        for host, port, key in self.engines():
+            query = json.dumps([[f"http://{host}:{port}", key]])
+            r = self.cluster.run(host, ["python3", "-c", _QUERY], timeout=20, env=self.cluster.env(VAPO_DIGEST_QUERY=query))
+            for _url, version, sha in json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else []:
+                if version is not None:
+                    self.seen.setdefault(f"{host}:{port}", {})[version] = sha
