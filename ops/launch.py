@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -40,6 +40,9 @@ from common.config import Config, ConfigError, load_config, save_config  # noqa:
 from common.metrics import Metrics  # noqa: E402
 from common.placement import LEARNER_DONE_FILE, STORE_FILE_ENV, build_plan  # noqa: E402
 from common.preflight import missing_files  # noqa: E402
+
+if TYPE_CHECKING:
+    from common.security import ClientKeys
 
 PY = sys.executable
 STOP_GRACE_S = 6.0
@@ -57,35 +60,38 @@ def buffer_healthy(cfg: Config, timeout_s: float = 1.0) -> bool:
     cannot work, e.g. a client key file that does not exist)."""
     import zmq
 
-    from common import protocol
+    from buffer.client import BatchClient
 
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
+    addr = cfg.buffer.serve_addr
     try:
-        try:
-            _apply_client_curve(sock, cfg)
-            sock.connect(cfg.buffer.serve_addr)
-        except Exception as e:
-            raise ProbeError(f"the health probe cannot reach buffer.serve_addr={cfg.buffer.serve_addr}: {e}") from None
-        sock.send(protocol.encode(protocol.StatsRequest()))
-        if not sock.poll(int(timeout_s * 1000)):
-            return False
-        try:
-            protocol.decode_as(sock.recv(), protocol.StatsReply)
-        except Exception as e:
-            raise ProbeError(f"buffer.serve_addr={cfg.buffer.serve_addr} answered, but not as a vapo buffer: {e}") from None
+        client = BatchClient(addr, curve=_probe_keys(cfg), request_timeout_s=timeout_s, ctx=zmq.Context.instance())
+    except Exception as e:
+        raise ProbeError(f"the health probe cannot reach buffer.serve_addr={addr}: {e}") from None
+    try:
+        client.stats()
         return True
-    except zmq.ZMQError:
+    except TimeoutError:
         return False
+    except zmq.ZMQError as e:  # the socket could not connect to that address
+        raise ProbeError(f"the health probe cannot reach buffer.serve_addr={addr}: {e}") from None
+    except Exception as e:
+        raise ProbeError(f"buffer.serve_addr={addr} answered, but not as a vapo buffer: {e}") from None
     finally:
-        sock.close(0)
+        client.close()
+
+
+def _probe_keys(cfg: Config) -> ClientKeys | None:
+    """The health probe's CURVE client keys (the ``monitor`` role; None without CURVE)."""
+    from common.security import client_curve_keys
+
+    return client_curve_keys(cfg.buffer.curve, "monitor")
 
 
 def _apply_client_curve(sock: Any, cfg: Config) -> None:
-    from common.security import apply_client_curve, client_curve_keys
+    """The probe's keys on a socket of one's own (how a test checks which keys the probe presents)."""
+    from common.security import apply_client_curve
 
-    apply_client_curve(sock, client_curve_keys(cfg.buffer.curve, "monitor"))
+    apply_client_curve(sock, _probe_keys(cfg))
 
 
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:
