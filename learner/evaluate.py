@@ -11,7 +11,7 @@ CLI::
     python -m learner.evaluate --model ops/bases/addition-tiny [--task addition] [--k 8] [--config cfg.yaml]
 
 prints one JSON object. In-process generation runs the rollout server's scheduler and KV-cache model
-runner on the given model (``actors.rollout_server.scheduler.generate_passes``: the decode loop the actors sample
+runner on the given model (``common.generation.passes.generate_passes``: the decode loop the actors sample
 with, per-sequence stopping at EOS; the model's parameters are not moved), seeded with its own
 ``torch.Generator`` so a call is reproducible and does not disturb the caller's RNG. It needs a
 Llama-style decoder (Qwen2/Qwen3/Llama), as the rollout server does. Prompts are encoded with
@@ -75,11 +75,11 @@ def _generate(
     progress: Callable[[int, int], None] | None = None,
 ) -> list[list[list[int]]]:
     """One result per ``(n, temperature)`` pass, as :func:`generate` returns it, decoded by the rollout
-    server's scheduler (``actors.rollout_server.scheduler.generate_passes``: the same KV-cache decode loop the
+    server's scheduler (``common.generation.passes.generate_passes``: the same KV-cache decode loop the
     actors sample with, on this process's model; one scheduler for all passes). Each pass starts from
     ``seed``, so a pass's samples do not depend on the others; ``progress`` follows the first."""
-    from actors.rollout_server.sampling import SamplingParams
-    from actors.rollout_server.scheduler import generate_passes
+    from common.generation.passes import generate_passes
+    from common.generation.sampling import SamplingParams
 
     vocab = int(model.config.vocab_size)
     jobs = []

@@ -5,11 +5,12 @@
 The rollout engine of ``engine.kind = rollout_server`` (config section ``engine``): each actor starts one
 (``process.RolloutServerProcess``) and talks to it exactly as it talks to SGLang. Modules:
 ``__main__`` (command line, ready line), ``http`` (SGLang-shaped requests and responses), ``body`` (request
-bodies within limits, error shapes), ``guard`` (admin API key, body census before parsing), ``scheduler``
-(continuous batching on one thread; ``generate_batch`` for in-process generation), ``model_runner``
-(KV-cache prefill/decode of Llama-style HF models), ``sampling`` (parameters, token sampler), ``weights``
-(checkpoint reading and checks for weight updates), ``dist_update`` (SGLang's weight-update group and
-``/update_weights_from_distributed`` over gloo), ``process`` (a worker's child server).
+bodies within limits, error shapes), ``guard`` (admin API key, body census before parsing), ``control``
+(weight load from disk, pause, continue, flush, abort), ``dist_update`` (SGLang's weight-update group and
+``/update_weights_from_distributed`` over gloo), ``process`` (a worker's child server). The generation core
+it serves with is shared with in-process evaluation and lives in ``common.generation``: ``scheduler``
+(continuous batching on one thread), ``model_runner`` (KV-cache prefill/decode of Llama-style HF models),
+``sampling`` (parameters, token sampler), ``weights`` (checkpoint reading and checks for weight updates).
 
 ``--imitate-sglang`` (test mode, ``engine.imitate_sglang``): behave as the released SGLang 0.5.23 does where
 it differs: ``/health`` is ``/health_generate`` (a one-token generation polled once a second, 503 after

@@ -30,9 +30,9 @@ from aiohttp import web
 
 from actors.rollout_server.http import Server
 from actors.rollout_server.process import ADMIN_KEY_ENV
-from actors.rollout_server.sampling import DEFAULT_MAX_N
-from actors.rollout_server.scheduler import Scheduler
 from common.config import EngineConfig
+from common.generation.sampling import DEFAULT_MAX_N
+from common.generation.scheduler import Scheduler
 from common.metrics import Metrics
 from common.security import is_loopback_host
 

@@ -14,7 +14,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from actors.rollout_server.sampling import RequestError, short_repr
+from common.generation.sampling import RequestError, short_repr
 
 log = logging.getLogger("vapo.rollout_server")
 

@@ -18,8 +18,8 @@ from typing import Any
 from aiohttp import web
 
 from actors.rollout_server.body import BadRequest, check_text, json_body, validation_error
-from actors.rollout_server.sampling import short_repr
-from actors.rollout_server.scheduler import PAUSE_MODES, Scheduler
+from common.generation.sampling import short_repr
+from common.generation.scheduler import PAUSE_MODES, Scheduler
 from common.metrics import Metrics
 
 log = logging.getLogger("vapo.rollout_server")

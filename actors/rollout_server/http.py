@@ -52,8 +52,8 @@ from actors.rollout_server.body import (
 from actors.rollout_server.control import FLUSH_CACHE_TEXT, FLUSH_REFUSED, ControlEndpoints, _resolve  # noqa: F401 (re-exported)
 from actors.rollout_server.dist_update import DistributedUpdates
 from actors.rollout_server.guard import admin_auth_middleware, check_generate_body, quiet_protocol_errors
-from actors.rollout_server.sampling import DEFAULT_MAX_N, RequestError, SamplingParams
-from actors.rollout_server.scheduler import Scheduler, SchedulerBusy, Sequence, new_rid
+from common.generation.sampling import DEFAULT_MAX_N, RequestError, SamplingParams
+from common.generation.scheduler import Scheduler, SchedulerBusy, Sequence, new_rid
 from common.metrics import Metrics
 from common.sglang_client import gc_paused
 

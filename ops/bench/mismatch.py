@@ -3,7 +3,7 @@ fp32 engine as the same-run baseline (what the learner's ``mismatch_kl`` / ``mis
 
     .venv/bin/python ops/bench/mismatch.py [--config ops/configs/default.yaml --prompts 32 --samples 8]
 
-The rollout server's own decode loop (``actors.rollout_server.scheduler.Scheduler``: fused weights, KV
+The rollout server's own decode loop (``common.generation.scheduler.Scheduler``: fused weights, KV
 cache, batched decode) samples ``samples`` responses to each of ``prompts`` training prompts of the config's
 task, once with the model loaded in bfloat16 and once in float32, and returns each token's log-prob as the
 engine would send it. An fp32 ``Learner`` of the same config then scores the same tokens with the same
@@ -34,9 +34,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from actors.rollout_server.sampling import SamplingParams  # noqa: E402
-from actors.rollout_server.scheduler import Scheduler, Sequence  # noqa: E402
 from common.config import Config, load_config  # noqa: E402
+from common.generation.sampling import SamplingParams  # noqa: E402
+from common.generation.scheduler import Scheduler, Sequence  # noqa: E402
 from common.modeling import load_model, load_tokenizer  # noqa: E402
 from common.protocol import Sample, SampleGroup  # noqa: E402
 from common.tasks import encode_prompt, get_task  # noqa: E402

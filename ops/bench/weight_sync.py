@@ -114,7 +114,7 @@ async def open_group(pusher: WeightPusher, clients: list[SGLangClient]) -> None:
 
 def disk_digest(path: Path) -> str:
     """``param_digest`` of a published version's tensors."""
-    from actors.rollout_server.weights import read_state_dict
+    from common.generation.weights import read_state_dict
 
     return param_digest(read_state_dict(path).items())
 

@@ -152,7 +152,7 @@ def test_integer_and_bool_weights_are_refused_half_precision_is_cast(tiny_model_
 
 
 def test_a_cast_that_overflows_the_served_dtype_is_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from actors.rollout_server.weights import LiveWeights, WeightLoadError
+    from common.generation.weights import LiveWeights, WeightLoadError
     from common.modeling import load_model
 
     model = load_model(str(tiny_model_dir)).half()

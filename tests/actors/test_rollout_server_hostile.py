@@ -188,7 +188,7 @@ def test_slow_clients_are_cut_off(limited) -> None:
 def test_an_engine_whose_thread_died_exits_nonzero(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Any exception in the engine thread (here a sampler fault injected by the test's wrapper) must end the
     process, so that whoever supervises it restarts it, instead of a live process answering 503 forever."""
-    wrapper = ("import sys, actors.rollout_server.scheduler as E, actors.rollout_server.__main__ as R\n"
+    wrapper = ("import sys, common.generation.scheduler as E, actors.rollout_server.__main__ as R\n"
                "orig = E.sample\n"
                "def faulty(logits, params, *a):\n"
                "    if any(p.max_new_tokens == 77 for p in params):\n"

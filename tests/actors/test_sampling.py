@@ -1,11 +1,11 @@
-"""actors.rollout_server.sampling: the token sampler's distribution and logprobs, SGLang's parameter checks."""
+"""common.generation.sampling: the token sampler's distribution and logprobs, SGLang's parameter checks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from actors.rollout_server.sampling import RequestError, SamplingParams, sample
+from common.generation.sampling import RequestError, SamplingParams, sample
 
 
 def test_sampling_distribution_and_truncation() -> None:

@@ -1,4 +1,4 @@
-"""actors.rollout_server.scheduler in-process: batching invariants against the HF model, prompt checks, weight
+"""common.generation.scheduler in-process: batching invariants against the HF model, prompt checks, weight
 updates, failure handling, and ``generate_batch``."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.rollout_server.sampling import RequestError, SamplingParams
-from actors.rollout_server.scheduler import Scheduler, Sequence, generate_batch
+from common.generation.passes import generate_batch
+from common.generation.sampling import RequestError, SamplingParams
+from common.generation.scheduler import Scheduler, Sequence
 from common.modeling import load_model
 from learner.losses import token_logprobs
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from actors.rollout_server.dist_update import param_digest
-from actors.rollout_server.weights import read_state_dict
 from actors.weight_push_client import join_group, receive_push
 from common.checksum import weights_sha256
+from common.generation.weights import read_state_dict
 from common.modeling import load_model
 from common.sglang_client import SGLangClient, SGLangError
 from learner.weight_push import DurableWriter, WeightPusher, bucket_plan

@@ -9,7 +9,7 @@ place (no per-step concatenation), and identical prompts admitted together (the 
 prefilled once and their KV rows copied. Supported: Llama-style decoder stacks (Qwen2, Qwen3 with q/k norms,
 Llama, Mistral without sliding window); anything else is refused at construction with a clear message.
 
-Not thread-safe: one scheduler thread drives it (``actors.rollout_server.scheduler``).
+Not thread-safe: one scheduler thread drives it (``common.generation.scheduler``).
 
 Deviations from SGLang: no paged attention or radix cache (a slot holds one sequence's whole context).
 """
