@@ -2,19 +2,15 @@
 
     .venv/bin/python ops/bench/fingerprint.py [--only learner,rollout,wire] [--threads 1]
 
-Prints one JSON line. Three parts, each reached only through stable public entry points, so the same file
-runs on an older checkout (copy it there and run it with that checkout as the working directory):
-
-- ``learner``: one full VAPO step (critic, then actor) of ``learner.train.Learner`` under DeepSpeed (one
-  rank, CPU) on a tiny random Qwen2 and fixed synthetic groups; digests of every policy and critic tensor
-  after the step (fp32 bytes, name-sorted), of the step's statistics (sorted-key JSON, floats repr'd; the
-  wall-clock keys listed in ``volatile_stats`` left out) and of every gradient as it is accumulated
-  (observed through ``Tensor.register_post_accumulate_grad_hook``, per parameter in order).
-- ``rollout``: ``python -m actors.rollout_server`` with ``--random-seed 0`` on the same tiny model, a fixed
-  list of /generate requests posted one after another; the digest of the raw response bodies in order, with
-  the values of the timing fields in ``volatile_fields`` blanked (the server takes no per-request seed).
+Prints one JSON line. Each part uses only stable public entry points, so the same file runs on an older
+checkout (copy it there and run it with that checkout as the working directory):
+- ``learner``: per ``LEARNER_VARIANTS`` config, one full step (critic, then actor) of ``learner.train.Learner``
+  under DeepSpeed (one rank, CPU) on a tiny random Qwen2 and fixed synthetic groups; digests of every policy
+  and critic tensor after it (fp32 bytes, name-sorted), of its statistics (sorted-key JSON, floats repr'd,
+  without the wall-clock keys in ``volatile_stats``) and of each gradient as backward accumulates it.
+- ``rollout``: ``python -m actors.rollout_server --random-seed 0`` on that model, fixed /generate requests
+  posted in turn; the digest of the raw bodies in order, the timing values (``volatile_fields``) blanked.
 - ``wire``: ``common.protocol.encode`` of one message of every type, built with keyword arguments.
-
 Equal digests on two commits mean equal behaviour on these inputs; the part digests say where they differ.
 """
 
@@ -47,6 +43,12 @@ VOLATILE_FIELDS = ("e2e_latency",)
 LEARNER_OVERRIDES = ("learner.micro_batch_size=3", "learner.mini_batches=2", "learner.batch_groups=4",
                      "learner.actor_lr=1e-3", "learner.critic_lr=2e-3", "learner.grad_clip=1.0", "algo.alpha=0.5",
                      "learner.value_head_init_std=0.02", "metrics.prometheus=false")
+# The step's branches: critic values before/after its update, coupled λ, GRPO, recomputed π_old.
+LEARNER_VARIANTS: dict[str, tuple[str, ...]] = {
+    "vapo": (), "pre_update": ("algo.actor_values=pre_update",), "coupled": ("algo.decoupled_gae=false",),
+    "grpo_decoupled": ("algo.advantage=grpo", "learner.off_policy=decoupled"),
+    "rollout_correction": ("learner.off_policy=rollout_correction",),
+}
 
 
 def sha(data: bytes) -> str:
@@ -123,24 +125,26 @@ def watch_grads(modules: dict[str, torch.nn.Module]) -> dict[str, list[str]]:
     return seen
 
 
-def learner_fingerprint(model_dir: Path, data_seed: int = 3) -> dict[str, Any]:
-    """One DeepSpeed learner step on ``fixed_groups(seed=data_seed)``: digests of the models, statistics and
-    gradients."""
+def learner_fingerprint(model_dir: Path, data_seed: int = 3, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One DeepSpeed learner step on ``fixed_groups(seed=data_seed)`` with config overrides ``extra``:
+    digests of the models (critic "none" without one), statistics and gradients."""
     from common.config import load_config
     from learner.train import Learner
 
-    cfg = load_config(None, [f"model.path={model_dir}", *LEARNER_OVERRIDES])
+    cfg = load_config(None, [f"model.path={model_dir}", *LEARNER_OVERRIDES, *extra])
     learner = Learner(cfg, None)
-    policy, critic = learner.policy.module, learner.critic.module
-    grads = watch_grads({"policy": policy, "critic": critic})
+    models = {"policy": learner.policy.module}
+    if learner.critic is not None:
+        models["critic"] = learner.critic.module
+    grads = watch_grads(models)
     stats = learner.step(fixed_groups(seed=data_seed, max_new_tokens=cfg.actors.max_new_tokens))
     grad_hash = hashlib.sha256()
     for key in sorted(grads):
         grad_hash.update(key.encode() + b"\0" + "".join(grads[key]).encode())
     return {
-        "policy": tensors_digest(policy.state_dict()), "critic": tensors_digest(critic.state_dict()),
-        "stats": stats_digest(stats), "grads": grad_hash.hexdigest(),
-        "grad_events": sum(len(v) for v in grads.values()), "volatile_stats": list(VOLATILE_STATS),
+        "policy": tensors_digest(models["policy"].state_dict()),
+        "critic": tensors_digest(models["critic"].state_dict()) if "critic" in models else "none",
+        "stats": stats_digest(stats), "grads": grad_hash.hexdigest(), "grad_events": sum(map(len, grads.values())),
     }
 
 
@@ -277,7 +281,9 @@ def main(argv: list[str] | None = None) -> None:
         if "rollout" in parts:
             out["rollout"] = rollout_fingerprint(model_dir, Path(tmp))
         if "learner" in parts:
-            out["learner"] = learner_fingerprint(model_dir)
+            out["learner"] = {name: learner_fingerprint(model_dir, extra=extra)
+                              for name, extra in LEARNER_VARIANTS.items()}
+            out["learner"]["volatile_stats"] = list(VOLATILE_STATS)
     import common.protocol
 
     out["code"] = str(Path(common.protocol.__file__).resolve().parents[1])  # which checkout was imported

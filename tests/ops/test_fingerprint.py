@@ -27,6 +27,8 @@ def test_learner_step_fingerprint_repeats_and_follows_the_data(tiny_model_dir: P
     other = fp.learner_fingerprint(tiny_model_dir, data_seed=4)
     for key in ("policy", "critic", "stats", "grads"):
         assert len(first[key]) == 64 and other[key] != first[key], key
+    grpo = fp.learner_fingerprint(tiny_model_dir, extra=fp.LEARNER_VARIANTS["grpo_decoupled"])
+    assert grpo["critic"] == "none" and grpo["policy"] != first["policy"]
 
 
 def test_wire_fingerprint_repeats_and_frames_decode_back() -> None:
