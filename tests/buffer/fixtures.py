@@ -158,3 +158,16 @@ class BufferProc:
         elif self.proc is not None and self.proc.stdout:
             self.proc.stdout.close()
         shutil.rmtree(self.sockdir, ignore_errors=True)
+
+
+def buffer_config(workdir: Path, overrides: list[str] | None = None) -> Any:
+    """A config for a buffer in ``workdir`` (LMDB in ``workdir/lmdb``, ipc sockets in ``workdir/s``), no model."""
+    from common.config import load_config
+
+    sock = workdir / "s"
+    sock.mkdir(exist_ok=True)
+    return load_config(None, [
+        f"buffer.path={workdir / 'lmdb'}", f"buffer.ingest_addr=ipc://{sock}/i", f"buffer.serve_addr=ipc://{sock}/s",
+        "buffer.metrics_port=0", "metrics.prometheus=false", f"model.path={workdir / 'no-model'}",
+        "buffer.vocab_size=1000", *(overrides or []),
+    ])
