@@ -36,7 +36,6 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import actor_values_suite  # noqa: E402
 import long_suite  # noqa: E402
 import weight_sync_suite  # noqa: E402
+from default_suite import BY_NAME, FULL_STEPS, SHORT_STEPS, SUITE, Experiment, run_name  # noqa: E402
 from run_records import (  # noqa: E402,F401 (the suites read runs through this module)
     TARGET,
     Run,
@@ -56,62 +56,6 @@ from run_records import (  # noqa: E402,F401 (the suites read runs through this 
 )
 
 REPO = Path(__file__).resolve().parents[2]
-FULL_STEPS = 60   # the default's budget: 60 steps x 32 prompts x G=8 = 15,360 samples
-SHORT_STEPS = 40  # ablations and sweeps (1 seed): 10,240 samples, compared with VAPO at the same samples
-
-
-@dataclass(frozen=True)
-class Experiment:
-    name: str
-    group: str              # baselines | ablations | staleness | alpha
-    label: str              # what the row is, for the report
-    config: str = "ops/configs/default.yaml"
-    overrides: tuple[str, ...] = ()
-    seeds: tuple[int, ...] = (0,)
-    steps: int = FULL_STEPS
-
-
-SEEDS3 = (0, 1, 2)
-SUITE: tuple[Experiment, ...] = (
-    Experiment("vapo", "baselines", "VAPO (default)", seeds=SEEDS3),
-    Experiment("stale0", "staleness", "VAPO, synchronous (buffer.max_staleness=0)",
-               overrides=("buffer.max_staleness=0",), steps=SHORT_STEPS),
-    Experiment("stale2", "staleness", "VAPO, buffer.max_staleness=2",
-               overrides=("buffer.max_staleness=2",), steps=SHORT_STEPS),
-    Experiment("stale4", "staleness", "VAPO, buffer.max_staleness=4",
-               overrides=("buffer.max_staleness=4",), steps=SHORT_STEPS),
-    Experiment("grpo", "baselines", "GRPO", "ops/configs/grpo.yaml", seeds=SEEDS3),
-    Experiment("dapo", "baselines", "DAPO", "ops/configs/dapo.yaml", seeds=SEEDS3),
-    Experiment("ppo", "baselines", "vanilla PPO", "ops/configs/ppo.yaml", seeds=SEEDS3),
-    Experiment("no_value_pretrain", "ablations", "VAPO − value pretraining",
-               overrides=("value_pretrain.enabled=false",), steps=SHORT_STEPS),
-    Experiment("no_decoupled_gae", "ablations", "VAPO − decoupled GAE (critic λ = actor's length-adaptive λ)",
-               overrides=("algo.decoupled_gae=false",), steps=SHORT_STEPS),
-    Experiment("no_length_adaptive", "ablations", "VAPO − length-adaptive λ (λ_actor = 0.95)",
-               overrides=("algo.length_adaptive=false",), steps=SHORT_STEPS),
-    Experiment("no_clip_higher", "ablations", "VAPO − clip-higher (ε_high = 0.2)",
-               overrides=("algo.clip_high=0.2",), steps=SHORT_STEPS),
-    Experiment("no_token_level", "ablations", "VAPO − token-level loss (sequence mean)",
-               overrides=("algo.loss_agg=seq_mean",), steps=SHORT_STEPS),
-    Experiment("no_nll", "ablations", "VAPO − positive-example NLL",
-               overrides=("nll.coef=0",), steps=SHORT_STEPS),
-    Experiment("no_group_sampling", "ablations", "VAPO − group sampling (256 prompts × G=1)",
-               overrides=("actors.group_size=1", "learner.batch_groups=256", "value_pretrain.batch_groups=256",
-                          "value_pretrain.eval_groups=256"), steps=SHORT_STEPS),
-    Experiment("plus_dynamic_sampling", "ablations", "VAPO + dynamic sampling (DAPO's uniform-group filter)",
-               overrides=("buffer.filter_uniform_groups=true",), steps=SHORT_STEPS),
-    Experiment("stale4_decoupled", "staleness", "VAPO, buffer.max_staleness=4, AReaL's decoupled PPO objective",
-               overrides=("buffer.max_staleness=4", "learner.off_policy=decoupled"), steps=SHORT_STEPS),
-    Experiment("grpo_sync", "staleness", "GRPO, synchronous (buffer.max_staleness=0)", "ops/configs/grpo.yaml",
-               overrides=("buffer.max_staleness=0",), steps=SHORT_STEPS),
-    Experiment("alpha0.3", "alpha", "VAPO, α = 0.3", overrides=("algo.alpha=0.3",), steps=SHORT_STEPS),
-    Experiment("alpha3", "alpha", "VAPO, α = 3", overrides=("algo.alpha=3.0",), steps=SHORT_STEPS),
-)
-BY_NAME = {e.name: e for e in SUITE}
-
-
-def run_name(e: Experiment, seed: int) -> str:
-    return f"{e.name}-s{seed}"
 
 
 # --------------------------------------------------------------------------------------------- running
@@ -199,6 +143,22 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
         got = [load_run(root / run_name(e, s)) for s in e.seeds]
         runs[e.name] = [r for r in got if r is not None]
     figdir = out.parent / "results"
+    lines = (_report_header(root, notes) + _baselines_section(runs, figdir) + _default_run_section(runs.get("vapo", []))
+             + _ablations_section(runs, figdir) + _staleness_section(runs, figdir) + _alpha_section(runs))
+    text = "\n".join(lines) + "\n"
+    if out.exists():  # the long-horizon suite's section is written by its own report; keep it
+        old = out.read_text()
+        if long_suite.BEGIN in old and long_suite.END in old:
+            text = long_suite.splice(text, long_suite.BEGIN + old.split(long_suite.BEGIN, 1)[1].split(long_suite.END, 1)[0]
+                                     + long_suite.END + "\n")
+    out.write_text(text)
+    return text
+
+
+def _report_header(root: Path, notes: Path) -> list[str]:
+    """The title, what every run is, the machines that produced them and the hand-written reading."""
+    from common.provenance import machines_line
+
     lines = ["# Results: VAPO in miniature", "",
              "Generated by `.venv/bin/python ops/bench/experiments.py` (re-make the tables and plots from the finished "
              "runs with `--report-only`). Task: the embedded default (step-by-step addition, 1–6 digits; the "
@@ -209,36 +169,21 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
              "sampling (DAPO). "
              "Accuracy is held-out avg@8 (256 prompts × 8 samples at temperature 1); wall times are learner time "
              "from the base evaluation, net of held-out evaluations.", ""]
-    from common.provenance import machines_line
-
     lines += ["Produced by (each run's metrics.jsonl header): "
               + machines_line([root / run_name(e, s) for e in SUITE for s in e.seeds]), ""]
     if notes.exists():
         lines += [notes.read_text().rstrip(), ""]
+    return lines
 
-    # 1. baselines
-    lines += ["## VAPO against the baselines (same budget: 60 steps, 15,360 samples)", "",
-              f"| method | seeds | final avg@8 mean ± sd (min–max) | greedy | samples paid to {TARGET:.2f} (mean; per seed) "
-              f"| trained samples to {TARGET:.2f} (mean) | learner s to {TARGET:.2f} | trained samples/s |",
-              "|---|---|---|---|---|---|---|---|"]
+
+def _baselines_section(runs: dict[str, list[Run]], figdir: Path) -> list[str]:
+    """1. VAPO against the baselines at the full budget: the table and its three plots."""
+    lines = ["## VAPO against the baselines (same budget: 60 steps, 15,360 samples)", "",
+             f"| method | seeds | final avg@8 mean ± sd (min–max) | greedy | samples paid to {TARGET:.2f} (mean; per seed) "
+             f"| trained samples to {TARGET:.2f} (mean) | learner s to {TARGET:.2f} | trained samples/s |",
+             "|---|---|---|---|---|---|---|---|"]
     for name in ("vapo", "dapo", "grpo", "ppo"):
-        rs = runs.get(name, [])
-        if not rs:
-            lines.append(f"| {BY_NAME[name].label} | 0 | not run yet | | | | | |")
-            continue
-        finals = [r.final(FULL_STEPS)["acc"] for r in rs]
-        m, sd = mean_std(finals)
-        cross = [r.crossing(TARGET, "cost") for r in rs]
-        tcross = [r.crossing(TARGET, "t") for r in rs]
-        reached = [c for c in cross if c is not None]
-        cm = statistics.fmean(reached) if len(reached) == len(rs) else None
-        tm = statistics.fmean(tcross) if all(t is not None for t in tcross) else None
-        scross = [r.crossing(TARGET, "samples") for r in rs]
-        sm = statistics.fmean(scross) if all(c is not None for c in scross) else None
-        thr = statistics.fmean(r.throughput(FULL_STEPS) for r in rs)
-        lines.append(f"| {BY_NAME[name].label} | {len(rs)} | {m:.3f} ± {sd:.3f} ({min(finals):.3f}–{max(finals):.3f}) "
-                     f"| {statistics.fmean(r.final(FULL_STEPS)['greedy'] for r in rs):.3f} "
-                     f"| {fmt_k(cm)}; {', '.join(fmt_k(c) for c in cross)} | {fmt_k(sm)} | {fmt(tm, 0)} | {thr:.1f} |")
+        lines.append(_baseline_row(name, runs.get(name, [])))
     lines.append("")
     plot_curves(figdir / "baselines_samples.png", {BY_NAME[n].label: runs.get(n, []) for n in ("vapo", "dapo", "grpo", "ppo")},
                 "cost", "samples paid for (thousands)", "Held-out accuracy vs samples (mean, band = min–max over seeds)")
@@ -247,44 +192,67 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
                 "discarded groups not counted)")
     plot_curves(figdir / "baselines_time.png", {BY_NAME[n].label: runs.get(n, []) for n in ("vapo", "dapo", "grpo", "ppo")},
                 "t", "learner wall seconds (net of evaluation)", "Held-out accuracy vs wall time")
-    lines += ["![accuracy vs samples](results/baselines_samples.png)", "",
-              "![accuracy vs trained samples](results/baselines_trained.png)", "",
-              "![accuracy vs wall time](results/baselines_time.png)", ""]
+    return lines + ["![accuracy vs samples](results/baselines_samples.png)", "",
+                    "![accuracy vs trained samples](results/baselines_trained.png)", "",
+                    "![accuracy vs wall time](results/baselines_time.png)", ""]
 
-    # 2. default-run acceptance
+
+def _baseline_row(name: str, rs: list[Run]) -> str:
+    if not rs:
+        return f"| {BY_NAME[name].label} | 0 | not run yet | | | | | |"
+    finals = [r.final(FULL_STEPS)["acc"] for r in rs]
+    m, sd = mean_std(finals)
+    cross = [r.crossing(TARGET, "cost") for r in rs]
+    tcross = [r.crossing(TARGET, "t") for r in rs]
+    reached = [c for c in cross if c is not None]
+    cm = statistics.fmean(reached) if len(reached) == len(rs) else None
+    tm = statistics.fmean(tcross) if all(t is not None for t in tcross) else None
+    scross = [r.crossing(TARGET, "samples") for r in rs]
+    sm = statistics.fmean(scross) if all(c is not None for c in scross) else None
+    thr = statistics.fmean(r.throughput(FULL_STEPS) for r in rs)
+    return (f"| {BY_NAME[name].label} | {len(rs)} | {m:.3f} ± {sd:.3f} ({min(finals):.3f}–{max(finals):.3f}) "
+            f"| {statistics.fmean(r.final(FULL_STEPS)['greedy'] for r in rs):.3f} "
+            f"| {fmt_k(cm)}; {', '.join(fmt_k(c) for c in cross)} | {fmt_k(sm)} | {fmt(tm, 0)} | {thr:.1f} |")
+
+
+def _default_run_section(vr: list[Run]) -> list[str]:
+    """2. The default run's acceptance, seed by seed (nothing without VAPO runs)."""
+    if not vr:
+        return []
+    lines = ["## The default run (`ops/launch.sh`, 3 seeds)", "",
+             f"Deliverable: +20 points held-out avg@8 within 15 minutes including the bootstrap. The default is "
+             f"{SHORT_STEPS} steps; these runs went on to {FULL_STEPS} for the comparison above, and the learning rate "
+             f"is constant, so their first {SHORT_STEPS} steps are the default run. \"Wall to step {SHORT_STEPS}\" "
+             "counts from the launch; runs that found the base already built add the bootstrap measured by the suite's "
+             "own fresh-bootstrap launch (`runs/exp/_base`).", "",
+             f"| seed | base | step {SHORT_STEPS} | step {FULL_STEPS} | lowest eval after base | held-out length base → "
+             f"step {SHORT_STEPS} | entropy (min–max) | EV after value pretraining | wall to step {SHORT_STEPS} "
+             "incl. bootstrap (s) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in vr:
+        ents = [s["entropy"] for s in r.steps if s["entropy"] is not None]
+        lowest = min(p["acc"] for p in r.points[1:]) if len(r.points) > 1 else float("nan")
+        p40 = r.final(SHORT_STEPS)
+        to40 = r.launch_to.get(SHORT_STEPS)
+        boot = ("" if r.bootstrap_seconds is None or to40 is None
+                else f" ({to40 - r.bootstrap_seconds:.0f} + {r.bootstrap_seconds:.0f} bootstrap)")
+        lines.append(f"| {r.name} | {r.base:.3f} | {p40['acc']:.3f} | {r.final(FULL_STEPS)['acc']:.3f} | {lowest:.3f} "
+                     f"| {fmt(r.points[0]['len'], 1)} → {fmt(p40['len'], 1)} | {min(ents):.3f}–{max(ents):.3f} "
+                     f"| {fmt(r.pretrain_ev)} | {fmt(r.launch_to.get(SHORT_STEPS), 0)}{boot} |")
+    return lines + [""]
+
+
+def _ablations_section(runs: dict[str, list[Run]], figdir: Path) -> list[str]:
+    """3. Each ablation against VAPO's mean at the short budget, and their plot."""
     vr = runs.get("vapo", [])
-    if vr:
-        lines += ["## The default run (`ops/launch.sh`, 3 seeds)", "",
-                  f"Deliverable: +20 points held-out avg@8 within 15 minutes including the bootstrap. The default is "
-                  f"{SHORT_STEPS} steps; these runs went on to {FULL_STEPS} for the comparison above, and the learning rate "
-                  f"is constant, so their first {SHORT_STEPS} steps are the default run. \"Wall to step {SHORT_STEPS}\" "
-                  "counts from the launch; runs that found the base already built add the bootstrap measured by the suite's "
-                  "own fresh-bootstrap launch (`runs/exp/_base`).", "",
-                  f"| seed | base | step {SHORT_STEPS} | step {FULL_STEPS} | lowest eval after base | held-out length base → "
-                  f"step {SHORT_STEPS} | entropy (min–max) | EV after value pretraining | wall to step {SHORT_STEPS} "
-                  "incl. bootstrap (s) |", "|---|---|---|---|---|---|---|---|---|"]
-        for r in vr:
-            ents = [s["entropy"] for s in r.steps if s["entropy"] is not None]
-            lowest = min(p["acc"] for p in r.points[1:]) if len(r.points) > 1 else float("nan")
-            p40 = r.final(SHORT_STEPS)
-            to40 = r.launch_to.get(SHORT_STEPS)
-            boot = ("" if r.bootstrap_seconds is None or to40 is None
-                    else f" ({to40 - r.bootstrap_seconds:.0f} + {r.bootstrap_seconds:.0f} bootstrap)")
-            lines.append(f"| {r.name} | {r.base:.3f} | {p40['acc']:.3f} | {r.final(FULL_STEPS)['acc']:.3f} | {lowest:.3f} "
-                         f"| {fmt(r.points[0]['len'], 1)} → {fmt(p40['len'], 1)} | {min(ents):.3f}–{max(ents):.3f} "
-                         f"| {fmt(r.pretrain_ev)} | {fmt(r.launch_to.get(SHORT_STEPS), 0)}{boot} |")
-        lines.append("")
-
-    # 3. ablations
     vapo_short = [r.final(SHORT_STEPS)["acc"] for r in vr]
     vcross = [r.crossing(TARGET, "cost") for r in vr]
     vm, vsd = mean_std(vapo_short)
-    lines += [f"## Ablations (1 seed each, marked; {SHORT_STEPS} steps = 10,240 samples)", "",
-              f"Reference: VAPO at step {SHORT_STEPS}, {len(vr)} seeds: **{vm:.3f} ± {vsd:.3f}**; samples paid to "
-              f"{TARGET:.2f}: {fmt_k(statistics.fmean(vcross) if vr and all(c is not None for c in vcross) else None)} "
-              f"(value pretraining included). Single-seed differences within ~2 sd ({2 * vsd:.3f}) are noise.", "",
-              f"| variant | seed | avg@8 at {SHORT_STEPS} steps | Δ vs VAPO mean | samples to {TARGET:.2f} | EV (mean over steps) |",
-              "|---|---|---|---|---|---|"]
+    lines = [f"## Ablations (1 seed each, marked; {SHORT_STEPS} steps = 10,240 samples)", "",
+             f"Reference: VAPO at step {SHORT_STEPS}, {len(vr)} seeds: **{vm:.3f} ± {vsd:.3f}**; samples paid to "
+             f"{TARGET:.2f}: {fmt_k(statistics.fmean(vcross) if vr and all(c is not None for c in vcross) else None)} "
+             f"(value pretraining included). Single-seed differences within ~2 sd ({2 * vsd:.3f}) are noise.", "",
+             f"| variant | seed | avg@8 at {SHORT_STEPS} steps | Δ vs VAPO mean | samples to {TARGET:.2f} | EV (mean over steps) |",
+             "|---|---|---|---|---|---|"]
     for e in SUITE:
         if e.group != "ablations":
             continue
@@ -299,75 +267,76 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
     abl = {"VAPO": vr} | {e.label: runs[e.name] for e in SUITE if e.group == "ablations" and runs.get(e.name)}
     plot_curves(figdir / "ablations.png", abl, "cost", "samples paid for (thousands)",
                 "VAPO with one component removed (1 seed each)", upto_step=SHORT_STEPS)
-    lines += ["![ablations](results/ablations.png)", ""]
+    return lines + ["![ablations](results/ablations.png)", ""]
 
-    # 4. async vs sync and the staleness sweep
-    lines += [f"## Async vs synchronous, staleness sweep ({SHORT_STEPS} steps = 10,240 samples, seed 0 unless marked)", "",
-              "| buffer.max_staleness | runs | trained samples/s | speed-up vs sync | learner s/step waiting for data "
-              "| learner s/step computing | mean staleness of trained groups "
-              f"| groups dropped as stale | learner s to {TARGET:.2f} | avg@8 at {SHORT_STEPS} steps |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+
+def _staleness_section(runs: dict[str, list[Run]], figdir: Path) -> list[str]:
+    """4. Async against synchronous training and the staleness sweep (plus GRPO's pair), and their plot."""
+    lines = [f"## Async vs synchronous, staleness sweep ({SHORT_STEPS} steps = 10,240 samples, seed 0 unless marked)", "",
+             "| buffer.max_staleness | runs | trained samples/s | speed-up vs sync | learner s/step waiting for data "
+             "| learner s/step computing | mean staleness of trained groups "
+             f"| groups dropped as stale | learner s to {TARGET:.2f} | avg@8 at {SHORT_STEPS} steps |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     sweep: list[tuple[str, list[Run]]] = [
-        ("0 (sync)", runs.get("stale0", [])), ("1 (default)", vr), ("2", runs.get("stale2", [])),
+        ("0 (sync)", runs.get("stale0", [])), ("1 (default)", runs.get("vapo", [])), ("2", runs.get("stale2", [])),
         ("4", runs.get("stale4", [])), ("4, learner.off_policy=decoupled", runs.get("stale4_decoupled", []))]
     sync_thr = statistics.fmean(r.throughput(SHORT_STEPS) for r in sweep[0][1]) if sweep[0][1] else None
     for k, rs in sweep:
-        if not rs:
-            lines.append(f"| {k} | 0 | not run yet | | | | | | | |")
-            continue
-        thr = statistics.fmean(r.throughput(SHORT_STEPS) for r in rs)
-        st = statistics.fmean(statistics.fmean(s["staleness"] or 0.0 for s in r.steps if s["step"] <= SHORT_STEPS)
-                              for r in rs)
-        tc = [r.crossing(TARGET, "t") for r in rs]
-        tcm = statistics.fmean(tc) if all(t is not None for t in tc) else None
-        acc = mean_std([r.final(SHORT_STEPS)["acc"] for r in rs])
-        shares = [x for x in (r.stale_share(SHORT_STEPS) for r in rs) if x is not None]
-        drop = f"{100 * statistics.fmean(shares):.0f}%" + (f" ({len(shares)} of {len(rs)} runs)" if len(shares) < len(rs) else "") if shares else "—"
-        wait, busy = (statistics.fmean(statistics.fmean(s[key] for s in r.steps if s["step"] <= SHORT_STEPS) for r in rs)
-                      for key in ("fetch_s", "busy_s"))
-        lines.append(f"| {k} | {len(rs)} | {thr:.1f} "
-                     f"| {fmt(thr / sync_thr if sync_thr else None, 2)}× | {wait:.2f} | {busy:.2f} | {st:.2f} | {drop} | {fmt(tcm, 0)} "
-                     f"| {acc[0]:.3f}{f' ± {acc[1]:.3f}' if len(rs) > 1 else ''} |")
+        lines.append(_staleness_row(k, rs, sync_thr) if rs else f"| {k} | 0 | not run yet | | | | | | | |")
     lines.append("")
-    gs, ga = runs.get("grpo_sync", []), runs.get("grpo", [])
-    if gs and ga:
-        # The same comparison where generation and training take similar time (no critic to train).
-        thr_s = statistics.fmean(r.throughput(SHORT_STEPS) for r in gs)
-        thr_a = statistics.fmean(r.throughput(SHORT_STEPS) for r in ga)
-        acc_s = mean_std([r.final(SHORT_STEPS)["acc"] for r in gs])
-        acc_a = mean_std([r.final(SHORT_STEPS)["acc"] for r in ga])
-        lines += ["GRPO (no critic, so a learner step costs about as much as generating its batch):", "",
-                  f"| GRPO | runs | trained samples/s | speed-up vs sync | avg@8 at {SHORT_STEPS} steps |", "|---|---|---|---|---|",
-                  f"| max_staleness=0 (sync) | {len(gs)} | {thr_s:.1f} | 1.00× | {acc_s[0]:.3f} |",
-                  f"| max_staleness=1 | {len(ga)} | {thr_a:.1f} | {thr_a / thr_s:.2f}× | {acc_a[0]:.3f}"
-                  f"{f' ± {acc_a[1]:.3f}' if len(ga) > 1 else ''} |", ""]
+    lines += _grpo_sync_table(runs.get("grpo_sync", []), runs.get("grpo", []))
     plot_curves(figdir / "staleness_time.png", {f"max_staleness={k}": rs for k, rs in sweep if rs}, "t",
                 "learner wall seconds (net of evaluation)", "Async vs synchronous", upto_step=SHORT_STEPS)
-    lines += ["![staleness](results/staleness_time.png)", ""]
+    return lines + ["![staleness](results/staleness_time.png)", ""]
 
-    # 5. alpha
-    lines += [f"## α sweep (length-adaptive λ = 1 − 1/(α·l); 1 seed, {SHORT_STEPS} steps)", "",
-              f"| α | λ at l = 10 / 40 / 70 | avg@8 at {SHORT_STEPS} steps | samples to {TARGET:.2f} |", "|---|---|---|---|"]
+
+def _staleness_row(k: str, rs: list[Run], sync_thr: float | None) -> str:
+    thr = statistics.fmean(r.throughput(SHORT_STEPS) for r in rs)
+    st = statistics.fmean(statistics.fmean(s["staleness"] or 0.0 for s in r.steps if s["step"] <= SHORT_STEPS)
+                          for r in rs)
+    tc = [r.crossing(TARGET, "t") for r in rs]
+    tcm = statistics.fmean(tc) if all(t is not None for t in tc) else None
+    acc = mean_std([r.final(SHORT_STEPS)["acc"] for r in rs])
+    shares = [x for x in (r.stale_share(SHORT_STEPS) for r in rs) if x is not None]
+    drop = f"{100 * statistics.fmean(shares):.0f}%" + (f" ({len(shares)} of {len(rs)} runs)" if len(shares) < len(rs) else "") if shares else "—"
+    wait, busy = (statistics.fmean(statistics.fmean(s[key] for s in r.steps if s["step"] <= SHORT_STEPS) for r in rs)
+                  for key in ("fetch_s", "busy_s"))
+    return (f"| {k} | {len(rs)} | {thr:.1f} "
+            f"| {fmt(thr / sync_thr if sync_thr else None, 2)}× | {wait:.2f} | {busy:.2f} | {st:.2f} | {drop} | {fmt(tcm, 0)} "
+            f"| {acc[0]:.3f}{f' ± {acc[1]:.3f}' if len(rs) > 1 else ''} |")
+
+
+def _grpo_sync_table(gs: list[Run], ga: list[Run]) -> list[str]:
+    """The same comparison where generation and training take similar time (no critic to train)."""
+    if not (gs and ga):
+        return []
+    thr_s = statistics.fmean(r.throughput(SHORT_STEPS) for r in gs)
+    thr_a = statistics.fmean(r.throughput(SHORT_STEPS) for r in ga)
+    acc_s = mean_std([r.final(SHORT_STEPS)["acc"] for r in gs])
+    acc_a = mean_std([r.final(SHORT_STEPS)["acc"] for r in ga])
+    return ["GRPO (no critic, so a learner step costs about as much as generating its batch):", "",
+            f"| GRPO | runs | trained samples/s | speed-up vs sync | avg@8 at {SHORT_STEPS} steps |", "|---|---|---|---|---|",
+            f"| max_staleness=0 (sync) | {len(gs)} | {thr_s:.1f} | 1.00× | {acc_s[0]:.3f} |",
+            f"| max_staleness=1 | {len(ga)} | {thr_a:.1f} | {thr_a / thr_s:.2f}× | {acc_a[0]:.3f}"
+            f"{f' ± {acc_a[1]:.3f}' if len(ga) > 1 else ''} |", ""]
+
+
+def _alpha_section(runs: dict[str, list[Run]]) -> list[str]:
+    """5. The α sweep: λ at three lengths and the accuracy of each α (VAPO's seed 0 is α = 1)."""
+    lines = [f"## α sweep (length-adaptive λ = 1 − 1/(α·l); 1 seed, {SHORT_STEPS} steps)", "",
+             f"| α | λ at l = 10 / 40 / 70 | avg@8 at {SHORT_STEPS} steps | samples to {TARGET:.2f} |", "|---|---|---|---|"]
 
     def lam(a: float, n: int) -> str:
         return f"{max(0.0, 1 - 1 / (a * n)):.2f}"
 
-    for a, rs in [(0.3, runs.get("alpha0.3", [])), (1.0, vr[:1]), (3.0, runs.get("alpha3", []))]:
+    for a, rs in [(0.3, runs.get("alpha0.3", [])), (1.0, runs.get("vapo", [])[:1]), (3.0, runs.get("alpha3", []))]:
         if not rs:
             lines.append(f"| {a} | {lam(a, 10)} / {lam(a, 40)} / {lam(a, 70)} | not run yet | |")
             continue
         r = rs[0]
         lines.append(f"| {a}{' (default, seed 0)' if a == 1.0 else ''} | {lam(a, 10)} / {lam(a, 40)} / {lam(a, 70)} "
                      f"| {r.final(SHORT_STEPS)['acc']:.3f} | {fmt_k(r.crossing(TARGET, 'cost'))} |")
-    lines.append("")
-    text = "\n".join(lines) + "\n"
-    if out.exists():  # the long-horizon suite's section is written by its own report; keep it
-        old = out.read_text()
-        if long_suite.BEGIN in old and long_suite.END in old:
-            text = long_suite.splice(text, long_suite.BEGIN + old.split(long_suite.BEGIN, 1)[1].split(long_suite.END, 1)[0]
-                                     + long_suite.END + "\n")
-    out.write_text(text)
-    return text
+    return lines + [""]
 
 
 def write_long_report(root: Path, out: Path) -> str:
