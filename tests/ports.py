@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-import socket
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from common.ports import free_port
 
 
 def port_overrides() -> list[str]:

@@ -90,8 +90,8 @@ def main() -> int:
 
     from common.config import load_config
     from learner.models import load_critic_module, load_policy_module
+    from learner.synthetic import synth_groups
     from learner.train import Learner
-    from tests.learner.synth import synth_groups
 
     with tempfile.TemporaryDirectory() as tmp:
         mdir, mdesc = model_dir(Path(tmp))

@@ -137,7 +137,7 @@ def child(path: str, model: str, out: str) -> None:
 
 
 def run_path(path: str, model: Path, ranks: int) -> list[dict[str, Any]]:
-    from tests.ports import free_port
+    from common.ports import free_port
 
     with tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "VAPO_DS_SHM": "0"}

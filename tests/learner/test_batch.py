@@ -8,7 +8,7 @@ import torch
 from common.protocol import Sample
 from learner.advantages import terminal_rewards
 from learner.batch import collate, collate_samples, concat, gather_positions
-from tests.learner.synth import synth_groups
+from learner.synthetic import synth_groups
 
 
 def _sample(prompt: list[int], out: list[int], reward: float, reason: str = "stop") -> Sample:

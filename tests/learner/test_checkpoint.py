@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 from common.config import load_config
 from learner.data import ListSource
 from learner.runner import Runner
+from learner.synthetic import synth_groups
 from learner.weights import complete_versions
-from tests.learner.synth import child_env, synth_groups
+from tests.learner.synth import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,7 +26,8 @@ HARNESS = textwrap.dedent("""
     from common.config import load_config
     from learner.data import ListSource
     from learner.runner import Runner
-    from tests.learner.synth import child_env, synth_groups
+    from learner.synthetic import synth_groups
+    from tests.learner.synth import child_env
 
     root, model, name, kill_at = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from learner.data import BufferSource
+from learner.synthetic import synth_groups
 from learner.train import Learner
 from tests.buffer.conftest import BufferProc, SyncSender
-from tests.learner.synth import synth_groups
 from tests.learner.test_train import make_cfg
 
 

@@ -26,7 +26,7 @@ HARNESS = textwrap.dedent("""
     from learner import dist
     from learner.data import ListSource, fetch
     from learner.losses import explained_variance, masked_whiten
-    from tests.learner.synth import synth_groups
+    from learner.synthetic import synth_groups
 
     me = dist.rank()
     assert dist.world_size() == 2

@@ -27,7 +27,7 @@ HARNESS = textwrap.dedent("""
     import learner.dist as dist
     from common.config import load_config
     from learner.data import ListSource, fetch
-    from tests.learner.synth import synth_groups
+    from learner.synthetic import synth_groups
 
     mode = sys.argv[1]
     cfg = load_config(None, ["learner.dist_timeout_s={timeout}"])

@@ -14,8 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from learner.synthetic import synth_groups
 from learner.train import Learner
-from tests.learner.synth import child_env, synth_groups
+from tests.learner.synth import child_env
 from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +34,8 @@ HARNESS = textwrap.dedent("""
     from learner.data import ListSource
     from learner.dist import rank
     from learner.train import Learner
-    from tests.learner.synth import child_env, synth_groups
+    from learner.synthetic import synth_groups
+    from tests.learner.synth import child_env
 
     model, out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     GRADS = {grads!r}

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from learner.models import load_critic_module, save_critic
+from learner.synthetic import synth_groups
 from learner.train import Learner
 from learner.weights import publish_policy
-from tests.learner.synth import synth_groups
 from tests.learner.test_train import make_cfg
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tests.learner.synth import child_env, synth_groups
+from learner.synthetic import synth_groups
+from tests.learner.synth import child_env
 from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +37,7 @@ HARNESS = textwrap.dedent("""
     from learner.data import ListSource
     from learner.dist import rank
     from learner.runner import Runner
-    from tests.learner.synth import synth_groups
+    from learner.synthetic import synth_groups
 
     cfg = load_config(None, sys.argv[1:])
     groups = synth_groups(3, 3, 60, seed=31)              # 9 rows: the ranks get 5 and 4

@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 from common.config import load_config
 from learner.data import ListSource
 from learner.runner import Runner
-from tests.learner.synth import synth_groups
+from learner.synthetic import synth_groups
 
 
 def test_runner_logs_metrics_and_evaluates(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -11,9 +11,9 @@ import numpy as np
 from common import protocol
 from learner.batch import collate
 from learner.data import BufferSource
+from learner.synthetic import synth_groups
 from learner.train import Learner
 from tests.buffer.conftest import BufferProc, SyncSender
-from tests.learner.synth import synth_groups
 from tests.learner.test_train import make_cfg
 
 

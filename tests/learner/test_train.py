@@ -11,9 +11,10 @@ import torch
 from common.config import load_config
 from learner.batch import collate
 from learner.models import load_critic_module, load_policy_module
+from learner.synthetic import synth_groups
 from learner.train import Learner
 from learner.update import minibatch_rows
-from tests.learner.synth import reference_gae, synth_groups
+from tests.learner.synth import reference_gae
 
 VOCAB = 60
 

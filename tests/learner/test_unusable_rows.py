@@ -14,8 +14,8 @@ from common.limits import SampleLimits
 from common.protocol import SampleGroup
 from learner.batch import drop_unusable
 from learner.data import ListSource
+from learner.synthetic import synth_groups
 from learner.train import Learner
-from tests.learner.synth import synth_groups
 
 VOCAB = 60
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from learner.batch import collate
+from learner.synthetic import synth_groups
 from learner.train import Learner
 from learner.update import MicroLimits, cut, equalize, plan, seq_lengths
-from tests.learner.synth import synth_groups
 from tests.learner.test_train import VOCAB, _max_diff, make_cfg
 
 

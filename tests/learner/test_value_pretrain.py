@@ -10,8 +10,8 @@ import torch
 from common.config import load_config
 from learner.data import ListSource
 from learner.models import load_critic_module
+from learner.synthetic import synth_groups
 from learner.value_pretrain import pretrain_critic
-from tests.learner.synth import synth_groups
 
 
 def learnable_groups(n: int, seed: int) -> list:
