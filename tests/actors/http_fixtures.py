@@ -1,12 +1,18 @@
-"""Plain-urllib HTTP calls to a rollout server under test, and the message of SGLang's error bodies
-(shared by the hostile-input and guard tests; no tests here)."""
+"""Plain-urllib HTTP calls to a rollout server under test, the message of SGLang's error bodies, and an
+aiohttp app served on a real loopback socket in the test's own event loop (shared by the rollout server's
+tests; no tests here)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
 from typing import Any
+
+from aiohttp import web
 
 
 def call(url: str, path: str, payload: Any = None, raw: bytes | None = None, headers: dict[str, str] | None = None,
@@ -31,3 +37,18 @@ def message(body: Any) -> str:
         err = body.get("error")
         return str(err["message"] if isinstance(err, dict) else body.get("message"))
     return str(body)
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """``app`` listening on a free loopback port for the block; yields its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+        sock.close()
