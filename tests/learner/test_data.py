@@ -8,7 +8,7 @@ from learner.data import BufferSource
 from learner.synthetic import synth_groups
 from learner.train import Learner
 from tests.buffer.conftest import BufferProc, SyncSender
-from tests.learner.test_train import make_cfg
+from tests.learner.train_fixtures import make_cfg
 
 
 def test_learner_step_on_batch_from_real_buffer(tiny_model_dir: Path, tmp_path: Path) -> None:

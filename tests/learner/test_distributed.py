@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from learner.synthetic import synth_groups
 from learner.train import Learner
 from tests.learner.synth import child_env
+from tests.learner.train_fixtures import zero3_data
 from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -138,7 +139,7 @@ ZERO3_HARNESS = textwrap.dedent("""
     from learner.dist import rank
     from learner.models import full_state_dict
     from learner.train import Learner
-    from tests.learner.test_distributed import zero3_data
+    from tests.learner.train_fixtures import zero3_data
 
     model, out, overrides = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     cfg = load_config(None, [f"model.path={{model}}", *json.loads(overrides)])
@@ -165,17 +166,6 @@ ZERO3_HARNESS = textwrap.dedent("""
     from learner.dist import exit_process  # no interpreter finalisation: gloo's threads can abort it
     exit_process(0)
 """)
-
-
-def zero3_data() -> tuple[list, list, list]:
-    """(groups for the fetched step, stored positives to replay, 3 groups of one row for the odd step)."""
-    groups = synth_groups(4, 3, 60, seed=41, resp_len=(1, 8)) + synth_groups(
-        1, 3, 60, seed=42, resp_len=(120, 150), max_new_tokens=150)
-    positives = [s for g in synth_groups(2, 2, 60, seed=43, resp_len=(2, 30), max_new_tokens=30) for s in g.samples]
-    for s in positives:
-        s.reward = 1.0
-    odd = synth_groups(3, 1, 60, seed=44, resp_len=(1, 90), max_new_tokens=90)
-    return groups, positives, odd
 
 
 def test_zero3_two_ranks_unequal_rows_run_equal_forwards_and_equal_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:

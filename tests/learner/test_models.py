@@ -13,7 +13,7 @@ from learner.models import load_critic_module, save_critic
 from learner.synthetic import synth_groups
 from learner.train import Learner
 from learner.weights import publish_policy
-from tests.learner.test_train import make_cfg
+from tests.learner.train_fixtures import make_cfg
 
 
 def _step(model: Path, *extra: str) -> Learner:

@@ -14,7 +14,7 @@ from learner.data import BufferSource
 from learner.synthetic import synth_groups
 from learner.train import Learner
 from tests.buffer.conftest import BufferProc, SyncSender
-from tests.learner.test_train import make_cfg
+from tests.learner.train_fixtures import make_cfg
 
 
 def with_spans(groups: list[protocol.SampleGroup]) -> list[protocol.SampleGroup]:

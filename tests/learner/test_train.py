@@ -8,23 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import load_config
 from learner.batch import collate
 from learner.models import load_critic_module, load_policy_module
 from learner.synthetic import synth_groups
 from learner.train import Learner
 from learner.update import minibatch_rows
 from tests.learner.synth import reference_gae
-
-VOCAB = 60
-
-
-def make_cfg(model_dir: Path, *extra: str):
-    return load_config(None, [
-        f"model.path={model_dir}", "learner.micro_batch_size=3", "learner.mini_batches=2", "learner.batch_groups=4",
-        "learner.actor_lr=1e-3", "learner.critic_lr=2e-3", "learner.grad_clip=1.0", "algo.alpha=0.5",
-        "learner.value_head_init_std=0.02", "metrics.prometheus=false", *extra,
-    ])
+from tests.learner.train_fixtures import VOCAB, make_cfg, max_diff
 
 
 def lambda_gae_loop(b, vals: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -105,10 +95,6 @@ def reference_update(cfg, policy_state, critic_state, groups, pad_id: int, coupl
     return policy.state_dict(), critic.state_dict(), norms
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-
-
 @pytest.mark.parametrize("decoupled, actor_values", [(True, "post_update"), (False, "post_update"),
                                                       (True, "pre_update")])
 def test_step_matches_plain_torch_reference(tiny_model_dir: Path, decoupled: bool, actor_values: str) -> None:
@@ -124,9 +110,9 @@ def test_step_matches_plain_torch_reference(tiny_model_dir: Path, decoupled: boo
                                                pre_update=actor_values == "pre_update")
     got_p = learner.policy.module.state_dict()
     got_c = learner.critic.module.state_dict()
-    assert _max_diff(p0, got_p) > 1e-4 and _max_diff(c0, got_c) > 1e-4  # the step changed both models
-    assert _max_diff(ref_c, got_c) < 2e-5
-    assert _max_diff(ref_p, got_p) < 2e-5
+    assert max_diff(p0, got_p) > 1e-4 and max_diff(c0, got_c) > 1e-4  # the step changed both models
+    assert max_diff(ref_c, got_c) < 2e-5
+    assert max_diff(ref_p, got_p) < 2e-5
     # Gradients before the optimizer step: AdamW hides a uniform scale of the gradient, the norm does not.
     for k, v in ref_norms.items():
         assert stats[k] == pytest.approx(v, rel=1e-4), (k, stats[k], v)
@@ -182,7 +168,7 @@ def test_decoupled_equals_behaviour_when_on_policy(tiny_model_dir: Path) -> None
     a.step(groups)
     d = Learner(make_cfg(tiny_model_dir, "learner.off_policy=decoupled"), None)
     d.step(groups)
-    assert _max_diff(a.policy.module.state_dict(), d.policy.module.state_dict()) < 1e-6
+    assert max_diff(a.policy.module.state_dict(), d.policy.module.state_dict()) < 1e-6
     assert abs(a.last["approx_kl"] - d.last["approx_kl"]) < 1e-6
 
 
@@ -208,8 +194,8 @@ def test_replayed_positives_feed_only_the_nll(tiny_model_dir: Path) -> None:
     replay.step(groups, stored[:3])
     # Replayed rows change how micro-batches are cut (summation order: ~1e-6 after Adam, which divides
     # near-zero gradient entries by their own size); a leak into the PPO or value loss moves ~lr = 1e-3.
-    assert _max_diff(plain.policy.module.state_dict(), replay.policy.module.state_dict()) < 2e-5
-    assert _max_diff(plain.critic.module.state_dict(), replay.critic.module.state_dict()) < 2e-5
+    assert max_diff(plain.policy.module.state_dict(), replay.policy.module.state_dict()) < 2e-5
+    assert max_diff(plain.critic.module.state_dict(), replay.critic.module.state_dict()) < 2e-5
 
 
 def _with_truncated_positives(seed: int):

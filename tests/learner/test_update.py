@@ -13,7 +13,7 @@ from learner.batch import collate
 from learner.synthetic import synth_groups
 from learner.train import Learner
 from learner.update import MicroLimits, cut, equalize, plan, seq_lengths
-from tests.learner.test_train import VOCAB, _max_diff, make_cfg
+from tests.learner.train_fixtures import VOCAB, make_cfg, max_diff
 
 
 def _batch(n_groups: int = 3, group_size: int = 5, seed: int = 0):
@@ -81,9 +81,9 @@ def _same_gradients(a: Learner, b: Learner, rel: float = 1e-5) -> None:
 def test_token_budget_update_equals_row_count_update(tiny_model_dir: Path) -> None:
     rows = _run(tiny_model_dir, "learner.micro_batch_size=3")
     tokens = _run(tiny_model_dir, "learner.micro_batch_size=64", "learner.micro_batch_tokens=60")
-    assert _max_diff(_both(rows), _both(tokens)) < 1e-5
+    assert max_diff(_both(rows), _both(tokens)) < 1e-5
     _same_gradients(rows, tokens)
-    assert _max_diff(_both(rows), _both(Learner(make_cfg(tiny_model_dir), None))) > 1e-4  # the step did something
+    assert max_diff(_both(rows), _both(Learner(make_cfg(tiny_model_dir), None))) > 1e-4  # the step did something
 
 
 def test_chunked_logprobs_update_equals_full_logits_update(tiny_model_dir: Path) -> None:
@@ -91,7 +91,7 @@ def test_chunked_logprobs_update_equals_full_logits_update(tiny_model_dir: Path)
     full-logits path, with the entropy bonus on so that its gradient is compared too."""
     full = _run(tiny_model_dir, "learner.logits_chunk_elements=0", "algo.entropy_coef=0.01")
     chunked = _run(tiny_model_dir, "learner.logits_chunk_elements=64", "algo.entropy_coef=0.01")
-    assert _max_diff(_both(full), _both(chunked)) < 1e-5
+    assert max_diff(_both(full), _both(chunked)) < 1e-5
     _same_gradients(full, chunked)
     for k in ("policy_loss", "nll_loss", "entropy", "approx_kl"):
         assert abs(full.last[k] - chunked.last[k]) < 1e-5, k
@@ -102,7 +102,7 @@ def test_activation_checkpointing_gives_the_same_update(tiny_model_dir: Path) ->
     ckpt = _run(tiny_model_dir, "learner.activation_checkpointing=true")
     assert all(getattr(m, "gradient_checkpointing", False) for m in (ckpt.policy.module.model, ckpt.critic.module.backbone))
     assert not getattr(plain.policy.module.model, "gradient_checkpointing", False)
-    assert _max_diff(_both(plain), _both(ckpt)) < 1e-5
+    assert max_diff(_both(plain), _both(ckpt)) < 1e-5
 
 
 def test_monte_carlo_targets_need_no_value_pass(tiny_model_dir: Path) -> None:
@@ -119,7 +119,7 @@ def test_monte_carlo_targets_need_no_value_pass(tiny_model_dir: Path) -> None:
         return learner
 
     fast, slow, pre = run(), run("algo.value_clip=1e6"), run("algo.actor_values=pre_update")
-    assert _max_diff(_both(fast), _both(slow)) < 1e-6
+    assert max_diff(_both(fast), _both(slow)) < 1e-6
     # 16 rows, micro_batch_size 3: 6 forwards per pass; the default runs update + fresh values only,
     # pre_update a value pass + update (the advantages read the value pass: no fresh values).
     assert counts == {"default": 12, "algo.value_clip=1e6": 18, "algo.actor_values=pre_update": 12}
@@ -156,10 +156,10 @@ def test_actor_and_critic_update_take_keywords_and_actor_params(tiny_model_dir: 
     st = critic_update(learner.critic, b, minibatches=mbs, returns=returns, old_values=torch.zeros(b.mask.shape),
                        epochs=1, limits=4)
     assert set(st) == {"critic_loss", "value_clip_fraction", "critic_grad_norm"} and st["critic_loss"] > 0
-    assert _max_diff(c0, learner.critic.module.state_dict()) > 1e-6
+    assert max_diff(c0, learner.critic.module.state_dict()) > 1e-6
     p0 = {k: v.clone() for k, v in learner.policy.module.state_dict().items()}
     st = actor_update(learner.policy, b, minibatches=mbs, advantages=torch.zeros(b.mask.shape),
                       old_logprobs=b.behaviour_logprobs, limits=4, params=params)
     assert st["policy_loss"] == 0.0 and st["nll_loss"] > 0
     assert {"clip_fraction_low", "clip_fraction_high", "approx_kl", "entropy", "actor_grad_norm"} <= set(st)
-    assert _max_diff(p0, learner.policy.module.state_dict()) > 1e-6
+    assert max_diff(p0, learner.policy.module.state_dict()) > 1e-6
