@@ -67,12 +67,13 @@ def _hf_module(auto_cls: Any, src: str | Path, hf_cfg: Any, dtype: str, partitio
     from learner.partitioned import build_empty, load_checkpoint
 
     setup_distributed(partition)
-    model = build_empty(auto_cls, hf_cfg, torch_dtype(dtype), _ds_config(partition, partition.learner.grad_clip))
+    model = build_empty(auto_cls, hf_cfg, torch_dtype(dtype), ds_config(partition, partition.learner.grad_clip))
     load_checkpoint(model, src)
     return model
 
 
-def _ds_config(cfg: Config, grad_clip: float) -> dict[str, Any]:
+def ds_config(cfg: Config, grad_clip: float) -> dict[str, Any]:
+    """DeepSpeed's config dict for one learner engine (policy or critic, each with its own ``grad_clip``)."""
     lc = cfg.learner
     conf: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": lc.micro_batch_size,
@@ -321,7 +322,7 @@ def build_deepspeed(cfg: Config, module: nn.Module, lr: float, warmup_steps: int
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup(warmup_steps)) if warmup_steps > 0 else None
     clip = cfg.learner.grad_clip if grad_clip is None else grad_clip
     model, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, lr_scheduler=sched,
-                                          config=_ds_config(cfg, clip))
+                                          config=ds_config(cfg, clip))
     if not model.zero_optimization() and not model.bfloat16_enabled() and not model.fp16_enabled():
         # DeepSpeed's fp32 ZeRO-0 path clips but drops the norm it computed, with a per-tensor loop; the
         # gradients are already all-reduced here and there is no model parallelism, so torch's fused

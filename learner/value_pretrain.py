@@ -46,7 +46,8 @@ from learner.weights import load_host_tensors
 log = logging.getLogger("learner.value_pretrain")
 
 
-def _targets(batch: Any, values: torch.Tensor, gamma: float) -> torch.Tensor:
+def value_targets(batch: Any, values: torch.Tensor, gamma: float) -> torch.Tensor:
+    """The critic's regression targets: λ = 1 GAE returns of the terminal scores (Monte Carlo returns)."""
     _, returns = gae(terminal_rewards(batch.scores, batch.mask), values, batch.mask, gamma, 1.0)
     return returns
 
@@ -56,7 +57,7 @@ def heldout_ev(critic: Any, batch: Any, gamma: float, mbs: MicroLimits | int) ->
     everything = [torch.arange(batch.size)]
     rows = my_rows(everything, batch, mbs)
     values = compute_values(critic, batch, everything, mbs)
-    return global_explained_variance(values[rows], _targets(batch, values, gamma)[rows], batch.mask[rows])
+    return global_explained_variance(values[rows], value_targets(batch, values, gamma)[rows], batch.mask[rows])
 
 
 def _snapshot(critic: Any) -> dict[str, torch.Tensor] | None:
@@ -103,7 +104,7 @@ def _train_on(critic: Any, cfg: Config, groups: list[SampleGroup], pad: int, mic
     # λ = 1 targets do not depend on V: no value pass before the update; the training-batch explained
     # variance is read from the update's own forwards (each mini-batch before its own step).
     no_values = torch.zeros(batch.mask.shape)
-    returns = _targets(batch, no_values, cfg.algo.gamma)
+    returns = value_targets(batch, no_values, cfg.algo.gamma)
     seen = torch.zeros(batch.mask.shape)
     stats = critic_update(critic, batch, minibatches=minibatches, returns=returns, old_values=no_values, epochs=1,
                           limits=micro, value_clip=0.0, record=seen)

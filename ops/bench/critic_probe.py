@@ -78,7 +78,7 @@ def train_variant(cfg: Config, pool: list[protocol.SampleGroup], fresh: Any, ste
     from learner.dist import global_explained_variance
     from learner.models import build_critic
     from learner.update import compute_values, critic_update, minibatch_rows
-    from learner.value_pretrain import _targets, heldout_ev
+    from learner.value_pretrain import heldout_ev, value_targets
 
     torch.manual_seed(cfg.run.seed)
     vp, lc = cfg.value_pretrain, cfg.learner
@@ -98,7 +98,7 @@ def train_variant(cfg: Config, pool: list[protocol.SampleGroup], fresh: Any, ste
         mbr = minibatch_rows(batch.size, lc.mini_batches, cfg.run.seed + 7919, step)
         rows = torch.arange(batch.size)
         old = compute_values(critic, batch, rows, mbs)
-        returns = _targets(batch, old, cfg.algo.gamma)
+        returns = value_targets(batch, old, cfg.algo.gamma)
         train_ev, _ = global_explained_variance(old, returns, batch.mask)
         critic_update(critic, batch, minibatches=mbr, returns=returns, old_values=old, epochs=lc.ppo_epochs, limits=mbs)
         if step % eval_every == 0 or step == steps:

@@ -81,10 +81,10 @@ def _old_module(cfg: Any, kind: str) -> Any:
     """The code before the partitioned build: the whole model on this rank, then ZeRO-3's conversion."""
     import deepspeed
 
-    from learner.models import _ds_config, load_critic_module, load_policy_module
+    from learner.models import ds_config, load_critic_module, load_policy_module
 
     m = load_policy_module(cfg.model.path) if kind == "policy" else load_critic_module(cfg)
-    deepspeed.zero.Init(module=m, config_dict_or_path=_ds_config(cfg, cfg.learner.grad_clip))
+    deepspeed.zero.Init(module=m, config_dict_or_path=ds_config(cfg, cfg.learner.grad_clip))
     return m
 
 
