@@ -340,7 +340,7 @@ def _alpha_section(runs: dict[str, list[Run]]) -> list[str]:
 
 
 def write_long_report(root: Path, out: Path) -> str:
-    block = long_suite.section(root, load_run, fmt, fmt_k, mean_std, plot_curves, out.parent / "results")
+    block = long_suite.section(root, out.parent / "results")
     out.write_text(long_suite.splice(out.read_text() if out.exists() else "# Results: VAPO in miniature\n", block))
     return block
 

@@ -28,6 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from run_records import Run, fmt, fmt_k, load_run, mean_std, plot_curves
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "ops/configs/long.yaml"
 STEPS = 40             # 40 steps x 32 prompts x G = 8 = 10,240 trained samples per run
@@ -179,10 +181,25 @@ def _bucket_acc(rec: dict[str, Any], bucket: str) -> float | None:
     return None if b is None else float(b["avg_at_k"])
 
 
-def section(root: Path, load_run: Any, fmt: Any, fmt_k: Any, mean_std: Any, plot_curves: Any, figdir: Path) -> str:
+def section(root: Path, figdir: Path) -> str:
     """The markdown section (with its markers) from the finished runs under ``root``."""
     best = pick_alpha(root)
-    rows: dict[str, list[tuple[Path, Any]]] = {}
+    rows = _finished_runs(root)
+    vapo_name = alpha_name(best) if best is not None else None
+    lines = [BEGIN, "", "## Long-horizon miniature: VAPO vs DAPO vs GRPO where the value model should matter", ""]
+    lines += _introduction(rows)
+    lines += _comparison(rows, best, figdir)
+    lines += _alpha_sweep(rows, best)
+    vapo_runs = [(d, r) for name in [alpha_name(a) for a in ALPHAS] + list(FOLLOW_UPS) for d, r in rows[name]]
+    if vapo_runs:
+        lines += _critic_quality(vapo_runs, vapo_name, figdir)
+    lines.append(END)
+    return "\n".join(lines) + "\n"
+
+
+def _finished_runs(root: Path) -> dict[str, list[tuple[Path, Run]]]:
+    """Each experiment's finished seeds: (run directory, run record)."""
+    rows: dict[str, list[tuple[Path, Run]]] = {}
     for name in [alpha_name(a) for a in ALPHAS] + [*FOLLOW_UPS, "long_dapo", "long_grpo"]:
         got = []
         for s in (0, 1, 2):
@@ -191,12 +208,15 @@ def section(root: Path, load_run: Any, fmt: Any, fmt_k: Any, mean_std: Any, plot
             if r is not None:
                 got.append((d, r))
         rows[name] = got
-    vapo_name = alpha_name(best) if best is not None else None
-    L = [BEGIN, "", "## Long-horizon miniature: VAPO vs DAPO vs GRPO where the value model should matter", ""]
+    return rows
+
+
+def _introduction(rows: dict[str, list[tuple[Path, Run]]]) -> list[str]:
+    """The machines, the task and its base (from any run's base evaluation) and the hand-written notes."""
     from common.provenance import machines_line
 
-    L += ["Produced by (each run's metrics.jsonl header): "
-          + machines_line([d for rs in rows.values() for d, _ in rs]), ""]
+    lines = ["Produced by (each run's metrics.jsonl header): "
+             + machines_line([d for rs in rows.values() for d, _ in rs]), ""]
     bases = [_eval_records(d)[0] for rs in rows.values() for d, _ in rs]  # every run starts from the same base
     base_rec = next((b for b in bases if "by_response_length" in b), bases[0] if bases else None)
     if base_rec is not None:
@@ -205,21 +225,26 @@ def section(root: Path, load_run: Any, fmt: Any, fmt_k: Any, mean_std: Any, plot
         some_run = next(d for rs in rows.values() for d, _ in rs)
         boot = (yaml.safe_load((some_run / "config.yaml").read_text()).get("model") or {}).get("bootstrap") or {}
         slips = f"{boot['teacher_error_rate']:.0%}" if "teacher_error_rate" in boot else "?"
-        L += [f"Task `chain` (`ops/configs/long.yaml`): add a digit modulo 10 for 5–44 steps, one 9-token line per step, "
-              f"answer = the final digit; only the answer is rewarded. Base (SFT, 0.60M parameters, {slips} slips per "
-              f"teacher line): held-out avg@8 **{base_rec['avg_at_k']:.3f}** (greedy {base_rec.get('greedy_accuracy', float('nan')):.3f}); "
-              f"response length {base_rec['min_response_length']}–{base_rec['max_response_length']} tokens, mean "
-              f"{base_rec['mean_response_length']:.0f}; by response length: "
-              + ", ".join(f"{k} tokens: {v['n_samples']} samples, {v['avg_at_k']:.2f} correct"
-                          for k, v in (base_rec.get("by_response_length") or {}).items())
-              + ". Every run: 32 prompts × G = 8 samples per step, 40 steps (10,240 trained samples), one actor, "
-              "one learner, 2 CPU cores; held-out avg@8 on 192 prompts (short < 10 steps, medium 10–19, "
-              "long ≥ 20 steps = 184–400 tokens).", ""]
+        lines += [f"Task `chain` (`ops/configs/long.yaml`): add a digit modulo 10 for 5–44 steps, one 9-token line per step, "
+                  f"answer = the final digit; only the answer is rewarded. Base (SFT, 0.60M parameters, {slips} slips per "
+                  f"teacher line): held-out avg@8 **{base_rec['avg_at_k']:.3f}** (greedy {base_rec.get('greedy_accuracy', float('nan')):.3f}); "
+                  f"response length {base_rec['min_response_length']}–{base_rec['max_response_length']} tokens, mean "
+                  f"{base_rec['mean_response_length']:.0f}; by response length: "
+                  + ", ".join(f"{k} tokens: {v['n_samples']} samples, {v['avg_at_k']:.2f} correct"
+                              for k, v in (base_rec.get("by_response_length") or {}).items())
+                  + ". Every run: 32 prompts × G = 8 samples per step, 40 steps (10,240 trained samples), one actor, "
+                  "one learner, 2 CPU cores; held-out avg@8 on 192 prompts (short < 10 steps, medium 10–19, "
+                  "long ≥ 20 steps = 184–400 tokens).", ""]
     if NOTES.exists():
-        L += [NOTES.read_text().rstrip(), ""]
-    # 1. the comparison
-    L += [f"| method | seeds | final avg@8 mean ± sd (min–max) | greedy | short / medium / long avg@8 | samples paid to "
-          f"{TARGET:.2f} (mean; per seed) | critic EV (mean over steps) | learner s (net of eval) |", "|---|---|---|---|---|---|---|---|"]
+        lines += [NOTES.read_text().rstrip(), ""]
+    return lines
+
+
+def _comparison(rows: dict[str, list[tuple[Path, Run]]], best: float | None, figdir: Path) -> list[str]:
+    """1. The picked α against the paper's α, DAPO, GRPO and the follow-ups: the table and its plot."""
+    vapo_name = alpha_name(best) if best is not None else None
+    lines = [f"| method | seeds | final avg@8 mean ± sd (min–max) | greedy | short / medium / long avg@8 | samples paid to "
+             f"{TARGET:.2f} (mean; per seed) | critic EV (mean over steps) | learner s (net of eval) |", "|---|---|---|---|---|---|---|---|"]
     order = (([vapo_name] if vapo_name else []) + [alpha_name(0.05)] * (vapo_name != alpha_name(0.05))
              + ["long_dapo", "long_grpo"] + [f for f in FOLLOW_UPS if rows[f]])
     picked = best if best is not None else "?"
@@ -228,72 +253,76 @@ def section(root: Path, load_run: Any, fmt: Any, fmt_k: Any, mean_std: Any, plot
     for name in order:
         rs = rows.get(name, [])
         label = names.get(name, f"VAPO α = {name.split('_a')[-1]}"
-                                                              + (" (picked by the sweep)" if name == vapo_name else ""))
-        if not rs:
-            L.append(f"| {label} | 0 | not run yet | | | | | |")
-            continue
-        finals = [r.points[-1]["acc"] for _, r in rs]
-        m, sd = mean_std(finals)
-        last = [last_eval(d) for d, _ in rs]
-        buckets = " / ".join(fmt(mean_std([x for x in (_bucket_acc(e, b) for e in last) if x is not None])[0])
-                             for b in ("short", "medium", "long"))
-        cross = [r.crossing(TARGET, "cost") for _, r in rs]
-        cm = statistics.fmean(cross) if all(c is not None for c in cross) else None  # type: ignore[arg-type]
-        evs = [s["ev"] for _, r in rs for s in r.steps if s["ev"] is not None]
-        L.append(f"| {label} | {len(rs)} | {m:.3f} ± {sd:.3f} ({min(finals):.3f}–{max(finals):.3f}) "
-                 f"| {statistics.fmean(r.points[-1]['greedy'] for _, r in rs):.3f} | {buckets} "
-                 f"| {fmt_k(cm)}; {', '.join(fmt_k(c) for c in cross)} | {fmt(statistics.fmean(evs)) if evs else '—'} "
-                 f"| {fmt(statistics.fmean(r.steps[-1]['t'] for _, r in rs), 0)} |")
-    L.append("")
+                                + (" (picked by the sweep)" if name == vapo_name else ""))
+        lines.append(_comparison_row(label, rs) if rs else f"| {label} | 0 | not run yet | | | | | |")
+    lines.append("")
     series = {}
     for name in order:
         if rows.get(name):
             series[names.get(name, f"VAPO α = {name.split('_a')[-1]}")] = [r for _, r in rows[name]]
     plot_curves(figdir / "long_samples.png", series, "cost", "samples paid for (thousands)",
                 "Long-horizon task: held-out accuracy vs samples (mean, band = min–max over seeds)", target=TARGET)
-    L += ["![long-horizon accuracy vs samples](results/long_samples.png)", ""]
-    # 2. the α sweep
-    L += ["### α sweep (seed 0; λ_actor = 1 − 1/(α·l))", "",
-          "| α | λ at l = 50 / 150 / 400 | final avg@8 | short / medium / long | training reward, last 10 steps | critic EV (mean) |",
-          "|---|---|---|---|---|---|"]
+    return lines + ["![long-horizon accuracy vs samples](results/long_samples.png)", ""]
+
+
+def _comparison_row(label: str, rs: list[tuple[Path, Run]]) -> str:
+    finals = [r.points[-1]["acc"] for _, r in rs]
+    m, sd = mean_std(finals)
+    last = [last_eval(d) for d, _ in rs]
+    buckets = " / ".join(fmt(mean_std([x for x in (_bucket_acc(e, b) for e in last) if x is not None])[0])
+                         for b in ("short", "medium", "long"))
+    cross = [r.crossing(TARGET, "cost") for _, r in rs]
+    cm = statistics.fmean(cross) if all(c is not None for c in cross) else None  # type: ignore[arg-type]
+    evs = [s["ev"] for _, r in rs for s in r.steps if s["ev"] is not None]
+    return (f"| {label} | {len(rs)} | {m:.3f} ± {sd:.3f} ({min(finals):.3f}–{max(finals):.3f}) "
+            f"| {statistics.fmean(r.points[-1]['greedy'] for _, r in rs):.3f} | {buckets} "
+            f"| {fmt_k(cm)}; {', '.join(fmt_k(c) for c in cross)} | {fmt(statistics.fmean(evs)) if evs else '—'} "
+            f"| {fmt(statistics.fmean(r.steps[-1]['t'] for _, r in rs), 0)} |")
+
+
+def _alpha_sweep(rows: dict[str, list[tuple[Path, Run]]], best: float | None) -> list[str]:
+    """2. The α sweep's seed-0 runs, the picked one marked."""
+    lines = ["### α sweep (seed 0; λ_actor = 1 − 1/(α·l))", "",
+             "| α | λ at l = 50 / 150 / 400 | final avg@8 | short / medium / long | training reward, last 10 steps | critic EV (mean) |",
+             "|---|---|---|---|---|---|"]
     for a in ALPHAS:
         got = [(d, r) for d, r in rows[alpha_name(a)] if d.name.endswith("-s0")]
         if not got:
-            L.append(f"| {a:g} | {_lam(a, 50)} / {_lam(a, 150)} / {_lam(a, 400)} | not run yet | | | |")
+            lines.append(f"| {a:g} | {_lam(a, 50)} / {_lam(a, 150)} / {_lam(a, 400)} | not run yet | | | |")
             continue
         d, r = got[0]
         e = last_eval(d)
         evs = [s["ev"] for s in r.steps if s["ev"] is not None]
-        L.append(f"| {a:g}{' **(picked)**' if a == best else ''} | {_lam(a, 50)} / {_lam(a, 150)} / {_lam(a, 400)} "
-                 f"| {r.points[-1]['acc']:.3f} | {' / '.join(fmt(_bucket_acc(e, b)) for b in ('short', 'medium', 'long'))} "
-                 f"| {fmt(train_reward(d))} | {fmt(statistics.fmean(evs)) if evs else '—'} |")
-    L.append("")
-    # 3. critic quality over training, and the value along long failed responses
-    vapo_runs = [(d, r) for name in [alpha_name(a) for a in ALPHAS] + list(FOLLOW_UPS) for d, r in rows[name]]
-    if vapo_runs:
-        marks = (1, 10, 20, 30, 40)
-        L += ["### The critic: explained variance over training, value along long failed responses", "",
-              f"| run | value pretraining: samples, s, EV | EV at step {' / '.join(map(str, marks))} | failed long responses checked "
-              "| V before → after the first mistake | ΔV at the mistake (share < 0) | mean abs ΔV elsewhere "
-              "| V on correct long responses (1st → 2nd half) |", "|---|---|---|---|---|---|---|---|"]
-        for d, r in vapo_runs:
-            ev_at = {s["step"]: s["ev"] for s in r.steps}
-            vc = json.loads((d / "value_curve.json").read_text()) if (d / "value_curve.json").exists() else {}
-            L.append(f"| {d.name} | {r.pretrain_samples:,}, {pretrain_seconds(d):.0f} s, {fmt(r.pretrain_ev)} "
+        lines.append(f"| {a:g}{' **(picked)**' if a == best else ''} | {_lam(a, 50)} / {_lam(a, 150)} / {_lam(a, 400)} "
+                     f"| {r.points[-1]['acc']:.3f} | {' / '.join(fmt(_bucket_acc(e, b)) for b in ('short', 'medium', 'long'))} "
+                     f"| {fmt(train_reward(d))} | {fmt(statistics.fmean(evs)) if evs else '—'} |")
+    return lines + [""]
+
+
+def _critic_quality(vapo_runs: list[tuple[Path, Run]], vapo_name: str | None, figdir: Path) -> list[str]:
+    """3. Critic quality over training, and the value along long failed responses (``value_curve.json``)."""
+    marks = (1, 10, 20, 30, 40)
+    lines = ["### The critic: explained variance over training, value along long failed responses", "",
+             f"| run | value pretraining: samples, s, EV | EV at step {' / '.join(map(str, marks))} | failed long responses checked "
+             "| V before → after the first mistake | ΔV at the mistake (share < 0) | mean abs ΔV elsewhere "
+             "| V on correct long responses (1st → 2nd half) |", "|---|---|---|---|---|---|---|---|"]
+    for d, r in vapo_runs:
+        ev_at = {s["step"]: s["ev"] for s in r.steps}
+        vc = json.loads((d / "value_curve.json").read_text()) if (d / "value_curve.json").exists() else {}
+        lines.append(f"| {d.name} | {r.pretrain_samples:,}, {pretrain_seconds(d):.0f} s, {fmt(r.pretrain_ev)} "
                      f"| {' / '.join(fmt(ev_at.get(m), 2) for m in marks)} "
                      f"| {vc.get('failed_checked', '—')} | {fmt(vc.get('value_before_first_mistake'))} → "
                      f"{fmt(vc.get('value_after_first_mistake'))} | {fmt(vc.get('value_change_at_mistake'))} "
                      f"({fmt(vc.get('fraction_dropping'), 2)}) | {fmt(vc.get('mean_abs_change_elsewhere'))} "
                      f"| {fmt(vc.get('value_correct_first_half'))} → {fmt(vc.get('value_correct_second_half'))} |")
-        L.append("")
-        ev_plot(figdir / "long_critic_ev.png", [(d.name, r) for d, r in vapo_runs])
-        L += ["![critic EV over training](results/long_critic_ev.png)", ""]
-        shown = next((d for d, _ in vapo_runs if (d / "value_curve.png").exists() and d.name.startswith(vapo_name or "-")), None)
-        if shown is not None:
-            (figdir / "long_value_curve.png").write_bytes((shown / "value_curve.png").read_bytes())
-            L += [f"![value along long failed responses ({shown.name})](results/long_value_curve.png)", ""]
-    L.append(END)
-    return "\n".join(L) + "\n"
+    lines.append("")
+    ev_plot(figdir / "long_critic_ev.png", [(d.name, r) for d, r in vapo_runs])
+    lines += ["![critic EV over training](results/long_critic_ev.png)", ""]
+    shown = next((d for d, _ in vapo_runs if (d / "value_curve.png").exists() and d.name.startswith(vapo_name or "-")), None)
+    if shown is not None:
+        (figdir / "long_value_curve.png").write_bytes((shown / "value_curve.png").read_bytes())
+        lines += [f"![value along long failed responses ({shown.name})](results/long_value_curve.png)", ""]
+    return lines
 
 
 def ev_plot(path: Path, runs: list[tuple[str, Any]]) -> None:
