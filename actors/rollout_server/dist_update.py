@@ -26,12 +26,13 @@ import asyncio
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from aiohttp import web
 
 from actors.rollout_server.body import BadRequest, check_text, json_body, validation_error
+from actors.rollout_server.control import ControlEndpoints
 from common.weight_bucket import (
     DEFAULT_GROUP,
     FLATTENED_BUCKET,
@@ -42,9 +43,6 @@ from common.weight_bucket import (
     parse_dtype,
     unflatten,
 )
-
-if TYPE_CHECKING:
-    from actors.rollout_server.http import Server
 
 log = logging.getLogger("vapo.rollout_server")
 
@@ -113,7 +111,9 @@ def parse_update(body: dict[str, Any]) -> dict[str, Any]:
 class DistributedUpdates:
     """The engine's weight-update groups and the three endpoints that use them."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: ControlEndpoints) -> None:
+        # The server's control half (``http.Server`` mixes it in) declares all this reads: typing against
+        # it, not against ``http.Server``, keeps this module from importing http back.
         self.server = server
         self.groups: dict[str, Group] = {}
         self._lock = threading.Lock()
