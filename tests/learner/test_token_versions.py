@@ -13,7 +13,7 @@ from learner.batch import collate
 from learner.data import BufferSource
 from learner.synthetic import synth_groups
 from learner.train import Learner
-from tests.buffer.conftest import BufferProc, SyncSender
+from tests.buffer.fixtures import BufferProc, SyncSender
 from tests.learner.train_fixtures import make_cfg
 
 
