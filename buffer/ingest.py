@@ -199,17 +199,17 @@ class Ingest:
                 self.consume_credit(actor_id)
             note = "" if outcome == "stored" else ("filtered:uniform_reward" if outcome == "filtered" else outcome)
             self.send(ident, encode(IngestAck(group_id=gid, committed=True, duplicate=dup, error=note)))
-        m = self.metrics
-        m.acked_groups.inc(len(batch))
-        m.duplicate_groups.inc(after["duplicates"] - before["duplicates"])
+        metrics = self.metrics
+        metrics.acked_groups.inc(len(batch))
+        metrics.duplicate_groups.inc(after["duplicates"] - before["duplicates"])
         n_filtered = after["filtered"] - before["filtered"]
         if n_filtered:
-            m.filtered_groups.labels(reason="uniform_reward").inc(n_filtered)
+            metrics.filtered_groups.labels(reason="uniform_reward").inc(n_filtered)
         n_stale = after["stale_dropped"] - before["stale_dropped"]
         if n_stale:
-            m.stale_dropped_groups.inc(n_stale)
-        m.positives_duplicates.inc(after["positives_duplicates"] - before["positives_duplicates"])
-        m.positives_evicted.inc(after["positives_evicted"] - before["positives_evicted"])
+            metrics.stale_dropped_groups.inc(n_stale)
+        metrics.positives_duplicates.inc(after["positives_duplicates"] - before["positives_duplicates"])
+        metrics.positives_evicted.inc(after["positives_evicted"] - before["positives_evicted"])
         self.on_committed(n_filtered, n_stale)
 
     def send(self, ident: bytes, frame: bytes) -> None:

@@ -72,13 +72,13 @@ class BufferStats:
         if not force and now - self._last_gauges < GAUGE_INTERVAL_S:
             return
         self._last_gauges = now
-        c, m, ledger = self.store.counters, self.metrics, self.admission.ledger
-        m.depth_groups.set(c["depth_groups"])
-        m.depth_samples.set(c["depth_samples"])
-        m.depth_bytes.set(c["depth_bytes"])
-        m.positives_stored.set(self.store.positives_count)
-        m.credit_outstanding.set(ledger.in_flight)
-        m.credit_waiting.set(ledger.waiting)
-        m.admission_capacity.set(self.admission.capacity())
-        m.learner_version.set(c["learner_version"])
-        m.lmdb_bytes.set(self.store.data_bytes())
+        counters, metrics, ledger = self.store.counters, self.metrics, self.admission.ledger
+        metrics.depth_groups.set(counters["depth_groups"])
+        metrics.depth_samples.set(counters["depth_samples"])
+        metrics.depth_bytes.set(counters["depth_bytes"])
+        metrics.positives_stored.set(self.store.positives_count)
+        metrics.credit_outstanding.set(ledger.in_flight)
+        metrics.credit_waiting.set(ledger.waiting)
+        metrics.admission_capacity.set(self.admission.capacity())
+        metrics.learner_version.set(counters["learner_version"])
+        metrics.lmdb_bytes.set(self.store.data_bytes())
