@@ -179,7 +179,7 @@ def _first_wrong_digit(prompt: Any, chars: list[str]) -> int | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="ops/configs/default.yaml")
     ap.add_argument("--model", default=None, help="base policy dir (default: the config's model.path)")
@@ -198,7 +198,59 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-index", type=int, default=0,
                     help="first training-prompt index sampled (use a large one so --critic sees unseen prompts)")
     ap.add_argument("overrides", nargs="*", help="config key=value for every variant")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def load_groups(args: argparse.Namespace, cfg: Config, n_all: int) -> list[protocol.SampleGroup]:
+    """The sampled groups: read from ``--cache`` when it exists, else sampled (and stored there if given)."""
+    if args.cache and Path(args.cache).is_file():
+        frame = Path(args.cache).read_bytes()
+        return protocol.decode_as(frame, protocol.BatchReply, max_frame_bytes=len(frame)).groups
+    groups = sample_groups(cfg, args.first_index, n_all, cfg.run.seed)
+    if args.cache:
+        Path(args.cache).write_bytes(protocol.encode_batch_reply([protocol.encode(g) for g in groups], 0, 0))
+    return groups
+
+
+def score_critic(args: argparse.Namespace, cfg: Config, fresh_groups: list[protocol.SampleGroup], fresh: Any,
+                 rewards: list[float]) -> dict[str, Any]:
+    """``--critic``: the saved critic's EV on the fresh groups (and its values plotted), no training."""
+    from learner.models import build_critic
+    from learner.value_pretrain import heldout_ev
+
+    critic = build_critic(cfg, args.critic)
+    ev, vmean = heldout_ev(critic, fresh, cfg.algo.gamma, cfg.learner.micro_batch_size)
+    out = {"bench": "critic_probe", "critic": args.critic, "fresh_groups": args.fresh_groups,
+           "first_index": args.first_index, "base_reward_mean": round(float(np.mean(rewards)), 4),
+           "fresh_ev": round(ev, 4), "value_mean": round(vmean, 4)}
+    if args.plot:
+        out["plot"] = plot_values(critic, fresh_groups, fresh, cfg, Path(args.plot))
+    return out
+
+
+def compare_variants(args: argparse.Namespace, cfg: Config, overrides: list[str], pool_all: list[protocol.SampleGroup],
+                     fresh: Any, pad: int) -> tuple[dict[str, Any], str | None, float, Any]:
+    """Train the baseline and each ``--variant`` on the pool: (results by variant, best variant, its final fresh
+    EV, its critic)."""
+    variants = [("baseline", "")] + [tuple(v.split(":", 1)) if ":" in v else (v, "") for v in args.variant]
+    results: dict[str, Any] = {}
+    best_name, best_critic, best_ev = None, None, -1e9
+    for name, spec in variants:
+        kv = [x for x in spec.split(",") if x]
+        steps = next((int(x.split("=")[1]) for x in kv if x.startswith("steps=")), args.steps)
+        pool_n = next((int(x.split("=")[1]) for x in kv if x.startswith("pool=")), len(pool_all))
+        vcfg = load_config(args.config, overrides + [x for x in kv if not x.startswith(("steps=", "pool="))])
+        log.info("variant %s: %s (steps %d, pool %d)", name, spec or "config as given", steps, pool_n)
+        res, critic = train_variant(vcfg, pool_all[:pool_n], fresh, steps, args.eval_every, pad)
+        res["spec"] = spec
+        results[name] = res
+        if res["final_fresh_ev"] > best_ev:
+            best_name, best_critic, best_ev = name, critic, res["final_fresh_ev"]
+    return results, best_name, best_ev, best_critic
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     logging.getLogger("learner").setLevel(logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -209,14 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     n_all = args.train_groups + args.fresh_groups
     t0 = time.perf_counter()
-    groups: list[protocol.SampleGroup]
-    if args.cache and Path(args.cache).is_file():
-        frame = Path(args.cache).read_bytes()
-        groups = protocol.decode_as(frame, protocol.BatchReply, max_frame_bytes=len(frame)).groups
-    else:
-        groups = sample_groups(cfg, args.first_index, n_all, cfg.run.seed)
-        if args.cache:
-            Path(args.cache).write_bytes(protocol.encode_batch_reply([protocol.encode(g) for g in groups], 0, 0))
+    groups = load_groups(args, cfg, n_all)
     if len(groups) < n_all:
         print(f"cache holds {len(groups)} groups < {n_all}", file=sys.stderr)
         return 2
@@ -232,32 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     rewards = [s.reward for g in groups[:n_all] for s in g.samples]
     log.info("sampled %d groups in %.0f s, mean reward %.3f", n_all, sample_s, float(np.mean(rewards)))
     if args.critic:
-        from learner.models import build_critic
-        from learner.value_pretrain import heldout_ev
-
-        critic = build_critic(cfg, args.critic)
-        ev, vmean = heldout_ev(critic, fresh, cfg.algo.gamma, cfg.learner.micro_batch_size)
-        out = {"bench": "critic_probe", "critic": args.critic, "fresh_groups": args.fresh_groups,
-               "first_index": args.first_index, "base_reward_mean": round(float(np.mean(rewards)), 4),
-               "fresh_ev": round(ev, 4), "value_mean": round(vmean, 4)}
-        if args.plot:
-            out["plot"] = plot_values(critic, fresh_groups, fresh, cfg, Path(args.plot))
-        print(json.dumps(out))
+        print(json.dumps(score_critic(args, cfg, fresh_groups, fresh, rewards)))
         return 0
-    variants = [("baseline", "")] + [tuple(v.split(":", 1)) if ":" in v else (v, "") for v in args.variant]
-    results: dict[str, Any] = {}
-    best_name, best_critic, best_ev = None, None, -1e9
-    for name, spec in variants:
-        kv = [x for x in spec.split(",") if x]
-        steps = next((int(x.split("=")[1]) for x in kv if x.startswith("steps=")), args.steps)
-        pool_n = next((int(x.split("=")[1]) for x in kv if x.startswith("pool=")), len(pool_all))
-        vcfg = load_config(args.config, over + [x for x in kv if not x.startswith(("steps=", "pool="))])
-        log.info("variant %s: %s (steps %d, pool %d)", name, spec or "config as given", steps, pool_n)
-        res, critic = train_variant(vcfg, pool_all[:pool_n], fresh, steps, args.eval_every, pad)
-        res["spec"] = spec
-        results[name] = res
-        if res["final_fresh_ev"] > best_ev:
-            best_name, best_critic, best_ev = name, critic, res["final_fresh_ev"]
+    results, best_name, best_ev, best_critic = compare_variants(args, cfg, over, pool_all, fresh, pad)
     out: dict[str, Any] = {
         "bench": "critic_probe", "model": cfg.model.path, "train_groups": args.train_groups,
         "fresh_groups": args.fresh_groups, "group_size": cfg.actors.group_size,
