@@ -270,109 +270,143 @@ def resume_point(run_dir: Path) -> dict[str, int]:
     return {"published": published, "checkpoint": checkpoint, "first_new_version": first}
 
 
-@pytest.mark.slow
-def test_sigkill_each_component_in_turn(tmp_path: Path) -> None:
-    name = "chaos"
-    ports = port_overrides()
-    base = ["ops/configs/smoke.yaml", f"run.root={tmp_path}", f"run.name={name}", *ports,
-            f"learner.total_steps={TOTAL_STEPS}", "learner.checkpoint_every=3"]
-    run_dir = tmp_path / name
-    figures: dict[str, Any] = {"kills": []}
-    launches: list[Launch] = []
+class Chaos:
+    """One chaos run: its directory and launch arguments, every launch (all killed at the end) and the figures."""
 
-    def survived(what: str, t0: float, **extra: Any) -> None:
-        figures["kills"].append({"killed": what, "back_s": round(time.time() - t0, 1), **extra})
-        print(f"CHAOS survived {figures['kills'][-1]}", flush=True)
+    def __init__(self, tmp_path: Path) -> None:
+        name = "chaos"
+        self.ports = port_overrides()
+        self.base = ["ops/configs/smoke.yaml", f"run.root={tmp_path}", f"run.name={name}", *self.ports,
+                     f"learner.total_steps={TOTAL_STEPS}", "learner.checkpoint_every=3"]
+        self.run_dir = tmp_path / name
+        self.figures: dict[str, Any] = {"kills": []}
+        self.launches: list[Launch] = []
 
-    def recovered(launch: Launch, _n: int, what: str) -> int:
+    def launch(self, *extra: str) -> Launch:
+        launch = Launch(*extra, *self.base)
+        self.launches.append(launch)
+        return launch
+
+    def survived(self, what: str, t0: float, **extra: Any) -> None:
+        self.figures["kills"].append({"killed": what, "back_s": round(time.time() - t0, 1), **extra})
+        print(f"CHAOS survived {self.figures['kills'][-1]}", flush=True)
+
+    def recovered(self, launch: Launch, what: str) -> None:
         # Two more steps from now (the restart was seen): the first may have fetched its data before the
         # kill, the second fetched after the restart.
-        now = len(learner_steps(run_dir))
-        return wait_new_step(run_dir, wait_new_step(run_dir, now, what, launch), what, launch)
+        now = len(learner_steps(self.run_dir))
+        wait_new_step(self.run_dir, wait_new_step(self.run_dir, now, what, launch), what, launch)
 
-    try:
-        # ---- run 1: buffer, engine, actor, learner
-        first = Launch(*base)
-        launches.append(first)
-        wait_for(lambda: first.saw("actor(s) started"), STEP_WAIT_S, "the actors to start")
-        n = wait_new_step(run_dir, 0, "start", first)
-
-        t0 = time.time()
-        old = first.one("buffer")
-        kill(old)
-        wait_for(lambda: first.saw("buffer exited with code -9"), STEP_WAIT_S, "the launcher to see the buffer die")
-        n = recovered(first, n, "the buffer's SIGKILL")
-        assert first.one("buffer") != old
-        survived("buffer", t0)
-
-        t0 = time.time()
-        old_engine = first.one("engine")
-        kill(old_engine)
-        wait_for(lambda: [p for p in components(first.proc.pid).get("engine", []) if p != old_engine],
-                 STEP_WAIT_S, "the actor to restart its engine")
-        n = recovered(first, n, "the engine's SIGKILL")
-        survived("engine", t0)
-
-        t0 = time.time()
-        actor, engine = first.one("actor"), first.one("engine")
-        kill(actor)
-        # Nothing else tells the engine that its actor died: only its lifeline stops it.
-        wait_for(lambda: not alive(engine), GONE_WAIT_S, "the killed actor's engine to die with it")
-        engine_gone_s = time.time() - t0
-        wait_for(lambda: first.saw("actor-0 exited with code -9"), STEP_WAIT_S, "the launcher to restart the actor")
-        n = recovered(first, n, "the actor's SIGKILL")
-        survived("actor", t0, its_engine_gone_s=round(engine_gone_s, 2))
-
-        t0 = time.time()
-        run1 = [p for ps in components(first.proc.pid).values() for p in ps]
-        kill(first.one("learner"))
-        assert first.finish(120) == 1, first.out()
-        assert first.saw("FAILED — learner"), first.out()
-        wait_for(lambda: not any(alive(p) for p in run1), GONE_WAIT_S, "run 1's processes to stop")
-        resume1 = resume_point(run_dir)
-
-        # ---- run 2: --resume, then SIGKILL of the launcher itself
-        second = Launch("--resume", *base)
-        launches.append(second)
-        before = len(learner_steps(run_dir))
-        n = wait_new_step(run_dir, before, "the resume", second)
-        first_resumed = learner_steps(run_dir)[before]["weight_version"]
-        assert first_resumed == resume1["first_new_version"], (resume1, first_resumed)
-        survived("learner", t0, **resume1)
-        wait_for(lambda: {"buffer", "learner", "actor", "engine"} <= set(components(second.proc.pid)),
-                 STEP_WAIT_S, "every component of run 2")
-        tree = components(second.proc.pid)
-        pids = [p for ps in tree.values() for p in ps]
-        t0 = time.time()
-        second.kill_now()
-        wait_for(lambda: not any(alive(p) for p in pids), GONE_WAIT_S,
-                 f"every process of the SIGKILLed launcher to die: {tree}")
-        gone_s = time.time() - t0
-        assert mentioning(str(run_dir)) == []
-        wait_for(lambda: all(port_free(p) for p in ports_of(ports)), GONE_WAIT_S, "every port of the run to be free")
-        ports_s = time.time() - t0
-        resume2 = resume_point(run_dir)
-
-        # ---- run 3: --resume on the same ports finishes the run
-        third = Launch("--resume", *base)
-        launches.append(third)
-        rc = third.finish()
-        assert rc == 0, third.out()
-        survived("launcher", t0, processes={k: len(v) for k, v in tree.items()}, all_gone_s=round(gone_s, 2),
-                 ports_free_s=round(ports_s, 2), **resume2)
-        assert mentioning(str(run_dir)) == []
-        steps = learner_steps(run_dir)
-        versions = [r["weight_version"] for r in steps]
-        assert resume2["first_new_version"] in versions, (resume2, versions)
-        assert versions[-1] == TOTAL_STEPS
-        # Versions only go up, across both resumes: one published past a checkpoint is never reused.
-        assert all(b > a for a, b in zip(versions, versions[1:], strict=False)), versions
-        assert json.loads((run_dir / "summary.json").read_text())["steps"] >= 1
-        figures["learner_versions"] = versions
-        figures["buffer"] = audit_buffer(run_dir / "buffer")
-        figures["groups_in_learner_steps"] = sum(r.get("samples", 0) for r in steps) // 4  # smoke group_size 4
-        print("CHAOS " + json.dumps(figures), flush=True)
-        assert figures["buffer"]["served"] >= figures["groups_in_learner_steps"]
-    finally:
-        for launch in launches:
+    def stop_all(self) -> None:
+        for launch in self.launches:
             launch.kill_now()
+
+
+def _sigkill_buffer(chaos: Chaos, first: Launch) -> None:
+    t0 = time.time()
+    old = first.one("buffer")
+    kill(old)
+    wait_for(lambda: first.saw("buffer exited with code -9"), STEP_WAIT_S, "the launcher to see the buffer die")
+    chaos.recovered(first, "the buffer's SIGKILL")
+    assert first.one("buffer") != old
+    chaos.survived("buffer", t0)
+
+
+def _sigkill_engine(chaos: Chaos, first: Launch) -> None:
+    t0 = time.time()
+    old_engine = first.one("engine")
+    kill(old_engine)
+    wait_for(lambda: [p for p in components(first.proc.pid).get("engine", []) if p != old_engine],
+             STEP_WAIT_S, "the actor to restart its engine")
+    chaos.recovered(first, "the engine's SIGKILL")
+    chaos.survived("engine", t0)
+
+
+def _sigkill_actor(chaos: Chaos, first: Launch) -> None:
+    t0 = time.time()
+    actor, engine = first.one("actor"), first.one("engine")
+    kill(actor)
+    # Nothing else tells the engine that its actor died: only its lifeline stops it.
+    wait_for(lambda: not alive(engine), GONE_WAIT_S, "the killed actor's engine to die with it")
+    engine_gone_s = time.time() - t0
+    wait_for(lambda: first.saw("actor-0 exited with code -9"), STEP_WAIT_S, "the launcher to restart the actor")
+    chaos.recovered(first, "the actor's SIGKILL")
+    chaos.survived("actor", t0, its_engine_gone_s=round(engine_gone_s, 2))
+
+
+def _sigkill_learner_then_resume(chaos: Chaos, first: Launch) -> Launch:
+    """The learner's SIGKILL fails run 1 and stops all of it; run 2 (--resume) continues where it must."""
+    t0 = time.time()
+    run1 = [p for ps in components(first.proc.pid).values() for p in ps]
+    kill(first.one("learner"))
+    assert first.finish(120) == 1, first.out()
+    assert first.saw("FAILED — learner"), first.out()
+    wait_for(lambda: not any(alive(p) for p in run1), GONE_WAIT_S, "run 1's processes to stop")
+    resume1 = resume_point(chaos.run_dir)
+    second = chaos.launch("--resume")
+    before = len(learner_steps(chaos.run_dir))
+    wait_new_step(chaos.run_dir, before, "the resume", second)
+    first_resumed = learner_steps(chaos.run_dir)[before]["weight_version"]
+    assert first_resumed == resume1["first_new_version"], (resume1, first_resumed)
+    chaos.survived("learner", t0, **resume1)
+    return second
+
+
+def _sigkill_launcher(chaos: Chaos, second: Launch) -> dict[str, Any]:
+    """Every process of the SIGKILLed launcher dies and every port is freed: the figures of that, and the
+    resume point it left."""
+    wait_for(lambda: {"buffer", "learner", "actor", "engine"} <= set(components(second.proc.pid)),
+             STEP_WAIT_S, "every component of run 2")
+    tree = components(second.proc.pid)
+    pids = [p for ps in tree.values() for p in ps]
+    t0 = time.time()
+    second.kill_now()
+    wait_for(lambda: not any(alive(p) for p in pids), GONE_WAIT_S,
+             f"every process of the SIGKILLed launcher to die: {tree}")
+    gone_s = time.time() - t0
+    assert mentioning(str(chaos.run_dir)) == []
+    wait_for(lambda: all(port_free(p) for p in ports_of(chaos.ports)), GONE_WAIT_S, "every port of the run to be free")
+    ports_s = time.time() - t0
+    return {"t0": t0, "processes": {k: len(v) for k, v in tree.items()}, "all_gone_s": round(gone_s, 2),
+            "ports_free_s": round(ports_s, 2), "resume": resume_point(chaos.run_dir)}
+
+
+def _resume_to_the_end(chaos: Chaos, launcher_kill: dict[str, Any]) -> None:
+    """Run 3 (--resume on the same ports) finishes the run; versions only went up; nothing acked was lost."""
+    third = chaos.launch("--resume")
+    rc = third.finish()
+    assert rc == 0, third.out()
+    resume2 = launcher_kill["resume"]
+    chaos.survived("launcher", launcher_kill["t0"], processes=launcher_kill["processes"],
+                   all_gone_s=launcher_kill["all_gone_s"], ports_free_s=launcher_kill["ports_free_s"], **resume2)
+    run_dir, figures = chaos.run_dir, chaos.figures
+    assert mentioning(str(run_dir)) == []
+    steps = learner_steps(run_dir)
+    versions = [r["weight_version"] for r in steps]
+    assert resume2["first_new_version"] in versions, (resume2, versions)
+    assert versions[-1] == TOTAL_STEPS
+    # Versions only go up, across both resumes: one published past a checkpoint is never reused.
+    assert all(b > a for a, b in zip(versions, versions[1:], strict=False)), versions
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] >= 1
+    figures["learner_versions"] = versions
+    figures["buffer"] = audit_buffer(run_dir / "buffer")
+    figures["groups_in_learner_steps"] = sum(r.get("samples", 0) for r in steps) // 4  # smoke group_size 4
+    print("CHAOS " + json.dumps(figures), flush=True)
+    assert figures["buffer"]["served"] >= figures["groups_in_learner_steps"]
+
+
+@pytest.mark.slow
+def test_sigkill_each_component_in_turn(tmp_path: Path) -> None:
+    chaos = Chaos(tmp_path)
+    try:
+        first = chaos.launch()  # run 1: the buffer, the engine, the actor, then the learner
+        wait_for(lambda: first.saw("actor(s) started"), STEP_WAIT_S, "the actors to start")
+        wait_new_step(chaos.run_dir, 0, "start", first)
+        _sigkill_buffer(chaos, first)
+        _sigkill_engine(chaos, first)
+        _sigkill_actor(chaos, first)
+        second = _sigkill_learner_then_resume(chaos, first)  # run 2: --resume, then the launcher itself
+        launcher_kill = _sigkill_launcher(chaos, second)
+        _resume_to_the_end(chaos, launcher_kill)  # run 3: --resume on the same ports
+    finally:
+        chaos.stop_all()
