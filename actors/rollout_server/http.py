@@ -29,6 +29,7 @@ package docstring. Deviations from SGLang: see the package docstring.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -60,6 +61,23 @@ from common.sglang_client import gc_paused
 log = logging.getLogger("vapo.rollout_server")
 
 HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))  # SGLang's http_server reads the same
+
+
+@dataclasses.dataclass
+class GenerateRequest:
+    """A parsed /generate body: one entry per prompt in ``prompts``, ``params``, ``rids``, ``return_logprob``."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    rids: list[str]
+    return_logprob: list[bool]
+    text_in_logprobs: bool
+    single: bool  # answered with one object rather than a list
+
+    @property
+    def n(self) -> int:
+        """Samples per prompt (the same for every prompt)."""
+        return self.params[0].n
 
 
 class Server(ControlEndpoints):
@@ -168,52 +186,8 @@ class Server(ControlEndpoints):
     async def generate(self, request: web.Request) -> web.Response:
         try:
             body = await json_body(request, check=self._census)
-            if body.get("stream"):
-                raise RequestError("stream=true is not supported by rollout_server")
-            prompts, is_single = await self._prompts(body)
-            b = len(prompts)
-            sp_raw = body.get("sampling_params")
-            if sp_raw is not None and not isinstance(sp_raw, dict | list):
-                raise BadRequest("sampling_params: Input should be a valid dictionary or list")
-            sps = self._per_item(sp_raw, b, "sampling_params", {})
-            if not all(isinstance(s, dict) for s in sps):
-                raise BadRequest("sampling_params: each item should be a valid dictionary")
-            params = [SamplingParams.from_dict(s, self.scheduler.vocab_size, self.max_n) for s in sps]
-            n = params[0].n
-            if any(p.n != n for p in params):
-                raise RequestError("The parallel_sample_num should be the same for all samples in sample params.")
-            if n > 1:
-                is_single = False
-            ret_lp = self._per_item(body.get("return_logprob"), b, "return_logprob", False)
-            if not all(isinstance(x, bool) for x in ret_lp):
-                raise BadRequest("return_logprob: Input should be a valid boolean")
-            for key in ("logprob_start_len", "top_logprobs_num"):
-                vals = self._per_item(body.get(key), b, key, -1 if key == "logprob_start_len" else 0)
-                if any(v not in (-1, 0) or isinstance(v, bool) for v in vals) and key == "top_logprobs_num":
-                    raise RequestError("top_logprobs_num > 0 is not supported by rollout_server")
-                if key == "logprob_start_len" and any(v != -1 for v in vals):
-                    raise RequestError("logprob_start_len other than -1 is not supported by rollout_server")
-            if body.get("token_ids_logprob"):
-                raise RequestError("token_ids_logprob is not supported by rollout_server")
-            text_in_lp = body.get("return_text_in_logprobs", False)
-            if not isinstance(text_in_lp, bool):
-                raise BadRequest("return_text_in_logprobs: Input should be a valid boolean")
-            rid = body.get("rid")
-            if isinstance(rid, str) or isinstance(rid, list) and all(isinstance(r, str) for r in rid):
-                for r in [rid] if isinstance(rid, str) else rid:
-                    check_text(r, "rid")
-            if rid is None:
-                rids = [new_rid() for _ in range(b)]
-            elif isinstance(rid, str):
-                rids = [rid] if is_single and n == 1 else [f"{rid}_{i}" for i in range(b)]
-            elif isinstance(rid, list) and len(rid) == b and all(isinstance(r, str) for r in rid):
-                rids = rid
-            else:
-                raise RequestError("The rid should be a string or a list of strings of the batch size.")
-            for ids, p in zip(prompts, params, strict=True):
-                self.scheduler.validate_prompt(ids, p)
-            # What the request would queue, checked before a single Sequence exists.
-            self.scheduler.admissible(n * sum(len(ids) + p.max_new_tokens for ids, p in zip(prompts, params, strict=True)))
+            req = await self._parse_generate(body)
+            self._admit(req)
         except BadRequest as e:
             self.metrics.bad_requests.labels(endpoint="generate").inc()
             return validation_error(str(e))
@@ -223,23 +197,93 @@ class Server(ControlEndpoints):
         except SchedulerBusy as e:
             self.metrics.bad_requests.labels(endpoint="generate").inc()
             return error_response(503, str(e))
+        done = await self._run_generate(req)
+        if isinstance(done, web.Response):
+            return done
+        return self._generate_response(req, done)
 
+    async def _parse_generate(self, body: dict[str, Any]) -> GenerateRequest:
+        """A /generate body as prompts, sampling parameters and options; raises BadRequest (malformed) or
+        RequestError (a value SGLang refuses) in the order SGLang checks, so the first error named matches."""
+        if body.get("stream"):
+            raise RequestError("stream=true is not supported by rollout_server")
+        prompts, single = await self._prompts(body)
+        params = self._sampling_params(body.get("sampling_params"), len(prompts))
+        if params[0].n > 1:
+            single = False
+        return_logprob = self._logprob_options(body, len(prompts))
+        text_in_logprobs = body.get("return_text_in_logprobs", False)
+        if not isinstance(text_in_logprobs, bool):
+            raise BadRequest("return_text_in_logprobs: Input should be a valid boolean")
+        rids = self._rids(body.get("rid"), len(prompts), single and params[0].n == 1)
+        return GenerateRequest(prompts, params, rids, return_logprob, text_in_logprobs, single)
+
+    def _sampling_params(self, raw: Any, batch: int) -> list[SamplingParams]:
+        if raw is not None and not isinstance(raw, dict | list):
+            raise BadRequest("sampling_params: Input should be a valid dictionary or list")
+        items = self._per_item(raw, batch, "sampling_params", {})
+        if not all(isinstance(s, dict) for s in items):
+            raise BadRequest("sampling_params: each item should be a valid dictionary")
+        params = [SamplingParams.from_dict(s, self.scheduler.vocab_size, self.max_n) for s in items]
+        if any(p.n != params[0].n for p in params):
+            raise RequestError("The parallel_sample_num should be the same for all samples in sample params.")
+        return params
+
+    def _logprob_options(self, body: dict[str, Any], batch: int) -> list[bool]:
+        """Per-prompt ``return_logprob``; the logprob options this server does not implement are refused."""
+        return_logprob = self._per_item(body.get("return_logprob"), batch, "return_logprob", False)
+        if not all(isinstance(x, bool) for x in return_logprob):
+            raise BadRequest("return_logprob: Input should be a valid boolean")
+        for key in ("logprob_start_len", "top_logprobs_num"):
+            vals = self._per_item(body.get(key), batch, key, -1 if key == "logprob_start_len" else 0)
+            if any(v not in (-1, 0) or isinstance(v, bool) for v in vals) and key == "top_logprobs_num":
+                raise RequestError("top_logprobs_num > 0 is not supported by rollout_server")
+            if key == "logprob_start_len" and any(v != -1 for v in vals):
+                raise RequestError("logprob_start_len other than -1 is not supported by rollout_server")
+        if body.get("token_ids_logprob"):
+            raise RequestError("token_ids_logprob is not supported by rollout_server")
+        return return_logprob
+
+    @staticmethod
+    def _rids(rid: Any, batch: int, one_output: bool) -> list[str]:
+        """One request id per prompt: generated, the caller's list, or the caller's string (suffixed per
+        prompt unless the request has a single output)."""
+        if isinstance(rid, str) or isinstance(rid, list) and all(isinstance(r, str) for r in rid):
+            for r in [rid] if isinstance(rid, str) else rid:
+                check_text(r, "rid")
+        if rid is None:
+            return [new_rid() for _ in range(batch)]
+        if isinstance(rid, str):
+            return [rid] if one_output else [f"{rid}_{i}" for i in range(batch)]
+        if isinstance(rid, list) and len(rid) == batch and all(isinstance(r, str) for r in rid):
+            return rid
+        raise RequestError("The rid should be a string or a list of strings of the batch size.")
+
+    def _admit(self, req: GenerateRequest) -> None:
+        """Every prompt fits the model, and what the request would queue fits the queue, checked before a
+        single Sequence exists (RequestError, or SchedulerBusy while the queue is full)."""
+        for ids, p in zip(req.prompts, req.params, strict=True):
+            self.scheduler.validate_prompt(ids, p)
+        self.scheduler.admissible(req.n * sum(len(ids) + p.max_new_tokens
+                                              for ids, p in zip(req.prompts, req.params, strict=True)))
+
+    async def _run_generate(self, req: GenerateRequest) -> list[Sequence] | web.Response:
+        """Submit the request's sequences and wait for all of them: the finished sequences in prompt-major
+        order, or the error response when the scheduler refused them or aborted one with a 5xx status."""
         loop = asyncio.get_running_loop()
         self._loop = loop
         futures: list[asyncio.Future] = []
         seqs: list[Sequence] = []
-        items: list[tuple[int, bool]] = []
-        for i in range(b):  # prompt-major expansion of n, as SGLang's tokenizer manager does
-            for j in range(n):
+        for i, (ids, params) in enumerate(zip(req.prompts, req.params, strict=True)):
+            for j in range(req.n):  # prompt-major expansion of n, as SGLang's tokenizer manager does
                 fut = loop.create_future()
 
                 def on_done(s: Sequence, fut: asyncio.Future = fut) -> None:
                     self._finished(fut, s)
 
-                seq_rid = rids[i] if n == 1 else f"{rids[i]}-{j}"
-                seqs.append(Sequence(rid=seq_rid, prompt_ids=list(prompts[i]), params=params[i], on_done=on_done))
+                seq_rid = req.rids[i] if req.n == 1 else f"{req.rids[i]}-{j}"
+                seqs.append(Sequence(rid=seq_rid, prompt_ids=list(ids), params=params, on_done=on_done))
                 futures.append(fut)
-                items.append((i, ret_lp[i]))
         try:
             self.scheduler.submit(seqs)
         except RuntimeError as e:  # SchedulerBusy (a race with another request) or a dead scheduler
@@ -254,11 +298,16 @@ class Server(ControlEndpoints):
             body = {"object": "error", "message": failed["message"], "type": str(failed["status_code"]),
                     "param": None, "code": failed["status_code"]}
             return web.json_response(body, status=failed["status_code"])
+        return list(done)
+
+    def _generate_response(self, req: GenerateRequest, done: list[Sequence]) -> web.Response:
+        """SGLang's /generate answer: one object for a single prompt with n = 1, else a list."""
+        return_logprob = [lp for lp in req.return_logprob for _ in range(req.n)]
         with gc_paused():  # thousands of small lists: keep GC passes out of the response path
             texts = (self.tokenizer.batch_decode([s.output_ids for s in done], skip_special_tokens=True)
                      if self.tokenizer is not None else [None] * len(done))
-            outs = [self._output(s, lp, text_in_lp, x) for s, (_, lp), x in zip(done, items, texts, strict=True)]
-            body = _dumps(outs[0] if is_single else outs)
+            outs = [self._output(s, lp, req.text_in_logprobs, x) for s, lp, x in zip(done, return_logprob, texts, strict=True)]
+            body = _dumps(outs[0] if req.single else outs)
         return web.Response(text=body, content_type="application/json")
 
     def _decode(self, ids: list[int]) -> str:
