@@ -24,13 +24,13 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from common import protocol
 from common.checksum import weights_sha256
+from common.protocol import WeightUpdate
 from common.security import ClientKeys, apply_client_curve
 
 log = logging.getLogger("vapo.actors.weights")
@@ -61,7 +61,7 @@ def _sizes_match(path: str | Path, sizes: dict[str, int]) -> str | None:
     return None
 
 
-def verify_update(update: Any) -> tuple[str, str] | None:
+def verify_update(update: WeightUpdate) -> tuple[str, str] | None:
     """None when the update's files match its checksum, else ``(reason, message)``.
 
     A version whose ``STABLE`` marker carries the learner's own check (``learner_checked``, with the
@@ -147,17 +147,17 @@ class WeightWatcher:
         self.curve, self.poll_s, self.query_timeout_s = curve, poll_s, query_timeout_s
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.asyncio.Context()
-        self.latest: Any = None  # newest WeightUpdate heard of
+        self.latest: WeightUpdate | None = None  # newest heard of
         self.changed = asyncio.Event()
         self.received_at: dict[int, float] = {}  # version -> when this worker first heard of it
-        self._req: Any = None
-        self._sub: Any = None
+        self._req: zmq.asyncio.Socket | None = None
+        self._sub: zmq.asyncio.Socket | None = None
         self._lock = asyncio.Lock()
         self.bad_frames = 0
 
     # ------------------------------------------------------------------ state
 
-    def offer(self, update: Any) -> bool:
+    def offer(self, update: WeightUpdate) -> bool:
         """Record an update if it is newer than what we know; returns True when it is."""
         if self.latest is not None and update.version <= self.latest.version:
             return False
@@ -168,14 +168,14 @@ class WeightWatcher:
 
     # ------------------------------------------------------------------ sockets
 
-    def _new_req(self) -> Any:
+    def _new_req(self) -> zmq.asyncio.Socket:
         s = self.ctx.socket(zmq.REQ)
         s.linger = 0
         apply_client_curve(s, self.curve)
         s.connect(self.query_addr)
         return s
 
-    async def query(self, timeout_s: float | None = None) -> Any:
+    async def query(self, timeout_s: float | None = None) -> WeightUpdate | None:
         """Ask the learner for its latest WeightUpdate; None if it has none or does not answer in time."""
         timeout = self.query_timeout_s if timeout_s is None else timeout_s
         async with self._lock:
@@ -196,7 +196,7 @@ class WeightWatcher:
             self.bad_frames += 1
             log.warning("bad WeightQuery reply from %s: %s", self.query_addr, e)
             return None
-        if isinstance(msg, protocol.WeightUpdate):
+        if isinstance(msg, WeightUpdate):
             self.offer(msg)
             return msg
         if isinstance(msg, protocol.ErrorReply) and msg.reason != "no_weights":
@@ -222,7 +222,7 @@ class WeightWatcher:
                         self.bad_frames += 1
                         log.warning("bad frame on %s: %s", self.publish_addr, e)
                         continue
-                    if isinstance(msg, protocol.WeightUpdate):
+                    if isinstance(msg, WeightUpdate):
                         if self.offer(msg):
                             log.info("weights v%d announced (%s)", msg.version, msg.path)
                     continue
