@@ -9,8 +9,8 @@ import torch
 from prometheus_client import generate_latest
 
 from common.config import load_config
-from learner.data import ListSource
-from learner.runner import Runner
+from learner.data import BufferSource, ListSource
+from learner.runner import Runner, source_totals
 from learner.synthetic import synth_groups
 
 
@@ -119,3 +119,15 @@ def test_distributed_transport_writes_in_background_and_never_reuses_a_pushed_ve
     r.push.close()
     r.publisher.close()
     assert complete_versions(weights) == [0, 1, 2, 4]
+
+
+def test_each_step_record_carries_the_counts_its_source_keeps() -> None:
+    """Dropped groups were generated (paid for) but never trained on: the buffer's source counts them, a
+    list source counts only what it served, and no source (ranks other than 0) gives no totals."""
+    buffered = BufferSource("tcp://127.0.0.1:1", 1, client=object())  # the client is never asked here
+    buffered.groups_consumed, buffered.stale_dropped, buffered.filtered = 5, 2, 1
+    assert source_totals(buffered) == {"groups_consumed_total": 5, "stale_dropped_total": 2, "filtered_total": 1}
+    listed = ListSource(synth_groups(2, 2, 10, seed=1))
+    listed.get_batch(0, 3)
+    assert source_totals(listed) == {"groups_consumed_total": 3}
+    assert source_totals(None) == {}
