@@ -6,6 +6,9 @@
 # machine cannot host it (not root, no namespaces, packages missing: see the README), 1 otherwise.
 #   sudo ops/rehearse.sh                 # ~4 min on 2 cores (217 s measured, other jobs sharing them)
 #   ops/rehearse.sh --skip slurm,kill    # the ssh route and plan-time checks only
+#   ops/rehearse.sh --link 1gbit --push --skip plan,slurm,kill
+#       # every host's link shaped with tc (RATE[,DELAY]; a delay needs netem), plus a run with the
+#       # distributed weight push: both transports' figures under "weight_sync", check_push_shaped
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ops/setup.sh
