@@ -348,8 +348,9 @@ class BatchClient:
         """Up to ``n`` distinct stored positives, chosen at random by the buffer."""
         return self.positives_frame(n)[0]
 
-    def stats(self) -> dict[str, float]:
-        raw = self._request(encode(StatsRequest()), self.request_timeout_s, retries=2)
+    def stats(self, retries: int = 2) -> dict[str, float]:
+        """The buffer's counters; ``retries`` more tries after a timeout (0: one try, as a health probe wants)."""
+        raw = self._request(encode(StatsRequest()), self.request_timeout_s, retries=retries)
         return decode_as(raw, StatsReply, _REPLY_MAX_BYTES).stats
 
     def close(self) -> None:
