@@ -15,9 +15,13 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # cluster.py imports this module for the tc command
+    from rehearsal.cluster import Cluster
 
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|bps|kbps|mbps|gbps)$")
 _DELAY = re.compile(r"^\d+(?:\.\d+)?(us|ms|s)$")
@@ -104,7 +108,7 @@ def _mean(values: list[float]) -> float | None:
     return round(sum(values) / len(values), 4) if values else None
 
 
-def bitwise(run_dir: Path, seen: dict[str, dict[int, str]], digest: Any) -> dict[str, Any]:
+def bitwise(run_dir: Path, seen: dict[str, dict[int, str]], digest: Callable[[Path], str]) -> dict[str, Any]:
     """Each engine's digests (``seen``: engine -> version -> sha256 as it served them) against ``digest``
     (a version directory -> its param digest) of the same version on disk; ok when every engine was seen
     serving the newest disk version and each of its versions still on disk matches byte for byte."""
@@ -119,7 +123,7 @@ def bitwise(run_dir: Path, seen: dict[str, dict[int, str]], digest: Any) -> dict
 
 
 def sync_figures(run_dir: Path, transport: str, seen: dict[str, dict[int, str]] | None = None,
-                 digest: Any = None) -> dict[str, Any]:
+                 digest: Callable[[Path], str] | None = None) -> dict[str, Any]:
     """One transport's figures from a run's records: the learner's ``publish`` phase per step (rank 0 blocked;
     the other ranks wait for it), the actors' ``ACTOR DONE`` counters (the push's engine pause, the disk
     path's publish-to-serving latency), bytes per version, and the engines' digests when ``seen``."""
@@ -170,7 +174,7 @@ class DigestPoller:
     """Polls every engine's ``/weights_digest`` while a run goes on (the engines stop with the run, so the
     digests are taken while they serve): ``seen`` maps an engine (host:port) to version -> sha256."""
 
-    def __init__(self, cluster: Any, engines: Any, every_s: float = 0.5) -> None:
+    def __init__(self, cluster: Cluster, engines: Callable[[], list[tuple[str, int, str]]], every_s: float = 0.5) -> None:
         self.cluster, self.engines, self.every_s = cluster, engines, every_s
         self.seen: dict[str, dict[int, str]] = {}
         self._stop = threading.Event()
