@@ -12,7 +12,10 @@ positives it harvests as the exact bytes they arrived in (``sample_frames`` cuts
 and serves them spliced into a ``PositivesReply`` (``encode_positives_reply``): after the actor's one
 encode, each hop decodes a group or sample once.
 
-Messages are declared dataclasses; the flat ones (requests, acks, grants, errors) are frozen.
+Messages are declared dataclasses; the flat ones (requests, acks, grants, errors) are frozen. Each field's
+kind and bounds are declared once, on the field (``wire_int(lo=0)``, ``wire_array("<i4", nonneg=True)``, ...),
+and that declaration alone drives encode, decode and the checks (``Message.to_wire``/``from_wire``); rules
+across fields are a class's ``_check``. ``tests/common/test_protocol_golden.py`` pins the bytes.
 ``decode`` returns the union ``AnyMessage``; ``decode_as(frame, Cls)`` returns a ``Cls``.
 """
 
@@ -20,7 +23,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Self, TypeVar
 
 import msgpack
@@ -47,7 +51,7 @@ class ProtocolError(ValueError):
         self.reason = reason
 
 
-# ------------------------------------------------------------------------------------------ field kinds
+# ------------------------------------------------------------------------------ wire value checks
 
 
 def _err(reason: str, msg: str) -> ProtocolError:
@@ -79,30 +83,10 @@ def _check_str(name: str, v: Any, max_len: int = MAX_STR_LEN) -> str:
     return v
 
 
-def _check_nonneg(name: str, v: Any) -> int:
-    return _check_int(name, v, 0)
-
-
-def _check_long_str(name: str, v: Any) -> str:
-    return _check_str(name, v, MAX_LONG_STR_LEN)
-
-
-def _check_sha256(name: str, v: Any) -> str:
-    s = _check_str(name, v)
-    if not _SHA256.match(s):
-        raise _err("bad_value", f"{name} is not a lowercase hex sha256")
-    return s
-
-
 def _check_bool(name: str, v: Any) -> bool:
     if not isinstance(v, bool):
         raise _err("bad_type", f"{name} must be a bool, got {type(v).__name__}")
     return v
-
-
-def _pack_array(a: np.ndarray, dtype: str) -> dict[str, Any]:
-    a = np.ascontiguousarray(a, dtype=np.dtype(dtype))
-    return {"dtype": dtype, "n": int(a.shape[0]), "data": a.tobytes()}
 
 
 def _unpack_array(name: str, v: Any, dtype: str) -> np.ndarray:
@@ -126,23 +110,249 @@ def _unpack_array(name: str, v: Any, dtype: str) -> np.ndarray:
     return np.frombuffer(data, dtype=dt)
 
 
+# ------------------------------------------------------------------------------------------ the schema
+#
+# Each message declares its fields once, as dataclass fields whose metadata holds a ``WireKind``: how the
+# attribute becomes its wire value (``pack``) and how a decoded wire value is checked and turned back into
+# the attribute (``check``, raising ProtocolError). ``Message.to_wire``/``from_wire`` are driven by that
+# metadata alone; wire order is field order. Rules that involve several fields stay in a per-class ``_check``.
+
+
+@dataclass(frozen=True, slots=True)
+class WireKind:
+    """How one field travels; ``optional`` fields (always declared last) are absent on the wire when None."""
+
+    pack: Callable[[Any], Any]
+    check: Callable[[str, Any], Any]
+    optional: bool = False
+
+
+def _kind(pack: Callable[[Any], Any], check: Callable[[str, Any], Any], optional: bool = False) -> Any:
+    # ``Any`` as dataclasses.field itself returns: the declaration reads `name: int = wire_int(...)`.
+    if optional:
+        return field(default=None, metadata={"wire": WireKind(pack, check, optional=True)})
+    return field(metadata={"wire": WireKind(pack, check)})
+
+
+def _as_is(value: Any) -> Any:
+    return value
+
+
+def wire_int(lo: int = _INT64[0], hi: int = _INT64[1]) -> Any:
+    """An int in ``[lo, hi]`` (a bool is not an int here)."""
+
+    def check(name: str, value: Any) -> int:
+        return _check_int(name, value, lo, hi)
+
+    return _kind(int, check)
+
+
+def wire_float() -> Any:
+    """A finite float (an int on the wire is accepted and widened)."""
+    return _kind(float, _check_float)
+
+
+def wire_bool() -> Any:
+    """A bool (not 0 or 1)."""
+    return _kind(bool, _check_bool)
+
+
+def wire_str(max_len: int = MAX_STR_LEN, nonempty: bool = False, choices: tuple[str, ...] = (),
+             pattern: re.Pattern[str] | None = None, pattern_text: str = "") -> Any:
+    """A string of at most ``max_len`` characters; ``choices``/``pattern`` restrict its values."""
+
+    def check(name: str, value: Any) -> str:
+        text = _check_str(name, value, max_len)
+        if nonempty and not text:
+            raise _err("bad_value", f"{name} is empty")
+        if choices and text not in choices:
+            raise _err("bad_value", f"{name} {text!r} not in {choices}")
+        if pattern is not None and not pattern.match(text):
+            raise _err("bad_value", f"{name} is not {pattern_text}")
+        return text
+
+    def check_length(name: str, value: Any) -> str:
+        return _check_str(name, value, max_len)
+
+    return _kind(_as_is, check if nonempty or choices or pattern is not None else check_length)
+
+
+def wire_array(dtype: str, nonneg: bool = False, finite: bool = False, optional: bool = False) -> Any:
+    """A 1-d array of ``dtype`` (at most MAX_ARRAY_LEN); ``nonneg`` token ids, ``finite`` values."""
+
+    def check(name: str, value: Any) -> np.ndarray:
+        array = _unpack_array(name, value, dtype)
+        if nonneg and array.size and int(array.min()) < 0:
+            raise _err("bad_value", f"{name} has negative token ids")
+        if finite and array.size and not bool(np.isfinite(array).all()):
+            raise _err("not_finite", f"{name} has non-finite values")
+        return array
+
+    np_dtype = np.dtype(dtype)
+
+    def pack(array: np.ndarray) -> dict[str, Any]:
+        array = np.ascontiguousarray(array, dtype=np_dtype)
+        return {"dtype": dtype, "n": int(array.shape[0]), "data": array.tobytes()}
+
+    return _kind(pack, check, optional)
+
+
+def _check_list(name: str, value: Any, lo: int, hi: int) -> list[Any]:
+    if not isinstance(value, list):
+        raise _err("bad_type", f"{name} must be a list")
+    if not lo <= len(value) <= hi:
+        raise _err("bad_length", f"{len(value)} {name} outside [{lo}, {hi}]")
+    return value
+
+
+def _pack_samples(samples: list[Sample]) -> list[dict[str, Any]]:
+    return [s.to_wire() for s in samples]
+
+
+def wire_samples(lo: int, hi: int) -> Any:
+    """``lo`` to ``hi`` ``Sample`` messages nested as maps (their fields without version and type)."""
+
+    def check(name: str, value: Any) -> list[Sample]:
+        # Sample.from_wire is looked up on each call, not bound once: wrapping it (codec counts) sees every call.
+        return [Sample.from_wire(s) for s in _check_list(name, value, lo, hi)]
+
+    return _kind(_pack_samples, check)
+
+
+def _pack_group_frames(groups: list[SampleGroup]) -> list[bytes]:
+    return [encode(g) for g in groups]
+
+
+def _check_group_frames(name: str, value: Any) -> list[SampleGroup]:
+    groups = []
+    for frame in _check_list(name, value, 0, MAX_LIST_LEN):
+        if not isinstance(frame, bytes):
+            raise _err("bad_type", f"{name} must hold encoded SampleGroup frames")
+        group = decode(frame, max_frame_bytes=len(frame))
+        if not isinstance(group, SampleGroup):
+            raise _err("bad_type", f"{name} must hold SampleGroup frames")
+        groups.append(group)
+    return groups
+
+
+def wire_group_frames() -> Any:
+    """``SampleGroup`` messages nested as whole encoded frames (what the buffer stores and serves as is)."""
+    return _kind(_pack_group_frames, _check_group_frames)
+
+
+def _check_stats(name: str, value: Any) -> dict[str, float]:
+    if not isinstance(value, dict) or len(value) > MAX_STATS:
+        raise _err("bad_type", f"{name} must be a map")
+    return {_check_str(f"{name} key", k): _check_float(f"{name}[{k}]", v) for k, v in value.items()}
+
+
+def _pack_stats(stats: dict[str, float]) -> dict[str, float]:
+    return {k: float(v) for k, v in stats.items()}
+
+
+def wire_stats() -> Any:
+    """A map of at most MAX_STATS names to finite floats (empty by default)."""
+    return field(default_factory=dict, metadata={"wire": WireKind(_pack_stats, _check_stats)})
+
+
+def _check_buckets(name: str, value: Any) -> list[dict[str, Any]]:
+    """``PushGroup.buckets``: each ``{"names": [str], "dtypes": [str], "shapes": [[int]]}``, one length."""
+    if not isinstance(value, list) or len(value) > MAX_LIST_LEN:
+        raise _err("bad_type", f"{name} must be a list of at most {MAX_LIST_LEN}")
+    out = []
+    for bucket in value:
+        bucket = _expect_fields("bucket", bucket, ("names", "dtypes", "shapes"), frozenset(("names", "dtypes", "shapes")))
+        names, dtypes, shapes = bucket["names"], bucket["dtypes"], bucket["shapes"]
+        if not all(isinstance(x, list) for x in (names, dtypes, shapes)) or not len(names) == len(dtypes) == len(shapes):
+            raise _err("bad_value", "bucket: names, dtypes and shapes must be lists of one length")
+        out.append({"names": [_check_str("name", n) for n in names], "dtypes": [_check_str("dtype", d) for d in dtypes],
+                    "shapes": [[_check_int("dim", x, 0) for x in (sh if isinstance(sh, list) else [None])]
+                               for sh in shapes]})
+    return out
+
+
+def wire_buckets() -> Any:
+    """SGLang's bucket descriptions (``PushGroup``), passed through as read."""
+    return _kind(_as_is, _check_buckets)
+
+
+@dataclass(frozen=True)
+class Schema:
+    """A message's wire fields in order: the required ones, then the optional ones."""
+
+    packs: tuple[tuple[str, Callable[[Any], Any]], ...]  # the required fields'
+    checks: tuple[tuple[str, Callable[[str, Any], Any]], ...]  # the required fields'
+    optional: tuple[tuple[str, WireKind], ...]
+    names: tuple[str, ...]  # the required ones
+    required_set: frozenset[str]
+    allowed: frozenset[str]
+    cross_field: bool  # the class has rules across fields (``_check``)
+
+    @staticmethod
+    def of(cls: type) -> Schema:
+        kinds = [(f.name, f.metadata["wire"]) for f in fields(cls)]
+        required = tuple((n, k) for n, k in kinds if not k.optional)
+        optional = tuple((n, k) for n, k in kinds if k.optional)
+        # from_wire passes the required fields positionally, and to_wire appends the optional ones
+        if kinds != [*required, *optional] or any(f.kw_only for f in fields(cls)):
+            raise TypeError(f"{cls.__name__}: wire fields must be positional, the optional ones last")
+        names = tuple(n for n, _ in required)
+        return Schema(tuple((n, k.pack) for n, k in required), tuple((n, k.check) for n, k in required), optional,
+                      names, frozenset(names), frozenset(n for n, _ in kinds), "_check" in cls.__dict__)
+
+
+def _expect_fields(name: str, d: Any, required: tuple[str, ...], allowed: frozenset[str]) -> dict[str, Any]:
+    if not isinstance(d, dict):
+        raise _err("bad_type", f"{name} must be a map")
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise _err("missing_field", f"{name}: missing {', '.join(missing)}")
+    if len(d) > len(required):
+        extra = d.keys() - allowed
+        if extra:
+            raise _err("extra_field", f"{name}: unexpected {', '.join(sorted(map(str, extra)))}")
+    return d
+
+
 # ------------------------------------------------------------------------------------------- messages
 
 
 class Message:
-    """Base of every top-level frame: ``TYPE`` names it on the wire, ``to_wire``/``from_wire`` map its fields.
+    """Base of every top-level frame: ``TYPE`` names it on the wire; its ``SCHEMA`` (built by ``@wire_message``
+    from the dataclass fields) drives ``to_wire``/``from_wire``.
 
     Equality compares wire values (arrays by content), so a decoded message equals the one encoded.
     """
 
     TYPE: ClassVar[str] = ""
+    SCHEMA: ClassVar[Schema]
 
-    def to_wire(self) -> dict[str, Any]:  # pragma: no cover - overridden
-        raise NotImplementedError
+    def to_wire(self) -> dict[str, Any]:
+        """The message's fields as msgpack values, in field order (optional ones only when set)."""
+        schema = self.SCHEMA
+        out = {name: pack(getattr(self, name)) for name, pack in schema.packs}
+        for name, kind in schema.optional:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = kind.pack(value)
+        return out
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> Self:  # pragma: no cover - overridden
-        raise NotImplementedError
+    def from_wire(cls, d: dict[str, Any]) -> Self:
+        """Check a decoded map field by field (exact field set, kinds, bounds), then the cross-field rules."""
+        schema = cls.SCHEMA
+        if not (type(d) is dict and d.keys() == schema.required_set):  # else optional fields or a bad field set
+            _expect_fields(cls.TYPE, d, schema.names, schema.allowed)
+        msg = cls(*[check(name, d[name]) for name, check in schema.checks])
+        for name, kind in schema.optional:
+            if name in d:  # set on the fresh instance, frozen or not, before anyone else sees it
+                object.__setattr__(msg, name, kind.check(name, d[name]))
+        if schema.cross_field:
+            msg._check()
+        return msg
+
+    def _check(self) -> None:
+        """Rules across fields, run after every field passed its own checks; raises ProtocolError."""
 
     def __eq__(self, other: object) -> bool:
         return type(self) is type(other) and isinstance(other, Message) and _wire_equal(self.to_wire(), other.to_wire())
@@ -156,92 +366,50 @@ def _wire_equal(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _expect_fields(name: str, d: Any, names: tuple[str, ...]) -> dict[str, Any]:
-    if not isinstance(d, dict):
-        raise _err("bad_type", f"{name} must be a map")
-    keys = set(d)
-    missing = [k for k in names if k not in keys]
-    if missing:
-        raise _err("missing_field", f"{name}: missing {', '.join(missing)}")
-    extra = keys - set(names)
-    if extra:
-        raise _err("extra_field", f"{name}: unexpected {', '.join(sorted(map(str, extra)))}")
-    return d
+M = TypeVar("M", bound=Message)
 
 
+def wire_message(cls: type[M]) -> type[M]:
+    """Class decorator after ``@dataclass``: build the schema, and give the class its own ``to_wire`` and
+    ``from_wire`` entries (so one message type's codec can be wrapped without touching the others')."""
+    cls.SCHEMA = Schema.of(cls)
+    cls.to_wire = Message.to_wire  # type: ignore[method-assign]
+    cls.from_wire = classmethod(Message.from_wire.__func__)  # type: ignore[assignment, attr-defined]
+    return cls
+
+
+@wire_message
 @dataclass(eq=False)
 class Sample(Message):
     """One response to a prompt. ``output_logprobs`` are the behaviour policy's logprobs (engine)."""
 
-    prompt_ids: np.ndarray  # [P] int32
-    output_ids: np.ndarray  # [L] int32
-    output_logprobs: np.ndarray  # [L] float32
-    reward: float
-    finish_reason: str
-    weight_version: int
-    response_length: int
-    # Optional: [v0, n0, v1, n1, ...] int64, the weight version of each run of output tokens in order (an
-    # update in place mid-generation gives several); absent on the wire when not given. min(v) == weight_version.
-    version_spans: np.ndarray | None = None
+    prompt_ids: np.ndarray = wire_array("<i4", nonneg=True)  # [P]
+    output_ids: np.ndarray = wire_array("<i4", nonneg=True)  # [L]
+    output_logprobs: np.ndarray = wire_array("<f4", finite=True)  # [L]
+    reward: float = wire_float()
+    finish_reason: str = wire_str(choices=FINISH_REASONS)
+    weight_version: int = wire_int(lo=0)
+    response_length: int = wire_int(0, MAX_ARRAY_LEN)
+    # Optional: [v0, n0, v1, n1, ...], the weight version of each run of output tokens in order (an update in
+    # place mid-generation gives several). min(v) == weight_version.
+    version_spans: np.ndarray | None = wire_array("<i8", optional=True)
 
     TYPE: ClassVar[str] = "Sample"
-    _FIELDS: ClassVar[tuple[str, ...]] = (
-        "prompt_ids", "output_ids", "output_logprobs", "reward", "finish_reason", "weight_version",
-        "response_length",
-    )
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "prompt_ids": _pack_array(self.prompt_ids, "<i4"),
-            "output_ids": _pack_array(self.output_ids, "<i4"),
-            "output_logprobs": _pack_array(self.output_logprobs, "<f4"),
-            "reward": float(self.reward),
-            "finish_reason": self.finish_reason,
-            "weight_version": int(self.weight_version),
-            "response_length": int(self.response_length),
-            **({} if self.version_spans is None else {"version_spans": _pack_array(self.version_spans, "<i8")}),
-        }
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> Sample:
-        d = _expect_fields("Sample", d, cls._FIELDS + (("version_spans",) if isinstance(d, dict) and "version_spans" in d else ()))
-        prompt_ids = _unpack_array("prompt_ids", d["prompt_ids"], "<i4")
-        output_ids = _unpack_array("output_ids", d["output_ids"], "<i4")
-        logprobs = _unpack_array("output_logprobs", d["output_logprobs"], "<f4")
-        if prompt_ids.size and int(prompt_ids.min()) < 0:
-            raise _err("bad_value", "prompt_ids has negative token ids")
-        if output_ids.size and int(output_ids.min()) < 0:
-            raise _err("bad_value", "output_ids has negative token ids")
-        if logprobs.shape != output_ids.shape:
-            raise _err("length_mismatch", f"{logprobs.shape[0]} logprobs for {output_ids.shape[0]} tokens")
-        if logprobs.size and not bool(np.isfinite(logprobs).all()):
-            raise _err("not_finite", "output_logprobs has non-finite values")
-        length = _check_int("response_length", d["response_length"], 0, MAX_ARRAY_LEN)
-        if length != output_ids.shape[0]:
-            raise _err("length_mismatch", f"response_length {length} != {output_ids.shape[0]} output tokens")
-        reason = _check_str("finish_reason", d["finish_reason"])
-        if reason not in FINISH_REASONS:
-            raise _err("bad_value", f"finish_reason {reason!r} not in {FINISH_REASONS}")
-        version = _check_int("weight_version", d["weight_version"], 0)
-        spans = None
-        if "version_spans" in d:
-            spans = _unpack_array("version_spans", d["version_spans"], "<i8")
-            vs, ns = spans[0::2], spans[1::2]
-            if spans.size % 2 or not spans.size or bool((ns < 1).any()) or bool((vs < 0).any()):
+    def _check(self) -> None:
+        n_tokens = self.output_ids.shape[0]
+        if self.output_logprobs.shape != self.output_ids.shape:
+            raise _err("length_mismatch", f"{self.output_logprobs.shape[0]} logprobs for {n_tokens} tokens")
+        if self.response_length != n_tokens:
+            raise _err("length_mismatch", f"response_length {self.response_length} != {n_tokens} output tokens")
+        spans = self.version_spans
+        if spans is not None:
+            versions, counts = spans[0::2], spans[1::2]
+            if spans.size % 2 or not spans.size or bool((counts < 1).any()) or bool((versions < 0).any()):
                 raise _err("bad_value", "version_spans must be [version >= 0, n_tokens >= 1] pairs")
-            if int(ns.sum()) != length or int(vs.min()) != version:
-                raise _err("length_mismatch", f"version_spans cover {int(ns.sum())} tokens from version "
-                           f"{int(vs.min())}; the sample has {length} from {version}")
-        return cls(
-            prompt_ids=prompt_ids,
-            output_ids=output_ids,
-            output_logprobs=logprobs,
-            reward=_check_float("reward", d["reward"]),
-            finish_reason=reason,
-            weight_version=version,
-            response_length=length,
-            version_spans=spans,
-        )
+            if int(counts.sum()) != n_tokens or int(versions.min()) != self.weight_version:
+                raise _err("length_mismatch", f"version_spans cover {int(counts.sum())} tokens from version "
+                           f"{int(versions.min())}; the sample has {n_tokens} from {self.weight_version}")
 
     def token_versions(self) -> np.ndarray:
         """[L] int64: the weight version of each output token (``weight_version`` everywhere without spans)."""
@@ -254,49 +422,19 @@ class Sample(Message):
         return 4 * (self.prompt_ids.size + 2 * self.output_ids.size) + 64
 
 
+@wire_message
 @dataclass(eq=False)
 class SampleGroup(Message):
     """G samples of one prompt. ``group_id`` is unique and makes re-sends idempotent."""
 
-    group_id: str
-    prompt_id: str
-    task: str
-    actor_id: int
-    samples: list[Sample]
-    created_at: float
+    group_id: str = wire_str(nonempty=True)
+    prompt_id: str = wire_str()
+    task: str = wire_str()
+    actor_id: int = wire_int(0, 1 << 20)
+    samples: list[Sample] = wire_samples(1, MAX_GROUP_SIZE)
+    created_at: float = wire_float()
 
     TYPE: ClassVar[str] = "SampleGroup"
-    _FIELDS: ClassVar[tuple[str, ...]] = ("group_id", "prompt_id", "task", "actor_id", "samples", "created_at")
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "group_id": self.group_id,
-            "prompt_id": self.prompt_id,
-            "task": self.task,
-            "actor_id": int(self.actor_id),
-            "samples": [s.to_wire() for s in self.samples],
-            "created_at": float(self.created_at),
-        }
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> SampleGroup:
-        d = _expect_fields("SampleGroup", d, cls._FIELDS)
-        group_id = _check_str("group_id", d["group_id"])
-        if not group_id:
-            raise _err("bad_value", "group_id is empty")
-        samples = d["samples"]
-        if not isinstance(samples, list):
-            raise _err("bad_type", "samples must be a list")
-        if not 1 <= len(samples) <= MAX_GROUP_SIZE:
-            raise _err("bad_length", f"group of {len(samples)} samples outside [1, {MAX_GROUP_SIZE}]")
-        return cls(
-            group_id=group_id,
-            prompt_id=_check_str("prompt_id", d["prompt_id"]),
-            task=_check_str("task", d["task"]),
-            actor_id=_check_int("actor_id", d["actor_id"], 0, 1 << 20),
-            samples=[Sample.from_wire(s) for s in samples],
-            created_at=_check_float("created_at", d["created_at"]),
-        )
 
     @property
     def weight_version(self) -> int:
@@ -308,371 +446,190 @@ class SampleGroup(Message):
         return sum(s.nbytes for s in self.samples)
 
 
-# Flat messages: declared fields, wire order = field order; ``from_wire`` checks each field's kind.
-
-
+@wire_message
 @dataclass(frozen=True, eq=False)
 class IngestAck(Message):
     """Buffer -> actor: the fate of one group (see ``buffer.server``)."""
 
-    group_id: str
-    committed: bool
-    duplicate: bool
-    error: str
+    group_id: str = wire_str()
+    committed: bool = wire_bool()
+    duplicate: bool = wire_bool()
+    error: str = wire_str(MAX_LONG_STR_LEN)
 
     TYPE: ClassVar[str] = "IngestAck"
-    _FIELDS: ClassVar[tuple[str, ...]] = ("group_id", "committed", "duplicate", "error")
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"group_id": self.group_id, "committed": self.committed, "duplicate": self.duplicate,
-                "error": self.error}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> IngestAck:
-        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
-        return cls(group_id=_check_str("group_id", d["group_id"]), committed=_check_bool("committed", d["committed"]),
-                   duplicate=_check_bool("duplicate", d["duplicate"]), error=_check_long_str("error", d["error"]))
 
 
+@wire_message
 @dataclass(frozen=True, eq=False)
 class CreditRequest(Message):
     """Actor -> buffer: "I want ``n`` more groups' worth of credit" (``n = 0`` withdraws the request)."""
 
-    actor_id: int
-    n: int
+    actor_id: int = wire_int(lo=0)
+    n: int = wire_int(lo=0)
 
     TYPE: ClassVar[str] = "CreditRequest"
-    _FIELDS: ClassVar[tuple[str, ...]] = ("actor_id", "n")
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"actor_id": int(self.actor_id), "n": int(self.n)}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> CreditRequest:
-        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
-        return cls(actor_id=_check_nonneg("actor_id", d["actor_id"]), n=_check_nonneg("n", d["n"]))
 
 
+@wire_message
 @dataclass(frozen=True, eq=False)
 class CreditGrant(Message):
     """Buffer -> actor: ``n`` groups may be generated, with weights at least ``learner_version``."""
 
-    n: int
-    learner_version: int
+    n: int = wire_int(lo=0)
+    learner_version: int = wire_int(lo=0)
 
     TYPE: ClassVar[str] = "CreditGrant"
-    _FIELDS: ClassVar[tuple[str, ...]] = ("n", "learner_version")
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"n": int(self.n), "learner_version": int(self.learner_version)}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> CreditGrant:
-        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
-        return cls(n=_check_nonneg("n", d["n"]), learner_version=_check_nonneg("learner_version", d["learner_version"]))
 
 
+@wire_message
 @dataclass(frozen=True, eq=False)
 class BatchRequest(Message):
     """Learner -> buffer: ``n_groups`` groups for ``learner_version``, waiting at most ``timeout_ms``."""
 
-    learner_version: int
-    n_groups: int
-    timeout_ms: int
+    learner_version: int = wire_int(lo=0)
+    n_groups: int = wire_int(lo=0)
+    timeout_ms: int = wire_int(lo=0)
 
     TYPE: ClassVar[str] = "BatchRequest"
-    _FIELDS: ClassVar[tuple[str, ...]] = ("learner_version", "n_groups", "timeout_ms")
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"learner_version": int(self.learner_version), "n_groups": int(self.n_groups),
-                "timeout_ms": int(self.timeout_ms)}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> BatchRequest:
-        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
-        return cls(learner_version=_check_nonneg("learner_version", d["learner_version"]),
-                   n_groups=_check_nonneg("n_groups", d["n_groups"]),
-                   timeout_ms=_check_nonneg("timeout_ms", d["timeout_ms"]))
 
 
+@wire_message
 @dataclass(frozen=True, eq=False)
 class PositivesRequest(Message):
     """Learner -> buffer: up to ``n`` stored positives."""
 
-    n: int
+    n: int = wire_int(lo=0)
 
     TYPE: ClassVar[str] = "PositivesRequest"
-    _FIELDS: ClassVar[tuple[str, ...]] = ("n",)
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"n": int(self.n)}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> PositivesRequest:
-        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
-        return cls(n=_check_nonneg("n", d["n"]))
 
 
+@wire_message
 @dataclass(frozen=True, eq=False)
 class StatsRequest(Message):
     """Anyone -> buffer: its counters, answered by ``StatsReply``."""
 
     TYPE: ClassVar[str] = "StatsRequest"
 
-    def to_wire(self) -> dict[str, Any]:
-        return {}
 
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> StatsRequest:
-        _expect_fields(cls.TYPE, d, ())
-        return cls()
-
-
+@wire_message
 @dataclass(frozen=True, eq=False)
 class WeightUpdate(Message):
     """Learner -> actors: weights ``version`` are at ``path`` (digest ``sha256``), written at ``created_at``."""
 
-    version: int
-    path: str
-    sha256: str
-    created_at: float
+    version: int = wire_int(lo=0)
+    path: str = wire_str(MAX_LONG_STR_LEN)
+    sha256: str = wire_str(pattern=_SHA256, pattern_text="a lowercase hex sha256")
+    created_at: float = wire_float()
 
     TYPE: ClassVar[str] = "WeightUpdate"
-    _FIELDS: ClassVar[tuple[str, ...]] = ("version", "path", "sha256", "created_at")
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"version": int(self.version), "path": self.path, "sha256": self.sha256,
-                "created_at": float(self.created_at)}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> WeightUpdate:
-        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
-        return cls(version=_check_nonneg("version", d["version"]), path=_check_long_str("path", d["path"]),
-                   sha256=_check_sha256("sha256", d["sha256"]), created_at=_check_float("created_at", d["created_at"]))
 
 
+@wire_message
 @dataclass(frozen=True, eq=False)
 class WeightQuery(Message):
     """Actor -> learner: the latest ``WeightUpdate`` please (late subscribers, missed publications)."""
 
     TYPE: ClassVar[str] = "WeightQuery"
 
-    def to_wire(self) -> dict[str, Any]:
-        return {}
 
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> WeightQuery:
-        _expect_fields(cls.TYPE, d, ())
-        return cls()
-
-
-def _check_buckets(v: Any) -> list[dict[str, Any]]:
-    """``PushGroup.buckets``: each ``{"names": [str], "dtypes": [str], "shapes": [[int]]}``, one length."""
-    if not isinstance(v, list) or len(v) > MAX_LIST_LEN:
-        raise _err("bad_type", f"buckets must be a list of at most {MAX_LIST_LEN}")
-    out = []
-    for b in v:
-        b = _expect_fields("bucket", b, ("names", "dtypes", "shapes"))
-        names, dtypes, shapes = b["names"], b["dtypes"], b["shapes"]
-        if not all(isinstance(x, list) for x in (names, dtypes, shapes)) or not len(names) == len(dtypes) == len(shapes):
-            raise _err("bad_value", "bucket: names, dtypes and shapes must be lists of one length")
-        out.append({"names": [_check_str("name", n) for n in names], "dtypes": [_check_str("dtype", d) for d in dtypes],
-                    "shapes": [[_check_nonneg("dim", x) for x in (sh if isinstance(sh, list) else [None])] for sh in shapes]})
-    return out
-
-
+@wire_message
 @dataclass(frozen=True, eq=False)
 class PushJoin(Message):
     """Actor -> learner (push socket): engine ``actor_id`` is up, started at ``engine_start`` (a new value
     after each restart); include it in the next weight-update group."""
 
-    actor_id: int
-    engine_start: int
+    actor_id: int = wire_int(lo=0)
+    engine_start: int = wire_int()
 
     TYPE: ClassVar[str] = "PushJoin"
-    _FIELDS: ClassVar[tuple[str, ...]] = ("actor_id", "engine_start")
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"actor_id": int(self.actor_id), "engine_start": int(self.engine_start)}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> PushJoin:
-        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
-        return cls(actor_id=_check_nonneg("actor_id", d["actor_id"]), engine_start=_check_int("engine_start", d["engine_start"]))
 
 
+@wire_message
 @dataclass(frozen=True, eq=False)
 class PushGroup(Message):
     """Learner -> actor: join group ``epoch`` (SGLang's ``/init_weights_update_group`` fields) and expect
     every pushed version as ``buckets`` (each one ``/update_weights_from_distributed``'s names, dtypes, shapes)."""
 
-    epoch: int
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str
-    backend: str
-    buckets: list[dict[str, Any]]
+    epoch: int = wire_int(lo=0)
+    master_address: str = wire_str()
+    master_port: int = wire_int(1, 65535)
+    rank_offset: int = wire_int(lo=1)
+    world_size: int = wire_int(lo=2)
+    group_name: str = wire_str()
+    backend: str = wire_str()
+    buckets: list[dict[str, Any]] = wire_buckets()
 
     TYPE: ClassVar[str] = "PushGroup"
-    _FIELDS: ClassVar[tuple[str, ...]] = ("epoch", "master_address", "master_port", "rank_offset", "world_size",
-                                          "group_name", "backend", "buckets")
-
-    def to_wire(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self._FIELDS}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> PushGroup:
-        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
-        return cls(epoch=_check_nonneg("epoch", d["epoch"]), master_address=_check_str("master_address", d["master_address"]),
-                   master_port=_check_int("master_port", d["master_port"], 1, 65535),
-                   rank_offset=_check_int("rank_offset", d["rank_offset"], 1), world_size=_check_int("world_size", d["world_size"], 2),
-                   group_name=_check_str("group_name", d["group_name"]), backend=_check_str("backend", d["backend"]),
-                   buckets=_check_buckets(d["buckets"]))
 
 
+@wire_message
 @dataclass(frozen=True, eq=False)
 class PushVersion(Message):
     """Learner -> actor: version ``version`` is being broadcast on group ``epoch`` now: post its buckets."""
 
-    epoch: int
-    version: int
+    epoch: int = wire_int(lo=0)
+    version: int = wire_int(lo=0)
 
     TYPE: ClassVar[str] = "PushVersion"
-    _FIELDS: ClassVar[tuple[str, ...]] = ("epoch", "version")
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"epoch": int(self.epoch), "version": int(self.version)}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> PushVersion:
-        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
-        return cls(epoch=_check_nonneg("epoch", d["epoch"]), version=_check_nonneg("version", d["version"]))
 
 
+@wire_message
 @dataclass(frozen=True, eq=False)
 class PushDone(Message):
     """Actor -> learner: its engine joined group ``epoch`` (``version`` -1) or loaded ``version`` (``ok``),
     with generation paused ``pause_s``; ``message`` says why not."""
 
-    actor_id: int
-    epoch: int
-    version: int
-    ok: bool
-    pause_s: float
-    message: str
+    actor_id: int = wire_int(lo=0)
+    epoch: int = wire_int(lo=0)
+    version: int = wire_int(lo=-1)
+    ok: bool = wire_bool()
+    pause_s: float = wire_float()
+    message: str = wire_str(MAX_LONG_STR_LEN)
 
     TYPE: ClassVar[str] = "PushDone"
-    _FIELDS: ClassVar[tuple[str, ...]] = ("actor_id", "epoch", "version", "ok", "pause_s", "message")
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"actor_id": int(self.actor_id), "epoch": int(self.epoch), "version": int(self.version), "ok": bool(self.ok),
-                "pause_s": float(self.pause_s), "message": self.message}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> PushDone:
-        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
-        return cls(actor_id=_check_nonneg("actor_id", d["actor_id"]), epoch=_check_nonneg("epoch", d["epoch"]),
-                   version=_check_int("version", d["version"], -1), ok=_check_bool("ok", d["ok"]),
-                   pause_s=_check_float("pause_s", d["pause_s"]), message=_check_long_str("message", d["message"]))
 
 
+@wire_message
 @dataclass(frozen=True, eq=False)
 class ErrorReply(Message):
     """Any server -> client when a request cannot be served; ``reason`` is a short label."""
 
-    reason: str
-    message: str
+    reason: str = wire_str()
+    message: str = wire_str(MAX_LONG_STR_LEN)
 
     TYPE: ClassVar[str] = "ErrorReply"
-    _FIELDS: ClassVar[tuple[str, ...]] = ("reason", "message")
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"reason": self.reason, "message": self.message}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> ErrorReply:
-        d = _expect_fields(cls.TYPE, d, cls._FIELDS)
-        return cls(reason=_check_str("reason", d["reason"]), message=_check_long_str("message", d["message"]))
 
 
+@wire_message
 @dataclass(eq=False)
 class BatchReply(Message):
     """Groups for one learner step, oldest weight version first, plus what was dropped on the way."""
 
-    groups: list[SampleGroup]
-    stale_dropped: int
-    filtered: int
+    groups: list[SampleGroup] = wire_group_frames()
+    stale_dropped: int = wire_int(lo=0)
+    filtered: int = wire_int(lo=0)
 
     TYPE: ClassVar[str] = "BatchReply"
-    _FIELDS: ClassVar[tuple[str, ...]] = ("groups", "stale_dropped", "filtered")
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "groups": [encode(g) for g in self.groups],
-            "stale_dropped": int(self.stale_dropped),
-            "filtered": int(self.filtered),
-        }
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> BatchReply:
-        d = _expect_fields("BatchReply", d, cls._FIELDS)
-        frames = d["groups"]
-        if not isinstance(frames, list) or len(frames) > MAX_LIST_LEN:
-            raise _err("bad_type", f"groups must be a list of at most {MAX_LIST_LEN} frames")
-        groups = []
-        for fr in frames:
-            if not isinstance(fr, bytes):
-                raise _err("bad_type", "groups must hold encoded SampleGroup frames")
-            g = decode(fr, max_frame_bytes=len(fr))
-            if not isinstance(g, SampleGroup):
-                raise _err("bad_type", "groups must hold SampleGroup frames")
-            groups.append(g)
-        return cls(
-            groups=groups,
-            stale_dropped=_check_int("stale_dropped", d["stale_dropped"], 0),
-            filtered=_check_int("filtered", d["filtered"], 0),
-        )
 
 
+@wire_message
 @dataclass(eq=False)
 class PositivesReply(Message):
     """Stored verified-correct samples for NLL replay."""
 
-    samples: list[Sample]
+    samples: list[Sample] = wire_samples(0, MAX_LIST_LEN)
 
     TYPE: ClassVar[str] = "PositivesReply"
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"samples": [s.to_wire() for s in self.samples]}
 
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> PositivesReply:
-        d = _expect_fields("PositivesReply", d, ("samples",))
-        if not isinstance(d["samples"], list) or len(d["samples"]) > MAX_LIST_LEN:
-            raise _err("bad_type", "samples must be a list")
-        return cls(samples=[Sample.from_wire(s) for s in d["samples"]])
-
-
+@wire_message
 @dataclass(eq=False)
 class StatsReply(Message):
     """Named numeric counters of a server (buffer depth, drops, ...)."""
 
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, float] = wire_stats()
 
     TYPE: ClassVar[str] = "StatsReply"
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"stats": {k: float(v) for k, v in self.stats.items()}}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> StatsReply:
-        d = _expect_fields("StatsReply", d, ("stats",))
-        st = d["stats"]
-        if not isinstance(st, dict) or len(st) > MAX_STATS:
-            raise _err("bad_type", "stats must be a map")
-        return cls(stats={_check_str("stats key", k): _check_float(f"stats[{k}]", v) for k, v in st.items()})
 
 
 AnyMessage = (
@@ -686,7 +643,6 @@ _ALL: tuple[type[AnyMessage], ...] = (
     PushJoin, PushGroup, PushVersion, PushDone,
 )
 MESSAGE_TYPES: dict[str, type[AnyMessage]] = {cls.TYPE: cls for cls in _ALL}
-M = TypeVar("M", bound=Message)
 
 
 # ------------------------------------------------------------------------------------ encode / decode

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import random
 import time
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.protocol import (
+    MESSAGE_TYPES,
     PROTOCOL_VERSION,
     BatchReply,
     BatchRequest,
@@ -24,18 +26,25 @@ from common.protocol import (
     PositivesReply,
     PositivesRequest,
     ProtocolError,
+    PushDone,
+    PushGroup,
+    PushJoin,
     Sample,
     SampleGroup,
     StatsReply,
     StatsRequest,
     WeightQuery,
     WeightUpdate,
+    WireKind,
     decode,
     decode_as,
     encode,
     encode_batch_reply,
     encode_positives_reply,
     sample_frames,
+    wire_array,
+    wire_int,
+    wire_message,
 )
 
 token_ids = st.lists(st.integers(0, 2**31 - 1), max_size=40)
@@ -343,3 +352,76 @@ def test_flat_messages_are_frozen() -> None:
     with pytest.raises(AttributeError):
         setattr(ack, "committed", False)  # noqa: B010 (`ack.committed = False`, which a type checker refuses)
     assert decode_as(encode(ack), IngestAck).committed is True
+
+
+def _body(msg: Message, **changes: object) -> bytes:
+    body = msgpack.unpackb(encode(msg), raw=False)
+    body.update(changes)
+    return _raw(body)
+
+
+_PUSH_GROUP = PushGroup(epoch=1, master_address="h", master_port=29500, rank_offset=1, world_size=2, group_name="g",
+                        backend="nccl", buckets=[{"names": ["w"], "dtypes": ["float32"], "shapes": [[2]]}])
+_SPANS = {"dtype": "<i8", "n": 2, "data": np.array([2, 4], "<i8").tobytes()}  # version 2 for 4 tokens; the sample has 5
+
+
+@pytest.mark.parametrize(
+    "frame, reason",
+    [
+        (_body(_PUSH_GROUP, master_port=0), "bad_value"),
+        (_body(_PUSH_GROUP, world_size=1), "bad_value"),
+        (_body(_PUSH_GROUP, buckets=[{"names": ["w"], "dtypes": [], "shapes": [[2]]}]), "bad_value"),
+        (_body(_PUSH_GROUP, buckets=[{"names": ["w"], "dtypes": ["f"], "shapes": [[-1]]}]), "bad_value"),
+        (_body(PushDone(actor_id=0, epoch=0, version=-1, ok=True, pause_s=0.0, message=""), version=-2), "bad_value"),
+        (_body(PushJoin(actor_id=0, engine_start=1), engine_start=1.5), "bad_type"),
+        (_body(IngestAck(group_id="g", committed=True, duplicate=False, error=""), committed=1), "bad_type"),
+        (_body(IngestAck(group_id="g", committed=True, duplicate=False, error=""), error="e" * 4097), "bad_value"),
+        (_body(ErrorReply(reason="r", message="m"), reason="r" * 513), "bad_value"),
+        (_body(StatsRequest(), n=1), "extra_field"),
+        (_body(StatsReply(), stats=[1.0]), "bad_type"),
+        (_body(StatsReply(), stats={"a": float("inf")}), "not_finite"),
+        (_body(BatchReply(groups=[], stale_dropped=0, filtered=0), groups=[1]), "bad_type"),
+        (_body(BatchReply(groups=[], stale_dropped=0, filtered=0), groups=[encode(StatsRequest())]), "bad_type"),
+        (_body(BatchReply(groups=[], stale_dropped=0, filtered=0), filtered=-1), "bad_value"),
+        (_body(PositivesReply(samples=[]), samples={}), "bad_type"),
+        (_body(CreditGrant(n=1, learner_version=0), learner_version=None), "bad_type"),
+        (_raw({k: v for k, v in msgpack.unpackb(encode(CreditGrant(n=1, learner_version=0))).items() if k != "n"}),
+         "missing_field"),
+        (_raw(_sample_body(version_spans=_SPANS)), "length_mismatch"),
+        (_raw(_sample_body(version_spans={**_SPANS, "n": 1, "data": np.array([2], "<i8").tobytes()})), "bad_value"),
+        (_raw(_sample_body(version_spans=None)), "bad_type"),
+        (_raw(_sample_body(prompt_ids={"dtype": "<i4", "n": 1, "data": np.array([-1], "<i4").tobytes()})), "bad_value"),
+    ],
+)
+def test_declared_bounds_reject_with_their_reason(frame: bytes, reason: str) -> None:
+    with pytest.raises(ProtocolError) as e:
+        decode(frame)
+    assert e.value.reason == reason
+
+
+@pytest.mark.parametrize("cls", list(MESSAGE_TYPES.values()), ids=lambda c: c.__name__)
+def test_each_message_declares_its_wire_fields_once(cls: type[Message]) -> None:
+    """The wire field set and order are the dataclass fields, and each class has its own codec entries."""
+    schema = cls.SCHEMA
+    declared = [f.name for f in dataclasses.fields(cls)]
+    assert [*schema.names, *(name for name, _ in schema.optional)] == declared
+    assert all(isinstance(f.metadata["wire"], WireKind) for f in dataclasses.fields(cls))
+    assert "from_wire" in cls.__dict__ and "to_wire" in cls.__dict__
+
+
+def test_wire_order_is_field_order_and_optional_fields_only_when_set() -> None:
+    smp = make_group().samples[0]
+    assert list(smp.to_wire()) == [f.name for f in dataclasses.fields(Sample)][:-1]
+    spans = dataclasses.replace(smp, version_spans=np.array([smp.weight_version, smp.response_length], np.int64))
+    assert list(spans.to_wire()) == [f.name for f in dataclasses.fields(Sample)]
+    assert decode_as(encode(spans), Sample) == spans and decode_as(encode(smp), Sample).version_spans is None
+
+
+def test_an_optional_field_declared_before_a_required_one_is_refused() -> None:
+    @dataclasses.dataclass(eq=False, kw_only=True)  # a plain dataclass would refuse this order itself
+    class Misordered(Message):
+        spans: np.ndarray | None = wire_array("<i8", optional=True)
+        n: int = wire_int(lo=0)
+
+    with pytest.raises(TypeError, match="the optional ones last"):
+        wire_message(Misordered)
