@@ -78,6 +78,11 @@ class DataSource(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def totals(self) -> dict[str, int]:
+        """The cumulative group counts this source keeps, by name (``groups_consumed``, and for the buffer
+        ``stale_dropped`` and ``filtered``: groups generated, paid for, never trained on)."""
+        ...
+
 
 def fetch(source: DataSource | None, version: int, n_groups: int, timeout_s: float,
           replay_fraction: float = 0.0, positive_reward: float = 1.0) -> tuple[list[SampleGroup], list[Sample]]:
@@ -136,6 +141,9 @@ class ListSource:
     @property
     def groups_consumed(self) -> int:
         return self.cursor
+
+    def totals(self) -> dict[str, int]:
+        return {"groups_consumed": self.cursor}  # a list drops nothing
 
     def positives(self, n: int) -> list[Sample]:
         if not self._positives or n <= 0:
@@ -218,6 +226,9 @@ class BufferSource:
 
     def state_dict(self) -> dict[str, Any]:
         # The buffer itself owns what was served (durable); the learner records how much it consumed.
+        return self.totals()
+
+    def totals(self) -> dict[str, int]:
         return {"groups_consumed": self.groups_consumed, "stale_dropped": self.stale_dropped,
                 "filtered": self.filtered}
 

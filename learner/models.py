@@ -74,25 +74,25 @@ def _hf_module(auto_cls: Any, src: str | Path, hf_cfg: Any, dtype: str, partitio
 
 def ds_config(cfg: Config, grad_clip: float) -> dict[str, Any]:
     """DeepSpeed's config dict for one learner engine (policy or critic, each with its own ``grad_clip``)."""
-    lc = cfg.learner
+    learner_cfg = cfg.learner
     conf: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": lc.micro_batch_size,
+        "train_micro_batch_size_per_gpu": learner_cfg.micro_batch_size,
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,
         "gradient_clipping": grad_clip,
-        "zero_optimization": {"stage": lc.zero_stage},
+        "zero_optimization": {"stage": learner_cfg.zero_stage},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
-    if lc.precision == "bf16":
+    if learner_cfg.precision == "bf16":
         conf["bf16"] = {"enabled": True}
-        if lc.zero_stage >= 1:
+        if learner_cfg.zero_stage >= 1:
             # Summed in bf16 (8 mantissa bits), a mini-batch's micro-batch gradients lose their small terms;
             # DeepSpeed's ZeRO optimizers accumulate and reduce them in fp32 when asked. ZeRO-0 has no such
             # path (DeepSpeed refuses the mix), so a one-rank bf16 learner without ZeRO accumulates in bf16.
             conf["data_types"] = {"grad_accum_dtype": "fp32"}
-    elif lc.precision == "fp16":
+    elif learner_cfg.precision == "fp16":
         conf["fp16"] = {"enabled": True, "initial_scale_power": 12}
     return conf
 

@@ -48,16 +48,11 @@ def resolve_checkpoint(cfg: Config) -> Path | None:
     return p
 
 
-# The cumulative group counts a source keeps. Groups the source dropped were generated (paid for) but never
-# trained on, so samples-to-accuracy must count them; a source reports only the counts it keeps (a
-# ListSource counts consumed groups only), and the record has a ``<count>_total`` field for each of those.
-SOURCE_COUNTS = ("groups_consumed", "stale_dropped", "filtered")
-
-
 def source_totals(source: DataSource | None) -> dict[str, int]:
-    """``{"<count>_total": n}`` for each of ``SOURCE_COUNTS`` that ``source`` keeps."""
-    counts = {key: getattr(source, key, None) for key in SOURCE_COUNTS}
-    return {f"{key}_total": int(count) for key, count in counts.items() if count is not None}
+    """``{"<count>_total": n}`` for each count ``source`` keeps (``DataSource.totals``). Groups a source dropped
+    were generated (paid for) but never trained on, so samples-to-accuracy must count them; no source (ranks
+    other than 0) gives no totals."""
+    return {} if source is None else {f"{key}_total": int(n) for key, n in source.totals().items()}
 
 
 class Runner:

@@ -184,11 +184,11 @@ class Learner:
     def fetch(self) -> tuple[list[protocol.SampleGroup], list[protocol.Sample]]:
         """The step's groups and replayed positives, without rows the learner cannot use (dropped, counted,
         and made up for by asking the buffer again)."""
-        lc = self.cfg.learner
+        learner_cfg = self.cfg.learner
         return fetch_usable(
-            lambda n: fetch(self.source, self.version, n, lc.batch_timeout_s, self.cfg.nll.replay_fraction,
+            lambda n: fetch(self.source, self.version, n, learner_cfg.batch_timeout_s, self.cfg.nll.replay_fraction,
                             self.cfg.buffer.positive_reward),
-            lc.batch_groups, self.row_limits, self.count_unusable)
+            learner_cfg.batch_groups, self.row_limits, self.count_unusable)
 
     def count_unusable(self, reason: str, n: int) -> None:
         self.metrics.unusable_samples.labels(reason=reason).inc(n)
@@ -270,12 +270,12 @@ class Learner:
         """(π_prox logprobs, the behaviour importance weight π_prox / π_behav): AReaL's decoupled objective
         (tokens whose weight exceeds ``learner.decoupled_weight_cap`` are masked) or verl's rollout
         correction (truncated at ``learner.rollout_correction_cap``, per token or per sequence)."""
-        b, lc = d.batch, self.cfg.learner
+        b, learner_cfg = d.batch, self.cfg.learner
         prox = compute_logprobs(self.policy, b, rows=d.minibatches, limits=d.limits)
-        if lc.off_policy == "decoupled":
-            return prox, behaviour_weight(prox, b.behaviour_logprobs, b.mask, lc.decoupled_weight_cap, mode="mask")
-        return prox, behaviour_weight(prox, b.behaviour_logprobs, b.mask, lc.rollout_correction_cap, mode="truncate",
-                                      level=lc.rollout_correction_level)
+        if learner_cfg.off_policy == "decoupled":
+            return prox, behaviour_weight(prox, b.behaviour_logprobs, b.mask, learner_cfg.decoupled_weight_cap, mode="mask")
+        return prox, behaviour_weight(prox, b.behaviour_logprobs, b.mask, learner_cfg.rollout_correction_cap,
+                                      mode="truncate", level=learner_cfg.rollout_correction_level)
 
     # ------------------------------------------------------------------------------------------ record
 
@@ -308,26 +308,26 @@ class Learner:
         return out
 
     def _export(self, s: dict[str, Any], staleness: Tensor) -> None:
-        m = self.metrics
-        m.step.set(s["step"])
-        m.last_step_timestamp_seconds.set(s["time"])
+        metrics = self.metrics
+        metrics.step.set(s["step"])
+        metrics.last_step_timestamp_seconds.set(s["time"])
         for key in ("critic_loss", "value_explained_variance", "value_mean", "policy_loss", "nll_loss",
                     "clip_fraction_low", "clip_fraction_high", "clip_fraction_dual", "approx_kl", "entropy",
                     "lambda_actor_mean", "reward_mean", "positives_fraction", "response_length_mean",
                     "tokens_per_second", "mismatch_tokens"):
             if key in s:
-                getattr(m, key).set(s[key])
+                getattr(metrics, key).set(s[key])
         if s.get("mismatch_tokens", 0) > 0:  # a step without rows of its own version keeps the last measurement
-            m.mismatch_kl.set(s["mismatch_kl"])
-            m.mismatch_ratio_max.set(s["mismatch_ratio_max"])
-        m.grad_norm.labels(model="actor").set(s.get("actor_grad_norm", float("nan")))
-        m.lr.labels(model="actor").set(s["actor_lr"])
+            metrics.mismatch_kl.set(s["mismatch_kl"])
+            metrics.mismatch_ratio_max.set(s["mismatch_ratio_max"])
+        metrics.grad_norm.labels(model="actor").set(s.get("actor_grad_norm", float("nan")))
+        metrics.lr.labels(model="actor").set(s["actor_lr"])
         if "critic_lr" in s:
-            m.grad_norm.labels(model="critic").set(s.get("critic_grad_norm", float("nan")))
-            m.lr.labels(model="critic").set(s["critic_lr"])
+            metrics.grad_norm.labels(model="critic").set(s.get("critic_grad_norm", float("nan")))
+            metrics.lr.labels(model="critic").set(s["critic_lr"])
         for v in staleness.tolist():
-            m.staleness.observe(v)
-        m.data_wait_seconds.inc(s["phase_seconds"].get("fetch", 0.0))
+            metrics.staleness.observe(v)
+        metrics.data_wait_seconds.inc(s["phase_seconds"].get("fetch", 0.0))
         for phase, sec in s["phase_seconds"].items():
-            m.phase_seconds.labels(phase=phase).set(sec)
-        m.samples.inc(s["samples"])
+            metrics.phase_seconds.labels(phase=phase).set(sec)
+        metrics.samples.inc(s["samples"])
