@@ -3,8 +3,10 @@
 ``EngineLink`` is the one owner of everything between a rollout worker and its inference engine
 (``engine.kind``): the ``SGLangClient``, the ``actors.rollout_server`` child process for ``rollout_server``
 (``actors.rollout_server.process``), its supervision, and weight sync. The worker only reads ``gate``
-(open while the engine takes requests), ``client`` and ``version``, and calls ``report_trouble`` when a
-request failed.
+(open while the engine takes requests), ``client``, ``version`` and ``counts``, waits with
+``wait_changed``, and calls ``report_trouble`` when a request failed; the link tells it through
+``LinkOwner`` when the served version moved and asks it whether it is stopping. An engine that cannot be
+kept ends ``supervise`` with ``EngineLost``.
 
 - **Start**: ``rollout_server``: a child server started with the newest verified weights; ``sglang``: the
   engine at ``engine.host:engine.base_port + i`` (started by ``ops/launch.sh`` through
@@ -33,81 +35,71 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-import secrets
 import time
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, Protocol, TypeVar
 
+from actors.engine_address import EngineLinkError, as_version, engine_api_key, engine_url
 from actors.rollout_server.process import EngineStartError, RolloutServerProcess
 from actors.weight_sync import WeightWatcher, checkpoint_tensors, verify_tensors, verify_update
 from common.config import Config
+from common.metrics import Metrics
+from common.protocol import WeightUpdate
 from common.sglang_client import SGLangClient, SGLangError
 
-# The worker's logger: these lines were always the worker's, and log readers match on its name.
-log = logging.getLogger("vapo.actors.worker")
+log = logging.getLogger("vapo.actors.engine_link")
+Result = TypeVar("Result")
 
 
-class EngineLinkError(RuntimeError):
-    """No engine address for this actor (``engine.kind = external`` with too few ``engine.urls``)."""
+class EngineLost(EngineLinkError):
+    """The engine cannot be kept: restarts exhausted, or a remote engine that did not come back."""
 
 
-def engine_url(cfg: Config, actor_id: int) -> str | None:
-    """The URL of an engine vapo does not start itself (None for rollout_server: known once started)."""
-    e = cfg.engine
-    if e.kind == "external":
-        if actor_id >= len(e.urls):
-            raise EngineLinkError(f"engine.kind=external: engine.urls has {len(e.urls)} URLs, actor {actor_id} needs one")
-        return e.urls[actor_id].rstrip("/")
-    if e.kind == "sglang":
-        return f"http://{e.host}:{e.base_port + actor_id}"
-    return None
+class LinkOwner(Protocol):
+    """What the link needs from the worker that owns it."""
+
+    def engine_changed(self) -> None:
+        """The served version moved, or a version was refused (the worker records its state)."""
+
+    def stopping(self) -> bool:
+        """The worker is shutting down: an engine exit is then no failure."""
 
 
-def engine_api_key(cfg: Config) -> str:
-    """The key this worker's engine requires on its control endpoints (weight updates, pause, continue,
-    abort, flush; SGLang's ``--admin-api-key``): a fresh random one for our own rollout_server, the content
-    of ``engine.admin_api_key_file`` for an engine started by someone else ('' without one: that engine
-    takes anyone's control requests)."""
-    if cfg.engine.kind == "rollout_server":
-        return secrets.token_urlsafe(32)
-    if not cfg.engine.admin_api_key_file:
-        return ""
-    try:
-        return Path(cfg.engine.admin_api_key_file).read_text().strip()
-    except OSError as e:
-        raise EngineLinkError(f"engine.admin_api_key_file: cannot read {cfg.engine.admin_api_key_file}: {e}") from e
+@dataclasses.dataclass
+class LinkCounts:
+    """What the link did, for the worker's ``ACTOR DONE`` line."""
 
+    engine_restarts: int = 0
+    weight_syncs: int = 0  # from disk and by distributed push
+    weight_sync_failures: int = 0
+    weight_pushes: int = 0
+    push_pause_ms: int = 0
 
-def as_version(v: Any) -> int:
-    """SGLang's weight_version is a string ('default' when never set): vapo's versions are its integers."""
-    try:
-        return max(0, int(v))
-    except (TypeError, ValueError):
-        return 0
+    def as_dict(self) -> dict[str, int]:
+        """The counters by name; the push counters only once a push arrived (as they always appeared)."""
+        out = dataclasses.asdict(self)
+        if not self.weight_pushes:
+            del out["weight_pushes"], out["push_pause_ms"]
+        return out
 
 
 class EngineLink:
     """One worker's engine: connection, supervision, weight sync (see the module docstring).
 
-    ``counts`` (the worker's counters: ``engine_restarts``, ``weight_syncs``, ``weight_sync_failures``) and
-    ``metric(name, **labels)`` (its labelled metrics) are shared with the worker; ``on_change`` runs when the
-    served version moved or a version was refused, ``on_fatal(why)`` when the engine cannot be kept, and
-    ``stopping()`` says that the worker is shutting down (an engine exit is then no failure).
+    ``metrics``: the worker's (the link's series carry ``actor=<actor_id>`` like the worker's own).
     """
 
-    def __init__(self, cfg: Config, actor_id: int, watcher: WeightWatcher, *, generate_timeout_s: float,
-                 counts: dict[str, int], metric: Callable[..., Any], on_change: Callable[[], None],
-                 on_fatal: Callable[[str], None], stopping: Callable[[], bool]) -> None:
+    def __init__(self, cfg: Config, actor_id: int, watcher: WeightWatcher, owner: LinkOwner, metrics: Metrics, *,
+                 generate_timeout_s: float) -> None:
         self.cfg, self.actor_id, self.watcher = cfg, actor_id, watcher
-        self.a = cfg.actors
+        self.actors_cfg = cfg.actors
         self.generate_timeout_s = generate_timeout_s
-        self.counts = counts
-        self._m = metric
-        self._on_change = on_change
-        self._fail = on_fatal
-        self._stopping = stopping
+        self.counts = LinkCounts()
+        self.metrics = metrics
+        self._owner = owner
+        self._changed = asyncio.Event()  # replaced (and the old one set) on every change of the served version
         self.version = 0
         self.model_path = cfg.model.path
         self.refused: dict[int, str] = {}  # version -> reason
@@ -120,7 +112,7 @@ class EngineLink:
         self.trouble = asyncio.Event()  # a request failed: the engine may be gone
         self._syncing = False  # a weight sync talks to the engine (health probes use /model_info)
         self._syncs = 0  # weight syncs started so far
-        self._sync_call: asyncio.Task[Any] | None = None  # the sync's request in flight
+        self._sync_call: asyncio.Future[Any] | None = None  # the sync's request in flight
         # The engine's API key: ours is fresh per worker (passed to the child in its environment, never
         # on its command line), a remote engine's is read from engine.admin_api_key_file.
         self.api_key = engine_api_key(cfg)
@@ -138,19 +130,41 @@ class EngineLink:
     def url(self) -> str | None:
         return self.client.base_url if self.client is not None else None
 
+    def metric(self, name: str, **labels: str) -> Any:
+        """This actor's series of the metric ``vapo_actor_<name>``."""
+        return getattr(self.metrics, name).labels(actor=str(self.actor_id), **labels)
+
     def report_trouble(self) -> None:
         """A request failed or came back on older weights: check the engine."""
         self.trouble.set()
 
+    async def wait_changed(self, timeout_s: float) -> None:
+        """Until the served version moves or a version is refused, or ``timeout_s`` passed."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+
+    def _notify_change(self) -> None:
+        self._owner.engine_changed()
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
     def _set_version(self, version: int, path: str) -> None:
         self.version, self.model_path = version, path
-        self._m("weight_version").set(version)
-        self._on_change()
+        self.metric("weight_version").set(version)
+        self._notify_change()
+
+    def pushed(self, version: int, pause_s: float) -> None:
+        """A distributed push (``actors.weight_push_client``) moved the engine to ``version``; caller holds
+        ``control``."""
+        self._set_version(version, self.model_path)
+        self.counts.weight_syncs += 1
+        self.counts.weight_pushes += 1
+        self.counts.push_pause_ms += round(pause_s * 1000)
 
     def _count_restart(self) -> int:
-        self.counts["engine_restarts"] += 1
-        self._m("engine_restarts").inc()
-        return self.counts["engine_restarts"]
+        self.counts.engine_restarts += 1
+        self.metric("engine_restarts").inc()
+        return self.counts.engine_restarts
 
     async def close(self) -> None:
         if self.client is not None:
@@ -161,10 +175,10 @@ class EngineLink:
 
     # ------------------------------------------------------------------ engine
 
-    def _verify(self, upd: Any) -> tuple[str, str] | None:
+    def _verify(self, upd: WeightUpdate) -> tuple[str, str] | None:
         """Checksum, then (``actors.verify_tensors``) names, shapes and finiteness; blocking (a thread)."""
         bad = verify_update(upd)
-        if bad is None and self.a.verify_tensors:
+        if bad is None and self.actors_cfg.verify_tensors:
             if self._expected is None:
                 self._expected = checkpoint_tensors(self.cfg.model.path)
             bad = verify_tensors(upd.path, self._expected)
@@ -223,16 +237,15 @@ class EngineLink:
         assert self.process is not None
         while True:
             rc = await self.process.wait()
-            if self._stopping():
+            if self._owner.stopping():
                 return
             log.warning("actor %d: engine (pid %s) exited with code %s; restarting", self.actor_id, self.process.pid, rc)
             async with self.control:
                 self.gate.clear()
                 while True:
                     if self._count_restart() > self.cfg.engine.max_restarts:
-                        self._fail(f"engine died {self.counts['engine_restarts']} times "
-                                   f"(engine.max_restarts={self.cfg.engine.max_restarts}); see {self.process.log_path}")
-                        return
+                        raise EngineLost(f"engine died {self.counts.engine_restarts} times "
+                                         f"(engine.max_restarts={self.cfg.engine.max_restarts}); see {self.process.log_path}")
                     await self.watcher.query()
                     try:
                         await self._connect()
@@ -335,8 +348,7 @@ class EngineLink:
                     try:
                         await self.client.wait_healthy(self.cfg.engine.startup_timeout_s * (self.cfg.engine.max_restarts + 1))
                     except SGLangError as e:
-                        self._fail(f"engine {self.client.base_url} did not come back: {e}")
-                        return
+                        raise EngineLost(f"engine {self.client.base_url} did not come back: {e}") from None
                 try:
                     served = as_version(await self.client.get_weight_version())
                 except SGLangError:
@@ -355,15 +367,15 @@ class EngineLink:
 
     # ------------------------------------------------------------------ weight sync
 
-    def _refuse(self, upd: Any, reason: str, message: str) -> None:
+    def _refuse(self, upd: WeightUpdate, reason: str, message: str) -> None:
         if upd.version in self.refused:
             return
         self.refused[upd.version] = reason
-        self.counts["weight_sync_failures"] += 1
-        self._m("weight_sync_failures", reason=reason).inc()
+        self.counts.weight_sync_failures += 1
+        self.metric("weight_sync_failures", reason=reason).inc()
         log.error("actor %d: refusing weights v%d (%s): %s; still serving v%d", self.actor_id, upd.version, reason,
                   message, self.version)
-        self._on_change()  # prompts held for this version go ahead on the current weights
+        self._notify_change()  # prompts held for this version go ahead on the current weights
 
     async def sync_loop(self) -> None:
         """Runs for the worker's life: load each newer announced version once the engine is up."""
@@ -397,7 +409,7 @@ class EngineLink:
         self._syncing = True
         self._syncs += 1
         try:
-            if self.a.weight_sync == "abort" and not idle:
+            if self.actors_cfg.weight_sync == "abort" and not idle:
                 self.gate.clear()
                 try:
                     await self._call(client.pause_generation("abort"))
@@ -421,13 +433,13 @@ class EngineLink:
             self._syncing = False
         latency = max(0.0, time.time() - upd.created_at)
         self._set_version(upd.version, upd.path)
-        self.counts["weight_syncs"] += 1
+        self.counts.weight_syncs += 1
         self.sync_latencies.append(latency)
-        self._m("weight_sync_seconds").observe(latency)
+        self.metric("weight_sync_seconds").observe(latency)
         log.info("actor %d: serving weights v%d (%.3f s after publish)", self.actor_id, upd.version, latency)
         return True
 
-    async def _call(self, coro: Any) -> Any:
+    async def _call(self, coro: Coroutine[Any, Any, Result]) -> Result:
         """Await one of the sync's requests as a task the health watcher can cancel when it finds the
         engine dead (a cancelled request reads as an unreachable engine)."""
         task = asyncio.ensure_future(coro)
@@ -442,7 +454,7 @@ class EngineLink:
         finally:
             self._sync_call = None
 
-    async def _served_anyway(self, client: SGLangClient, upd: Any, e: SGLangError) -> bool:
+    async def _served_anyway(self, client: SGLangClient, upd: WeightUpdate, e: SGLangError) -> bool:
         """After an update answered with an error: True when the engine generates with ``upd`` anyway.
         SGLang answers 400 when the cache flush after a completed load is refused (requests still queued),
         with the new weights live: refusing that version would misstamp every sample from then on."""
@@ -459,4 +471,4 @@ class EngineLink:
         return True
 
 
-__all__ = ["EngineLink", "EngineLinkError", "engine_url"]
+__all__ = ["EngineLink", "EngineLost", "LinkCounts", "LinkOwner"]

@@ -182,12 +182,9 @@ class PushMember:
                     link.gate.clear()  # paused on a possible mix of versions: nothing new goes to it
                     asyncio.ensure_future(self._recover(msg.version))
                 if ok and msg.version > link.version:
-                    link._set_version(msg.version, link.model_path)
-                    link.counts["weight_syncs"] += 1
-                    link.counts["weight_pushes"] = link.counts.get("weight_pushes", 0) + 1
-                    link.counts["push_pause_ms"] = link.counts.get("push_pause_ms", 0) + round(rep.pause_s * 1000)
+                    link.pushed(msg.version, rep.pause_s)
                 for phase, s in (("pause", rep.pause_s), ("load", rep.receive_s)):
-                    link._m("weight_sync_phase_seconds", phase=phase, transport="distributed").observe(s)
+                    link.metric("weight_sync_phase_seconds", phase=phase, transport="distributed").observe(s)
         return protocol.PushDone(actor_id=link.actor_id, epoch=msg.epoch, version=msg.version, ok=ok,
                                  pause_s=rep.pause_s, message=text)
 

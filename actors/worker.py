@@ -38,37 +38,29 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from actors.cursor import PromptCursor, group_id_for
-from actors.engine_link import EngineLink, EngineLinkError, engine_url
+from actors.engine_address import EngineLinkError, engine_url
+from actors.engine_link import EngineLink, EngineLost, LinkCounts
+from actors.report import ZEROED_METRICS, GroupCounts, done_counters, emit_tagged
 from actors.rollout_server.process import EngineStartError
+from actors.samples import engine_sample, has_behaviour_logprobs
 from actors.weight_sync import WeightWatcher
 from buffer.client import AsyncGroupSender
 from common.config import Config
 from common.metrics import Metrics
-from common.protocol import FINISH_REASONS, Sample, SampleGroup
-from common.security import client_curve_keys
+from common.protocol import IngestAck, Sample, SampleGroup
+from common.security import ClientKeys, client_curve_keys
 from common.sglang_client import GenerateOutput, SGLangError
-from common.tasks import Prompt, decode_response, encode_prompt, get_task
+from common.tasks import Prompt, encode_prompt, get_task
 
 log = logging.getLogger("vapo.actors.worker")
 REPORT_EVERY_S = 10.0
-
-
-def emit_tagged(tag: str, obj: dict[str, Any]) -> None:
-    """Print ``TAG {json}`` as one write: sibling workers share their parent's stdout pipe, unbuffered under
-    ``PYTHONUNBUFFERED``, where ``print``'s separate newline write lets two workers' lines run together."""
-    sys.stdout.write(f"{tag} {json.dumps(obj)}\n")
-    sys.stdout.flush()
 
 
 class WorkerError(RuntimeError):
@@ -79,11 +71,15 @@ def generate_timeout_s(cfg: Config) -> float:
     """``actors.generate_timeout_s``, or with 0 the time a ``max_new_tokens`` generation needs at the
     slowest decode rate still counted as progress: a fixed constant would abandon (and resubmit, forever)
     every long generation."""
-    a = cfg.actors
-    return a.generate_timeout_s or a.generate_timeout_base_s + a.max_new_tokens / a.min_tokens_per_s
+    actors_cfg = cfg.actors
+    return actors_cfg.generate_timeout_s or (actors_cfg.generate_timeout_base_s
+                                             + actors_cfg.max_new_tokens / actors_cfg.min_tokens_per_s)
 
 
 class RolloutWorker:
+    """One actor: its prompt shard through its engine into the buffer (see the module docstring); the
+    ``actors.engine_link.LinkOwner`` of its link."""
+
     def __init__(self, cfg: Config, actor_id: int) -> None:
         if not 0 <= actor_id < cfg.actors.num_actors:
             raise WorkerError(f"--actor-id {actor_id} outside [0, actors.num_actors={cfg.actors.num_actors})")
@@ -95,25 +91,36 @@ class RolloutWorker:
         if cfg.engine.kind == "rollout_server" and not (Path(cfg.model.path) / "config.json").is_file():
             raise WorkerError(f"model.path {cfg.model.path} is not an HF model directory (no config.json); "
                               "build the embedded base model with `python -m learner.sft [config]`")
-        self.a = cfg.actors
+        self.actors_cfg = cfg.actors
         self.metrics = Metrics("actor")
         self.label = str(actor_id)
         self.state_dir = cfg.run_dir / "actors"
-        self.link: EngineLink | None = None  # made in run(), with the weight watcher
+        self.task = get_task(cfg.task)
+        self.cursor = PromptCursor(self.state_dir / f"cursor-{actor_id}.json", actor_id,
+                                   self.actors_cfg.num_actors, limit=self.actors_cfg.max_prompts)
         self.fatal: str | None = None
         self.metrics_port: int | None = None
-        self.counts = {"groups": 0, "samples": 0, "tokens": 0, "positives": 0, "resubmits": 0, "engine_restarts": 0,
-                       "weight_syncs": 0, "weight_sync_failures": 0, "skipped": 0, "duplicates": 0, "not_served": 0}
+        self.counts = GroupCounts()
         self.credit_wait_s = 0.0
         self.weight_wait_s = 0.0
         self.generate_timeout_s = generate_timeout_s(cfg)
-        self._version_changed = asyncio.Event()  # replaced (and the old one set) on every version change
         self.in_flight = 0
         self._started = time.monotonic()
+        self._stop = asyncio.Event()
+        self._all_done = asyncio.Event()  # actors.max_prompts prompts are done
+        # Made by run(): the learner's weight announcements, the buffer's sender, the engine, the tokenizer.
+        self.watcher: WeightWatcher | None = None
+        self.sender: AsyncGroupSender | None = None
+        self.link: EngineLink | None = None
+        self.tokenizer: Any = None
+        # Tasks that run for the worker's life, by name (one that ends is fatal), and the prompt loops.
+        self.services: dict[str, asyncio.Task[None]] = {}
+        self.prompt_tasks: list[asyncio.Task[None]] = []
 
     # ------------------------------------------------------------------ small helpers
 
-    def _m(self, name: str, **labels: str) -> Any:
+    def metric(self, name: str, **labels: str) -> Any:
+        """This actor's series of the metric ``vapo_actor_<name>``."""
         return getattr(self.metrics, name).labels(actor=self.label, **labels)
 
     @property
@@ -121,11 +128,12 @@ class RolloutWorker:
         """The weight version the engine serves (0 before it is reached)."""
         return self.link.version if self.link is not None else 0
 
-    def _engine_changed(self) -> None:
-        """The engine's served version moved (or a version was refused): record it, wake held prompts."""
+    def engine_changed(self) -> None:
+        """The engine's served version moved (or a version was refused): record it."""
         self._write_state()
-        ev, self._version_changed = self._version_changed, asyncio.Event()
-        ev.set()
+
+    def stopping(self) -> bool:
+        return self._stop.is_set()
 
     def _write_state(self) -> None:
         link = self.link
@@ -149,7 +157,8 @@ class RolloutWorker:
     def summary(self) -> dict[str, Any]:
         elapsed = time.monotonic() - self._started
         link = self.link
-        return {"actor_id": self.actor_id, **self.counts, "weight_version": self.version,
+        counters = done_counters(self.counts, link.counts if link else LinkCounts())
+        return {"actor_id": self.actor_id, **counters, "weight_version": self.version,
                 "refused_versions": sorted(link.refused) if link else [], "prompts_done": self.cursor.completed,
                 "credit_wait_s": round(self.credit_wait_s, 3), "weight_wait_s": round(self.weight_wait_s, 3),
                 "elapsed_s": round(elapsed, 3),
@@ -160,105 +169,138 @@ class RolloutWorker:
 
     async def run(self) -> int:
         """Run until stopped (SIGTERM/SIGINT), ``actors.max_prompts`` is reached, or a fatal error; exit code."""
-        self._stop = asyncio.Event()
-        self._all_done = asyncio.Event()  # actors.max_prompts prompts are done
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop)
-        cfg = self.cfg
-        self.task = get_task(cfg.task)
-        self.cursor = PromptCursor(self.state_dir / f"cursor-{self.actor_id}.json", self.actor_id,
-                                   self.a.num_actors, limit=self.a.max_prompts)
         if self.cursor.finished():
-            log.info("actor %d: all %d prompts of actors.max_prompts are done", self.actor_id, self.a.max_prompts)
+            log.info("actor %d: all %d prompts of actors.max_prompts are done", self.actor_id,
+                     self.actors_cfg.max_prompts)
             emit_tagged("ACTOR DONE", self.summary())
             return 0
-        if cfg.metrics.prometheus:
-            port = self.a.metrics_base_port + self.actor_id if self.a.metrics_base_port > 0 else 0
-            try:
-                self.metrics_port = self.metrics.serve(port, cfg.metrics.host)
-            except OSError as e:
-                raise WorkerError(f"cannot serve /metrics on {cfg.metrics.host}:{port}: {e}") from e
-        for name in ("samples", "tokens", "groups_sent", "groups_resent", "credit_wait_seconds", "weight_wait_seconds",
-                     "engine_restarts", "prompts_skipped", "weight_sync_seconds", "generation_seconds", "weight_version",
-                     "samples_per_second", "prompts_in_flight"):
-            self._m(name)  # every series exists (zero) from the start, so dashboards show it before the first event
-        curve = client_curve_keys(cfg.buffer.curve, "actor")
-        self.watcher = WeightWatcher(cfg.learner.publish_addr, cfg.learner.query_addr, curve=curve,
-                                     poll_s=self.a.weight_poll_s, query_timeout_s=self.a.weight_query_timeout_s)
-        self.sender = AsyncGroupSender(cfg.buffer.ingest_addr, self.actor_id, curve=curve,
-                                       ack_timeout_s=self.a.send_timeout_s)
-        self.link = link = EngineLink(cfg, self.actor_id, self.watcher, generate_timeout_s=self.generate_timeout_s,
-                                      counts=self.counts, metric=self._m, on_change=self._engine_changed,
-                                      on_fatal=self._fail, stopping=self._stop.is_set)
-        tasks: list[asyncio.Task[Any]] = []
+        self._serve_metrics()
+        curve = client_curve_keys(self.cfg.buffer.curve, "actor")
+        self._make_clients(curve)
         try:
-            await self.watcher.query()
-            def tokenizer() -> Any:
-                from common.modeling import load_tokenizer  # imported here: transformers loads in this thread
-
-                return load_tokenizer(cfg.model.path)
-
-            # The engine boots (seconds) while this process imports transformers for the tokenizer.
-            self.tokenizer, _ = await asyncio.gather(asyncio.to_thread(tokenizer), link.connect())
-            link.gate.set()
-            emit_tagged("ACTOR READY", {"actor_id": self.actor_id, "pid": os.getpid(), "engine_url": link.url,
-                                        "engine_pid": link.pid,
-                                        "metrics_port": self.metrics_port, "weight_version": self.version,
-                                        "prompts_done": self.cursor.completed})
-            tasks = [loop.create_task(self.watcher.run(), name="weights"),
-                     loop.create_task(link.sync_loop(), name="sync"),
-                     loop.create_task(link.supervise(), name="supervise"),
-                     loop.create_task(self._report_loop(), name="report"),
-                     loop.create_task(link.watch_health(), name="health")]
-            if cfg.learner.weight_transport == "distributed":  # the learner broadcasts; disk is the fallback
-                from actors.weight_push_client import PushMember
-
-                member = PushMember(link, cfg.learner.push_addr, self.a.push_pause, curve=curve)
-                tasks.append(loop.create_task(member.run(), name="push"))
-            n_core = len(tasks)
-            self.watcher.changed.set()  # apply anything newer than what the engine started with
-            prompts = [loop.create_task(self._prompt_loop(), name=f"prompt-{i}") for i in range(self.a.prompts_in_flight)]
-            tasks += prompts
+            await self._reach_engine()
+            self._start_services(curve)
+            self.prompt_tasks = [loop.create_task(self._prompt_loop(), name=f"prompt-{i}")
+                                 for i in range(self.actors_cfg.prompts_in_flight)]
             if self.cursor.finished():
                 self._all_done.set()
-            waiters = {loop.create_task(self._stop.wait()), loop.create_task(self._all_done.wait())}
-            pending = set(tasks)
-            while not (self._stop.is_set() or self._all_done.is_set()):
-                done, pending = await asyncio.wait(pending | waiters, return_when=asyncio.FIRST_COMPLETED)
-                pending -= waiters
-                for t in done - waiters:  # prompt loops return normally once the cursor is exhausted
-                    exc = None if t.cancelled() else t.exception()
-                    if exc is not None:
-                        log.error("task %s failed", t.get_name(), exc_info=exc)
-                        self._fail(f"task {t.get_name()} failed: {type(exc).__name__}: {exc}")
-                    elif t in tasks[:n_core]:
-                        self._fail(f"task {t.get_name()} ended unexpectedly")
-            for w in waiters:
-                w.cancel()
+            await self._until_done()
         except (WorkerError, EngineLinkError, EngineStartError, SGLangError) as e:
             self._fail(str(e))
         finally:
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
+            await self._cancel_tasks()
             await self._shutdown()
         emit_tagged("ACTOR DONE", self.summary())
         return 1 if self.fatal else 0
 
+    def _serve_metrics(self) -> None:
+        """``/metrics`` when ``metrics.prometheus``; every series at zero either way."""
+        cfg = self.cfg
+        if cfg.metrics.prometheus:
+            base = self.actors_cfg.metrics_base_port
+            port = base + self.actor_id if base > 0 else 0
+            try:
+                self.metrics_port = self.metrics.serve(port, cfg.metrics.host)
+            except OSError as e:
+                raise WorkerError(f"cannot serve /metrics on {cfg.metrics.host}:{port}: {e}") from e
+        for name in ZEROED_METRICS:
+            self.metric(name)
+
+    def _make_clients(self, curve: ClientKeys | None) -> None:
+        """The weight watcher, the buffer's sender and the engine link (nothing is reached yet)."""
+        cfg, actors_cfg = self.cfg, self.actors_cfg
+        self.watcher = WeightWatcher(cfg.learner.publish_addr, cfg.learner.query_addr, curve=curve,
+                                     poll_s=actors_cfg.weight_poll_s, query_timeout_s=actors_cfg.weight_query_timeout_s)
+        self.sender = AsyncGroupSender(cfg.buffer.ingest_addr, self.actor_id, curve=curve,
+                                       ack_timeout_s=actors_cfg.send_timeout_s)
+        self.link = EngineLink(cfg, self.actor_id, self.watcher, self, self.metrics,
+                               generate_timeout_s=self.generate_timeout_s)
+
+    async def _reach_engine(self) -> None:
+        """The newest announced weights, the tokenizer and the engine; then ``ACTOR READY``."""
+        assert self.watcher is not None and self.link is not None
+        link, model_path = self.link, self.cfg.model.path
+        await self.watcher.query()
+
+        def tokenizer() -> Any:
+            from common.modeling import load_tokenizer  # imported here: transformers loads in this thread
+
+            return load_tokenizer(model_path)
+
+        # The engine boots (seconds) while this process imports transformers for the tokenizer.
+        self.tokenizer, _ = await asyncio.gather(asyncio.to_thread(tokenizer), link.connect())
+        link.gate.set()
+        emit_tagged("ACTOR READY", {"actor_id": self.actor_id, "pid": os.getpid(), "engine_url": link.url,
+                                    "engine_pid": link.pid, "metrics_port": self.metrics_port, "weight_version": self.version,
+                                    "prompts_done": self.cursor.completed})
+
+    def _start_services(self, curve: ClientKeys | None) -> None:
+        """Start the tasks that run for the worker's life, each under its name."""
+        assert self.watcher is not None and self.link is not None
+        loop, link = asyncio.get_running_loop(), self.link
+        member = None
+        if self.cfg.learner.weight_transport == "distributed":  # the learner broadcasts; disk is the fallback
+            from actors.weight_push_client import PushMember
+
+            member = PushMember(link, self.cfg.learner.push_addr, self.actors_cfg.push_pause, curve=curve)
+        services = {"weights": self.watcher.run(), "sync": link.sync_loop(), "supervise": link.supervise(),
+                    "report": self._report_loop(), "health": link.watch_health()}
+        if member is not None:
+            services["push"] = member.run()
+        self.services = {name: loop.create_task(coro, name=name) for name, coro in services.items()}
+        self.watcher.changed.set()  # apply anything newer than what the engine started with
+
+    async def _until_done(self) -> None:
+        """Wait until stopped or every prompt is done; a failed task, or a service that ended, is fatal."""
+        loop = asyncio.get_running_loop()
+        waiters = {loop.create_task(self._stop.wait()), loop.create_task(self._all_done.wait())}
+        pending = {*self.services.values(), *self.prompt_tasks}
+        try:
+            while not (self._stop.is_set() or self._all_done.is_set()):
+                done, pending = await asyncio.wait(pending | waiters, return_when=asyncio.FIRST_COMPLETED)
+                pending -= waiters
+                for task in done - waiters:  # prompt loops return normally once the cursor is exhausted
+                    self._task_ended(task)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+
+    def _task_ended(self, task: asyncio.Task[Any]) -> None:
+        name = task.get_name()
+        exc = None if task.cancelled() else task.exception()
+        if isinstance(exc, EngineLost):  # the link's verdict: its message is the reason
+            self._fail(str(exc))
+        elif exc is not None:
+            log.error("task %s failed", name, exc_info=exc)
+            self._fail(f"task {name} failed: {type(exc).__name__}: {exc}")
+        elif self.services.get(name) is task:
+            self._fail(f"task {name} ended unexpectedly")
+
+    async def _cancel_tasks(self) -> None:
+        tasks = [*self.services.values(), *self.prompt_tasks]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
     async def _shutdown(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.sender.close()
-        with contextlib.suppress(Exception):
-            self.watcher.close()
+        if self.sender is not None:
+            with contextlib.suppress(Exception):
+                await self.sender.close()
+        if self.watcher is not None:
+            with contextlib.suppress(Exception):
+                self.watcher.close()
         if self.link is not None:
             await self.link.close()
 
     # ------------------------------------------------------------------ prompts
 
     async def _prompt_loop(self) -> None:
+        assert self.sender is not None
         while not self._stop.is_set():
             if self.cursor.exhausted():
                 return
@@ -266,13 +308,13 @@ class RolloutWorker:
             grant = await self.sender.acquire(1)
             waited = time.monotonic() - t0
             self.credit_wait_s += waited
-            self._m("credit_wait_seconds").inc(waited)
+            self.metric("credit_wait_seconds").inc(waited)
             await self._await_weights(grant.learner_version)
             k = self.cursor.take()
             if k is None:
                 return  # the unused credit lapses after buffer.credit_ttl_s
             self.in_flight += 1
-            self._m("prompts_in_flight").set(self.in_flight)
+            self.metric("prompts_in_flight").set(self.in_flight)
             try:
                 group = await self._generate_group(k)
                 if group is None:
@@ -291,7 +333,7 @@ class RolloutWorker:
                 raise
             finally:
                 self.in_flight -= 1
-                self._m("prompts_in_flight").set(self.in_flight)
+                self.metric("prompts_in_flight").set(self.in_flight)
         return
 
     async def _await_weights(self, needed: int) -> None:
@@ -302,8 +344,9 @@ class RolloutWorker:
         that overtook its ``WeightUpdate`` triggers an immediate ``WeightQuery`` rather than waiting for the
         next poll.
         """
-        if self.version >= needed or self.a.weight_wait_s <= 0:
+        if self.version >= needed or self.actors_cfg.weight_wait_s <= 0:
             return
+        assert self.watcher is not None and self.link is not None
         t0 = time.monotonic()
         latest = self.watcher.latest
         if latest is None or latest.version < needed:
@@ -312,48 +355,47 @@ class RolloutWorker:
         if latest is None:
             return
         target = min(needed, latest.version)
-        deadline = t0 + self.a.weight_wait_s
+        deadline = t0 + self.actors_cfg.weight_wait_s
         # The sync loop loads only the newest announced update: while that one is refused, nothing moves.
-        while self.version < target and self.watcher.latest.version not in self.link.refused:
-            changed = self._version_changed
+        while self.version < target and latest.version not in self.link.refused:
             left = deadline - time.monotonic()
             if left <= 0:
                 log.warning("actor %d: still serving v%d %.0f s after a grant for learner v%d; generating anyway "
-                            "(actors.weight_wait_s)", self.actor_id, self.version, self.a.weight_wait_s, needed)
+                            "(actors.weight_wait_s)", self.actor_id, self.version, self.actors_cfg.weight_wait_s, needed)
                 break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), left)
+            await self.link.wait_changed(left)
+            latest = self.watcher.latest or latest  # the newest announced now (the watcher never forgets one)
         waited = time.monotonic() - t0
         self.weight_wait_s += waited
-        self._m("weight_wait_seconds").inc(waited)
+        self.metric("weight_wait_seconds").inc(waited)
 
-    def _record(self, group: SampleGroup, ack: Any, resent: int) -> None:
+    def _record(self, group: SampleGroup, ack: IngestAck, resent: int) -> None:
         rewards = [s.reward for s in group.samples]
         n_pos = sum(1 for r in rewards if r >= self.cfg.buffer.positive_reward)  # the buffer's and learner's test too
         tokens = sum(s.response_length for s in group.samples)
-        self.counts["groups"] += 1
-        self.counts["samples"] += len(rewards)
-        self.counts["tokens"] += tokens
-        self.counts["positives"] += n_pos
-        self.counts["duplicates"] += int(bool(ack.duplicate))
+        self.counts.groups += 1
+        self.counts.samples += len(rewards)
+        self.counts.tokens += tokens
+        self.counts.positives += n_pos
+        self.counts.duplicates += int(bool(ack.duplicate))
         if ack.error:  # committed but never served: "stale" or "filtered:<why>"
-            self.counts["not_served"] += 1
-            self._m("groups_not_served", reason=ack.error.split(":", 1)[0]).inc()
-        self._m("groups_sent").inc()
-        self._m("samples").inc(len(rewards))
-        self._m("tokens").inc(tokens)
-        self._m("reward_mean").set(sum(rewards) / len(rewards))
-        self._m("positives_rate").set(n_pos / len(rewards))
+            self.counts.not_served += 1
+            self.metric("groups_not_served", reason=ack.error.split(":", 1)[0]).inc()
+        self.metric("groups_sent").inc()
+        self.metric("samples").inc(len(rewards))
+        self.metric("tokens").inc(tokens)
+        self.metric("reward_mean").set(sum(rewards) / len(rewards))
+        self.metric("positives_rate").set(n_pos / len(rewards))
         if resent > 0:
-            self._m("groups_resent").inc(resent)
+            self.metric("groups_resent").inc(resent)
 
     async def _generate_group(self, k: int) -> SampleGroup | None:
         """G verified samples of this actor's k-th prompt; None if the engine refuses the prompt."""
         index = self.cursor.index(k)
         prompt = self.task.train_prompt(index)
         ids = encode_prompt(self.tokenizer, prompt)
-        sp: dict[str, Any] = {"n": self.a.group_size, "temperature": self.a.temperature, "top_p": self.a.top_p,
-                              "top_k": self.a.top_k, "max_new_tokens": self.a.max_new_tokens}
+        sp: dict[str, Any] = {"n": self.actors_cfg.group_size, "temperature": self.actors_cfg.temperature, "top_p": self.actors_cfg.top_p,
+                              "top_k": self.actors_cfg.top_k, "max_new_tokens": self.actors_cfg.max_new_tokens}
         failures = 0
         link = self.link
         assert link is not None
@@ -368,12 +410,12 @@ class RolloutWorker:
                 if e.status is not None and 400 <= e.status < 500:
                     log.error("actor %d: engine refused prompt %d (%s): %s; skipping it", self.actor_id, index,
                               prompt.prompt_id, e.message)
-                    self.counts["skipped"] += 1
-                    self._m("prompts_skipped").inc()
+                    self.counts.skipped += 1
+                    self.metric("prompts_skipped").inc()
                     return None
                 failures += 1
-                self.counts["resubmits"] += 1
-                self._m("resubmits", reason="engine_error").inc()
+                self.counts.resubmits += 1
+                self.metric("resubmits", reason="engine_error").inc()
                 link.report_trouble()
                 if failures % 10 == 1:
                     log.warning("actor %d: generate failed (%s); will resubmit", self.actor_id, e)
@@ -384,35 +426,19 @@ class RolloutWorker:
             if not link.owned and reported and min(reported) < v_before:
                 link.report_trouble()  # an engine we do not own lost our weights: re-sync (samples stay honest)
             if any(o.finish_reason == "abort" for o in outs):
-                self.counts["resubmits"] += 1
-                self._m("resubmits", reason="abort").inc()
+                self.counts.resubmits += 1
+                self.metric("resubmits", reason="abort").inc()
                 continue  # aborted for a weight update: generate the whole group again on the new weights
-            self._m("generation_seconds").observe(time.monotonic() - t0)
+            self.metric("generation_seconds").observe(time.monotonic() - t0)
             v_now = min(v_before, self.version)
             samples = [self._sample(prompt, ids, o, v_now) for o in outs]
             return SampleGroup(group_id=group_id_for(self.actor_id, index), prompt_id=prompt.prompt_id,
                                task=self.task.name, actor_id=self.actor_id, samples=samples, created_at=time.time())
 
     def _sample(self, prompt: Prompt, prompt_ids: list[int], o: GenerateOutput, fallback_version: int) -> Sample:
-        if o.output_logprobs is None or any(not math.isfinite(x) for x in o.output_logprobs):
+        if not has_behaviour_logprobs(o):
             raise WorkerError(f"engine returned no or non-finite output logprobs (rid {o.rid}); behaviour logprobs are required")
-        version = o.weight_version_int
-        if version is None:  # SGLang started without --weight-version: what this worker loaded
-            version = fallback_version
-        verdict = self.task.verify(prompt, decode_response(self.tokenizer, o.output_ids))
-        spans = None
-        if o.version_spans and len(o.version_spans) > 1 and min(v for v, _ in o.version_spans) == version:
-            spans = np.asarray([x for pair in o.version_spans for x in pair], dtype=np.int64)  # tokens of several versions
-        return Sample(
-            prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
-            output_ids=np.asarray(o.output_ids, dtype=np.int32),
-            output_logprobs=np.asarray(o.output_logprobs, dtype=np.float32),
-            reward=float(verdict.reward),
-            finish_reason=o.finish_reason if o.finish_reason in FINISH_REASONS else "stop",
-            weight_version=int(version),
-            response_length=len(o.output_ids),
-            version_spans=spans,
-        )
+        return engine_sample(self.task, self.tokenizer, prompt, prompt_ids, o, fallback_version)
 
     # ------------------------------------------------------------------ progress
 
@@ -421,13 +447,13 @@ class RolloutWorker:
         while True:
             await asyncio.sleep(REPORT_EVERY_S)
             now = time.monotonic()
-            rate = (self.counts["samples"] - last_samples) / max(now - last_t, 1e-9)
-            last_t, last_samples = now, self.counts["samples"]
-            self._m("samples_per_second").set(rate)
+            rate = (self.counts.samples - last_samples) / max(now - last_t, 1e-9)
+            last_t, last_samples = now, self.counts.samples
+            self.metric("samples_per_second").set(rate)
             log.info("actor %d: %d groups, %.1f samples/s, weights v%d, positives %.3f, in flight %d, restarts %d",
-                     self.actor_id, self.counts["groups"], rate, self.version,
-                     self.counts["positives"] / max(self.counts["samples"], 1), self.in_flight,
-                     self.counts["engine_restarts"])
+                     self.actor_id, self.counts.groups, rate, self.version,
+                     self.counts.positives / max(self.counts.samples, 1), self.in_flight,
+                     self.link.counts.engine_restarts if self.link else 0)
 
 
 def run_worker(cfg: Config, actor_id: int) -> int:

@@ -21,5 +21,5 @@ def test_actor_counts_positives_at_buffer_positive_reward(tiny_model_dir: Path) 
                                  "metrics.prometheus=false"])
         w = RolloutWorker(cfg, 0)
         w._record(_group([0.0, 0.5, 0.75, 1.0]), ack, 0)  # type: ignore[arg-type]
-        assert w.counts["positives"] == expected
-        assert w._m("positives_rate")._value.get() == expected / 4
+        assert w.counts.positives == expected
+        assert w.metric("positives_rate")._value.get() == expected / 4

@@ -370,7 +370,7 @@ def test_grant_that_overtakes_its_weight_update_waits_for_those_weights(stack, t
 
 _EMITTER = """
 import sys
-from actors.worker import emit_tagged
+from actors.report import emit_tagged
 sys.stdin.readline()  # start together, so the writes of all siblings overlap
 for n in range(4000):
     emit_tagged("ACTOR READY", {"actor_id": int(sys.argv[1]), "n": n, "engine_url": "http://127.0.0.1:41013" * 3})
@@ -394,3 +394,17 @@ def test_sibling_workers_sharing_an_unbuffered_stdout_never_run_their_lines_toge
     seen = [json.loads(line.removeprefix("ACTOR READY ")) for line in lines if line.startswith("ACTOR READY {")]
     assert len(seen) == len(lines) == 3 * 4000
     assert sorted((d["actor_id"], d["n"]) for d in seen) == [(i, n) for i in range(3) for n in range(4000)]
+
+
+def test_actor_done_counters_keep_their_order_and_show_push_counters_after_a_push() -> None:
+    from actors.engine_link import LinkCounts
+    from actors.report import GroupCounts, done_counters
+
+    link = LinkCounts(engine_restarts=1, weight_syncs=2)
+    assert list(done_counters(GroupCounts(groups=3), link)) == [
+        "groups", "samples", "tokens", "positives", "resubmits", "engine_restarts", "weight_syncs",
+        "weight_sync_failures", "skipped", "duplicates", "not_served"]
+    link.weight_pushes, link.push_pause_ms = 1, 40
+    counters = done_counters(GroupCounts(groups=3), link)
+    assert list(counters)[-2:] == ["weight_pushes", "push_pause_ms"]
+    assert counters["groups"] == 3 and counters["weight_syncs"] == 2 and counters["push_pause_ms"] == 40
