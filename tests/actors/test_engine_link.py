@@ -154,3 +154,21 @@ def test_health_probes_find_a_stopped_engine_and_supervise_gives_it_up(tiny_mode
             watcher.close()
 
     asyncio.run(main())
+
+
+def test_a_distributed_push_moves_the_version_and_counts_its_pause(tiny_model_dir: Path) -> None:
+    cfg = _config(tiny_model_dir, "http://127.0.0.1:9")  # never reached: a push is recorded, not performed here
+
+    async def main() -> None:
+        owner = Owner()
+        link, watcher = _link(cfg, owner)
+        try:
+            link.pushed(4, 0.0125)
+            link.pushed(5, 0.02)
+            assert link.version == 5 and owner.changes == 2 and _sample(link, "weight_version") == 5
+            assert link.counts.as_dict() == {"engine_restarts": 0, "weight_syncs": 2, "weight_sync_failures": 0,
+                                             "weight_pushes": 2, "push_pause_ms": 32}
+        finally:
+            watcher.close()
+
+    asyncio.run(main())
