@@ -23,9 +23,16 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from common.protocol import PushDone, PushGroup, PushVersion
 from common.sglang_client import SGLangClient, SGLangError
+
+if TYPE_CHECKING:
+    import zmq.asyncio
+
+    from actors.engine_link import EngineLink
+    from common.security import ClientKeys
 
 PAUSE_MODES = ("in_place", "retract", "abort", "none")
 REJOIN_BACKOFF_S = 10.0
@@ -90,22 +97,22 @@ class PushMember:
     (``EngineLink.sync_loop``), or the engine is restarted with it.
     """
 
-    def __init__(self, link: Any, push_addr: str, pause: str, curve: Any = None, ctx: Any = None,
-                 recover_timeout_s: float = 600.0) -> None:
+    def __init__(self, link: EngineLink, push_addr: str, pause: str, curve: ClientKeys | None = None,
+                 ctx: zmq.asyncio.Context | None = None, recover_timeout_s: float = 600.0) -> None:
         import zmq.asyncio
 
         self.recover_timeout_s = recover_timeout_s
         self.link, self.push_addr, self.pause, self.curve = link, push_addr, pause, curve
         self.ctx = ctx or zmq.asyncio.Context.instance()
-        self.group: Any = None  # the PushGroup this engine joined
-        self._announced: Any = None  # the client a PushJoin was sent for
+        self.group: PushGroup | None = None  # the group this engine joined
+        self._announced: SGLangClient | None = None  # the client a PushJoin was sent for
         self.starts = 0
         # After a failed join or push the learner drops this member; it joins again after a back-off that
         # doubles while joins keep failing (each failed join costs the learner its push_timeout_s).
         self._rejoin_at = 0.0
         self._backoff_s = REJOIN_BACKOFF_S
-        self._failed_client: Any = None  # a restarted engine (a new client) joins at once
-        self._group_client: Any = None  # the client whose engine joined self.group
+        self._failed_client: SGLangClient | None = None  # a restarted engine (a new client) joins at once
+        self._group_client: SGLangClient | None = None  # the client whose engine joined self.group
 
     async def run(self) -> None:
         import zmq
@@ -138,7 +145,7 @@ class PushMember:
         finally:
             sock.close(linger=0)
 
-    async def _join(self, sock: Any, msg: Any) -> None:
+    async def _join(self, sock: zmq.asyncio.Socket, msg: PushGroup) -> None:
         from common import protocol
 
         old, self.group = self.group, None
@@ -159,7 +166,7 @@ class PushMember:
         await sock.send(protocol.encode(protocol.PushDone(actor_id=self.link.actor_id, epoch=msg.epoch, version=-1,
                                                           ok=ok, pause_s=0.0, message=text)))
 
-    async def _receive(self, msg: Any) -> Any:
+    async def _receive(self, msg: PushVersion) -> PushDone:
         from common import protocol
 
         link = self.link
