@@ -242,7 +242,7 @@ def test_actor_values_suite_resolves_and_summarises(exp: ModuleType, tmp_path: P
         cfg = load_config(ROOT / e.config, [*e.overrides, f"learner.total_steps={e.steps}"])
         assert cfg.algo.actor_values == e.name.split("_", 2)[2]
     reference = load_config(ROOT / "ops/configs/default.yaml", [])
-    for e, (key, off) in zip(suite[4:], (("clip_ratio_c", 0.0), ("truncated", "keep"))):
+    for e, (key, off) in zip(suite[4:], (("clip_ratio_c", 0.0), ("truncated", "keep")), strict=True):
         cfg = load_config(ROOT / e.config, list(e.overrides))
         assert e.name.startswith("av_default_") and getattr(cfg.algo, key) == off != getattr(reference.algo, key)
     for arm, acc in (("post_update", 0.6), ("pre_update", 0.7)):
