@@ -18,7 +18,8 @@ also capped by ``buffer.capacity_groups`` / ``capacity_bytes``. Grants are defer
 zero. Counting consumption instead of the reported version keeps the bound right when the learner takes
 several batches per version (value pretraining) or resumes from an older checkpoint; with
 ``max_staleness = 0`` actors work only while the learner waits, which makes the system synchronous.
-Every term is durable or re-derivable after a restart (AReaL bug #1388): depth, totals and the learner
+Every term is durable or re-derivable after a restart (an admission counter kept only in memory would
+restart at zero and let actors overrun the staleness bound after a crash): depth, totals and the learner
 version are LMDB counters; credits in flight restart at zero (groups from old grants still count when
 they arrive), and a grant not used within ``buffer.credit_ttl_s`` stops counting. A grant carries the
 learner version: actors that generate with weights at least that new never produce stale groups.
