@@ -24,7 +24,6 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import socket
 import statistics
 import struct
 import subprocess
@@ -97,12 +96,6 @@ def sender_main(addr: str, actor: int, n: int, g: int, tokens: int, window: int,
                 del groups
 
     asyncio.run(main())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def raw_lmdb(frames: list[bytes], commit_batch: int, path: Path) -> float:
@@ -267,6 +260,8 @@ def report(args: argparse.Namespace, ingested: dict[str, Any], served: dict[str,
 def main() -> int:
     args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="vapo-bench-buffer-"))
+    from common.ports import free_port
+
     ingest, serve = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     keys_dir = ""
     if not args.no_curve:
