@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from actor_harness import make_weights
+from tests.actors.actor_harness import make_weights
 
 from actors.engine_link import EngineLink, EngineLost
 from actors.weight_sync import WeightWatcher

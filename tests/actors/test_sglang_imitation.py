@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from actor_harness import REPO, Stack, env, make_weights, metric, read_tagged, scrape
+from tests.actors.actor_harness import REPO, Stack, env, make_weights, metric, read_tagged, scrape
 
 from common import protocol
 from common.checksum import weights_sha256

@@ -8,7 +8,7 @@ import time
 from contextlib import closing
 from pathlib import Path
 
-from actor_harness import make_weights
+from tests.actors.actor_harness import make_weights
 
 from actors.weight_sync import WeightWatcher, verify_update
 from common import protocol

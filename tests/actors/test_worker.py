@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from actor_harness import Stack, make_weights, metric, read_tagged, scrape, terminate
+from tests.actors.actor_harness import Stack, make_weights, metric, read_tagged, scrape, terminate
 
 from common.config import load_config
 from common.modeling import load_model, load_tokenizer
@@ -294,7 +294,7 @@ def test_external_engine_restarted_underneath_is_resynced_and_samples_stay_hones
     import subprocess
     import sys
 
-    from actor_harness import REPO, env
+    from tests.actors.actor_harness import REPO, env
 
     port, M = free_port(), 12
     cmd = [sys.executable, "-m", "actors.rollout_server", "--model-path", str(tiny_model_dir), "--port", str(port),
