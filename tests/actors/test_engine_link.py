@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.actors.actor_harness import make_weights
 
 from actors.engine_link import EngineLink, EngineLost
 from actors.weight_sync import WeightWatcher
@@ -21,6 +20,7 @@ from common.checksum import weights_sha256
 from common.config import Config, load_config
 from common.metrics import Metrics
 from common.protocol import WeightUpdate
+from tests.actors.actor_harness import make_weights
 
 
 class Owner:

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.actors.actor_harness import REPO, Stack, env, make_weights, metric, read_tagged, scrape
 
 from common import protocol
 from common.checksum import weights_sha256
 from common.sglang_client import SGLangClient, SGLangError
 from learner.publisher import WeightPublisher
+from tests.actors.actor_harness import REPO, Stack, env, make_weights, metric, read_tagged, scrape
 from tests.polling import wait_for
 from tests.ports import free_port
 

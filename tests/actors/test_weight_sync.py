@@ -8,11 +8,10 @@ import time
 from contextlib import closing
 from pathlib import Path
 
-from tests.actors.actor_harness import make_weights
-
 from actors.weight_sync import WeightWatcher, verify_update
 from common import protocol
 from learner.publisher import WeightPublisher
+from tests.actors.actor_harness import make_weights
 
 
 def _addrs() -> tuple[str, str]:

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tests.actors.actor_harness import Stack, make_weights, metric, read_tagged, scrape, terminate
 
 from common.config import load_config
 from common.modeling import load_model, load_tokenizer
 from common.tasks import decode_response, encode_prompt, get_task
 from learner.publisher import WeightPublisher
+from tests.actors.actor_harness import Stack, make_weights, metric, read_tagged, scrape, terminate
 from tests.polling import wait_for
 from tests.ports import free_port
 
