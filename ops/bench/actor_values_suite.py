@@ -32,8 +32,11 @@ SEEDS = (0, 1)
 TASKS = {"default": "ops/configs/default.yaml", "long": "ops/configs/long.yaml"}
 ARMS = ("post_update", "pre_update")
 # Default-task-only arms: one learner-maths default turned off each (the reference is post_update, all defaults on).
-DEFAULT_CHANGES: dict[str, tuple[str, ...]] = {"no_dual_clip": ("algo.clip_ratio_c=0",),
-                                               "truncated_keep": ("algo.truncated=keep",)}
+# The reference arm's actor_values is pinned so that these arms compare with it whatever the default is.
+DEFAULT_CHANGES: dict[str, tuple[str, ...]] = {
+    "no_dual_clip": ("algo.actor_values=post_update", "algo.clip_ratio_c=0"),
+    "truncated_keep": ("algo.actor_values=post_update", "algo.truncated=keep"),
+}
 
 
 def name(task: str, arm: str) -> str:
