@@ -54,7 +54,7 @@ def experiments(Experiment: Any) -> list[Any]:
 
 def summary(root: Path, load_run: Any) -> dict[str, Any]:
     """Per ``<task>/<arm>``: seeds done, final avg@8 (mean, per seed), mean reported EV, mean mismatch KL."""
-    import json
+    from run_records import read_records
 
     out: dict[str, Any] = {}
     arms = [(t, a) for t in TASKS for a in ARMS] + [("default", a) for a in DEFAULT_CHANGES]
@@ -67,13 +67,8 @@ def summary(root: Path, load_run: Any) -> dict[str, Any]:
                 continue
             accs.append(run.final(STEPS)["acc"])
             evs += [r["ev"] for r in run.steps if r.get("ev") is not None]
-            for line in (d / "metrics.jsonl").read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if rec.get("kind") == "learner_step" and rec.get("mismatch_tokens", 0) > 0:
-                    kls.append(float(rec["mismatch_kl"]))
+            kls += [float(rec["mismatch_kl"]) for rec in read_records(d / "metrics.jsonl", "learner_step")
+                    if rec.get("mismatch_tokens", 0) > 0]
         out[f"{t}/{a}"] = {
             "seeds_done": len(accs), "final_avg_at_8": round(statistics.fmean(accs), 4) if accs else None,
             "per_seed": [round(x, 4) for x in accs],

@@ -73,6 +73,19 @@ def bootstrap_seconds(info: Path) -> float:
         return 0.0
 
 
+def read_records(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """The records of a run's ``metrics.jsonl`` (a line torn by a crash is skipped), only ``kind``'s if given."""
+    recs = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if kind is None or rec.get("kind") == kind:
+            recs.append(rec)
+    return recs
+
+
 def load_run(d: Path) -> Run | None:
     import yaml
 
@@ -80,12 +93,7 @@ def load_run(d: Path) -> Run | None:
         return None
     cfg = yaml.safe_load((d / "config.yaml").read_text())
     g = int(cfg["actors"]["group_size"])
-    recs = []
-    for line in (d / "metrics.jsonl").read_text().splitlines():
-        try:
-            recs.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+    recs = read_records(d / "metrics.jsonl")
     base = next((r for r in recs if r.get("kind") == "eval"), None)
     if base is None:
         return None

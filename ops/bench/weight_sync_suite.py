@@ -51,6 +51,8 @@ def _actor_done(d: Path) -> list[dict[str, Any]]:
 
 
 def summary(root: Path, load_run: Any) -> dict[str, Any]:
+    from run_records import read_records
+
     out: dict[str, Any] = {}
     for arm in ARMS:
         accs, rates, stalls, st_mean, st_max = [], [], [], [], []
@@ -60,14 +62,7 @@ def summary(root: Path, load_run: Any) -> dict[str, Any]:
             if run is None:
                 continue
             accs.append(run.final(STEPS)["acc"])
-            steps = []
-            for line in (d / "metrics.jsonl").read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if rec.get("kind") == "learner_step":
-                    steps.append(rec)
+            steps = read_records(d / "metrics.jsonl", "learner_step")
             if steps:
                 span = steps[-1]["time"] - steps[0]["time"]
                 rates.append(sum(r.get("samples", 0) for r in steps[1:]) / span if span > 0 else 0.0)
