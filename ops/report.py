@@ -15,17 +15,24 @@ from pathlib import Path
 from typing import Any
 
 
-def load_records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
+def read_records(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (none when it does not exist yet), only ``kind``'s if given."""
     if not path.exists():
         return []
     out = []
     for line in path.read_text().splitlines():
         try:
-            out.append(json.loads(line))
+            rec = json.loads(line)
         except json.JSONDecodeError:
-            continue  # a line cut by a crash
-    return with_rates(out)
+            continue  # a line cut by a crash, or still being written
+        if kind is None or rec.get("kind") == kind:
+            out.append(rec)
+    return out
+
+
+def load_records(run_dir: Path) -> list[dict[str, Any]]:
+    """A run's records with the rates the summary and plots use."""
+    return with_rates(read_records(run_dir / "metrics.jsonl"))
 
 
 def version_of(r: dict[str, Any]) -> int:

@@ -9,11 +9,16 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.append(str(REPO / "ops"))  # after the repo: ops/ must not shadow a package
+
+from report import read_records  # noqa: E402 (ops/report.py: the one metrics.jsonl reader; the suites take it from here)
+
 TARGET = 0.70  # the stated held-out avg@8 for samples-to-accuracy (base 0.451)
 
 
@@ -71,19 +76,6 @@ def bootstrap_seconds(info: Path) -> float:
         return float(json.loads(info.read_text())["bootstrap"]["sft_seconds"])
     except (OSError, KeyError, ValueError, TypeError):
         return 0.0
-
-
-def read_records(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
-    """The records of a run's ``metrics.jsonl`` (a line torn by a crash is skipped), only ``kind``'s if given."""
-    recs = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if kind is None or rec.get("kind") == kind:
-            recs.append(rec)
-    return recs
 
 
 def load_run(d: Path) -> Run | None:

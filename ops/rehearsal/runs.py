@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from report import read_records
+
 from rehearsal.cluster import Cluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,18 +36,7 @@ class Run:
         return ROOT / "runs" / self.name
 
     def records(self, kind: str | None = None) -> list[dict[str, Any]]:
-        path = self.dir / "metrics.jsonl"
-        if not path.exists():
-            return []
-        out = []
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if kind is None or r.get("kind") == kind:
-                out.append(r)
-        return out
+        return read_records(self.dir / "metrics.jsonl", kind)
 
     def steps(self) -> int:
         return max((int(r.get("weight_version", r.get("step", 0))) for r in self.records("learner_step")), default=0)
