@@ -39,7 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Appended, not first: ops/bench has actors.py, buffer.py and learner.py, which must not shadow the packages.
+sys.path.append(str(Path(__file__).resolve().parent))
 import actor_values_suite  # noqa: E402
 import long_suite  # noqa: E402
 import weight_sync_suite  # noqa: E402
