@@ -236,6 +236,11 @@ class Cluster:
             self._start(h, ["slurmd", "-D", "-N", h])
         self._wait_ready()
 
+    @property
+    def owned(self) -> bool:
+        """This cluster holds the machine's rehearsal lock (it came up, or is coming up, and is not down)."""
+        return self._lock_fd >= 0
+
     def _lock(self) -> None:
         """One cluster per machine: the namespace and bridge names are fixed, so a second one would tear
         down the first. The lock dies with this process, so a killed rehearsal never blocks the next."""

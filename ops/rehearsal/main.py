@@ -36,7 +36,8 @@ STAGES = ("ssh", "plan", "slurm", "kill")
 
 
 def prepare() -> None:
-    """The base model (once; not timed) and the run's CurveZMQ keys, by the documented command."""
+    """The base model (once) and the rehearsal runs' CurveZMQ keys, by the documented command; called with the
+    machine's rehearsal lock held."""
     py = str(ROOT / ".venv/bin/python")
     subprocess.run([py, "-m", "learner.sft", CONFIG, "--if-missing"], cwd=ROOT, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -76,13 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, _stop)
     logs = Path(args.keep_logs or ROOT / "runs/_rehearsal/logs").resolve()
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    prepare()
     t0 = time.time()
     out: dict[str, Any] = {"ok": False, "hosts": args.hosts}
     cluster = Cluster(args.hosts, keep=logs / f"daemons-{stamp}")
     try:
         cluster.up()
         out["cluster_up_s"] = round(time.time() - t0, 1)
+        # Only once the machine's rehearsal lock is ours: a second rehearsal started by mistake would
+        # otherwise rewrite the keys of the one running, whose next runs could no longer reach its buffer.
+        prepare()
         if link is not None:
             out["link"] = {"spec": link.describe(), "qdiscs": cluster.shape(link)}
         out.update(checks.run_all(cluster, stamp, logs, skip, args.set, push=args.push))
@@ -93,10 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - reported in the JSON line, after the teardown below
         out["error"] = f"{type(e).__name__}: {e}"[-2000:]
     finally:
+        owned = cluster.owned  # False when another rehearsal holds the machine: its namespaces are not ours
         left = cluster.down()
         out["procs_left_at_teardown"] = sum(left.values())
         namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        out["namespaces_left"] = sum(1 for h in cluster.hosts if cluster.ns(h) in namespaces.split())
+        out["namespaces_left"] = sum(1 for h in cluster.hosts if owned and cluster.ns(h) in namespaces.split())
         out["seconds"] = round(time.time() - t0, 1)
     out["ok"] = bool(out.get("ok_checks")) and not out.get("interrupted") and out["namespaces_left"] == 0 \
         and out.get("procs_left_after_runs", 1) == 0
