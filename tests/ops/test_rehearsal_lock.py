@@ -28,7 +28,10 @@ def test_a_second_rehearsal_is_refused_before_it_prepares_anything(monkeypatch: 
     monkeypatch.setattr(rehearsal_main.signal, "signal", lambda *_: None)  # leave pytest's handlers alone
     fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # "the first rehearsal"
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # "the first rehearsal"
+        except BlockingIOError:
+            pass  # a real rehearsal holds the machine right now: the same situation
         rc = rehearsal_main.main(["--keep-logs", str(Path(os.environ.get("TMPDIR", "/tmp")) / "vapo-lock-test-logs")])
     finally:
         os.close(fd)
