@@ -221,14 +221,14 @@ def _default_run_section(vr: list[Run]) -> list[str]:
     if not vr:
         return []
     lines = ["## The default run (`ops/launch.sh`, 3 seeds)", "",
-             f"Deliverable: +20 points held-out avg@8 within 15 minutes including the bootstrap. The default is "
+             f"Deliverable: +20 points held-out avg@8 within 15 minutes. The default is "
              f"{SHORT_STEPS} steps; these runs went on to {FULL_STEPS} for the comparison above, and the learning rate "
              f"is constant, so their first {SHORT_STEPS} steps are the default run. \"Wall to step {SHORT_STEPS}\" "
-             "counts from the launch; runs that found the base already built add the bootstrap measured by the suite's "
-             "own fresh-bootstrap launch (`runs/exp/_base`).", "",
+             "counts from the launch; a shipped base (`ops/bases/`) needs no bootstrap, and a run on a base an "
+             "earlier launch bootstrapped adds the bootstrap that launch measured.", "",
              f"| seed | base | step {SHORT_STEPS} | step {FULL_STEPS} | lowest eval after base | held-out length base → "
              f"step {SHORT_STEPS} | entropy (min–max) | EV after value pretraining | wall to step {SHORT_STEPS} "
-             "incl. bootstrap (s) |", "|---|---|---|---|---|---|---|---|---|"]
+             "from the launch (s) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in vr:
         ents = [s["entropy"] for s in r.steps if s["entropy"] is not None]
         lowest = min(p["acc"] for p in r.points[1:]) if len(r.points) > 1 else float("nan")
@@ -340,8 +340,8 @@ def _alpha_section(runs: dict[str, list[Run]]) -> list[str]:
     return lines + [""]
 
 
-def write_long_report(root: Path, out: Path) -> str:
-    block = long_suite.section(root, out.parent / "results")
+def write_long_report(root: Path, out: Path, fixed_alpha: float | None = None) -> str:
+    block = long_suite.section(root, out.parent / "results", fixed_alpha)
     out.write_text(long_suite.splice(out.read_text() if out.exists() else "# Results: VAPO in miniature\n", block))
     return block
 
@@ -354,7 +354,7 @@ def run_long(root: Path, args: argparse.Namespace) -> int:
 
     failures = 0
     for phase in (1, 2):
-        best = long_suite.pick_alpha(root)
+        best = args.alpha if args.alpha is not None else long_suite.pick_alpha(root)
         if phase == 2 and best is None:
             log("the α sweep is not finished; phase 2 (picked α's seeds 1-2, DAPO, GRPO, the plain-critic follow-ups) waits for it")
             break
@@ -364,7 +364,8 @@ def run_long(root: Path, args: argparse.Namespace) -> int:
         if phase == 1:
             todo = [(e, s) for e, s in todo if s == 0]
         else:
-            log(f"α picked by the sweep (late training reward): {best:g}")
+            log(f"α given by --alpha: {best:g}" if args.alpha is not None
+                else f"α picked by the sweep (late training reward): {best:g}")
         if not args.report_only:
             failures += run_suite(root, todo, args.jobs)
             for e in suite:
@@ -407,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
     ap.add_argument("--out", default="docs/RESULTS.md", help="report path (plots go to <its dir>/results/)")
     ap.add_argument("--notes", default="docs/results/notes.md", help="hand-written reading included in the report")
+    ap.add_argument("--alpha", type=float, help="long suite: VAPO's α for seeds 1-2 and the follow-ups, instead of "
+                    "the sweep's pick (with --only, the sweep can be skipped)")
     ap.add_argument("--suite", choices=["default", "long", "actor_values", "weight_sync"], default="default",
                     help="default: baselines, ablations, staleness and α on the embedded default task (root runs/exp); long: the long-horizon "
                     "task (root runs/exp-long, its own section of the report); actor_values: pre- vs post-update "
@@ -422,8 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite == "long":
         root = (REPO / (args.root if args.root != "runs/exp" else "runs/exp-long")).resolve()
         if args.list:
-            best = long_suite.pick_alpha(root)
-            print(f"α picked by the sweep: {'not yet (sweep unfinished)' if best is None else f'{best:g}'}")
+            best = args.alpha if args.alpha is not None else long_suite.pick_alpha(root)
+            print(f"α given by --alpha: {best:g}" if args.alpha is not None else
+                  f"α picked by the sweep: {'not yet (sweep unfinished)' if best is None else f'{best:g}'}")
             for e in long_suite.experiments(Experiment, best):
                 for s in e.seeds:
                     print(f"{run_name(e, s):24s} {status(root, e, s):10s} {e.steps:3d} steps  {e.label}")
@@ -431,9 +435,9 @@ def main(argv: list[str] | None = None) -> int:
         root.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         failures = run_long(root, args)
-        write_long_report(root, REPO / args.out)
+        write_long_report(root, REPO / args.out, args.alpha)
         print(json.dumps({"bench": "experiments", "suite": "long", "report": args.out, "failed_runs": failures,
-                          "alpha": long_suite.pick_alpha(root)}))
+                          "alpha": args.alpha if args.alpha is not None else long_suite.pick_alpha(root)}))
         return 1 if failures else 0
     root = (REPO / args.root).resolve()
     if args.jobs < 1:

@@ -181,15 +181,16 @@ def _bucket_acc(rec: dict[str, Any], bucket: str) -> float | None:
     return None if b is None else float(b["avg_at_k"])
 
 
-def section(root: Path, figdir: Path) -> str:
-    """The markdown section (with its markers) from the finished runs under ``root``."""
-    best = pick_alpha(root)
+def section(root: Path, figdir: Path, fixed_alpha: float | None = None) -> str:
+    """The markdown section (with its markers) from the finished runs under ``root``; ``fixed_alpha`` is the α
+    given on the command line instead of the sweep's pick."""
+    best = fixed_alpha if fixed_alpha is not None else pick_alpha(root)
     rows = _finished_runs(root)
     vapo_name = alpha_name(best) if best is not None else None
     lines = [BEGIN, "", "## Long-horizon miniature: VAPO vs DAPO vs GRPO where the value model should matter", ""]
     lines += _introduction(rows)
-    lines += _comparison(rows, best, figdir)
-    lines += _alpha_sweep(rows, best)
+    lines += _comparison(rows, best, figdir, fixed_alpha is not None)
+    lines += _alpha_sweep(rows, best, fixed_alpha is not None)
     vapo_runs = [(d, r) for name in [alpha_name(a) for a in ALPHAS] + list(FOLLOW_UPS) for d, r in rows[name]]
     if vapo_runs:
         lines += _critic_quality(vapo_runs, vapo_name, figdir)
@@ -240,7 +241,8 @@ def _introduction(rows: dict[str, list[tuple[Path, Run]]]) -> list[str]:
     return lines
 
 
-def _comparison(rows: dict[str, list[tuple[Path, Run]]], best: float | None, figdir: Path) -> list[str]:
+def _comparison(rows: dict[str, list[tuple[Path, Run]]], best: float | None, figdir: Path,
+                fixed: bool = False) -> list[str]:
     """1. The picked α against the paper's α, DAPO, GRPO and the follow-ups: the table and its plot."""
     vapo_name = alpha_name(best) if best is not None else None
     lines = [f"| method | seeds | final avg@8 mean ± sd (min–max) | greedy | short / medium / long avg@8 | samples paid to "
@@ -253,7 +255,7 @@ def _comparison(rows: dict[str, list[tuple[Path, Run]]], best: float | None, fig
     for name in order:
         rs = rows.get(name, [])
         label = names.get(name, f"VAPO α = {name.split('_a')[-1]}"
-                                + (" (picked by the sweep)" if name == vapo_name else ""))
+                                + ((" (fixed, not swept)" if fixed else " (picked by the sweep)") if name == vapo_name else ""))
         lines.append(_comparison_row(label, rs) if rs else f"| {label} | 0 | not run yet | | | | | |")
     lines.append("")
     series = {}
@@ -280,7 +282,7 @@ def _comparison_row(label: str, rs: list[tuple[Path, Run]]) -> str:
             f"| {fmt(statistics.fmean(r.steps[-1]['t'] for _, r in rs), 0)} |")
 
 
-def _alpha_sweep(rows: dict[str, list[tuple[Path, Run]]], best: float | None) -> list[str]:
+def _alpha_sweep(rows: dict[str, list[tuple[Path, Run]]], best: float | None, fixed: bool = False) -> list[str]:
     """2. The α sweep's seed-0 runs, the picked one marked."""
     lines = ["### α sweep (seed 0; λ_actor = 1 − 1/(α·l))", "",
              "| α | λ at l = 50 / 150 / 400 | final avg@8 | short / medium / long | training reward, last 10 steps | critic EV (mean) |",
@@ -293,7 +295,7 @@ def _alpha_sweep(rows: dict[str, list[tuple[Path, Run]]], best: float | None) ->
         d, r = got[0]
         e = last_eval(d)
         evs = [s["ev"] for s in r.steps if s["ev"] is not None]
-        lines.append(f"| {a:g}{' **(picked)**' if a == best else ''} | {_lam(a, 50)} / {_lam(a, 150)} / {_lam(a, 400)} "
+        lines.append(f"| {a:g}{(' (fixed)' if fixed else ' **(picked)**') if a == best else ''} | {_lam(a, 50)} / {_lam(a, 150)} / {_lam(a, 400)} "
                      f"| {r.points[-1]['acc']:.3f} | {' / '.join(fmt(_bucket_acc(e, b)) for b in ('short', 'medium', 'long'))} "
                      f"| {fmt(train_reward(d))} | {fmt(statistics.fmean(evs)) if evs else '—'} |")
     return lines + [""]

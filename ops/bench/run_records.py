@@ -128,11 +128,13 @@ def load_run(d: Path) -> Run | None:
                                "acc": e["avg_at_k"], "greedy": e.get("greedy_accuracy", float("nan")),
                                "len": e.get("mean_response_length")})
     # Seconds from the launch (config.yaml is written first) to each step, bootstrap included: measured when
-    # this launch built the base, else a measured bootstrap is added.
+    # this launch built the base; none for a shipped base (ops/bases/), which no user builds; else (a base
+    # an earlier launch bootstrapped) a measured bootstrap is added.
     t_launch = (d / "config.yaml").stat().st_mtime
     base_info = REPO / cfg["model"]["path"] / "vapo_info.json"
     built_here = base_info.exists() and base_info.stat().st_mtime > t_launch
-    if not built_here:
+    shipped = Path(cfg["model"]["path"]).parent.as_posix() == "ops/bases"
+    if not built_here and not shipped:
         # The suite's own bootstrap (built by a launch under the same conditions) is preferred to the
         # base's record, which may come from a differently loaded machine.
         suite_base = d.parent / "_base" / Path(cfg["model"]["path"]).name / "vapo_info.json"

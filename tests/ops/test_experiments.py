@@ -151,6 +151,38 @@ def test_wall_from_launch_adds_the_suites_bootstrap(exp: ModuleType, tmp_path: P
     assert run.bootstrap_seconds == 300.0 and run.launch_to[2] == pytest.approx(73.0 + 300.0)
 
 
+def test_wall_from_launch_adds_no_bootstrap_for_a_shipped_base(exp: ModuleType, tmp_path: Path) -> None:
+    import os
+
+    make_run(tmp_path / "vapo-s0", {0: 0.45, 2: 0.6}, step_s=10.0, eval_s=3.0, base_time=1000.0)
+    cfg_path = tmp_path / "vapo-s0" / "config.yaml"
+    cfg = yaml.safe_load(cfg_path.read_text())
+    cfg["model"]["path"] = "ops/bases/addition-tiny"  # shipped with the repository: no user bootstraps it
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    os.utime(cfg_path, (950.0, 950.0))
+    info = tmp_path / "_base" / "addition-tiny" / "vapo_info.json"  # an old suite bootstrap must not be added
+    info.parent.mkdir(parents=True)
+    info.write_text(json.dumps({"bootstrap": {"sft_seconds": 300.0}}))
+    run = exp.load_run(tmp_path / "vapo-s0")
+    assert run.bootstrap_seconds is None and run.launch_to[2] == pytest.approx(73.0)
+
+
+def test_long_suite_with_a_fixed_alpha_skips_the_sweep(exp: ModuleType, tmp_path: Path) -> None:
+    ls = exp.long_suite
+    root = tmp_path / "exp-long"
+    for name in ("long_vapo_a1", "long_dapo"):
+        for s in (0, 1):
+            _long_run(root / f"{name}-s{s}", {0: 0.45, 40: 0.7}, 0.5, advantage="gae" if "vapo" in name else "grpo")
+    assert ls.pick_alpha(root) is None  # α = 0.05 and 0.2 never ran
+    out = tmp_path / "RESULTS.md"
+    block = exp.write_long_report(root, out, fixed_alpha=1.0)
+    assert "| VAPO α = 1 (fixed, not swept) | 2 | 0.700 ± 0.000" in block and "(picked" not in block
+    assert "| 1 (fixed) |" in block and "| 0.2 | 0.90 / 0.97 / 0.99 | not run yet |" in block
+    listed = subprocess.run([sys.executable, str(ROOT / "ops/bench/experiments.py"), "--suite", "long", "--root",
+                             str(root), "--alpha", "1", "--list"], capture_output=True, text=True, check=True).stdout
+    assert listed.splitlines()[0] == "α given by --alpha: 1" and "long_vapo_a1-s2" in listed and "long_vapo_plain-s0" in listed
+
+
 def _long_run(d: Path, accs: dict[int, float], reward: float, advantage: str = "gae") -> None:
     """A finished long-suite run: make_run plus per-bucket held-out accuracy and the late training reward."""
     make_run(d, accs)
