@@ -88,11 +88,16 @@ def plan_buckets(entries: Iterable[tuple[str, torch.dtype, Sequence[int]]], buck
     return out
 
 
-def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """The bucket of ``tensors``: their bytes, concatenated in order, as one uint8 tensor (one copy, into a
-    buffer allocated once; ``torch.cat`` of byte views costs half as much again)."""
+    buffer allocated once; ``torch.cat`` of byte views costs half as much again). ``out``: a uint8 buffer of
+    exactly that size on the tensors' device to write into (a reused one skips the page faults of a new one)."""
     views = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    out = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8, device=views[0].device if views else "cpu")
+    n = sum(v.numel() for v in views)
+    if out is None:
+        out = torch.empty(n, dtype=torch.uint8, device=views[0].device if views else "cpu")
+    elif out.dtype != torch.uint8 or out.numel() != n:
+        raise ValueError(f"flatten: out holds {out.numel()} {out.dtype} elements, the bucket {n} bytes")
     off = 0
     for v in views:
         out[off:off + v.numel()].copy_(v)

@@ -99,7 +99,7 @@ class PushCoordinator:
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
 
-        self.writer = DurableWriter(weights_root, self._announce, extra)
+        self.writer = DurableWriter(weights_root, self._announce, extra, recycle=self.pusher.recycle)
         # A context of its own: one ZAP authenticator per context, and the weight publisher's has one.
         self.ctx = ctx = zmq.Context()
         self._curve = security.server_curve(ctx, [learner_cfg.push_addr],
@@ -201,6 +201,7 @@ class PushCoordinator:
         if self.pusher.plan is None:
             self.pusher.plan = bucket_plan(model, self.pusher.bucket_bytes)
         if rank() == 0:
+            self.pusher.settle()  # the previous push's final bucket: its outcome decides the membership below
             self._drop_silent()
             if self.dirty or (self.pusher.group is None and self.members):
                 self._rebuild()
@@ -209,20 +210,26 @@ class PushCoordinator:
             for aid in self.group_members if self.pusher.group is not None else []:
                 self._send(aid, protocol.PushVersion(epoch=self.epoch, version=version))
         held: list[Any] = []
-        res = self.pusher.push(model, version, sink=lambda meta, buf: held.append((meta, buf)) if rank() == 0 else None)
+        grouped = bool(self.group_members)
+        res = self.pusher.push(model, version, sink=lambda meta, buf: held.append((meta, buf)) if rank() == 0 else None,
+                               on_settled=lambda r: self._settled(r, grouped))
         if res is None:
             return None
         assert self.writer is not None
         self.writer.submit(version, held)
-        outcome = "no_group" if not self.group_members else "ok" if res.broadcast else "failed"
+        self.last = res
+        return res
+
+    def _settled(self, res: PushResult, grouped: bool) -> None:
+        """A push's outcome, once its final broadcast is over (the learner's thread, or the pusher's tail)."""
+        outcome = "no_group" if not grouped else "ok" if res.broadcast else "failed"
         if outcome == "failed":
-            self.dirty = True
+            with self._cv:
+                self.dirty = True
         if self.metrics is not None:
             self.metrics.weight_pushes.labels(outcome=outcome).inc()
         for phase, s in res.seconds.items():
             self._observe(phase, s)
-        self.last = res
-        return res
 
     def _drop_silent(self) -> None:
         """Members that did not report the previous push ok (dead, hung or failed) leave the group."""

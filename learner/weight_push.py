@@ -12,8 +12,11 @@ weight-update group; the durable disk version is written from the same bytes in 
   into buckets of at most ``bucket_bytes``; the same for every version, so the members post the same
   ``names, dtypes, shapes`` per bucket each time (``BucketMeta.body()``).
 - **Push**: ``iter_buckets`` is collective under ZeRO-3 (every rank gathers one bucket's parameters at a
-  time); rank 0 flattens the bucket on the device, checks it is finite there (NaN/Inf refuse the version
-  before a byte leaves the device), broadcasts it and hands a host copy to ``DurableWriter``.
+  time); rank 0 flattens the bucket on the device (a CPU model: into a reused host buffer, ``HostPool``),
+  checks the flattened bytes are finite there (NaN/Inf refuse the version before a byte leaves the
+  device), broadcasts it while the next bucket is gathered (at most two in flight) and hands a host copy
+  to ``DurableWriter``. The final bucket's broadcast completes in a background thread while the learner
+  goes on (``settle``: the next push, group change or close waits for it, at most ``timeout_s``).
 - **Disk off the critical path** (``DurableWriter``): a background thread writes the host buckets as one
   safetensors file per bucket (``model-0000i-of-0000n.safetensors`` + the index), hashing each file as it
   is written (``common.checksum.weights_sha256``'s digest, without reading anything back), then the
@@ -21,7 +24,7 @@ weight-update group; the durable disk version is written from the same bytes in 
   re-reading the version, ``actors.weight_sync.verify_update``) and the rename, as
   ``learner.weights.write_version``; ``on_done(WeightUpdate)`` announces it. Rank 0 holds each version's
   host copy until it is written, at most two versions (a learner that publishes faster than its disk
-  writes then waits for the writer).
+  writes then waits for the writer), then its buffers go back to the pusher for the next push.
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ from common.weight_bucket import (
     dtype_name,
     flatten,
     master_store,
+    nbytes,
     new_group,
+    parse_dtype,
     plan_buckets,
 )
 from learner.dist import rank
@@ -77,25 +82,68 @@ def bucket_plan(model: Any, bucket_bytes: int) -> list[BucketMeta]:
     return plan_buckets(((n, t.dtype, _shape(t)) for n, t in _entries(model)), bucket_bytes)
 
 
-def iter_buckets(model: Any, plan: list[BucketMeta]) -> Iterator[Tensor | None]:
-    """One flattened bucket per plan entry: on rank 0 a device tensor, elsewhere None; collective under
-    ZeRO-3 (every rank must run it to the end). ValueError (after the gathers) on a non-finite weight."""
+def bucket_finite(buf: Tensor, meta: BucketMeta) -> bool:
+    """Whether the flattened bucket ``buf`` holds no NaN or Inf: one reduction per run of same-dtype tensors
+    (one for a model of one dtype) over the bytes that are sent, instead of one per tensor."""
+    runs: list[tuple[torch.dtype, int, int]] = []
+    off = 0
+    for dt_name, shape in zip(meta.dtypes, meta.shapes, strict=True):
+        dt = parse_dtype(dt_name)
+        n = nbytes(dt, shape)
+        if runs and runs[-1][0] == dt:
+            runs[-1] = (dt, runs[-1][1], off + n)
+        else:
+            runs.append((dt, off, off + n))
+        off += n
+    return all(all_finite(buf[a:b].view(dt)) for dt, a, b in runs if b > a)
+
+
+class HostPool:
+    """Host buffers for the buckets' host copies, given back once their version is on disk and reused by the
+    next push: writing into a fresh buffer pays a page fault per page (flattening 256 MiB: 0.10 s into a
+    fresh buffer, 0.04 s into a reused one, 1 CPU thread). At most one idle buffer per bucket is kept, i.e.
+    one host copy of the model between pushes."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, Tensor] = {}
+        self._lock = threading.Lock()  # the writer thread gives, the learner takes
+
+    def take(self, index: int, n_bytes: int, pin: bool = False) -> Tensor:
+        with self._lock:
+            buf = self._free.pop(index, None)
+        if buf is None or buf.numel() != n_bytes or (pin and not buf.is_pinned()):
+            # pinned on CUDA: device-to-host copies into page-locked memory run at full bus speed
+            buf = torch.empty(n_bytes, dtype=torch.uint8, pin_memory=pin)
+        return buf
+
+    def give(self, buckets: list[tuple[BucketMeta, Tensor]]) -> None:
+        """A written version's buffers (bucket order) back to the pool."""
+        with self._lock:
+            for i, (_, buf) in enumerate(buckets):
+                if buf.device.type == "cpu":
+                    self._free.setdefault(i, buf)
+
+
+def iter_buckets(model: Any, plan: list[BucketMeta], pool: HostPool | None = None) -> Iterator[Tensor | None]:
+    """One flattened bucket per plan entry: on rank 0 a new tensor (a copy: the next step may change the
+    parameters), elsewhere None; collective under ZeRO-3 (every rank must run it to the end). A CPU model's
+    buckets are flattened into ``pool``'s buffers. ValueError (after the gathers) on a non-finite weight."""
     by_name = dict(_entries(model))
     partitioned = is_partitioned(unwrap(model))
     me = rank()
     bad: str | None = None
-    for meta in plan:
+    for i, meta in enumerate(plan):
         ts = [by_name[n] for n in meta.names]
         with _gathered([t for t in ts if hasattr(t, "ds_id")] if partitioned else [], modifier_rank=None):
             if me != 0:
                 yield None
                 continue
-            buf = flatten([t.data for t in ts])
-            if bad is None:
-                for name, t in zip(meta.names, ts, strict=True):
-                    if not all_finite(t.data):
-                        bad = name
-                        break
+            data = [t.data for t in ts]
+            on_cpu = data[0].device.type == "cpu"
+            buf = flatten(data, out=pool.take(i, meta.nbytes) if pool is not None and on_cpu else None)
+            if bad is None and not bucket_finite(buf, meta):
+                # rare: name the first offending weight for the error
+                bad = next((n for n, t in zip(meta.names, data, strict=True) if not all_finite(t)), meta.names[0])
             yield None if bad is not None else buf
     if bad is not None:
         raise ValueError(f"weight {bad} has NaN or Inf values; this version is not published (training diverged?)")
@@ -109,7 +157,9 @@ class PushResult:
     broadcast: bool  # every member received every bucket
     error: str = ""
     bytes: int = 0
+    # the learner's blocked time by phase; the final bucket's broadcast completes after push returns
     seconds: dict[str, float] = field(default_factory=lambda: {"gather": 0.0, "broadcast": 0.0, "host_copy": 0.0})
+    tail_s: float = 0.0  # the final bucket's broadcast completion, in the background (off the learner's path)
 
 
 class WeightPusher:
@@ -125,6 +175,13 @@ class WeightPusher:
         self.plan: list[BucketMeta] | None = None
         self.opened = 0
         self.current_name = group_name
+        self.pool = HostPool()  # rank 0's host copies, back from the durable writer (``recycle``)
+        self._tail: threading.Thread | None = None  # the final bucket's broadcast completing
+
+    def recycle(self, buckets: list[tuple[BucketMeta, Tensor]]) -> None:
+        """A version's host copies, written to disk: their buffers serve the next push (``DurableWriter``'s
+        ``recycle``). Called only once nothing else reads them."""
+        self.pool.give(buckets)
 
     def open_group(self, n_engines: int, ranks_per_engine: int = 1) -> list[dict[str, Any]]:
         """Listen for a new group of ``n_engines`` engines of ``ranks_per_engine`` ranks each (SGLang's
@@ -154,20 +211,29 @@ class WeightPusher:
             raise
 
     def close(self) -> None:
+        self.settle()  # a group is closed only once nothing is in flight on it (gloo needs that too)
         if self.group is not None:
             self.group.close()
         self.group, self._store = None, None
 
-    def push(self, model: Any, version: int, sink: Callable[[BucketMeta, Tensor], None] | None = None) -> PushResult | None:
+    def push(self, model: Any, version: int, sink: Callable[[BucketMeta, Tensor], None] | None = None,
+             on_settled: Callable[[PushResult], None] | None = None) -> PushResult | None:
         """Gather and broadcast every bucket of ``model`` (collective under ZeRO-3); ``sink`` gets each
-        bucket's host copy on rank 0 (the durable writer). A failed broadcast closes the group and the
-        remaining buckets still reach ``sink``. Rank 0 returns a PushResult, the others None."""
+        bucket's host copy on rank 0 (the durable writer; give them back with ``recycle`` once written). A
+        failed broadcast closes the group and the remaining buckets still reach ``sink``. Rank 0 returns a
+        PushResult, the others None.
+
+        The final bucket's broadcast may still be in flight when this returns (its bytes are a copy, so the
+        learner may go on training): ``res.broadcast`` and ``res.error`` are final only once ``on_settled(res)``
+        was called (at once when nothing was in flight) or ``settle()`` returned; the next push, group change
+        or close settles first."""
+        self.settle()
         if self.plan is None:
             self.plan = bucket_plan(model, self.bucket_bytes)
         res = PushResult(version=version, broadcast=self.group is not None)
         pending: Any = None  # the previous bucket's broadcast, in flight while the next one is gathered
         t = time.perf_counter()
-        for meta, buf in zip(self.plan, iter_buckets(model, self.plan), strict=True):
+        for i, (meta, buf) in enumerate(zip(self.plan, iter_buckets(model, self.plan, self.pool), strict=True)):
             now = time.perf_counter()
             res.seconds["gather"] += now - t
             t = now
@@ -186,15 +252,35 @@ class WeightPusher:
                 res.seconds["broadcast"] += now - t
                 t = now
             if sink is not None:
-                sink(meta, buf if buf.device.type == "cpu" else buf.to("cpu"))
+                sink(meta, buf if buf.device.type == "cpu" else self.pool.take(i, buf.numel(), pin=True).copy_(buf))
                 now = time.perf_counter()
                 res.seconds["host_copy"] += now - t
                 t = now
+        if rank() != 0:
+            return None
         if res.broadcast and pending is not None:
-            self._broadcast(res, pending, None)
-            res.seconds["broadcast"] += time.perf_counter() - t
-        return res if rank() == 0 else None
+            # Only the final bucket's completion goes to the background: every earlier one was awaited before
+            # its successor was started, so at most two buckets are ever in flight.
+            self._tail = threading.Thread(target=self._finish, args=(res, pending, on_settled),
+                                          name="weight-push-tail", daemon=True)
+            self._tail.start()
+        elif on_settled is not None:
+            on_settled(res)
+        return res
 
+    def _finish(self, res: PushResult, pending: Any, on_settled: Callable[[PushResult], None] | None) -> None:
+        t = time.perf_counter()
+        self._broadcast(res, pending, None)  # at most timeout_s; a failure closes the group
+        res.tail_s = time.perf_counter() - t
+        if on_settled is not None:
+            on_settled(res)
+
+    def settle(self) -> None:
+        """Until the last push's final broadcast is complete or failed (at most ``timeout_s``)."""
+        tail = self._tail
+        if tail is not None and tail is not threading.current_thread():
+            tail.join()
+            self._tail = None
 
     def _broadcast(self, res: PushResult, pending: Any, buf: Tensor | None) -> Any:
         """Wait for the broadcast in flight, start ``buf``'s; on failure close the group (this version goes
@@ -214,11 +300,13 @@ class WeightPusher:
 
 class DurableWriter:
     """Writes pushed versions to disk in a background thread (one at a time, in order), hashing as it
-    writes; ``on_done`` gets each version's ``WeightUpdate`` (or is not called when writing failed)."""
+    writes; ``on_done`` gets each version's ``WeightUpdate`` (or is not called when writing failed), and
+    ``recycle`` each version's buckets once they are no longer read (``WeightPusher.recycle``)."""
 
     def __init__(self, root: Path, on_done: Callable[[protocol.WeightUpdate], None],
-                 extra_files: Callable[[Path], None] | None = None, max_pending: int = 2) -> None:
-        self.root, self.on_done, self.extra_files = root, on_done, extra_files
+                 extra_files: Callable[[Path], None] | None = None, max_pending: int = 2,
+                 recycle: Callable[[list[tuple[BucketMeta, Tensor]]], None] | None = None) -> None:
+        self.root, self.on_done, self.extra_files, self.recycle = root, on_done, extra_files, recycle
         # Each pending version is a whole host copy of the model: a learner that publishes faster than the
         # disk writes waits here (back-pressure) instead of filling host memory.
         self._slots = threading.Semaphore(max_pending)
@@ -256,6 +344,8 @@ class DurableWriter:
                 log.error("writing weights v%d failed: %s", version, e)
                 continue
             finally:
+                if self.recycle is not None:  # written (or failed): the buffers can take the next push
+                    self.recycle(buckets)
                 buckets.clear()
                 self._slots.release()
             self.seconds[version] = time.perf_counter() - t0

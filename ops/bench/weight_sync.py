@@ -4,22 +4,26 @@
 
 A synthetic fp32 Qwen2 (untied embeddings; the defaults make ~1.14 GB), one learner rank (this process,
 the model in memory as the learner holds it) and two engines (real ``python -m actors.rollout_server``
-processes on the same model, each with an admin API key). Both paths publish the same weights as
-version 1, measured in the same run:
+processes on the same model, each with an admin API key). Versions, each the model after a perturbation
+(every weight + 1e-3, so that a push that did not land would leave the engines on the old weights and
+fail ``bitwise_equal``):
 
-- ``disk_blocked_s``: ``learner.weights.write_version`` (the disk path: export to safetensors, NaN check
-  and sha256 re-read on rank 0's critical path), timed alone.
-- ``distributed_blocked_s``: ``learner.weight_push.WeightPusher.push`` as version 2: bucket flatten, NaN
-  check on the device, broadcast to both engines (each posts its buckets through
-  ``actors.weight_push_client.receive_push`` with ``pause=in_place``) and the host copy handed to the
-  background ``DurableWriter``; the writer's time is reported apart (``durable_write_s``), off the path.
+1. a first push (cold: fresh host buffers; ``first_push_blocked_s``), its durable copy written;
+2. ``disk_blocked_s``: ``learner.weights.write_version`` (the disk path: export to safetensors, NaN check
+   and sha256 re-read on rank 0's critical path), timed alone;
+3. ``distributed_blocked_s``: ``learner.weight_push.WeightPusher.push`` of the same weights, as a learner
+   publishing every step runs it (host buffers given back by the writer): bucket flatten, NaN check,
+   broadcast to both engines (each posts its buckets through ``actors.weight_push_client.receive_push``
+   with ``pause=in_place``) and the host copy handed to the background ``DurableWriter``. The final
+   bucket's broadcast completes in the background (``final_broadcast_background_s``), as the writer's
+   time (``durable_write_s``): both off the learner's path.
+
 - ``engine_pause_s``: the longest pause_generation → continue_generation of the two engines.
-- ``bitwise_equal``: both engines' ``/weights_digest`` after the push equal ``param_digest`` of the
-  durable disk version (written by the background writer from the pushed bytes), and of version 1.
+- ``bitwise_equal``: both engines' ``/weights_digest`` after the push equal ``param_digest`` of its
+  durable disk version (written by the background writer from the pushed bytes), and of the disk path's.
 - ``blocked_ratio`` = distributed_blocked_s / disk_blocked_s (goal <= 0.25).
 
-The version pushed is the model after a perturbation (every weight + 1e-3), so that a push that did not
-land would leave the engines on the base weights and fail ``bitwise_equal``. Prints one JSON line.
+Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -112,6 +116,13 @@ async def open_group(pusher: WeightPusher, clients: list[SGLangClient]) -> None:
     await joined
 
 
+def perturb(model: torch.nn.Module) -> None:
+    """A new version: every weight + 1e-3 (a push that did not land leaves the engines on the old one)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-3)
+
+
 def disk_digest(path: Path) -> str:
     """``param_digest`` of a published version's tensors."""
     from common.generation.weights import read_state_dict
@@ -138,39 +149,44 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     engines = [start_engine(model_dir, tmp, key) for _ in range(2)]
     clients = [SGLangClient(url, api_key=key, timeout_s=600) for _, url in engines]
     try:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1e-3)
         root = tmp / "weights"
-        t0 = time.perf_counter()
-        write_version(root, 1, model, None)  # the disk path, as the learner runs it today
-        disk_blocked = time.perf_counter() - t0
-
         pusher = WeightPusher(args.bucket_mb << 20, "gloo", timeout_s=300)
         pusher.plan = bucket_plan(model, pusher.bucket_bytes)
         t0 = time.perf_counter()
         await open_group(pusher, clients)
         group_s = time.perf_counter() - t0
         done: list[Any] = []
-        writer = DurableWriter(root, done.append)
-        res, reports = await push_version(pusher, model, 2, clients, writer)
+        writer = DurableWriter(root, done.append, recycle=pusher.recycle)
+        perturb(model)
+        first, _ = await push_version(pusher, model, 1, clients, writer)  # cold: fresh host buffers
+        pusher.settle()
+        writer.wait(1200)  # as between two learner steps: the writer gave the buffers back
+        perturb(model)
+        t0 = time.perf_counter()
+        write_version(root, 2, model, None)  # the disk path, as the learner runs it
+        disk_blocked = time.perf_counter() - t0
+        res, reports = await push_version(pusher, model, 3, clients, writer)
         dist_blocked = sum(res.seconds.values())  # the learner thread's whole push
+        pusher.settle()  # the final bucket's broadcast, off the learner's path
         writer.wait(1200)
         errors = [str(r) for r in reports if isinstance(r, BaseException)]
-        want = disk_digest(root / "v2")
+        want = disk_digest(root / "v3")
         got = await engine_digests(clients)
-        same_as_v1 = disk_digest(root / "v1") == want
+        same_as_disk = disk_digest(root / "v2") == want
+        ok = [r for r in reports if not isinstance(r, BaseException)]
         return {
             "bench": "weight_sync", "bytes": n_bytes, "bucket_bytes": pusher.bucket_bytes, "buckets": len(pusher.plan),
             "engines": len(clients), "disk_blocked_s": round(disk_blocked, 3),
             "distributed_blocked_s": round(dist_blocked, 3),
             "blocked_ratio": round(dist_blocked / disk_blocked, 3) if disk_blocked > 0 else None,
             "distributed_phases_s": {k: round(v, 3) for k, v in res.seconds.items()},
-            "engine_pause_s": round(max((r.pause_s for r in reports if not isinstance(r, BaseException)), default=0.0), 3),
-            "engine_receive_s": round(max((r.receive_s for r in reports if not isinstance(r, BaseException)), default=0.0), 3),
-            "group_init_s": round(group_s, 3), "durable_write_s": round(writer.seconds.get(2, float("nan")), 3),
-            "broadcast_ok": res.broadcast, "errors": errors,
-            "bitwise_equal": bool(not errors and res.broadcast and all(g == want for g in got) and same_as_v1),
+            "final_broadcast_background_s": round(res.tail_s, 3),
+            "first_push_blocked_s": round(sum(first.seconds.values()), 3),
+            "engine_pause_s": round(max((r.pause_s for r in ok), default=0.0), 3),
+            "engine_receive_s": round(max((r.receive_s for r in ok), default=0.0), 3),
+            "group_init_s": round(group_s, 3), "durable_write_s": round(writer.seconds.get(3, float("nan")), 3),
+            "broadcast_ok": res.broadcast and first.broadcast, "errors": errors,
+            "bitwise_equal": bool(not errors and res.broadcast and all(g == want for g in got) and same_as_disk),
             "machine": f"{os.cpu_count()} CPUs, shared with other jobs; loadavg {os.getloadavg()[0]:.1f}",
             "torch_threads": torch.get_num_threads(),
         }

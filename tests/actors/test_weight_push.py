@@ -19,7 +19,8 @@ from common.checksum import weights_sha256
 from common.generation.weights import read_state_dict
 from common.modeling import load_model
 from common.sglang_client import SGLangClient, SGLangError
-from learner.weight_push import DurableWriter, WeightPusher, bucket_plan
+from common.weight_bucket import BucketMeta, flatten
+from learner.weight_push import DurableWriter, WeightPusher, bucket_finite, bucket_plan
 from learner.weights import write_version
 
 KEY = "test-admin-key"
@@ -48,9 +49,10 @@ async def open_group(pusher: WeightPusher, clients: list[SGLangClient]) -> None:
 async def push(pusher: WeightPusher, model: torch.nn.Module, version: int, clients: list[SGLangClient],
                writer: DurableWriter, pause: str = "in_place") -> tuple[Any, list[Any]]:
     held: list[Any] = []
+    settled: list[Any] = []
 
     def learner() -> Any:
-        res = pusher.push(model, version, sink=lambda meta, buf: held.append((meta, buf)))
+        res = pusher.push(model, version, sink=lambda meta, buf: held.append((meta, buf)), on_settled=settled.append)
         writer.submit(version, held)
         return res
 
@@ -58,7 +60,10 @@ async def push(pusher: WeightPusher, model: torch.nn.Module, version: int, clien
     plan = [b.body() for b in pusher.plan or []]
     reps = await asyncio.gather(*(receive_push(c, plan, version, pause=pause, group_name=pusher.current_name,
                                                timeout_s=60) for c in clients), return_exceptions=True)
-    return await t, reps
+    res = await t
+    pusher.settle()  # the final bucket's broadcast may complete after push returned
+    assert settled == [res]  # its outcome reported once, when final
+    return res, reps
 
 
 def test_distributed_push_is_bitwise_the_disk_version(tiny_model_dir: Path, server_factory: Any, tmp_path: Path) -> None:
@@ -74,7 +79,7 @@ def test_distributed_push_is_bitwise_the_disk_version(tiny_model_dir: Path, serv
             assert len(pusher.plan) > 2
             await open_group(pusher, clients)
             done: list[Any] = []
-            writer = DurableWriter(tmp_path / "pushed", done.append)
+            writer = DurableWriter(tmp_path / "pushed", done.append, recycle=pusher.recycle)
             res, reps = await push(pusher, model, 1, clients, writer)
             assert res.broadcast, res.error
             assert not [r for r in reps if isinstance(r, BaseException)], reps
@@ -88,6 +93,28 @@ def test_distributed_push_is_bitwise_the_disk_version(tiny_model_dir: Path, serv
             # The durable copy's checksum was computed while writing: the actors' re-read agrees with it.
             assert weights_sha256(done[0].path) == done[0].sha256
             assert json.loads((Path(done[0].path) / "STABLE").read_text())["sha256"] == done[0].sha256
+            # The next version is flattened into the buffers the writer gave back, and is still bitwise right.
+            ptrs = {t.data_ptr() for t in pusher.pool._free.values()}
+            assert len(ptrs) == len(pusher.plan)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1e-3)
+            taken: list[Any] = []
+            take = pusher.pool.take
+
+            def spy(*a: Any, **k: Any) -> Any:
+                taken.append(take(*a, **k))
+                return taken[-1]
+
+            pusher.pool.take = spy  # type: ignore[method-assign]
+            res2, reps2 = await push(pusher, model, 2, clients, writer)
+            assert res2.broadcast and not [r for r in reps2 if isinstance(r, BaseException)], reps2
+            assert {t.data_ptr() for t in taken} == ptrs
+            assert writer.wait(60) and len(done) == 2
+            write_version(tmp_path / "disk", 2, model, None)
+            want2 = param_digest(read_state_dict(tmp_path / "disk" / "v2").items())
+            assert want2 != want and param_digest(read_state_dict(done[1].path).items()) == want2
+            assert [await digest(c) for c in clients] == [(want2, "2")] * 2
             pusher.close()
         finally:
             for c in clients:
@@ -129,6 +156,7 @@ def test_engine_killed_mid_broadcast(tiny_model_dir: Path, server_factory: Any, 
             ra = asyncio.ensure_future(receive_push(ca, plan, 1, group_name=pusher.current_name, timeout_s=60))
             await dying()
             res = await lt
+            pusher.settle()  # had the failure come on the final bucket, it would show once that completed
             assert not res.broadcast and res.error
             assert time.monotonic() - t0 < 20 + 10  # the learner went on within its bounded wait
             with pytest.raises(SGLangError):
@@ -334,6 +362,7 @@ def test_unpaused_bucket_waits_for_running_requests(tiny_model_dir: Path, server
 
             def learner() -> Any:
                 r = pusher.push(model, 1)
+                pusher.settle()  # the final bucket's broadcast ends after push returns
                 times["pushed_wall"] = time.time()
                 return r
 
@@ -388,3 +417,16 @@ def test_non_finite_weights_are_never_pushed(tiny_model_dir: Path, server_factor
             await c.close()
 
     asyncio.run(main())
+
+
+def test_bucket_finite_checks_every_dtype_run_of_the_flat_bucket() -> None:
+    """The finiteness check runs on the flattened bytes, one reduction per run of same-dtype tensors."""
+    ts = [torch.ones(3), torch.ones(2), torch.ones(4, dtype=torch.float16), torch.ones(2)]
+    meta = BucketMeta()
+    for i, t in enumerate(ts):
+        meta.add(f"w{i}", t.dtype, t.shape)
+    assert bucket_finite(flatten(ts), meta)
+    for i, bad in ((1, float("nan")), (2, float("inf")), (3, float("-inf"))):
+        broken = [t.clone() for t in ts]
+        broken[i][-1] = bad
+        assert not bucket_finite(flatten(broken), meta), i

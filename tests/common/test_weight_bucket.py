@@ -62,6 +62,15 @@ def test_flatten_concatenates_bytes_in_order() -> None:
     assert flatten([a.reshape(2, 1).t()]).numel() == 8  # a non-contiguous view flattens to its own bytes
 
 
+def test_flatten_into_a_given_buffer() -> None:
+    a = torch.tensor([1.0, 2.0], dtype=torch.float32)
+    b = torch.tensor([3.0], dtype=torch.bfloat16)
+    out = torch.full((10,), 7, dtype=torch.uint8)
+    assert flatten([a, b], out=out) is out and _bytes(out) == _bytes(a) + _bytes(b)
+    with pytest.raises(ValueError, match="out holds"):
+        flatten([a, b], out=torch.empty(11, dtype=torch.uint8))
+
+
 def test_plan_buckets_bounds_each_bucket_and_keeps_order() -> None:
     entries = [(f"w{i}", torch.float32, (10,)) for i in range(7)]  # 40 bytes each
     buckets = plan_buckets(entries, bucket_bytes=100)
