@@ -380,7 +380,8 @@ def run_actor_values(root: Path, args: argparse.Namespace, module: Any = actor_v
                      label: str = "actor_values") -> int:
     """A suite of arms with a JSON summary (actor_values_suite.py, weight_sync_suite.py): run what is
     missing, print one JSON summary line."""
-    suite = [e for e in module.experiments(Experiment) if not args.only or e.name in args.only]
+    opt_in = getattr(module, "OPT_IN", frozenset())  # arms run only when named
+    suite = [e for e in module.experiments(Experiment) if (e.name in args.only if args.only else e.name not in opt_in)]
     todo = [(e, s) for e in suite for s in (args.seeds or e.seeds)]
     if args.list:
         for e, s in todo:

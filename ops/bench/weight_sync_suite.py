@@ -14,6 +14,27 @@ fraction of their wall time (``wait``: publish → serving, summed over versions
 ``in_place``: the pauses the actors measured) and the learner's mean and max sample staleness (a sample's
 staleness counts from its oldest token). Goal: ``in_place``'s stall at most half of ``wait``'s, with no
 loss in held-out accuracy outside the seed spread.
+
+In that setting the engines wait for the learner (the actors' prompts spend ~10x the wall time waiting for
+buffer credit), so an update lands on a mostly idle engine and the drain's cost cannot show. The
+engine-bound pair (``ENGINE_BOUND``, opt-in: not run unless named) makes generation the bottleneck:
+
+- ``buffer.max_staleness=4``: the admission capacity is ``max_staleness x batch_groups + pending`` groups
+  (``buffer.credits.admission_capacity``), 4 x 32 + 32 = 160 instead of 64, so credit runs out only once
+  the buffer holds four steps of data, which a learner faster than the engine never lets happen;
+- ``learner.off_policy=decoupled``: samples up to 4 versions old are trained with AReaL's recomputed
+  proximal policy instead of the raw behaviour ratio;
+- ``actors.prompts_in_flight=32`` (credit per actor then up to 64): 256 sequences at the engine at once
+  (``engine.max_batch_size`` 256), so the engine has work whenever credit allows.
+
+    .venv/bin/python ops/bench/experiments.py --suite weight_sync --only ws_long_wait_engine_bound ws_long_in_place_engine_bound
+    .venv/bin/python ops/bench/experiments.py --suite weight_sync --only ws_long_wait_engine_bound ws_long_in_place_engine_bound --list
+
+Cost, not measured: 4 more runs of ``STEPS`` steps at equal samples (10,240 each). An engine-bound run's
+wall time is the engines' generation time of those samples; the default-arm ``wait`` runs, whose engines
+were mostly idle, took ~1,150 s of actor wall time each, so expect at most that per run plus the held-out
+evaluations (~1-2 h for the pair on 2 quiet cores). The summary's stall fractions and samples per second
+tell whether the engines were the bottleneck (samples per second below the default arms' means they were).
 """
 
 from __future__ import annotations
@@ -30,15 +51,23 @@ ARMS: dict[str, tuple[str, ...]] = {
     "wait": ("learner.weight_transport=disk", "actors.weight_sync=wait"),
     "in_place": ("learner.weight_transport=distributed", "actors.push_pause=in_place"),
 }
+# Generation the bottleneck (module docstring); the same overrides for both arms of the pair.
+ENGINE_BOUND_OVERRIDES = ("buffer.max_staleness=4", "learner.off_policy=decoupled", "actors.prompts_in_flight=32")
+ENGINE_BOUND: dict[str, tuple[str, ...]] = {f"{a}_engine_bound": (*ov, *ENGINE_BOUND_OVERRIDES) for a, ov in ARMS.items()}
+ALL_ARMS = {**ARMS, **ENGINE_BOUND}
 
 
 def name(arm: str) -> str:
     return f"ws_long_{arm}"
 
 
+# Run only when named (``--only``): their cost is not measured yet.
+OPT_IN = frozenset(name(a) for a in ENGINE_BOUND)
+
+
 def experiments(Experiment: Any) -> list[Any]:
     return [Experiment(name(a), "weight_sync", f"VAPO on long, weight updates {a}", CONFIG, ov, seeds=SEEDS, steps=STEPS)
-            for a, ov in ARMS.items()]
+            for a, ov in ALL_ARMS.items()]
 
 
 def _actor_done(d: Path) -> list[dict[str, Any]]:
@@ -54,7 +83,7 @@ def summary(root: Path, load_run: Any) -> dict[str, Any]:
     from run_records import read_records
 
     out: dict[str, Any] = {}
-    for arm in ARMS:
+    for arm in ALL_ARMS:
         accs, rates, stalls, st_mean, st_max = [], [], [], [], []
         for s in SEEDS:
             d = root / f"{name(arm)}-s{s}"
@@ -69,7 +98,7 @@ def summary(root: Path, load_run: Any) -> dict[str, Any]:
                 st_mean.append(statistics.fmean(r.get("staleness_mean", 0.0) for r in steps))
                 st_max.append(max(r.get("staleness_max", r.get("staleness_mean", 0.0)) for r in steps))
             for a in _actor_done(d):
-                stall = a.get("push_pause_ms", 0) / 1000 if arm == "in_place" else sum(a.get("weight_sync_latency_s", []))
+                stall = a.get("push_pause_ms", 0) / 1000 if arm.startswith("in_place") else sum(a.get("weight_sync_latency_s", []))
                 if a.get("elapsed_s"):
                     stalls.append(stall / a["elapsed_s"])
         out[arm] = {"seeds_done": len(accs), "final_avg_at_8": round(statistics.fmean(accs), 4) if accs else None,
