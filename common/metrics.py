@@ -152,7 +152,7 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("learner", "eval_response_length", "Held-out mean response length"),
     _c("learner", "samples", "Samples trained on"),
     _c("learner", "weights_published", "Weight versions published"),
-    _h("learner", "weight_sync_phase_seconds", "Learner side of one weight publish by phase: gather (ZeRO-3 gathers + flatten + NaN check), broadcast (to the engines' group), host_copy (for the durable writer), group (building the weight-update group), disk_write (disk transport: the whole synchronous export; distributed: the background durable write)", labels=("phase", "transport")),
+    _h("learner", "weight_sync_phase_seconds", "Learner side of one weight publish by phase: gather (ZeRO-3 gathers + flatten + NaN check), broadcast (the learner's wait for its broadcasts to the engines' group; the final bucket's completes off its path, uncounted), host_copy (for the durable writer), group (building the weight-update group), disk_write (disk transport: the whole synchronous export; distributed: the background durable write)", labels=("phase", "transport")),
     _c("learner", "weight_pushes", "Versions a distributed push was attempted for, by outcome: ok (every member received every bucket) | failed (the group broke; that version reaches the engines from disk) | no_group (no engine in the group)", ("outcome",)),
     _g("learner", "weight_push_members", "Engines in the current weight-update group"),
     _c("learner", "unusable_samples", "Batch samples dropped as unusable (a bad sample drops its whole group; replayed positives one by one)", ("reason",)),
