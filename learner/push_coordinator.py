@@ -90,6 +90,7 @@ class PushCoordinator:
         self._stop = threading.Event()
         self.writer: DurableWriter | None = None
         self.last: PushResult | None = None
+        self._settled_upto = -1  # the newest version whose push is over (broadcast done, failed or no group)
         if rank() != 0:
             return
 
@@ -223,9 +224,10 @@ class PushCoordinator:
     def _settled(self, res: PushResult, grouped: bool) -> None:
         """A push's outcome, once its final broadcast is over (the learner's thread, or the pusher's tail)."""
         outcome = "no_group" if not grouped else "ok" if res.broadcast else "failed"
-        if outcome == "failed":
-            with self._cv:
-                self.dirty = True
+        with self._cv:
+            self.dirty = self.dirty or outcome == "failed"
+            self._settled_upto = max(self._settled_upto, res.version)
+            self._cv.notify_all()
         if self.metrics is not None:
             self.metrics.weight_pushes.labels(outcome=outcome).inc()
         for phase, s in res.seconds.items():
@@ -253,7 +255,13 @@ class PushCoordinator:
             self.metrics.weight_sync_phase_seconds.labels(phase=phase, transport="distributed").observe(seconds)
 
     def _announce(self, update: protocol.WeightUpdate) -> None:
-        """Writer thread: a durable version is complete; announce it and prune old ones."""
+        """Writer thread: a durable version is complete; announce it (once its push is over) and prune old ones.
+
+        The announcement waits for the push: the final bucket's broadcast completes in the background, and a
+        small model's disk copy can be written sooner; announced first, it would have the group's engines
+        load the version from disk as well as receive it (at scale the disk is the slower path anyway)."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._settled_upto >= update.version, timeout=self.timeout_s + 5.0)
         if self.writer is not None and update.version in self.writer.seconds:
             self._observe("disk_write", self.writer.seconds[update.version])
         if self.publisher is not None:
