@@ -13,6 +13,8 @@ the embedded default task (addition, the 0.6M-parameter base). Writes ``docs/RES
                                                                      # actor's advantages (actor_values_suite.py)
     .venv/bin/python ops/bench/experiments.py --suite weight_sync    # draining (wait) vs in-place weight updates
                                                                      # on the long task (weight_sync_suite.py)
+    .venv/bin/python ops/bench/experiments.py --suite value_study    # where VAPO beats DAPO: small G, hard and long
+                                                                     # chains, critic budget (value_study_suite.py)
 
 Every run is a plain ``ops/launch.sh <config> run.root=runs/exp run.name=<exp>-s<seed> ...``; its
 directory is the record. Resumable: a run with ``summary.json`` is done and skipped, a run with a checkpoint
@@ -43,6 +45,7 @@ from typing import Any
 sys.path.append(str(Path(__file__).resolve().parent))
 import actor_values_suite  # noqa: E402
 import long_suite  # noqa: E402
+import value_study_suite  # noqa: E402
 import weight_sync_suite  # noqa: E402
 from default_suite import BY_NAME, FULL_STEPS, SHORT_STEPS, SUITE, Experiment, run_name  # noqa: E402
 from run_records import (  # noqa: E402,F401 (the suites read runs through this module)
@@ -378,20 +381,34 @@ def run_long(root: Path, args: argparse.Namespace) -> int:
 
 def run_actor_values(root: Path, args: argparse.Namespace, module: Any = actor_values_suite,
                      label: str = "actor_values") -> int:
-    """A suite of arms with a JSON summary (actor_values_suite.py, weight_sync_suite.py): run what is
-    missing, print one JSON summary line."""
-    opt_in = getattr(module, "OPT_IN", frozenset())  # arms run only when named
-    suite = [e for e in module.experiments(Experiment) if (e.name in args.only if args.only else e.name not in opt_in)]
-    todo = [(e, s) for e in suite for s in (args.seeds or e.seeds)]
+    """A suite of arms with a JSON summary (actor_values_suite.py, weight_sync_suite.py, value_study_suite.py):
+    run what is missing, print one JSON summary line. A phased module (``PHASED``: value_study) lists its runs
+    from what is done under ``root``, so a second pass runs the phase-2 seeds phase 1 earned; its ``post``
+    (if any) follows the runs. A module's ``OPT_IN`` arms run only when named with --only."""
+    phased = getattr(module, "PHASED", False)
+    opt_in = getattr(module, "OPT_IN", frozenset())
+
+    def todo_now() -> list[tuple[Experiment, int]]:
+        exps = module.experiments(Experiment, root) if phased else module.experiments(Experiment)
+        return [(e, s) for e in exps if (e.name in args.only if args.only else e.name not in opt_in)
+                for s in (args.seeds or e.seeds)]
+
     if args.list:
-        for e, s in todo:
-            print(f"{run_name(e, s):32s} {status(root, e, s):10s} {e.steps:3d} steps  {e.label}")
+        est = getattr(module, "estimate_run_minutes", None)
+        if phased:
+            print(module.phase_line(root))
+        for e, s in todo_now():
+            cost = f" ~{est(e.name):.0f} min" if est else ""
+            print(f"{run_name(e, s):32s} {status(root, e, s):10s} {e.steps:3d} steps{cost}  {e.label}")
         return 0
     failures = 0
     if not args.report_only:
         root.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        failures = run_suite(root.resolve(), [(e, s) for e, s in todo if status(root, e, s) != "done"], args.jobs)
+        for _ in range(2 if phased else 1):
+            failures += run_suite(root.resolve(), [(e, s) for e, s in todo_now() if status(root, e, s) != "done"], args.jobs)
+        if hasattr(module, "post"):
+            module.post(root.resolve(), print)
     print(json.dumps({"bench": "experiments", "suite": label, "failed_runs": failures,
                       "arms": module.summary(root, load_run)}))
     return 1 if failures else 0
@@ -411,13 +428,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--notes", default="docs/results/notes.md", help="hand-written reading included in the report")
     ap.add_argument("--alpha", type=float, help="long suite: VAPO's α for seeds 1-2 and the follow-ups, instead of "
                     "the sweep's pick (with --only, the sweep can be skipped)")
-    ap.add_argument("--suite", choices=["default", "long", "actor_values", "weight_sync"], default="default",
+    ap.add_argument("--suite", choices=["default", "long", "actor_values", "weight_sync", "value_study"], default="default",
                     help="default: baselines, ablations, staleness and α on the embedded default task (root runs/exp); long: the long-horizon "
                     "task (root runs/exp-long, its own section of the report); actor_values: pre- vs post-update "
                     "critic values for the actor, default and long tasks, 2 seeds (root runs/exp-actor-values, a "
                     "JSON summary, no report); weight_sync: weight updates that drain (wait, disk) against in-place "
-                    "pauses (distributed push) on the long task, 2 seeds (root runs/exp-weight-sync, a JSON summary)")
+                    "pauses (distributed push) on the long task, 2 seeds (root runs/exp-weight-sync, a JSON summary); "
+                    "value_study: VAPO vs DAPO where a group baseline is weak, two phases (root runs/exp-value-study)")
     args = ap.parse_args(argv)
+    if args.suite == "value_study":
+        return run_actor_values(REPO / (args.root if args.root != "runs/exp" else "runs/exp-value-study"), args,
+                                value_study_suite, "value_study")
     if args.suite == "weight_sync":
         return run_actor_values(REPO / (args.root if args.root != "runs/exp" else "runs/exp-weight-sync"), args,
                                 weight_sync_suite, "weight_sync")

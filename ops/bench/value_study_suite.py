@@ -1,0 +1,311 @@
+"""Where does the value model pay (issue 27)? VAPO against DAPO, at equal generated samples per step, in the
+regimes where a group baseline should be weak, run by ``ops/bench/experiments.py --suite value_study``:
+
+    .venv/bin/python ops/bench/experiments.py --suite value_study           # run what is missing, then summarise
+    .venv/bin/python ops/bench/experiments.py --suite value_study --list    # the cells, runs, states, phase-2 pick
+    .venv/bin/python ops/bench/experiments.py --suite value_study --report-only
+
+Root ``runs/exp-value-study``; every run is a plain ``ops/launch.sh ops/configs/long.yaml ...`` (resumable as
+in the other suites). Both arms are ``long.yaml`` (VAPO: α = 1, surprise critic, 10 value-pretraining steps)
+and ``long_suite.DAPO`` on top of the cell's shared overrides. Every run trains 40 steps x 256 samples
+(``learner.batch_groups`` x ``actors.group_size`` = 256 in every cell; value pretraining's groups and the
+actors' prompts in flight are scaled the same way, so VAPO's pretraining samples and the sequences decoded
+at once are the same at every G). The cells:
+
+- (a) small groups: G = 2, 4, 8, 16 (batch_groups 128, 64, 32, 16), the long task as shipped;
+- (b) hard prompts: ``task.min_steps=35`` (35-44 additions, 319-400 tokens; the base gets ~12% of such
+  chains right: RESULTS.md, 321-400 tokens: 0.12), so most groups of 8 are all-wrong and DAPO's dynamic
+  sampling drops them; ``task.eval_size=189`` is every held-out item of that range;
+- (c) the longest chains: ``task.min_steps=20`` (the ``long`` bucket only, 184-400 tokens, base ~15%);
+- (d) a critic that can assign credit, VAPO only (against the G = 8 cell's DAPO): 50 value-pretraining
+  steps instead of 10 (patience 50, so it does not stop early) at α = 1, 0.2 and 0.05.
+
+Without a new base, difficulty on ``chain`` comes only from length (the per-line slip rate is the base's, set
+by ``model.bootstrap.teacher_error_rate`` when it is built): a higher slip rate needs a new base (a new
+``model.path`` with that key, built by ``ops/launch.sh``, ~11-40 min of SFT here) or a higher
+``actors.temperature``, which changes the held-out evaluation too; neither is in the scan.
+
+Missing config key (no product code added here): a critic larger than the policy. The critic is always the
+policy's own backbone (``learner/models.py: load_critic_module`` reads ``cfg.model.path``, or the pretrained
+critic's directory). Needed: a ``learner.critic_model_path`` (default empty = ``model.path``) read by
+``load_critic_module`` and ``value_pretrain``, plus a way to build it (e.g. ``learner.sft`` with a larger
+``model.bootstrap`` shape on the same tokenizer, tied embeddings for the surprise head); then (d) adds that
+critic at α = 0.05 / 0.2 / 1.
+
+Two phases (``pick_phase2``): phase 1 is seed 0 of every cell; once all of it is done, a cell whose VAPO − DAPO
+held-out avg@8 at step 40 differs by more than ``THRESHOLD`` (0.05: twice the largest seed sd of the long
+suite, 0.027) gets seeds 1 and 2 of both arms, largest |difference| first, while the estimated cost fits
+the rest of the 5 h budget (``phase2_budget``). The summary reports the seed-1/2 difference apart ("confirm"), since seed 0 chose the cell.
+
+Estimated compute on 2 quiet cores (``estimate_minutes``: 9 min per long.yaml run, scaled by the mean response
+length, DAPO's extra generation for dropped uniform groups, VAPO's extra value pretraining): phase 1 is
+15 runs (the G = 8 DAPO arm serves the (d) cells too), ~201 min (a: 80, b: 45, c: 33, d: 43); phase 2 at
+most the remaining ~99 min (e.g. 2 of the (a) cells, or the (b) cell alone: 90 min); total <= 5 h.
+``--list`` prints each run's estimate; loaded cores (another job running) make every run slower.
+
+The summary is one JSON line, per cell: each arm's final held-out avg@8 (mean, per seed), per length bucket,
+the critic's mean EV, learner seconds (net of evaluation, value pretraining included), VAPO − DAPO (all seeds,
+seed 0, seeds 1-2), per bucket, and at equal learner wall time (each arm's accuracy interpolated at the
+shorter arm's final time), with the value along failed responses (``value_curve.json``) where probed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from long_suite import DAPO, last_eval, pretrain_seconds
+
+CONFIG = "ops/configs/long.yaml"
+STEPS = 40
+SAMPLES_PER_STEP = 256     # learner.batch_groups x actors.group_size in every cell (long.yaml: 32 x 8)
+SEQS_IN_FLIGHT = 128       # actors.prompts_in_flight x G (long.yaml: 16 x 8)
+THRESHOLD = 0.05           # |VAPO − DAPO| final avg@8 (seed 0) that earns a cell seeds 1 and 2
+PHASE2_SEEDS = (1, 2)
+BUDGET_MIN = 300.0         # the issue's 5 h
+RUN_MIN = 9.0              # one long.yaml run of 40 steps on quiet cores (8-10 min)
+BUCKETS = ("short", "medium", "long")
+PHASED = True              # experiments() reads root: experiments.run_actor_values runs a second pass for phase 2
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    regime: str                   # a | b | c | d (the issue's list)
+    label: str
+    shared: tuple[str, ...]       # both arms
+    vapo: tuple[str, ...] = ()    # VAPO's arm only
+    dapo_cell: str | None = None  # the cell whose DAPO arm this one is compared with (None: its own)
+    min_steps: int = 5            # the chain lengths (for the cost estimate)
+    max_steps: int = 44
+    base_acc: float = 0.31        # the base's held-out accuracy on the cell's task (RESULTS.md)
+    group_size: int = 8
+
+
+def group_overrides(g: int) -> tuple[str, ...]:
+    """G and everything scaled with it, so every G generates and trains the same samples per step."""
+    n = SAMPLES_PER_STEP // g
+    return (f"actors.group_size={g}", f"learner.batch_groups={n}", f"value_pretrain.batch_groups={n}",
+            f"value_pretrain.eval_groups={n}", f"actors.prompts_in_flight={SEQS_IN_FLIGHT // g}")
+
+
+PT50 = ("value_pretrain.steps=50", "value_pretrain.patience=50")
+CELLS: tuple[Cell, ...] = (
+    *(Cell(f"g{g}", "a", f"G = {g}, {SAMPLES_PER_STEP // g} prompts per step", group_overrides(g), group_size=g)
+      for g in (2, 4, 8, 16)),
+    Cell("hard", "b", "hard prompts: 35-44 additions (base ~12%)", ("task.min_steps=35", "task.eval_size=189"),
+         min_steps=35, base_acc=0.12),
+    Cell("longest", "c", "longest chains: 20-44 additions (base ~15%)", ("task.min_steps=20",),
+         min_steps=20, base_acc=0.15),
+    *(Cell(f"pt50_a{a:g}", "d", f"50 value-pretraining steps, α = {a:g} (vs DAPO at G = 8)",
+           group_overrides(8), (*PT50, f"algo.alpha={a}"), dapo_cell="g8") for a in (1.0, 0.2, 0.05)),
+)
+BY_CELL = {c.name: c for c in CELLS}
+
+
+def arm_name(cell: str, arm: str) -> str:
+    return f"vs_{cell}_{arm}"
+
+
+def arms(c: Cell) -> dict[str, str]:
+    """The experiment name of each arm of ``c`` (DAPO's may be another cell's)."""
+    return {"vapo": arm_name(c.name, "vapo"), "dapo": arm_name(c.dapo_cell or c.name, "dapo")}
+
+
+def _mean_steps(lo: int, hi: int) -> float:
+    """Mean additions of ChainTask's draw: int(exp(U(log lo, log(hi + 1)))) capped at hi."""
+    return (hi + 1 - lo) / math.log((hi + 1) / lo) - 0.5
+
+
+def estimate_minutes(c: Cell, arm: str) -> float:
+    """One run's minutes on 2 quiet cores: RUN_MIN scaled by mean response length (9 tokens per addition + 4);
+    DAPO regenerates the groups it drops as uniform (generation taken as half a run), from the base's
+    accuracy p as p^G + (1 − p)^G; VAPO's extra value-pretraining steps cost ~0.6 of an RL step each."""
+    t = RUN_MIN * (9 * _mean_steps(c.min_steps, c.max_steps) + 4) / (9 * _mean_steps(5, 44) + 4)
+    if arm == "dapo":
+        p, g = c.base_acc, c.group_size
+        return t * (0.5 + 0.5 / (1 - p ** g - (1 - p) ** g))
+    extra = sum(int(o.split("=")[1]) - 10 for o in c.vapo if o.startswith("value_pretrain.steps="))
+    return t * (1 + 0.6 * extra / STEPS)
+
+
+def runs() -> dict[str, tuple[Cell, str]]:
+    """Every run of the suite once (a shared DAPO arm once): experiment name -> (the cell it is set up by, arm)."""
+    out: dict[str, tuple[Cell, str]] = {}
+    for c in CELLS:
+        for arm, name in arms(c).items():
+            out.setdefault(name, (c if arm == "vapo" or c.dapo_cell is None else BY_CELL[c.dapo_cell], arm))
+    return out
+
+
+def users(name: str) -> set[str]:
+    """The cells comparing against run ``name``."""
+    return {c.name for c in CELLS if name in arms(c).values()}
+
+
+def experiments(Experiment: Any, root: Path | None = None) -> list[Any]:
+    """Every cell's arms; seeds 1-2 for the arms of the cells ``pick_phase2(root)`` chose (none before)."""
+    picked = set(pick_phase2(root) or []) if root is not None else set()
+    out = []
+    for name, (c, arm) in runs().items():
+        ov = (*c.shared, *(c.vapo if arm == "vapo" else DAPO))
+        out.append(Experiment(name, "value_study", f"({c.regime}) {arm.upper()}, {c.label}", CONFIG, ov,
+                              seeds=(0, *PHASE2_SEEDS) if picked & users(name) else (0,), steps=STEPS))
+    return out
+
+
+def estimate_run_minutes(exp_name: str) -> float:
+    """Estimated minutes of one run of the experiment ``exp_name``."""
+    cell, arm = exp_name[3:].rsplit("_", 1)
+    return estimate_minutes(BY_CELL[cell], arm)
+
+
+def phase1_minutes() -> float:
+    return sum(estimate_run_minutes(n) for n in runs())
+
+
+def _final(root: Path, name: str, seed: int, load_run: Any) -> float | None:
+    run = load_run(root / f"{name}-s{seed}")
+    return None if run is None else float(run.final(STEPS)["acc"])
+
+
+def phase2_budget() -> float:
+    """Minutes left for phase 2: the 5 h budget minus phase 1's estimate."""
+    return BUDGET_MIN - phase1_minutes()
+
+
+def phase_line(root: Path) -> str:
+    """One line for ``--list``: the estimate and what phase 2 picked (or that it waits)."""
+    picked = pick_phase2(root)
+    state = ("waits for phase 1 (seed 0 of every cell)" if picked is None
+             else f"picked {', '.join(picked) or 'no cell'} (|VAPO − DAPO| > {THRESHOLD} at seed 0)")
+    return (f"value_study: phase 1 ~{phase1_minutes():.0f} min estimated, phase 2 budget ~{phase2_budget():.0f} min; "
+            f"phase 2 {state}")
+
+
+def pick_phase2(root: Path, budget_min: float | None = None) -> list[str] | None:
+    """Cells whose seed-0 VAPO − DAPO exceeds THRESHOLD, largest |Δ| first, while their new runs' estimated
+    minutes fit ``budget_min`` (a shared DAPO arm counted once); None until every seed-0 run is done."""
+    from run_records import load_run
+
+    deltas = {}
+    for c in CELLS:
+        v, d = (_final(root, n, 0, load_run) for n in arms(c).values())
+        if v is None or d is None:
+            return None
+        deltas[c.name] = v - d
+    picked: list[str] = []
+    paid: set[str] = set()
+    left = phase2_budget() if budget_min is None else budget_min
+    for name in sorted(deltas, key=lambda n: -abs(deltas[n])):
+        if abs(deltas[name]) <= THRESHOLD:
+            break
+        new = set(arms(BY_CELL[name]).values()) - paid
+        cost = len(PHASE2_SEEDS) * sum(estimate_run_minutes(n) for n in new)
+        if cost <= left:
+            picked.append(name)
+            paid |= new
+            left -= cost
+    return picked
+
+
+def post(root: Path, log: Any) -> None:
+    """After the runs: each finished VAPO run's critic probed along long failed responses (value_curve.json)."""
+    from long_suite import probe_values
+
+    for name, (_, arm) in runs().items():
+        for s in (0, *PHASE2_SEEDS):
+            if arm == "vapo":
+                probe_values(root / f"{name}-s{s}", log)
+
+
+# --------------------------------------------------------------------------------------------- summary
+
+def _acc_at(points: list[dict[str, float]], t: float, offset: float) -> float:
+    """Held-out accuracy at learner time ``t`` (linear between evaluations; ``offset`` = pretraining seconds)."""
+    pts = [(p["t"] + offset, p["acc"]) for p in points]
+    if t <= pts[0][0]:
+        return pts[0][1]
+    for (t0, a0), (t1, a1) in zip(pts, pts[1:], strict=False):
+        if t <= t1:
+            return a0 + (a1 - a0) * (t - t0) / max(t1 - t0, 1e-12)
+    return pts[-1][1]
+
+
+def _rnd(xs: list[float], nd: int = 4) -> float | None:
+    return round(statistics.fmean(xs), nd) if xs else None
+
+
+def _arm(root: Path, name: str, load_run: Any) -> dict[str, Any]:
+    """One arm's finished seeds: final avg@8, per bucket, EV, learner seconds, the run records for timing."""
+    seeds: dict[int, float] = {}
+    buckets: dict[str, list[float]] = {b: [] for b in BUCKETS}
+    evs: list[float] = []
+    secs: list[float] = []
+    curves: list[tuple[list[dict[str, float]], float]] = []
+    probes: list[dict[str, Any]] = []
+    for s in (0, *PHASE2_SEEDS):
+        d = root / f"{name}-s{s}"
+        run = load_run(d)
+        if run is None:
+            continue
+        seeds[s] = float(run.final(STEPS)["acc"])
+        for b, v in (last_eval(d).get("by_bucket") or {}).items():
+            if b in buckets:
+                buckets[b].append(float(v["avg_at_k"]))
+        evs += [x["ev"] for x in run.steps if x.get("ev") is not None]
+        pre = pretrain_seconds(d)
+        secs.append(run.points[-1]["t"] + pre)
+        curves.append((run.points, pre))
+        if (d / "value_curve.json").exists():
+            probes.append(json.loads((d / "value_curve.json").read_text()))
+    out = {"run": name, "seeds_done": len(seeds), "final_avg_at_8": _rnd(list(seeds.values())),
+           "per_seed": {str(s): round(a, 4) for s, a in seeds.items()},
+           "by_bucket": {b: _rnd(v) for b, v in buckets.items() if v}, "ev_mean": _rnd(evs),
+           "learner_s": _rnd(secs, 1)}
+    if probes:
+        out["value_curve"] = {k: _rnd([p[k] for p in probes if p.get(k) is not None])
+                              for k in ("value_change_at_mistake", "fraction_dropping", "mean_abs_change_elsewhere")}
+    return out | {"_curves": curves, "_seeds": seeds}
+
+
+def _delta(v: dict[int, float], d: dict[int, float], seeds: tuple[int, ...]) -> float | None:
+    a, b = [v[s] for s in seeds if s in v], [d[s] for s in seeds if s in d]
+    return round(statistics.fmean(a) - statistics.fmean(b), 4) if a and b else None
+
+
+def _equal_time(v: dict[str, Any], d: dict[str, Any]) -> dict[str, Any] | None:
+    """Each arm's mean accuracy at the shorter arm's final learner time (value pretraining counted)."""
+    if not v["_curves"] or not d["_curves"]:
+        return None
+    t = min(min(pts[-1]["t"] + off for pts, off in arm["_curves"]) for arm in (v, d))
+    acc = {k: statistics.fmean(_acc_at(pts, t, off) for pts, off in arm["_curves"]) for k, arm in (("vapo", v), ("dapo", d))}
+    return {"t_s": round(t, 1), "vapo": round(acc["vapo"], 4), "dapo": round(acc["dapo"], 4),
+            "vapo_minus_dapo": round(acc["vapo"] - acc["dapo"], 4)}
+
+
+def summary(root: Path, load_run: Any) -> dict[str, Any]:
+    """Per cell: both arms (``_arm``), VAPO − DAPO (all seeds, seed 0, seeds 1-2 apart), per bucket, at equal
+    learner time, and whether phase 2 picked it."""
+    chosen = pick_phase2(root)
+    picked = chosen or []
+    out: dict[str, Any] = {"_threshold": THRESHOLD, "_phase2": chosen}
+    for c in CELLS:
+        names = arms(c)
+        v, d = _arm(root, names["vapo"], load_run), _arm(root, names["dapo"], load_run)
+        vb, db = v["by_bucket"], d["by_bucket"]
+        out[c.name] = {
+            "regime": c.regime, "label": c.label, "phase2": c.name in picked,
+            "vapo": {k: x for k, x in v.items() if not k.startswith("_")},
+            "dapo": {k: x for k, x in d.items() if not k.startswith("_")},
+            "vapo_minus_dapo": _delta(v["_seeds"], d["_seeds"], (0, *PHASE2_SEEDS)),
+            "vapo_minus_dapo_seed0": _delta(v["_seeds"], d["_seeds"], (0,)),
+            "vapo_minus_dapo_confirm": _delta(v["_seeds"], d["_seeds"], PHASE2_SEEDS),
+            "by_bucket_vapo_minus_dapo": {b: round(vb[b] - db[b], 4) for b in BUCKETS if b in vb and b in db},
+            "equal_learner_time": _equal_time(v, d),
+        }
+    return out
