@@ -405,8 +405,10 @@ def run_actor_values(root: Path, args: argparse.Namespace, module: Any = actor_v
     if not args.report_only:
         root.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        for _ in range(2 if phased else 1):
+        for _ in range(2 if phased else 1):  # phase 2 only after a phase 1 without failures (no retry loop)
             failures += run_suite(root.resolve(), [(e, s) for e, s in todo_now() if status(root, e, s) != "done"], args.jobs)
+            if failures:
+                break
         if hasattr(module, "post"):
             module.post(root.resolve(), print)
     print(json.dumps({"bench": "experiments", "suite": label, "failed_runs": failures,

@@ -35,7 +35,9 @@ critic at α = 0.05 / 0.2 / 1.
 Two phases (``pick_phase2``): phase 1 is seed 0 of every cell; once all of it is done, a cell whose VAPO − DAPO
 held-out avg@8 at step 40 differs by more than ``THRESHOLD`` (0.05: twice the largest seed sd of the long
 suite, 0.027) gets seeds 1 and 2 of both arms, largest |difference| first, while the estimated cost fits
-the rest of the 5 h budget (``phase2_budget``). The summary reports the seed-1/2 difference apart ("confirm"), since seed 0 chose the cell.
+the rest of the 5 h budget (``phase2_budget``). The summary reports the seed-1/2 difference apart
+("confirm"), since seed 0 chose the cell. After the runs (``post``) every finished VAPO run's critic is probed
+along long failed responses (``ops/bench/value_curve.py``, ``value_curve.json``, as the long suite does).
 
 Estimated compute on 2 quiet cores (``estimate_minutes``: 9 min per long.yaml run, scaled by the mean response
 length, DAPO's extra generation for dropped uniform groups, VAPO's extra value pretraining): phase 1 is

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -318,3 +319,107 @@ def test_weight_sync_suite_engine_bound_arms_resolve_and_are_opt_in(exp: ModuleT
     summary = ws.summary(tmp_path, exp.load_run)
     assert set(summary) == {"wait", "in_place", "wait_engine_bound", "in_place_engine_bound"}
     assert all(v["seeds_done"] == 0 for v in summary.values())
+
+
+def _edit_records(d: Path, **extra: object) -> None:
+    """Add ``extra`` to every record of the run's metrics.jsonl (``pretrain_s``: seconds of its value_pretrain record)."""
+    recs = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines() if ln.startswith("{\"")]
+    for r in recs:
+        if r["kind"] == "value_pretrain" and "pretrain_s" in extra:
+            r["seconds"] = extra["pretrain_s"]
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+
+
+def test_value_study_cells_resolve_at_equal_samples(exp: ModuleType) -> None:
+    """Every run of the value study is a valid long.yaml config; every cell trains (and pretrains, and decodes
+    at once) the same samples per step at any G, and its two arms differ only in the method's keys."""
+    from common.tasks import get_task
+
+    vs = exp.value_study_suite
+    suite = vs.experiments(exp.Experiment)
+    assert len(suite) == len({e.name for e in suite}) == 15 and all(e.seeds == (0,) and e.steps == 40 for e in suite)
+    cfgs = {e.name: load_config(ROOT / e.config, [*e.overrides, f"learner.total_steps={e.steps}"]) for e in suite}
+    for name, cfg in cfgs.items():
+        g = cfg.actors.group_size
+        assert cfg.task.name == "chain" and g * cfg.learner.batch_groups == 256 and g * cfg.actors.prompts_in_flight == 128
+        vapo = name.endswith("_vapo")
+        assert (cfg.algo.advantage == "gae") == vapo and cfg.buffer.filter_uniform_groups != vapo
+        if vapo:
+            assert g * cfg.value_pretrain.batch_groups == g * cfg.value_pretrain.eval_groups == 256
+    assert sorted(cfgs[f"vs_g{g}_dapo"].actors.group_size for g in (2, 4, 8, 16)) == [2, 4, 8, 16]
+    for c in vs.CELLS:  # the two arms see the same task, group size and batch
+        v, d = (cfgs[n] for n in vs.arms(c).values())
+        assert (v.task, v.actors, v.learner.batch_groups) == (d.task, d.actors, d.learner.batch_groups)
+    hard = cfgs["vs_hard_vapo"].task
+    prompts = get_task(hard).eval_prompts()  # every held-out item of 35-44 additions, all of them long
+    assert hard.min_steps == 35 and len(prompts) == hard.eval_size and {p.bucket for p in prompts} == {"long"}
+    assert cfgs["vs_longest_dapo"].task.min_steps == 20 and cfgs["vs_g8_vapo"].task == cfgs["vs_g2_vapo"].task
+    for a in (1.0, 0.2, 0.05):  # (d): the critic's budget x α, against the G = 8 DAPO arm
+        cell = vs.BY_CELL[f"pt50_a{a:g}"]
+        cfg = cfgs[vs.arms(cell)["vapo"]]
+        assert vs.arms(cell)["dapo"] == "vs_g8_dapo" and cfg.algo.alpha == a
+        assert cfg.value_pretrain.steps == 50 <= cfg.value_pretrain.patience and cfg.actors.group_size == 8
+    assert cfgs["vs_g8_vapo"].value_pretrain.steps == 10 and cfgs["vs_g8_vapo"].algo.alpha == 1.0
+    # The stated estimate: phase 1 as the docstring says, phase 2 the rest of the 5 h.
+    assert f"~{vs.phase1_minutes():.0f} min" in vs.__doc__ and vs.phase1_minutes() + vs.phase2_budget() == 300
+
+
+def _value_study_phase1(root: Path, finals: dict[str, float], skip: str = "") -> None:
+    """Seed 0 of every value-study run but ``skip``, each ending at ``finals[name]`` (default 0.55)."""
+    for name in ["vs_g2_vapo", "vs_g2_dapo", "vs_g4_vapo", "vs_g4_dapo", "vs_g8_vapo", "vs_g8_dapo", "vs_g16_vapo",
+                 "vs_g16_dapo", "vs_hard_vapo", "vs_hard_dapo", "vs_longest_vapo", "vs_longest_dapo",
+                 "vs_pt50_a1_vapo", "vs_pt50_a0.2_vapo", "vs_pt50_a0.05_vapo"]:
+        if name != skip:
+            make_run(root / f"{name}-s0", {0: 0.3, 20: 0.45, 40: finals.get(name, 0.55)})
+
+
+def test_value_study_phase2_follows_phase1(exp: ModuleType, tmp_path: Path) -> None:
+    """Phase 2 waits for every seed-0 run, then gives seeds 1-2 to the cells past the threshold, largest |Δ|
+    first, as far as the budget goes; a shared DAPO arm gets them once, with the cell that needs it."""
+    vs = exp.value_study_suite
+    finals = {"vs_g2_vapo": 0.70, "vs_hard_vapo": 0.43, "vs_g4_vapo": 0.61, "vs_pt50_a0.2_vapo": 0.62,
+              "vs_g16_vapo": 0.56}  # Δ: g2 +0.15, hard −0.12, pt50_a0.2 +0.07, g4 +0.06, g16 +0.01
+    _value_study_phase1(tmp_path, finals, skip="vs_hard_vapo")
+    assert vs.pick_phase2(tmp_path) is None and all(e.seeds == (0,) for e in vs.experiments(exp.Experiment, tmp_path))
+    make_run(tmp_path / "vs_hard_vapo-s1", {0: 0.3, 40: 0.43})  # another seed does not stand in for seed 0
+    assert vs.pick_phase2(tmp_path) is None
+    make_run(tmp_path / "vs_hard_vapo-s0", {0: 0.3, 20: 0.4, 40: 0.43})
+    # ~99 min: g2 (48) fits, hard (90) no longer does, pt50_a0.2 (47, with G = 8's DAPO) does, g4 (39) does not.
+    assert vs.pick_phase2(tmp_path) == ["g2", "pt50_a0.2"]
+    assert vs.pick_phase2(tmp_path, budget_min=1000) == ["g2", "hard", "pt50_a0.2", "g4"]
+    seeds = {e.name: e.seeds for e in vs.experiments(exp.Experiment, tmp_path)}
+    three = {n for n, s in seeds.items() if s == (0, 1, 2)}
+    assert three == {"vs_g2_vapo", "vs_g2_dapo", "vs_pt50_a0.2_vapo", "vs_g8_dapo"}
+    assert all(s == (0,) for n, s in seeds.items() if n not in three)
+    out = subprocess.run([sys.executable, str(ROOT / "ops/bench/experiments.py"), "--suite", "value_study", "--list",
+                          "--root", str(tmp_path)], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert "phase 2 picked g2, pt50_a0.2" in out[0] and len(out) == 1 + 15 + 2 * 4  # 4 runs got seeds 1 and 2
+    assert out[1].split()[:5] == ["vs_g2_vapo-s0", "done", "40", "steps", "~9"]
+
+
+def test_value_study_summary(exp: ModuleType, tmp_path: Path) -> None:
+    """Per cell: each arm's final avg@8 and buckets, Δ over all seeds, seed 0 and seeds 1-2 apart, and at equal
+    learner time with value pretraining's seconds on VAPO's clock."""
+    vs = exp.value_study_suite
+    _value_study_phase1(tmp_path, {"vs_g2_vapo": 0.70})
+    for arm, top in (("vapo", 0.70), ("dapo", 0.55)):
+        for s in (0, 1, 2):
+            d = tmp_path / f"vs_g2_{arm}-s{s}"
+            shutil.rmtree(d, ignore_errors=True)
+            _long_run(d, {0: 0.3, 20: 0.5 if arm == "vapo" else 0.45, 40: top + 0.01 * s}, 0.5)
+    _edit_records(tmp_path / "vs_g2_vapo-s0", pretrain_s=50.0)
+    out = vs.summary(tmp_path, exp.load_run)
+    g2 = out["g2"]
+    assert out["_phase2"] == ["g2"] and g2["phase2"] and not out["g4"]["phase2"]
+    assert g2["vapo"]["per_seed"] == {"0": 0.7, "1": 0.71, "2": 0.72} and g2["dapo"]["final_avg_at_8"] == 0.56
+    assert g2["vapo_minus_dapo"] == g2["vapo_minus_dapo_seed0"] == g2["vapo_minus_dapo_confirm"] == 0.15
+    assert g2["vapo"]["by_bucket"] == {"short": 0.81, "medium": 0.71, "long": 0.61} and g2["vapo"]["ev_mean"] == 0.3
+    assert g2["by_bucket_vapo_minus_dapo"] == {"short": 0.15, "medium": 0.15, "long": 0.15}
+    # 10 s a step: every run's final learner time is 400 s, VAPO seed 0's 450 (50 s pretraining). At 400 s that
+    # seed is 350 s into RL: 0.5 + 0.2 x 150/200 = 0.65; the others are at their finals.
+    assert g2["vapo"]["learner_s"] == pytest.approx((450 + 400 + 400) / 3, abs=0.1)
+    eq = g2["equal_learner_time"]
+    assert eq["t_s"] == 400.0 and eq["vapo"] == pytest.approx((0.65 + 0.71 + 0.72) / 3, abs=1e-4)
+    assert eq["dapo"] == 0.56 and eq["vapo_minus_dapo"] == pytest.approx(eq["vapo"] - 0.56, abs=1e-4)
+    assert out["hard"]["vapo_minus_dapo_confirm"] is None and out["hard"]["vapo_minus_dapo_seed0"] == 0.0
+    assert out["pt50_a1"]["dapo"]["run"] == "vs_g8_dapo"
