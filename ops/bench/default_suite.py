@@ -63,3 +63,15 @@ BY_NAME = {e.name: e for e in SUITE}
 
 def run_name(e: Experiment, seed: int) -> str:
     return f"{e.name}-s{seed}"
+
+
+# A group of the suite with no run under the report's root (the re-measurement from the shipped bases runs
+# the baselines only) gets this pointer instead of a table of "not run yet" rows.
+EARLIER = ("Not re-measured from the shipped bases: the earlier tables (from bases bootstrapped on a machine "
+           "whose details were not recorded) are in [results/earlier.md](results/earlier.md).")
+
+
+def group_ran(runs: dict[str, list], group: str) -> bool:
+    """Whether any experiment of ``group`` (its own runs, not VAPO's reference) has a finished run."""
+    return any(runs.get(e.name) for e in SUITE if e.group == group)
+

@@ -47,7 +47,7 @@ import actor_values_suite  # noqa: E402
 import long_suite  # noqa: E402
 import value_study_suite  # noqa: E402
 import weight_sync_suite  # noqa: E402
-from default_suite import BY_NAME, FULL_STEPS, SHORT_STEPS, SUITE, Experiment, run_name  # noqa: E402
+from default_suite import BY_NAME, EARLIER, FULL_STEPS, SHORT_STEPS, SUITE, Experiment, group_ran, run_name  # noqa: E402
 from run_records import (  # noqa: E402,F401 (the suites read runs through this module)
     TARGET,
     Run,
@@ -147,8 +147,11 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
         got = [load_run(root / run_name(e, s)) for s in e.seeds]
         runs[e.name] = [r for r in got if r is not None]
     figdir = out.parent / "results"
-    lines = (_report_header(root, notes) + _baselines_section(runs, figdir) + _default_run_section(runs.get("vapo", []))
-             + _ablations_section(runs, figdir) + _staleness_section(runs, figdir) + _alpha_section(runs))
+    lines = _report_header(root, notes) + _baselines_section(runs, figdir) + _default_run_section(runs.get("vapo", []))
+    for group, title, make in (("ablations", "Ablations", lambda: _ablations_section(runs, figdir)),
+                               ("staleness", "Async vs synchronous, staleness sweep", lambda: _staleness_section(runs, figdir)),
+                               ("alpha", "α sweep", lambda: _alpha_section(runs))):
+        lines += make() if group_ran(runs, group) else [f"## {title}", "", EARLIER, ""]
     text = "\n".join(lines) + "\n"
     if out.exists():  # the long-horizon suite's section is written by its own report; keep it
         old = out.read_text()

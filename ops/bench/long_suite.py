@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from default_suite import EARLIER
 from run_records import Run, fmt, fmt_k, load_run, mean_std, plot_curves
 
 REPO = Path(__file__).resolve().parents[2]
@@ -247,7 +248,8 @@ def _comparison(rows: dict[str, list[tuple[Path, Run]]], best: float | None, fig
     vapo_name = alpha_name(best) if best is not None else None
     lines = [f"| method | seeds | final avg@8 mean ± sd (min–max) | greedy | short / medium / long avg@8 | samples paid to "
              f"{TARGET:.2f} (mean; per seed) | critic EV (mean over steps) | learner s (net of eval) |", "|---|---|---|---|---|---|---|---|"]
-    order = (([vapo_name] if vapo_name else []) + [alpha_name(0.05)] * (vapo_name != alpha_name(0.05))
+    paper_alpha = vapo_name != alpha_name(0.05) and (not fixed or bool(rows[alpha_name(0.05)]))
+    order = (([vapo_name] if vapo_name else []) + [alpha_name(0.05)] * paper_alpha
              + ["long_dapo", "long_grpo"] + [f for f in FOLLOW_UPS if rows[f]])
     picked = best if best is not None else "?"
     names = {"long_dapo": "DAPO", "long_grpo": "GRPO", "long_vapo_plain": f"VAPO α = {picked}, plain critic",
@@ -284,6 +286,8 @@ def _comparison_row(label: str, rs: list[tuple[Path, Run]]) -> str:
 
 def _alpha_sweep(rows: dict[str, list[tuple[Path, Run]]], best: float | None, fixed: bool = False) -> list[str]:
     """2. The α sweep's seed-0 runs, the picked one marked."""
+    if fixed and not any(rows[alpha_name(a)] for a in ALPHAS if a != best):
+        return ["### α sweep", "", EARLIER, ""]
     lines = ["### α sweep (seed 0; λ_actor = 1 − 1/(α·l))", "",
              "| α | λ at l = 50 / 150 / 400 | final avg@8 | short / medium / long | training reward, last 10 steps | critic EV (mean) |",
              "|---|---|---|---|---|---|"]

@@ -178,7 +178,10 @@ def test_long_suite_with_a_fixed_alpha_skips_the_sweep(exp: ModuleType, tmp_path
     out = tmp_path / "RESULTS.md"
     block = exp.write_long_report(root, out, fixed_alpha=1.0)
     assert "| VAPO α = 1 (fixed, not swept) | 2 | 0.700 ± 0.000" in block and "(picked" not in block
-    assert "| 1 (fixed) |" in block and "| 0.2 | 0.90 / 0.97 / 0.99 | not run yet |" in block
+    assert "VAPO α = 0.05" not in block and "### α sweep\n\nNot re-measured" in block  # a pointer, not empty rows
+    _long_run(root / "long_vapo_a0.2-s0", {0: 0.45, 40: 0.6}, 0.5)
+    block = exp.write_long_report(root, out, fixed_alpha=1.0)
+    assert "| 1 (fixed) |" in block and "| 0.05 | 0.60 / 0.87 / 0.95 | not run yet |" in block
     listed = subprocess.run([sys.executable, str(ROOT / "ops/bench/experiments.py"), "--suite", "long", "--root",
                              str(root), "--alpha", "1", "--list"], capture_output=True, text=True, check=True).stdout
     assert listed.splitlines()[0] == "α given by --alpha: 1" and "long_vapo_a1-s2" in listed and "long_vapo_plain-s0" in listed
@@ -246,6 +249,8 @@ def test_long_suite_picks_alpha_on_training_reward_and_keeps_the_default_tables(
     assert out.read_text() == text
     exp.write_report(tmp_path / "none", out, tmp_path / "no-notes.md")
     assert out.read_text().count(ls.BEGIN) == 1 and "(picked by the sweep)" in out.read_text()
+    # No ablation, staleness or α run under that root: each section points to the earlier tables instead.
+    assert out.read_text().count("Not re-measured from the shipped bases") == 3
     for png in ("long_samples", "long_critic_ev"):
         assert (tmp_path / "results" / f"{png}.png").stat().st_size > 5000
 
