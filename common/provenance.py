@@ -179,9 +179,9 @@ def of_run(run_dir: str | Path) -> dict[str, Any] | None:
 
 
 def machines_line(run_dirs: list[Path]) -> str:
-    """One line for a results table: each distinct machine/versions/threads/base, with its run count and
-    commits, and how many runs recorded none ("unknown")."""
-    groups: dict[str, tuple[int, set[str]]] = {}
+    """One line for a results table: each distinct machine/versions/threads/base, with its run count, the
+    1-minute load its runs started at (range) and their commits, and how many runs recorded none ("unknown")."""
+    groups: dict[str, tuple[int, set[str], list[float]]] = {}
     unknown = 0
     for d in run_dirs:
         p = of_run(d)
@@ -189,13 +189,19 @@ def machines_line(run_dirs: list[Path]) -> str:
             unknown += int((Path(d) / "metrics.jsonl").is_file())
             continue
         c, v, t = p.get("cpu", {}), p.get("versions", {}), p.get("threads", {})
-        key = (f"{c.get('model')} ({c.get('torch_capability')}, {c.get('logical_cpus')} CPUs, load "
-               f"{p.get('load_1m')} at start), torch {v.get('torch')}, deepspeed {v.get('deepspeed')}, threads "
-               f"learner {t.get('learner')} / engine {t.get('engine')}, base {((p.get('base') or {}).get('sha256') or '?')[:12]}")
-        n, commits = groups.get(key, (0, set()))
+        key = (f"{c.get('model')} ({c.get('torch_capability')}, {c.get('logical_cpus')} CPUs), torch {v.get('torch')}, "
+               f"deepspeed {v.get('deepspeed')}, threads learner {t.get('learner')} / engine {t.get('engine')}, "
+               f"base {((p.get('base') or {}).get('sha256') or '?')[:12]}")
+        n, commits, loads = groups.get(key, (0, set(), []))
         sha = (p.get("commit") or {}).get("sha")
-        groups[key] = (n + 1, commits | {(sha or "?")[:10] + ("+dirty" if (p.get("commit") or {}).get("dirty") else "")})
-    parts = [f"{k}: {n} run{'s' if n != 1 else ''}, commit {', '.join(sorted(cs))}" for k, (n, cs) in groups.items()]
+        commits = commits | {(sha or "?")[:10] + ("+dirty" if (p.get("commit") or {}).get("dirty") else "")}
+        groups[key] = (n + 1, commits, loads + [float(p["load_1m"])] if p.get("load_1m") is not None else loads)
+    parts = []
+    for k, (n, cs, loads) in groups.items():
+        # machines shared with other work: the load says how much (a run's wall time depends on it)
+        load = "" if not loads else (f", load {min(loads):g} at start" if min(loads) == max(loads)
+                                     else f", load {min(loads):g}–{max(loads):g} at start")
+        parts.append(f"{k}: {n} run{'s' if n != 1 else ''}{load}, commit {', '.join(sorted(cs))}")
     if unknown:
         parts.append(f"unknown (no metrics.jsonl header): {unknown} run{'s' if unknown != 1 else ''}")
     return "; ".join(parts) if parts else "unknown (no runs)"

@@ -68,5 +68,6 @@ def test_machines_line_names_each_machine_and_the_runs_without_a_header(tiny_mod
     assert provenance.of_run(dirs[2]) is None and provenance.of_run(dirs[0])["kind"] == "header"
     line = provenance.machines_line(dirs)
     p = provenance.of_run(dirs[0])
-    assert f"{p['cpu']['model']} ({p['cpu']['torch_capability']}" in line and ": 2 runs, commit " in line
+    assert f"{p['cpu']['model']} ({p['cpu']['torch_capability']}" in line and ": 2 runs, load " in line
+    assert " at start, commit " in line  # one group whatever each run's load was
     assert p["base"]["sha256"][:12] in line and line.endswith("unknown (no metrics.jsonl header): 1 run")
