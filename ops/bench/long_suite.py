@@ -4,6 +4,8 @@ task, responses 49-400 tokens), run by ``ops/bench/experiments.py --suite long``
     .venv/bin/python ops/bench/experiments.py --suite long              # run what is missing, then report
     .venv/bin/python ops/bench/experiments.py --suite long --list       # the runs and their state
     .venv/bin/python ops/bench/experiments.py --suite long --report-only
+    .venv/bin/python ops/bench/experiments.py --suite long --alpha 1 --only long_vapo_a1 long_dapo long_grpo
+                                                  # the published table: α fixed, no sweep, no follow-ups
 
 Two phases, both resumable (a finished run is skipped, a checkpointed one continued):
 
