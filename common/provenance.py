@@ -155,7 +155,7 @@ def describe(p: dict[str, Any] | None) -> str:
     sha = (p.get("commit") or {}).get("sha")
     dirty = "+dirty" if (p.get("commit") or {}).get("dirty") else ""
     base = (p.get("base") or {}).get("sha256")
-    return (f"{c.get('model', '?')} ({c.get('torch_capability', '?')}, {th} threads), torch {v.get('torch', '?')}, "
+    return (f"{c.get('model', '?')} ({c.get('torch_capability', '?')}, {th} thread{'' if th == 1 else 's'}), torch {v.get('torch', '?')}, "
             f"deepspeed {v.get('deepspeed', '?')}, commit {sha[:10] if sha else '?'}{dirty}"
             + (f", base {base[:12]}" if base else ""))
 
