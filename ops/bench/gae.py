@@ -95,7 +95,7 @@ def bench_shape(B: int, T: int, repeats: int, alpha: float) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5, help="timed repetitions per method (median reported)")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (issue: one thread)")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, as a learner rank runs)")
     ap.add_argument("--alpha", type=float, default=0.05, help="length-adaptive λ coefficient")
     ap.add_argument("--shapes", default="1024x4096,8192x1024", help="comma-separated BxT shapes")
     args = ap.parse_args()
