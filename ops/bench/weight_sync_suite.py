@@ -30,11 +30,11 @@ engine-bound pair (``ENGINE_BOUND``, opt-in: not run unless named) makes generat
     .venv/bin/python ops/bench/experiments.py --suite weight_sync --only ws_long_wait_engine_bound ws_long_in_place_engine_bound
     .venv/bin/python ops/bench/experiments.py --suite weight_sync --only ws_long_wait_engine_bound ws_long_in_place_engine_bound --list
 
-Cost, not measured: 4 more runs of ``STEPS`` steps at equal samples (10,240 each). An engine-bound run's
-wall time is the engines' generation time of those samples; the default-arm ``wait`` runs, whose engines
-were mostly idle, took ~1,150 s of actor wall time each, so expect at most that per run plus the held-out
-evaluations (~1-2 h for the pair on 2 quiet cores). The summary's stall fractions and samples per second
-tell whether the engines were the bottleneck (samples per second below the default arms' means they were).
+Measured (4 runs, 8-9.5 min each on 2 lightly loaded cores): the pair did not make the engines the
+bottleneck here either. Each actor's prompts still waited for credit ~22x the wall time (summed over its 64
+prompts in flight), because on 2 shared cores VAPO's learner, not generation, sets the pace even 4 versions
+ahead; the stall fractions stayed at 0.12-0.14% for both arms. What a saturated engine loses per update is
+measured directly by ``ops/bench/update_stall.py`` (docs/RESULTS.md).
 """
 
 from __future__ import annotations
