@@ -364,7 +364,7 @@ def run_long(root: Path, args: argparse.Namespace) -> int:
 
     failures = 0
     for phase in (1, 2):
-        best = args.alpha if args.alpha is not None else long_suite.pick_alpha(root)
+        best = long_suite.chosen_alpha(root, args.alpha)
         if phase == 2 and best is None:
             log("the α sweep is not finished; phase 2 (picked α's seeds 1-2, DAPO, GRPO, the plain-critic follow-ups) waits for it")
             break
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite == "long":
         root = (REPO / (args.root if args.root != "runs/exp" else "runs/exp-long")).resolve()
         if args.list:
-            best = args.alpha if args.alpha is not None else long_suite.pick_alpha(root)
+            best = long_suite.chosen_alpha(root, args.alpha)
             print(f"α given by --alpha: {best:g}" if args.alpha is not None else
                   f"α picked by the sweep: {'not yet (sweep unfinished)' if best is None else f'{best:g}'}")
             for e in long_suite.experiments(Experiment, best):
@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         failures = run_long(root, args)
         write_long_report(root, REPO / args.out, args.alpha)
         print(json.dumps({"bench": "experiments", "suite": "long", "report": args.out, "failed_runs": failures,
-                          "alpha": args.alpha if args.alpha is not None else long_suite.pick_alpha(root)}))
+                          "alpha": long_suite.chosen_alpha(root, args.alpha)}))
         return 1 if failures else 0
     root = (REPO / args.root).resolve()
     if args.jobs < 1:

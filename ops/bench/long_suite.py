@@ -89,6 +89,11 @@ def train_reward(run_dir: Path, last: int = 10) -> float | None:
     return statistics.fmean(rewards) if len(rewards) >= last else None
 
 
+def chosen_alpha(root: Path, fixed: float | None) -> float | None:
+    """VAPO's α for the picked runs: ``fixed`` (``--alpha``) when given, else the sweep's pick."""
+    return fixed if fixed is not None else pick_alpha(root)
+
+
 def pick_alpha(root: Path) -> float | None:
     """The swept α with the highest late training reward (seed 0); None until every sweep run is done."""
     scores = {}
@@ -187,7 +192,7 @@ def _bucket_acc(rec: dict[str, Any], bucket: str) -> float | None:
 def section(root: Path, figdir: Path, fixed_alpha: float | None = None) -> str:
     """The markdown section (with its markers) from the finished runs under ``root``; ``fixed_alpha`` is the α
     given on the command line instead of the sweep's pick."""
-    best = fixed_alpha if fixed_alpha is not None else pick_alpha(root)
+    best = chosen_alpha(root, fixed_alpha)
     rows = _finished_runs(root)
     vapo_name = alpha_name(best) if best is not None else None
     lines = [BEGIN, "", "## Long-horizon miniature: VAPO vs DAPO vs GRPO where the value model should matter", ""]

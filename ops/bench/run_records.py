@@ -133,7 +133,7 @@ def load_run(d: Path) -> Run | None:
     t_launch = (d / "config.yaml").stat().st_mtime
     base_info = REPO / cfg["model"]["path"] / "vapo_info.json"
     built_here = base_info.exists() and base_info.stat().st_mtime > t_launch
-    shipped = Path(cfg["model"]["path"]).parent.as_posix() == "ops/bases"
+    shipped = (REPO / cfg["model"]["path"]).resolve().parent == REPO / "ops" / "bases"
     if not built_here and not shipped:
         # The suite's own bootstrap (built by a launch under the same conditions) is preferred to the
         # base's record, which may come from a differently loaded machine.
