@@ -188,13 +188,6 @@ def mean_of(reps: list[dict[str, Any]], mode: str) -> dict[str, Any]:
     return out
 
 
-def nudge(model: torch.nn.Module) -> None:
-    """The next version: every weight + 1e-4 (small enough that a dozen versions change nothing that matters)."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1e-4)
-
-
 async def start(tmp: Path, batch: int, key: str) -> tuple[RolloutServerProcess, SGLangClient]:
     cfg = load_config(None, [f"engine.max_batch_size={batch}", "engine.threads=1", "engine.base_port=0",
                              "engine.batch_wait_ms=0", "engine.startup_timeout_s=300"])
@@ -217,7 +210,7 @@ class Versions:
         first = self.version + 1
         for _ in range(n):
             self.version += 1
-            nudge(self.model)
+            weight_sync.perturb(self.model, 1e-4)
             write_version(self.root, self.version, self.model, None)
 
         async def update(k: int) -> None:
@@ -229,7 +222,7 @@ class Versions:
         first, self.version = self.version + 1, self.version + n
 
         async def update(k: int) -> None:
-            nudge(self.model)  # ~1 ms on 0.6M params
+            weight_sync.perturb(self.model, 1e-4)  # ~1 ms on 0.6M params; small enough for a dozen versions
             res, reports = await weight_sync.push_version(self.pusher, self.model, first + k, [self.client], None)
             bad = [r for r in reports if isinstance(r, BaseException)]
             if bad or not res.broadcast:

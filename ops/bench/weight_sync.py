@@ -116,11 +116,11 @@ async def open_group(pusher: WeightPusher, clients: list[SGLangClient]) -> None:
     await joined
 
 
-def perturb(model: torch.nn.Module) -> None:
-    """A new version: every weight + 1e-3 (a push that did not land leaves the engines on the old one)."""
+def perturb(model: torch.nn.Module, delta: float = 1e-3) -> None:
+    """A new version: every weight + ``delta`` (a push that did not land leaves the engines on the old one)."""
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(1e-3)
+            p.add_(delta)
 
 
 def disk_digest(path: Path) -> str:
