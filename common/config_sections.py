@@ -76,6 +76,7 @@ class ModelConfig:
     path: str = f("ops/bases/addition-tiny", "HF model dir of the base policy (shipped: ops/bases/*, checked against its manifest.json); built by learner.sft if missing")
     rebuild: bool = f(False, "ops/launch.sh: rebuild model.path with learner.sft even when it exists (replaces it and its manifest; a modified shipped base is refused without this)")
     dtype: str = f("float32", "parameter dtype for engines and learner: float32 | bfloat16 | float16")
+    critic_path: str = f("", "HF model dir the critic's backbone starts from, e.g. a larger model than the policy (empty = model.path); must share model.path's tokenizer")
     bootstrap: BootstrapConfig = sub(BootstrapConfig, "how learner.sft builds the embedded base policy")
 
 

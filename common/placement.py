@@ -406,6 +406,13 @@ def check_memory(cfg: Config, plan: Plan, engine_gpus: list[int], learner_gpus: 
         return {}
     try:
         n = count_parameters(hf)
+        n["embedding"] = n["vocab"] * n["hidden"]
+        critic_hf = read_model_config(cfg.model.critic_path) if cfg.model.critic_path else None
+        if critic_hf is not None:  # a critic of its own shape (model.critic_path)
+            c = count_parameters(critic_hf)
+            n["critic"], n["embedding"] = c["critic"], max(n["embedding"], c["vocab"] * c["hidden"])
+        elif cfg.model.critic_path:
+            plan.notes.append(f"critic sized as the policy: no config.json under model.critic_path={cfg.model.critic_path}")
     except (KeyError, TypeError, ValueError) as e:
         plan.notes.append(f"memory not checked: cannot read the model shape from config.json ({e})")
         return {}
@@ -418,7 +425,7 @@ def check_memory(cfg: Config, plan: Plan, engine_gpus: list[int], learner_gpus: 
     wbytes = 4 if cfg.model.dtype == "float32" else 2
     # ZeRO-3 builds the critic beside the policy's states, one submodule at a time (deepspeed.zero.Init):
     # the largest, the embedding (or an untied LM head), is whole on the GPU for a moment.
-    build_peak = learner_states + (n["vocab"] * n["hidden"] * wbytes / GIB if lc.zero_stage == 3 else 0.0)
+    build_peak = learner_states + (n["embedding"] * wbytes / GIB if lc.zero_stage == 3 else 0.0)
     tp = engine_tp(cfg)
     engine_weights = n["policy"] * wbytes / tp / GIB if engine_gpus else 0.0
     engine_fraction = cfg.engine.sglang_mem_fraction_static if cfg.engine.kind == "sglang" else 0.0

@@ -64,6 +64,9 @@ def missing_files(cfg: Config, root: Path) -> list[str]:
     model = _path(root, cfg.model.path)
     if not (model / "config.json").is_file() and not can_bootstrap(cfg):
         problems.append(f"model.path: {model} has no config.json (a local HF checkpoint; nothing is downloaded)")
+    if cfg.model.critic_path and not (_path(root, cfg.model.critic_path) / "config.json").is_file():
+        problems.append(f"model.critic_path: {_path(root, cfg.model.critic_path)} has no config.json (the critic's base "
+                        "is never built by the launcher: python -m learner.sft CONFIG model.path=DIR builds one)")
     if cfg.task.name.startswith("jsonl:"):
         data = _path(root, cfg.task.name.split(":", 1)[1])
         if not data.is_file():

@@ -135,9 +135,13 @@ def collect(model_path: str | Path | None = None, configured_threads: dict[str, 
 
 
 def for_config(cfg: Any) -> dict[str, Any]:
-    """``collect`` for a run's config: its base model and the thread settings of each role."""
-    return collect(cfg.model.path, {"learner": cfg.learner.threads, "engine": cfg.engine.threads,
-                                    "bootstrap": cfg.model.bootstrap.threads})
+    """``collect`` for a run's config: its base model (and the critic's, when it has its own), and the thread
+    settings of each role."""
+    out = collect(cfg.model.path, {"learner": cfg.learner.threads, "engine": cfg.engine.threads,
+                                   "bootstrap": cfg.model.bootstrap.threads})
+    if cfg.model.critic_path:
+        out["critic_base"] = {"path": str(cfg.model.critic_path), "sha256": base_checksum(cfg.model.critic_path)}
+    return out
 
 
 def machine_key(p: dict[str, Any]) -> tuple[Any, ...]:

@@ -5,7 +5,7 @@ Used by ``learner.train``, ``learner.value_pretrain`` and ``learner.runner``; no
 calls ``learner.dist.setup_distributed`` first (idempotent):
 
     policy = build_policy(cfg)
-    critic = build_critic(cfg)            # backbone initialised from the base policy
+    critic = build_critic(cfg)            # backbone from model.critic_path, else the base policy
 
 "Engine" in this project means a rollout inference engine (config section ``engine``); what DeepSpeed
 calls its engine is, here, simply the policy or the critic. Both use ``managed_gradient_accumulation =
@@ -23,6 +23,9 @@ CPU: gloo, and the optimizer is a plain ``torch.optim.AdamW`` instance (a DeepSp
 JIT-builds a C++ op on CPU); ``learner.dist`` explains the shared-memory op it keeps from compiling. CUDA
 uses NCCL and the same code.
 
+The critic may start from a different (e.g. larger) model than the policy, ``model.critic_path``, as verl's
+``critic.model.path`` allows; it must read the policy's token ids (``check_critic_base``).
+
 Deviation from the paper: none in the model; the value head is a fp32 ``Linear(hidden, 1)`` initialised
 deliberately (weight ~ N(0, std²), bias = prior mean reward; learner.value_head_init_*), with every
 dropout probability of the backbone config set to 0 (dropout makes V(s) noisy between the value pass
@@ -31,6 +34,7 @@ and the update, and some libraries default a value head's dropout to 0.1).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -207,15 +211,45 @@ def load_policy_module(path: str | Path, dtype: str = "float32", activation_chec
     return model
 
 
+def critic_base(cfg: Config) -> Path:
+    """The HF model the critic's backbone starts from: model.critic_path, else the policy's base."""
+    return Path(cfg.model.critic_path or cfg.model.path)
+
+
+def check_critic_base(policy: str | Path, critic: str | Path) -> None:
+    """ConfigError unless the critic's base reads the policy's token ids: the same vocabulary (token -> id), an
+    embedding row for every id the policy can emit, and at least the policy's context. A critic from another
+    tokenizer family would silently embed the wrong tokens: its values would be noise, not an error."""
+    from common.config import ConfigError
+    from common.modeling import load_tokenizer
+
+    pc, cc = (json.loads((Path(d) / "config.json").read_text()) for d in (policy, critic))
+    pc, cc = pc.get("text_config", pc), cc.get("text_config", cc)
+    try:
+        same = load_tokenizer(policy).get_vocab() == load_tokenizer(critic).get_vocab()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.critic_path={critic}: cannot compare its tokenizer with model.path's ({e})") from e
+    problems = [] if same else ["its tokenizer's vocabulary differs from model.path's"]
+    if int(cc["vocab_size"]) < int(pc["vocab_size"]):
+        problems.append(f"vocab_size {cc['vocab_size']} < the policy's {pc['vocab_size']}")
+    cpos, ppos = (int(c.get("max_position_embeddings", 0)) for c in (cc, pc))
+    if cpos < ppos:
+        problems.append(f"max_position_embeddings {cpos} < the policy's {ppos}")
+    if problems:
+        raise ConfigError(f"model.critic_path={critic} cannot be the critic of {policy}: " + "; ".join(problems))
+
+
 def load_critic_module(cfg: Config, path: str | Path | None = None, partitioned: bool = False) -> Critic:
-    """The critic initialised from the base policy (``path`` defaults to cfg.model.path); when ``path``
-    holds a saved critic (``save_critic``), its value head is loaded too. ``partitioned``: the backbone is
-    built ZeRO-3-partitioned (the small heads are not; ``deepspeed.initialize`` partitions them)."""
+    """The critic initialised from ``critic_base(cfg)`` (or from ``path``); when ``path`` holds a saved
+    critic (``save_critic``), its value head is loaded too. ``partitioned``: the backbone is built
+    ZeRO-3-partitioned (the small heads are not; ``deepspeed.initialize`` partitions them)."""
     from transformers import AutoConfig, AutoModel
 
     from common.config import ConfigError
 
-    src = Path(path or cfg.model.path)
+    src = Path(path) if path else critic_base(cfg)
+    if path is None and cfg.model.critic_path and src.resolve() != Path(cfg.model.path).resolve():
+        check_critic_base(cfg.model.path, src)
     hf_cfg = AutoConfig.from_pretrained(str(src))
     if cfg.learner.value_head_surprise and not getattr(hf_cfg, "tie_word_embeddings", False):
         # The surprise features read log-probs through the input embeddings, which are the LM head only

@@ -336,3 +336,28 @@ def test_srun_engines_and_actors_get_the_cpus_of_a_node() -> None:
     plan = build_plan(cfg, "/run/config.yaml", "/venv/bin/python", ROOT, Path("/run"), hf_config=QWEN_7B,
                       environ={"SLURM_CPUS_ON_NODE": "96", "PATH": ""})
     assert "--cpus-per-task=96" in plan.proc("actor-5").argv
+
+
+def test_a_critic_of_its_own_shape_is_counted_in_the_memory_check(tmp_path: Path) -> None:
+    """model.critic_path: the learner holds the critic's own parameters (a 32B critic beside a 7B policy), and
+    its larger embedding is the ZeRO-3 build transient."""
+    import json
+    from types import SimpleNamespace
+
+    from common.placement import check_memory
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_32B))
+
+    def check(*extra: str) -> dict:
+        cfg = load_config(None, ["learner.zero_stage=3", "learner.precision=bf16", "model.dtype=bfloat16",
+                                 "placement.gpu_memory_gib=1000", *extra])
+        return check_memory(cfg, SimpleNamespace(notes=[]), [], list(range(8)), QWEN_7B)
+
+    same, big = check(), check(f"model.critic_path={tmp_path}")
+    assert same["critic_params_b"] == round(count_parameters(QWEN_7B)["critic"] / 1e9, 3)
+    assert big["critic_params_b"] == round(count_parameters(QWEN_32B)["critic"] / 1e9, 3)
+    grown = model_state_bytes(count_parameters(QWEN_32B)["critic"] - count_parameters(QWEN_7B)["critic"], 3, 8, "bf16")
+    assert big["learner_states_gib_per_gpu"] - same["learner_states_gib_per_gpu"] == pytest.approx(grown / GIB, abs=0.02)
+    transient = (152064 * 5120 - 152064 * 3584) * 2 / GIB  # the 32B embedding instead of the 7B one
+    assert (big["learner_build_peak_gib_per_gpu"] - big["learner_states_gib_per_gpu"]
+            - same["learner_build_peak_gib_per_gpu"] + same["learner_states_gib_per_gpu"]) == pytest.approx(transient, abs=0.02)

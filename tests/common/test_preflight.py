@@ -87,3 +87,14 @@ def test_admin_key_file_and_resume_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "admin.key").write_text("k")
     (tmp_path / "ckpt" / "step_10").mkdir(parents=True)  # a checkpoint may be a directory
     assert missing_files(cfg, tmp_path) == []
+
+
+def test_a_critic_path_without_a_model_is_named(tmp_path: Path) -> None:
+    """The launcher builds a missing policy base, never a critic's: a critic_path without config.json is refused."""
+    cfg = load_config(None, ["model.critic_path=models/critic"])
+    assert missing_files(cfg, tmp_path) == [
+        f"model.critic_path: {tmp_path / 'models' / 'critic'} has no config.json (the critic's base is never built "
+        "by the launcher: python -m learner.sft CONFIG model.path=DIR builds one)"]
+    (tmp_path / "models" / "critic").mkdir(parents=True)
+    (tmp_path / "models" / "critic" / "config.json").write_text("{}")
+    assert missing_files(cfg, tmp_path) == []

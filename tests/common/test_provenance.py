@@ -71,3 +71,14 @@ def test_machines_line_names_each_machine_and_the_runs_without_a_header(tiny_mod
     assert f"{p['cpu']['model']} ({p['cpu']['torch_capability']}" in line and ": 2 runs, load " in line
     assert " at start, commit " in line  # one group whatever each run's load was
     assert p["base"]["sha256"][:12] in line and line.endswith("unknown (no metrics.jsonl header): 1 run")
+
+
+def test_a_run_with_a_critic_of_its_own_records_that_base_too(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from common.config import load_config
+
+    critic = tmp_path / "critic"
+    shutil.copytree(tiny_model_dir, critic)
+    assert "critic_base" not in provenance.for_config(load_config(None, [f"model.path={tiny_model_dir}"]))
+    p = provenance.for_config(load_config(None, [f"model.path={tiny_model_dir}", f"model.critic_path={critic}"]))
+    assert p["critic_base"] == {"path": str(critic), "sha256": weights_sha256(critic)}
+    assert p["base"]["path"] == str(tiny_model_dir)
