@@ -9,12 +9,9 @@ the embedded default task (addition, the 0.6M-parameter base). Writes ``docs/RES
     .venv/bin/python ops/bench/experiments.py --report-only      # re-make docs/RESULTS.md from finished runs
     .venv/bin/python ops/bench/experiments.py --jobs 2           # runs in parallel, each on its own ports
     .venv/bin/python ops/bench/experiments.py --suite long       # the long-horizon task (long_suite.py)
-    .venv/bin/python ops/bench/experiments.py --suite actor_values   # pre- vs post-update critic for the
-                                                                     # actor's advantages (actor_values_suite.py)
-    .venv/bin/python ops/bench/experiments.py --suite weight_sync    # draining (wait) vs in-place weight updates
-                                                                     # on the long task (weight_sync_suite.py)
-    .venv/bin/python ops/bench/experiments.py --suite value_study    # where VAPO beats DAPO: small G, hard and long
-                                                                     # chains, critic budget (value_study_suite.py)
+    .venv/bin/python ops/bench/experiments.py --suite actor_values   # pre- vs post-update critic (actor_values_suite.py)
+    .venv/bin/python ops/bench/experiments.py --suite weight_sync    # drain vs in-place updates (weight_sync_suite.py)
+    .venv/bin/python ops/bench/experiments.py --suite value_study    # where VAPO beats DAPO (value_study_suite.py)
 
 Every run is a plain ``ops/launch.sh <config> run.root=runs/exp run.name=<exp>-s<seed> ...``; its
 directory is the record. Resumable: a run with ``summary.json`` is done and skipped, a run with a checkpoint
@@ -390,8 +387,9 @@ def run_actor_values(root: Path, args: argparse.Namespace, module: Any = actor_v
                      label: str = "actor_values") -> int:
     """A suite of arms with a JSON summary (actor_values_suite.py, weight_sync_suite.py, value_study_suite.py):
     run what is missing, print one JSON summary line. A phased module (``PHASED``: value_study) lists its runs
-    from what is done under ``root``, so a second pass runs the phase-2 seeds phase 1 earned; its ``post``
-    (if any) follows the runs. A module's ``OPT_IN`` arms run only when named with --only."""
+    from what is done under ``root``, so a second pass runs the phase-2 seeds phase 1 earned; its ``prepare``
+    (if any: files its runs read) precedes the runs, its ``post`` follows them. A module's ``OPT_IN`` arms run
+    only when named with --only."""
     phased = getattr(module, "PHASED", False)
     opt_in = getattr(module, "OPT_IN", frozenset())
 
@@ -412,6 +410,8 @@ def run_actor_values(root: Path, args: argparse.Namespace, module: Any = actor_v
     if not args.report_only:
         root.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if hasattr(module, "prepare"):
+            module.prepare(print)
         for _ in range(2 if phased else 1):  # phase 2 only after a phase 1 without failures (no retry loop)
             failures += run_suite(root.resolve(), [(e, s) for e, s in todo_now() if status(root, e, s) != "done"], args.jobs)
             if failures:

@@ -18,19 +18,19 @@ at once are the same at every G). The cells:
   sampling drops them; ``task.eval_size=189`` is every held-out item of that range;
 - (c) the longest chains: ``task.min_steps=20`` (the ``long`` bucket only, 184-400 tokens, base ~11%);
 - (d) a critic that can assign credit, VAPO only (against the G = 8 cell's DAPO): 50 value-pretraining
-  steps instead of 10 (patience 50, so it does not stop early) at α = 1, 0.2 and 0.05.
+  steps instead of 10 (patience 50, so it does not stop early) at α = 1, 0.2 and 0.05, with the policy-sized
+  critic (``pt50_*``) and with a critic twice the policy (``x2_*``: ``model.critic_path`` = the shipped
+  chain-tiny base grown from 3 to 6 layers, 0.60M -> 1.19M parameters, by ``learner.grow``; ``prepare``
+  builds it in seconds). The pair at each α separates capacity from pretraining budget.
 
 Without a new base, difficulty on ``chain`` comes only from length (the per-line slip rate is the base's, set
 by ``model.bootstrap.teacher_error_rate`` when it is built): a higher slip rate needs a new base (a new
 ``model.path`` with that key, built by ``ops/launch.sh``, ~11-40 min of SFT here) or a higher
-``actors.temperature``, which changes the held-out evaluation too; neither is in the scan.
-
-Missing config key (no product code added here): a critic larger than the policy. The critic is always the
-policy's own backbone (``learner/models.py: load_critic_module`` reads ``cfg.model.path``, or the pretrained
-critic's directory). Needed: a ``learner.critic_model_path`` (default empty = ``model.path``) read by
-``load_critic_module`` and ``value_pretrain``, plus a way to build it (e.g. ``learner.sft`` with a larger
-``model.bootstrap`` shape on the same tokenizer, tied embeddings for the surprise head); then (d) adds that
-critic at α = 0.05 / 0.2 / 1.
+``actors.temperature``, which changes the held-out evaluation too; neither is in the scan. Likewise the larger
+critic is grown from the policy's base rather than pretrained at its size: a wider model trained as long as
+the base (600 SFT steps) would cost 1-2 h here, and a critic that is a worse language model than the policy
+would also have worse surprise features (its own LM head reads them); growing keeps them the policy's at the
+start. A larger pretrained critic, as used in practice, is one ``model.critic_path`` away.
 
 Two phases (``pick_phase2``): phase 1 is seed 0 of every cell; once all of it is done, a cell whose VAPO − DAPO
 held-out avg@8 at step 40 differs by more than ``THRESHOLD`` (0.05: about twice the seed sd of the long
@@ -39,10 +39,11 @@ the rest of the 5 h budget (``phase2_budget``). The summary reports the seed-1/2
 ("confirm"), since seed 0 chose the cell. After the runs (``post``) every finished VAPO run's critic is probed
 along long failed responses (``ops/bench/value_curve.py``, ``value_curve.json``, as the long suite does).
 
-Estimated compute on 2 quiet cores (``estimate_minutes``: 9 min per long.yaml run, scaled by the mean response
-length, DAPO's extra generation for dropped uniform groups, VAPO's extra value pretraining): phase 1 is
-15 runs (the G = 8 DAPO arm serves the (d) cells too), ~213 min (a: 85, b: 50, c: 36, d: 43); phase 2 at
-most the remaining ~87 min (e.g. one (a) cell's two arms, 42-54 min; the (b) cell's would take 100 min); total <= 5 h.
+Estimated compute on 2 quiet cores (``estimate_minutes``: 8 min per VAPO long.yaml run, scaled by the mean
+response length; DAPO, with no critic, 0.55 of that plus its extra generation for dropped uniform groups;
+VAPO's extra value pretraining; ``critic_cost`` 1.3 for the 2x critic): phase 1 is 18 runs (the G = 8 DAPO arm
+serves the (d) cells too), ~200 min (a: 56, b: 32, c: 23, d: 88); phase 2 at most the remaining ~100 min (e.g.
+one (a) cell's two arms, 28-34 min; the (b) cell's would take 64 min); total <= 5 h.
 ``--list`` prints each run's estimate; loaded cores (another job running) make every run slower.
 
 The summary is one JSON line, per cell: each arm's final held-out avg@8 (mean, per seed), per length bucket,
@@ -69,7 +70,8 @@ SEQS_IN_FLIGHT = 128       # actors.prompts_in_flight x G (long.yaml: 16 x 8)
 THRESHOLD = 0.05           # |VAPO − DAPO| final avg@8 (seed 0) that earns a cell seeds 1 and 2
 PHASE2_SEEDS = (1, 2)
 BUDGET_MIN = 300.0         # the issue's 5 h
-RUN_MIN = 9.0              # one long.yaml run of 40 steps on quiet cores (8-10 min)
+RUN_MIN = 8.0              # one VAPO long.yaml run of 40 steps on quiet cores (measured 7.9-8.4 min at G = 2, 4, 8)
+DAPO_SHARE = 0.55          # a DAPO run (no critic) against a VAPO one, before regenerated groups (measured at G = 8)
 BUCKETS = ("short", "medium", "long")
 PHASED = True              # experiments() reads root: experiments.run_actor_values runs a second pass for phase 2
 
@@ -86,6 +88,7 @@ class Cell:
     max_steps: int = 44
     base_acc: float = 0.21        # the shipped base's held-out accuracy on the cell's task (RESULTS.md)
     group_size: int = 8
+    critic_cost: float = 1.0      # a VAPO run's time relative to one with a policy-sized critic (estimate)
 
 
 def group_overrides(g: int) -> tuple[str, ...]:
@@ -96,6 +99,10 @@ def group_overrides(g: int) -> tuple[str, ...]:
 
 
 PT50 = ("value_pretrain.steps=50", "value_pretrain.patience=50")
+# A critic twice the policy: the shipped chain-tiny base grown from 3 to 6 layers by block expansion
+# (learner.grow: the copies start as identity blocks, so it starts as the policy's own function); prepare() builds it.
+CRITIC_X2 = "runs/bases/chain-tiny-x2"
+CRITIC_X2_SOURCE, CRITIC_X2_LAYERS = "ops/bases/chain-tiny", 6
 CELLS: tuple[Cell, ...] = (
     *(Cell(f"g{g}", "a", f"G = {g}, {SAMPLES_PER_STEP // g} prompts per step", group_overrides(g), group_size=g)
       for g in (2, 4, 8, 16)),
@@ -105,6 +112,9 @@ CELLS: tuple[Cell, ...] = (
          min_steps=20, base_acc=0.11),
     *(Cell(f"pt50_a{a:g}", "d", f"50 value-pretraining steps, α = {a:g} (vs DAPO at G = 8)",
            group_overrides(8), (*PT50, f"algo.alpha={a}"), dapo_cell="g8") for a in (1.0, 0.2, 0.05)),
+    *(Cell(f"x2_a{a:g}", "d", f"critic 2x the policy (6 layers, 1.19M), 50 value-pretraining steps, α = {a:g} "
+           "(vs DAPO at G = 8)", group_overrides(8), (f"model.critic_path={CRITIC_X2}", *PT50, f"algo.alpha={a}"),
+           dapo_cell="g8", critic_cost=1.3) for a in (1.0, 0.2, 0.05)),
 )
 BY_CELL = {c.name: c for c in CELLS}
 
@@ -130,9 +140,9 @@ def estimate_minutes(c: Cell, arm: str) -> float:
     t = RUN_MIN * (9 * _mean_steps(c.min_steps, c.max_steps) + 4) / (9 * _mean_steps(5, 44) + 4)
     if arm == "dapo":
         p, g = c.base_acc, c.group_size
-        return t * (0.5 + 0.5 / (1 - p ** g - (1 - p) ** g))
+        return DAPO_SHARE * t * (0.5 + 0.5 / (1 - p ** g - (1 - p) ** g))
     extra = sum(int(o.split("=")[1]) - 10 for o in c.vapo if o.startswith("value_pretrain.steps="))
-    return t * (1 + 0.6 * extra / STEPS)
+    return t * (1 + 0.6 * extra / STEPS) * c.critic_cost
 
 
 def runs() -> dict[str, tuple[Cell, str]]:
@@ -213,6 +223,18 @@ def pick_phase2(root: Path, budget_min: float | None = None) -> list[str] | None
             paid |= new
             left -= cost
     return picked
+
+
+def prepare(log: Any) -> None:
+    """The files the runs read that no run makes: the grown critic base (seconds; kept across sittings)."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    if not (repo / CRITIC_X2 / "config.json").is_file():
+        log(f"value_study: building the 2x critic base {CRITIC_X2} from {CRITIC_X2_SOURCE}")
+        subprocess.run([sys.executable, "-m", "learner.grow", CRITIC_X2_SOURCE, CRITIC_X2, "--layers",
+                        str(CRITIC_X2_LAYERS)], cwd=repo, check=True)
 
 
 def post(root: Path, log: Any) -> None:

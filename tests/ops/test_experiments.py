@@ -342,7 +342,7 @@ def test_value_study_cells_resolve_at_equal_samples(exp: ModuleType) -> None:
 
     vs = exp.value_study_suite
     suite = vs.experiments(exp.Experiment)
-    assert len(suite) == len({e.name for e in suite}) == 15 and all(e.seeds == (0,) and e.steps == 40 for e in suite)
+    assert len(suite) == len({e.name for e in suite}) == 18 and all(e.seeds == (0,) and e.steps == 40 for e in suite)
     cfgs = {e.name: load_config(ROOT / e.config, [*e.overrides, f"learner.total_steps={e.steps}"]) for e in suite}
     for name, cfg in cfgs.items():
         g = cfg.actors.group_size
@@ -364,6 +364,9 @@ def test_value_study_cells_resolve_at_equal_samples(exp: ModuleType) -> None:
         cfg = cfgs[vs.arms(cell)["vapo"]]
         assert vs.arms(cell)["dapo"] == "vs_g8_dapo" and cfg.algo.alpha == a
         assert cfg.value_pretrain.steps == 50 <= cfg.value_pretrain.patience and cfg.actors.group_size == 8
+        x2 = cfgs[vs.arms(vs.BY_CELL[f"x2_a{a:g}"])["vapo"]]  # the same, with the critic twice the policy
+        assert x2.model.critic_path == vs.CRITIC_X2 and x2.algo == cfg.algo and x2.value_pretrain == cfg.value_pretrain
+        assert vs.arms(vs.BY_CELL[f"x2_a{a:g}"])["dapo"] == "vs_g8_dapo" and not cfg.model.critic_path
     assert cfgs["vs_g8_vapo"].value_pretrain.steps == 10 and cfgs["vs_g8_vapo"].algo.alpha == 1.0
     # The stated estimate: phase 1 as the docstring says, phase 2 the rest of the 5 h.
     assert f"~{vs.phase1_minutes():.0f} min" in vs.__doc__ and vs.phase1_minutes() + vs.phase2_budget() == 300
@@ -373,7 +376,8 @@ def _value_study_phase1(root: Path, finals: dict[str, float], skip: str = "") ->
     """Seed 0 of every value-study run but ``skip``, each ending at ``finals[name]`` (default 0.55)."""
     for name in ["vs_g2_vapo", "vs_g2_dapo", "vs_g4_vapo", "vs_g4_dapo", "vs_g8_vapo", "vs_g8_dapo", "vs_g16_vapo",
                  "vs_g16_dapo", "vs_hard_vapo", "vs_hard_dapo", "vs_longest_vapo", "vs_longest_dapo",
-                 "vs_pt50_a1_vapo", "vs_pt50_a0.2_vapo", "vs_pt50_a0.05_vapo"]:
+                 "vs_pt50_a1_vapo", "vs_pt50_a0.2_vapo", "vs_pt50_a0.05_vapo", "vs_x2_a1_vapo", "vs_x2_a0.2_vapo",
+                 "vs_x2_a0.05_vapo"]:
         if name != skip:
             make_run(root / f"{name}-s0", {0: 0.3, 20: 0.45, 40: finals.get(name, 0.55)})
 
@@ -389,22 +393,23 @@ def test_value_study_phase2_follows_phase1(exp: ModuleType, tmp_path: Path, monk
     make_run(tmp_path / "vs_hard_vapo-s1", {0: 0.3, 40: 0.43})  # another seed does not stand in for seed 0
     assert vs.pick_phase2(tmp_path) is None
     make_run(tmp_path / "vs_hard_vapo-s0", {0: 0.3, 20: 0.4, 40: 0.43})
-    # ~87 min: g2 (54) fits; then neither hard (100), pt50_a0.2 (48, with G = 8's DAPO) nor g4 (42) does.
-    assert vs.pick_phase2(tmp_path) == ["g2"]
-    assert vs.pick_phase2(tmp_path, budget_min=110) == ["g2", "pt50_a0.2"]  # hard (100) skipped, the next that fits taken
+    # ~100 min: g2 (34) and hard (64) fit; then neither pt50_a0.2 (35, with G = 8's DAPO) nor g4 (28) does.
+    assert vs.pick_phase2(tmp_path) == ["g2", "hard"]
+    assert vs.pick_phase2(tmp_path, budget_min=70) == ["g2", "pt50_a0.2"]  # hard skipped, the next that fits taken
     assert vs.pick_phase2(tmp_path, budget_min=1000) == ["g2", "hard", "pt50_a0.2", "g4"]
     seeds = {e.name: e.seeds for e in vs.experiments(exp.Experiment, tmp_path)}
     three = {n for n, s in seeds.items() if s == (0, 1, 2)}
-    assert three == {"vs_g2_vapo", "vs_g2_dapo"}
+    assert three == {"vs_g2_vapo", "vs_g2_dapo", "vs_hard_vapo", "vs_hard_dapo"}
     assert all(s == (0,) for n, s in seeds.items() if n not in three)
     out = subprocess.run([sys.executable, str(ROOT / "ops/bench/experiments.py"), "--suite", "value_study", "--list",
                           "--root", str(tmp_path)], capture_output=True, text=True, check=True).stdout.splitlines()
-    assert "phase 2 picked g2" in out[0] and len(out) == 1 + 15 + 2 * 2  # 2 runs got seeds 1 and 2
-    assert out[1].split()[:5] == ["vs_g2_vapo-s0", "done", "40", "steps", "~9"]
-    monkeypatch.setattr(vs, "BUDGET_MIN", vs.BUDGET_MIN + 23)  # ~110 min for phase 2: pt50_a0.2 fits too
+    assert "phase 2 picked g2, hard" in out[0] and len(out) == 1 + 18 + 4 * 2  # 4 runs got seeds 1 and 2
+    assert out[1].split()[:5] == ["vs_g2_vapo-s0", "done", "40", "steps", "~8"]
+    monkeypatch.setattr(vs, "BUDGET_MIN", vs.BUDGET_MIN + 34)  # ~134 min for phase 2: pt50_a0.2 fits too
     seeds = {e.name: e.seeds for e in vs.experiments(exp.Experiment, tmp_path)}
     # its DAPO arm is G = 8's, which gets seeds 1 and 2 once, with the cell that needs it
-    assert {n for n, s in seeds.items() if s == (0, 1, 2)} == {"vs_g2_vapo", "vs_g2_dapo", "vs_pt50_a0.2_vapo", "vs_g8_dapo"}
+    assert {n for n, s in seeds.items() if s == (0, 1, 2)} == {"vs_g2_vapo", "vs_g2_dapo", "vs_hard_vapo", "vs_hard_dapo",
+                                                              "vs_pt50_a0.2_vapo", "vs_g8_dapo"}
 
 
 def test_value_study_summary(exp: ModuleType, tmp_path: Path) -> None:
