@@ -15,6 +15,13 @@ the share of responses where it is negative, the mean absolute one-token change 
 and the mean curve from 2 lines before to 4 lines after. The same numbers for the correct responses of the
 bucket give the reference: their value should stay high to the end.
 
+Credit, from the same values: the actor's advantages the learner would form over this batch (GAE with the
+run's λ_actor, length-adaptive by α, whitened over the batch), and of each failed response's Σ|A_t| the share
+on the tokens of the line holding its first mistake, beside the share a group baseline gives that line (the
+same advantage on every token: the line's length over the response's). A critic that assigns credit puts
+several times the uniform share there; the mean advantage before that line, on it and after it show where
+the penalty of a failed response lands (with λ_actor near 1 the correct steps before the mistake carry it).
+
 Deviation: the paper shows no such probe; it is how this repo checks that the critic assigns credit.
 """
 
@@ -84,6 +91,36 @@ def load_critic(cfg: Config, run_dir: Path) -> torch.nn.Module:
     return _Engine(critic.eval())
 
 
+def actor_advantages(values: torch.Tensor, batch: Any, algo: Any) -> np.ndarray:
+    """``[B, T]`` the actor's advantages as the learner forms them from these values: GAE with λ_actor
+    (length-adaptive: 1 − 1/(α·l), Eq. 7) over the terminal score, whitened over the batch's real tokens when
+    ``algo.whiten_advantages`` (the probe's batch stands in for a training batch)."""
+    from learner.advantages import gae, length_adaptive_lambda, terminal_rewards
+    from learner.losses import masked_whiten
+
+    lam = length_adaptive_lambda(batch.lengths, algo.alpha) if algo.length_adaptive else algo.lambda_actor
+    adv, _ = gae(terminal_rewards(batch.scores, batch.mask), values, batch.mask, algo.gamma, lam)
+    if algo.whiten_advantages:
+        adv = masked_whiten(adv, batch.mask) * batch.mask
+    return adv.numpy()
+
+
+def line_span(text: list[str], j: int) -> tuple[int, int]:
+    """``[start, end)`` of the response line that holds token ``j`` (a line ends with its newline token)."""
+    start = max((i + 1 for i in range(j) if "\n" in text[i]), default=0)
+    end = next((i + 1 for i in range(j, len(text)) if "\n" in text[i]), len(text))
+    return start, end
+
+
+def credit_on_line(adv: np.ndarray, span: tuple[int, int]) -> dict[str, float]:
+    """Of one response's advantage magnitude Σ|A_t|, the share on the tokens of ``span`` (the mistake's line),
+    beside the share a per-response advantage (group baseline: the same A on every token) puts there."""
+    a, (lo, hi) = np.abs(adv), span
+    return {"share": float(a[lo:hi].sum() / max(a.sum(), 1e-12)), "uniform": (hi - lo) / len(adv),
+            "line_mean": float(adv[lo:hi].mean()), "before_mean": float(adv[:lo].mean()) if lo else float("nan"),
+            "after_mean": float(adv[hi:].mean()) if hi < len(adv) else float("nan")}
+
+
 def measure(cfg: Config, run_dir: Path, bucket: str, k: int, seed: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from common import protocol
     from common.modeling import load_tokenizer, pad_token_id
@@ -112,14 +149,16 @@ def measure(cfg: Config, run_dir: Path, bucket: str, k: int, seed: int) -> tuple
                                            output_logprobs=np.zeros(len(r), np.float32), reward=reward,
                                            finish_reason="stop", weight_version=0, response_length=len(r)))
             text = [decode_response(tok, [t]) for t in r if t != tok.eos_token_id]
-            rows.append({"prompt": p.text.strip(), "reward": reward, "n": len(r), "first_mistake": first_mistake(task, p, text)})
+            rows.append({"prompt": p.text.strip(), "reward": reward, "n": len(r), "text": text,
+                         "first_mistake": first_mistake(task, p, text)})
         groups.append(protocol.SampleGroup(group_id=p.prompt_id, prompt_id=p.prompt_id, task=task.name, actor_id=0,
                                            samples=samples, created_at=0.0))
     critic = load_critic(cfg, run_dir)
     batch = collate(groups, pad_token_id(tok))
     with torch.no_grad():
-        values = compute_values(critic, batch, torch.arange(batch.size), cfg.learner.micro_batch_size).numpy()
-    before, after, drops, noise = [], [], [], []
+        values_t = compute_values(critic, batch, torch.arange(batch.size), cfg.learner.micro_batch_size)
+    values, advantages = values_t.numpy(), actor_advantages(values_t, batch, cfg.algo)
+    before, after, drops, noise, credit = [], [], [], [], []
     curves = []
     for i, row in enumerate(rows):
         v = values[i, : row["n"]]
@@ -130,6 +169,7 @@ def measure(cfg: Config, run_dir: Path, bucket: str, k: int, seed: int) -> tuple
         before.append(float(v[: j + 1].mean()))
         after.append(float(v[j + 1 :].mean()))
         drops.append(float(v[j + 1] - v[j]))
+        credit.append(credit_on_line(advantages[i, : row["n"]], line_span(row["text"], j)))
         diffs = np.abs(np.diff(v))
         noise.append(float(np.delete(diffs, j).mean()))
         curve = np.full(BEFORE + AFTER, np.nan)
@@ -146,6 +186,7 @@ def measure(cfg: Config, run_dir: Path, bucket: str, k: int, seed: int) -> tuple
         "value_change_at_mistake": _r(np.mean(drops)) if drops else None,
         "fraction_dropping": _r(np.mean(np.asarray(drops) < 0)) if drops else None,
         "mean_abs_change_elsewhere": _r(np.mean(noise)) if noise else None,
+        **_credit_summary(credit),
         "value_correct_first_half": _r(np.mean([v[: len(v) // 2].mean() for v in ok])) if ok else None,
         "value_correct_second_half": _r(np.mean([v[len(v) // 2 :].mean() for v in ok])) if ok else None,
         "aligned_curve": {"first_token_offset": -BEFORE + 1,
@@ -156,6 +197,15 @@ def measure(cfg: Config, run_dir: Path, bucket: str, k: int, seed: int) -> tuple
 
 def _r(x: float) -> float:
     return round(float(x), 4)
+
+
+def _credit_summary(credit: list[dict[str, float]]) -> dict[str, float | None]:
+    """Means over the checked failed responses of ``credit_on_line``'s figures."""
+    keys = {"share": "advantage_share_on_mistake_line", "uniform": "uniform_share_on_mistake_line",
+            "line_mean": "advantage_on_mistake_line", "before_mean": "advantage_before_mistake_line",
+            "after_mean": "advantage_after_mistake_line"}
+    return {name: (_r(np.nanmean([c[k] for c in credit])) if credit and not all(np.isnan(c[k]) for c in credit) else None)
+            for k, name in keys.items()}
 
 
 def plot(path: Path, report: dict[str, Any], rows: list[dict[str, Any]]) -> None:

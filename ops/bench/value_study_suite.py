@@ -293,7 +293,10 @@ def _arm(root: Path, name: str, load_run: Any) -> dict[str, Any]:
            "learner_s": _rnd(secs, 1)}
     if probes:
         out["value_curve"] = {k: _rnd([p[k] for p in probes if p.get(k) is not None])
-                              for k in ("value_change_at_mistake", "fraction_dropping", "mean_abs_change_elsewhere")}
+                              for k in ("value_change_at_mistake", "fraction_dropping", "mean_abs_change_elsewhere",
+                                        "advantage_share_on_mistake_line", "uniform_share_on_mistake_line",
+                                        "advantage_before_mistake_line", "advantage_on_mistake_line",
+                                        "advantage_after_mistake_line")}
     return out | {"_curves": curves, "_seeds": seeds}
 
 

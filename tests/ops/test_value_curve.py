@@ -6,8 +6,9 @@ import importlib.util
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
+import numpy as np
 import pytest
 import yaml
 
@@ -56,3 +57,28 @@ def test_cli_refuses_what_it_cannot_probe(tmp_path: Path) -> None:
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "without a critic" in bad.stderr
 
+
+
+def test_the_mistake_line_and_its_share_of_the_advantage(vc: ModuleType) -> None:
+    text = list("02:3+7=0\n01:0+7=8\n00:8+7=5\nA:5")
+    assert vc.line_span(text, 16) == (9, 18)  # "01:0+7=8\n": the slip and its line
+    assert vc.line_span(text, 2) == (0, 9) and vc.line_span(text, 28) == (27, 30)  # first line; the answer line
+    c = vc.credit_on_line(np.array([0.5, 0.5, -2.0, -1.0, 0.0, 0.0]), (2, 4))
+    assert c == {"share": 0.75, "uniform": 2 / 6, "line_mean": -1.5, "before_mean": 0.5, "after_mean": 0.0}
+
+
+def test_actor_advantages_follow_lambda_actor(vc: ModuleType) -> None:
+    """A failed response (score 0) whose value falls 0.6 at its second token: with λ = 0 (α·l ≤ 1) the
+    advantage is the one-step TD error, all of the drop on that token; with λ = 1 every token gets R − V."""
+    import torch
+
+    batch = SimpleNamespace(lengths=torch.tensor([4]), scores=torch.tensor([0.0]), mask=torch.ones(1, 4))
+    values = torch.tensor([[0.8, 0.8, 0.2, 0.2]])
+    algo = SimpleNamespace(alpha=0.25, length_adaptive=True, lambda_actor=0.95, gamma=1.0, whiten_advantages=False)
+    td = vc.actor_advantages(values, batch, algo)[0]
+    assert np.allclose(td, [0.0, -0.6, 0.0, -0.2])
+    assert vc.credit_on_line(td, (1, 2))["share"] == pytest.approx(0.75)  # 3 times the uniform 0.25
+    mc = vc.actor_advantages(values, batch, SimpleNamespace(**{**vars(algo), "length_adaptive": False, "lambda_actor": 1.0}))[0]
+    assert np.allclose(mc, [-0.8, -0.8, -0.2, -0.2]) and vc.credit_on_line(mc, (1, 2))["share"] == pytest.approx(0.4)
+    white = vc.actor_advantages(values, batch, SimpleNamespace(**{**vars(algo), "whiten_advantages": True}))[0]
+    assert abs(white.mean()) < 1e-6 and np.allclose(white, (td - td.mean()) / td.std(ddof=1), atol=1e-4)
