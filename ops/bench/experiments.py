@@ -42,6 +42,7 @@ from typing import Any
 sys.path.append(str(Path(__file__).resolve().parent))
 import actor_values_suite  # noqa: E402
 import long_suite  # noqa: E402
+import value_study_report  # noqa: E402
 import value_study_suite  # noqa: E402
 import weight_sync_suite  # noqa: E402
 from default_suite import BY_NAME, EARLIER, FULL_STEPS, SHORT_STEPS, SUITE, Experiment, group_ran, run_name  # noqa: E402
@@ -54,24 +55,13 @@ from run_records import (  # noqa: E402,F401 (the suites read runs through this 
     load_run,
     mean_std,
     plot_curves,
+    port_overrides,
 )
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 # --------------------------------------------------------------------------------------------- running
-
-def port_overrides(slot: int) -> list[str]:
-    """Every listening port of one run, shifted by slot so parallel runs never collide (slot 0 = defaults)."""
-    if slot == 0:
-        return []
-    d = 20 * slot
-    return [f"engine.base_port={30000 + d}", f"actors.metrics_base_port={9300 + d}",
-            f"buffer.ingest_addr=tcp://127.0.0.1:{5555 + d}", f"buffer.serve_addr=tcp://127.0.0.1:{5556 + d}",
-            f"buffer.metrics_port={9200 + d}", f"learner.publish_addr=tcp://127.0.0.1:{5557 + d}",
-            f"learner.query_addr=tcp://127.0.0.1:{5558 + d}", f"learner.metrics_port={9100 + d}",
-            f"metrics.launcher_port={9400 + d}"]
-
 
 def status(root: Path, e: Experiment, seed: int) -> str:
     d = root / run_name(e, seed)
@@ -155,6 +145,7 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
         if long_suite.BEGIN in old and long_suite.END in old:
             text = long_suite.splice(text, long_suite.BEGIN + old.split(long_suite.BEGIN, 1)[1].split(long_suite.END, 1)[0]
                                      + long_suite.END + "\n")
+        text = value_study_report.keep(old, text)  # and the value study's
     out.write_text(text)
     return text
 
@@ -388,7 +379,8 @@ def run_actor_values(root: Path, args: argparse.Namespace, module: Any = actor_v
     """A suite of arms with a JSON summary (actor_values_suite.py, weight_sync_suite.py, value_study_suite.py):
     run what is missing, print one JSON summary line. A phased module (``PHASED``: value_study) lists its runs
     from what is done under ``root``, so a second pass runs the phase-2 seeds phase 1 earned; its ``prepare``
-    (if any: files its runs read) precedes the runs, its ``post`` follows them. A module's ``OPT_IN`` arms run
+    (if any: files its runs read) precedes the runs, its ``post`` follows them, its ``report`` writes its section
+    of the report (``--out``) from the summary. A module's ``OPT_IN`` arms run
     only when named with --only."""
     phased = getattr(module, "PHASED", False)
     opt_in = getattr(module, "OPT_IN", frozenset())
@@ -410,16 +402,17 @@ def run_actor_values(root: Path, args: argparse.Namespace, module: Any = actor_v
     if not args.report_only:
         root.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        if hasattr(module, "prepare"):
-            module.prepare(print)
+        getattr(module, "prepare", lambda log: None)(print)  # files the runs read that no run makes
         for _ in range(2 if phased else 1):  # phase 2 only after a phase 1 without failures (no retry loop)
             failures += run_suite(root.resolve(), [(e, s) for e, s in todo_now() if status(root, e, s) != "done"], args.jobs)
             if failures:
                 break
         if hasattr(module, "post"):
             module.post(root.resolve(), print)
-    print(json.dumps({"bench": "experiments", "suite": label, "failed_runs": failures,
-                      "arms": module.summary(root, load_run)}))
+    summary = module.summary(root, load_run)
+    if hasattr(module, "report"):  # a section of the report (value_study)
+        module.report(root, summary, REPO / args.out)
+    print(json.dumps({"bench": "experiments", "suite": label, "failed_runs": failures, "arms": summary}))
     return 1 if failures else 0
 
 

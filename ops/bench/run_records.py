@@ -204,3 +204,15 @@ def plot_curves(path: Path, series: dict[str, list[Run]], xkey: str, xlabel: str
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
+
+
+def port_overrides(slot: int) -> list[str]:
+    """Every listening port of one run, shifted by slot so parallel runs never collide (slot 0 = defaults)."""
+    if slot == 0:
+        return []
+    d = 20 * slot
+    return [f"engine.base_port={30000 + d}", f"actors.metrics_base_port={9300 + d}",
+            f"buffer.ingest_addr=tcp://127.0.0.1:{5555 + d}", f"buffer.serve_addr=tcp://127.0.0.1:{5556 + d}",
+            f"buffer.metrics_port={9200 + d}", f"learner.publish_addr=tcp://127.0.0.1:{5557 + d}",
+            f"learner.query_addr=tcp://127.0.0.1:{5558 + d}", f"learner.metrics_port={9100 + d}",
+            f"metrics.launcher_port={9400 + d}"]

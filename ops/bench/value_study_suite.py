@@ -237,6 +237,13 @@ def prepare(log: Any) -> None:
                         str(CRITIC_X2_LAYERS)], cwd=repo, check=True)
 
 
+def report(root: Path, summary: dict[str, Any], out: Path) -> None:
+    """The study's section of ``out`` (docs/RESULTS.md): value_study_report."""
+    import value_study_report
+
+    value_study_report.write(root, out, summary)
+
+
 def post(root: Path, log: Any) -> None:
     """After the runs: each finished VAPO run's critic probed along long failed responses (value_curve.json)."""
     from long_suite import probe_values

@@ -438,3 +438,34 @@ def test_value_study_summary(exp: ModuleType, tmp_path: Path) -> None:
     assert eq["dapo"] == 0.56 and eq["vapo_minus_dapo"] == pytest.approx(eq["vapo"] - 0.56, abs=1e-4)
     assert out["hard"]["vapo_minus_dapo_confirm"] is None and out["hard"]["vapo_minus_dapo_seed0"] == 0.0
     assert out["pt50_a1"]["dapo"]["run"] == "vs_g8_dapo"
+
+
+def test_value_study_report_section_survives_a_remade_report(exp: ModuleType, tmp_path: Path) -> None:
+    """The study's section of RESULTS.md: one row per cell from the summary, the critic's credit where probed;
+    written twice it is the same, and re-making the default report keeps it."""
+    import value_study_report as vr
+
+    vs = exp.value_study_suite
+    _value_study_phase1(tmp_path, {"vs_g2_vapo": 0.70})
+    for arm, top in (("vapo", 0.70), ("dapo", 0.55)):
+        for s in (0, 1, 2):
+            shutil.rmtree(tmp_path / f"vs_g2_{arm}-s{s}", ignore_errors=True)
+            _long_run(tmp_path / f"vs_g2_{arm}-s{s}", {0: 0.3, 20: 0.5, 40: top + 0.01 * s}, 0.5)
+    (tmp_path / "vs_g2_vapo-s0" / "value_curve.json").write_text(json.dumps(
+        {"value_change_at_mistake": -0.4, "fraction_dropping": 0.98, "mean_abs_change_elsewhere": 0.012,
+         "advantage_share_on_mistake_line": 0.088, "uniform_share_on_mistake_line": 0.035,
+         "advantage_before_mistake_line": -2.03, "advantage_on_mistake_line": -2.1, "advantage_after_mistake_line": -0.5}))
+    out = tmp_path / "RESULTS.md"
+    out.write_text("# Results\n\ndefault-task tables\n")
+    block = vr.write(tmp_path, out, vs.summary(tmp_path, exp.load_run), notes=None)
+    assert out.read_text().startswith("# Results\n\ndefault-task tables\n") and out.read_text().count(vr.BEGIN) == 1
+    assert ("| (a) G = 2, 128 prompts per step **[3 seeds]** | 0.710 (0.700, 0.710, 0.720) | 0.560 (0.550, 0.560, 0.570) "
+            "| **+0.150** (seed 0 +0.150, seeds 1-2 +0.150) | +0.150 / +0.150 / +0.150 |") in block
+    assert "| (a) G = 4, 64 prompts per step | 0.550 (0.550) | 0.550 (0.550) | **+0.000** |" in block
+    assert "Phase 2 (seeds 1-2 for |Δ| > 0.05 at seed 0): g2." in block
+    assert "| (a) G = 2, 128 prompts per step | -0.400 (0.98) | 0.012 | 0.088 (0.035) | -2.03 / -2.10 / -0.50 |" in block
+    text = out.read_text()
+    vr.write(tmp_path, out, vs.summary(tmp_path, exp.load_run), notes=None)
+    assert out.read_text() == text
+    exp.write_report(tmp_path / "none", out, tmp_path / "no-notes.md")
+    assert block.strip() in out.read_text() and out.read_text().count(vr.END) == 1
