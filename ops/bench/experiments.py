@@ -52,6 +52,7 @@ from run_records import (  # noqa: E402,F401 (the suites read runs through this 
     bootstrap_seconds,
     fmt,
     fmt_k,
+    keep_block,
     load_run,
     mean_std,
     plot_curves,
@@ -140,12 +141,9 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
                                ("alpha", "α sweep", lambda: _alpha_section(runs))):
         lines += make() if group_ran(runs, group) else [f"## {title}", "", EARLIER, ""]
     text = "\n".join(lines) + "\n"
-    if out.exists():  # the long-horizon suite's section is written by its own report; keep it
-        old = out.read_text()
-        if long_suite.BEGIN in old and long_suite.END in old:
-            text = long_suite.splice(text, long_suite.BEGIN + old.split(long_suite.BEGIN, 1)[1].split(long_suite.END, 1)[0]
-                                     + long_suite.END + "\n")
-        text = value_study_report.keep(old, text)  # and the value study's
+    if out.exists():  # the long-horizon suite's and the value study's sections are written by their own reports
+        for begin, end in ((long_suite.BEGIN, long_suite.END), (value_study_report.BEGIN, value_study_report.END)):
+            text = keep_block(out.read_text(), text, begin, end)
     out.write_text(text)
     return text
 

@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import run_records
 from default_suite import EARLIER
 from run_records import Run, fmt, fmt_k, load_run, mean_std, plot_curves
 
@@ -362,7 +363,4 @@ def ev_plot(path: Path, runs: list[tuple[str, Any]]) -> None:
 
 def splice(text: str, block: str) -> str:
     """``text`` with the marked block replaced by ``block`` (appended when it has none)."""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        return head + block.rstrip("\n") + rest.split(END, 1)[1]
-    return text.rstrip("\n") + "\n\n" + block
+    return run_records.splice(text, block, BEGIN, END)

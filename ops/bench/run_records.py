@@ -216,3 +216,18 @@ def port_overrides(slot: int) -> list[str]:
             f"buffer.metrics_port={9200 + d}", f"learner.publish_addr=tcp://127.0.0.1:{5557 + d}",
             f"learner.query_addr=tcp://127.0.0.1:{5558 + d}", f"learner.metrics_port={9100 + d}",
             f"metrics.launcher_port={9400 + d}"]
+
+
+def splice(text: str, block: str, begin: str, end: str) -> str:
+    """``text`` with its part from ``begin`` to ``end`` replaced by ``block`` (appended when it has none)."""
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        return head + block.rstrip("\n") + rest.split(end, 1)[1]
+    return text.rstrip("\n") + "\n\n" + block
+
+
+def keep_block(old: str, new: str, begin: str, end: str) -> str:
+    """``new`` (a re-made report) with the block from ``begin`` to ``end`` carried over from ``old``, if it has one."""
+    if begin in old and end in old:
+        return splice(new, begin + old.split(begin, 1)[1].split(end, 1)[0] + end + "\n", begin, end)
+    return new
