@@ -39,17 +39,26 @@ def _delta(cell: dict[str, Any]) -> str:
     return f"**{_f(d, sign=True)}**" + (f" (seed 0 {_f(d0, sign=True)}, seeds 1-2 {_f(dc, sign=True)})" if dc is not None else "")
 
 
+def _at(eq: dict[str, Any] | None, key: str, scale: float, unit: str) -> str:
+    """``+0.012 (13.1k)``: VAPO − DAPO where the shorter arm ends, and where that is."""
+    if not eq:
+        return "—"
+    where = f"{eq[key] * scale:.1f}{unit}" if unit else f"{eq[key] * scale:.0f}"
+    return f"{_f(eq['vapo_minus_dapo'], sign=True)} ({where})"
+
+
 def _comparison(summary: dict[str, Any]) -> list[str]:
     lines = ["| cell | VAPO held-out avg@8 (seeds) | DAPO (seeds) | VAPO − DAPO | Δ short / medium / long | "
-             "Δ at equal learner time (at s) | learner s VAPO / DAPO | VAPO mean EV |", "|---|---|---|---|---|---|---|---|"]
+             "Δ at equal paid samples (at k) | Δ at equal learner time (at s) | learner s VAPO / DAPO | VAPO mean EV |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for c in _cells(summary):
         v, d = c["vapo"], c["dapo"]
         bd = c.get("by_bucket_vapo_minus_dapo") or {}
-        eq = c.get("equal_learner_time")
+        eq, es = c.get("equal_learner_time"), c.get("equal_paid_samples")
         lines.append(
             f"| ({c['regime']}) {c['label']}{' **[3 seeds]**' if c.get('phase2') else ''} | {_seeds(v)} | {_seeds(d)} | "
             f"{_delta(c)} | {' / '.join(_f(bd.get(b), sign=True) for b in BUCKETS) if bd else '—'} | "
-            f"{_f(eq['vapo_minus_dapo'], sign=True) + ' (' + format(eq['t_s'], '.0f') + ')' if eq else '—'} | "
+            f"{_at(es, 'samples', 1e-3, 'k')} | {_at(eq, 't_s', 1.0, '')} | "
             f"{_f(v.get('learner_s'), 0)} / {_f(d.get('learner_s'), 0)} | {_f(v.get('ev_mean'))} |")
     return lines
 

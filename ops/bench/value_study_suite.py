@@ -48,8 +48,11 @@ one (a) cell's two arms, 28-34 min; the (b) cell's would take 64 min); total <= 
 
 The summary is one JSON line, per cell: each arm's final held-out avg@8 (mean, per seed), per length bucket,
 the critic's mean EV, learner seconds (net of evaluation, value pretraining included), VAPO − DAPO (all seeds,
-seed 0, seeds 1-2), per bucket, and at equal learner wall time (each arm's accuracy interpolated at the
-shorter arm's final time), with the value along failed responses (``value_curve.json``) where probed.
+seed 0, seeds 1-2), per bucket, at equal paid samples (each arm's accuracy where the cheaper arm ends: every
+cell trains the same samples, but DAPO also pays for the uniform groups it drops and VAPO for value
+pretraining's) and at equal learner wall time (likewise, in time), with the value along failed responses and
+where the actor's advantage falls (``value_curve.json``) where probed. ``report`` writes it as a section of
+docs/RESULTS.md (``value_study_report.py``).
 """
 
 from __future__ import annotations
@@ -256,14 +259,15 @@ def post(root: Path, log: Any) -> None:
 
 # --------------------------------------------------------------------------------------------- summary
 
-def _acc_at(points: list[dict[str, float]], t: float, offset: float) -> float:
-    """Held-out accuracy at learner time ``t`` (linear between evaluations; ``offset`` = pretraining seconds)."""
-    pts = [(p["t"] + offset, p["acc"]) for p in points]
-    if t <= pts[0][0]:
+def _acc_at(points: list[dict[str, float]], x: float, offset: float, key: str = "t") -> float:
+    """Held-out accuracy at ``x`` of ``key`` (learner time ``t`` or paid samples ``cost``), linear between
+    evaluations; ``offset`` is added to the points' ``key`` (value pretraining's seconds for ``t``)."""
+    pts = [(p[key] + offset, p["acc"]) for p in points]
+    if x <= pts[0][0]:
         return pts[0][1]
-    for (t0, a0), (t1, a1) in zip(pts, pts[1:], strict=False):
-        if t <= t1:
-            return a0 + (a1 - a0) * (t - t0) / max(t1 - t0, 1e-12)
+    for (x0, a0), (x1, a1) in zip(pts, pts[1:], strict=False):
+        if x <= x1:
+            return a0 + (a1 - a0) * (x - x0) / max(x1 - x0, 1e-12)
     return pts[-1][1]
 
 
@@ -312,14 +316,18 @@ def _delta(v: dict[int, float], d: dict[int, float], seeds: tuple[int, ...]) -> 
     return round(statistics.fmean(a) - statistics.fmean(b), 4) if a and b else None
 
 
-def _equal_time(v: dict[str, Any], d: dict[str, Any]) -> dict[str, Any] | None:
-    """Each arm's mean accuracy at the shorter arm's final learner time (value pretraining counted)."""
+def _equal_at(v: dict[str, Any], d: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """Each arm's mean accuracy where the shorter arm ends in ``key``: learner time ``t`` (value pretraining's
+    seconds counted) or ``cost``, the samples a method pays for (generated for training, for value pretraining,
+    or by DAPO's dynamic sampling and dropped)."""
     if not v["_curves"] or not d["_curves"]:
         return None
-    t = min(min(pts[-1]["t"] + off for pts, off in arm["_curves"]) for arm in (v, d))
-    acc = {k: statistics.fmean(_acc_at(pts, t, off) for pts, off in arm["_curves"]) for k, arm in (("vapo", v), ("dapo", d))}
-    return {"t_s": round(t, 1), "vapo": round(acc["vapo"], 4), "dapo": round(acc["dapo"], 4),
-            "vapo_minus_dapo": round(acc["vapo"] - acc["dapo"], 4)}
+    off = (lambda pre: pre) if key == "t" else (lambda pre: 0.0)  # paid samples already count pretraining's
+    x = min(min(pts[-1][key] + off(pre) for pts, pre in arm["_curves"]) for arm in (v, d))
+    acc = {k: statistics.fmean(_acc_at(pts, x, off(pre), key) for pts, pre in arm["_curves"])
+           for k, arm in (("vapo", v), ("dapo", d))}
+    return {("t_s" if key == "t" else "samples"): round(x, 1), "vapo": round(acc["vapo"], 4),
+            "dapo": round(acc["dapo"], 4), "vapo_minus_dapo": round(acc["vapo"] - acc["dapo"], 4)}
 
 
 def summary(root: Path, load_run: Any) -> dict[str, Any]:
@@ -340,6 +348,7 @@ def summary(root: Path, load_run: Any) -> dict[str, Any]:
             "vapo_minus_dapo_seed0": _delta(v["_seeds"], d["_seeds"], (0,)),
             "vapo_minus_dapo_confirm": _delta(v["_seeds"], d["_seeds"], PHASE2_SEEDS),
             "by_bucket_vapo_minus_dapo": {b: round(vb[b] - db[b], 4) for b in BUCKETS if b in vb and b in db},
-            "equal_learner_time": _equal_time(v, d),
+            "equal_learner_time": _equal_at(v, d, "t"),
+            "equal_paid_samples": _equal_at(v, d, "cost"),
         }
     return out

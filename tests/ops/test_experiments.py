@@ -436,6 +436,16 @@ def test_value_study_summary(exp: ModuleType, tmp_path: Path) -> None:
     eq = g2["equal_learner_time"]
     assert eq["t_s"] == 400.0 and eq["vapo"] == pytest.approx((0.65 + 0.71 + 0.72) / 3, abs=1e-4)
     assert eq["dapo"] == 0.56 and eq["vapo_minus_dapo"] == pytest.approx(eq["vapo"] - 0.56, abs=1e-4)
+    # Paid samples: 40 steps x 32 trained + (1 pretraining step x 2 + 1 held-out) groups x 8 = 1304 for every run
+    # here, so both arms are compared at their finals; a DAPO arm that dropped groups ends later and is cut back.
+    assert g2["equal_paid_samples"] == {"samples": 1304.0, "vapo": 0.71, "dapo": 0.56, "vapo_minus_dapo": 0.15}
+    for s in (0, 1, 2):
+        d = tmp_path / f"vs_g2_dapo-s{s}"
+        shutil.rmtree(d)
+        make_run(d, {0: 0.3, 20: 0.45, 40: 0.56 + 0.01 * s}, filtered_per_step=4)  # pays 32 more samples a step
+    es = vs.summary(tmp_path, exp.load_run)["g2"]["equal_paid_samples"]
+    # At 1304 paid samples (1304 = 24 + 40 x 32), DAPO is at step 20 (24 + 20 x 64 = 1304): 0.45 on every seed.
+    assert es["samples"] == 1304.0 and es["dapo"] == pytest.approx(0.45) and es["vapo_minus_dapo"] == pytest.approx(0.71 - 0.45)
     assert out["hard"]["vapo_minus_dapo_confirm"] is None and out["hard"]["vapo_minus_dapo_seed0"] == 0.0
     assert out["pt50_a1"]["dapo"]["run"] == "vs_g8_dapo"
 
@@ -460,7 +470,7 @@ def test_value_study_report_section_survives_a_remade_report(exp: ModuleType, tm
     block = vr.write(tmp_path, out, vs.summary(tmp_path, exp.load_run), notes=None)
     assert out.read_text().startswith("# Results\n\ndefault-task tables\n") and out.read_text().count(vr.BEGIN) == 1
     assert ("| (a) G = 2, 128 prompts per step **[3 seeds]** | 0.710 (0.700, 0.710, 0.720) | 0.560 (0.550, 0.560, 0.570) "
-            "| **+0.150** (seed 0 +0.150, seeds 1-2 +0.150) | +0.150 / +0.150 / +0.150 |") in block
+            "| **+0.150** (seed 0 +0.150, seeds 1-2 +0.150) | +0.150 / +0.150 / +0.150 | +0.150 (1.3k) |") in block
     assert "| (a) G = 4, 64 prompts per step | 0.550 (0.550) | 0.550 (0.550) | **+0.000** |" in block
     assert "Phase 2 (seeds 1-2 for |Δ| > 0.05 at seed 0): g2." in block
     assert "| (a) G = 2, 128 prompts per step | -0.400 (0.98) | 0.012 | 0.088 (0.035) | -2.03 / -2.10 / -0.50 |" in block
