@@ -95,7 +95,8 @@ def section(summary: dict[str, Any], machines: str, notes: Path | None = NOTES) 
     if notes is not None and notes.is_file():
         lines += [notes.read_text().rstrip("\n"), ""]
     lines += ["### VAPO − DAPO per cell", "",
-              f"Phase 2 (seeds 1-2 for |Δ| > {summary.get('_threshold')} at seed 0): "
+              f"Phase 2 (seeds 1-2 for |Δ| > {summary.get('_threshold')} at seed 0: at equal paid samples for (a)-(c), "
+              "at step 40 for (d)): "
               + ("waits for phase 1" if phase2 is None else (", ".join(phase2) or "no cell")) + ".", ""]
     lines += _comparison(summary) + [""]
     credit = _credit(summary)

@@ -1,5 +1,6 @@
-"""Where does the value model pay? VAPO against DAPO, at equal generated samples per step, in the
-regimes where a group baseline should be weak, run by ``ops/bench/experiments.py --suite value_study``:
+"""Where does the value model pay? VAPO against DAPO in the regimes where a group baseline should be weak,
+both arms training the same samples per step and compared at equal paid (generated) samples too, run by
+``ops/bench/experiments.py --suite value_study``:
 
     .venv/bin/python ops/bench/experiments.py --suite value_study           # run what is missing, then summarise
     .venv/bin/python ops/bench/experiments.py --suite value_study --list    # the cells, runs, states, phase-2 pick
@@ -32,10 +33,13 @@ the base (600 SFT steps) would cost 1-2 h here, and a critic that is a worse lan
 would also have worse surprise features (its own LM head reads them); growing keeps them the policy's at the
 start. A larger pretrained critic, as used in practice, is one ``model.critic_path`` away.
 
-Two phases (``pick_phase2``): phase 1 is seed 0 of every cell; once all of it is done, a cell whose VAPO − DAPO
-held-out avg@8 at step 40 differs by more than ``THRESHOLD`` (0.05: about twice the seed sd of the long
-table from the shipped base, 0.013-0.030) gets seeds 1 and 2 of both arms, largest |difference| first, while the estimated cost fits
-the rest of the 5 h budget (``phase2_budget``). The summary reports the seed-1/2 difference apart
+Two phases (``pick_phase2``): phase 1 is seed 0 of every cell; once all of it is done, a cell whose seed-0
+VAPO − DAPO held-out avg@8 differs by more than ``THRESHOLD`` (0.05: about twice the seed sd of the long table
+from the shipped base, 0.013-0.030) gets seeds 1 and 2 of both arms, largest |difference| first, while the
+estimated cost fits the rest of the 5 h budget (``phase2_budget``). The difference is taken at equal paid
+samples for (a)-(c), the issue's measure (DAPO pays for the uniform groups it drops, VAPO for value
+pretraining), and at step 40 (equal trained samples) for (d), whose question is what a better critic buys
+(its pretraining's cost is in the table apart). The summary reports the seed-1/2 difference apart
 ("confirm"), since seed 0 chose the cell. After the runs (``post``) every finished VAPO run's critic is probed
 along long failed responses (``ops/bench/value_curve.py``, ``value_curve.json``, as the long suite does).
 
@@ -92,6 +96,7 @@ class Cell:
     base_acc: float = 0.21        # the shipped base's held-out accuracy on the cell's task (RESULTS.md)
     group_size: int = 8
     critic_cost: float = 1.0      # a VAPO run's time relative to one with a policy-sized critic (estimate)
+    pick_on: str = "paid"         # phase 2's measure: VAPO − DAPO at equal paid samples | "trained" (at step 40)
 
 
 def group_overrides(g: int) -> tuple[str, ...]:
@@ -114,10 +119,11 @@ CELLS: tuple[Cell, ...] = (
     Cell("longest", "c", "longest chains: 20-44 additions (base ~11%)", ("task.min_steps=20",),
          min_steps=20, base_acc=0.11),
     *(Cell(f"pt50_a{a:g}", "d", f"50 value-pretraining steps, α = {a:g} (vs DAPO at G = 8)",
-           group_overrides(8), (*PT50, f"algo.alpha={a}"), dapo_cell="g8") for a in (1.0, 0.2, 0.05)),
+           group_overrides(8), (*PT50, f"algo.alpha={a}"), dapo_cell="g8", pick_on="trained")
+      for a in (1.0, 0.2, 0.05)),
     *(Cell(f"x2_a{a:g}", "d", f"critic 2x the policy (6 layers, 1.19M), 50 value-pretraining steps, α = {a:g} "
            "(vs DAPO at G = 8)", group_overrides(8), (f"model.critic_path={CRITIC_X2}", *PT50, f"algo.alpha={a}"),
-           dapo_cell="g8", critic_cost=1.3) for a in (1.0, 0.2, 0.05)),
+           dapo_cell="g8", critic_cost=1.3, pick_on="trained") for a in (1.0, 0.2, 0.05)),
 )
 BY_CELL = {c.name: c for c in CELLS}
 
@@ -183,9 +189,16 @@ def phase1_minutes() -> float:
     return sum(estimate_run_minutes(n) for n in runs())
 
 
-def _final(root: Path, name: str, seed: int, load_run: Any) -> float | None:
-    run = load_run(root / f"{name}-s{seed}")
-    return None if run is None else float(run.final(STEPS)["acc"])
+def seed0_delta(c: Cell, root: Path, load_run: Any) -> float | None:
+    """VAPO − DAPO of seed 0 on the cell's measure (``Cell.pick_on``): at equal paid samples (each arm's
+    held-out avg@8 where the cheaper arm ends) or at the final step (equal trained samples); None: not run."""
+    v, d = (load_run(root / f"{n}-s0") for n in arms(c).values())
+    if v is None or d is None:
+        return None
+    if c.pick_on == "trained":
+        return float(v.final(STEPS)["acc"]) - float(d.final(STEPS)["acc"])
+    x = min(v.points[-1]["cost"], d.points[-1]["cost"])
+    return _acc_at(v.points, x, 0.0, "cost") - _acc_at(d.points, x, 0.0, "cost")
 
 
 def phase2_budget() -> float:
@@ -203,16 +216,16 @@ def phase_line(root: Path) -> str:
 
 
 def pick_phase2(root: Path, budget_min: float | None = None) -> list[str] | None:
-    """Cells whose seed-0 VAPO − DAPO exceeds THRESHOLD, largest |Δ| first, while their new runs' estimated
+    """Cells whose seed-0 VAPO − DAPO (``seed0_delta``) exceeds THRESHOLD, largest |Δ| first, while their new runs' estimated
     minutes fit ``budget_min`` (a shared DAPO arm counted once); None until every seed-0 run is done."""
     from run_records import load_run
 
     deltas = {}
     for c in CELLS:
-        v, d = (_final(root, n, 0, load_run) for n in arms(c).values())
-        if v is None or d is None:
+        delta = seed0_delta(c, root, load_run)
+        if delta is None:
             return None
-        deltas[c.name] = v - d
+        deltas[c.name] = delta
     picked: list[str] = []
     paid: set[str] = set()
     left = phase2_budget() if budget_min is None else budget_min

@@ -412,6 +412,21 @@ def test_value_study_phase2_follows_phase1(exp: ModuleType, tmp_path: Path, monk
                                                               "vs_pt50_a0.2_vapo", "vs_g8_dapo"}
 
 
+def test_value_study_phase2_measure_is_paid_samples_except_for_the_critic_cells(exp: ModuleType, tmp_path: Path) -> None:
+    """(a)-(c) are compared at equal paid samples: a DAPO arm equal at step 40 that dropped a group for every one
+    it trained is behind where VAPO's budget ends. The critic cells (d) share that DAPO arm but compare at step
+    40, so it does not pick them."""
+    vs = exp.value_study_suite
+    _value_study_phase1(tmp_path, {})
+    shutil.rmtree(tmp_path / "vs_g8_dapo-s0")
+    make_run(tmp_path / "vs_g8_dapo-s0", {0: 0.3, 20: 0.45, 40: 0.55}, filtered_per_step=4)
+    assert exp.load_run(tmp_path / "vs_g8_dapo-s0").final(40)["acc"] == 0.55  # a tie at equal trained samples
+    # VAPO's 1304 paid samples are DAPO's step 20 (24 + 20 x 64): 0.55 − 0.45.
+    assert vs.seed0_delta(vs.BY_CELL["g8"], tmp_path, exp.load_run) == pytest.approx(0.10)
+    assert vs.seed0_delta(vs.BY_CELL["pt50_a0.2"], tmp_path, exp.load_run) == 0.0
+    assert vs.pick_phase2(tmp_path) == ["g8"]
+
+
 def test_value_study_summary(exp: ModuleType, tmp_path: Path) -> None:
     """Per cell: each arm's final avg@8 and buckets, Δ over all seeds, seed 0 and seeds 1-2 apart, and at equal
     learner time with value pretraining's seconds on VAPO's clock."""
@@ -472,7 +487,7 @@ def test_value_study_report_section_survives_a_remade_report(exp: ModuleType, tm
     assert ("| (a) G = 2, 128 prompts per step **[3 seeds]** | 0.710 (0.700, 0.710, 0.720) | 0.560 (0.550, 0.560, 0.570) "
             "| **+0.150** (seed 0 +0.150, seeds 1-2 +0.150) | +0.150 / +0.150 / +0.150 | +0.150 (1.3k) |") in block
     assert "| (a) G = 4, 64 prompts per step | 0.550 (0.550) | 0.550 (0.550) | **+0.000** |" in block
-    assert "Phase 2 (seeds 1-2 for |Δ| > 0.05 at seed 0): g2." in block
+    assert "Phase 2 (seeds 1-2 for |Δ| > 0.05 at seed 0: at equal paid samples for (a)-(c), at step 40 for (d)): g2." in block
     assert "| (a) G = 2, 128 prompts per step | -0.400 (0.98) | 0.012 | 0.088 (0.035) | -2.03 / -2.10 / -0.50 |" in block
     text = out.read_text()
     vr.write(tmp_path, out, vs.summary(tmp_path, exp.load_run), notes=None)
