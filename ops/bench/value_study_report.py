@@ -24,6 +24,10 @@ def _f(x: float | None, nd: int = 3, sign: bool = False) -> str:
     return f"{x:+.{nd}f}" if sign else f"{x:.{nd}f}"
 
 
+def _k(x: float | None) -> str:
+    return "—" if x is None else f"{x / 1000:.1f}k"
+
+
 def _seeds(arm: dict[str, Any]) -> str:
     per = arm.get("per_seed") or {}
     if not per:
@@ -49,8 +53,8 @@ def _at(eq: dict[str, Any] | None, key: str, scale: float, unit: str) -> str:
 
 def _comparison(summary: dict[str, Any]) -> list[str]:
     lines = ["| cell | VAPO held-out avg@8 (seeds) | DAPO (seeds) | VAPO − DAPO | Δ short / medium / long | "
-             "Δ at equal paid samples (at k) | Δ at equal learner time (at s) | learner s VAPO / DAPO | VAPO mean EV |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "Δ at equal paid samples (at k) | Δ at equal learner time (at s) | paid samples VAPO / DAPO | "
+             "learner s VAPO / DAPO | VAPO mean EV |", "|---|---|---|---|---|---|---|---|---|---|"]
     for c in _cells(summary):
         v, d = c["vapo"], c["dapo"]
         bd = c.get("by_bucket_vapo_minus_dapo") or {}
@@ -59,6 +63,7 @@ def _comparison(summary: dict[str, Any]) -> list[str]:
             f"| ({c['regime']}) {c['label']}{' **[3 seeds]**' if c.get('phase2') else ''} | {_seeds(v)} | {_seeds(d)} | "
             f"{_delta(c)} | {' / '.join(_f(bd.get(b), sign=True) for b in BUCKETS) if bd else '—'} | "
             f"{_at(es, 'samples', 1e-3, 'k')} | {_at(eq, 't_s', 1.0, '')} | "
+            f"{_k(v.get('paid_samples'))} / {_k(d.get('paid_samples'))} | "
             f"{_f(v.get('learner_s'), 0)} / {_f(d.get('learner_s'), 0)} | {_f(v.get('ev_mean'))} |")
     return lines
 

@@ -294,6 +294,7 @@ def _arm(root: Path, name: str, load_run: Any) -> dict[str, Any]:
     buckets: dict[str, list[float]] = {b: [] for b in BUCKETS}
     evs: list[float] = []
     secs: list[float] = []
+    paid: list[float] = []
     curves: list[tuple[list[dict[str, float]], float]] = []
     probes: list[dict[str, Any]] = []
     for s in (0, *PHASE2_SEEDS):
@@ -308,13 +309,14 @@ def _arm(root: Path, name: str, load_run: Any) -> dict[str, Any]:
         evs += [x["ev"] for x in run.steps if x.get("ev") is not None]
         pre = pretrain_seconds(d)
         secs.append(run.points[-1]["t"] + pre)
+        paid.append(run.points[-1]["cost"])
         curves.append((run.points, pre))
         if (d / "value_curve.json").exists():
             probes.append(json.loads((d / "value_curve.json").read_text()))
     out = {"run": name, "seeds_done": len(seeds), "final_avg_at_8": _rnd(list(seeds.values())),
            "per_seed": {str(s): round(a, 4) for s, a in seeds.items()},
            "by_bucket": {b: _rnd(v) for b, v in buckets.items() if v}, "ev_mean": _rnd(evs),
-           "learner_s": _rnd(secs, 1)}
+           "learner_s": _rnd(secs, 1), "paid_samples": _rnd(paid, 0)}
     if probes:
         out["value_curve"] = {k: _rnd([p[k] for p in probes if p.get(k) is not None])
                               for k in ("value_change_at_mistake", "fraction_dropping", "mean_abs_change_elsewhere",
