@@ -112,7 +112,7 @@ def probe_values(run_dir: Path, log: Any) -> None:
     """value_curve.json (and .png) for a finished VAPO run that has none yet, or one from before the probe
     measured where the actor's advantage falls (redone: the same critic and sampling seed)."""
     out = run_dir / "value_curve.json"
-    if (out.exists() and "advantage_share_on_mistake_line" in out.read_text()) or not (run_dir / "summary.json").exists():
+    if (out.exists() and "raw_advantage_share_on_mistake_line" in out.read_text()) or not (run_dir / "summary.json").exists():
         return
     log(f"{run_dir.name}: probing the critic along long failed responses (ops/bench/value_curve.py)")
     res = subprocess.run([sys.executable, str(REPO / "ops" / "bench" / "value_curve.py"), str(run_dir),

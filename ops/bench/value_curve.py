@@ -21,6 +21,9 @@ on the tokens of the line holding its first mistake, beside the share a group ba
 same advantage on every token: the line's length over the response's). A critic that assigns credit puts
 several times the uniform share there; the mean advantage before that line, on it and after it show where
 the penalty of a failed response lands (with λ_actor near 1 the correct steps before the mistake carry it).
+The same figures before whitening (``raw_*``) separate the critic's credit from whitening's shift: whitening
+subtracts the batch's mean advantage, so a token the critic gives no credit to (raw A = 0) is pushed down or
+up with every token of the batch.
 
 Deviation: the paper shows no such probe; it is how this repo checks that the critic assigns credit.
 """
@@ -91,16 +94,16 @@ def load_critic(cfg: Config, run_dir: Path) -> torch.nn.Module:
     return _Engine(critic.eval())
 
 
-def actor_advantages(values: torch.Tensor, batch: Any, algo: Any) -> np.ndarray:
+def actor_advantages(values: torch.Tensor, batch: Any, algo: Any, whiten: bool | None = None) -> np.ndarray:
     """``[B, T]`` the actor's advantages as the learner forms them from these values: GAE with λ_actor
     (length-adaptive: 1 − 1/(α·l), Eq. 7) over the terminal score, whitened over the batch's real tokens when
-    ``algo.whiten_advantages`` (the probe's batch stands in for a training batch)."""
+    ``whiten`` (default ``algo.whiten_advantages``; the probe's batch stands in for a training batch)."""
     from learner.advantages import gae, length_adaptive_lambda, terminal_rewards
     from learner.losses import masked_whiten
 
     lam = length_adaptive_lambda(batch.lengths, algo.alpha) if algo.length_adaptive else algo.lambda_actor
     adv, _ = gae(terminal_rewards(batch.scores, batch.mask), values, batch.mask, algo.gamma, lam)
-    if algo.whiten_advantages:
+    if algo.whiten_advantages if whiten is None else whiten:
         adv = masked_whiten(adv, batch.mask) * batch.mask
     return adv.numpy()
 
@@ -158,7 +161,8 @@ def measure(cfg: Config, run_dir: Path, bucket: str, k: int, seed: int) -> tuple
     with torch.no_grad():
         values_t = compute_values(critic, batch, torch.arange(batch.size), cfg.learner.micro_batch_size)
     values, advantages = values_t.numpy(), actor_advantages(values_t, batch, cfg.algo)
-    before, after, drops, noise, credit = [], [], [], [], []
+    raw_advantages = actor_advantages(values_t, batch, cfg.algo, whiten=False)
+    before, after, drops, noise, credit, raw_credit = [], [], [], [], [], []
     curves = []
     for i, row in enumerate(rows):
         v = values[i, : row["n"]]
@@ -169,7 +173,9 @@ def measure(cfg: Config, run_dir: Path, bucket: str, k: int, seed: int) -> tuple
         before.append(float(v[: j + 1].mean()))
         after.append(float(v[j + 1 :].mean()))
         drops.append(float(v[j + 1] - v[j]))
-        credit.append(credit_on_line(advantages[i, : row["n"]], line_span(row["text"], j)))
+        span = line_span(row["text"], j)
+        credit.append(credit_on_line(advantages[i, : row["n"]], span))
+        raw_credit.append(credit_on_line(raw_advantages[i, : row["n"]], span))
         diffs = np.abs(np.diff(v))
         noise.append(float(np.delete(diffs, j).mean()))
         curve = np.full(BEFORE + AFTER, np.nan)
@@ -186,7 +192,7 @@ def measure(cfg: Config, run_dir: Path, bucket: str, k: int, seed: int) -> tuple
         "value_change_at_mistake": _r(np.mean(drops)) if drops else None,
         "fraction_dropping": _r(np.mean(np.asarray(drops) < 0)) if drops else None,
         "mean_abs_change_elsewhere": _r(np.mean(noise)) if noise else None,
-        **_credit_summary(credit),
+        **_credit_summary(credit), **_credit_summary(raw_credit, "raw_"),
         "value_correct_first_half": _r(np.mean([v[: len(v) // 2].mean() for v in ok])) if ok else None,
         "value_correct_second_half": _r(np.mean([v[len(v) // 2 :].mean() for v in ok])) if ok else None,
         "aligned_curve": {"first_token_offset": -BEFORE + 1,
@@ -199,13 +205,13 @@ def _r(x: float) -> float:
     return round(float(x), 4)
 
 
-def _credit_summary(credit: list[dict[str, float]]) -> dict[str, float | None]:
-    """Means over the checked failed responses of ``credit_on_line``'s figures."""
+def _credit_summary(credit: list[dict[str, float]], prefix: str = "") -> dict[str, float | None]:
+    """Means over the checked failed responses of ``credit_on_line``'s figures (names led by ``prefix``)."""
     keys = {"share": "advantage_share_on_mistake_line", "uniform": "uniform_share_on_mistake_line",
             "line_mean": "advantage_on_mistake_line", "before_mean": "advantage_before_mistake_line",
             "after_mean": "advantage_after_mistake_line"}
-    return {name: (_r(np.nanmean([c[k] for c in credit])) if credit and not all(np.isnan(c[k]) for c in credit) else None)
-            for k, name in keys.items()}
+    return {prefix + name: (_r(np.nanmean([c[k] for c in credit])) if credit and not all(np.isnan(c[k]) for c in credit)
+                            else None) for k, name in keys.items() if not (prefix and k == "uniform")}
 
 
 def plot(path: Path, report: dict[str, Any], rows: list[dict[str, Any]]) -> None:

@@ -71,7 +71,8 @@ def _comparison(summary: dict[str, Any]) -> list[str]:
 def _credit(summary: dict[str, Any]) -> list[str]:
     """Per VAPO arm probed: the value at the first mistake and where the actor's advantage falls."""
     lines = ["| cell | V change at the first mistake (share dropping) | \\|ΔV\\| elsewhere | share of Σ\\|A\\| on the mistake's "
-             "line (a group baseline's) | mean A before / on / after that line |", "|---|---|---|---|---|"]
+             "line, whitened / raw (a group baseline's) | mean A before / on / after that line, whitened | the same, raw |",
+             "|---|---|---|---|---|---|"]
     for c in _cells(summary):
         vc = c["vapo"].get("value_curve")
         if not vc:
@@ -79,8 +80,10 @@ def _credit(summary: dict[str, Any]) -> list[str]:
         lines.append(
             f"| ({c['regime']}) {c['label']} | {_f(vc.get('value_change_at_mistake'), sign=True)} "
             f"({_f(vc.get('fraction_dropping'), 2)}) | {_f(vc.get('mean_abs_change_elsewhere'))} | "
-            f"{_f(vc.get('advantage_share_on_mistake_line'))} ({_f(vc.get('uniform_share_on_mistake_line'))}) | "
-            + " / ".join(_f(vc.get(f"advantage_{k}_mistake_line"), 2, sign=True) for k in ("before", "on", "after"))
+            f"{_f(vc.get('advantage_share_on_mistake_line'))} / {_f(vc.get('raw_advantage_share_on_mistake_line'))} "
+            f"({_f(vc.get('uniform_share_on_mistake_line'))}) | "
+            + " | ".join(" / ".join(_f(vc.get(f"{raw}advantage_{k}_mistake_line"), 2, sign=True) for k in ("before", "on", "after"))
+                         for raw in ("", "raw_"))
             + " |")
     return lines if len(lines) > 2 else []
 

@@ -322,7 +322,9 @@ def _arm(root: Path, name: str, load_run: Any) -> dict[str, Any]:
                               for k in ("value_change_at_mistake", "fraction_dropping", "mean_abs_change_elsewhere",
                                         "advantage_share_on_mistake_line", "uniform_share_on_mistake_line",
                                         "advantage_before_mistake_line", "advantage_on_mistake_line",
-                                        "advantage_after_mistake_line")}
+                                        "advantage_after_mistake_line", "raw_advantage_share_on_mistake_line",
+                                        "raw_advantage_before_mistake_line", "raw_advantage_on_mistake_line",
+                                        "raw_advantage_after_mistake_line")}
     return out | {"_curves": curves, "_seeds": seeds}
 
 

@@ -82,3 +82,5 @@ def test_actor_advantages_follow_lambda_actor(vc: ModuleType) -> None:
     assert np.allclose(mc, [-0.8, -0.8, -0.2, -0.2]) and vc.credit_on_line(mc, (1, 2))["share"] == pytest.approx(0.4)
     white = vc.actor_advantages(values, batch, SimpleNamespace(**{**vars(algo), "whiten_advantages": True}))[0]
     assert abs(white.mean()) < 1e-6 and np.allclose(white, (td - td.mean()) / td.std(ddof=1), atol=1e-4)
+    raw = vc.actor_advantages(values, batch, SimpleNamespace(**{**vars(algo), "whiten_advantages": True}), whiten=False)
+    assert np.allclose(raw, td)  # the probe's raw_* figures: the run whitens, the critic's credit is before it
