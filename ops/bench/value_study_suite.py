@@ -45,8 +45,8 @@ along long failed responses (``ops/bench/value_curve.py``, ``value_curve.json``,
 
 Estimated compute on 2 quiet cores (``estimate_minutes``: 8 min per VAPO long.yaml run, scaled by the mean
 response length; DAPO, with no critic, 0.55 of that plus its extra generation for dropped uniform groups;
-VAPO's extra value pretraining; ``critic_cost`` 1.3 for the 2x critic): phase 1 is 18 runs (the G = 8 DAPO arm
-serves the (d) cells too), ~200 min (a: 56, b: 32, c: 23, d: 88); phase 2 at most the remaining ~100 min (e.g.
+VAPO's extra value pretraining; ``critic_cost`` 1.5 for the 2x critic, as measured): phase 1 is 18 runs (the G = 8 DAPO arm
+serves the (d) cells too), ~208 min (a: 56, b: 32, c: 23, d: 96); phase 2 at most the remaining ~92 min (e.g.
 one (a) cell's two arms, 28-34 min; the (b) cell's would take 64 min); total <= 5 h.
 ``--list`` prints each run's estimate; loaded cores (another job running) make every run slower.
 
@@ -123,7 +123,7 @@ CELLS: tuple[Cell, ...] = (
       for a in (1.0, 0.2, 0.05)),
     *(Cell(f"x2_a{a:g}", "d", f"critic 2x the policy (6 layers, 1.19M), 50 value-pretraining steps, α = {a:g} "
            "(vs DAPO at G = 8)", group_overrides(8), (f"model.critic_path={CRITIC_X2}", *PT50, f"algo.alpha={a}"),
-           dapo_cell="g8", critic_cost=1.3, pick_on="trained") for a in (1.0, 0.2, 0.05)),
+           dapo_cell="g8", critic_cost=1.5, pick_on="trained") for a in (1.0, 0.2, 0.05)),
 )
 BY_CELL = {c.name: c for c in CELLS}
 

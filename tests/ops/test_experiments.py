@@ -393,19 +393,20 @@ def test_value_study_phase2_follows_phase1(exp: ModuleType, tmp_path: Path, monk
     make_run(tmp_path / "vs_hard_vapo-s1", {0: 0.3, 40: 0.43})  # another seed does not stand in for seed 0
     assert vs.pick_phase2(tmp_path) is None
     make_run(tmp_path / "vs_hard_vapo-s0", {0: 0.3, 20: 0.4, 40: 0.43})
-    # ~100 min: g2 (34) and hard (64) fit; then neither pt50_a0.2 (35, with G = 8's DAPO) nor g4 (28) does.
-    assert vs.pick_phase2(tmp_path) == ["g2", "hard"]
-    assert vs.pick_phase2(tmp_path, budget_min=70) == ["g2", "pt50_a0.2"]  # hard skipped, the next that fits taken
+    # ~92 min: g2 (34) fits, hard (64) does not, the next that fits is taken: pt50_a0.2 (35, with G = 8's DAPO);
+    # then g4 (28) does not fit. With 100 min hard fits after g2 and nothing else does.
+    assert vs.pick_phase2(tmp_path) == ["g2", "pt50_a0.2"]
+    assert vs.pick_phase2(tmp_path, budget_min=100) == ["g2", "hard"]
     assert vs.pick_phase2(tmp_path, budget_min=1000) == ["g2", "hard", "pt50_a0.2", "g4"]
     seeds = {e.name: e.seeds for e in vs.experiments(exp.Experiment, tmp_path)}
     three = {n for n, s in seeds.items() if s == (0, 1, 2)}
-    assert three == {"vs_g2_vapo", "vs_g2_dapo", "vs_hard_vapo", "vs_hard_dapo"}
+    assert three == {"vs_g2_vapo", "vs_g2_dapo", "vs_pt50_a0.2_vapo", "vs_g8_dapo"}
     assert all(s == (0,) for n, s in seeds.items() if n not in three)
     out = subprocess.run([sys.executable, str(ROOT / "ops/bench/experiments.py"), "--suite", "value_study", "--list",
                           "--root", str(tmp_path)], capture_output=True, text=True, check=True).stdout.splitlines()
-    assert "phase 2 picked g2, hard" in out[0] and len(out) == 1 + 18 + 4 * 2  # 4 runs got seeds 1 and 2
+    assert "phase 2 picked g2, pt50_a0.2" in out[0] and len(out) == 1 + 18 + 4 * 2  # 4 runs got seeds 1 and 2
     assert out[1].split()[:5] == ["vs_g2_vapo-s0", "done", "40", "steps", "~8"]
-    monkeypatch.setattr(vs, "BUDGET_MIN", vs.BUDGET_MIN + 34)  # ~134 min for phase 2: pt50_a0.2 fits too
+    monkeypatch.setattr(vs, "BUDGET_MIN", vs.BUDGET_MIN + 42)  # ~134 min for phase 2: g2, hard, then pt50_a0.2
     seeds = {e.name: e.seeds for e in vs.experiments(exp.Experiment, tmp_path)}
     # its DAPO arm is G = 8's, which gets seeds 1 and 2 once, with the cell that needs it
     assert {n for n, s in seeds.items() if s == (0, 1, 2)} == {"vs_g2_vapo", "vs_g2_dapo", "vs_hard_vapo", "vs_hard_dapo",
