@@ -9,7 +9,7 @@ from __future__ import annotations
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from common.security import HANDSHAKE_FAILED
+from common.security import HANDSHAKE_FAILED, close_monitor, open_monitor
 
 
 class Peers:
@@ -26,7 +26,8 @@ class Peers:
     """
 
     def __init__(self, sock: zmq.Socket) -> None:
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
+        self._sock = sock
+        self.monitor = open_monitor(sock, zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
         self.refused = 0
         self.refused_reported = 0  # the part of ``refused`` already handed out by ``new_refusals``
         self._fd_of: dict[bytes, int] = {}
@@ -66,4 +67,5 @@ class Peers:
         return new
 
     def close(self) -> None:
-        self.monitor.close(linger=0)
+        """Before the watched socket is closed."""
+        close_monitor(self._sock, self.monitor)

@@ -33,6 +33,7 @@ Usage (client)::
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import logging
 import os
 import shutil
@@ -251,6 +252,26 @@ def apply_client_curve(sock: zmq.Socket, keys: ClientKeys | None) -> None:
 # key, or a client without CURVE. Servers count them (their clients never get a frame through).
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+_monitor_ids = itertools.count()
+
+
+def open_monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A PAIR socket receiving ``sock``'s monitor ``events``; end it with ``close_monitor``.
+
+    pyzmq's default endpoint is named after the socket's file descriptor, which a socket opened after one
+    closed gets again while the old monitor's endpoint may still be bound ("Address already in use"); an
+    endpoint unique in the process cannot collide."""
+    return sock.get_monitor_socket(events, addr=f"inproc://vapo-monitor-{os.getpid()}-{next(_monitor_ids)}")
+
+
+def close_monitor(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    """Stop monitoring ``sock`` and close the PAIR socket, before ``sock`` itself is closed (from the thread
+    that owns ``sock``). A socket closed while still monitored is never reaped: its context runs out of
+    sockets ("Too many open files") after a few hundred."""
+    if not sock.closed:
+        sock.disable_monitor()
+    monitor.close(linger=0)
 
 
 def generate_keypair(directory: str | Path, name: str) -> tuple[Path, Path]:

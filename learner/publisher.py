@@ -46,7 +46,7 @@ class WeightPublisher:
         self.pub.bind(publish_addr)
         self.publish_endpoint = self.pub.getsockopt(zmq.LAST_ENDPOINT).decode()
         # Handed to the REP thread, which alone reads it from here on.
-        self._pub_monitor = self.pub.get_monitor_socket(security.HANDSHAKE_FAILED)
+        self._pub_monitor = security.open_monitor(self.pub, security.HANDSHAKE_FAILED)
         self._rep_ready = threading.Event()
         self._rep_error: BaseException | None = None
         self.query_endpoint = ""
@@ -60,11 +60,13 @@ class WeightPublisher:
     def _serve(self, addr: str) -> None:
         rep = self.ctx.socket(zmq.REP)
         rep.setsockopt(zmq.LINGER, 0)
+        rep_monitor: zmq.Socket | None = None
         try:
             if self._curve is not None:
                 self._curve.apply(rep)
             rep.bind(addr)
             self.query_endpoint = rep.getsockopt(zmq.LAST_ENDPOINT).decode()
+            rep_monitor = security.open_monitor(rep, security.HANDSHAKE_FAILED)
         except BaseException as e:  # surfaced to the constructor
             self._rep_error = e
             self._rep_ready.set()
@@ -72,7 +74,14 @@ class WeightPublisher:
             rep.close()
             return
         self._rep_ready.set()
-        monitors = {self._pub_monitor: "publish", rep.get_monitor_socket(security.HANDSHAKE_FAILED): "query"}
+        try:
+            self._answer_queries(rep, {self._pub_monitor: "publish", rep_monitor: "query"})
+        finally:
+            security.close_monitor(rep, rep_monitor)
+            self._pub_monitor.close(linger=0)  # the PUB socket's monitoring ends in close(), on its own thread
+            rep.close()
+
+    def _answer_queries(self, rep: zmq.Socket, monitors: dict[zmq.Socket, str]) -> None:
         poller = zmq.Poller()
         for sock in (rep, *monitors):
             poller.register(sock, zmq.POLLIN)
@@ -92,9 +101,6 @@ class WeightPublisher:
             except protocol.ProtocolError as e:
                 out = protocol.encode(protocol.ErrorReply(reason=e.reason, message=str(e)[:4000]))
             rep.send(out)
-        for mon in monitors:
-            mon.close(linger=0)
-        rep.close()
 
     def _count_refused(self, monitor: zmq.Socket, name: str) -> None:
         while monitor.poll(0):
@@ -116,6 +122,8 @@ class WeightPublisher:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(5)
+        if not self.pub.closed:
+            self.pub.disable_monitor()
         self.pub.close()
         if self._curve is not None:
             self._curve.stop()

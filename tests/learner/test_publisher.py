@@ -1,0 +1,54 @@
+"""The weight publisher's lifetime in one process: a learner that restarts its publisher (as tests and a
+resumed run in the same interpreter do) must get a working one every time."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import zmq
+
+from common import protocol
+from learner.publisher import WeightPublisher
+
+
+def _query(ctx: zmq.Context, addr: str) -> protocol.WeightUpdate:
+    req = ctx.socket(zmq.REQ)
+    req.linger = 0
+    try:
+        req.connect(addr)
+        req.send(protocol.encode(protocol.WeightQuery()))
+        assert req.poll(10_000), "the publisher's REP thread did not answer"
+        return protocol.decode_as(req.recv(), protocol.WeightUpdate)
+    finally:
+        req.close()
+
+
+def test_a_publisher_answers_while_old_monitor_endpoints_are_still_bound(tmp_path: Path) -> None:
+    # A socket's monitor was named after its file descriptor; a publisher reopened in the same process got the
+    # descriptor of a socket closed a moment before whose monitor endpoint libzmq had not yet released, the
+    # REP thread died on "Address already in use", and actors asking for the weights waited forever. One
+    # socket squatting on every such name stands for all the not-yet-released ones.
+    ctx = zmq.Context.instance()  # the publisher's context, where the names live
+    squatter = ctx.socket(zmq.PAIR)
+    for fd in range(4096):
+        squatter.bind(f"inproc://monitor.s-{fd}")
+    try:
+        up = protocol.WeightUpdate(version=3, path=str(tmp_path), sha256="c" * 64, created_at=time.time())
+        pub = WeightPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", latest=up)
+        try:
+            assert _query(ctx, pub.query_endpoint).version == 3
+        finally:
+            pub.close()
+    finally:
+        squatter.close(linger=0)
+
+
+def test_a_publisher_reopened_a_hundred_times_answers_every_time(tmp_path: Path) -> None:
+    for v in range(100):
+        up = protocol.WeightUpdate(version=v, path=str(tmp_path), sha256="c" * 64, created_at=time.time())
+        pub = WeightPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", latest=up)
+        try:
+            assert _query(zmq.Context.instance(), pub.query_endpoint).version == v
+        finally:
+            pub.close()
