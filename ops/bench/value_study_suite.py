@@ -36,7 +36,8 @@ start. A larger pretrained critic, as used in practice, is one ``model.critic_pa
 Two phases (``pick_phase2``): phase 1 is seed 0 of every cell; once all of it is done, a cell whose seed-0
 VAPO − DAPO held-out avg@8 differs by more than ``THRESHOLD`` (0.05: about twice the seed sd of the long table
 from the shipped base, 0.013-0.030) gets seeds 1 and 2 of both arms, largest |difference| first, while the
-estimated cost fits the rest of the 5 h budget (``phase2_budget``). The difference is taken at equal paid
+estimated cost fits the rest of the 5 h budget (``phase2_budget``: 5 h minus the wall time of the runs done
+and the estimate of the seed-0 runs still to do). The difference is taken at equal paid
 samples for (a)-(c), the issue's measure (DAPO pays for the uniform groups it drops, VAPO for value
 pretraining), and at step 40 (equal trained samples) for (d), whose question is what a better critic buys
 (its pretraining's cost is in the table apart). The summary reports the seed-1/2 difference apart
@@ -201,9 +202,28 @@ def seed0_delta(c: Cell, root: Path, load_run: Any) -> float | None:
     return _acc_at(v.points, x, 0.0, "cost") - _acc_at(d.points, x, 0.0, "cost")
 
 
-def phase2_budget() -> float:
-    """Minutes left for phase 2: the 5 h budget minus phase 1's estimate."""
-    return BUDGET_MIN - phase1_minutes()
+def _finished(root: Path, name: str, seed: int) -> bool:
+    return (root / f"{name}-s{seed}" / "summary.json").is_file()
+
+
+def spent_minutes(root: Path) -> float:
+    """Minutes the suite's finished runs under ``root`` took (any seed; their ``wall_seconds``)."""
+    total = 0.0
+    for name in runs():
+        for d in root.glob(f"{name}-s*"):
+            if (d / "summary.json").is_file():
+                total += float(json.loads((d / "summary.json").read_text()).get("wall_seconds", 0.0))
+    return total / 60
+
+
+def phase2_budget(root: Path | None = None) -> float:
+    """Minutes left for phase 2: the 5 h budget minus phase 1. Without ``root``, phase 1's estimate; with it,
+    what the finished runs under ``root`` took plus the estimate of the seed-0 runs still to do, so a slower
+    machine (or sitting) than the estimate leaves phase 2 less, never more than the budget allows."""
+    if root is None:
+        return BUDGET_MIN - phase1_minutes()
+    todo = sum(estimate_run_minutes(n) for n in runs() if not _finished(root, n, 0))
+    return BUDGET_MIN - spent_minutes(root) - todo
 
 
 def phase_line(root: Path) -> str:
@@ -211,13 +231,14 @@ def phase_line(root: Path) -> str:
     picked = pick_phase2(root)
     state = ("waits for phase 1 (seed 0 of every cell)" if picked is None
              else f"picked {', '.join(picked) or 'no cell'} (|VAPO − DAPO| > {THRESHOLD} at seed 0)")
-    return (f"value_study: phase 1 ~{phase1_minutes():.0f} min estimated, phase 2 budget ~{phase2_budget():.0f} min; "
-            f"phase 2 {state}")
+    return (f"value_study: phase 1 ~{phase1_minutes():.0f} min estimated; {spent_minutes(root):.0f} min of runs spent, "
+            f"phase 2 budget ~{phase2_budget(root):.0f} min; phase 2 {state}")
 
 
 def pick_phase2(root: Path, budget_min: float | None = None) -> list[str] | None:
-    """Cells whose seed-0 VAPO − DAPO (``seed0_delta``) exceeds THRESHOLD, largest |Δ| first, while their new runs' estimated
-    minutes fit ``budget_min`` (a shared DAPO arm counted once); None until every seed-0 run is done."""
+    """Cells whose seed-0 VAPO − DAPO (``seed0_delta``) exceeds THRESHOLD, largest |Δ| first, while the estimated
+    minutes of their runs not yet done fit ``budget_min`` (default ``phase2_budget(root)``; a shared DAPO arm
+    counted once); None until every seed-0 run is done."""
     from run_records import load_run
 
     deltas = {}
@@ -228,13 +249,13 @@ def pick_phase2(root: Path, budget_min: float | None = None) -> list[str] | None
         deltas[c.name] = delta
     picked: list[str] = []
     paid: set[str] = set()
-    left = phase2_budget() if budget_min is None else budget_min
+    left = phase2_budget(root) if budget_min is None else budget_min
     for name in sorted(deltas, key=lambda n: -abs(deltas[n])):
         if abs(deltas[name]) <= THRESHOLD:
             break
         new = set(arms(BY_CELL[name]).values()) - paid
-        cost = len(PHASE2_SEEDS) * sum(estimate_run_minutes(n) for n in new)
-        if cost <= left:
+        cost = sum(estimate_run_minutes(n) for n in new for seed in PHASE2_SEEDS if not _finished(root, n, seed))
+        if cost == 0 or cost <= left:  # a cell whose seeds are all done costs nothing more
             picked.append(name)
             paid |= new
             left -= cost
