@@ -60,7 +60,6 @@ class WeightPublisher:
     def _serve(self, addr: str) -> None:
         rep = self.ctx.socket(zmq.REP)
         rep.setsockopt(zmq.LINGER, 0)
-        rep_monitor: zmq.Socket | None = None
         try:
             if self._curve is not None:
                 self._curve.apply(rep)

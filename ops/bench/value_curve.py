@@ -94,18 +94,24 @@ def load_critic(cfg: Config, run_dir: Path) -> torch.nn.Module:
     return _Engine(critic.eval())
 
 
-def actor_advantages(values: torch.Tensor, batch: Any, algo: Any, whiten: bool | None = None) -> np.ndarray:
-    """``[B, T]`` the actor's advantages as the learner forms them from these values: GAE with λ_actor
-    (length-adaptive: 1 − 1/(α·l), Eq. 7) over the terminal score, whitened over the batch's real tokens when
-    ``whiten`` (default ``algo.whiten_advantages``; the probe's batch stands in for a training batch)."""
+def actor_advantages(values: torch.Tensor, batch: Any, algo: Any) -> np.ndarray:
+    """``[B, T]`` the actor's advantages as the learner forms them from these values, before whitening: GAE
+    with λ_actor (length-adaptive: 1 − 1/(α·l), Eq. 7) over the terminal score."""
     from learner.advantages import gae, length_adaptive_lambda, terminal_rewards
-    from learner.losses import masked_whiten
 
     lam = length_adaptive_lambda(batch.lengths, algo.alpha) if algo.length_adaptive else algo.lambda_actor
     adv, _ = gae(terminal_rewards(batch.scores, batch.mask), values, batch.mask, algo.gamma, lam)
-    if algo.whiten_advantages if whiten is None else whiten:
-        adv = masked_whiten(adv, batch.mask) * batch.mask
     return adv.numpy()
+
+
+def as_trained(adv: np.ndarray, batch: Any, algo: Any) -> np.ndarray:
+    """``adv`` whitened over the batch's real tokens when ``algo.whiten_advantages``, as the learner does (the
+    probe's batch stands in for a training batch); unchanged otherwise."""
+    from learner.losses import masked_whiten
+
+    if not algo.whiten_advantages:
+        return adv
+    return (masked_whiten(torch.from_numpy(adv), batch.mask) * batch.mask).numpy()
 
 
 def line_span(text: list[str], j: int) -> tuple[int, int]:
@@ -160,8 +166,8 @@ def measure(cfg: Config, run_dir: Path, bucket: str, k: int, seed: int) -> tuple
     batch = collate(groups, pad_token_id(tok))
     with torch.no_grad():
         values_t = compute_values(critic, batch, torch.arange(batch.size), cfg.learner.micro_batch_size)
-    values, advantages = values_t.numpy(), actor_advantages(values_t, batch, cfg.algo)
-    raw_advantages = actor_advantages(values_t, batch, cfg.algo, whiten=False)
+    values, raw_advantages = values_t.numpy(), actor_advantages(values_t, batch, cfg.algo)
+    advantages = as_trained(raw_advantages, batch, cfg.algo)
     before, after, drops, noise, credit, raw_credit = [], [], [], [], [], []
     curves = []
     for i, row in enumerate(rows):

@@ -80,7 +80,9 @@ def test_actor_advantages_follow_lambda_actor(vc: ModuleType) -> None:
     assert vc.credit_on_line(td, (1, 2))["share"] == pytest.approx(0.75)  # 3 times the uniform 0.25
     mc = vc.actor_advantages(values, batch, SimpleNamespace(**{**vars(algo), "length_adaptive": False, "lambda_actor": 1.0}))[0]
     assert np.allclose(mc, [-0.8, -0.8, -0.2, -0.2]) and vc.credit_on_line(mc, (1, 2))["share"] == pytest.approx(0.4)
-    white = vc.actor_advantages(values, batch, SimpleNamespace(**{**vars(algo), "whiten_advantages": True}))[0]
-    assert abs(white.mean()) < 1e-6 and np.allclose(white, (td - td.mean()) / td.std(ddof=1), atol=1e-4)
-    raw = vc.actor_advantages(values, batch, SimpleNamespace(**{**vars(algo), "whiten_advantages": True}), whiten=False)
+    whitening = SimpleNamespace(**{**vars(algo), "whiten_advantages": True})
+    raw = vc.actor_advantages(values, batch, whitening)
     assert np.allclose(raw, td)  # the probe's raw_* figures: the run whitens, the critic's credit is before it
+    white = vc.as_trained(raw, batch, whitening)[0]
+    assert abs(white.mean()) < 1e-6 and np.allclose(white, (td - td.mean()) / td.std(ddof=1), atol=1e-4)
+    assert vc.as_trained(raw, batch, algo) is raw  # a run that does not whiten trains on the raw advantages
