@@ -113,6 +113,11 @@ class EngineLink:
         self._syncing = False  # a weight sync talks to the engine (health probes use /model_info)
         self._syncs = 0  # weight syncs started so far
         self._sync_call: asyncio.Future[Any] | None = None  # the sync's request in flight
+        # Engines this link has seen start: +1 on every (re)start of ours and every restart of a remote engine
+        # it notices. A distributed-push member announces itself again whenever this moves: a restarted
+        # engine is in no weight-update group, whatever client object reaches it.
+        self.engine_starts = 0
+        self._pushing = 0  # distributed pushes in progress (``pushing``): health probes neither run nor count
         # The engine's API key: ours is fresh per worker (passed to the child in its environment, never
         # on its command line), a remote engine's is read from engine.admin_api_key_file.
         self.api_key = engine_api_key(cfg)
@@ -160,6 +165,17 @@ class EngineLink:
         self.counts.weight_syncs += 1
         self.counts.weight_pushes += 1
         self.counts.push_pause_ms += round(pause_s * 1000)
+
+    @contextlib.contextmanager
+    def pushing(self) -> Any:
+        """Marks a distributed push into the engine (``actors.weight_push_client``): SGLang's ``/health``
+        runs a generation, which cannot run while the push pauses the engine, so no probe runs or counts
+        meanwhile (a push that hangs fails on its own deadline, and its recovery reports trouble)."""
+        self._pushing += 1
+        try:
+            yield
+        finally:
+            self._pushing -= 1
 
     def _count_restart(self) -> int:
         self.counts.engine_restarts += 1
@@ -212,10 +228,12 @@ class EngineLink:
             version, path = await asyncio.to_thread(self._newest_verified)
             url = await self.process.start(path, version, api_key=self.api_key)
             self.client = self._client(url)
+            self.engine_starts += 1
             self._set_version(version, path)
             return
         self.client = self._client(url)
         await self.client.wait_healthy(self.cfg.engine.startup_timeout_s)
+        self.engine_starts += 1
         served = as_version(await self.client.get_weight_version())
         self._set_version(served, self.model_path if served == self.version else self.cfg.model.path)
         await self._sync_locked(idle=True)  # newest weights before the first request
@@ -305,7 +323,7 @@ class EngineLink:
         client = self.client
         syncing, syncs = self._syncing, self._syncs
         endpoint = "/model_info" if syncing else "/health"
-        if client is None or not (self.gate.is_set() or syncing):
+        if client is None or self._pushing or not (self.gate.is_set() or syncing):
             return started, None, endpoint
         if syncing:
             try:
@@ -317,7 +335,7 @@ class EngineLink:
             ok = await client.health(self.cfg.engine.health_timeout_s)
         # A /health that failed while this link paused or loaded the engine (SGLang's cannot run then), or
         # any probe of an engine restarted meanwhile, says nothing about the engine now.
-        overlapped = not syncing and (self._syncing or self._syncs != syncs)
+        overlapped = not syncing and (self._syncing or self._syncs != syncs) or self._pushing > 0
         if client is not self.client or not ok and (overlapped or not (self.gate.is_set() or self._syncing)):
             return started, None, endpoint
         return started, ok, endpoint
@@ -349,6 +367,9 @@ class EngineLink:
                         await self.client.wait_healthy(self.cfg.engine.startup_timeout_s * (self.cfg.engine.max_restarts + 1))
                     except SGLangError as e:
                         raise EngineLost(f"engine {self.client.base_url} did not come back: {e}") from None
+                    # Unreachable and back: restarted, or at least not to be trusted to hold its weight-update
+                    # group (an engine that lost it answers "group not found" at the next push).
+                    self.engine_starts += 1
                 try:
                     served = as_version(await self.client.get_weight_version())
                 except SGLangError:
@@ -357,6 +378,7 @@ class EngineLink:
                 if served != self.version:
                     self.gate.clear()
                     self._count_restart()
+                    self.engine_starts += 1
                     log.warning("actor %d: engine serves v%d, expected v%d (restarted?); re-syncing", self.actor_id,
                                 served, self.version)
                     self._set_version(served, self.cfg.model.path)
