@@ -2,11 +2,13 @@
 # Idempotent environment setup of .venv: vapo in editable mode on the right torch.
 #
 #   ops/setup.sh            CPU machines (default): the CPU torch build, DeepSpeed; no SGLang
+#   ops/setup.sh --sglang   CPU machines, plus the real SGLang server on that CPU torch (minutes, ~3.5 GB):
+#                           engine.kind=sglang runs live (ops/configs/sglang-cpu.yaml, tests marked sglang)
 #   ops/setup.sh --cuda     GPU machines: the CUDA torch that the SGLang release pins, SGLang, DeepSpeed
-#   ops/setup.sh --cpu      go back to the CPU build in an existing .venv
+#   ops/setup.sh --cpu      go back to the CPU build in an existing .venv (SGLang, if added, stays)
 #
 # Without a flag the mode of an existing .venv is kept (ops/launch.sh and ops/test.sh call this with none),
-# so a GPU machine set up once with --cuda stays on CUDA. Returns in seconds when nothing changed (a stamp of
+# so a GPU machine set up once with --cuda stays on CUDA, and a CPU venv given SGLang keeps it. Returns in seconds when nothing changed (a stamp of
 # pyproject.toml + this file + the mode is kept in .venv). --cuda first checks Python >= 3.11, glibc >= 2.34
 # and an NVIDIA driver for CUDA 13, and after installing that torch sees a GPU (ops/setup_checks.py).
 # Variables: PYTHON (interpreter for the venv), VAPO_VENV (venv directory, default .venv),
@@ -17,14 +19,18 @@ ROOT=$(pwd)
 VENV=${VAPO_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
 CPU_TORCH=2.13.0          # the CPU build these machines carry on disk
+CPU_TORCHVISION=0.28.0    # the torchvision release built against CPU_TORCH (SGLang imports torchvision)
 SGLANG_VERSION=0.5.23     # GPU: the SGLang release vapo's client follows (common/sglang_client.py)
 DEEPSPEED_VERSION=0.19.8
 MODE_FILE="$VENV/.vapo-mode"
 
-usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
 MODE=""
+SGLANG_CPU_FILE="$VENV/.vapo-sglang-cpu"  # present: this CPU venv also has SGLang (ops/setup.sh --sglang)
+WANT_SGLANG=""
 for arg in "$@"; do
   case "$arg" in
+    --sglang) MODE=cpu; WANT_SGLANG=1 ;;
     --cuda) MODE=cuda ;;
     --cpu) MODE=cpu ;;
     -h|--help) usage; exit 0 ;;
@@ -34,8 +40,10 @@ done
 if [ -z "$MODE" ]; then
   MODE=$(cat "$MODE_FILE" 2>/dev/null || echo cpu)
 fi
+[ "$MODE" = cpu ] && [ -f "$SGLANG_CPU_FILE" ] && WANT_SGLANG=1
 STAMP="$VENV/.vapo-setup-stamp"
-want=$( (cat pyproject.toml ops/setup.sh; echo "$MODE") | sha256sum | cut -d' ' -f1)
+want=$( (cat pyproject.toml ops/setup.sh; echo "$MODE"; [ -z "$WANT_SGLANG" ] || cat ops/sglang_cpu/pyproject.toml \
+  ops/sglang_cpu/prepare.py ops/sglang_cpu/sgl_kernel/__init__.py) | sha256sum | cut -d' ' -f1)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
   exit 0
 fi
@@ -60,6 +68,31 @@ sys.exit(0 if ok else 1)
 EOF
 }
 
+install_sglang_cpu() {
+  # The real SGLang server on the CPU torch (ops/sglang_cpu/prepare.py says why each step is needed): the
+  # wheel without its CUDA-only requirements, vapo's pure-torch sgl_kernel, torchvision for this torch with
+  # its two unguarded fake-op registrations guarded. Every pip call is constrained to the CPU torch.
+  echo "[setup] adding SGLang $SGLANG_VERSION for CPU engines (first time: a few minutes, ~3.5 GB)" >&2
+  local cons="$VENV/.vapo-sglang-constraints.txt" wheels="$VENV/.sglang-wheel"
+  printf 'torch==%s\ntorchvision==%s\n' "$CPU_TORCH" "$CPU_TORCHVISION" >"$cons"
+  if ! "$VPY" -c "import importlib.metadata as m; assert m.version('sglang')=='$SGLANG_VERSION'" 2>/dev/null; then
+    rm -rf "$wheels"
+    "$VPY" -m pip download --quiet --disable-pip-version-check --no-deps -d "$wheels" "sglang==$SGLANG_VERSION" \
+      || die "cannot download sglang==$SGLANG_VERSION from the package index"
+    local whl
+    whl=$(ls "$wheels"/sglang-*.whl)
+    mapfile -t reqs < <("$VPY" ops/sglang_cpu/prepare.py requirements "$whl")
+    "${PIP[@]}" -c "$cons" "torchvision==$CPU_TORCHVISION" "${reqs[@]}" || die "installing SGLang's CPU requirements failed"
+    "${PIP[@]}" -c "$cons" --no-deps "$whl" || die "installing the sglang wheel failed"
+    rm -rf "$wheels"
+  fi
+  "${PIP[@]}" -c "$cons" --no-deps --no-build-isolation ./ops/sglang_cpu
+  "$VPY" ops/sglang_cpu/prepare.py patch-torchvision || die "could not make torchvision importable on the CPU torch"
+  torch_is "$CPU_TORCH" cpu || die "installing SGLang replaced torch $CPU_TORCH (CPU) with $("$VPY" -c 'import torch; print(torch.__version__, torch.version.cuda)')"
+  "$VPY" ops/sglang_cpu/prepare.py check || die "SGLang does not import on this CPU torch (the error is above)"
+  touch "$SGLANG_CPU_FILE"
+}
+
 if [ "$MODE" = cpu ]; then
   echo "[setup] preparing $VENV (torch $CPU_TORCH CPU build, vapo editable)" >&2
   # torch first, pinned: a bare "torch" requirement would pull a multi-GB CUDA build.
@@ -74,6 +107,9 @@ if [ "$MODE" = cpu ]; then
   fi
   "${PIP[@]}" --no-build-isolation -e ".[dev]"
   torch_is "$CPU_TORCH" cpu || die "a dependency replaced torch $CPU_TORCH (CPU) with $("$VPY" -c 'import torch; print(torch.__version__, torch.version.cuda)'); on a GPU machine use ops/setup.sh --cuda"
+  if [ -n "$WANT_SGLANG" ]; then
+    install_sglang_cpu
+  fi
 else
   echo "[setup] preparing $VENV for GPUs (SGLang $SGLANG_VERSION, its CUDA torch, DeepSpeed $DEEPSPEED_VERSION)" >&2
   "${PIP[@]}" "setuptools>=68" wheel packaging
