@@ -21,3 +21,18 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = build_tiny_qwen2(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                              intermediate_size=64, max_position_embeddings=256, seed=0)
     return save_hf(model, tok, tmp_path_factory.mktemp("models") / "tiny")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Tests marked ``sglang`` need the real server: skipped with the reason where it cannot run, failed
+    instead under ``VAPO_REQUIRE_SGLANG=1`` (CI installs SGLang; a skip there would hide a broken install)."""
+    if item.get_closest_marker("sglang") is None:
+        return
+    from tests.actors.sglang_live import skip_reason
+
+    reason = skip_reason()
+    if reason is None:
+        return
+    if os.environ.get("VAPO_REQUIRE_SGLANG") == "1":
+        pytest.fail(f"VAPO_REQUIRE_SGLANG=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
