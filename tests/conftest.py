@@ -28,7 +28,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     instead under ``VAPO_REQUIRE_SGLANG=1`` (CI installs SGLang; a skip there would hide a broken install)."""
     if item.get_closest_marker("sglang") is None:
         return
-    from tests.actors.sglang_live import skip_reason
+    from ops.sglang_cpu.live import skip_reason
 
     reason = skip_reason()
     if reason is None:

@@ -97,10 +97,9 @@ def check() -> None:
 
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     import sgl_kernel
+    import sglang
     import torch
     import torchvision.transforms  # noqa: F401  (what SGLang's argument parsing imports)
-
-    import sglang
 
     missing = [n for n in REQUIRED_SGL_KERNEL_NAMES if not hasattr(sgl_kernel, n)]
     if missing:

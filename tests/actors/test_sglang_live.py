@@ -11,6 +11,7 @@ that refuse a missing admin key.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +23,9 @@ from transformers import AutoModelForCausalLM
 
 from common.sglang_client import GenerateOutput, SGLangClient, SGLangError
 from learner.losses import token_logprobs
+from ops.sglang_cpu.contract import FIXTURE, conversation, violations
+from ops.sglang_cpu.live import LiveSGLang
 from tests.actors.actor_harness import REPO, make_weights
-from tests.actors.sglang_live import LiveSGLang
 
 pytestmark = pytest.mark.sglang
 
@@ -184,3 +186,11 @@ def test_control_endpoints_refuse_a_missing_or_wrong_admin_key(server: LiveSGLan
     assert server.request("GET", "/health", key=None)[0] == 200
     assert server.request("POST", "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}},
                           key=None)[0] == 200
+
+
+def test_the_captured_contract_still_holds_for_the_installed_server(server: LiveSGLang) -> None:
+    """The fixture the imitation is held to (``ops/sglang_cpu/contract.py capture``) is still what this server
+    answers: re-capture it when an SGLang upgrade breaks this. Last: the conversation moves the weights."""
+    reference = json.loads(FIXTURE.read_text())
+    records = conversation(server.url, ADMIN_KEY, BASE)
+    assert violations(records, reference) == []

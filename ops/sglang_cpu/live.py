@@ -1,4 +1,5 @@
-"""The real SGLang server for tests marked ``sglang``: started as vapo starts it, stopped by its process group.
+"""The real SGLang server on this CPU, started as vapo starts a CPU engine and stopped by its process group:
+for tests marked ``sglang``, the contract capture (``contract.py``) and the engine benchmark.
 
     server = LiveSGLang.start(model_dir, log_dir, admin_key="k")   # waits for /health (SGLang: ~40-70 s)
     ... server.url ...
@@ -19,6 +20,7 @@ import os
 import platform
 import signal
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -26,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from common.config import Config, load_config
+from common.ports import free_port
 from common.sglang_args import sglang_command
-from tests.actors.actor_harness import REPO, env
-from tests.polling import wait_for
-from tests.ports import free_port
+
+REPO = Path(__file__).resolve().parents[2]
 
 START_TIMEOUT_S = 300.0  # ~40 s on 2 idle cores; several times that on a loaded CI machine
 
@@ -71,21 +73,29 @@ class LiveSGLang:
         if admin_key:  # vapo passes it through a --config file; on the command line here (a test key)
             cmd += ["--admin-api-key", admin_key]
         log_path = log_dir / f"{name}-{port}.log"
+        env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               **extra_env}
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(cmd, cwd=REPO, env={**env(), **extra_env}, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         server = cls(proc, f"http://127.0.0.1:{port}", log_path, admin_key)
         try:
-            wait_for(server.healthy, START_TIMEOUT_S, f"SGLang on port {port} to answer /health (log {log_path})",
-                     interval_s=0.5)
+            server.wait_healthy(START_TIMEOUT_S)
         except BaseException:
             server.stop()
             raise
         return server
 
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Until /health answers 200; RuntimeError when the server exits or ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        while not self.healthy():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"SGLang at {self.url} not healthy after {timeout_s} s: {self.log_tail()}")
+            time.sleep(0.5)  # the poll interval; healthy() decides
+
     def healthy(self) -> bool:
         if self.proc.poll() is not None:
-            raise AssertionError(f"SGLang exited with {self.proc.returncode}: {self.log_tail()}")
+            raise RuntimeError(f"SGLang exited with {self.proc.returncode}: {self.log_tail()}")
         return self.request("GET", "/health", timeout_s=10)[0] == 200
 
     def log_tail(self, n: int = 3000) -> str:
