@@ -82,14 +82,14 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
-    kind: str = f("rollout_server", "engine: rollout_server (CPU/CUDA, ours) | sglang (GPU) | external")
+    kind: str = f("rollout_server", "engine: rollout_server (CPU/CUDA, ours) | sglang (GPU, or CPU after ops/setup.sh --sglang) | external")
     urls: list[str] = f([], "kind=external: engine base URLs to use as given (one actor each)")
     host: str = f("127.0.0.1", "bind address of engines started by vapo (non-loopback needs engine.bind_protection)")
     bind_protection: str = f("", "non-loopback engine.host only: how its unauthenticated control API port is protected: firewall | private_network | auth_proxy (empty = refuse such binds)")
     base_port: int = f(30000, "first engine port; engine i listens on base_port + i")
     max_batch_size: int = f(256, "rollout_server: most sequences decoded together")
     batch_wait_ms: float = f(2.0, "rollout_server: how long to gather concurrent requests into a batch")
-    threads: int = f(1, "rollout_server: torch threads per engine process")
+    threads: int = f(1, "torch threads per engine process: rollout_server, and SGLang on CPU (OMP_NUM_THREADS)")
     context_length: int = f(0, "rollout_server: longest prompt + response per sequence (0 = model max_position_embeddings)")
     logprobs: str = f("original", "rollout_server: original = log_softmax(logits) as the learner computes | scaled = by 1/T (SGLang default)")
     startup_timeout_s: float = f(600.0, "seconds to wait for an engine to load and answer /health; SGLang loading a 32B checkpoint (plus CUDA graphs) takes minutes: allow ~60 s + 30 s per 10 GB of weights")
@@ -103,6 +103,8 @@ class EngineConfig:
     sglang_mem_fraction_static: float = f(0.8, "sglang: --mem-fraction-static")
     sglang_tp_size: int = f(1, "sglang: --tp-size")
     sglang_extra_args: list[str] = f([], "sglang: extra command-line arguments for sglang.launch_server")
+    sglang_radix_cache: str = f("auto", "sglang: SGLang's radix (prefix) cache: auto (disabled, --disable-radix-cache, only for learner.weight_transport=distributed with actors.push_pause=in_place: requests keep running through each push, SGLang then refuses every cache flush and later prompts sharing a cached prefix reuse KV of old weights, unseen by staleness accounting; a disk update drains the engine first and flushes) | enabled | disabled. Disabled costs ~3% of rollout tokens/s on the CPU default (ops/bench/sglang_radix.py; common/sglang_args.py)")
+    sglang_max_total_tokens: int = f(0, "sglang: KV-cache pool in tokens (--max-total-tokens); 0 = on CPU actors.prompts_in_flight x group_size x min(placement.est_prompt_tokens + actors.max_new_tokens, context), at least one context; on GPU SGLang's own sizing (sglang_mem_fraction_static)")
 
 
 @dataclass

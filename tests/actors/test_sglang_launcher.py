@@ -1,4 +1,5 @@
-"""actors.sglang_launcher: the GPU path's sglang.launch_server command lines, checked against SGLang's flags."""
+"""actors.sglang_launcher and common.sglang_args: sglang.launch_server command lines on GPUs and on the CPU,
+checked against SGLang's flags."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import sys
 import pytest
 
 from actors.sglang_launcher import write_admin_key_config
+from common import sglang_args
 from common.config import ConfigError, load_config
-from common.sglang_args import SGLANG_FLAGS_USED, sglang_command
+from common.sglang_args import SGLANG_FLAGS_USED, max_total_tokens, radix_cache_kept, sglang_command
 
 # ServerArgs fields of sgl-project/sglang python/sglang/srt/server_args.py (commit 001067ff), as flags
 # (field model_path -> --model-path): host, port, model_path, tokenizer_path, skip_tokenizer_init,
@@ -24,6 +26,10 @@ SGLANG_SERVER_ARGS = {
     "--enable-metrics",
     # SGLang 0.5.23 server_args.py: --config, a YAML of further options (utils/server_args_config_parser.py)
     "--config",
+    # SGLang 0.5.23 arg_groups/fields: memory.py disable_radix_cache; device.py device, sleep_on_idle;
+    # exec_.py attention_backend; schedule.py max_total_tokens, disable_overlap_schedule
+    "--disable-radix-cache", "--device", "--sleep-on-idle", "--attention-backend", "--max-total-tokens",
+    "--disable-overlap-schedule",
 }
 SGLANG_DTYPES = {"auto", "half", "float16", "bfloat16", "float", "float32"}
 
@@ -38,7 +44,8 @@ def _flags(argv: list[str]) -> dict[str, str]:
 
 def test_one_engine_per_gpu_group_with_real_flag_names() -> None:
     cfg = load_config("ops/configs/gpu-small.yaml", [
-        "actors.num_actors=2", "engine.sglang_tp_size=2", "engine.base_port=31000", "engine.host=127.0.0.1",
+        "actors.num_actors=2", "actors.push_pause=retract", "engine.sglang_tp_size=2", "engine.base_port=31000",
+        "engine.host=127.0.0.1",
         "model.path=/models/qwen", "engine.sglang_mem_fraction_static=0.5", "engine.context_length=4096",
         "run.seed=7", "engine.sglang_extra_args=[--enable-torch-compile]", "placement.engine_gpus="])
     cmds = [sglang_command(cfg, i) for i in range(2)]
@@ -51,15 +58,17 @@ def test_one_engine_per_gpu_group_with_real_flag_names() -> None:
             "--model-path": "/models/qwen", "--host": "127.0.0.1", "--port": str(31000 + i), "--tp-size": "2",
             "--mem-fraction-static": "0.5", "--dtype": "bfloat16", "--random-seed": str(7000 + i),
             "--weight-version": "0", "--context-length": "4096", "--enable-metrics": "",
-        }
+        }  # a push paused with retract can flush the radix cache: kept
         assert flags["--dtype"] in SGLANG_DTYPES
         assert env == {"CUDA_VISIBLE_DEVICES": ["0,1", "2,3"][i], "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 
 
 def test_scaled_logprobs_default_context_and_bad_settings() -> None:
-    cfg = load_config(None, ["engine.kind=sglang", "engine.logprobs=scaled", "actors.num_actors=3"])
+    cfg = load_config(None, ["run.device=cuda", "engine.kind=sglang", "engine.logprobs=scaled", "actors.num_actors=3"])
     argv, env = sglang_command(cfg, 2)
     assert env == {"CUDA_VISIBLE_DEVICES": "2"}
+    assert "--device" not in argv and "--max-total-tokens" not in argv
+    assert "--disable-radix-cache" not in argv  # disk updates drain the engine, then flush
     assert "--context-length" not in argv and _flags(argv[3:])["--port"] == str(cfg.engine.base_port + 2)
     with pytest.raises(ValueError):
         sglang_command(cfg, 3)
@@ -68,7 +77,8 @@ def test_scaled_logprobs_default_context_and_bad_settings() -> None:
 
 
 def test_cli_prints_one_shell_command_per_engine() -> None:
-    out = subprocess.run([sys.executable, "-m", "actors.sglang_launcher", "actors.num_actors=2", "engine.kind=sglang"],
+    out = subprocess.run([sys.executable, "-m", "actors.sglang_launcher", "actors.num_actors=2", "engine.kind=sglang",
+                          "run.device=cuda"],
                          capture_output=True, text=True, check=True).stdout.strip().splitlines()
     assert len(out) == 2
     words = shlex.split(out[1])
@@ -108,3 +118,82 @@ def test_admin_key_reaches_sglang_through_a_private_config_file(tmp_path) -> Non
     key_file.write_text("")
     with pytest.raises(ConfigError, match="is empty"):
         write_admin_key_config(str(key_file))
+
+
+def test_cpu_form_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """run.device=cpu: SGLang's CPU engine with the flags a small shared CPU host needs, no CUDA variables."""
+    monkeypatch.setattr(sglang_args, "amx_path_available", lambda: False)
+    cfg = load_config("ops/configs/sglang-cpu.yaml", ["engine.base_port=31700", "engine.threads=2"])
+    argv, env = sglang_command(cfg, 0)
+    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    flags = _flags(argv[3:])
+    assert set(flags) <= SGLANG_SERVER_ARGS and set(SGLANG_FLAGS_USED) <= SGLANG_SERVER_ARGS
+    assert flags == {
+        "--model-path": "ops/bases/addition-tiny", "--host": "127.0.0.1", "--port": "31700", "--tp-size": "1",
+        "--mem-fraction-static": "0.8", "--dtype": "float32", "--random-seed": "0", "--weight-version": "0",
+        "--enable-metrics": "", "--device": "cpu", "--attention-backend": "torch_native",
+        "--disable-overlap-schedule": "", "--sleep-on-idle": "",
+        # 16 prompts in flight x 8 samples x min(256 + 96, the base's 256 positions)
+        "--max-total-tokens": str(16 * 8 * 256),
+    }
+    assert env == {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "2", "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+    monkeypatch.setattr(sglang_args, "amx_path_available", lambda: True)  # AMX tiles and SGLang's compiled kernels
+    assert _flags(sglang_command(cfg, 0)[0][3:])["--attention-backend"] == "intel_amx"
+    extra = load_config("ops/configs/sglang-cpu.yaml", ["engine.sglang_extra_args=[--attention-backend,torch_native]"])
+    assert sglang_command(extra, 0)[0][-2:] == ["--attention-backend", "torch_native"]  # last: argparse keeps it
+
+
+def test_amx_path_is_detected_not_assumed() -> None:
+    """The AMX attention backend only where SGLang's own test would pass: AMX tiles and a compiled sgl_kernel
+    (vapo's pure-torch stub registers no convert_weight_packed)."""
+    import importlib.util
+
+    import torch
+
+    expected = False
+    if torch.cpu._is_amx_tile_supported() and importlib.util.find_spec("sgl_kernel") is not None:
+        import sgl_kernel  # noqa: F401
+
+        expected = hasattr(torch.ops.sgl_kernel, "convert_weight_packed")
+    sglang_args.amx_path_available.cache_clear()
+    assert sglang_args.amx_path_available() is expected
+
+
+def test_kv_pool_size(tmp_path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 4096}')
+    base = [f"model.path={model}", "actors.prompts_in_flight=4", "actors.group_size=2", "actors.max_new_tokens=100",
+            "placement.est_prompt_tokens=50"]
+    assert max_total_tokens(load_config(None, base)) == 4096  # 4 x 2 x 150 = 1200 < one full context
+    assert max_total_tokens(load_config(None, [*base, "actors.prompts_in_flight=64"])) == 64 * 2 * 150
+    assert max_total_tokens(load_config(None, [*base, "engine.context_length=100"])) == 4 * 2 * 100
+    assert max_total_tokens(load_config(None, [*base, "engine.sglang_max_total_tokens=777"])) == 777
+    assert max_total_tokens(load_config(None, ["model.path=/nonexistent", "actors.prompts_in_flight=2",
+                                               "actors.group_size=2", "actors.max_new_tokens=10",
+                                               "placement.est_prompt_tokens=5"])) == 2 * 2 * 15
+    with pytest.raises(ConfigError, match="sglang_max_total_tokens"):
+        sglang_command(load_config(None, ["engine.kind=sglang", "engine.sglang_max_total_tokens=-1"]), 0)
+    gpu = load_config(None, ["run.device=cuda", "engine.kind=sglang", "engine.sglang_max_total_tokens=5000"])
+    assert _flags(sglang_command(gpu, 0)[0][3:])["--max-total-tokens"] == "5000"
+
+
+@pytest.mark.parametrize(("overrides", "kept"), [
+    ([], True),                                        # disk, weight_sync=wait: SGLang drains, then flushes
+    (["actors.weight_sync=abort"], True),
+    (["learner.weight_transport=distributed"], False),  # push_pause=in_place: every flush refused
+    (["learner.weight_transport=distributed", "actors.push_pause=retract"], True),
+    (["learner.weight_transport=distributed", "actors.push_pause=abort"], True),
+    (["learner.weight_transport=distributed", "actors.push_pause=none"], True),  # drained before each bucket
+    (["learner.weight_transport=distributed", "engine.sglang_radix_cache=enabled"], True),
+    (["engine.sglang_radix_cache=disabled"], False),
+])
+def test_radix_cache_only_where_every_update_can_flush_it(overrides: list[str], kept: bool) -> None:
+    cfg = load_config(None, ["engine.kind=sglang", *overrides])
+    assert radix_cache_kept(cfg) is kept
+    assert ("--disable-radix-cache" in sglang_command(cfg, 0)[0]) is not kept
+
+
+def test_radix_cache_setting_is_checked() -> None:
+    with pytest.raises(ConfigError, match="engine.sglang_radix_cache"):
+        sglang_command(load_config(None, ["engine.kind=sglang", "engine.sglang_radix_cache=sometimes"]), 0)
