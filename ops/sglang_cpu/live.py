@@ -66,10 +66,6 @@ class LiveSGLang:
               overrides: tuple[str, ...] = (), port: int = 0) -> LiveSGLang:
         port = port or free_port()
         cmd, extra_env = sglang_command(cpu_config(model_dir, port, *overrides), 0)
-        if "--device" not in cmd:  # TEMPORARY until sglang_command has its CPU form
-            cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule",
-                    "--sleep-on-idle", "--max-total-tokens", "4096"]
-            extra_env = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
         if admin_key:  # vapo passes it through a --config file; on the command line here (a test key)
             cmd += ["--admin-api-key", admin_key]
         log_path = log_dir / f"{name}-{port}.log"
