@@ -535,8 +535,9 @@ class WeightQuery(Message):
 @wire_message
 @dataclass(frozen=True, eq=False)
 class PushJoin(Message):
-    """Actor -> learner (push socket): engine ``actor_id`` is up, started at ``engine_start`` (a new value
-    after each restart); include it in the next weight-update group."""
+    """Actor -> learner (push socket): engine ``actor_id`` is up; include it in the next weight-update group.
+    ``engine_start`` takes a new value at each announcement (every engine (re)start, every rejoin after a
+    failure), so the learner tells a new announcement from a repeated one."""
 
     actor_id: int = wire_int(lo=0)
     engine_start: int = wire_int()
@@ -565,12 +566,42 @@ class PushGroup(Message):
 @wire_message
 @dataclass(frozen=True, eq=False)
 class PushVersion(Message):
-    """Learner -> actor: version ``version`` is being broadcast on group ``epoch`` now: post its buckets."""
+    """Learner -> actor: version ``version`` is next on group ``epoch``: pause generation, open the engine's
+    weight-update session and answer ``PushReady``; nothing is broadcast before ``PushGo``."""
 
     epoch: int = wire_int(lo=0)
     version: int = wire_int(lo=0)
 
     TYPE: ClassVar[str] = "PushVersion"
+
+
+@wire_message
+@dataclass(frozen=True, eq=False)
+class PushReady(Message):
+    """Actor -> learner: for ``version`` on group ``epoch`` its engine is paused with its weight-update
+    session open (``ok``), so it can post the buckets' receives; or why not (``message``)."""
+
+    actor_id: int = wire_int(lo=0)
+    epoch: int = wire_int(lo=0)
+    version: int = wire_int(lo=0)
+    ok: bool = wire_bool()
+    message: str = wire_str(MAX_LONG_STR_LEN)
+
+    TYPE: ClassVar[str] = "PushReady"
+
+
+@wire_message
+@dataclass(frozen=True, eq=False)
+class PushGo(Message):
+    """Learner -> actor: ``go``: every member is ready, ``version`` is broadcast on group ``epoch`` now, post
+    its buckets; not ``go``: nothing is broadcast for it (a member was not ready), end the session and
+    continue (the version comes from disk; the group is rebuilt at the next version)."""
+
+    epoch: int = wire_int(lo=0)
+    version: int = wire_int(lo=0)
+    go: bool = wire_bool()
+
+    TYPE: ClassVar[str] = "PushGo"
 
 
 @wire_message
@@ -635,12 +666,12 @@ class StatsReply(Message):
 AnyMessage = (
     Sample | SampleGroup | IngestAck | CreditRequest | CreditGrant | BatchRequest | BatchReply | PositivesRequest
     | PositivesReply | StatsRequest | StatsReply | WeightUpdate | WeightQuery | ErrorReply | PushJoin | PushGroup
-    | PushVersion | PushDone
+    | PushVersion | PushReady | PushGo | PushDone
 )
 _ALL: tuple[type[AnyMessage], ...] = (
     Sample, SampleGroup, IngestAck, CreditRequest, CreditGrant, BatchRequest, BatchReply,
     PositivesRequest, PositivesReply, StatsRequest, StatsReply, WeightUpdate, WeightQuery, ErrorReply,
-    PushJoin, PushGroup, PushVersion, PushDone,
+    PushJoin, PushGroup, PushVersion, PushReady, PushGo, PushDone,
 )
 MESSAGE_TYPES: dict[str, type[AnyMessage]] = {cls.TYPE: cls for cls in _ALL}
 
@@ -790,7 +821,7 @@ __all__ = [
     "PROTOCOL_VERSION", "DEFAULT_MAX_FRAME_BYTES", "ProtocolError", "Message", "AnyMessage", "Sample",
     "SampleGroup", "IngestAck", "CreditRequest", "CreditGrant", "BatchRequest", "BatchReply", "PositivesRequest",
     "PositivesReply", "StatsRequest", "StatsReply", "WeightUpdate", "WeightQuery", "ErrorReply",
-    "PushJoin", "PushGroup", "PushVersion", "PushDone",
+    "PushJoin", "PushGroup", "PushVersion", "PushReady", "PushGo", "PushDone",
     "encode", "encode_batch_reply", "encode_positives_reply", "sample_frames", "decode", "decode_as",
     "FINISH_REASONS",
 ]

@@ -27,6 +27,16 @@ Real SGLang 0.5.23 behaviours this client allows for (read in its ``entrypoints/
   tokenizer manager's) is not moved. ``served_weight_version()`` asks the scheduler (a one-token
   generation's ``meta_info.weight_version``), which is what the worker checks after such a 400.
 - ``/get_model_info`` is deprecated for ``/model_info``; there is no ``/get_weight_version``.
+- ``/update_weights_from_distributed`` (and ``/update_weights_from_tensor``) run only inside a weight-update
+  session: ``begin_weight_update()`` first, ``end_weight_update()`` after the last one. Outside it the
+  update answers 400 (``NOT_IN_SESSION``) and posts no receive, so a sender's broadcast would block until
+  its group times out. A second begin answers 400 (``SESSION_ALREADY_OPEN``), an end without one 400
+  (``NO_SESSION``). Generation keeps running inside a session; ``/update_weights_from_disk`` needs none.
+- An update whose cache flush is refused (requests running or queued, e.g. paused ``in_place``) answers
+  400 with ``FLUSH_REFUSED`` although its weights *and* its ``weight_version`` were installed
+  (``cache_flush_refused``).
+- Names an update does not know are accepted (200, one server log line, the version moves anyway): the
+  caller must check the names it sends against the served model.
 """
 
 from __future__ import annotations
@@ -42,6 +52,12 @@ from typing import Any
 
 import aiohttp
 
+# SGLang 0.5.23's own answers (scheduler_components/weight_updater.py), matched by these prefixes.
+SESSION_ALREADY_OPEN = "a weight-update session is already open"
+NO_SESSION = "no weight-update session is open"
+NOT_IN_SESSION = "must run between begin_weight_update() and end_weight_update()"
+FLUSH_REFUSED = "Weights were updated, but the cache was not flushed"
+
 
 class SGLangError(RuntimeError):
     """An SGLang endpoint answered with an error (or not at all)."""
@@ -52,6 +68,16 @@ class SGLangError(RuntimeError):
         self.status = status
         self.message = message
         self.body = body
+
+
+def cache_flush_refused(e: SGLangError) -> bool:
+    """The update behind ``e`` installed its weights and version; only the cache flush after it was refused."""
+    return e.status == 400 and FLUSH_REFUSED in e.message
+
+
+def session_already_open(e: SGLangError) -> bool:
+    """``begin_weight_update`` was refused because a session is open already."""
+    return e.status == 400 and SESSION_ALREADY_OPEN in e.message
 
 
 @dataclass
@@ -295,13 +321,28 @@ class SGLangClient:
                                               load_format: str | None = "flattened_bucket",
                                               group_name: str = "weight_update_group",
                                               timeout_s: float | None = None) -> str:
-        """Receive one broadcast from the group's rank 0 (a flattened bucket by default) and load it."""
+        """Receive one broadcast from the group's rank 0 (a flattened bucket by default) and load it; only
+        inside a weight-update session (``begin_weight_update``). A 400 that ``cache_flush_refused`` says the
+        weights and ``weight_version`` were installed all the same."""
         payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                                    "flush_cache": flush_cache, "abort_all_requests": abort_all_requests,
                                    "load_format": load_format}
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
         return await self._success("update_weights_from_distributed", payload, timeout_s)
+
+    async def begin_weight_update(self, timeout_s: float | None = None) -> str:
+        """Open the engine's weight-update session (``{}`` = SGLang's ``selector: "all"``); returns its message.
+
+        SGLangError with status 400 and ``SESSION_ALREADY_OPEN`` when one is open. While generation is not
+        paused SGLang first waits for the running requests (its model-update writer lock), so the default
+        deadline is the client's ``timeout_s`` (a generation's), not the control deadline."""
+        return await self._success("begin_weight_update", {}, timeout_s)
+
+    async def end_weight_update(self, timeout_s: float | None = None) -> str:
+        """Close the weight-update session (SGLang then finalises the loaded weights); returns its message.
+        SGLangError with status 400 and ``NO_SESSION`` when none is open. Deadline as ``begin_weight_update``."""
+        return await self._success("end_weight_update", {}, timeout_s)
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> str:
         return await self._success("destroy_weights_update_group", {"group_name": group_name}, self.control_timeout_s)

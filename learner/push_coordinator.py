@@ -9,10 +9,22 @@ Wire (ZeroMQ ROUTER at ``learner.push_addr``, each actor a DEALER; ``common.prot
   its ``rank_offset`` (``1 + its place x engine.sglang_tp_size``) and the bucket plan, and joins (at most ``push_timeout_s``). Each
   member answers ``PushDone(version=-1)``. A failed join leaves this version to disk, and only the members
   that answered ok stay members (the others rejoin with their next ``PushJoin``).
-- ``PushVersion(epoch, version)`` to every member, then the buckets are gathered and broadcast
-  (``WeightPusher.push``); each member posts them to its engine and answers ``PushDone(version, ok,
-  pause_s)``. A member that does not answer ok by the next publish is dropped from the next group, which
-  is then rebuilt; the learner never waits for a member past ``push_timeout_s`` per bucket.
+- ``PushVersion(epoch, version)`` to every member: each pauses its engine, opens the engine's weight-update
+  session (SGLang posts no receive outside one) and answers ``PushReady(ok)``. Rank 0 waits at most
+  ``push_timeout_s`` for every member (less when one answers not ok), because a broadcast into a group
+  with a member that will not receive (dead, refused, restarted) hangs until the group's timeout, and an
+  NCCL one may not come back at all. All ready: ``PushGo(go=True)``, the buckets are gathered and
+  broadcast (``WeightPusher.push``), each member posts them to its engine and answers ``PushDone(version,
+  ok, pause_s)``. Otherwise: ``PushGo(go=False)`` to every member (they end the session and continue),
+  not a byte is broadcast for that version (the buckets are still gathered on every rank for the disk
+  copy), the group is closed, the members that refused (or, when none did, those silent at the deadline)
+  are dropped and the group is rebuilt at the next publish with the others (and with whoever announces
+  itself again). A member that does not answer
+  ``PushDone`` ok by the next publish is dropped likewise; the learner never waits for a member past
+  ``push_timeout_s`` per bucket.
+- Before the first group, rank 0 checks that the bucket plan names exactly the tensors (and shapes) of
+  the base checkpoint at ``model.path`` (``plan_mismatch``; SGLang would accept unknown names silently):
+  if not, the distributed transport is refused for the run with that error and every version goes by disk.
 
 Disk: the pushed bytes are written as the durable version by ``DurableWriter`` in the background, and the
 ``WeightUpdate`` is published (PUB + REP, ``learner.publisher.WeightPublisher``) once that version is on
@@ -36,7 +48,7 @@ import zmq
 from common import protocol, security
 from common.config import Config, CurveConfig
 from learner.dist import rank
-from learner.weight_push import DurableWriter, PushResult, WeightPusher
+from learner.weight_push import DurableWriter, PushResult, WeightPusher, bucket_plan, plan_mismatch
 from learner.weights import prune
 
 log = logging.getLogger(__name__)
@@ -73,6 +85,8 @@ class PushCoordinator:
         self.pusher = WeightPusher(learner_cfg.bucket_bytes, backend, learner_cfg.push_master_address,
                                    learner_cfg.push_master_port, learner_cfg.push_timeout_s)
         self.timeout_s = learner_cfg.push_timeout_s
+        self.model_path = cfg.model.path
+        self.refused: str | None = None  # why the distributed transport is off for this run (plan_mismatch)
         self.root = weights_root
         self.ranks_per_engine = cfg.engine.sglang_tp_size if cfg.engine.kind == "sglang" else 1
         self.keep = learner_cfg.keep_weights
@@ -85,6 +99,7 @@ class PushCoordinator:
         self.epoch = 0
         self.dirty = False
         self.done: dict[tuple[int, int], dict[int, protocol.PushDone]] = {}  # (epoch, version) -> actor -> report
+        self.ready: dict[tuple[int, int], dict[int, protocol.PushReady]] = {}  # (epoch, version) -> actor -> ready
         self._cv = threading.Condition()
         self._out: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
         self._stop = threading.Event()
@@ -138,13 +153,17 @@ class PushCoordinator:
                 elif isinstance(msg, protocol.PushDone):
                     self.done.setdefault((msg.epoch, msg.version), {})[msg.actor_id] = msg
                     self._cv.notify_all()
+                elif isinstance(msg, protocol.PushReady):
+                    self.ready.setdefault((msg.epoch, msg.version), {})[msg.actor_id] = msg
+                    self._cv.notify_all()
         self.sock.close(linger=0)
         self._curve.stop()
         self.ctx.term()
 
     def _send(self, actor_id: int, msg: protocol.Message) -> None:
-        ident = self.members[actor_id][0]
-        self._out.put((ident, protocol.encode(msg)))
+        entry = self.members.get(actor_id) or self.group_entries.get(actor_id)
+        if entry is not None:  # a member dropped meanwhile, never in a group: nobody to tell
+            self._out.put((entry[0], protocol.encode(msg)))
 
     def _wait_done(self, key: tuple[int, int], ids: list[int], timeout_s: float) -> dict[int, protocol.PushDone]:
         deadline = time.monotonic() + timeout_s
@@ -152,6 +171,21 @@ class PushCoordinator:
             while len(self.done.get(key, {})) < len(ids) and (left := deadline - time.monotonic()) > 0:
                 self._cv.wait(left)
             return dict(self.done.get(key, {}))
+
+    def _wait_ready(self, key: tuple[int, int], ids: list[int], timeout_s: float) -> dict[int, protocol.PushReady]:
+        """Each member's PushReady for ``key``, once all answered, one answered not ok, or ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+
+        def got() -> dict[int, protocol.PushReady]:
+            return {a: r for a, r in self.ready.get(key, {}).items() if a in ids}
+
+        with self._cv:
+            while not (len(got()) == len(ids) or any(not r.ok for r in got().values())):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            return got()
 
     # ------------------------------------------------------------------ group
 
@@ -197,21 +231,23 @@ class PushCoordinator:
     def publish(self, model: Any, version: int) -> PushResult | None:
         """Push ``version`` to the group and queue its durable write (every rank calls this; collective
         under ZeRO-3). Returns rank 0's PushResult."""
-        from learner.weight_push import bucket_plan
-
         if self.pusher.plan is None:
             self.pusher.plan = bucket_plan(model, self.pusher.bucket_bytes)
+            if rank() == 0:
+                self.refused = plan_mismatch(self.pusher.plan, self.model_path)
+                if self.refused is not None:
+                    log.error("the distributed weight push is off for this run, every version goes by disk: %s",
+                              self.refused)
+        grouped = False
         if rank() == 0:
             self.pusher.settle()  # the previous push's final bucket: its outcome decides the membership below
             self._drop_silent()
-            if self.dirty or (self.pusher.group is None and self.members):
+            if self.refused is None and (self.dirty or (self.pusher.group is None and self.members)):
                 self._rebuild()
-            if self.pusher.group is not None:
-                _mark_pushed(self.root, version)  # before any engine can hold it
-            for aid in self.group_members if self.pusher.group is not None else []:
-                self._send(aid, protocol.PushVersion(epoch=self.epoch, version=version))
+            grouped = self.pusher.group is not None
+            if grouped:
+                self._confirm(version)  # not every member ready: the group is closed, nothing is broadcast
         held: list[Any] = []
-        grouped = bool(self.group_members)
         res = self.pusher.push(model, version, sink=lambda meta, buf: held.append((meta, buf)) if rank() == 0 else None,
                                on_settled=lambda r: self._settled(r, grouped))
         if res is None:
@@ -220,6 +256,45 @@ class PushCoordinator:
         self.writer.submit(version, held)
         self.last = res
         return res
+
+    def _confirm(self, version: int) -> bool:
+        """Rank 0, before a byte of ``version`` is broadcast: PushVersion to every member, then PushGo to
+        each: go when all answered PushReady ok within ``push_timeout_s``. Otherwise the group is closed
+        (this version goes by disk), and the members that refused (or, when none did, those still silent at
+        the deadline) are dropped until they announce themselves again. True when the broadcast may go."""
+        ids, key = list(self.group_members), (self.epoch, version)
+        with self._cv:  # answers for versions before this one are of no use any more
+            for old in [k for k in (*self.ready, *self.done) if k[1] < version - 1]:
+                self.ready.pop(old, None)
+                self.done.pop(old, None)
+        for aid in ids:
+            self._send(aid, protocol.PushVersion(epoch=self.epoch, version=version))
+        t0 = time.perf_counter()
+        got = self._wait_ready(key, ids, self.timeout_s)
+        # Dropped: the members that refused; when none did, the ones still silent at the deadline. A member
+        # that had not answered yet when another refused is only told to go on.
+        bad = {aid: r.message for aid, r in got.items() if not r.ok}
+        if not bad:
+            bad = {aid: "no PushReady" for aid in ids if aid not in got}
+        if not bad:
+            _mark_pushed(self.root, version)  # before any engine can hold it
+        for aid in ids:
+            self._send(aid, protocol.PushGo(epoch=self.epoch, version=version, go=not bad))
+        if not bad:
+            return True
+        log.warning("weight push v%d: actors %s not ready after %.1f s (%s); nothing is broadcast, this version goes "
+                    "by disk and the group is rebuilt without them", version, sorted(bad), time.perf_counter() - t0,
+                    "; ".join(f"{aid}: {why[:200]}" for aid, why in sorted(bad.items())))
+        with self._cv:
+            for aid in bad:  # a member that joined again since (its engine restarted) stays: it is the new engine
+                if self.members.get(aid) == self.group_entries.get(aid):
+                    self.members.pop(aid, None)
+            self.dirty = True
+        self.pusher.close()
+        self.group_members = []
+        if self.metrics is not None:
+            self.metrics.weight_push_members.set(0)
+        return False
 
     def _settled(self, res: PushResult, grouped: bool) -> None:
         """A push's outcome, once its final broadcast is over (the learner's thread, or the pusher's tail)."""

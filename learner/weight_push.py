@@ -10,7 +10,9 @@ weight-update group; the durable disk version is written from the same bytes in 
   version to the disk path; the learner goes on.
 - **Plan**: ``bucket_plan(model)``: the state-dict tensors (tied aliases dropped, as on disk) in order, split
   into buckets of at most ``bucket_bytes``; the same for every version, so the members post the same
-  ``names, dtypes, shapes`` per bucket each time (``BucketMeta.body()``).
+  ``names, dtypes, shapes`` per bucket each time (``BucketMeta.body()``). SGLang accepts names it does
+  not know without a word (200, one log line, the version moves), so ``plan_mismatch`` compares the plan
+  with the tensors of the base checkpoint the engines serve, and a plan that differs is never pushed.
 - **Push**: ``iter_buckets`` is collective under ZeRO-3 (every rank gathers one bucket's parameters at a
   time); rank 0 flattens the bucket on the device (a CPU model: into a reused host buffer, ``HostPool``),
   checks the flattened bytes are finite there (NaN/Inf refuse the version before a byte leaves the
@@ -80,6 +82,40 @@ def _shape(t: Tensor) -> tuple[int, ...]:
 def bucket_plan(model: Any, bucket_bytes: int) -> list[BucketMeta]:
     """The buckets of a push (every rank computes the same plan from the same model)."""
     return plan_buckets(((n, t.dtype, _shape(t)) for n, t in _entries(model)), bucket_bytes)
+
+
+def checkpoint_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the safetensors files of an HF directory, from their headers only."""
+    from safetensors import safe_open
+
+    out: dict[str, tuple[int, ...]] = {}
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                out[name] = tuple(st.get_slice(name).get_shape())
+    return out
+
+
+def plan_mismatch(plan: list[BucketMeta], model_path: str | Path) -> str | None:
+    """Why ``plan`` does not name exactly the tensors of the base checkpoint at ``model_path`` with their
+    shapes (None when it does). The engines serve that checkpoint's names, and SGLang accepts an unknown
+    name silently: a plan that differs would leave some weights stale while the version moves."""
+    try:
+        base = checkpoint_shapes(model_path)
+    except Exception as e:  # an unreadable header, not safetensors
+        return f"cannot read the tensor names of the base checkpoint {model_path}: {e}"
+    if not base:
+        return f"no safetensors tensors in the base checkpoint {model_path} to check the push's names against"
+    planned = {n: tuple(shape) for meta in plan for n, shape in zip(meta.names, meta.shapes, strict=True)}
+    only_plan, only_base = sorted(set(planned) - set(base)), sorted(set(base) - set(planned))
+    if only_plan or only_base:
+        return (f"the learner's tensor names differ from the base checkpoint's ({model_path}): {len(only_plan)} "
+                f"only in the learner, first {only_plan[:3]}; {len(only_base)} only in the checkpoint, "
+                f"first {only_base[:3]}")
+    bad = [n for n in sorted(planned) if planned[n] != base[n]]
+    if bad:
+        return f"shape of {bad[0]}: learner {planned[bad[0]]}, base checkpoint {base[bad[0]]} ({model_path})"
+    return None
 
 
 def bucket_finite(buf: Tensor, meta: BucketMeta) -> bool:
@@ -408,4 +444,5 @@ def write_buckets(root: Path, version: int, buckets: list[tuple[BucketMeta, Tens
     return protocol.WeightUpdate(version=version, path=str(final.resolve()), sha256=digest, created_at=created)
 
 
-__all__ = ["DurableWriter", "PushResult", "WeightPusher", "bucket_plan", "dtype_name", "iter_buckets", "write_buckets"]
+__all__ = ["DurableWriter", "PushResult", "WeightPusher", "bucket_plan", "checkpoint_shapes", "dtype_name",
+           "iter_buckets", "plan_mismatch", "write_buckets"]

@@ -6,8 +6,8 @@ The rollout engine of ``engine.kind = rollout_server`` (config section ``engine`
 (``process.RolloutServerProcess``) and talks to it exactly as it talks to SGLang. Modules:
 ``__main__`` (command line, ready line), ``http`` (SGLang-shaped requests and responses), ``body`` (request
 bodies within limits, error shapes), ``guard`` (admin API key, body census before parsing), ``control``
-(weight load from disk, pause, continue, flush, abort), ``dist_update`` (SGLang's weight-update group and
-``/update_weights_from_distributed`` over gloo), ``process`` (a worker's child server). The generation core
+(weight load from disk, pause, continue, flush, abort), ``dist_update`` (SGLang's weight-update group, its
+begin/end session and ``/update_weights_from_distributed`` over gloo), ``process`` (a worker's child server). The generation core
 it serves with is shared with in-process evaluation and lives in ``common.generation``: ``scheduler``
 (continuous batching on one thread), ``model_runner`` (KV-cache prefill/decode of Llama-style HF models),
 ``sampling`` (parameters, token sampler), ``weights`` (checkpoint reading and checks for weight updates).
@@ -16,7 +16,8 @@ it serves with is shared with in-process evaluation and lives in ``common.genera
 it differs: ``/health`` is ``/health_generate`` (a one-token generation polled once a second, 503 after
 SGLANG_HEALTH_CHECK_TIMEOUT, blocked while paused or loading weights); after a completed load the cache
 flush is refused while requests run or wait (always with ``--refuse-flush``) and the update answers 400
-with the new weights live and ``/model_info``'s version unmoved; outputs carry ``meta_info.weight_versions``
+with the new weights live and ``/model_info``'s version unmoved (from disk, and on a distributed update
+with ``flush_cache``); outputs carry ``meta_info.weight_versions``
 (``[{"version", "start", "end"}]``); ``/metrics`` only with ``--enable-metrics``; no ``/get_weight_version``.
 If the scheduler thread dies, the process exits with code 1 (its supervisor restarts it) instead of
 answering 503 forever.

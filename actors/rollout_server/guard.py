@@ -1,7 +1,7 @@
 """Request guards of ``actors.rollout_server`` that run before a request's JSON becomes Python objects.
 
 - **Admin API key** (``--admin-api-key``, SGLang's flag of that name): the control endpoints
-  (``ADMIN_ENDPOINTS``: weight updates (disk and distributed, and the update group), pause, continue, abort, cache flush; SGLang marks the same ones
+  (``ADMIN_ENDPOINTS``: weight updates (disk and distributed, the update group and its session), pause, continue, abort, cache flush; SGLang marks the same ones
   ``AuthLevel.ADMIN_OPTIONAL``) need ``Authorization: Bearer <key>``; without it the answer is SGLang's
   ``401 {"error": "Unauthorized"}``. ``/generate``, ``/model_info``, ``/health*``, ``/ready`` and
   ``/metrics`` stay open, as in SGLang with only ``--admin-api-key`` set.
@@ -26,8 +26,8 @@ from aiohttp import web
 
 ADMIN_ENDPOINTS = frozenset({"/update_weights_from_disk", "/pause_generation", "/continue_generation",
                              "/abort_request", "/flush_cache", "/init_weights_update_group",
-                             "/update_weights_from_distributed", "/destroy_weights_update_group",
-                             "/weights_digest"})
+                             "/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update",
+                             "/destroy_weights_update_group", "/weights_digest"})
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 # Values a /generate request may carry besides its prompt tokens, per array it holds (each prompt's
 # sampling_params object has ~20 fields, a stop_token_ids list, a rid and flags) and for the top level.

@@ -4,7 +4,7 @@ Endpoints and field names follow SGLang (``python/sglang/srt/entrypoints/http_se
 ``managers/io_struct.py``; shapes recorded in ``tests/actors/fixtures/sglang_api.json``):
 ``POST /generate``, ``POST /update_weights_from_disk``, ``POST /pause_generation``,
 ``POST /continue_generation``, ``POST /init_weights_update_group``, ``POST /update_weights_from_distributed``,
-``POST /destroy_weights_update_group`` (``dist_update.py``), ``GET|POST /flush_cache``, ``POST /abort_request``, ``GET /health``,
+``POST /begin_weight_update``, ``POST /end_weight_update``, ``POST /destroy_weights_update_group`` (``dist_update.py``), ``GET|POST /flush_cache``, ``POST /abort_request``, ``GET /health``,
 ``GET /health_generate``, ``GET /ping``, ``GET /model_info`` (and its deprecated name ``/get_model_info``),
 ``GET /get_weight_version``, ``GET /get_server_info`` and ``GET /metrics`` (``vapo_engine_*``). Value errors
 answer 400 ``{"error": {"message"}}``, malformed bodies 400 ``{"object": "error", "message", "type": "Bad
@@ -448,7 +448,7 @@ class Server(ControlEndpoints):
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
-        self.dist_updates.routes(r)  # /init_weights_update_group, /update_weights_from_distributed, /destroy_...
+        self.dist_updates.routes(r)  # /init_weights_update_group, /begin_..., /update_..._from_distributed, /end_...
         r.add_get("/flush_cache", self.flush_cache)
         r.add_post("/flush_cache", self.flush_cache)
         r.add_post("/abort_request", self.abort_request)

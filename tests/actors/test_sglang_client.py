@@ -13,7 +13,14 @@ import torch
 from aiohttp import web
 
 from common.modeling import load_model
-from common.sglang_client import SGLangClient, SGLangError, error_message, parse_generate_response
+from common.sglang_client import (
+    SGLangClient,
+    SGLangError,
+    cache_flush_refused,
+    error_message,
+    parse_generate_response,
+    session_already_open,
+)
 from learner.losses import token_logprobs
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "sglang_api.json").read_text())
@@ -211,8 +218,32 @@ def test_client_against_live_rollout_server(server_factory, tiny_model_dir: Path
             assert await c.flush_cache() is True
             (o,) = await c.generate([5, 6, 7], {"max_new_tokens": 5, "ignore_eos": True})
             assert o.finish_reason == "length" and o.completion_tokens == 5 and o.min_weight_version == "4"
+            await _session_round(c)
 
     asyncio.run(main())
+
+
+async def _session_round(c: SGLangClient) -> None:
+    """SGLang 0.5.23's weight-update session, word for word: begin, a second begin refused, end, an end
+    without a session refused; a distributed update outside a session refused before anything else."""
+    with pytest.raises(SGLangError) as ei:
+        await c.update_weights_from_distributed(["w"], ["float32"], [[1]], group_name="none", timeout_s=10)
+    assert (ei.value.status, ei.value.message) == (400, "update_weights_from_distributed must run between "
+                                                        "begin_weight_update() and end_weight_update()")
+    assert await c.begin_weight_update() == "Success"
+    with pytest.raises(SGLangError) as ei:
+        await c.begin_weight_update()
+    assert (ei.value.status, ei.value.message) == (400, "a weight-update session is already open; call "
+                                                        "end_weight_update() first")
+    assert session_already_open(ei.value) and not cache_flush_refused(ei.value)
+    (o,) = await c.generate([5, 6, 7], {"max_new_tokens": 3, "ignore_eos": True})  # generation goes on inside
+    assert o.completion_tokens == 3
+    assert await c.end_weight_update() == "Success"
+    with pytest.raises(SGLangError) as ei:
+        await c.end_weight_update()
+    assert (ei.value.status, ei.value.message) == (400, "no weight-update session is open; call "
+                                                        "begin_weight_update() first")
+    assert not session_already_open(ei.value)
 
 
 def test_every_request_to_a_stopped_engine_ends_at_its_deadline(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -230,7 +261,7 @@ def test_every_request_to_a_stopped_engine_ends_at_its_deadline(tiny_model_dir: 
         took = []
         async with SGLangClient(srv.url, timeout_s=1.0, control_timeout_s=0.5) as c:
             calls = [c.pause_generation("abort"), c.continue_generation(), c.flush_cache(),
-                     c.abort_request(abort_all=True), c.model_info(),
+                     c.abort_request(abort_all=True), c.model_info(), c.begin_weight_update(), c.end_weight_update(),
                      c.update_weights_from_disk(str(tiny_model_dir), weight_version=1), c.generate([5, 6], {})]
             for call in calls:
                 t = time.monotonic()

@@ -1,6 +1,7 @@
 """Distributed weight push against real rollout_server processes: the learner's ``WeightPusher`` (rank 0
 of a gloo group, this process) and engines joined through ``/init_weights_update_group``, buckets through
-``/update_weights_from_distributed`` (with an admin API key, as the workers run them)."""
+``/update_weights_from_distributed`` inside a ``/begin_weight_update`` session (with an admin API key, as
+the workers run them)."""
 
 from __future__ import annotations
 
@@ -149,6 +150,7 @@ def test_engine_killed_mid_broadcast(tiny_model_dir: Path, server_factory: Any, 
             lt = asyncio.ensure_future(asyncio.to_thread(learner))
 
             async def dying() -> None:
+                await cb.begin_weight_update()
                 await cb.update_weights_from_distributed(**plan[0], flush_cache=False, group_name=pusher.current_name,
                                                          timeout_s=60)
                 b.proc.kill()  # mid-broadcast: the other buckets never reach it
