@@ -203,8 +203,9 @@ class PushMember:
         self._joined: tuple[str, int] | None = None  # (group name, engine start) of the engine's last group
         self._announced: int | None = None  # link.engine_starts when the last PushJoin was sent
         self.starts = 0  # PushJoins sent: each one's engine_start, so the learner tells a new one from a repeat
-        # After a failed join or push the learner drops this member; it joins again after a back-off that
-        # doubles while joins keep failing (each failed join costs the learner its push_timeout_s).
+        # After a failed join, a refusal or a failed push the learner drops this member; it joins again after
+        # a back-off that doubles while joins fail or its engine refuses, until a push lands (each failed
+        # join costs the learner its push_timeout_s, each refusal a rebuilt group).
         self._rejoin_at = 0.0
         self._backoff_s = REJOIN_BACKOFF_S
         self._failed_start: int | None = None  # the engine start that failed; a restarted engine joins at once
@@ -273,21 +274,20 @@ class PushMember:
             link = self.link
             client, starts = link.client, link.engine_starts
             self.group = None
-            ok, text = True, ""
-            assert client is not None
-            if self._joined is not None and self._joined[1] == starts:
+            ok, text = False, "engine down"
+            if client is not None and self._joined is not None and self._joined[1] == starts:
                 # A rebuilt group has a new name: free the old one's connections on the engine.
                 with contextlib.suppress(SGLangError):
                     await client.destroy_weights_update_group(self._joined[0])
             self._joined = None
             try:
-                await join_group(client, msg.to_wire(), timeout_s=None)
-                self.group, self._joined = msg, (msg.group_name, starts)
+                if client is not None:
+                    await join_group(client, msg.to_wire(), timeout_s=None)
+                    self.group, self._joined = msg, (msg.group_name, starts)
+                    ok, text = True, ""
             except SGLangError as e:
-                ok, text = False, e.message[:2000]
-            if ok:
-                self._backoff_s = REJOIN_BACKOFF_S
-            else:
+                text = e.message[:2000]
+            if not ok:
                 self._dropped(double=True)
             await sock.send(protocol.encode(protocol.PushDone(actor_id=link.actor_id, epoch=msg.epoch, version=-1,
                                                               ok=ok, pause_s=0.0, message=text)))
@@ -334,6 +334,10 @@ class PushMember:
             if why := self._unusable(msg):
                 await self._ready(sock, msg, False, why)
                 return None
+            told = self._go.get((msg.epoch, msg.version))
+            if told is not None and told.done() and not told.result():
+                self._announced = None  # called off before it began (another member refused): join again
+                return None
             assert self.group is not None and link.client is not None
             with link.pushing():
                 try:
@@ -344,7 +348,7 @@ class PushMember:
                 except NotReady as e:
                     log.warning("actor %d: not ready for v%d: %s", link.actor_id, msg.version, e)
                     self.group = None
-                    self._dropped(double=False)
+                    self._dropped(double=True)  # an engine that keeps refusing costs every version a rebuild
                     await self._ready(sock, msg, False, e.message)
                     return None
                 except PushCancelled:
@@ -356,6 +360,8 @@ class PushMember:
                     self._dropped(double=False)
                     link.gate.clear()  # paused on a possible mix of versions: nothing new goes to it
                     self._spawn(self._recover(msg.version))
+            if ok:
+                self._backoff_s = REJOIN_BACKOFF_S  # a push landed: the next failure backs off from the start
             if ok and msg.version > link.version:
                 link.pushed(msg.version, rep.pause_s)
             for phase, s in (("pause", rep.pause_s), ("load", rep.receive_s)):
