@@ -14,6 +14,9 @@ from aiohttp import web
 
 from common.modeling import load_model
 from common.sglang_client import (
+    NO_SESSION,
+    NOT_IN_SESSION,
+    SESSION_ALREADY_OPEN,
     SGLangClient,
     SGLangError,
     cache_flush_refused,
@@ -27,48 +30,65 @@ FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "sglang_api.json").re
 
 
 # --------------------------------------------------------------------------- shapes
+# The fixture is captured from the real SGLang 0.5.23 server (ops/sglang_cpu/contract.py): ids, log-probs and
+# timings vary between captures, so these tests read them from the records instead of spelling them out.
+
+
+def _body(name: str) -> Any:
+    """A copy of a recorded answer's JSON body."""
+    return json.loads(json.dumps(FIXTURE[name]["body"]))
 
 
 def test_parse_batched_fixture_response() -> None:
-    outs = parse_generate_response(FIXTURE["generate_response_batched"])
-    assert [o.finish_reason for o in outs] == ["stop", "length", "abort", "stop"]
-    a = outs[0]
-    assert a.output_ids == [10, 11, 2] and a.output_logprobs == [-0.51, -1.2, -0.05]
-    assert a.finish_info == {"type": "stop", "matched": 2}
-    assert a.weight_version == "7" and a.min_weight_version == "7" and a.weight_version_int == 7
-    assert a.prompt_tokens == 3 and a.completion_tokens == 3 and a.text == "12" and a.rid == "a1"
-    assert outs[1].finish_info == {"type": "length", "length": 4}
-    assert outs[2].finish_info["message"] == "Abort before prefill"
+    rec = FIXTURE["generate_batched"]
+    outs = parse_generate_response(_body("generate_batched"))
+    prompts, n = rec["request"]["body"]["input_ids"], rec["request"]["body"]["sampling_params"]["n"]
+    assert len(outs) == len(prompts) * n == 4
+    for k, (o, item) in enumerate(zip(outs, rec["body"], strict=True)):
+        meta = item["meta_info"]
+        assert o.output_ids == item["output_ids"] and o.completion_tokens == len(o.output_ids) > 0
+        assert o.output_logprobs == [t[0] for t in meta["output_token_logprobs"]]
+        assert o.finish_reason == meta["finish_reason"]["type"] and o.finish_info == meta["finish_reason"]
+        assert o.weight_version == meta["weight_version"] == o.min_weight_version and o.weight_version_int == 0
+        assert o.prompt_tokens == len(prompts[k // n]) and o.rid == meta["id"] and o.text == item["text"]
+        assert o.version_spans == [(0, len(o.output_ids))]  # from SGLang's weight_versions ranges
 
 
 def test_parse_single_fixture_response_and_non_numeric_version() -> None:
-    (o,) = parse_generate_response(FIXTURE["generate_response_single"])
-    assert o.output_ids == [10, 11] and o.text is None
+    item = _body("generate_single")
+    (o,) = parse_generate_response(item)
+    assert o.output_ids == item["output_ids"] and o.text == item["text"] and o.weight_version_int == 0
+    item["meta_info"]["weight_version"] = "default"
+    del item["meta_info"]["weight_versions"]
+    (o,) = parse_generate_response(item)
     assert o.weight_version == "default" and o.weight_version_int is None
 
 
+def test_parse_a_response_that_straddled_a_weight_update() -> None:
+    """SGLang 0.5.23 (utils/weight_versions.py): per-version token ranges; weight_version is the last range's."""
+    (o,) = parse_generate_response(_body("generate_spanning_update"))
+    ranges = FIXTURE["generate_spanning_update"]["body"]["meta_info"]["weight_versions"]
+    assert len(ranges) == 2 and o.weight_version == ranges[-1]["version"]
+    assert o.min_weight_version == ranges[0]["version"] and o.weight_version_int == int(ranges[0]["version"])
+    assert o.version_spans == [(int(r["version"]), r["end"] - r["start"]) for r in ranges]
+    assert sum(k for _, k in o.version_spans) == len(o.output_ids)
+
+
 def test_min_weight_version_from_per_token_versions() -> None:
-    item = json.loads(json.dumps(FIXTURE["generate_response_batched"][1]))
-    item["meta_info"]["output_weight_version_spans"] = [["9", 1], ["10", 2], ["11", 1]]
+    item = _body("generate_batched")[1]
+    n = len(item["output_ids"])
+    del item["meta_info"]["weight_versions"]
+    item["meta_info"]["output_weight_version_spans"] = [["9", 1], ["10", n - 2], ["11", 1]]  # rollout_server's
     item["meta_info"]["weight_version"] = "11"
     (o,) = parse_generate_response(item)
     assert o.weight_version == "11" and o.min_weight_version == "9" and o.weight_version_int == 9
 
 
-def test_min_weight_version_from_sglang_weight_versions_spans() -> None:
-    """SGLang 0.5.23 (utils/weight_versions.py add_weight_versions_to_meta_info): per-version token ranges;
-    weight_version is the last range's."""
-    item = json.loads(json.dumps(FIXTURE["generate_response_batched"][1]))
-    item["meta_info"]["weight_versions"] = [{"version": "4", "start": 0, "end": 3}, {"version": "5", "start": 3, "end": 4}]
-    item["meta_info"]["weight_version"] = "5"
-    (o,) = parse_generate_response(item)
-    assert o.weight_version == "5" and o.min_weight_version == "4" and o.weight_version_int == 4
-
-
 def test_parse_rejects_inconsistent_logprobs() -> None:
-    item = json.loads(json.dumps(FIXTURE["generate_response_batched"][0]))
-    item["meta_info"]["output_token_logprobs"] = item["meta_info"]["output_token_logprobs"][:2]
-    with pytest.raises(ValueError, match="output logprobs for 3"):
+    item = _body("generate_batched")[0]
+    n = len(item["output_ids"])
+    item["meta_info"]["output_token_logprobs"] = item["meta_info"]["output_token_logprobs"][:n - 1]
+    with pytest.raises(ValueError, match=f"output logprobs for {n}"):
         parse_generate_response(item)
     with pytest.raises(ValueError, match="not a /generate result"):
         parse_generate_response({"error": {"message": "x"}})
@@ -76,7 +96,8 @@ def test_parse_rejects_inconsistent_logprobs() -> None:
 
 def test_error_message_reads_both_sglang_error_shapes() -> None:
     assert error_message(FIXTURE["error_value_error"]["body"]) == "top_p must be in (0, 1], got 1.5."
-    assert error_message(FIXTURE["error_validation"]["body"]).startswith("1 validation error")
+    assert "validation error" in error_message(FIXTURE["error_validation"]["body"])
+    assert error_message(FIXTURE["unauthorized"]["body"]) == "Unauthorized"
     assert error_message(None, "Internal Server Error\n") == "Internal Server Error"
 
 
@@ -90,12 +111,12 @@ async def _fake_sglang(scenario: dict[str, Any]) -> tuple[web.AppRunner, str]:
         async def handler(request: web.Request) -> web.Response:
             raw = await request.read()
             seen.append((request.path, json.loads(raw) if raw else None))
+            if scenario.get(name, name) == "down":  # no record: SGLang's /health while it cannot generate
+                return web.Response(status=503)
             rec = FIXTURE[scenario.get(name, name)]
             if "body" in rec:
                 return web.json_response(rec["body"], status=rec["status"])
-            if "text" in rec:
-                return web.Response(text=rec["text"], status=rec["status"])
-            return web.json_response(rec)
+            return web.Response(text=rec["text"], status=rec["status"])
         return handler
 
     async def generate(request: web.Request) -> web.Response:
@@ -106,16 +127,15 @@ async def _fake_sglang(scenario: dict[str, Any]) -> tuple[web.AppRunner, str]:
             return web.json_response(rec["body"], status=rec["status"])
         if scenario.get("generate") == "slow":
             await asyncio.sleep(5)
-        return web.json_response(FIXTURE["generate_response_batched"][:2])
+        return web.json_response(FIXTURE["generate_batched"]["body"][:2])
 
     app = web.Application()
     app.router.add_post("/generate", generate)
-    app.router.add_post("/update_weights_from_disk", replay("update_weights"))
-    app.router.add_post("/pause_generation", replay("pause_generation_response"))
-    app.router.add_post("/continue_generation", replay("continue_generation_response"))
-    app.router.add_post("/flush_cache", replay("flush"))
+    for endpoint in ("update_weights_from_disk", "pause_generation", "continue_generation", "flush_cache",
+                     "begin_weight_update", "end_weight_update", "update_weights_from_distributed"):
+        app.router.add_post(f"/{endpoint}", replay(endpoint))
     app.router.add_get("/health", replay("health"))
-    app.router.add_get("/get_model_info", replay("get_model_info"))
+    app.router.add_get("/model_info", replay("model_info"))
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -126,13 +146,13 @@ async def _fake_sglang(scenario: dict[str, Any]) -> tuple[web.AppRunner, str]:
 
 def test_client_against_recorded_sglang_shapes() -> None:
     async def main() -> None:
-        sc: dict[str, Any] = {"update_weights": "update_weights_from_disk_ok", "flush": "flush_cache_ok",
+        sc: dict[str, Any] = {"update_weights_from_disk": "update_weights_from_disk_ok", "flush_cache": "flush_cache_ok",
                               "health": "health_ok"}
         runner, url = await _fake_sglang(sc)
         try:
             async with SGLangClient(url, timeout_s=2) as c:
                 outs = await c.generate([[5, 6, 7]], {"max_new_tokens": 4, "n": 2})
-                assert [o.finish_reason for o in outs] == ["stop", "length"]
+                assert [o.output_ids for o in outs] == [x["output_ids"] for x in FIXTURE["generate_batched"]["body"][:2]]
                 assert sc["seen"][-1] == ("/generate", {"input_ids": [[5, 6, 7]], "sampling_params": {"max_new_tokens": 4, "n": 2},
                                                         "return_logprob": True})
                 with pytest.raises(SGLangError, match="expected 3 outputs, got 2"):
@@ -145,13 +165,16 @@ def test_client_against_recorded_sglang_shapes() -> None:
                 await c.continue_generation()
                 assert await c.flush_cache() is True
                 assert await c.health() is True
-                assert (await c.get_model_info())["weight_version"] == "8"
-                assert await c.get_weight_version() == "8"
-                sc.update({"update_weights": "update_weights_from_disk_failed", "flush": "flush_cache_refused",
-                           "health": "health_starting", "generate": "error"})
-                with pytest.raises(SGLangError, match="repository not found") as ei:
+                assert await c.get_weight_version() == FIXTURE["model_info"]["body"]["weight_version"]
+                sc.update({"update_weights_from_disk": "update_weights_from_disk_failed", "flush_cache": "flush_cache_refused",
+                           "health": "down", "generate": "error"})
+                with pytest.raises(SGLangError, match="Failed to get weights iterator") as ei:
                     await c.update_weights_from_disk("/ckpt/v9", weight_version="9")
-                assert ei.value.status == 400
+                assert ei.value.status == 400 and not cache_flush_refused(ei.value)
+                sc["update_weights_from_disk"] = "update_weights_from_disk_flush_refused"
+                with pytest.raises(SGLangError) as ei:
+                    await c.update_weights_from_disk("/ckpt/v10", weight_version="10")
+                assert cache_flush_refused(ei.value)  # loaded, only the flush refused
                 assert await c.flush_cache() is False
                 assert await c.health() is False
                 with pytest.raises(SGLangError, match=r"HTTP 400: top_p must be in \(0, 1\], got 1.5.") as ei:
@@ -161,6 +184,40 @@ def test_client_against_recorded_sglang_shapes() -> None:
                     await c.generate([5, 6], {}, timeout_s=0.2)
                 with pytest.raises(SGLangError, match="not healthy"):
                     await c.wait_healthy(timeout_s=0.3, poll_s=0.05)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_client_reads_sglangs_recorded_weight_update_session() -> None:
+    """The session calls against SGLang's own answers: begin, a second begin, end, an end without a
+    session, a distributed update outside one (each refusal a 400 with SGLang's message)."""
+
+    async def main() -> None:
+        sc: dict[str, Any] = {"begin_weight_update": "begin_weight_update_ok", "end_weight_update": "end_weight_update_ok",
+                              "update_weights_from_distributed": "update_weights_from_distributed_outside_session"}
+        runner, url = await _fake_sglang(sc)
+        try:
+            async with SGLangClient(url, timeout_s=5) as c:
+                assert await c.begin_weight_update() == "Success"
+                assert sc["seen"][-1] == ("/begin_weight_update", {})
+                assert await c.end_weight_update() == "Success"
+                assert sc["seen"][-1] == ("/end_weight_update", {})
+                sc.update({"begin_weight_update": "begin_weight_update_twice",
+                           "end_weight_update": "end_weight_update_without_session"})
+                with pytest.raises(SGLangError) as ei:
+                    await c.begin_weight_update()
+                assert ei.value.status == 400 and session_already_open(ei.value)
+                assert ei.value.message.startswith(SESSION_ALREADY_OPEN)
+                with pytest.raises(SGLangError) as ei:
+                    await c.end_weight_update()
+                assert ei.value.status == 400 and ei.value.message.startswith(NO_SESSION)
+                assert not session_already_open(ei.value)
+                with pytest.raises(SGLangError) as ei:
+                    await c.update_weights_from_distributed(["w"], ["float32"], [[1]], group_name="g")
+                assert ei.value.status == 400 and NOT_IN_SESSION in ei.value.message
+                assert not cache_flush_refused(ei.value)
         finally:
             await runner.cleanup()
 
