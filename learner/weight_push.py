@@ -35,6 +35,7 @@ import hashlib
 import json
 import logging
 import queue
+import secrets
 import shutil
 import struct
 import threading
@@ -211,6 +212,7 @@ class WeightPusher:
         self.plan: list[BucketMeta] | None = None
         self.opened = 0
         self.current_name = group_name
+        self._incarnation = secrets.token_hex(4)  # this pusher's groups' names are its own
         self.pool = HostPool()  # rank 0's host copies, back from the durable writer (``recycle``)
         self._tail: threading.Thread | None = None  # the final bucket's broadcast completing
 
@@ -225,9 +227,9 @@ class WeightPusher:
         Returns each engine's ``/init_weights_update_group`` body, in engine order."""
         self.close()
         self.opened += 1
-        # A fresh name per group: torch registers a group's name once per process (SGLang's engines too,
-        # which would refuse a second group under the old name).
-        self.current_name = f"{self.group_name}_{self.opened}"
+        # A fresh name per group: torch registers a group's name once per process, and so does an SGLang
+        # engine, which outlives a learner that restarts (a resumed run) and refuses a name it still holds.
+        self.current_name = f"{self.group_name}_{self._incarnation}_{self.opened}"
         self.world_size = 1 + n_engines * ranks_per_engine
         self._store = master_store(self.master_address, self.master_port, self.world_size, self.timeout_s)
         return [{"master_address": self.master_address, "master_port": int(self._store.port),

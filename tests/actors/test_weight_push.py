@@ -432,3 +432,16 @@ def test_bucket_finite_checks_every_dtype_run_of_the_flat_bucket() -> None:
         broken = [t.clone() for t in ts]
         broken[i][-1] = bad
         assert not bucket_finite(flatten(broken), meta), i
+
+
+def test_a_restarted_learners_groups_never_reuse_a_name_an_engine_still_holds() -> None:
+    """An SGLang engine keeps every group name it joined until told to destroy it, and outlives a learner that
+    restarts (``--resume``): the new learner's first group must not be called what the old one's was."""
+    names = []
+    for _ in range(2):  # the learner before and after its restart
+        pusher = WeightPusher(4096, "gloo", timeout_s=5)
+        for _ in range(2):  # each of its groups
+            names.append(pusher.open_group(1)[0]["group_name"])
+        pusher.close()
+    assert len(set(names)) == 4, names
+    assert all(n.startswith("weight_update_group_") for n in names)
