@@ -17,19 +17,49 @@ both sides agree byte for byte on what one ``/update_weights_from_distributed`` 
   ``i``'s ranks are ``rank_offset + tp_rank``; gloo (CPU) or NCCL (CUDA). It is not ``torch.distributed``'s
   default group (the learner's DeepSpeed group, or none in an engine) and needs none. Every
   collective on it waits at most ``timeout_s``: a dead or hung member costs the others a bounded wait.
+- **Own communicator** (``new_group``). A learner rank binds its default group to its GPU
+  (``learner.dist``); torch 2.13's ``_new_process_group_helper`` then builds every later NCCL group as a
+  ``ncclCommSplit`` of the default communicator, a collective over *all* learner ranks, of which only
+  rank 0 is in this group: rank 0 would wait in the split while the others are in a ZeRO-3 gather, until
+  the process-group timeout kills them. The group is created with the default group's bound device
+  cleared (the helper splits only from a bound default group; ``ProcessGroup.bound_device_id`` is a plain
+  field in 2.13, restored at once), and a backend that still names a parent to split from is refused.
+- **Failure stays in the group.** On NCCL, torch's watchdog thread of a group that sees a timeout or a
+  peer's error tears the process down (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 3, the default), and with any
+  setting it raises the process-wide dump flag on which the default group's monitor thread ends the
+  process (``ProcessGroupNCCL::shouldDump_``, static). The weight group's ``ProcessGroupNCCL`` is therefore
+  constructed with ``TORCH_NCCL_BLOCKING_WAIT=1`` (read per group, in its constructor): no watchdog thread
+  at all, ``wait`` blocks the calling thread for at most ``timeout_s`` and raises there; the group's
+  communicators are then aborted (``ncclCommAbort``, local) and the caller goes on. The learner's own
+  groups keep the launcher's settings: exporting either variable for the process would weaken their
+  error handling (a hung ZeRO-3 collective must still end the run).
+- **Store** (``master_store``): rank 0's TCP store listens on ``master_address`` only (a socket bound to
+  that address and handed to torch's store; its own server would listen on every interface), at
+  ``master_port`` (0: a free one). It has no authentication: a non-loopback address needs the plan's
+  ``placement.store_protection`` statement and a fixed port (``common.placement``).
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Sequence
+import logging
+import os
+import socket
+import threading
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
+
 FLATTENED_BUCKET = "flattened_bucket"
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT"  # read by each ProcessGroupNCCL's constructor
+WILDCARDS = ("", "*", "0.0.0.0", "::", "[::]")
+_CREATE = threading.Lock()  # one group creation at a time: it changes the default group and the environment
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -151,9 +181,11 @@ def unflatten(buf: torch.Tensor, names: Sequence[str], dtypes: Sequence[str],
 class Group:
     """One member's handle on a weight-update process group (the store is kept alive with it)."""
 
-    def __init__(self, pg: Any, store: Any, rank: int, world_size: int, name: str, timeout_s: float) -> None:
+    def __init__(self, pg: Any, store: Any, rank: int, world_size: int, name: str, timeout_s: float,
+                 backend: str = "gloo") -> None:
         self.pg, self.store, self.rank, self.world_size = pg, store, rank, world_size
-        self.name, self.timeout_s = name, timeout_s
+        self.name, self.timeout_s, self.backend = name, timeout_s, backend
+        self._lock = threading.Lock()  # the push's tail thread and the caller may both end the group
 
     def broadcast(self, t: torch.Tensor) -> None:
         """``broadcast(t, src=0)`` on this group, waiting at most the group's timeout (RuntimeError past it,
@@ -168,22 +200,149 @@ class Group:
         return self.pg.broadcast([t], opts)
 
     def wait(self, work: Any) -> None:
-        work.wait(datetime.timedelta(seconds=self.timeout_s))
+        """Until ``work`` is done, at most ``timeout_s``; on a timeout or a member's failure an NCCL group's
+        communicators are aborted before the error is raised (its collectives could never complete, and
+        nothing else would free its GPU resources), so the caller can go on without it."""
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except Exception:
+            if self.backend == "nccl":
+                self.abort()
+            raise
+
+    def abort(self) -> None:
+        """End the group now without its peers: ``ncclCommAbort`` on its communicators (local, bounded by
+        the group's timeout; torch's orderly shutdown first waits for pending collectives, which a dead
+        member never completes). Idempotent; the default group and the learner's others are untouched."""
+        with self._lock:
+            pg, self.pg, self.store = self.pg, None, None
+        if pg is None:
+            return
+        from torch.distributed.distributed_c10d import _abort_process_group, _world
+
+        try:
+            if pg in _world.pg_map:
+                _abort_process_group(pg)  # aborts, then unregisters its name
+            else:
+                pg.abort()
+        except Exception as e:  # already aborted by a failed wait; nothing more to free
+            log.debug("weight group %s: abort: %s", self.name, e)
+        _forget(pg)
 
     def close(self) -> None:
-        pg, self.pg, self.store = self.pg, None, None
+        """End the group: NCCL aborts (see ``abort``); gloo shuts down in order, closing its connections."""
+        if self.backend == "nccl":
+            self.abort()
+            return
+        with self._lock:
+            pg, self.pg, self.store = self.pg, None, None
         if pg is not None:
             try:
                 torch.distributed.destroy_process_group(pg)  # closes its connections, frees its name
             except Exception:  # a group whose peer died may refuse an orderly shutdown
                 pass
+            _forget(pg)  # whatever happened, torch's registry must not keep the store (a fixed port) alive
+
+
+def _forget(pg: Any) -> None:
+    """Drop ``pg`` from torch's registry of groups (what destroy/abort do on success): the registry holds
+    the group's store, whose listening port the next group takes again."""
+    from torch.distributed.distributed_c10d import _world
+
+    for table in (_world.pg_map, _world.pg_names, _world.pg_group_ranks, _world.pg_backend_config,
+                  _world.pg_to_tag, _world.pg_coalesce_state):
+        table.pop(pg, None)
+    for groups in _world.tags_to_pg.values():
+        while pg in groups:
+            groups.remove(pg)
+
+
+def seed_nccl_env(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Give ``TORCH_NCCL_BLOCKING_WAIT`` its value (the process's own, else torch's default 0) before any
+    NCCL thread runs. ``new_group`` changes it for a moment; a variable that already exists is replaced in
+    place, while adding one reallocates the environment under threads that may be reading it."""
+    environ.setdefault(BLOCKING_WAIT, environ.get("NCCL_BLOCKING_WAIT", "0"))
+
+
+@contextmanager
+def _env(values: Mapping[str, str]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextmanager
+def _own_communicator(backend: str) -> Iterator[None]:
+    """While torch creates the weight group: the default group unbound (no ``ncclCommSplit`` of the
+    learner's communicator) and, on NCCL, no watchdog thread for the new group (module docstring)."""
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    with _CREATE:
+        default = _get_default_group() if torch.distributed.is_initialized() else None
+        bound = default.bound_device_id if default is not None else None
+        if bound is not None:
+            default.bound_device_id = None
+        try:
+            with _env({BLOCKING_WAIT: "1"} if backend == "nccl" else {}):
+                yield
+        finally:
+            if bound is not None:
+                default.bound_device_id = bound
+
+
+def split_parent(pg: Any) -> Any:
+    """The communicator an NCCL group's backend is to be split from (None: it builds its own)."""
+    try:
+        backend = pg._get_backend(torch.device("cuda"))
+    except (RuntimeError, AttributeError):  # no CUDA backend in this group
+        return None
+    return getattr(getattr(backend, "options", None), "split_from", None)
+
+
+def _listen(address: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``address`` alone (not every interface) at ``port`` (0: a free one)."""
+    if address.strip() in WILDCARDS:
+        raise ValueError(f"the weight group's store needs the one address the engines reach, not {address!r}")
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(address.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        # A rebuilt group listens at the same fixed port again: connections of the old store in TIME_WAIT
+        # must not block it (two live listeners cannot share it all the same).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"the weight group's store cannot listen on {address}:{port}: {e.strerror}") from e
+    return sock
+
+
+def check_listen(address: str, port: int) -> None:
+    """Raise (OSError, ValueError) as ``master_store`` would for ``address:port``; listens for a moment only."""
+    _listen(address, port).close()
 
 
 def master_store(master_address: str, master_port: int, world_size: int, timeout_s: float) -> Any:
-    """Rank 0's TCP store, listening before any member is told where it is (port 0: a free one; its
-    ``.port`` says which)."""
-    return torch.distributed.TCPStore(master_address, master_port, world_size, True,
-                                      datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    """Rank 0's TCP store, listening on ``master_address`` only, before any member is told where it is
+    (port 0: a free one; its ``.port`` says which). torch's store takes the listening socket (and closes
+    it when it goes)."""
+    sock = _listen(master_address, master_port)
+    try:
+        store = torch.distributed.TCPStore(master_address, sock.getsockname()[1], world_size, True,
+                                           datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                                           master_listen_fd=sock.fileno(), use_libuv=True)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now
+    return store
 
 
 def new_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
@@ -192,22 +351,30 @@ def new_group(backend: str, master_address: str, master_port: int, rank: int, wo
 
     Built as SGLang's ``init_custom_process_group`` builds it (a ``PrefixStore(group_name)`` over the TCP
     store, torch's ``_new_process_group_helper``, the group's ranks registered), so that its store keys and
-    connections match a real SGLang engine's. Rank 0 passes the store from ``master_store``; the others
-    connect to ``master_address:master_port``. A name is registered once per process: a rebuilt group takes
-    a new name, and ``Group.close`` unregisters the old one."""
+    connections match a real SGLang engine's; never split from the default group, and on NCCL without a
+    watchdog (module docstring). Rank 0 passes the store from ``master_store`` (one is made if not); the
+    others connect to ``master_address:master_port``. A name is registered once per process: a rebuilt
+    group takes a new name, and ``Group.close`` unregisters the old one."""
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend {backend!r}: gloo | nccl")
     td = datetime.timedelta(seconds=timeout_s)
     if store is None:
-        store = torch.distributed.TCPStore(master_address, master_port, world_size, rank == 0, td,
-                                           wait_for_workers=False)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                      group_name=group_name, backend_options=None, timeout=td)
+        store = (master_store(master_address, master_port, world_size, timeout_s) if rank == 0 else
+                 torch.distributed.TCPStore(master_address, master_port, world_size, False, td, wait_for_workers=False))
+    with _own_communicator(backend):
+        pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                          group_name=group_name, backend_options=None, timeout=td)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return Group(pg, store, rank, world_size, group_name, timeout_s)
+    group = Group(pg, store, rank, world_size, group_name, timeout_s, backend)
+    if split_parent(pg) is not None:  # a torch whose helper splits some other way: refused, never hung
+        group.abort()
+        raise RuntimeError(f"weight group {group_name}: torch would build its communicator as a split of the "
+                           "learner's default group (collective over every learner rank); refused")
+    return group
 
 
-__all__ = ["DEFAULT_GROUP", "FLATTENED_BUCKET", "BucketMeta", "Group", "all_finite", "dtype_name", "empty_bucket", "flatten",
-           "master_store", "new_group", "nbytes", "parse_dtype", "plan_buckets", "unflatten"]
+__all__ = ["BLOCKING_WAIT", "DEFAULT_GROUP", "FLATTENED_BUCKET", "BucketMeta", "Group", "all_finite", "check_listen",
+           "dtype_name", "empty_bucket", "flatten", "master_store", "new_group", "nbytes", "parse_dtype", "plan_buckets",
+           "seed_nccl_env", "split_parent", "unflatten"]

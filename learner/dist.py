@@ -42,6 +42,7 @@ from torch import Tensor
 
 from common.config import Config
 from common.placement import STORE_FILE_ENV  # the launcher sets it for a one-host multi-rank learner
+from common.weight_bucket import seed_nccl_env
 from learner.losses import explained_variance, masked_whiten
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,8 @@ def setup_distributed(cfg: Config) -> None:
         log.warning("DS_ACCELERATOR=%s does not match run.device=%s; using %s",
                     os.environ["DS_ACCELERATOR"], cfg.run.device, want)
     os.environ["DS_ACCELERATOR"] = want
+    # Before any NCCL thread exists: the weight-update group sets this variable for a moment later.
+    seed_nccl_env()
     adopt_slurm_env()
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -148,7 +151,12 @@ def setup_distributed(cfg: Config) -> None:
                                                  timeout=timeout)
         else:
             kw: dict[str, Any] = {"timeout": timeout}
-            if cfg.run.device == "cuda":  # binds the NCCL communicator to this rank's GPU up front
+            if cfg.run.device == "cuda":
+                # Binds the NCCL communicator to this rank's GPU up front: it is formed here (an NCCL fault
+                # shows at startup, not at the first ZeRO-3 gather) and the groups DeepSpeed makes later are
+                # cheap splits of it. torch would split the weight-update group too, a collective over every
+                # rank of which only rank 0 is a member: common.weight_bucket.new_group creates that group
+                # unbound, so the binding stays for the learner's own groups.
                 kw["device_id"] = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             # Ranks on one host meet in a file the launcher names (no port: torch's TCP store listens on
             # every interface); ranks on several hosts need the TCP rendezvous of their launcher.

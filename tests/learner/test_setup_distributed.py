@@ -31,6 +31,7 @@ def test_cuda_backend_has_a_host_tensor_backend() -> None:
 
 
 HARNESS = textwrap.dedent("""
+    import os
     import sys
     sys.path.insert(0, {repo!r})
     import torch
@@ -49,7 +50,8 @@ HARNESS = textwrap.dedent("""
     data = dist.broadcast_bytes(b"batch-bytes" if dist.rank() == 0 else None)
     # One write per rank: two ranks share this pipe.
     sys.stdout.write(f"STORE {{type(store).__name__}}\\nCPU_BACKEND {{type(pg._get_backend(torch.device('cpu'))).__name__}}\\n"
-                     f"RESULT {{float(total[0])}} {{data.decode()}}\\n")
+                     f"RESULT {{float(total[0])}} {{data.decode()}}\\n"
+                     f"BLOCKING_WAIT {{os.environ.get('TORCH_NCCL_BLOCKING_WAIT')}}\\n")
     sys.stdout.flush()
     dist.exit_process(0)  # no interpreter finalisation: gloo's threads can abort it
 """)
@@ -87,3 +89,6 @@ def test_one_process_uses_an_in_process_store(tmp_path: Path) -> None:
     # No TCPStore: a lone learner must not listen on a network port that no config key sets.
     out = _run(tmp_path, 1, cuda_layout=False)
     assert "STORE HashStore" in out and "RESULT 1.0 batch-bytes" in out
+    # Given its value before any NCCL thread runs: the weight-update group changes it for a moment only
+    # (common.weight_bucket.seed_nccl_env), torch's default for the learner's own groups.
+    assert "BLOCKING_WAIT 0" in out
