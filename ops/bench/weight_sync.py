@@ -1,29 +1,44 @@
-"""Benchmark: how long a weight publish blocks the learner, disk path vs distributed push.
+"""Benchmark: how long a weight publish blocks the learner, disk path vs distributed push, against the raw
+broadcast of the same bytes.
 
-    .venv/bin/python ops/bench/weight_sync.py [--layers 3 --hidden 2048 --vocab 32000 --bucket-mb 256]
+    .venv/bin/python ops/bench/weight_sync.py [--engine both|rollout_server|sglang] [--rounds 3]
+        [--layers 3 --hidden 2048 --vocab 32000 --bucket-mb 256] [--quick]
 
-A synthetic fp32 Qwen2 (untied embeddings; the defaults make ~1.14 GB), one learner rank (this process,
-the model in memory as the learner holds it) and two engines (real ``python -m actors.rollout_server``
-processes on the same model, each with an admin API key). Versions, each the model after a perturbation
-(every weight + 1e-3, so that a push that did not land would leave the engines on the old weights and
-fail ``bitwise_equal``):
+A synthetic fp32 Qwen2 (untied embeddings, the char tokenizer of ``common.modeling``; the defaults make
+~1.14 GB), one learner rank (this process, the model in memory as the learner holds it) and, per row, two
+engines on the same model with an admin API key: ``rollout_server`` (``python -m actors.rollout_server``)
+and ``sglang`` (live SGLang 0.5.23 on the CPU, started as vapo starts it for a distributed push paused in
+place: ``ops.sglang_cpu.live``). Per row, the group is opened once and a first push runs cold (fresh host
+buffers; ``first_push_blocked_s``); then each round makes a new version (every weight + 1e-3, so that a push
+that did not land leaves the engines on the old weights and fails ``bitwise_equal``) and times three phases,
+their order rotated from round to round so that a change of load hits all three:
 
-1. a first push (cold: fresh host buffers; ``first_push_blocked_s``), its durable copy written;
-2. ``disk_blocked_s``: ``learner.weights.write_version`` (the disk path: export to safetensors, NaN check
-   and sha256 re-read on rank 0's critical path), timed alone;
-3. ``distributed_blocked_s``: ``learner.weight_push.WeightPusher.push`` of the same weights, as a learner
-   publishing every step runs it (host buffers given back by the writer): bucket flatten, NaN check,
-   broadcast to both engines (each posts its buckets through ``actors.weight_push_client.receive_push``
-   with ``pause=in_place``) and the host copy handed to the background ``DurableWriter``. The final
-   bucket's broadcast completes in the background (``final_broadcast_background_s``), as the writer's
-   time (``durable_write_s``): both off the learner's path.
+- ``disk_blocked_s``: ``learner.weights.write_version`` (the disk path: export to safetensors, NaN check and
+  sha256 re-read on rank 0's critical path);
+- ``distributed_blocked_s``: ``learner.weight_push.WeightPusher.push`` of the same weights as a learner
+  publishing every step runs it (host buffers given back by the writer): bucket flatten, NaN check, broadcast
+  to both engines (each posts its buckets through ``actors.weight_push_client.receive_push`` with
+  ``pause=in_place``, which loads them) and the host copy handed to the background ``DurableWriter``. The
+  final bucket's broadcast completes in the background (``final_broadcast_background_s``), as the writer's
+  time (``durable_write_s``): both off the learner's path;
+- ``raw_broadcast_s``: the limit. The same buckets broadcast over a gloo group of the same shape, built the
+  same way (rank 0 here, one receiver per engine, each its own process on this host, TCP over 127.0.0.1),
+  each awaited in turn. The receivers are plain torch processes (``weight_sync_parts.RawBroadcast``): an
+  engine receives only through its update endpoint, which also loads the bytes; that load, the HTTP posts
+  and the flatten are what the push adds to the link.
 
-- ``engine_pause_s``: the longest pause_generation → continue_generation of the two engines.
-- ``bitwise_equal``: both engines' ``/weights_digest`` after the push equal ``param_digest`` of its
-  durable disk version (written by the background writer from the pushed bytes), and of the disk path's.
-- ``blocked_ratio`` = distributed_blocked_s / disk_blocked_s (goal <= 0.25).
+``push_over_raw_broadcast`` = distributed_blocked_s / raw_broadcast_s, goal <= 2 (``verdict``: pass when
+every round met it, fail when none did, else unclear); ``blocked_ratio`` = distributed_blocked_s /
+disk_blocked_s (the old goal, <= 0.25). ``bitwise_equal``: every round, both engines serve the pushed
+version bit for bit: for rollout_server, ``/weights_digest`` equals ``param_digest`` of the push's durable
+copy and of the disk path's; for SGLang (no digest route; ``/get_weights_by_name`` answers 400 for Qwen2)
+each engine's greedy log-probs as pushed equal, to the bit, those after loading the push's durable copy and
+then the disk path's copy from disk (SGLang on one CPU thread is deterministic), and the other engine's.
+``push_changed_output``: the served state differs from the previous version's. Each timed figure per round,
+then its median and [min, max]; the machine (CPU model, vector flags) and its load.
 
-Prints one JSON line.
+``--quick``: a 1 MB model (hidden 128, 1 layer, vocabulary 256) in 128 KB buckets, one round. Prints one
+JSON line.
 """
 
 from __future__ import annotations
@@ -33,9 +48,12 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,14 +64,31 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from actors.rollout_server.dist_update import param_digest  # noqa: E402
 from actors.weight_push_client import join_group, receive_push  # noqa: E402
 from common.sglang_client import SGLangClient  # noqa: E402
-from learner.weight_push import DurableWriter, WeightPusher  # noqa: E402
+from learner.weight_push import DurableWriter, WeightPusher, bucket_plan, iter_buckets  # noqa: E402
+from learner.weights import version_dir, write_version  # noqa: E402
+from ops.bench.weight_sync_parts import (  # noqa: E402
+    ENGINES,
+    RawBroadcast,
+    machine,
+    ratio,
+    start_engines,
+    summarise,
+)
+from ops.sglang_cpu.live import skip_reason  # noqa: E402
+
+QUICK = {"hidden": 128, "layers": 1, "vocab": 256, "bucket_mb": 0.125, "rounds": 1}
+BITWISE_BY = {
+    "rollout_server": "/weights_digest == param_digest of the push's durable copy and of the disk path's",
+    "sglang": "greedy log-probs as pushed == after loading the push's durable copy == after loading the disk "
+              "path's copy (one CPU thread: deterministic), and == the other engine's",
+}
 
 
 def make_model(out: Path, hidden: int, layers: int, vocab: int) -> torch.nn.Module:
-    """A random fp32 Qwen2 (untied) with the char tokenizer, saved in ``out``."""
+    """A random fp32 Qwen2 (untied) with the char tokenizer, saved in ``out`` (SGLang loads it as is: ids
+    past the tokenizer's 89 decode to nothing)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from common.modeling import build_char_tokenizer
@@ -67,27 +102,6 @@ def make_model(out: Path, hidden: int, layers: int, vocab: int) -> torch.nn.Modu
     model.save_pretrained(out)
     build_char_tokenizer().save_pretrained(out)
     return model
-
-
-def start_engine(model_dir: Path, log_dir: Path, key: str, timeout_s: float = 600.0) -> tuple[Any, str]:
-    """``python -m actors.rollout_server`` on a free port; (process, url) once it prints its ready line."""
-    import select
-    import subprocess
-
-    env = {**os.environ, "VAPO_ENGINE_ADMIN_API_KEY": key, "PYTHONUNBUFFERED": "1"}
-    err = open(log_dir / f"engine_{time.monotonic_ns()}.log", "w")  # noqa: SIM115 — lives with the process
-    proc = subprocess.Popen([sys.executable, "-m", "actors.rollout_server", "--model-path", str(model_dir), "--port", "0",
-                             "--threads", "1", "--log-level", "warning", "--max-batch-size", "4"],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
-    deadline = time.monotonic() + timeout_s
-    assert proc.stdout is not None
-    while time.monotonic() < deadline and proc.poll() is None:
-        if select.select([proc.stdout], [], [], 0.5)[0]:
-            line = proc.stdout.readline()
-            if "ready on " in line:
-                return proc, line.split("ready on ", 1)[1].split()[0]
-    proc.kill()
-    raise RuntimeError(f"rollout_server did not start (see {err.name})")
 
 
 async def push_version(pusher: WeightPusher, model: torch.nn.Module, version: int, clients: list[SGLangClient],
@@ -123,88 +137,165 @@ def perturb(model: torch.nn.Module, delta: float = 1e-3) -> None:
             p.add_(delta)
 
 
-def disk_digest(path: Path) -> str:
-    """``param_digest`` of a published version's tensors."""
-    from common.generation.weights import read_state_dict
+@dataclass
+class Row:
+    """One row's engines, weight-update group, raw group and durable writer."""
 
-    return param_digest(read_state_dict(path).items())
+    engines: Any
+    pusher: WeightPusher
+    writer: DurableWriter
+    raw: RawBroadcast
+    root: Path
+    last: Any = None  # engine 0's served state at the previous version
+    errors: list[str] = field(default_factory=list)
+    broadcast_ok: bool = True
 
 
-async def engine_digests(clients: list[SGLangClient]) -> list[str]:
-    out = []
-    for c in clients:
-        _, body, _ = await c._request("GET", "weights_digest", timeout_s=600)
-        out.append(body["sha256"])
-    return out
+def timed_write(root: Path, version: int, model: torch.nn.Module) -> float:
+    """Seconds of the disk path, as the learner runs it."""
+    t0 = time.perf_counter()
+    write_version(root, version, model, None)
+    return time.perf_counter() - t0
 
 
-async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    from learner.weight_push import bucket_plan
-    from learner.weights import write_version
+def raw_broadcast(row: Row, model: torch.nn.Module) -> float:
+    """Seconds to broadcast the version's buckets (flattened beforehand: the same bytes) over the raw group."""
+    bufs = [b for b in iter_buckets(model, row.pusher.plan or []) if b is not None]
+    return row.raw.run(bufs)
 
-    model_dir = tmp / "base"
-    model = make_model(model_dir, args.hidden, args.layers, args.vocab)
-    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+async def timed_push(row: Row, model: torch.nn.Module, version: int) -> dict[str, Any]:
+    """One push, settled and written; its learner-blocked and background figures."""
+    res, reports = await push_version(row.pusher, model, version, row.engines.clients, row.writer)
+    await asyncio.to_thread(row.pusher.settle)  # the final bucket's broadcast, off the learner's path
+    await asyncio.to_thread(row.writer.wait, 1200)
+    row.errors += [f"v{version}: {r!r}" for r in reports if isinstance(r, BaseException)]
+    if not res.broadcast:
+        row.errors.append(f"v{version}: {res.error}")
+    row.broadcast_ok = row.broadcast_ok and res.broadcast
+    ok = [r for r in reports if not isinstance(r, BaseException)]
+    return {
+        "distributed_blocked_s": sum(res.seconds.values()),  # the learner thread's whole push
+        "distributed_phases_s": {k: round(v, 4) for k, v in res.seconds.items()},
+        "distributed_total_s": sum(res.seconds.values()) + res.tail_s,  # the final bucket's broadcast included
+        "final_broadcast_background_s": res.tail_s,
+        "durable_write_s": row.writer.seconds.get(version, float("nan")),
+        "engine_pause_s": max((r.pause_s for r in ok), default=0.0),
+        "engine_receive_s": max((r.receive_s for r in ok), default=0.0),
+    }
+
+
+async def one_round(row: Row, model: torch.nn.Module, r: int) -> dict[str, Any]:
+    """A new version; disk, push and raw broadcast in the order of round ``r``; then the bitwise check."""
+    perturb(model)
+    v_disk, v_push = 2 * r + 2, 2 * r + 3  # the cold first push is v1
+    order = ["disk", "push", "raw"]
+    order = order[r % 3:] + order[:r % 3]
+    out: dict[str, Any] = {"order": ",".join(order), "load_1m": round(os.getloadavg()[0], 2)}
+    for phase in order:
+        if phase == "disk":
+            out["disk_blocked_s"] = await asyncio.to_thread(timed_write, row.root, v_disk, model)
+        elif phase == "push":
+            out.update(await timed_push(row, model, v_push))
+        else:
+            out["raw_broadcast_s"] = await asyncio.to_thread(raw_broadcast, row, model)
+    out["push_over_raw_broadcast"] = ratio(out["distributed_blocked_s"], out["raw_broadcast_s"])
+    out["blocked_ratio"] = ratio(out["distributed_blocked_s"], out["disk_blocked_s"])
+    ok, state = await row.engines.check(version_dir(row.root, v_push), version_dir(row.root, v_disk), v_push)
+    out["bitwise_equal"] = bool(ok and row.broadcast_ok)
+    out["push_changed_output"] = state != row.last
+    row.last = state
+    for v in (v_disk, v_push):  # a round's two copies: GBs each at the full size
+        shutil.rmtree(version_dir(row.root, v), ignore_errors=True)
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+
+
+async def run_row(kind: str, args: argparse.Namespace, tmp: Path, model: torch.nn.Module,
+                  model_dir: Path) -> dict[str, Any]:
+    """Two ``kind`` engines, the group, a cold push, then ``args.rounds`` rounds."""
     key = secrets.token_hex(16)
-    engines = [start_engine(model_dir, tmp, key) for _ in range(2)]
-    clients = [SGLangClient(url, api_key=key, timeout_s=600) for _, url in engines]
+    logs = (args.log_dir or tmp) / f"logs-{kind}"
+    logs.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    engines = start_engines(kind, model_dir, logs, key)
+    start_s = time.perf_counter() - t0
+    closers: list[Callable[[], Any]] = []  # closed in reverse: the writer, the raw group, the push group
     try:
-        root = tmp / "weights"
-        pusher = WeightPusher(args.bucket_mb << 20, "gloo", timeout_s=300)
+        pusher = WeightPusher(int(args.bucket_mb * (1 << 20)), "gloo", timeout_s=300)
+        closers.append(pusher.close)
         pusher.plan = bucket_plan(model, pusher.bucket_bytes)
         t0 = time.perf_counter()
-        await open_group(pusher, clients)
+        await open_group(pusher, engines.clients)
         group_s = time.perf_counter() - t0
-        done: list[Any] = []
-        writer = DurableWriter(root, done.append, recycle=pusher.recycle)
+        root = tmp / f"weights-{kind}"
+        raw = await asyncio.to_thread(RawBroadcast, [m.nbytes for m in pusher.plan], ENGINES, args.rounds)
+        closers.append(raw.close)
+        row = Row(engines, pusher, DurableWriter(root, lambda _: None, recycle=pusher.recycle), raw, root)
+        closers.append(row.writer.close)
+        row.last = await engines.fingerprint()
         perturb(model)
-        first, _ = await push_version(pusher, model, 1, clients, writer)  # cold: fresh host buffers
-        pusher.settle()
-        writer.wait(1200)  # as between two learner steps: the writer gave the buffers back
-        perturb(model)
-        t0 = time.perf_counter()
-        write_version(root, 2, model, None)  # the disk path, as the learner runs it
-        disk_blocked = time.perf_counter() - t0
-        res, reports = await push_version(pusher, model, 3, clients, writer)
-        dist_blocked = sum(res.seconds.values())  # the learner thread's whole push
-        pusher.settle()  # the final bucket's broadcast, off the learner's path
-        writer.wait(1200)
-        errors = [str(r) for r in reports if isinstance(r, BaseException)]
-        want = disk_digest(root / "v3")
-        got = await engine_digests(clients)
-        same_as_disk = disk_digest(root / "v2") == want
-        ok = [r for r in reports if not isinstance(r, BaseException)]
+        first = await timed_push(row, model, 1)  # cold: fresh host buffers
+        shutil.rmtree(version_dir(root, 1), ignore_errors=True)
+        rounds = [await one_round(row, model, r) for r in range(args.rounds)]
         return {
-            "bench": "weight_sync", "bytes": n_bytes, "bucket_bytes": pusher.bucket_bytes, "buckets": len(pusher.plan),
-            "engines": len(clients), "disk_blocked_s": round(disk_blocked, 3),
-            "distributed_blocked_s": round(dist_blocked, 3),
-            "blocked_ratio": round(dist_blocked / disk_blocked, 3) if disk_blocked > 0 else None,
-            "distributed_phases_s": {k: round(v, 3) for k, v in res.seconds.items()},
-            "final_broadcast_background_s": round(res.tail_s, 3),
-            "first_push_blocked_s": round(sum(first.seconds.values()), 3),
-            "engine_pause_s": round(max((r.pause_s for r in ok), default=0.0), 3),
-            "engine_receive_s": round(max((r.receive_s for r in ok), default=0.0), 3),
-            "group_init_s": round(group_s, 3), "durable_write_s": round(writer.seconds.get(3, float("nan")), 3),
-            "broadcast_ok": res.broadcast and first.broadcast, "errors": errors,
-            "bitwise_equal": bool(not errors and res.broadcast and all(g == want for g in got) and same_as_disk),
-            "machine": f"{os.cpu_count()} CPUs, shared with other jobs; loadavg {os.getloadavg()[0]:.1f}",
-            "torch_threads": torch.get_num_threads(),
+            "engine": kind, **summarise(rounds),
+            "bitwise_equal": all(r["bitwise_equal"] for r in rounds) and not row.errors,
+            "push_changed_output": all(r["push_changed_output"] for r in rounds),
+            "bitwise_by": BITWISE_BY[kind], "broadcast_ok": row.broadcast_ok, "errors": row.errors[:5],
+            "first_push_blocked_s": round(first["distributed_blocked_s"], 4), "group_init_s": round(group_s, 3),
+            "engine_start_s": round(start_s, 1), "rounds": rounds,
         }
     finally:
-        for c in clients:
-            await c.close()
-        for proc, _ in engines:
-            proc.terminate()
-            proc.wait(30)
+        for close in reversed(closers):
+            close()
+        await engines.close()
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engine", choices=("both", "rollout_server", "sglang"), default="both",
+                    help="the engines' rows (both: rollout_server then SGLang, SGLang's skipped where it cannot run)")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--bucket-mb", type=int, default=256)
-    args = ap.parse_args()
+    ap.add_argument("--bucket-mb", type=float, default=256)
+    ap.add_argument("--log-dir", type=Path, default=None, help="keep the engines' logs here (default: with the run's files)")
+    ap.add_argument("--quick", action="store_true", help=f"a tiny model, one round: {QUICK}")
+    args = ap.parse_args(argv)
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+    if args.rounds < 1:
+        ap.error("--rounds: at least 1")
+    return args
+
+
+async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    model_dir = tmp / "base"
+    model = make_model(model_dir, args.hidden, args.layers, args.vocab)
+    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    kinds = ["rollout_server", "sglang"] if args.engine == "both" else [args.engine]
+    rows: dict[str, Any] = {}
+    for kind in kinds:
+        reason = skip_reason() if kind == "sglang" else None
+        rows[kind] = {"engine": kind, "skipped": reason} if reason else await run_row(kind, args, tmp, model, model_dir)
+    return {
+        "bench": "weight_sync", "bytes": n_bytes,
+        "model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "dtype": "float32"},
+        "bucket_bytes": int(args.bucket_mb * (1 << 20)), "engines": ENGINES, "rounds": args.rounds,
+        "quick": args.quick, "machine": machine(), "load_at_start": load_start,
+        "load_at_end": [round(x, 2) for x in os.getloadavg()], "torch_threads": torch.get_num_threads(),
+        "rows": rows,
+    }
+
+
+def main() -> int:
+    args = parse_args()
+    if args.engine == "sglang" and skip_reason() is not None:
+        print(f"weight_sync: {skip_reason()}", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="weight_sync_") as d:
         out = asyncio.run(run(args, Path(d)))

@@ -1,0 +1,76 @@
+"""ops/bench/weight_sync.py: the rounds' summary and verdict, and its quick mode end to end (one JSON line, well
+formed, the push bitwise the disk version) with rollout_server engines and (marked ``sglang``) live SGLang."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ops.bench.weight_sync_parts import GOAL_OVER_RAW, summarise
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "ops" / "bench" / "weight_sync.py"
+TIMED = ("disk_blocked_s", "distributed_blocked_s", "raw_broadcast_s", "push_over_raw_broadcast", "blocked_ratio",
+         "final_broadcast_background_s", "durable_write_s", "engine_pause_s", "engine_receive_s")
+
+
+def test_summary_gives_median_and_range_and_judges_against_the_raw_broadcast() -> None:
+    rounds = [{"order": "disk,push,raw", "raw_broadcast_s": r, "push_over_raw_broadcast": x, "bitwise_equal": True}
+              for r, x in ((1.0, 1.5), (3.0, 1.9), (2.0, 1.2))]
+    s = summarise(rounds)
+    assert (s["raw_broadcast_s"], s["raw_broadcast_s_range"]) == (2.0, [1.0, 3.0])
+    assert (s["push_over_raw_broadcast"], s["push_over_raw_broadcast_range"]) == (1.5, [1.2, 1.9])
+    assert "order" not in s and "bitwise_equal" not in s  # not timed figures
+    assert s["verdict"] == "pass" and str(GOAL_OVER_RAW).rstrip("0").rstrip(".") in s["goal"]
+    rounds[1]["push_over_raw_broadcast"] = 2.5
+    assert summarise(rounds)["verdict"] == "unclear"  # some rounds met the goal, one did not
+    assert summarise([{"push_over_raw_broadcast": 2.1}, {"push_over_raw_broadcast": 4.0}])["verdict"] == "fail"
+
+
+def run_quick(engine: str, tmp_path: Path) -> dict[str, Any]:
+    p = subprocess.run([sys.executable, str(BENCH), "--quick", "--engine", engine, "--log-dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1, p.stdout[-2000:]  # one JSON line, nothing else on stdout
+    return json.loads(lines[0])
+
+
+def check_line(line: dict[str, Any], engine: str) -> None:
+    assert line["bench"] == "weight_sync" and line["quick"] is True and line["rounds"] == 1
+    assert line["bytes"] > 0 and line["bucket_bytes"] > 0 and line["engines"] == 2
+    m = line["machine"]
+    assert m["cpu"] and isinstance(m["cpu_flags"], list) and m["cpus"] >= 1
+    assert len(line["load_at_start"]) == 3 and len(line["load_at_end"]) == 3
+    assert list(line["rows"]) == [engine]
+    row = line["rows"][engine]
+    assert row["engine"] == engine and not row.get("skipped")
+    assert row["bitwise_equal"] is True, row  # the push landed, bit for bit the disk version
+    assert row["push_changed_output"] is True and row["broadcast_ok"] is True and row["errors"] == []
+    assert row["verdict"] in ("pass", "fail", "unclear") and "raw broadcast" in row["goal"]
+    assert len(row["rounds"]) == 1
+    (r,) = row["rounds"]
+    assert sorted(r["order"].split(",")) == ["disk", "push", "raw"]
+    for key in TIMED:
+        lo, hi = row[f"{key}_range"]
+        assert lo <= row[key] <= hi and row[key] == r[key], key
+        assert math.isfinite(r[key]) and r[key] >= 0, key
+    assert r["raw_broadcast_s"] > 0 and r["distributed_blocked_s"] > 0
+    assert r["push_over_raw_broadcast"] == pytest.approx(r["distributed_blocked_s"] / r["raw_broadcast_s"], rel=0.05,
+                                                         abs=0.01)
+    assert row["first_push_blocked_s"] > 0 and row["group_init_s"] >= 0
+
+
+def test_quick_mode_with_rollout_server_engines(tmp_path: Path) -> None:
+    check_line(run_quick("rollout_server", tmp_path), "rollout_server")
+
+
+@pytest.mark.sglang
+def test_quick_mode_with_live_sglang_engines(tmp_path: Path) -> None:
+    check_line(run_quick("sglang", tmp_path), "sglang")
