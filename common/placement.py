@@ -17,6 +17,10 @@ launcher, one rank per learner GPU: ``--include`` on one host, ``--hostfile`` pl
 from host 0; such a run needs routable, CurveZMQ-protected buffer and weight addresses and a run directory
 on a filesystem every host sees (weights travel as files).
 
+Weight push (``learner.weight_transport=distributed``): the addresses learner rank 0 binds on host 0 are
+checked against host 0's (``common.push_addresses``), so a placeholder is refused now, not after value
+pretraining.
+
 Memory check: from the model's ``config.json`` the plan estimates each learner rank's model states
 (weights, gradients, Adam; divided by ZeRO stage) for policy and critic, and each engine GPU's weights, and
 refuses a placement that cannot hold them (``placement.gpu_memory_gib``,
@@ -38,6 +42,7 @@ from typing import Any
 from common import balance, remote
 from common.config import Config, ConfigError
 from common.gpu_spec import engine_tp, parse_gpus
+from common.push_addresses import check_push_addresses
 from common.security import is_local_endpoint
 from common.sglang_args import sglang_command
 
@@ -199,6 +204,7 @@ def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, roo
     py = python or sys.executable
     pl = cfg.placement
     if cfg.run.device == "cpu" and len(pl.hosts) == 1:
+        check_push_addresses(cfg, remote_engines=False)
         return _cpu_plan(cfg, str(cfg_file), py, {"PYTHONUNBUFFERED": "1"})
     # Every process names its accelerator: an inherited DS_ACCELERATOR=cpu would build a CUDA learner on
     # DeepSpeed's CPU accelerator (and the reverse on CPU hosts).
@@ -213,6 +219,7 @@ def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, roo
     b.procs.append(Proc("buffer", "buffer", pl.hosts[0], [py, "-m", "buffer", b.cfgf], dict(b.base_env), (), 3))
     b.procs.append(_learner(b, ranks))
     _engines_and_actors(b, eg)
+    check_push_addresses(cfg, remote_engines=any(p.host != pl.hosts[0] for p in b.procs if p.role in ("engine", "actor")))
     if (cfg.learner.eval_every > 0 and not cfg.learner.eval_engine_url and not cfg.learner.eval_engine_urls
             and cfg.engine.kind != "external"):
         engine0 = next((p for p in b.procs if p.name in ("engine-0", "actor-0")), None)

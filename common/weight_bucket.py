@@ -53,12 +53,13 @@ from typing import Any
 
 import torch
 
+from common.push_addresses import WILDCARDS
+
 log = logging.getLogger(__name__)
 
 FLATTENED_BUCKET = "flattened_bucket"
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT"  # read by each ProcessGroupNCCL's constructor
-WILDCARDS = ("", "*", "0.0.0.0", "::", "[::]")
 _CREATE = threading.Lock()  # one group creation at a time: it changes the default group and the environment
 
 

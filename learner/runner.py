@@ -4,8 +4,10 @@
     deepspeed --num_gpus 2 -m learner ops/configs/default.yaml       # data-parallel ranks (CUDA)
     torchrun --nproc_per_node 2 -m learner ...                       # CPU ranks
 
-Value pretraining first (``learner.value_pretrain``, when enabled and there is no critic or checkpoint
-yet), then ``Runner``: resume from a checkpoint (``learner.resume``) → publish the current weights if
+The learner's listening sockets first (``Endpoints``: rank 0's weight publisher and, with the distributed
+transport, the push coordinator's socket and its store's address), so that an address this host does not
+have fails at start; then value pretraining (``learner.value_pretrain``, when enabled and there is no critic
+or checkpoint yet), then ``Runner``: resume from a checkpoint (``learner.resume``) → publish the current weights if
 the actors lack them → ``learner.total_steps`` steps of ``learner.train.Learner``, each followed by a
 checkpoint (every ``learner.checkpoint_every``), a weight push (every ``learner.weights_every``, to
 ``<run dir>/weights``) and a held-out evaluation (every ``learner.eval_every``), with one line per step in
@@ -20,10 +22,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import zmq
 
 from common.cli import config_from_argv, setup_logging
-from common.config import Config
+from common.config import Config, ConfigError
 from common.metrics import Metrics
+from common.push_addresses import push_store_problem
+from common.weight_bucket import check_listen
 from learner.data import DataSource
 from learner.dist import all_reduce_sum, rank, shutdown_distributed, world_size
 from learner.records import append_jsonl, write_header, write_json_atomic
@@ -31,6 +36,7 @@ from learner.train import Learner, Phases
 
 if TYPE_CHECKING:
     from learner.publisher import WeightPublisher
+    from learner.push_coordinator import PushCoordinator
 
 log = logging.getLogger("learner")
 
@@ -55,11 +61,94 @@ def source_totals(source: DataSource | None) -> dict[str, int]:
     return {} if source is None else {f"{key}_total": int(n) for key, n in source.totals().items()}
 
 
+def start_publisher(cfg: Config, metrics: Metrics) -> WeightPublisher:
+    """Rank 0's WeightPublisher, announcing the newest complete version on disk."""
+    from learner.publisher import WeightPublisher
+    from learner.weights import latest_update, prune
+
+    learner_cfg, weights_root = cfg.learner, cfg.run_dir / "weights"
+    weights_root.mkdir(parents=True, exist_ok=True)
+    prune(weights_root, learner_cfg.keep_weights)  # drops *.tmp left by a crash
+    refused = metrics.auth_refused
+    return WeightPublisher(learner_cfg.publish_addr, learner_cfg.query_addr, cfg.buffer.curve,
+                           latest=latest_update(weights_root), on_refused=lambda sock: refused.labels(socket=sock).inc())
+
+
+def check_push_store(cfg: Config) -> None:
+    """Rank 0: the weight group's store can listen where configured (``learner.push_master_address``, one of
+    this host's addresses; a fixed ``push_master_port`` free; off loopback ``placement.store_protection``
+    said). It listens only while a group is built, the first time after value pretraining."""
+    problem = push_store_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
+    lc = cfg.learner
+    try:
+        check_listen(lc.push_master_address, lc.push_master_port)
+    except (OSError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConfigError(f"learner.push_master_address / push_master_port: {why} (it must be an address of learner "
+                          "rank 0's host, the port free)") from e
+
+
+class _Later:
+    """What the durable writer saves beside each pushed version (tokenizer, model config) once the learner
+    that has it is built: the push coordinator is made before value pretraining, the learner after it."""
+
+    def __init__(self) -> None:
+        self.target: Any = None
+
+    def save_pretrained(self, path: Any) -> None:
+        if self.target is not None:
+            self.target.save_pretrained(path)
+
+
+class Endpoints:
+    """The learner's listening sockets, bound before value pretraining (hours at paper scale) so that an address
+    this host does not have fails at once, not after it: rank 0's weight publisher (PUB, REP) and, with
+    ``learner.weight_transport=distributed``, the push coordinator (every rank makes it; rank 0 binds
+    ``learner.push_addr``) with the weight group's store address checked."""
+
+    def __init__(self, cfg: Config, metrics: Metrics) -> None:
+        self.tokenizer, self.model_config = _Later(), _Later()
+        self.publisher = start_publisher(cfg, metrics) if rank() == 0 else None
+        self.push: PushCoordinator | None = None
+        try:
+            if cfg.learner.weight_transport == "distributed":
+                self.push = self._push_coordinator(cfg, metrics)
+        except BaseException:
+            self.close()
+            raise
+
+    def _push_coordinator(self, cfg: Config, metrics: Metrics) -> PushCoordinator:
+        from learner.push_coordinator import PushCoordinator
+
+        if rank() == 0:
+            check_push_store(cfg)
+        try:
+            return PushCoordinator(cfg, cfg.run_dir / "weights", self.publisher, metrics, self.tokenizer,
+                                   self.model_config)
+        except zmq.ZMQError as e:
+            raise ConfigError(f"learner.push_addr: cannot bind {cfg.learner.push_addr} on learner rank 0's host: {e}") from e
+
+    def attach(self, learner: Learner) -> None:
+        """The built learner's tokenizer and model config go beside every version the push writes."""
+        self.tokenizer.target = learner.tokenizer
+        self.model_config.target = getattr(learner.policy.module, "config", None)
+
+    def close(self) -> None:
+        """The push first (its last durable version is written and announced), then the publisher; idempotent."""
+        push, publisher, self.push, self.publisher = self.push, self.publisher, None, None
+        if push is not None:
+            push.close()
+        if publisher is not None:
+            publisher.close()
+
+
 class Runner:
     """The learner process: resume → (publish) → steps with checkpoint / weight push / eval → jsonl."""
 
     def __init__(self, cfg: Config, source: DataSource | None, critic_path: str | Path | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, endpoints: Endpoints | None = None) -> None:
         from learner import checkpoint
 
         self.cfg = cfg
@@ -76,32 +165,16 @@ class Runner:
         if resume_from is not None:
             checkpoint.load(resume_from, self.learner)
             log.info("resumed from %s at version %d", resume_from, self.learner.version)
-        self.publisher = self._start_publisher() if rank() == 0 else None
-        self.push = None
-        if cfg.learner.weight_transport == "distributed":
-            from learner.push_coordinator import PushCoordinator
-
-            self.push = PushCoordinator(cfg, self.weights_root, self.publisher, self.learner.metrics,
-                                        self.learner.tokenizer, getattr(self.learner.policy.module, "config", None))
+        # main() opens them before value pretraining; a Runner made on its own (tests, tools) opens them here.
+        self.endpoints = endpoints if endpoints is not None else Endpoints(cfg, self.learner.metrics)
+        self.endpoints.attach(self.learner)
+        self.publisher, self.push = self.endpoints.publisher, self.endpoints.push
         published = self._published_version()
         if published > self.learner.version:
             self._renumber_past(published)
         if published < self.learner.version:
             self.publish()
         self.learner.metrics.weight_version.set(self.learner.version)
-
-    def _start_publisher(self) -> WeightPublisher:
-        """Rank 0's WeightPublisher, announcing the newest complete version on disk."""
-        from learner.publisher import WeightPublisher
-        from learner.weights import latest_update, prune
-
-        learner_cfg = self.cfg.learner
-        self.weights_root.mkdir(parents=True, exist_ok=True)
-        prune(self.weights_root, learner_cfg.keep_weights)  # drops *.tmp left by a crash
-        refused = self.learner.metrics.auth_refused
-        return WeightPublisher(learner_cfg.publish_addr, learner_cfg.query_addr, self.cfg.buffer.curve,
-                               latest=latest_update(self.weights_root),
-                               on_refused=lambda sock: refused.labels(socket=sock).inc())
 
     def _published_version(self) -> int:
         """The newest published version (-1: none), read by rank 0: every rank decides alike from it."""
@@ -208,10 +281,7 @@ class Runner:
                 self._train_step()
             self._finish()
         finally:
-            if self.push is not None:
-                self.push.close()  # the last durable version is written and announced first
-            if self.publisher is not None:
-                self.publisher.close()
+            self.endpoints.close()  # the last durable version is written and announced first
         return self.learner
 
     def _evaluate_base_policy(self) -> None:
@@ -313,14 +383,19 @@ def main(argv: list[str] | None = None) -> int:
             write_header(cfg)  # before value pretraining: every record below was produced by this
         if cfg.metrics.prometheus:
             metrics.serve(cfg.learner.metrics_port, cfg.metrics.host)
+    endpoints: Endpoints | None = None
     try:
+        # Bound before value pretraining: a socket address this host lacks (a placeholder) fails now, not hours in.
+        endpoints = Endpoints(cfg, metrics)
         critic_path = None
         if (cfg.value_pretrain.enabled and cfg.algo.advantage == "gae" and resolve_checkpoint(cfg) is None):
             from learner.value_pretrain import pretrain_critic
 
             critic_path = pretrain_critic(cfg, source, metrics=metrics)
-        Runner(cfg, source, critic_path=critic_path, metrics=metrics).run()
+        Runner(cfg, source, critic_path=critic_path, metrics=metrics, endpoints=endpoints).run()
     finally:
+        if endpoints is not None:
+            endpoints.close()  # a no-op after run(): it closed them
         shutdown_distributed()
     if metrics.last_scrape > 0 and cfg.metrics.final_scrape_wait_s > 0:
         # Pull-based monitoring never sees values set after its last scrape: stay for one more, so that

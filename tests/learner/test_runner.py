@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from prometheus_client import generate_latest
 
-from common.config import load_config
+from common.config import ConfigError, load_config
 from learner.data import BufferSource, ListSource
 from learner.runner import Runner, source_totals
 from learner.synthetic import synth_groups
+from tests.ports import free_port
 
 
 def test_runner_logs_metrics_and_evaluates(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -131,3 +133,66 @@ def test_each_step_record_carries_the_counts_its_source_keeps() -> None:
     listed.get_batch(0, 3)
     assert source_totals(listed) == {"groups_consumed_total": 3}
     assert source_totals(None) == {}
+
+
+class _Stop(Exception):
+    """Ends learner.runner.main where value pretraining would begin."""
+
+
+def _main_until_pretraining(tmp_path: Path, tiny_model_dir: Path, monkeypatch, push_addr: str,  # noqa: ANN001
+                            *extra: str) -> tuple[list[bool], BaseException]:
+    """Run ``learner.runner.main`` with value pretraining replaced by a probe of ``push_addr``'s port: whether
+    something already listens there (the push coordinator) when pretraining starts."""
+    import socket
+
+    import learner.value_pretrain
+    from learner.runner import main
+
+    host, port = push_addr.removeprefix("tcp://").rsplit(":", 1)
+    bound: list[bool] = []
+
+    def probe(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, int(port)))
+                bound.append(False)
+            except OSError:
+                bound.append(True)
+        raise _Stop
+
+    monkeypatch.setattr(learner.value_pretrain, "pretrain_critic", probe)
+    with pytest.raises(BaseException) as ended:
+        main([f"run.root={tmp_path}", "run.name=r", f"model.path={tiny_model_dir}", "metrics.prometheus=false",
+              "learner.weight_transport=distributed", f"learner.push_addr={push_addr}",
+              f"learner.publish_addr=tcp://127.0.0.1:{free_port()}", f"learner.query_addr=tcp://127.0.0.1:{free_port()}",
+              f"buffer.serve_addr=tcp://127.0.0.1:{free_port()}", *extra])
+    return bound, ended.value
+
+
+def test_the_push_socket_is_bound_before_value_pretraining(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """paper.yaml's value pretraining takes hours: learner rank 0 used to bind learner.push_addr only after it."""
+    bound, ended = _main_until_pretraining(tmp_path, tiny_model_dir, monkeypatch, f"tcp://127.0.0.1:{free_port()}")
+    assert isinstance(ended, _Stop) and bound == [True]
+
+
+@pytest.mark.parametrize("key,extra,match", [
+    ("learner.push_addr", [], "learner.push_addr: cannot bind tcp://198.51.100.7"),
+    ("learner.push_master_address", ["learner.push_master_address=198.51.100.7", "learner.push_master_port=29501",
+                                     "placement.store_protection=private_network"],
+     "learner.push_master_address / push_master_port: the weight group's store cannot listen on 198.51.100.7:29501: "
+     "Cannot assign requested address"),
+    ("learner.push_master_port", ["learner.push_master_address=198.51.100.7"], "learner.push_master_port: 0"),
+])
+def test_a_push_address_this_host_lacks_fails_before_value_pretraining(tiny_model_dir: Path, tmp_path: Path,
+                                                                        monkeypatch, key: str, extra: list[str],  # noqa: ANN001
+                                                                        match: str) -> None:
+    """An address of another host (a placeholder left in the config): the learner stops at once, naming the
+    key, instead of after value pretraining with "Cannot assign requested address"."""
+    from common.security import generate_run_keys
+
+    addr = "tcp://198.51.100.7:5559" if key == "learner.push_addr" else f"tcp://127.0.0.1:{free_port()}"
+    keys = generate_run_keys(tmp_path / "keys")  # a non-loopback bind needs them (refused earlier without)
+    bound, ended = _main_until_pretraining(tmp_path, tiny_model_dir, monkeypatch, addr, f"buffer.curve.keys_dir={keys}",
+                                           *extra)
+    assert bound == [] and isinstance(ended, ConfigError) and match in str(ended)

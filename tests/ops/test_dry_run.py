@@ -54,6 +54,16 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path: Path, config: str,
     assert not (tmp_path / "runs").exists()  # nothing written
 
 
+def test_dry_run_refuses_a_placeholder_push_address(tmp_path: Path) -> None:
+    """paper.yaml's documented command used to leave learner.push_master_address at a placeholder, which
+    learner rank 0 binds only after value pretraining: the dry run now says so, naming the key."""
+    files = _model_and_data(tmp_path, QWEN_32B)
+    p = _launch("ops/configs/paper.yaml", f"run.root={tmp_path / 'runs'}", *files, "learner.push_master_address=10.0.0.1",
+                "--dry-run", path_dir=tmp_path / "bin")
+    assert p.returncode == 2 and p.stdout == ""
+    assert "learner.push_master_address: 10.0.0.1 is not an address of host 0 (node0)" in p.stderr
+
+
 def test_dry_run_refuses_a_placement_that_cannot_work(tmp_path: Path) -> None:
     p = _launch("ops/configs/gpu-node8.yaml", "--dry-run", "placement.learner_gpus=1-7", f"run.root={tmp_path}")
     assert p.returncode == 2

@@ -42,6 +42,8 @@ def test_host_0_address_comes_from_slurms_node_addr(tmp_path: Path) -> None:
     assert args[0] == "cfg.yaml"
     assert "placement.hosts=[n0,n1,n2]" in args and "placement.master_addr=10.1.0.7" in args
     assert "buffer.ingest_addr=tcp://10.1.0.7:5555" in args and "placement.gpus_per_host=8" in args
+    # the weight push's too: learner rank 0 binds them only after value pretraining (no placeholder left)
+    assert "learner.push_addr=tcp://10.1.0.7:5559" in args and "learner.push_master_address=10.1.0.7" in args
     assert args[-1] == "learner.total_steps=3"  # the user's overrides come last, so they win
 
 
