@@ -36,7 +36,7 @@ both sides agree byte for byte on what one ``/update_weights_from_distributed`` 
 - **Store** (``master_store``): rank 0's TCP store listens on ``master_address`` only (a socket bound to
   that address and handed to torch's store; its own server would listen on every interface), at
   ``master_port`` (0: a free one). It has no authentication: a non-loopback address needs the plan's
-  ``placement.store_protection`` statement and a fixed port (``common.placement``).
+  ``placement.store_protection`` statement and a fixed port (``common.push_addresses``).
 """
 
 from __future__ import annotations
@@ -285,8 +285,11 @@ def _own_communicator(backend: str) -> Iterator[None]:
     learner's communicator) and, on NCCL, no watchdog thread for the new group (module docstring)."""
     from torch.distributed.distributed_c10d import _get_default_group
 
+    default = _get_default_group() if torch.distributed.is_initialized() else None
+    if backend != "nccl" and (default is None or default.bound_device_id is None):
+        yield  # nothing to change (an engine's gloo group): no lock held through gloo's rendezvous
+        return
     with _CREATE:
-        default = _get_default_group() if torch.distributed.is_initialized() else None
         bound = default.bound_device_id if default is not None else None
         if bound is not None:
             default.bound_device_id = None
