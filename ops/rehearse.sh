@@ -9,6 +9,8 @@
 #   ops/rehearse.sh --link 1gbit --push --skip plan,slurm,kill
 #       # every host's link shaped with tc (RATE[,DELAY]; a delay needs netem), plus a run with the
 #       # distributed weight push: both transports' figures under "weight_sync", check_push_shaped
+#   ops/rehearse.sh --engine sglang --skip ssh,plan,slurm,kill
+#       # live SGLang engines on h2 and h3 (ops/setup.sh --sglang), the distributed push run alone (~4.5 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ops/setup.sh

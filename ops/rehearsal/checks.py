@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rehearsal import sglang
 from rehearsal.cluster import Cluster
 from rehearsal.push import ADMIN_KEY_ENV, DigestPoller, param_digest_of, sync_figures
 from rehearsal.runs import CONFIG, ROOT, Run, describe, finish, launch, leftovers
@@ -22,6 +25,9 @@ from rehearsal.runs import CONFIG, ROOT, Run, describe, finish, launch, leftover
 DIST_TIMEOUT_S = 4.0  # learner.dist_timeout_s of the rehearsal's runs
 FREEZE_S = 3 * DIST_TIMEOUT_S  # engines stopped until the learner has been silent this long
 RUN_TIMEOUT_S = 420.0  # one rehearsal run, launcher start to exit
+# The JSON line's figures of a run's shape (``_shape``), taken from the first stage that reports them.
+SHAPE_KEYS = ("learner_ranks_per_host", "engines_per_host", "actors_per_host", "steps", "base_accuracy",
+              "final_accuracy")
 # A killed learner host: rank 0's next collective fails within the process-group timeout (or pdsh reports
 # the lost ssh at once), then the launcher's stop grace (6 s) and the remote guards' SIGTERM→SIGKILL.
 STOP_BOUND_S = 60.0
@@ -47,7 +53,7 @@ def roles_per_host(c: Cluster) -> dict[str, dict[str, int]]:
             argv = cmd.split()
             if not argv or Path(argv[0]).name not in ("python", "python3") or "common.remote" in cmd:
                 continue
-            if "actors.rollout_server" in cmd and "--port" in argv:
+            if ("actors.rollout_server" in cmd and "--port" in argv) or sglang.is_engine(argv):
                 seen["engine"].add(argv[argv.index("--port") + 1])
             elif " -m actors " in f" {cmd} " and "--actor-id" in argv:
                 seen["actor"].add(argv[argv.index("--actor-id") + 1])
@@ -57,15 +63,20 @@ def roles_per_host(c: Cluster) -> dict[str, dict[str, int]]:
     return out
 
 
-def engines_now(c: Cluster) -> list[tuple[str, int, str]]:
-    """(host, port, admin key) of each rollout_server engine running now. An actor starts its engine with a
-    fresh admin key in the engine's environment only; the rehearsal, root on this machine, reads it there
-    to ask the engine for its ``/weights_digest`` (a control endpoint)."""
+def engines_now(c: Cluster, engine: str = "rollout_server") -> list[tuple[str, int, str]]:
+    """(host, port, admin key) of each engine of kind ``engine`` running now. An actor starts its
+    rollout_server with a fresh admin key in the engine's environment only; the rehearsal, root on this
+    machine, reads it there to ask the engine for its ``/weights_digest`` (a control endpoint). SGLang
+    engines take the rehearsal's own key (``rehearsal.sglang.ADMIN_KEY``)."""
     out = []
     for h in c.hosts:
         for p in c.run_pids(h):
             try:
                 argv = Path(f"/proc/{p}/cmdline").read_bytes().decode().split("\0")
+                if engine == "sglang":
+                    if sglang.is_engine(argv):
+                        out.append((h, int(argv[argv.index("--port") + 1]), sglang.admin_key(ROOT)))
+                    continue
                 if "actors.rollout_server" not in argv or "--port" not in argv:
                     continue
                 env = dict(kv.split("=", 1) for kv in Path(f"/proc/{p}/environ").read_bytes().decode().split("\0") if "=" in kv)
@@ -75,14 +86,41 @@ def engines_now(c: Cluster) -> list[tuple[str, int, str]]:
     return out
 
 
+def digest_poller(c: Cluster, engine: str) -> DigestPoller:
+    """Polls the engines' weights while a run goes on: rollout_server's ``/weights_digest``, SGLang's
+    ``/weights_checker`` checksum (``rehearsal.sglang``)."""
+    query = {"query": sglang.QUERY} if engine == "sglang" else {}
+    return DigestPoller(c, lambda: engines_now(c, engine), **query)
+
+
+def disk_digest(engine: str) -> Callable[[Path], str]:
+    """What an engine of kind ``engine`` holding a disk version answers as its digest."""
+    return sglang.expected_digest if engine == "sglang" else param_digest_of
+
+
+def admin_api(c: Cluster, engine: str, from_host: str = "h0") -> dict[str, Any]:
+    """SGLang engines bound to the bridge: from another host, a control request without the admin key is
+    refused (401) and with it answered (200); ``{}`` for rollout_server (its own tests cover it)."""
+    if engine != "sglang":
+        return {}
+    codes = {}
+    for host, port, key in engines_now(c, engine):
+        probe = json.dumps([f"http://{host}:{port}", key])
+        r = c.run(from_host, ["python3", "-c", sglang.AUTH_PROBE], timeout=90, env=c.env(VAPO_AUTH_PROBE=probe))
+        codes[f"{host}:{port}"] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else [None, None]
+    return {"from": from_host, "codes": codes, "ok": bool(codes) and all(v == [401, 200] for v in codes.values())}
+
+
 def freeze(c: Cluster, hosts: list[str], sig: int) -> int:
-    """``sig`` (SIGSTOP/SIGCONT) to the engines on ``hosts``: generation stops, everything else (actors,
-    their ssh lifelines) keeps running, so the buffer simply receives nothing."""
+    """``sig`` (SIGSTOP/SIGCONT) to the engines on ``hosts`` (every process of an SGLang engine): generation
+    stops, everything else (actors, their ssh lifelines, the guards) keeps running, so the buffer simply
+    receives nothing."""
     n = 0
     for h in hosts:
         for p in c.run_pids(h):
             try:
-                if b"rollout_server" not in Path(f"/proc/{p}/cmdline").read_bytes():
+                cmdline = Path(f"/proc/{p}/cmdline").read_bytes()
+                if b"rollout_server" not in cmdline and not sglang.is_engine_part(cmdline):
                     continue
             except OSError:
                 continue
@@ -113,30 +151,47 @@ def rank0_stall(c: Cluster, run: Run, engine_hosts: list[str]) -> float:
     return round(time.time() - t_last, 1)
 
 
-def ssh_route(c: Cluster, stamp: str, logs: Path, extra: list[str], digests: bool = False) -> dict[str, Any]:
-    """paper.yaml's topology over ssh/pdsh, with check 1: a rank-0 wait past the process-group timeout.
-    With ``digests``, also the disk transport's weight-sync figures, the engines' digests polled meanwhile."""
-    over = [f"learner.dist_timeout_s={DIST_TIMEOUT_S:g}", *(["learner.keep_weights=100"] if digests else []), *extra]
-    run = launch(c, f"rehearsal-{stamp}", over, logs)
-    poller = DigestPoller(c, lambda: engines_now(c)) if digests else None
-    with poller or contextlib.nullcontext():
-        _wait("first RL step", lambda: run.steps() >= 1, run, RUN_TIMEOUT_S)
-        placed = roles_per_host(c)
-        engine_hosts = [h for h, r in placed.items() if r.get("engine")]
-        stall = rank0_stall(c, run, engine_hosts)
-        finish(run, RUN_TIMEOUT_S)
-    sync = {"weight_sync_disk": sync_figures(run.dir, "disk", poller.seen, param_digest_of)} if poller else {}
+def _stop_if_running(run: Run) -> None:
+    """A stage that failed part-way stops its launcher (SIGTERM: its children in order) before the next."""
+    if run.proc.poll() is None:
+        finish(run, 0)
+
+
+def _shape(run: Run, placed: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """The JSON line's top-level figures of one run: what each host ran, steps, accuracy before and after."""
     evals = run.evals()
-    left = leftovers(c)
     return {
-        "ssh_route": {"rc": run.rc, "seconds": run.seconds, "steps": run.steps(), "total_steps": _total_steps(run),
-                      "run": run.name},
         "learner_ranks_per_host": {h: r.get("learner", 0) for h, r in placed.items() if r.get("learner")},
         "engines_per_host": {h: r.get("engine", 0) for h, r in placed.items() if r.get("engine")},
         "actors_per_host": {h: r.get("actor", 0) for h, r in placed.items() if r.get("actor")},
         "steps": run.steps(),
         "base_accuracy": evals[0] if evals else None,
         "final_accuracy": evals[-1] if len(evals) > 1 else None,
+    }
+
+
+def ssh_route(c: Cluster, stamp: str, logs: Path, extra: list[str], digests: bool = False,
+              engine: str = "rollout_server") -> dict[str, Any]:
+    """paper.yaml's topology over ssh/pdsh, with check 1: a rank-0 wait past the process-group timeout.
+    With ``digests``, also the disk transport's weight-sync figures, the engines' digests polled meanwhile."""
+    over = [f"learner.dist_timeout_s={DIST_TIMEOUT_S:g}", *(["learner.keep_weights=100"] if digests else []), *extra]
+    run = launch(c, f"rehearsal-{stamp}", over, logs)
+    poller = digest_poller(c, engine) if digests else None
+    try:
+        with poller or contextlib.nullcontext():
+            _wait("first RL step", lambda: run.steps() >= 1, run, RUN_TIMEOUT_S)
+            placed = roles_per_host(c)
+            engine_hosts = [h for h, r in placed.items() if r.get("engine")]
+            stall = rank0_stall(c, run, engine_hosts)
+            finish(run, RUN_TIMEOUT_S)
+    finally:
+        _stop_if_running(run)
+    sync = {"weight_sync_disk": sync_figures(run.dir, "disk", poller.seen, disk_digest(engine))} if poller else {}
+    left = leftovers(c)
+    return {
+        "ssh_route": {"rc": run.rc, "seconds": run.seconds, "steps": run.steps(), "total_steps": _total_steps(run),
+                      "run": run.name},
+        **_shape(run, placed),
         "check_pg_timeout": {"ok": run.rc == 0 and run.steps() >= _total_steps(run) and stall > DIST_TIMEOUT_S, "dist_timeout_s": DIST_TIMEOUT_S,
                              "rank0_wait_s": stall},
         "procs_left": left,
@@ -144,25 +199,41 @@ def ssh_route(c: Cluster, stamp: str, logs: Path, extra: list[str], digests: boo
     }
 
 
-def push_route(c: Cluster, stamp: str, logs: Path, extra: list[str]) -> dict[str, Any]:
-    """Check 6 (opt-in, ``--push``): the same training with ``learner.weight_transport=distributed``: rank 0
-    on h0 broadcasts each version to the engines on h2 and h3 over gloo (across the shaped link with
-    ``--link``); every step done, every actor's pushes ok, the engines bitwise equal to the disk version."""
-    # Addresses as the rehearsal's config names the others: h0's, which /etc/hosts maps to the bridge.
+def push_route(c: Cluster, stamp: str, logs: Path, extra: list[str], engine: str = "rollout_server") -> dict[str, Any]:
+    """Check 6 (``--push``; always with SGLang engines): the same training with
+    ``learner.weight_transport=distributed``: rank 0 on h0 broadcasts each version to the engines on h2 and
+    h3 over gloo (across the shaped link with ``--link``); every step done, every actor's pushes ok, the
+    engines bitwise equal to the disk version. SGLang's also refuse a control request from h0 without the
+    admin key (they bind the bridge), and their start is timed from their logs."""
+    # Addresses as the rehearsal's config names the others: h0's, which /etc/hosts maps to the bridge. The
+    # weight group's store off loopback takes a fixed port (as paper.yaml's), beside the learner's 29500.
     over = [f"learner.dist_timeout_s={DIST_TIMEOUT_S:g}", "learner.weight_transport=distributed",
-            "learner.push_addr=tcp://h0:5559", "learner.push_master_address=h0", "learner.keep_weights=100", *extra]
+            "learner.push_addr=tcp://h0:5559", "learner.push_master_address=h0", "learner.push_master_port=29501",
+            "learner.keep_weights=100", *extra]
     run = launch(c, f"rehearsal-push-{stamp}", over, logs)
-    with DigestPoller(c, lambda: engines_now(c)) as poller:
-        finish(run, RUN_TIMEOUT_S)
-    figures = sync_figures(run.dir, "distributed", poller.seen, param_digest_of)
+    try:
+        with digest_poller(c, engine) as poller:
+            # Once a step is done every engine and actor runs: what each host runs, and the engines' admin API.
+            _wait("first RL step", lambda: run.steps() >= 1, run, RUN_TIMEOUT_S)
+            placed, admin = roles_per_host(c), admin_api(c, engine)
+            finish(run, RUN_TIMEOUT_S)
+    finally:
+        _stop_if_running(run)
+    figures = sync_figures(run.dir, "distributed", poller.seen, disk_digest(engine))
     total = _total_steps(run)
-    pushes_ok = bool(figures["actors"]) and all(
+    actors = figures["actors"]
+    pushes_ok = bool(actors) and all(
         not a["fatal"] and not a["weight_sync_failures"] and (a["weight_pushes"] or 0) >= 1 and a["weight_version"] == total
-        for a in figures["actors"])
-    ok = run.rc == 0 and run.steps() >= total and pushes_ok and figures["bitwise"]["ok"]
-    return {"check_push_shaped": {"ok": ok, "rc": run.rc, "seconds": run.seconds, "steps": run.steps(), "total_steps": total,
-                                  "pushes_ok": pushes_ok, "bitwise_equal": figures["bitwise"]["ok"], "run": run.name},
-            "weight_sync_distributed": figures, "procs_left": leftovers(c)}
+        for a in actors)
+    ok = run.rc == 0 and run.steps() >= total and pushes_ok and figures["bitwise"]["ok"] and admin.get("ok", True)
+    check = {"ok": ok, "engine": engine, "rc": run.rc, "seconds": run.seconds, "steps": run.steps(), "total_steps": total,
+             "pushes_ok": pushes_ok, "pushes": sum(a["weight_pushes"] or 0 for a in actors),
+             "push_failures": sum(a["weight_sync_failures"] or 0 for a in actors),
+             "bitwise_equal": figures["bitwise"]["ok"], "run": run.name}
+    if engine == "sglang":
+        check.update(engine_start_s=sglang.engine_start_seconds(run.dir), admin_api=admin)
+    return {"check_push_shaped": check, "weight_sync_distributed": figures, **_shape(run, placed),
+            "procs_left": leftovers(c)}
 
 
 def plan_checks(c: Cluster, stamp: str, logs: Path, extra: list[str]) -> dict[str, Any]:
@@ -250,13 +321,16 @@ def kill_host(c: Cluster, stamp: str, logs: Path, extra: list[str], victim: str 
         "procs_left": leftovers(c)}
 
 
-def run_all(c: Cluster, stamp: str, logs: Path, skip: set[str], extra: list[str], push: bool = False) -> dict[str, Any]:
+def run_all(c: Cluster, stamp: str, logs: Path, skip: set[str], extra: list[str], push: bool = False,
+            engine: str = "rollout_server") -> dict[str, Any]:
     """The stages not in ``skip``; with ``push`` also the distributed push's run and both transports' figures
-    (``weight_sync``: disk from the ssh route's run, distributed from the push run)."""
+    (``weight_sync``: disk from the ssh route's run, distributed from the push run). ``engine``: the kind the
+    runs' ``extra`` overrides start (their engines are counted, frozen and polled as that kind). The
+    top-level figures of the runs' shape come from the ssh route, else from the push run."""
     out: dict[str, Any] = {}
     left = 0
-    stages = {"ssh": functools.partial(ssh_route, digests=push), "plan": plan_checks, "slurm": slurm_route,
-              "kill": kill_host, **({"push": push_route} if push else {})}
+    stages = {"ssh": functools.partial(ssh_route, digests=push, engine=engine), "plan": plan_checks,
+              "slurm": slurm_route, "kill": kill_host, **({"push": functools.partial(push_route, engine=engine)} if push else {})}
     for stage, fn in stages.items():
         if stage in skip:
             continue
@@ -274,6 +348,9 @@ def run_all(c: Cluster, stamp: str, logs: Path, skip: set[str], extra: list[str]
         for transport in ("disk", "distributed"):
             if f"weight_sync_{transport}" in r:
                 out.setdefault("weight_sync", {})[transport] = r.pop(f"weight_sync_{transport}")
+        for key in SHAPE_KEYS:
+            if key in out:
+                r.pop(key, None)
         out.update(r)
     out["procs_left_after_runs"] = left
     out["ok_checks"] = all(v.get("ok") for k, v in out.items() if k.startswith("check_"))

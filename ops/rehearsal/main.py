@@ -1,6 +1,7 @@
 """``ops/rehearse.sh``: the multi-host path rehearsed on one machine; prints one JSON line of figures.
 
     ops/rehearse.sh [--hosts 4] [--keep-logs DIR] [--skip slurm,kill,...] [--link RATE[,DELAY]] [--push]
+                    [--engine rollout_server|sglang]
 
 Stages (the README's "Rehearsing the multi-host path" describes each): cluster up (hosts h0..h3), the
 base model and CurveZMQ keys (before the timed part), the ssh route (``ops/launch.sh`` on h0: buffer and
@@ -10,6 +11,8 @@ checks (a missing key file, no pdsh), the Slurm route (``sbatch ops/slurm/vapo.s
 during a run then ``--resume``, and cluster down. Every process of every host is counted at the end.
 ``--link`` shapes every host's link with tc before the stages; ``--push`` adds a run with the distributed
 weight push and both transports' figures (``weight_sync`` in the JSON line; ``rehearsal.push``).
+``--engine sglang`` runs every stage on live SGLang engines (``ops/setup.sh --sglang``) instead of
+rollout_server, and always the push run (``rehearsal.sglang``).
 """
 
 from __future__ import annotations
@@ -26,22 +29,39 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/: the rehearsal package
 
-from rehearsal import checks  # noqa: E402
+from launch_engines import missing_modules  # noqa: E402
+
+from common.config import load_config  # noqa: E402
+from rehearsal import checks, sglang  # noqa: E402
 from rehearsal.cluster import Cluster, missing_prerequisites  # noqa: E402
 from rehearsal.push import Link, parse_link  # noqa: E402
 from rehearsal.runs import CONFIG, ROOT  # noqa: E402
 
 KEYS = "runs/_rehearsal/keys"
 STAGES = ("ssh", "plan", "slurm", "kill")
+ENGINES = ("rollout_server", "sglang")
 
 
-def prepare() -> None:
-    """The base model (once) and the rehearsal runs' CurveZMQ keys, by the documented command; called with the
-    machine's rehearsal lock held."""
+def prepare(engine: str) -> None:
+    """The base model (once), the rehearsal runs' CurveZMQ keys by the documented command and, for SGLang
+    engines, their admin key; called with the machine's rehearsal lock held."""
     py = str(ROOT / ".venv/bin/python")
-    subprocess.run([py, "-m", "learner.sft", CONFIG, "--if-missing"], cwd=ROOT, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # learner.sft --if-missing's own test, here: its start (torch) takes 10-20 s on 2 busy cores for nothing
+    # when the base is there, as the shipped one is.
+    if not (ROOT / load_config(ROOT / CONFIG).model.path / "config.json").is_file():
+        subprocess.run([py, "-m", "learner.sft", CONFIG, "--if-missing"], cwd=ROOT, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     subprocess.run([py, "-m", "buffer.keys", KEYS, "--force"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    if engine == "sglang":
+        sglang.write_admin_key(ROOT)
+
+
+def engine_missing(engine: str) -> str | None:
+    """Why the engines cannot run here (None: they can): SGLang must be in the venv every host runs."""
+    if engine != "sglang":
+        return None
+    missing = missing_modules(str(ROOT / ".venv/bin/python"))
+    return f"--engine sglang: .venv has no {', '.join(missing)} (run ops/setup.sh --sglang)" if missing else None
 
 
 def _stop(_signum: int, _frame: Any) -> None:
@@ -59,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="shape every host's link with tc, e.g. 1gbit or 1gbit,2ms (a delay needs the netem qdisc)")
     ap.add_argument("--push", action="store_true",
                     help="also a run with learner.weight_transport=distributed, and both transports' figures")
+    ap.add_argument("--engine", choices=ENGINES, default="rollout_server",
+                    help="the engines every run starts on h2 and h3; sglang implies --push")
     args = ap.parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
     if args.hosts < 4 or skip - set(STAGES):
@@ -67,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         link: Link | None = parse_link(args.link) if args.link else None
     except ValueError as e:
         ap.error(str(e))
-    why = missing_prerequisites()
+    why = missing_prerequisites() or engine_missing(args.engine)
     if not why and link is not None and shutil.which("tc") is None:
         why = "missing Debian packages: iproute2 (tc, for --link)"
     if why:
@@ -78,17 +100,19 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(args.keep_logs or ROOT / "runs/_rehearsal/logs").resolve()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     t0 = time.time()
-    out: dict[str, Any] = {"ok": False, "hosts": args.hosts}
+    out: dict[str, Any] = {"ok": False, "hosts": args.hosts, "engine": args.engine}
     cluster = Cluster(args.hosts, keep=logs / f"daemons-{stamp}")
     try:
         cluster.up()
         out["cluster_up_s"] = round(time.time() - t0, 1)
         # Only once the machine's rehearsal lock is ours: a second rehearsal started by mistake would
         # otherwise rewrite the keys of the one running, whose next runs could no longer reach its buffer.
-        prepare()
+        prepare(args.engine)
         if link is not None:
             out["link"] = {"spec": link.describe(), "qdiscs": cluster.shape(link)}
-        out.update(checks.run_all(cluster, stamp, logs, skip, args.set, push=args.push))
+        extra = [*sglang.overrides(args.engine), *args.set]  # --set last: it overrides the engine's
+        out.update(checks.run_all(cluster, stamp, logs, skip, extra, push=args.push or args.engine == "sglang",
+                                  engine=args.engine))
         if "weight_sync" in out:
             out["weight_sync"]["link"] = link.describe() if link is not None else "unshaped"
     except KeyboardInterrupt:

@@ -172,10 +172,13 @@ print(json.dumps(out))
 
 class DigestPoller:
     """Polls every engine's ``/weights_digest`` while a run goes on (the engines stop with the run, so the
-    digests are taken while they serve): ``seen`` maps an engine (host:port) to version -> sha256."""
+    digests are taken while they serve): ``seen`` maps an engine (host:port) to version -> sha256. ``query``
+    is the script run on the engine's host (SGLang's: ``rehearsal.sglang.QUERY``), printing one JSON line of
+    ``[url, version, digest]``."""
 
-    def __init__(self, cluster: Cluster, engines: Callable[[], list[tuple[str, int, str]]], every_s: float = 0.5) -> None:
-        self.cluster, self.engines, self.every_s = cluster, engines, every_s
+    def __init__(self, cluster: Cluster, engines: Callable[[], list[tuple[str, int, str]]], every_s: float = 0.5,
+                 query: str = _QUERY) -> None:
+        self.cluster, self.engines, self.every_s, self.query = cluster, engines, every_s, query
         self.seen: dict[str, dict[int, str]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="digest-poller", daemon=True)
@@ -199,7 +202,7 @@ class DigestPoller:
         """One round: ``engines()`` gives (host, port, admin key) of each engine running now."""
         for host, port, key in self.engines():
             query = json.dumps([[f"http://{host}:{port}", key]])
-            r = self.cluster.run(host, ["python3", "-c", _QUERY], timeout=20, env=self.cluster.env(VAPO_DIGEST_QUERY=query))
+            r = self.cluster.run(host, ["python3", "-c", self.query], timeout=20, env=self.cluster.env(VAPO_DIGEST_QUERY=query))
             for _url, version, sha in json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else []:
                 if version is not None:
                     self.seen.setdefault(f"{host}:{port}", {})[version] = sha
