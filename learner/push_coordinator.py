@@ -201,7 +201,14 @@ class PushCoordinator:
             return False
         self.epoch += 1
         t0 = time.perf_counter()
-        bodies = self.pusher.open_group(len(ids), self.ranks_per_engine)
+        try:
+            bodies = self.pusher.open_group(len(ids), self.ranks_per_engine)
+        except Exception as e:  # e.g. the fixed store port still held: this version goes by disk, training goes on
+            log.warning("weight-update group %d: cannot listen for it (%s); this version goes by disk",
+                        self.epoch, str(e)[:300])
+            with self._cv:
+                self.dirty = True  # tried again at the next publish
+            return False
         plan = [b.body() for b in self.pusher.plan or []]
         for aid, body in zip(ids, bodies, strict=True):
             self._send(aid, protocol.PushGroup(epoch=self.epoch, buckets=plan, **body))

@@ -260,3 +260,26 @@ def test_a_silent_member_stops_the_broadcast_after_the_bounded_wait(tiny_model_d
             await _close(coord, links, tasks, engines, ctx)
 
     asyncio.run(main())
+
+
+def test_a_group_that_cannot_listen_sends_that_version_by_disk_and_is_tried_again(tiny_model_dir: Path,
+                                                                                   tmp_path: Path) -> None:
+    """A fixed store port still held (another process, a store not yet released) must not end the learner:
+    no group this time, the version goes by disk, and the next publish tries again."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cfg = load_config(None, [f"run.root={tmp_path}", "run.name=r", f"model.path={tiny_model_dir}",
+                                 "learner.weight_transport=distributed", f"learner.push_addr=tcp://127.0.0.1:{free_port()}",
+                                 "learner.push_timeout_s=5", "learner.push_master_address=127.0.0.1",
+                                 f"learner.push_master_port={port}"])
+        coord = PushCoordinator(cfg, tmp_path / "weights", _Publisher())
+        try:
+            coord.members[0] = (b"actor-0", 1)
+            assert coord._rebuild() is False
+            assert coord.pusher.group is None and coord.dirty and coord.group_members == []
+        finally:
+            coord.close()
