@@ -172,3 +172,35 @@ def test_a_distributed_push_moves_the_version_and_counts_its_pause(tiny_model_di
             watcher.close()
 
     asyncio.run(main())
+
+
+def test_health_probes_neither_run_nor_count_while_a_push_pauses_the_engine(tiny_model_dir: Path,
+                                                                           server_factory: Any) -> None:
+    """A distributed push pauses the engine, and a paused engine fails /health (SGLang's probe is a generation):
+    inside ``link.pushing()`` those failures must not get the engine declared dead; outside it they do."""
+    server = server_factory(tiny_model_dir)
+    cfg = _config(tiny_model_dir, server.url, "engine.health_interval_s=0.2", "engine.health_timeout_s=1",
+                  "engine.health_failures=2")
+
+    async def main() -> None:
+        link, watcher = _link(cfg, Owner())
+        health = None
+        try:
+            await link.connect()
+            link.gate.set()
+            assert link.client is not None
+            health = asyncio.get_running_loop().create_task(link.watch_health())
+            with link.pushing():
+                await link.client.pause_generation("in_place")  # /health answers 503 from here on
+                with pytest.raises(TimeoutError):  # ten probe intervals: none counted
+                    await asyncio.wait_for(link.trouble.wait(), 2.0)
+            await asyncio.wait_for(link.trouble.wait(), 10)  # still paused, no push: the probes count again
+            await link.client.continue_generation()
+        finally:
+            if health is not None:
+                health.cancel()
+                await asyncio.gather(health, return_exceptions=True)
+            await link.close()
+            watcher.close()
+
+    asyncio.run(main())
