@@ -39,6 +39,15 @@ then its median and [min, max]; the machine (CPU model, vector flags) and its lo
 
 ``--quick``: a 1 MB model (hidden 128, 1 layer, vocabulary 256) in 128 KB buckets, one round. Prints one
 JSON line.
+
+Measured (the defaults, 1.13 GB in 5 buckets, 3 rounds; AMD EPYC, 2 cores with avx2 and no avx512/amx, shared
+with other jobs; 8.4 min, SGLang's engines ready after 190 s): rollout_server at load 2.5-3.1, blocked 2.77 s
+median (2.58-3.38) against a raw broadcast of 3.45 s (2.84-5.24), push_over_raw_broadcast 0.91 (0.53-0.98),
+pass; disk path 6.03 s. SGLang at load 9.3-11.4 (other jobs started meanwhile): blocked 2.98 s (2.59-9.30),
+raw 4.25 s (3.53-5.95), ratio 0.84 (0.44-2.19), unclear (one round's push hit a load spike); disk path 11.5 s.
+Both rows bitwise every round. The blocked time leaves out the final bucket's broadcast (0.9 s, in the
+background), and the raw figure swings 2x with the load, so on these shared cores only rounds far above 2
+would say more than noise.
 """
 
 from __future__ import annotations
