@@ -58,6 +58,8 @@ NO_SESSION = "no weight-update session is open"
 NOT_IN_SESSION = "must run between begin_weight_update() and end_weight_update()"
 FLUSH_REFUSED = "Weights were updated, but the cache was not flushed"
 
+KEEPALIVE_S = 3.0  # under SGLang's uvicorn keep-alive of 5 s
+
 
 class SGLangError(RuntimeError):
     """An SGLang endpoint answered with an error (or not at all)."""
@@ -235,7 +237,10 @@ class SGLangClient:
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             # No connection cap: many concurrent /generate calls are how the engine's batches stay full.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=self.timeout)
+            # Idle connections are let go before SGLang's own keep-alive (5 s, SGLANG_TIMEOUT_KEEP_ALIVE) closes
+            # them: a request sent on one the server just closed fails with "Server disconnected".
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S), timeout=self.timeout)
             self._own_session = True
         return self._session
 

@@ -334,3 +334,16 @@ def test_every_request_to_a_stopped_engine_ends_at_its_deadline(tiny_model_dir: 
         os.kill(srv.proc.pid, signal.SIGCONT)
         srv.stop()
     assert all(t < 3 for t in took), took
+
+
+def test_idle_connections_are_dropped_before_sglangs_keepalive_closes_them() -> None:
+    """SGLang's uvicorn closes an idle connection after 5 s (SGLANG_TIMEOUT_KEEP_ALIVE); a client that keeps it
+    longer may send a request on a connection the server just closed ("Server disconnected")."""
+    async def main() -> float:
+        c = SGLangClient("http://127.0.0.1:9")
+        try:
+            return c._sess().connector._keepalive_timeout  # type: ignore[union-attr]
+        finally:
+            await c.close()
+
+    assert asyncio.run(main()) < 5.0
