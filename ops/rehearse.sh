@@ -10,7 +10,8 @@
 #       # every host's link shaped with tc (RATE[,DELAY]; a delay needs netem), plus a run with the
 #       # distributed weight push: both transports' figures under "weight_sync", check_push_shaped
 #   ops/rehearse.sh --engine sglang --skip ssh,plan,slurm,kill
-#       # live SGLang engines on h2 and h3 (ops/setup.sh --sglang), the distributed push run alone (~4.5 min)
+#       # live SGLang engines on h2 and h3 (ops/setup.sh --sglang), the distributed push run alone (~3-4.5 min)
+#   ops/rehearse.sh --engine sglang      # every stage on SGLang engines, plus the push run (755 s measured)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ops/setup.sh

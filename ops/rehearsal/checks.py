@@ -24,6 +24,9 @@ from rehearsal.runs import CONFIG, ROOT, Run, describe, finish, launch, leftover
 
 DIST_TIMEOUT_S = 4.0  # learner.dist_timeout_s of the rehearsal's runs
 FREEZE_S = 3 * DIST_TIMEOUT_S  # engines stopped until the learner has been silent this long
+# The push run checks no process-group timeout; the learner's rendezvous waits only that long for every rank
+# (learner.dist), and over pdsh on 2 cores busy with engines starting one rank can come ~5 s after the other.
+PUSH_DIST_TIMEOUT_S = 30.0
 RUN_TIMEOUT_S = 420.0  # one rehearsal run, launcher start to exit
 # The JSON line's figures of a run's shape (``_shape``), taken from the first stage that reports them.
 SHAPE_KEYS = ("learner_ranks_per_host", "engines_per_host", "actors_per_host", "steps", "base_accuracy",
@@ -207,7 +210,7 @@ def push_route(c: Cluster, stamp: str, logs: Path, extra: list[str], engine: str
     admin key (they bind the bridge), and their start is timed from their logs."""
     # Addresses as the rehearsal's config names the others: h0's, which /etc/hosts maps to the bridge. The
     # weight group's store off loopback takes a fixed port (as paper.yaml's), beside the learner's 29500.
-    over = [f"learner.dist_timeout_s={DIST_TIMEOUT_S:g}", "learner.weight_transport=distributed",
+    over = [f"learner.dist_timeout_s={PUSH_DIST_TIMEOUT_S:g}", "learner.weight_transport=distributed",
             "learner.push_addr=tcp://h0:5559", "learner.push_master_address=h0", "learner.push_master_port=29501",
             "learner.keep_weights=100", *extra]
     run = launch(c, f"rehearsal-push-{stamp}", over, logs)
