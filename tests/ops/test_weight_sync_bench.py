@@ -71,6 +71,7 @@ def test_quick_mode_with_rollout_server_engines(tmp_path: Path) -> None:
     check_line(run_quick("rollout_server", tmp_path), "rollout_server")
 
 
-@pytest.mark.sglang
+@pytest.mark.slow  # ~2.5 min, mostly two SGLang starts; the push into live engines is in the default suite
+@pytest.mark.sglang  # (tests/actors/test_sglang_live_push.py), so CI runs this one only with -m slow
 def test_quick_mode_with_live_sglang_engines(tmp_path: Path) -> None:
     check_line(run_quick("sglang", tmp_path), "sglang")
