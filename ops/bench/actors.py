@@ -81,6 +81,18 @@ def build_model(cfg: Config, out: Path) -> Path:
     return save_hf(model, tok, out)
 
 
+def actor_overrides(overrides: list[str], tmp: Path, sock: Path, model: Path, url: str) -> list[str]:
+    """One actor on the engine at ``url`` (``engine.kind=external``), a buffer in ``tmp``, sockets in ``sock``."""
+    return [
+        *overrides, f"run.root={tmp / 'runs'}", "run.name=bench", f"model.path={model}", "engine.kind=external",
+        f"engine.urls=[{url}]", "actors.num_actors=1", f"buffer.ingest_addr=ipc://{sock}/in",
+        f"buffer.serve_addr=ipc://{sock}/serve", "buffer.metrics_port=0", "actors.metrics_base_port=0",
+        f"learner.publish_addr=ipc://{sock}/pub", f"learner.query_addr=ipc://{sock}/query",
+        "learner.batch_groups=100000", "buffer.capacity_groups=100000", "run.log_level=WARNING",
+        "actors.weight_query_timeout_s=0.5",
+    ]
+
+
 async def raw_phase(cfg: Config, url: str, prompts: list[list[int]], warmup_s: float, seconds: float) -> dict[str, float]:
     """Samples/s of the engine alone under the actors' request pattern."""
     a = cfg.actors
@@ -170,14 +182,7 @@ def main() -> int:
 
         tok, task = load_tokenizer(model), get_task(cfg.task)
         prompts = [encode_prompt(tok, task.train_prompt(i)) for i in range(512)]
-        run_overrides = [
-            *overrides, f"run.root={tmp / 'runs'}", "run.name=bench", f"model.path={model}", "engine.kind=external",
-            f"engine.urls=[{url}]", "actors.num_actors=1", f"buffer.ingest_addr=ipc://{sock}/in",
-            f"buffer.serve_addr=ipc://{sock}/serve", "buffer.metrics_port=0", "actors.metrics_base_port=0",
-            f"learner.publish_addr=ipc://{sock}/pub", f"learner.query_addr=ipc://{sock}/query",
-            "learner.batch_groups=100000", "buffer.capacity_groups=100000", "run.log_level=WARNING",
-            "actors.weight_query_timeout_s=0.5",
-        ]
+        run_overrides = actor_overrides(overrides, tmp, sock, model, url)
         cfg_arg = [args.config]
         raw1 = asyncio.run(raw_phase(cfg, url, prompts, args.warmup, args.seconds))
         act = actor_phase(cfg_arg + run_overrides, tmp, args.warmup, args.seconds)

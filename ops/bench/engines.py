@@ -36,7 +36,7 @@ from typing import Any
 from common.config import Config, load_config
 from common.modeling import load_tokenizer
 from common.tasks import encode_prompt, get_task
-from ops.bench.actors import ENV, actor_phase, raw_phase, read_line
+from ops.bench.actors import ENV, actor_overrides, actor_phase, raw_phase, read_line
 from ops.sglang_cpu.live import REPO, LiveSGLang, skip_reason
 
 TARGET_ACTOR_RATIO = 0.9
@@ -51,17 +51,6 @@ def start_rollout_server(cfg: Config, model: Path, log: Path) -> tuple[subproces
         cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=open(log, "ab"))  # noqa: SIM115 — the child owns it
     line = read_line(proc, "rollout_server ready", 120)
     return proc, line.split("ready on ", 1)[1].split()[0]
-
-
-def actor_overrides(overrides: list[str], tmp: Path, sock: Path, model: Path, url: str) -> list[str]:
-    return [
-        *overrides, f"run.root={tmp / 'runs'}", "run.name=bench", f"model.path={model}", "engine.kind=external",
-        f"engine.urls=[{url}]", "actors.num_actors=1", f"buffer.ingest_addr=ipc://{sock}/in",
-        f"buffer.serve_addr=ipc://{sock}/serve", "buffer.metrics_port=0", "actors.metrics_base_port=0",
-        f"learner.publish_addr=ipc://{sock}/pub", f"learner.query_addr=ipc://{sock}/query",
-        "learner.batch_groups=100000", "buffer.capacity_groups=100000", "run.log_level=WARNING",
-        "actors.weight_query_timeout_s=0.5",
-    ]
 
 
 def one_round(cfg: Config, config_path: str, overrides: list[str], urls: dict[str, str], prompts: list[list[int]],
