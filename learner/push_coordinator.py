@@ -118,13 +118,24 @@ class PushCoordinator:
         self.writer = DurableWriter(weights_root, self._announce, extra, recycle=self.pusher.recycle)
         # A context of its own: one ZAP authenticator per context, and the weight publisher's has one.
         self.ctx = ctx = zmq.Context()
-        self._curve = security.server_curve(ctx, [learner_cfg.push_addr],
-                                            cfg.buffer.curve if cfg.buffer.curve else CurveConfig())
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        if self._curve is not None:
-            self._curve.apply(self.sock)
-        self.sock.bind(learner_cfg.push_addr)
+        self._curve = None
+        try:
+            self._curve = security.server_curve(ctx, [learner_cfg.push_addr],
+                                                cfg.buffer.curve if cfg.buffer.curve else CurveConfig())
+            self.sock = ctx.socket(zmq.ROUTER)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            if self._curve is not None:
+                self._curve.apply(self.sock)
+            self.sock.bind(learner_cfg.push_addr)
+        except BaseException:
+            # A context left with an open socket (and CurveZMQ's authenticator thread) blocks whoever collects
+            # it later, forever: a failed bind releases everything here.
+            if getattr(self, "sock", None) is not None:
+                self.sock.close(linger=0)
+            if self._curve is not None:
+                self._curve.stop()
+            ctx.term()
+            raise
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._thread = threading.Thread(target=self._serve, name="weight-push", daemon=True)
         self._thread.start()

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -283,3 +284,33 @@ def test_a_group_that_cannot_listen_sends_that_version_by_disk_and_is_tried_agai
             assert coord.pusher.group is None and coord.dirty and coord.group_members == []
         finally:
             coord.close()
+
+
+def test_a_push_address_that_cannot_be_bound_leaves_no_context_behind(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A bind that fails (an address of another host) must release the socket, CurveZMQ's authenticator thread
+    and the context: left to the garbage collector, that context's teardown blocks forever, in whatever code
+    happens to collect it next."""
+    import gc
+
+    import zmq
+
+    from common.security import generate_run_keys
+
+    keys = generate_run_keys(tmp_path / "keys")
+    cfg = load_config(None, [f"run.root={tmp_path}", "run.name=r", f"model.path={tiny_model_dir}",
+                             "learner.weight_transport=distributed", "learner.push_addr=tcp://198.51.100.7:5559",
+                             f"buffer.curve.keys_dir={keys}"])
+    from zmq.auth.thread import AuthenticationThread
+
+    def authenticators() -> int:
+        return sum(isinstance(t, AuthenticationThread) and t.is_alive() for t in threading.enumerate())
+
+    before = authenticators()
+    with pytest.raises(zmq.ZMQError) as failed:
+        PushCoordinator(cfg, tmp_path / "weights", _Publisher())
+    del failed  # its traceback holds the half-built coordinator
+    assert authenticators() == before  # CurveZMQ's thread stopped with the failed bind
+    collected = threading.Thread(target=gc.collect, daemon=True)
+    collected.start()
+    collected.join(20)
+    assert not collected.is_alive(), "collecting the failed coordinator's context blocked"
