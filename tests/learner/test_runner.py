@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from prometheus_client import generate_latest
 
-from common.config import ConfigError, load_config
+from common.config import load_config
 from learner.data import BufferSource, ListSource
 from learner.runner import Runner, source_totals
 from learner.synthetic import synth_groups
+from tests.learner.synth import child_env
 from tests.ports import free_port
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_runner_logs_metrics_and_evaluates(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -135,81 +141,103 @@ def test_each_step_record_carries_the_counts_its_source_keeps() -> None:
     assert source_totals(None) == {}
 
 
-class _Stop(Exception):
-    """Ends learner.runner.main where value pretraining would begin."""
-
-
-def _main_until_pretraining(tmp_path: Path, tiny_model_dir: Path, monkeypatch, push_addr: str,  # noqa: ANN001
-                            *extra: str) -> tuple[list[bool], BaseException]:
-    """Run ``learner.runner.main`` with value pretraining replaced by a probe of ``push_addr``'s port: whether
-    something already listens there (the push coordinator) when pretraining starts."""
-    import socket
-
+# learner.runner.main in a process of its own (it ends with the process group torn down, and DeepSpeed's
+# module-level state would keep the destroyed group for every later learner built in this pytest process),
+# with value pretraining replaced by a probe: whether something already listens on push_addr's port (the
+# push coordinator) when pretraining starts. argv: a JSON list of [push_addr, [main's args]] cases, run in
+# turn (one interpreter start for all); prints one JSON line: per case, the probe's answers and how main ended.
+MAIN_PROBE = textwrap.dedent("""
+    import json, socket, sys
+    sys.path.insert(0, {repo!r})
     import learner.value_pretrain
+    from common.config import ConfigError
     from learner.runner import main
 
-    host, port = push_addr.removeprefix("tcp://").rsplit(":", 1)
-    bound: list[bool] = []
+    class Stop(Exception):
+        pass
 
-    def probe(*args, **kw):  # noqa: ANN002, ANN003, ANN202
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, int(port)))
-                bound.append(False)
-            except OSError:
-                bound.append(True)
-        raise _Stop
+    def run(push_addr, args):
+        host, port = push_addr.removeprefix("tcp://").rsplit(":", 1)
+        bound = []
 
-    monkeypatch.setattr(learner.value_pretrain, "pretrain_critic", probe)
-    try:
-        with pytest.raises(BaseException) as ended:
-            main([f"run.root={tmp_path}", "run.name=r", f"model.path={tiny_model_dir}", "metrics.prometheus=false",
-                  "learner.weight_transport=distributed", f"learner.push_addr={push_addr}",
-                  f"learner.publish_addr=tcp://127.0.0.1:{free_port()}",
-                  f"learner.query_addr=tcp://127.0.0.1:{free_port()}",
-                  f"buffer.serve_addr=tcp://127.0.0.1:{free_port()}", *extra])
-    finally:
-        # main ran in this process: its process group is gone, and DeepSpeed's communication backend (a module
-        # global) still holds it; later tests that build a learner here would use the stale group.
-        import deepspeed.comm.comm as ds_comm
-        import torch
+        def probe(*a, **kw):
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind((host, int(port)))
+                    bound.append(False)
+                except OSError:
+                    bound.append(True)
+            raise Stop
 
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        ds_comm.cdb = None
-    return bound, ended.value
+        learner.value_pretrain.pretrain_critic = probe
+        try:
+            main(args)
+            ended = "returned"
+        except Stop:
+            ended = "pretraining"
+        except ConfigError as e:
+            ended = "ConfigError: " + str(e)
+        return {{"bound": bound, "ended": ended}}
+
+    print(json.dumps([run(addr, args) for addr, args in json.loads(sys.argv[1])]))
+""")
 
 
-# slow until they run learner.runner.main in a subprocess: in this process main leaves DeepSpeed's module-level
-# state holding a destroyed process group, and every later in-process learner build in the same pytest run fails.
-@pytest.mark.slow
-def test_the_push_socket_is_bound_before_value_pretraining(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+def _main_until_pretraining(tmp_path: Path, tiny_model_dir: Path, cases: list[tuple[str, list[str]]]) -> list[dict]:
+    """Run ``learner.runner.main`` once per ``(push_addr, extra args)`` case, in one subprocess, until value
+    pretraining would begin (``MAIN_PROBE``)."""
+    harness = tmp_path / "main_probe.py"
+    harness.write_text(MAIN_PROBE.format(repo=str(REPO)))
+    runs = []
+    for i, (push_addr, extra) in enumerate(cases):
+        runs.append([push_addr, [f"run.root={tmp_path}", f"run.name=r{i}", f"model.path={tiny_model_dir}",
+                                 "metrics.prometheus=false", "learner.weight_transport=distributed",
+                                 f"learner.push_addr={push_addr}", f"learner.publish_addr=tcp://127.0.0.1:{free_port()}",
+                                 f"learner.query_addr=tcp://127.0.0.1:{free_port()}",
+                                 f"buffer.serve_addr=tcp://127.0.0.1:{free_port()}", *extra]])
+    p = subprocess.run([sys.executable, str(harness), json.dumps(runs)], env=child_env(), capture_output=True,
+                       text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_the_push_socket_is_bound_before_value_pretraining(tiny_model_dir: Path, tmp_path: Path) -> None:
     """paper.yaml's value pretraining takes hours: learner rank 0 used to bind learner.push_addr only after it."""
-    bound, ended = _main_until_pretraining(tmp_path, tiny_model_dir, monkeypatch, f"tcp://127.0.0.1:{free_port()}")
-    assert isinstance(ended, _Stop) and bound == [True]
+    out = _main_until_pretraining(tmp_path, tiny_model_dir, [(f"tcp://127.0.0.1:{free_port()}", [])])
+    assert out == [{"bound": [True], "ended": "pretraining"}]
 
 
-# slow until they run learner.runner.main in a subprocess: in this process main leaves DeepSpeed's module-level
-# state holding a destroyed process group, and every later in-process learner build in the same pytest run fails.
-@pytest.mark.slow
-@pytest.mark.parametrize("key,extra,match", [
-    ("learner.push_addr", [], "learner.push_addr: cannot bind tcp://198.51.100.7"),
-    ("learner.push_master_address", ["learner.push_master_address=198.51.100.7", "learner.push_master_port=29501",
+# Each case: the key named, extra overrides, the refusal expected. An address of another host (a placeholder
+# left in the config): the learner stops at once, naming the key, instead of after value pretraining with
+# "Cannot assign requested address".
+FOREIGN_ADDRESS_CASES = {
+    "learner.push_addr": ([], "learner.push_addr: cannot bind tcp://198.51.100.7"),
+    "learner.push_master_address": (["learner.push_master_address=198.51.100.7", "learner.push_master_port=29501",
                                      "placement.store_protection=private_network"],
-     "learner.push_master_address / push_master_port: the weight group's store cannot listen on 198.51.100.7:29501: "
-     "Cannot assign requested address"),
-    ("learner.push_master_port", ["learner.push_master_address=198.51.100.7"], "learner.push_master_port: 0"),
-])
-def test_a_push_address_this_host_lacks_fails_before_value_pretraining(tiny_model_dir: Path, tmp_path: Path,
-                                                                        monkeypatch, key: str, extra: list[str],  # noqa: ANN001
-                                                                        match: str) -> None:
-    """An address of another host (a placeholder left in the config): the learner stops at once, naming the
-    key, instead of after value pretraining with "Cannot assign requested address"."""
+                                    "learner.push_master_address / push_master_port: the weight group's store cannot "
+                                    "listen on 198.51.100.7:29501: Cannot assign requested address"),
+    "learner.push_master_port": (["learner.push_master_address=198.51.100.7"], "learner.push_master_port: 0"),
+}
+
+
+@pytest.fixture(scope="module")
+def foreign_address_runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """The three cases of ``FOREIGN_ADDRESS_CASES`` in one subprocess (one torch/DeepSpeed import for all)."""
     from common.security import generate_run_keys
 
-    addr = "tcp://198.51.100.7:5559" if key == "learner.push_addr" else f"tcp://127.0.0.1:{free_port()}"
-    keys = generate_run_keys(tmp_path / "keys")  # a non-loopback bind needs them (refused earlier without)
-    bound, ended = _main_until_pretraining(tmp_path, tiny_model_dir, monkeypatch, addr, f"buffer.curve.keys_dir={keys}",
-                                           *extra)
-    assert bound == [] and isinstance(ended, ConfigError) and match in str(ended)
+    tmp = tmp_path_factory.mktemp("foreign")
+    keys = generate_run_keys(tmp / "keys")  # a non-loopback bind needs them (refused earlier without)
+    cases = []
+    for key, (extra, _) in FOREIGN_ADDRESS_CASES.items():
+        addr = "tcp://198.51.100.7:5559" if key == "learner.push_addr" else f"tcp://127.0.0.1:{free_port()}"
+        cases.append((addr, [f"buffer.curve.keys_dir={keys}", *extra]))
+    return dict(zip(FOREIGN_ADDRESS_CASES, _main_until_pretraining(tmp, tiny_model_dir, cases), strict=True))
+
+
+@pytest.mark.parametrize("key", list(FOREIGN_ADDRESS_CASES))
+def test_a_push_address_this_host_lacks_fails_before_value_pretraining(foreign_address_runs: dict[str, dict],
+                                                                        key: str) -> None:
+    """An address of another host: refused naming ``key`` before value pretraining, nothing bound."""
+    out, match = foreign_address_runs[key], FOREIGN_ADDRESS_CASES[key][1]
+    assert out["bound"] == [] and out["ended"].startswith("ConfigError: ") and match in out["ended"], out
