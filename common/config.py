@@ -190,6 +190,8 @@ def _placement_task_checks(cfg: Config) -> list[Check]:
         ("placement.ssh_connect_timeout_s", cfg.placement.ssh_connect_timeout_s >= 1, "must be >= 1"),
         ("placement.ssh_alive_interval_s", cfg.placement.ssh_alive_interval_s >= 1, "must be >= 1"),
         ("placement.ssh_alive_count_max", cfg.placement.ssh_alive_count_max >= 1, "must be >= 1"),
+        ("placement.min_engines", cfg.placement.min_engines >= 1, "must be >= 1"),
+        ("placement.min_engines_grace_s", cfg.placement.min_engines_grace_s >= 0, "must be >= 0"),
         ("placement.srun_cpus_per_task", cfg.placement.srun_cpus_per_task >= 0, "must be >= 0"),
         ("placement.gpu_peak_tflops", cfg.placement.gpu_peak_tflops > 0, "must be > 0"),
         ("placement.learner_utilization", 0 < cfg.placement.learner_utilization <= 1, "must be in (0, 1]"),

@@ -203,6 +203,10 @@ def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, roo
     other hosts."""
     py = python or sys.executable
     pl = cfg.placement
+    if pl.min_engines > cfg.actors.num_actors:
+        # The run could never have that many: it would stop after the grace instead of refusing now.
+        raise ConfigError(f"placement.min_engines={pl.min_engines}: the run has only actors.num_actors="
+                          f"{cfg.actors.num_actors} engines (each with its actor)")
     if cfg.run.device == "cpu" and len(pl.hosts) == 1:
         check_push_addresses(cfg, remote_engines=False)
         return _cpu_plan(cfg, str(cfg_file), py, {"PYTHONUNBUFFERED": "1"})
