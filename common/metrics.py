@@ -163,6 +163,12 @@ SPECS: tuple[MetricSpec, ...] = (
     # ---- launcher
     _c("launcher", "component_restarts", "Children restarted by ops/launch.sh", ("component",)),
     _g("launcher", "components_up", "Children running", ("component",)),
+    _g("launcher", "engines_alive", "Engines (each with its actor) neither given up nor on a lost host"),
+    _g("launcher", "engines_planned", "Engines (each with its actor) the run's plan starts"),
+    _c("launcher", "components_given_up", "Engine/actor children that exited past their restarts and were left down (the run goes on on the others while placement.min_engines hold)", ("component",)),
+    _c("launcher", "hosts_lost", "Engine hosts lost (ssh exit 255 of a child there); their engines and actors wait for the host to answer a probe again", ("host",)),
+    _c("launcher", "hosts_rejoined", "Lost engine hosts that answered a probe again and had their engines and actors restarted", ("host",)),
+    _c("launcher", "groups_dropped_lost_host", "Groups granted to the actors of a lost host and never delivered: the credit the buffer released over the loss (their prompts are generated again by the restarted actor)"),
 )
 
 # The config key that sets each component's /metrics port (named in bind errors).
