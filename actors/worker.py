@@ -178,7 +178,7 @@ class RolloutWorker:
             emit_tagged("ACTOR DONE", self.summary())
             return 0
         self._serve_metrics()
-        curve = client_curve_keys(self.cfg.buffer.curve, "actor")
+        curve = client_curve_keys(self.cfg.buffer.curve, "actor", self.actor_id)  # its own actor-<i> key if any
         self._make_clients(curve)
         try:
             await self._reach_engine()

@@ -25,11 +25,19 @@ they arrive), and a grant not used within ``buffer.credit_ttl_s`` stops counting
 learner version: actors that generate with weights at least that new never produce stale groups.
 
 No actor id holds more than ``buffer.max_credit_per_actor`` unused credits and no ingest connection more
-than ``buffer.max_credit_per_connection`` across its actor ids, so a client inventing actor ids cannot
-take all capacity. A connection that closes gives back its unused credit at once (the socket monitor
-reports the closed descriptor, and every frame carries the descriptor it came on). With CurveZMQ an actor
-id belongs to the first client key that asks credit for it (until the buffer restarts); another key
-asking for it is refused (``actor_key``).
+than ``buffer.max_credit_per_connection`` across its actor ids. A connection that closes gives back its
+unused credit at once (the socket monitor reports the closed descriptor, and every frame carries the
+descriptor it came on).
+
+Identity and fair share. With CurveZMQ an ``actor-<i>`` key (the launcher writes one per actor) acts for
+actor id i alone and nobody else acts for i (``common.security.ServerCurve.actor_refusal``); an id without a
+key of its own belongs to the first key that asks credit for it (until the buffer restarts). Another key
+asking is refused (``actor_key``). Each party (a client key; without CurveZMQ a connection) holds at most its
+fair share of the admission bound while another party waits: bound / active parties, at least 1; alone it
+may take more, and what it took above its share is reclaimed (stops counting) when another party below its
+share waits and nothing is free (``buffer.credits``; ``vapo_buffer_credit_reclaimed``). So one holder of
+the shared ``actor`` key asking for made-up ids, over any number of connections, takes one share at most
+once a real actor asks, and the real actors and the learner go on.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from buffer.store import BufferStore
 from common.config import Config
 from common.metrics import Metrics
 from common.protocol import CreditGrant, CreditRequest, encode
+from common.security import ServerCurve
 
 log = logging.getLogger("vapo.buffer")
 
@@ -52,11 +61,12 @@ class Admission:
     """Credit requests and grants of the ingest connections, bounded by the admission capacity.
 
     ``pending_n()`` is the largest ``n_groups`` of the waiting batch requests (``buffer.serving``);
-    ``send(ident, frame)`` answers an ingest peer.
+    ``send(ident, frame)`` answers an ingest peer; ``curve`` knows which actor id a per-actor key is bound to.
     """
 
     def __init__(self, cfg: Config, store: BufferStore, *, metrics: Metrics, rejections: FrameRejections,
-                 pending_n: Callable[[], int], send: Callable[[bytes, bytes], None]) -> None:
+                 pending_n: Callable[[], int], send: Callable[[bytes, bytes], None],
+                 curve: ServerCurve | None = None) -> None:
         b = cfg.buffer
         self.cfg = cfg
         self.store = store
@@ -64,6 +74,7 @@ class Admission:
         self.rejections = rejections
         self.pending_n = pending_n
         self.send = send
+        self.curve = curve or ServerCurve(None, None)
         per_actor = b.max_credit_per_actor or 2 * cfg.actors.prompts_in_flight
         self.ledger = CreditLedger(per_actor, b.max_credit_per_connection or per_actor, b.credit_ttl_s)
 
@@ -77,6 +88,10 @@ class Admission:
                              b.capacity_bytes)
 
     def on_request(self, ident: bytes, req: CreditRequest, key: str | None = None) -> None:
+        bound = self.curve.actor_refusal(key, req.actor_id)
+        if bound is not None:
+            self.send(ident, self.rejections.reject("actor_key", bound))
+            return
         refused = self.ledger.request(ident, req.actor_id, req.n, key)
         if refused is not None:
             self.send(ident, self.rejections.reject(refused.reason, refused.message))
@@ -94,10 +109,14 @@ class Admission:
             log.info("an ingest connection closed: released its %d unused credits", released)
 
     def grant(self) -> None:
-        """Expire unused grants, then grant what the capacity allows to the waiting requests."""
+        """Expire unused grants, reclaim lent credit a party below its fair share needs, then grant what the
+        capacity allows to the waiting requests."""
         self.ledger.expire(time.monotonic())
         if not self.ledger.waiting:
             return
+        reclaimed = self.ledger.reclaim(self.capacity())
+        if reclaimed:
+            self.metrics.credit_reclaimed.inc(reclaimed)
         for g in self.ledger.grant(self.capacity(), time.monotonic()):
             self.send(g.ident, encode(CreditGrant(n=g.n, learner_version=self.store.counters["learner_version"])))
             self.metrics.credit_granted.inc(g.n)

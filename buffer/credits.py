@@ -11,13 +11,23 @@ still count when they arrive):
 - credits in flight per actor id: ``[expiry, count]`` per grant, oldest first, and the connection they were
   granted to (``holder``);
 - the actor ids each connection waits for or holds credit for (bounds what one connection may take);
-- with CurveZMQ, the client key that owns each actor id.
+- with CurveZMQ, the client key that owns each actor id;
+- each actor id's *principal*, the party a fair share belongs to: its client key under CurveZMQ (a per-actor
+  key is one actor; the shared ``actor`` key is one party however many ids it asks for), else its connection.
+
+Fair share: the admission bound ``T`` = free capacity + credits in flight, split between the *active*
+principals (those waiting for credit or holding some): ``share = max(1, T // active)``. A principal gets
+more than its share only while no other principal waits (work-conserving); credit above the share is lent,
+and taken back (``reclaim``: it stops counting, as after the ttl) as soon as another principal below its
+share waits and the free capacity cannot serve it. Groups made on reclaimed credit are still accepted, so
+the staleness bound can be overrun by what was lent, once; a holder that never uses its credit (a key
+holder asking for made-up actor ids) cannot keep the run's real actors waiting.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
 log = logging.getLogger("vapo.buffer")
@@ -40,6 +50,11 @@ def free_capacity(admission: int, depth_groups: int, depth_bytes: int, in_flight
     if depth_bytes >= capacity_bytes:
         room = 0
     return max(0, min(admission, room))
+
+
+def fair_share(capacity: int, in_flight: int, active: int) -> int:
+    """Credit one principal may hold while others wait: the bound (free + in flight) over the active ones, >= 1."""
+    return max(1, (capacity + in_flight) // max(1, active))
 
 
 # Every reason ``CreditLedger.request`` refuses with: clients tell a refused credit request from a refused
@@ -73,11 +88,13 @@ class CreditLedger:
         self.ttl_s = ttl_s
         self.max_waiting = max_waiting
         self.released = 0  # credits given back because their connection closed
+        self.reclaimed = 0  # credits above a fair share taken back for a principal below its share
         self._in_flight: dict[int, deque[list[float]]] = {}  # actor_id -> [[expiry, count], ...]
         self._waiting: OrderedDict[int, tuple[bytes, int]] = OrderedDict()  # actor_id -> (identity, n)
         self._holder: dict[int, bytes] = {}  # actor_id -> identity its in-flight credits were granted to
         self._actors_of: dict[bytes, set[int]] = {}  # identity -> actor ids it holds or waits credit for
         self._actor_key: dict[int, str] = {}  # actor_id -> CURVE client key that owns it (CurveZMQ only)
+        self._principal: dict[int, str] = {}  # actor_id -> the party its fair share belongs to
 
     # ------------------------------------------------------------------ reading
 
@@ -96,6 +113,20 @@ class CreditLedger:
 
     def connection_credit(self, ident: bytes) -> int:
         return sum(self.actor_credit(a) for a in self._actors_of.get(ident, ()) if self._holder.get(a) == ident)
+
+    def principal_credit(self) -> dict[str, int]:
+        """Credit in flight per principal (those holding none are absent)."""
+        held: Counter[str] = Counter()
+        for a, q in self._in_flight.items():
+            c = int(sum(n for _, n in q))
+            if c > 0:
+                held[self._principal.get(a, f"actor:{a}")] += c
+        return dict(held)
+
+    def share(self, capacity: int) -> int:
+        """The fair share now, with ``capacity`` free (module docstring)."""
+        active = set(self.principal_credit()) | {self._principal[a] for a in self._waiting}
+        return fair_share(capacity, self.in_flight, len(active))
 
     # ------------------------------------------------------------------ events
 
@@ -136,31 +167,81 @@ class CreditLedger:
         if waiting is not None and waiting[0] != ident:
             del self._waiting[actor_id]  # the actor id moved to this connection
         self._holder[actor_id] = ident
+        self._principal[actor_id] = key if key is not None else f"conn:{ident.hex()}"
         mine.add(actor_id)
         self._waiting[actor_id] = (ident, n)
         return None
 
     def grant(self, capacity: int, now: float) -> list[Grant]:
-        """Hand out up to ``capacity`` credits to waiting requests, oldest first, within the per-actor and
-        per-connection bounds; a partly served request goes to the back of the queue (fair between actors)."""
+        """Hand out up to ``capacity`` credits to waiting requests, oldest first, within the per-actor,
+        per-connection and fair-share bounds; a partly served request goes to the back of the queue (fair
+        between actors). A principal passes its share only while no other principal waits."""
         out: list[Grant] = []
+        held = Counter(self.principal_credit())
+        waiting_p = Counter(self._principal[a] for a in self._waiting)
+        share = fair_share(capacity, self.in_flight, len(set(held) | set(waiting_p)))
         for actor_id in list(self._waiting):
             if capacity <= 0:
                 break
             ident, n = self._waiting[actor_id]
+            p = self._principal[actor_id]
             room = min(self.per_actor - self.actor_credit(actor_id),
                        self.per_connection - self.connection_credit(ident))
+            if len(waiting_p) > 1:  # others wait: no more than the share (alone, it may borrow the rest)
+                room = min(room, share - held[p])
             g = min(n, capacity, room)
             if g <= 0:
-                continue  # at its bound: waits (in place) until its groups arrive or its credit expires
+                continue  # at a bound: waits (in place) until its groups arrive, its credit expires or is reclaimed
             del self._waiting[actor_id]
             capacity -= g
+            held[p] += g
             self._in_flight.setdefault(actor_id, deque()).append([now + self.ttl_s, g])
             self._holder[actor_id] = ident
             out.append(Grant(ident, actor_id, g))
             if g < n:
                 self._waiting[actor_id] = (ident, n - g)
+            else:
+                waiting_p[p] -= 1
+                if waiting_p[p] <= 0:
+                    del waiting_p[p]
         return out
+
+    def reclaim(self, capacity: int) -> int:
+        """Take back lent credit (above the fair share) that a waiting principal below its share needs and
+        ``capacity`` cannot give; the newest grants go first. Returns the credits that stopped counting."""
+        if not self._waiting:
+            return 0
+        held = self.principal_credit()
+        wanted: Counter[str] = Counter()
+        for a, (_, n) in self._waiting.items():
+            wanted[self._principal[a]] += n
+        share = fair_share(capacity, self.in_flight, len(set(held) | set(wanted)))
+        need = sum(min(n, share - held.get(p, 0)) for p, n in wanted.items() if held.get(p, 0) < share) - capacity
+        taken = 0
+        for p, h in sorted(held.items(), key=lambda kv: kv[1], reverse=True):
+            if need - taken <= 0 or h <= share:
+                break
+            taken += self._take_back(p, min(h - share, need - taken))
+        if taken:
+            self.reclaimed += taken
+            log.info("reclaimed %d credits lent above the fair share (%d) for actors below it", taken, share)
+        return taken
+
+    def _take_back(self, principal: str, n: int) -> int:
+        """Drop up to ``n`` in-flight credits of ``principal``, newest grants first; returns how many."""
+        taken = 0
+        for a, q in self._in_flight.items():
+            if self._principal.get(a) != principal:
+                continue
+            while q and taken < n:
+                take = min(int(q[-1][1]), n - taken)
+                q[-1][1] -= take
+                taken += take
+                if q[-1][1] <= 0:
+                    q.pop()
+            if taken >= n:
+                break
+        return taken
 
     def consume(self, actor_id: int) -> None:
         """A new group of ``actor_id`` arrived: one of its credits (the oldest grant's) is used."""

@@ -14,7 +14,12 @@ answered ``IngestAck(committed=True)`` only after that commit. A re-sent group_i
 when it was not stored (re-send later), and ``"invalid:<reason>: ..."`` with ``committed=False`` when the
 group breaks the ingest bounds of ``common.limits`` (empty prompt or response, token id past the
 vocabulary, reward outside the task's range, logprob > 0, too long): never stored, counted in
-``vapo_buffer_invalid_groups{reason}``, final (re-sending cannot help).
+``vapo_buffer_invalid_groups{reason}``, final (re-sending cannot help). Two more ``invalid`` reasons are the
+buffer's own: ``version``, a sample's ``weight_version`` or a version in its ``version_spans`` newer than the
+learner can have published (``version_limit``: the highest learner version a ``BatchRequest`` may still
+bring, plus the one it publishes after training on it), which would otherwise be served last and trained
+on as fresh; ``actor_key``, a group stamped with an actor id its client key may not act for
+(``common.security.ServerCurve.actor_refusal``; its credit is not consumed: it is another actor's).
 """
 
 from __future__ import annotations
@@ -40,6 +45,23 @@ log = logging.getLogger("vapo.buffer")  # the server's logger: one log stream fo
 
 # A credit request read from the ingest socket: (ROUTER identity, request, client key).
 CreditMessage = tuple[bytes, CreditRequest, str | None]
+
+
+def version_limit(counters: dict[str, int], max_step: int) -> int:
+    """The newest weight version a group may carry: the highest learner version a ``BatchRequest`` may still
+    bring (``buffer.serving``'s bound) plus one, the version the learner publishes after training on it."""
+    return max(counters["learner_version"], counters["served_version"] + max_step) + 1
+
+
+def version_problem(group: SampleGroup, newest: int) -> tuple[str, str] | None:
+    """``("version", message)`` when a sample claims weights newer than ``newest``, else None."""
+    for i, s in enumerate(group.samples):
+        spans = s.version_spans
+        claimed = max(s.weight_version, int(spans[0::2].max()) if spans is not None and len(spans) else 0)
+        if claimed > newest:
+            return "version", (f"sample {i} claims weight version {claimed}, newer than the learner can have "
+                               f"published ({newest})")
+    return None
 
 
 class Ingest:
@@ -80,6 +102,7 @@ class Ingest:
         """
         credit_msgs: list[CreditMessage] = []
         learner_version = self.store.counters["learner_version"]
+        newest = version_limit(self.store.counters, self.cfg.buffer.learner_version_max_step)
         for _ in range(4 * self.cfg.buffer.commit_batch):
             if not self.accepting:
                 break
@@ -91,10 +114,15 @@ class Ingest:
             if body:
                 self.peers.seen(ident, body[-1])
             msg = self._decode(ident, body)
+            key = client_key(self.curve, body[0])
             if isinstance(msg, CreditRequest):
-                credit_msgs.append((ident, msg, client_key(self.curve, body[0])))
+                credit_msgs.append((ident, msg, key))
             elif isinstance(msg, SampleGroup):
-                self._take_group(ident, msg, body[0].buffer, learner_version)
+                wrong_key = self.curve.actor_refusal(key, msg.actor_id)
+                if wrong_key is not None:
+                    self._refuse_group(ident, msg, "actor_key", wrong_key, consume=False)
+                else:
+                    self._take_group(ident, msg, body[0].buffer, learner_version, newest)
         return credit_msgs
 
     def _decode(self, ident: bytes, body: list[zmq.Frame]) -> CreditRequest | SampleGroup | None:
@@ -115,9 +143,9 @@ class Ingest:
             return None
         return msg
 
-    def _take_group(self, ident: bytes, group: SampleGroup, frame: bytes, learner_version: int) -> None:
+    def _take_group(self, ident: bytes, group: SampleGroup, frame: bytes, learner_version: int, newest: int) -> None:
         """Queue a decoded group for the next commit, or answer why not."""
-        bad = group_problem(group, self.limits)
+        bad = group_problem(group, self.limits) or version_problem(group, newest)
         if bad is not None:
             self._refuse_group(ident, group, *bad)
             return
@@ -131,11 +159,12 @@ class Ingest:
                 return
         self.next_batch.append((record, (ident, group.group_id, group.actor_id)))
 
-    def _refuse_group(self, ident: bytes, group: SampleGroup, reason: str, message: str) -> None:
+    def _refuse_group(self, ident: bytes, group: SampleGroup, reason: str, message: str, consume: bool = True) -> None:
         """A protocol-valid group the learner could not use: never stored, answered with a final error."""
         self.invalid[reason] = self.invalid.get(reason, 0) + 1
         self.metrics.invalid_groups.labels(reason=reason).inc()
-        self.consume_credit(group.actor_id)  # generated on a credit: it must not hold that credit until the ttl
+        if consume:  # generated on a credit: it must not hold that credit until the ttl
+            self.consume_credit(group.actor_id)
         log.warning("refused group %s of actor %d: %s: %s", group.group_id[:64], group.actor_id, reason, message)
         self.send(ident, encode(IngestAck(group_id=group.group_id, committed=False, duplicate=False,
                                           error=f"invalid:{reason}: {message}"[:4000])))

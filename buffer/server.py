@@ -36,7 +36,8 @@ the key's role decides what it may send: ``SampleGroup`` and ``CreditRequest`` o
 ``BatchRequest`` and ``PositivesRequest`` (which take groups and move the learner version) only from the
 ``learner`` key, ``StatsRequest`` from any key of the run; anything else is answered ``ErrorReply(role)``.
 A client without a key of the run never gets a frame through; the socket monitors count those connections
-(``vapo_buffer_auth_refused{socket}``).
+(``vapo_buffer_auth_refused{socket}``) and the log names the first, then sums up the rest in at most one line
+per socket a minute (``REFUSAL_LOG_INTERVAL_S``).
 
 Bad frames on either socket are counted in ``vapo_buffer_rejected_frames{reason}`` (``ProtocolError``
 reason, ``multipart``, ``unexpected_type``), answered with ``ErrorReply``, and the server keeps serving.
@@ -100,9 +101,11 @@ from common.protocol import (
     decode,
     encode,
 )
-from common.security import server_curve
+from common.security import RefusalLog, server_curve
 
 log = logging.getLogger("vapo.buffer")
+# Connections refused at the handshake: the first is logged at once, then one summary line per interval.
+REFUSAL_LOG_INTERVAL_S = 60.0
 
 
 class BufferServer:
@@ -135,6 +138,7 @@ class BufferServer:
         self.writer = Writer(self.store, self.ctx)
         self._stop = threading.Event()
         self._reading_ingest = False
+        self.refusal_logs = {name: RefusalLog(log, f"{name} socket", REFUSAL_LOG_INTERVAL_S) for name in ("ingest", "serve")}
         self._build_roles(ingest_sock)
         self.stats.update_gauges(force=True)
         c = self.store.counters
@@ -150,7 +154,7 @@ class BufferServer:
         self.serving = BatchServing(cfg, store, metrics=metrics, rejections=self.rejections, reply=self._reply,
                                     settle=self._settle, served=self._batch_served)
         self.admission = Admission(cfg, store, metrics=metrics, rejections=self.rejections,
-                                   pending_n=self.serving.waits.pending_n, send=self._answer_actor)
+                                   pending_n=self.serving.waits.pending_n, send=self._answer_actor, curve=self.curve)
         self.ingest = Ingest(cfg, ingest_sock, store, self.writer, metrics=metrics, rejections=self.rejections,
                              curve=self.curve, limits=limits_from_config(cfg),
                              consume_credit=self.admission.consume, on_committed=self.serving.note_commit)
@@ -252,7 +256,7 @@ class BufferServer:
             new = peers.new_refusals()
             if new:
                 self.metrics.auth_refused.labels(socket=name).inc(new)
-                log.warning("%s socket: refused %d connection(s) at the CurveZMQ handshake", name, new)
+            self.refusal_logs[name].note(new, time.monotonic())
 
     # ------------------------------------------------------------------ the serve socket
 

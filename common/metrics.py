@@ -87,6 +87,7 @@ SPECS: tuple[MetricSpec, ...] = (
     _c("buffer", "positives_duplicates", "Positives not stored again (same prompt and output tokens)"),
     _c("buffer", "positives_evicted", "Positives evicted oldest-first at buffer.positives_capacity"),
     _c("buffer", "credit_granted", "Credits (groups) granted to actors"),
+    _c("buffer", "credit_reclaimed", "Credits lent above a fair share and taken back for an actor below its share"),
     _g("buffer", "credit_waiting", "Actors waiting for credit"),
     _g("buffer", "admission_capacity", "Groups the buffer would admit now (staleness bound minus queued and in flight)"),
     _c("buffer", "batch_timeouts", "Batch requests answered with a timeout error"),

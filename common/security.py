@@ -6,6 +6,10 @@ at it, so any other local process (another user's job on a shared node) is refus
 A key's *role* is its file name in ``authorized_clients/``: ``actor*.key``, ``learner*.key``,
 ``monitor*.key`` (the launcher's health probe). Servers look the role up from the ZAP User-Id (the client's
 z85 public key) of each frame and serve each message type to its role only (``buffer.server``).
+A key named ``actor-<i>.key`` (i an integer) is actor i's own: the buffer takes credit requests and groups for
+actor id i from that key only, and that key for no other id (``ServerCurve.actor_refusal``). The launcher
+writes one such pair per actor; an actor picks ``actor-<i>.key_secret`` from ``keys_dir`` when it exists and
+the shared ``actor.key_secret`` otherwise (a hand-started actor of a key set made without ``--actors``).
 
 Without any key configured a server still binds a *local* endpoint unauthenticated (``tcp://`` on a
 loopback address, ``ipc://``, ``inproc://``): that is for a component started by hand, and it logs a
@@ -37,7 +41,7 @@ import itertools
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -88,6 +92,13 @@ def is_loopback_host(host: str) -> bool:
 ROLES = ("actor", "learner", "monitor")
 
 
+def key_actor_id(name: str) -> int | None:
+    """The actor id a key's file name binds it to (``actor-3`` or ``actor-3.key`` -> 3); None for any other name."""
+    stem = name[: -len(".key")] if name.endswith(".key") else name
+    suffix = stem[len("actor-"):] if stem.startswith("actor-") else ""
+    return int(suffix) if suffix.isdigit() and len(suffix) <= 7 else None
+
+
 def key_role(name: str) -> str | None:
     """The role a key's file name gives it: ``actor``, ``actor-3``, ``learner``, ``monitor-a`` ...; None
     for any other name."""
@@ -104,6 +115,7 @@ class ServerKeys:
     secret: bytes
     authorized_dir: Path
     roles: dict[str, str]  # client public key (z85, the ZAP User-Id) -> role
+    actor_ids: dict[str, int] = field(default_factory=dict)  # public key of an actor-<i>.key -> i
 
 
 @dataclass
@@ -133,8 +145,10 @@ def _key_path(explicit: str, keys_dir: str, name: str) -> str:
     return str(Path(keys_dir) / name) if keys_dir else ""
 
 
-def _roles(d: Path) -> dict[str, str]:
+def _roles(d: Path) -> tuple[dict[str, str], dict[str, int]]:
+    """Each authorised key's role, and the actor id of each per-actor key (both by z85 public key)."""
     roles: dict[str, str] = {}
+    actor_ids: dict[str, int] = {}
     for f in sorted(d.glob("*.key")):
         role = key_role(f.name)
         if role is None:
@@ -142,7 +156,13 @@ def _roles(d: Path) -> dict[str, str]:
                                 f"({', '.join(r + '*.key' for r in ROLES)}); `python -m buffer.keys DIR` names them")
         public, _ = _load(f, "authorised client key", need_secret=False)
         roles[public.decode("ascii")] = role
-    return roles
+        actor_id = key_actor_id(f.name)
+        if actor_id is not None:
+            if actor_id in actor_ids.values() or public.decode("ascii") in actor_ids:
+                raise SecurityError(f"authorised client key {f}: actor id {actor_id} or this key is already bound "
+                                    "(one key per actor id)")
+            actor_ids[public.decode("ascii")] = actor_id
+    return roles, actor_ids
 
 
 def server_keys(curve: Any) -> ServerKeys | None:
@@ -161,18 +181,23 @@ def server_keys(curve: Any) -> ServerKeys | None:
     if not d.is_dir() or not any(d.glob("*.key")):
         raise SecurityError(f"curve.authorized_clients_dir {d} has no client public keys (*.key)")
     assert secret is not None
-    return ServerKeys(public=public, secret=secret, authorized_dir=d, roles=_roles(d))
+    roles, actor_ids = _roles(d)
+    return ServerKeys(public=public, secret=secret, authorized_dir=d, roles=roles, actor_ids=actor_ids)
 
 
-def client_curve_keys(curve: Any, role: str = "") -> ClientKeys | None:
+def client_curve_keys(curve: Any, role: str = "", actor_id: int | None = None) -> ClientKeys | None:
     """Load a client's keys (own secret + server public) from a CurveConfig; None when not configured.
 
     With ``curve.keys_dir`` the client's secret is ``<keys_dir>/<role>.key_secret`` (``role`` one of ROLES)
-    unless ``curve.client_secret_key`` names one."""
+    unless ``curve.client_secret_key`` names one; an actor given its ``actor_id`` takes its own
+    ``actor-<id>.key_secret`` there when it exists."""
     keys_dir = getattr(curve, "keys_dir", "")
     if keys_dir and not curve.client_secret_key and role not in ROLES:
         raise SecurityError(f"curve.keys_dir is set: a client must name its role ({', '.join(ROLES)}), got {role!r}")
-    client_path = _key_path(curve.client_secret_key, keys_dir, f"{role}.key_secret")
+    name = role
+    if role == "actor" and actor_id is not None and keys_dir and (Path(keys_dir) / f"actor-{actor_id}.key_secret").is_file():
+        name = f"actor-{actor_id}"
+    client_path = _key_path(curve.client_secret_key, keys_dir, f"{name}.key_secret")
     server_path = _key_path(curve.server_public_key, keys_dir, "server.key")
     if not client_path and not server_path:
         return None
@@ -190,6 +215,7 @@ class ServerCurve:
     def __init__(self, keys: ServerKeys | None, auth: ThreadAuthenticator | None) -> None:
         self.keys = keys
         self._auth = auth
+        self._ids: set[int] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -200,6 +226,25 @@ class ServerCurve:
         if self.keys is None or not user_id:
             return None
         return self.keys.roles.get(user_id)
+
+    def actor_refusal(self, user_id: str | None, actor_id: int) -> str | None:
+        """Why the client key ``user_id`` may not act for ``actor_id`` (credit, groups); None when it may.
+
+        An ``actor-<i>.key`` acts for actor id i only, and an id with a key of its own for that key only;
+        other ids are left to the first key that asks (``buffer.credits``)."""
+        if self.keys is None or not user_id:
+            return None
+        bound = self.keys.actor_ids.get(user_id)
+        if bound is not None and bound != actor_id:
+            return f"this client key is actor {bound}'s (authorized_clients/actor-{bound}.key), not actor {actor_id}'s"
+        if bound is None and actor_id in self._owned_ids():
+            return f"actor_id {actor_id} has a key of its own (authorized_clients/actor-{actor_id}.key)"
+        return None
+
+    def _owned_ids(self) -> set[int]:
+        if self._ids is None:
+            self._ids = set(self.keys.actor_ids.values()) if self.keys is not None else set()
+        return self._ids
 
     def apply(self, sock: zmq.Socket) -> None:
         if self.keys is None:
@@ -304,8 +349,40 @@ def generate_run_keys(directory: str | Path, actors: int = 0) -> Path:
     return d
 
 
+class RefusalLog:
+    """Log lines about refused connections, rate-limited: the first refusal at once, then at most one summary
+    line per ``interval_s`` with the count since the last line (a stranger reconnecting every 100 ms would
+    otherwise write ten warnings a second). Call ``note(n, now)`` every loop turn, ``n`` = refusals seen since
+    the previous call (0 too: a pending summary comes out when its interval is over)."""
+
+    def __init__(self, logger: logging.Logger, what: str, interval_s: float = 60.0) -> None:
+        self.logger = logger
+        self.what = what
+        self.interval_s = interval_s
+        self.total = 0
+        self.pending = 0  # refusals not yet in a line
+        self._last: float | None = None  # when the last line was written
+
+    def note(self, n: int, now: float) -> None:
+        self.total += n
+        self.pending += n
+        if self.pending <= 0:
+            return
+        if self._last is None:
+            self.logger.warning("%s: refused %d connection(s) at the CurveZMQ handshake (no key of this run); "
+                                "further refusals are summarised every %.0f s", self.what, self.pending,
+                                self.interval_s)
+        elif now - self._last >= self.interval_s:
+            self.logger.warning("%s: refused %d more connection(s) at the CurveZMQ handshake in the last %.0f s "
+                                "(%d in all)", self.what, self.pending, now - self._last, self.total)
+        else:
+            return
+        self.pending = 0
+        self._last = now
+
+
 __all__ = [
     "SecurityError", "is_local_endpoint", "is_loopback_host", "endpoint_host", "ServerKeys", "ClientKeys",
     "ServerCurve", "server_keys", "client_curve_keys", "server_curve", "apply_client_curve", "generate_keypair",
-    "generate_run_keys", "ROLES", "key_role", "HANDSHAKE_FAILED",
+    "generate_run_keys", "ROLES", "key_role", "key_actor_id", "HANDSHAKE_FAILED", "RefusalLog",
 ]

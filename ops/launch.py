@@ -149,7 +149,9 @@ def resolve_run(cfg_path: str | None, overrides: list[str], resume: bool) -> tup
 def ensure_run_keys(cfg: Config) -> Path | None:
     """Every ZeroMQ socket of the run authenticates its clients, loopback included: when ``buffer.curve`` names
     no key, write a key set to ``<run dir>/keys`` (0700, secrets 0600; kept on --resume) and point
-    ``buffer.curve.keys_dir`` at it, so each process uses the key of its role. Returns the keys directory."""
+    ``buffer.curve.keys_dir`` at it, so each process uses the key of its role. Each actor gets a pair of its
+    own, ``actor-<i>``, which binds actor id i to that key at the buffer (``common.security``); the shared
+    ``actor`` pair stays for actors started by hand. Returns the keys directory."""
     from common.security import generate_run_keys
 
     c = cfg.buffer.curve
@@ -157,7 +159,7 @@ def ensure_run_keys(cfg: Config) -> Path | None:
         return None  # keys of the operator's own making (e.g. on a shared filesystem): used as configured
     if not c.keys_dir:
         c.keys_dir = str(abs_run_dir(cfg) / "keys")
-    return generate_run_keys(c.keys_dir)
+    return generate_run_keys(c.keys_dir, cfg.actors.num_actors)
 
 
 class Launcher:
