@@ -35,9 +35,10 @@ sys.path.insert(1, str(ROOT / "ops"))
 from launch_child import Child, LaunchError  # noqa: E402
 from launch_engines import engine_targets, sglang_install_problem, write_prometheus_config  # noqa: E402,F401
 from launch_failure import failure_notes  # noqa: E402
-from launch_progress import Progress, say  # noqa: E402
+from launch_progress import say  # noqa: E402
+from launch_supervise import Supervision  # noqa: E402
 
-from common import lifeline, provenance, remote  # noqa: E402
+from common import lifeline, provenance  # noqa: E402
 from common.config import Config, ConfigError, load_config, save_config  # noqa: E402
 from common.metrics import Metrics  # noqa: E402
 from common.placement import LEARNER_DONE_FILE, STORE_FILE_ENV, build_plan  # noqa: E402
@@ -162,7 +163,7 @@ def ensure_run_keys(cfg: Config) -> Path | None:
     return generate_run_keys(c.keys_dir, cfg.actors.num_actors)
 
 
-class Launcher:
+class Launcher(Supervision):
     def __init__(self, cfg: Config, cfg_file: Path, resume: bool) -> None:
         self.cfg = cfg
         self.cfg_file = cfg_file
@@ -177,7 +178,7 @@ class Launcher:
         for name, text in self.plan.files.items():  # hostfile / deepspeed_env for multi-host learners
             (self.run_dir / name).write_text(text)
         self._beats = threading.Event()  # set: the heartbeat thread ends
-        self._pdsh_offset = 0  # learner log bytes already read for pdsh's reports
+        self.init_supervision()
         if any(p.via == "ssh" for p in self.plan.procs):
             threading.Thread(target=self._heartbeat, name="ssh-heartbeat", daemon=True).start()
 
@@ -188,29 +189,6 @@ class Launcher:
             for c in list(self.children.values()):
                 if c.via == "ssh":
                     c.beat()
-
-    def check_links(self) -> None:
-        """A lost host stops the run: ssh's exit code 255 for a process started over ssh, pdsh's report of a
-        non-zero ssh exit for learner ranks (their peers would otherwise wait for the collective timeout)."""
-        for c in self.children.values():
-            if c.via == "ssh" and c.returncode == remote.SSH_LOST:
-                raise LaunchError(c.name, f"lost host {c.host}: ssh exited with code 255 (no answer for "
-                                  f"{remote.lost_after_s(self.cfg)} s, or no connection); stopping the run "
-                                  f"(--resume continues it)\n{c.tail()}")
-        learner = self.children.get("learner")
-        if learner is None or learner.via != "pdsh":
-            return
-        try:
-            with open(learner.log_path, "rb") as f:
-                f.seek(self._pdsh_offset)
-                data = f.read()
-        except OSError:
-            return
-        cut = data.rfind(b"\n") + 1  # whole lines only
-        self._pdsh_offset += cut
-        for host, code in remote.pdsh_failures(data[:cut].decode(errors="replace")).items():
-            why = "host lost (ssh exit 255)" if code == remote.SSH_LOST else f"its ssh exited with code {code}"
-            raise LaunchError("learner", f"learner ranks on {host} ended: {why}; stopping the run\n{learner.tail()}")
 
     def child(self, name: str) -> Child:
         """The plan's process ``name`` as a supervised child (its environment and devices from the plan)."""
@@ -290,39 +268,10 @@ class Launcher:
         say("learner started" + (f" ({ranks} DeepSpeed ranks)" if ranks > 1 else "")
             + (" (resume=auto)" if self.resume else ""))
 
-    # --- supervision
-    def supervise(self) -> None:
-        progress = Progress(self.run_dir / "metrics.jsonl", self.cfg.learner.total_steps)
-        self.progress = progress
-        while True:
-            progress.poll()
-            learner = self.children["learner"]
-            if not learner.alive():
-                progress.poll()
-                if learner.returncode == 0 and (self.run_dir / LEARNER_DONE_FILE).exists():
-                    say("learner finished")
-                    return
-                if learner.returncode == 0:
-                    raise LaunchError("learner", f"exited with code 0 but never wrote {LEARNER_DONE_FILE}: a rank, or the "
-                                      f"pdsh/srun that carried it, was killed part-way\n{learner.tail()}")
-                raise LaunchError("learner", f"exited with code {learner.returncode}\n{learner.tail()}")
-            self.check_links()
-            for c in list(self.children.values()):
-                if c.name == "learner" or c.alive():
-                    continue
-                if c.restarts >= c.max_restarts:
-                    raise LaunchError(c.name, f"exited with code {c.returncode} and was restarted {c.restarts} times\n{c.tail()}")
-                c.restarts += 1
-                self.metrics.component_restarts.labels(component=c.name).inc()
-                say(f"{c.name} exited with code {c.returncode}; restarting ({c.restarts}/{c.max_restarts})")
-                self.start(c)
-            if self.cfg.run.max_wall_seconds and time.time() - self.t0 > self.cfg.run.max_wall_seconds + 600:
-                raise LaunchError("learner", "run.max_wall_seconds exceeded by more than 10 minutes")
-            time.sleep(0.5)  # supervision tick
-
     def stop_all(self) -> None:
         self.stopping = True
         self._beats.set()
+        self.cancel_probes()
         # Learner first (it stops consuming batches; it resumes from its last checkpoint), then actors/engines,
         # then the buffer. A process behind ssh is stopped by closing its link: its guard SIGTERMs it, and
         # ssh returns once it has exited.

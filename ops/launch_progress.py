@@ -1,5 +1,6 @@
-"""The launcher's progress lines: one per learner step, value-pretraining step and evaluation, read from
-``<run dir>/metrics.jsonl`` as the learner appends to it (``ops/launch.py``)."""
+"""The launcher's progress lines: one per learner step (with ``engines 1/2`` while fewer engines than planned
+are alive), value-pretraining step and evaluation, read from ``<run dir>/metrics.jsonl`` as the learner
+appends to it (``ops/launch.py``)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class Progress:
         self.last_eval: float | None = None
         self.base_eval: float | None = None
         self.last_time: float | None = None
+        self.engines: tuple[int, int] | None = None  # (alive, planned), set by the launcher's supervision
 
     def poll(self) -> list[dict[str, Any]]:
         if not self.path.exists():
@@ -67,7 +69,7 @@ class Progress:
                 f"step {step}/{self.total}  reward {_fmt(r.get('reward_mean'))}"
                 f"  ev {_fmt(r.get('value_explained_variance'))}  staleness {_fmt(r.get('staleness_mean'), 2)}"
                 f"  samples/s {_fmt(r.get('samples_per_second'), 1)}  len {_fmt(r.get('response_length_mean'), 1)}"
-                f"  ETA {int(eta // 60)}m{int(eta % 60):02d}s"
+                f"  ETA {int(eta // 60)}m{int(eta % 60):02d}s{self.degraded()}"
             )
         if isinstance(ev, dict):
             acc = ev.get("avg_at_k")
@@ -77,6 +79,12 @@ class Progress:
                 self.last_eval = float(acc)
             say(f"eval  v{r.get('weight_version', r.get('version', '?'))}: held-out avg@k {_fmt(acc)}"
                 f"  greedy {_fmt(ev.get('greedy_accuracy'))}  length {_fmt(ev.get('mean_response_length'), 1)}")
+
+    def degraded(self) -> str:
+        """``  engines 1/2`` while fewer engines than planned are alive (a lost host, one given up)."""
+        if self.engines is None or self.engines[0] >= self.engines[1]:
+            return ""
+        return f"  engines {self.engines[0]}/{self.engines[1]}"
 
 
 def _fmt(v: Any, digits: int = 3) -> str:

@@ -234,17 +234,11 @@ def _bare_launcher(mod, tmp_path: Path, *overrides: str):
     return mod.Launcher(cfg, save_config(cfg).resolve(), False)
 
 
-def test_launcher_stops_the_run_when_a_remote_host_is_lost(tmp_path: Path) -> None:
-    """ssh exits 255 when its host is gone (keep-alive unanswered, connection refused): that is a lost host,
-    which stops the run in order, not a crash to restart. pdsh reports the same for learner ranks."""
+def test_launcher_stops_the_run_when_a_learner_host_is_lost(tmp_path: Path) -> None:
+    """pdsh reports a learner rank's lost host (ssh exit 255): that stops the run in order, not a crash to
+    restart. (An engine host's loss does not: tests/ops/test_launch_supervise.py.)"""
     mod = _launch_module()
     launcher = _bare_launcher(mod, tmp_path)
-    lost = mod.Child("actor-1", ["sh", "-c", "exit 255"], tmp_path / "actor-1.log", 3, via="ssh", host="h2")
-    launcher.children = {"actor-1": lost}
-    lost.start()
-    wait_for(lambda: not lost.alive(), 10, "the ssh stand-in to exit")
-    with pytest.raises(mod.LaunchError, match="lost host h2: ssh exited with code 255"):
-        launcher.check_links()
     # An ordinary exit of a remote process is left to the restart logic.
     launcher.children = {"actor-1": mod.Child("actor-1", ["sh", "-c", "exit 3"], tmp_path / "a.log", 3, via="ssh")}
     launcher.children["actor-1"].start()

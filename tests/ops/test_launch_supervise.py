@@ -1,0 +1,109 @@
+"""The launcher's supervision (``ops/launch_supervise.py``) on stand-in children: a lost engine host is
+waited for and its actor restarted when a probe answers, an actor past its restarts is given up, and the run
+stops only below ``placement.min_engines``. Real processes (``sh``), no run: ~2 s."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "ops"))
+
+import launch_supervise  # noqa: E402
+
+from tests.polling import wait_for  # noqa: E402
+
+
+def _launcher(tmp_path: Path, *overrides: str):
+    import importlib.util
+
+    from common.config import load_config, save_config
+
+    spec = importlib.util.spec_from_file_location("launch_mod_supervise", ROOT / "ops" / "launch.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules["launch_mod_supervise"] = mod
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    cfg = load_config(ROOT / "ops" / "configs" / "smoke.yaml",
+                      [f"run.root={tmp_path}", "run.name=elastic", "actors.num_actors=2", *overrides])
+    return mod, mod.Launcher(cfg, save_config(cfg).resolve(), False)
+
+
+def _value(launcher, name: str, **labels: str) -> float:
+    return launcher.metrics.registry.get_sample_value(f"vapo_launcher_{name}", labels) or 0.0
+
+
+def test_a_lost_engine_host_is_waited_for_and_its_actor_restarted_on_return(tmp_path: Path, monkeypatch) -> None:
+    up = tmp_path / "h3-up"
+    monkeypatch.setattr(launch_supervise, "probe_argv", lambda cfg, host: ["sh", "-c", f"test -e '{up}' || exit 255"])
+    mod, launcher = _launcher(tmp_path, "placement.min_engines=1")
+    launcher.units.host[1] = "h3"  # actor-1 as if placed on engine host h3, behind ssh
+    a0 = mod.Child("actor-0", ["sleep", "600"], tmp_path / "a0.log", 2)
+    a1 = mod.Child("actor-1", ["sh", "-c", "exit 255"], tmp_path / "a1.log", 2, via="ssh", host="h3")
+    launcher.children = {"actor-0": a0, "actor-1": a1}
+    try:
+        a0.start()
+        a1.start()
+        wait_for(lambda: not a1.alive(), 10, "the ssh stand-in to exit 255")
+        launcher.check_links()  # an engine host's loss is no longer a reason to stop the run
+        launcher.tend_children(now=100.0)
+        assert set(launcher.lost) == {"h3"} and not a1.alive()
+        assert _value(launcher, "hosts_lost_total", host="h3") == 1 and _value(launcher, "engines_alive") == 1
+        launcher.tend_children(now=101.0)  # lost: not restarted (nor counted as a restart)
+        assert not a1.alive() and a1.restarts == 0
+        # The host comes back; what ssh starts there now runs.
+        a1.cmd = ["sleep", "600"]
+        up.touch()
+        t = [110.0]
+
+        def rejoined() -> bool:
+            t[0] += 1
+            launcher.tend_children(now=t[0])
+            return a1.alive()
+
+        wait_for(rejoined, 30, "the probe to answer and actor-1 to be restarted")
+        assert launcher.lost == {} and a1.restarts == 0 and a0.alive()
+        assert _value(launcher, "hosts_rejoined_total", host="h3") == 1 and _value(launcher, "engines_alive") == 2
+    finally:
+        launcher.stop_all()
+
+
+def test_an_actor_past_its_restarts_is_given_up_and_the_run_stops_only_below_the_minimum(tmp_path: Path) -> None:
+    mod, launcher = _launcher(tmp_path, "placement.min_engines=1")
+    a0 = mod.Child("actor-0", ["sh", "-c", "exit 3"], tmp_path / "a0.log", 1)
+    a1 = mod.Child("actor-1", ["sleep", "600"], tmp_path / "a1.log", 1)
+    launcher.children = {"actor-0": a0, "actor-1": a1}
+    try:
+        a0.start()
+        a1.start()
+        wait_for(lambda: not a0.alive(), 10, "actor-0 to exit")
+        launcher.tend_children(now=1.0)  # restart 1/1
+        assert a0.restarts == 1
+        wait_for(lambda: not a0.alive(), 10, "actor-0 to exit again")
+        launcher.tend_children(now=2.0)  # past its restarts: given up, the run goes on on actor-1
+        assert launcher.units.given_up == {"actor-0"}
+        assert _value(launcher, "components_given_up_total", component="actor-0") == 1
+        assert _value(launcher, "engines_alive") == 1
+        launcher.tend_children(now=3.0)
+        assert not a0.alive() and a0.restarts == 1  # left down
+        # The last engine goes too: below placement.min_engines with nothing to come back: the run stops.
+        a1.max_restarts = 0
+        a1.signal(9)
+        wait_for(lambda: not a1.alive(), 10, "actor-1 to die")
+        with pytest.raises(mod.LaunchError, match=r"0 of 2 engine\(s\) alive, below placement.min_engines=1.*"
+                           r"--resume continues it from the start"):
+            launcher.tend_children(now=4.0)
+    finally:
+        launcher.stop_all()
+
+
+def test_a_lost_buffer_host_still_stops_the_run(tmp_path: Path) -> None:
+    mod, launcher = _launcher(tmp_path)
+    lost = mod.Child("buffer", ["sh", "-c", "exit 255"], tmp_path / "buffer.log", 3, via="ssh", host="h9")
+    launcher.children = {"buffer": lost}
+    lost.start()
+    wait_for(lambda: not lost.alive(), 10, "the ssh stand-in to exit")
+    with pytest.raises(mod.LaunchError, match="lost host h9: ssh exited with code 255.*--resume continues it"):
+        launcher.check_links()
