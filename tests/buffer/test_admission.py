@@ -3,14 +3,23 @@ the learner version, credit given back when a connection closes."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+import zmq
+
 from buffer.admission import Admission
+from buffer.client import BatchClient
 from buffer.frames import FrameRejections
 from buffer.store import BufferStore, GroupRecord
+from common.config import CurveConfig
 from common.metrics import Metrics
-from common.protocol import CreditGrant, CreditRequest, ErrorReply, decode, encode
-from tests.buffer.fixtures import buffer_config, make_group
+from common.protocol import CreditGrant, CreditRequest, ErrorReply, ProtocolError, decode, encode
+from common.security import ClientKeys, apply_client_curve, client_curve_keys, generate_run_keys
+from tests.buffer.fixtures import BufferProc, SyncSender, buffer_config, make_group
+from tests.polling import wait_for
 
 
 class Harness:
@@ -69,3 +78,122 @@ def test_a_refused_request_is_answered_with_its_reason(tmp_path: Path) -> None:
     ((ident, reply),) = h.sent
     assert ident == b"other" and isinstance(reply, ErrorReply) and reply.reason == "actor_key"
     assert h.admission.rejections.by_reason == {"actor_key": 1}
+
+
+# ---------------------------------------------------------------- identity and fair share, real server and ZeroMQ
+
+
+def _key_file(keys: Path, name: str) -> ClientKeys:
+    """The client keys of ``keys/<name>.key_secret`` (named explicitly: works on any version of the loader)."""
+    k = client_curve_keys(CurveConfig(client_secret_key=str(keys / f"{name}.key_secret"),
+                                      server_public_key=str(keys / "server.key")))
+    assert k is not None
+    return k
+
+
+def _greedy(ctx: zmq.Context, addr: str, keys: ClientKeys, actor_id: int, n: int) -> zmq.Socket:
+    """A connection with the shared actor key asking ``n`` credits for a made-up actor id, never using them."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    apply_client_curve(sock, keys)
+    sock.connect(addr)
+    sock.send(encode(CreditRequest(actor_id=actor_id, n=n)))
+    return sock
+
+
+def _granted(sock: zmq.Socket, total: int, timeout_s: float = 10.0) -> int:
+    """Read grants on ``sock`` until ``total`` credits arrived (or fail)."""
+    got = [0]
+
+    def more() -> bool:
+        while sock.poll(0):
+            msg = decode(sock.recv())
+            assert isinstance(msg, CreditGrant), msg
+            got[0] += msg.n
+        return got[0] >= total
+
+    wait_for(more, timeout_s, f"{total} credits granted to the greedy connection")
+    return got[0]
+
+
+def _take(sender: SyncSender, n: int, timeout_s: float) -> int:
+    """Acquire until ``n`` credits were granted (acquire returns as soon as one is)."""
+    deadline = time.monotonic() + timeout_s
+    got = 0
+    while got < n:
+        got += sender.acquire(n - got, timeout_s=max(0.1, deadline - time.monotonic())).n
+    return got
+
+
+def _served_despite_greedy(tmp_path: Path, overrides: list[str], greedy: list[tuple[int, int]], batch: int) -> None:
+    """Greedy connections with the shared key take all credit first; a learner waits for a batch; the real
+    actor 0 (its own key) must still get ``batch`` credits and the learner its batch."""
+    keys = generate_run_keys(tmp_path / "keys", actors=1)
+    srv = BufferProc(tmp_path, [f"buffer.curve.keys_dir={keys}", *overrides]).start()
+    ctx = zmq.Context()
+    socks: list[zmq.Socket] = []
+    try:
+        shared = _key_file(keys, "actor")
+        for actor_id, n in greedy[:1]:  # right after "buffer up": alone, it takes the whole bound
+            socks.append(_greedy(ctx, srv.ingest_addr, shared, actor_id, n))
+        first = _granted(socks[0], 1)
+        with ThreadPoolExecutor(1) as pool:
+            learner = pool.submit(_one_batch, srv.serve_addr, _key_file(keys, "learner"), batch)
+            for actor_id, n in greedy[1:]:
+                socks.append(_greedy(ctx, srv.ingest_addr, shared, actor_id, n))
+            # The learner's waiting request raises the bound; the greedy party, alone, takes that too.
+            with BatchClient(srv.serve_addr, curve=_key_file(keys, "monitor")) as probe:
+                wait_for(lambda: probe.stats()["admission_capacity"] == 0 and probe.stats()["credit_outstanding"]
+                         >= first + batch, 20, "the greedy connections to hold all the credit")
+            with SyncSender(srv.ingest_addr, 0, curve=_key_file(keys, "actor-0"), ack_timeout_s=1) as actor:
+                assert _take(actor, batch, timeout_s=10) == batch
+                acks = actor.send_many([make_group(f"real-{i}", seed=i) for i in range(batch)], timeout_s=20)
+                assert all(a.committed and not a.error for a in acks), acks
+            got = learner.result(timeout=30)
+        assert sorted(got) == sorted(f"real-{i}" for i in range(batch))
+    finally:
+        for s in socks:
+            s.close()
+        ctx.term()
+        srv.cleanup()
+
+
+def _one_batch(addr: str, keys: ClientKeys, n: int) -> list[str]:
+    with BatchClient(addr, curve=keys) as c:
+        return [g.group_id for g in c.get_batch(0, n, 25).groups]
+
+
+@pytest.mark.timeout(90)
+def test_one_greedy_connection_of_the_shared_key_cannot_starve_the_real_actor(tmp_path: Path) -> None:
+    # ops/configs/smoke.yaml's shape: batch 4, k = 1, 8 prompts in flight (so 16 credits per actor id).
+    _served_despite_greedy(tmp_path, ["learner.batch_groups=4", "buffer.max_staleness=1",
+                                      "actors.prompts_in_flight=8"], [(7, 16)], batch=4)
+
+
+@pytest.mark.timeout(90)
+def test_two_greedy_connections_cannot_starve_the_real_actor_with_the_default_bounds(tmp_path: Path) -> None:
+    # The default config's bounds: batch 32, k = 1, 16 prompts in flight (32 credits per actor id and connection).
+    _served_despite_greedy(tmp_path, ["learner.batch_groups=32", "buffer.max_staleness=1",
+                                      "actors.prompts_in_flight=16"], [(5, 32), (6, 32)], batch=32)
+
+
+@pytest.mark.timeout(60)
+def test_an_actor_key_acts_for_its_own_actor_id_only(tmp_path: Path) -> None:
+    keys = generate_run_keys(tmp_path / "keys", actors=2)
+    srv = BufferProc(tmp_path, [f"buffer.curve.keys_dir={keys}", "learner.batch_groups=4"]).start()
+    try:
+        # actor-1's key asking credit for id 0, the shared key asking for id 1 (which has a key of its own).
+        for name, actor_id in (("actor-1", 0), ("actor", 1)):
+            with SyncSender(srv.ingest_addr, actor_id, curve=_key_file(keys, name), ack_timeout_s=1) as s:
+                with pytest.raises(ProtocolError, match="actor_key"):
+                    s.acquire(1, timeout_s=10)
+        # A group stamped with another actor's id is refused for good, and counted.
+        with SyncSender(srv.ingest_addr, 1, curve=_key_file(keys, "actor-1"), ack_timeout_s=1) as s:
+            ack = s.send(make_group("not-mine", actor_id=0), timeout_s=10)
+            assert not ack.committed and ack.error.startswith("invalid:actor_key"), ack
+            assert s.send(make_group("mine", actor_id=1), timeout_s=10).committed
+        with BatchClient(srv.serve_addr, curve=_key_file(keys, "monitor")) as probe:
+            st = probe.stats()
+        assert st["depth_groups"] == 1 and st["rejected_actor_key"] == 2, st
+    finally:
+        srv.cleanup()

@@ -110,3 +110,52 @@ def test_every_refusal_reason_is_declared_for_the_clients() -> None:
 
     src = (Path(__file__).resolve().parents[2] / "buffer" / "credits.py").read_text()
     assert set(re.findall(r'Refusal\("([a-z_]+)"', src)) == REFUSAL_REASONS
+
+
+def test_fair_share_is_the_bound_over_the_active_parties_at_least_one() -> None:
+    from buffer.credits import fair_share
+
+    # 8 free + 0 in flight over 2 parties = 4; with 3 in flight and 5 free, still 8 // 2.
+    assert fair_share(8, 0, 2) == 4 and fair_share(5, 3, 2) == 4
+    # More parties than credit: each may still hold one; no party at all counts as one.
+    assert fair_share(2, 1, 7) == 1 and fair_share(6, 0, 0) == 6
+
+
+def test_a_party_alone_borrows_the_whole_bound_and_gives_back_the_loan_when_another_waits() -> None:
+    led = CreditLedger(per_actor=16, per_connection=16, ttl_s=600.0)
+    # A shared-key holder asks 16 for a made-up id: alone, it takes all 8 (work-conserving).
+    assert led.request(A, 7, 16, key="shared") is None
+    assert led.grant(8, now=0.0) == [Grant(A, 7, 8)]
+    # The real actor (its own key) asks: nothing is free, 2 parties -> share 8 // 2 = 4; the loan above 4 is
+    # taken back (stops counting), so 4 are free again, and the real actor gets them, the holder nothing more.
+    assert led.request(B, 0, 8, key="actor-0") is None
+    assert led.grant(0, now=1.0) == []
+    assert led.reclaim(0) == 4 and led.reclaimed == 4 and led.in_flight == 4
+    assert led.grant(4, now=1.0) == [Grant(B, 0, 4)]
+    assert led.principal_credit() == {"shared": 4, "actor-0": 4}
+    # Nothing more to take back: each holds its share.
+    assert led.reclaim(0) == 0
+
+
+def test_a_party_over_its_share_waits_while_another_waits_whatever_its_ids_or_connections() -> None:
+    led = CreditLedger(per_actor=32, per_connection=32, ttl_s=600.0)
+    # One key, two connections, two made-up ids: one party. The real actor waits too.
+    assert led.request(A, 5, 32, key="shared") is None and led.request(B, 6, 32, key="shared") is None
+    assert led.request(b"real", 0, 32, key="actor-0") is None
+    # 64 free, 2 parties -> share 32: the shared key's ids get 32 together (oldest first), the actor 32.
+    assert led.grant(64, now=0.0) == [Grant(A, 5, 32), Grant(b"real", 0, 32)]
+    assert led.principal_credit() == {"shared": 32, "actor-0": 32}
+
+
+def test_no_loan_is_taken_back_while_the_free_capacity_serves_the_waiting_party() -> None:
+    led = CreditLedger(per_actor=16, per_connection=16, ttl_s=600.0)
+    assert led.request(A, 1, 6, key="k1") is None
+    assert led.grant(8, now=0.0) == [Grant(A, 1, 6)]
+    # k2 wants 2; share = (2 free + 6) // 2 = 4, it needs min(2, 4) = 2 and 2 are free: no reclaim.
+    assert led.request(B, 2, 2, key="k2") is None
+    assert led.reclaim(2) == 0
+    assert led.grant(2, now=0.0) == [Grant(B, 2, 2)]
+    # Without CurveZMQ the party is the connection.
+    led2 = CreditLedger(per_actor=16, per_connection=16, ttl_s=600.0)
+    assert led2.request(A, 1, 1) is None and led2.request(A, 2, 1) is None
+    assert len(led2.principal_credit()) == 0 and led2.share(4) == 4

@@ -164,3 +164,29 @@ def test_a_stale_group_is_recorded_never_stored_and_reported(harness: Harness) -
     (ack,) = harness.answers(1)
     assert isinstance(ack, IngestAck) and ack.committed and ack.error == "stale"
     assert harness.commits == [(0, 1)] and harness.store.counters["depth_groups"] == 0
+
+
+def test_a_group_claiming_weights_newer_than_the_learner_can_have_published_is_refused(harness: Harness) -> None:
+    from buffer.ingest import version_limit
+
+    harness.store.set_learner_version(5)
+    # served_version 0 + learner_version_max_step 2 < 5: the limit is 5 + 1 (the version published after step 5).
+    assert version_limit(harness.store.counters, 2) == 6
+    newest_ok = make_group("v6", version=6)
+    forged = make_group("forged", version=(1 << 63) - 1)
+    spans = make_group("spans", version=5)  # the oldest token is v5, a later run of tokens claims 2^62
+    s = spans.samples[0]
+    s.version_spans = np.array([5, s.response_length - 1, 1 << 62, 1], np.int64)
+    for g in (newest_ok, forged, spans):
+        harness.send(encode(g))
+    wait_for(lambda: harness.ingest.drain() is not None and sum(harness.ingest.invalid.values()) == 2
+             and len(harness.ingest.next_batch) == 1, timeout_s=10, what="three groups read")
+    harness.ingest.submit()
+    harness.ingest.settle()
+    acks = {a.group_id: a for a in harness.answers(3) if isinstance(a, IngestAck)}
+    assert acks["v6"].committed and acks["v6"].error == ""
+    for gid in ("forged", "spans"):
+        assert not acks[gid].committed and acks[gid].error.startswith("invalid:version:"), acks[gid]
+    assert harness.ingest.invalid == {"version": 2}
+    assert harness.metrics.registry.get_sample_value("vapo_buffer_invalid_groups_total", {"reason": "version"}) == 2.0
+    assert harness.store.counters["depth_groups"] == 1

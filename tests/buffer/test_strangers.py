@@ -147,3 +147,25 @@ def test_a_key_file_that_names_no_role_is_refused_at_start(tmp_path: Path) -> No
     with pytest.raises(AssertionError, match="must say its role"):
         srv.start()
     srv.cleanup()
+
+
+@pytest.mark.timeout(60)
+def test_a_stranger_reconnecting_again_and_again_is_logged_once_then_summarised(tmp_path: Path) -> None:
+    overrides, keys = run_keys(tmp_path / "keys")
+    srv = BufferProc(tmp_path, overrides).start()
+    _, other_secret = generate_keypair(tmp_path / "other", "actor")
+    unknown = client_curve_keys(CurveConfig(client_secret_key=str(other_secret),
+                                            server_public_key=str(keys / "server.key")))
+    ctx = zmq.Context()
+    try:
+        with BatchClient(srv.serve_addr, curve=client_curve_keys(CurveConfig(keys_dir=str(keys)), "monitor")) as probe:
+            for i in range(20):  # each a new connection refused at the handshake
+                dealer = _raw(ctx, zmq.DEALER, srv.ingest_addr, unknown)
+                wait_for(lambda i=i: probe.stats()["auth_refused_ingest"] >= i + 1, 10, f"refusal {i + 1}")
+                dealer.close()
+        lines = [ln for ln in srv.log.read_text().splitlines() if "CurveZMQ handshake" in ln]
+        # The first refusal at once; the other 19 within the minute wait for the summary line.
+        assert len(lines) == 1 and "ingest socket: refused 1 connection(s)" in lines[0], lines
+    finally:
+        ctx.term()
+        srv.cleanup()

@@ -10,12 +10,15 @@ from pathlib import Path
 
 import pytest
 import zmq
+import zmq.auth
 
 from common.config import CurveConfig
 from common.security import (
     HANDSHAKE_FAILED,
     ROLES,
+    RefusalLog,
     SecurityError,
+    ServerCurve,
     apply_client_curve,
     client_curve_keys,
     close_monitor,
@@ -23,6 +26,7 @@ from common.security import (
     generate_keypair,
     generate_run_keys,
     is_loopback_host,
+    key_actor_id,
     key_role,
     open_monitor,
     server_curve,
@@ -175,3 +179,51 @@ def test_monitored_sockets_closed_with_close_monitor_are_released() -> None:
     term.start()
     term.join(30)
     assert not term.is_alive(), "the context still holds sockets closed a while ago"
+
+
+@pytest.mark.parametrize("name, actor_id", [("actor-3.key", 3), ("actor-0", 0), ("actor.key", None),
+                                            ("actor-a.key", None), ("actor-3x.key", None), ("learner-1.key", None),
+                                            ("actor-99999999.key", None)])
+def test_key_actor_id_is_the_number_in_an_actor_keys_name(name: str, actor_id: int | None) -> None:
+    assert key_actor_id(name) == actor_id
+
+
+def test_per_actor_keys_bind_their_actor_id_and_actors_pick_their_own(tmp_path: Path) -> None:
+    d = generate_run_keys(tmp_path / "keys", actors=2)
+    keys = server_keys(CurveConfig(keys_dir=str(d)))
+    assert keys is not None
+    curve = ServerCurve(keys, None)
+    z85 = {n: zmq.auth.load_certificate(str(d / f"{n}.key"))[0].decode() for n in ("actor", "actor-0", "actor-1")}
+    assert sorted(keys.actor_ids.values()) == [0, 1] and keys.actor_ids[z85["actor-1"]] == 1
+    assert curve.actor_refusal(z85["actor-1"], 1) is None
+    assert "actor 1's" in (curve.actor_refusal(z85["actor-1"], 0) or "")  # not for another id
+    assert "key of its own" in (curve.actor_refusal(z85["actor"], 0) or "")  # the shared key: not for a bound id
+    assert curve.actor_refusal(z85["actor"], 5) is None  # an id without a key of its own
+    assert ServerCurve(None, None).actor_refusal(None, 0) is None  # no CurveZMQ: no binding
+    # Actor 1 loads its own pair; an actor without one (id 7) the shared pair.
+    cfg = CurveConfig(keys_dir=str(d))
+    for actor_id, name in ((1, "actor-1"), (7, "actor")):
+        ck = client_curve_keys(cfg, "actor", actor_id)
+        assert ck is not None and ck.public.decode() == z85[name]
+    # Two files binding the same id (a copy under another name) are refused at start.
+    (d / "authorized_clients" / "actor-01.key").write_bytes((d / "actor-0.key").read_bytes())
+    with pytest.raises(SecurityError, match="already bound"):
+        server_keys(CurveConfig(keys_dir=str(d)))
+
+
+def test_refusal_log_writes_the_first_refusal_then_one_summary_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    log = logging.getLogger("test.refusals")
+    rl = RefusalLog(log, "ingest socket", interval_s=60.0)
+    with caplog.at_level(logging.WARNING, logger="test.refusals"):
+        # A stranger reconnecting every 100 ms for 3 minutes: 1800 refusals, one loop turn each.
+        for i in range(1800):
+            rl.note(1, now=i * 0.1)
+        rl.note(0, now=200.0)  # quiet since: the pending count still comes out once its interval is over
+        rl.note(0, now=300.0)  # nothing pending: no line
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 4, lines  # first at 0 s, summaries at 60, 120 and 200 s
+    assert "refused 1 connection(s)" in lines[0]
+    assert "refused 600 more" in lines[1] and "refused 600 more" in lines[2]
+    assert "refused 599 more" in lines[3] and "(1800 in all)" in lines[3]
