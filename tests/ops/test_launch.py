@@ -1,8 +1,9 @@
 """ops/launch.sh end to end on the smoke config: real buffer, engine, actor and learner processes.
 
-One smoke run (module fixture) is watched by a real Prometheus when the binary is available (``.ci/run``
-installs Debian's ``prometheus``), has its actor killed once mid-run, and is then inspected. A second run
-is interrupted with SIGINT.
+One smoke run (module fixture, two engines with one restart each) is watched by a real Prometheus when the
+binary is available (``.ci/run`` installs Debian's ``prometheus``), has actor-0 killed once mid-run
+(restarted) and actor-1 killed twice (given up: the run finishes on actor-0), and is then inspected. A
+second run is interrupted with SIGINT.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -44,7 +46,9 @@ def promql_range(port: int, expr: str, start: float, end: float) -> list:
 def smoke_run(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("runs")
     name = "smoke-e2e"
-    overrides = smoke_overrides(root, name)
+    # Two engines, one restart each: actor-0 is killed once (restarted), actor-1 twice (given up), and the
+    # run finishes on actor-0 alone.
+    overrides = [*smoke_overrides(root, name), "actors.num_actors=2", "engine.max_restarts=1"]
     run_dir = root / name
     prom = None
     prom_port = None
@@ -71,6 +75,9 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory):
         wait_for(lambda: mod.http_ok(f"http://127.0.0.1:{prom_port}/-/ready"), 60, "prometheus to be ready")
     proc = subprocess.Popen([str(LAUNCH), "ops/configs/smoke.yaml", *overrides], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    actor1_kills: list[int] = []
+    killer = threading.Thread(target=_kill_twice, args=(run_dir, "1", actor1_kills), daemon=True)
+    killer.start()
     lines: list[str] = []
     killed_actor = False
     t0 = time.time()
@@ -80,17 +87,38 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory):
         # Kill the actor once, after the learner has made progress (its restart must be counted).
         if not killed_actor and ("step 1/" in line or "value pretraining step 1" in line):
             for entry in processes_mentioning("-m actors "):
-                if str(run_dir) in entry:
+                if str(run_dir) in entry and "--actor-id 0" in entry:
                     os.kill(int(entry.split(":")[0]), signal.SIGKILL)
                     killed_actor = True
                     break
     rc = proc.wait(timeout=60)
     wall = time.time() - t0
+    killer.join(timeout=5)
     yield {"rc": rc, "out": "".join(lines), "run_dir": run_dir, "wall": wall, "t0": t0, "killed_actor": killed_actor,
-           "prom_port": prom_port}
+           "prom_port": prom_port, "actor1_kills": actor1_kills}
     if prom is not None:
         os.killpg(prom.pid, signal.SIGTERM)
         prom.wait(timeout=10)
+
+
+def _actor_pid(run_dir: Path, actor_id: str) -> int | None:
+    for entry in processes_mentioning("-m actors "):
+        if str(run_dir) in entry and f"--actor-id {actor_id}" in entry:
+            return int(entry.split(":")[0])
+    return None
+
+
+def _kill_twice(run_dir: Path, actor_id: str, killed: list[int]) -> None:
+    """SIGKILL the actor as soon as it runs, then its restarted process: one more death than
+    engine.max_restarts=1 allows."""
+    for _ in range(2):
+        try:
+            pid = wait_for(lambda: (p := _actor_pid(run_dir, actor_id)) not in (None, *killed) and p, 240,
+                           f"actor-{actor_id} to run")
+        except AssertionError:
+            return  # the fixture's assertions say what is missing
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
 
 
 def test_smoke_run_completes_and_writes_the_run_dir(smoke_run) -> None:
@@ -125,6 +153,17 @@ def test_smoke_run_leaves_no_process_behind(smoke_run) -> None:
 def test_killed_actor_is_restarted_and_counted(smoke_run) -> None:
     assert smoke_run["killed_actor"], "the test did not find the actor process to kill"
     assert "actor-0 exited" in smoke_run["out"] and "restarting (1/" in smoke_run["out"]
+
+
+def test_an_actor_dying_past_its_restarts_is_given_up_and_the_run_finishes_on_the_other(smoke_run) -> None:
+    """Before elastic engines the launcher stopped the whole run here ("exited ... and was restarted 1
+    times", exit code 1)."""
+    out = smoke_run["out"]
+    assert len(smoke_run["actor1_kills"]) == 2, out[-3000:]
+    assert "actor-1 exited with code -9; restarting (1/1)" in out
+    assert "GIVING UP actor-1" in out and "the run goes on on 1/2 engine(s)" in out, out[-3000:]
+    assert "engines 1/2" in out  # the step lines say the run is degraded
+    assert smoke_run["rc"] == 0 and "learner finished" in out, out[-3000:]
 
 
 def test_every_grafana_panel_query_returns_data(smoke_run) -> None:
