@@ -174,8 +174,10 @@ class Supervision:
             self.released.host_back(now)
         self.metrics.hosts_rejoined.labels(host=host).inc()
         restart = [c for c in self.unit_children(host) if c.name not in self.units.given_up]
+        dropped = self.metrics.registry.get_sample_value("vapo_launcher_groups_dropped_lost_host_total") or 0
         say(f"engine host {host} answers again after {now - watch.lost_at:.0f} s ({watch.probes} probe(s)): "
-            f"restarting {', '.join(c.name for c in restart) or 'nothing (all given up)'}")
+            f"restarting {', '.join(c.name for c in restart) or 'nothing (all given up)'}; groups dropped with "
+            f"lost hosts so far: {dropped:.0f} (granted to their actors, never delivered)")
         for c in restart:
             if c.alive():  # a link that has not ended yet: its guard stops the old process
                 c.hang_up()
