@@ -45,6 +45,13 @@ closed and recreated)::
 ``get_batch`` raises ``TimeoutError`` when the buffer had fewer than ``n_groups`` groups within
 ``timeout_s`` (nothing is consumed) or did not answer; it never re-sends a batch request by itself (a
 lost reply after the buffer served would otherwise skip a batch), so callers loop.
+
+A request whose connection drops while it waits is lost (a REQ socket does not re-send it over the new
+connection), so waiting on for the full ``timeout_s + request_timeout_s`` would only cost time: a buffer
+SIGKILLed and restarted under a waiting learner cost ~35 s. The client watches its socket's monitor for a
+dropped connection (a dead peer is found by ZMTP heartbeats, ``HEARTBEAT_IVL_S`` / ``HEARTBEAT_TIMEOUT_S``,
+when no FIN arrives) and then raises ``BufferConnectionLost`` (a ``TimeoutError``) at once; the caller's
+next request goes to the restarted buffer. A long wait on a live connection is left alone.
 """
 
 from __future__ import annotations
@@ -75,7 +82,7 @@ from common.protocol import (
     decode_as,
     encode,
 )
-from common.security import ClientKeys, apply_client_curve
+from common.security import ClientKeys, apply_client_curve, close_monitor, open_monitor
 
 INVALID = "invalid:"  # IngestAck.error prefix of a group the buffer refused as unusable (final, never stored)
 _REPLY_MAX_BYTES = 1 << 40  # replies come from our own buffer; a 512-group batch exceeds 64 MiB
@@ -279,6 +286,14 @@ class AsyncGroupSender:
         await self.close()
 
 
+HEARTBEAT_IVL_S = 1.0  # ZMTP PING interval on the learner's connection
+HEARTBEAT_TIMEOUT_S = 4.0  # no traffic for this long: the connection is dropped (a buffer host gone silent)
+
+
+class BufferConnectionLost(TimeoutError):
+    """The connection dropped while a request waited: its reply can never come; ask again."""
+
+
 class BatchClient:
     """The learner's REQ client of the buffer's serve socket (lazy pirate)."""
 
@@ -294,31 +309,71 @@ class BatchClient:
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
         self.sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self.connections_lost = 0  # requests given up because their connection dropped
 
     def _socket(self) -> zmq.Socket:
         if self.sock is None:
             s = self.ctx.socket(zmq.REQ)
             s.linger = 0
+            s.heartbeat_ivl = int(HEARTBEAT_IVL_S * 1000)
+            s.heartbeat_timeout = int(HEARTBEAT_TIMEOUT_S * 1000)
             apply_client_curve(s, self.curve)
+            self._monitor = open_monitor(s, zmq.EVENT_DISCONNECTED)
             s.connect(self.addr)
             self.sock = s
         return self.sock
 
     def _drop(self) -> None:
         if self.sock is not None:
+            if self._monitor is not None:
+                close_monitor(self.sock, self._monitor)
+                self._monitor = None
             self.sock.close(linger=0)
             self.sock = None
 
+    def _dropped(self) -> bool:
+        """Whether the connection dropped since the last call (drains the monitor)."""
+        lost = False
+        while self._monitor is not None and self._monitor.poll(0):
+            self._monitor.recv_multipart()  # only EVENT_DISCONNECTED is subscribed
+            lost = True
+        return lost
+
+    def _wait_reply(self, s: zmq.Socket, timeout_s: float) -> bytes | None:
+        """The reply, or None after ``timeout_s``; ``BufferConnectionLost`` as soon as the connection drops."""
+        poller = zmq.Poller()
+        poller.register(s, zmq.POLLIN)
+        assert self._monitor is not None
+        poller.register(self._monitor, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            events = dict(poller.poll(int(left * 1000) + 1))
+            if s in events:
+                return s.recv()
+            if self._monitor in events and self._dropped():
+                self.connections_lost += 1
+                raise BufferConnectionLost(f"connection to the buffer at {self.addr} dropped while a request "
+                                           "waited (buffer restarted?); ask again")
+        return None
+
     def _request(self, frame: bytes, timeout_s: float, retries: int) -> bytes:
-        for _ in range(retries + 1):
+        for attempt in range(retries + 1):
             s = self._socket()
             s.sndtimeo = int(timeout_s * 1000)  # no peer (e.g. a refused CURVE handshake) makes send block
+            self._dropped()  # a drop before this request (a restart between requests) costs it nothing
             try:
                 s.send(frame)
-                if s.poll(int(timeout_s * 1000)):
-                    return s.recv()
+                reply = self._wait_reply(s, timeout_s)
+                if reply is not None:
+                    return reply
             except zmq.Again:
                 pass
+            except BufferConnectionLost:
+                self._drop()
+                if attempt == retries:
+                    raise
+                continue
             self._drop()  # a REQ socket that missed its reply is stuck: recreate it
         raise TimeoutError(f"buffer at {self.addr} did not answer within {timeout_s} s")
 
@@ -365,4 +420,4 @@ class BatchClient:
         self.close()
 
 
-__all__ = ["AsyncGroupSender", "BatchClient"]
+__all__ = ["AsyncGroupSender", "BatchClient", "BufferConnectionLost"]

@@ -46,6 +46,7 @@ class BufferStats:
             "credit_outstanding": float(ledger.in_flight),
             "credit_waiting": float(ledger.waiting),
             "credit_released": float(ledger.released),
+            "credit_reclaimed": float(ledger.reclaimed),
             "batch_waiting": float(len(waits)),
             "batch_waits_abandoned": float(waits.abandoned),
             "admission_capacity": float(self.admission.capacity()),

@@ -131,3 +131,48 @@ def test_batch_and_positives_frames_are_the_exact_decoded_replies(buffer_proc: A
         assert [g.group_id for g in reply.groups] == ["f0", "f1"]
         assert decode(frame, 1 << 40) == reply
         assert reply.groups[0] == groups[0]
+
+
+def _learner_fetch(client: BatchClient, n: int, timeout_s: float) -> list[str]:
+    """learner.data.BufferSource's loop (without importing torch): turns of <= 5 s (MAX_REQUEST_WAIT_S) until
+    ``n`` groups arrived, a TimeoutError being one more turn."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return [g.group_id for g in client.get_batch(0, n, min(5.0, deadline - time.monotonic())).groups]
+        except TimeoutError:
+            continue
+    raise TimeoutError(f"no batch of {n} in {timeout_s} s")
+
+
+@pytest.mark.timeout(90)
+def test_a_learner_waiting_on_a_sigkilled_buffer_asks_the_restarted_one_within_seconds(buffer_proc: Any,
+                                                                                        tmp_path: Any) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from common.config import CurveConfig
+    from common.security import client_curve_keys, generate_run_keys
+
+    keys = generate_run_keys(tmp_path / "keys")
+    srv = buffer_proc([f"buffer.curve.keys_dir={keys}", "learner.batch_groups=2"])
+    curve = CurveConfig(keys_dir=str(keys))
+    learner = BatchClient(srv.serve_addr, curve=client_curve_keys(curve, "learner"))  # default 30 s request timeout
+    try:
+        with BatchClient(srv.serve_addr, curve=client_curve_keys(curve, "monitor"), request_timeout_s=2) as probe:
+            with ThreadPoolExecutor(1) as pool:
+                fut = pool.submit(_learner_fetch, learner, 2, 60.0)
+                wait_for(lambda: probe.stats(retries=0)["batch_waiting"] == 1, 20, "the learner's request to wait")
+                srv.kill()
+                killed = time.monotonic()
+                srv.start()
+                with SyncSender(srv.ingest_addr, 0, curve=client_curve_keys(curve, "actor"), ack_timeout_s=1) as actor:
+                    actor.send_many([make_group(f"after-{i}", seed=i) for i in range(2)], timeout_s=20)
+                got = fut.result(timeout=60)
+                elapsed = time.monotonic() - killed
+        # Before, the lost request waited out its turn: 5 s + the 30 s request timeout.
+        assert sorted(got) == ["after-0", "after-1"]
+        print(f"batch {elapsed:.2f} s after the SIGKILL")
+        assert elapsed < 8.0, f"the restarted buffer served the waiting learner only after {elapsed:.1f} s"
+        assert learner.connections_lost >= 1
+    finally:
+        learner.close()
