@@ -9,6 +9,10 @@ Each process builds only its own component's metrics in its own registry and ser
 
 Full names are ``vapo_<component>_<name>``; counters get prometheus_client's ``_total`` suffix on the
 wire (``vapo_buffer_acked_groups_total``). Learner health names follow verl's where verl has one.
+
+The ``/metrics`` HTTP server reads each request under a timeout (``READ_TIMEOUT_S``: a client that sends half a
+request is dropped, its thread freed) and serves at most ``MAX_CONNECTIONS`` connections at once (one thread
+each; a connection beyond that is closed at once), so slow or idle clients cannot pile up threads.
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ COMPONENTS = ("buffer", "actor", "engine", "learner", "launcher")
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _STALENESS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
+
+
+READ_TIMEOUT_S = 5.0  # /metrics: seconds a read of a request may block before the connection is dropped
+MAX_CONNECTIONS = 16  # /metrics: connections (threads) served at once; more are closed unserved
 
 
 @dataclass(frozen=True)
@@ -216,14 +224,17 @@ class Metrics:
             return metrics[name]
         raise AttributeError(f"no metric vapo_{self.__dict__.get('component')}_{name} declared in common/metrics.py")
 
-    def serve(self, port: int, host: str = "127.0.0.1", config_key: str | None = None) -> int:
+    def serve(self, port: int, host: str = "127.0.0.1", config_key: str | None = None, *,
+              read_timeout_s: float | None = None, max_connections: int | None = None) -> int:
         """Serve ``/metrics`` on host:port (port 0 picks a free one); returns the port.
 
         A bind failure raises OSError naming host:port and the config key that sets it (``config_key``,
-        else the component's usual key), so the operator knows which setting collides.
+        else the component's usual key), so the operator knows which setting collides. ``read_timeout_s`` and
+        ``max_connections`` default to ``READ_TIMEOUT_S`` and ``MAX_CONNECTIONS`` (module docstring).
         """
         try:
-            server = self._start_server(port, host)
+            server = self._start_server(port, host, READ_TIMEOUT_S if read_timeout_s is None else read_timeout_s,
+                                        MAX_CONNECTIONS if max_connections is None else max_connections)
         except OSError as e:
             key = config_key or _PORT_KEYS.get(self.component, "the component's metrics port")
             raise OSError(e.errno, f"cannot serve {self.component} /metrics on {host}:{port}: "
@@ -232,7 +243,7 @@ class Metrics:
         self.port = int(server.server_address[1])
         return self.port
 
-    def _start_server(self, port: int, host: str) -> ThreadingWSGIServer:
+    def _start_server(self, port: int, host: str, read_timeout_s: float, max_connections: int) -> ThreadingWSGIServer:
         """prometheus_client's WSGI exposition, plus a note of each scrape once its response is sent."""
         collect = make_wsgi_app(self.registry)
 
@@ -240,10 +251,14 @@ class Metrics:
             started = time.time()
             return _ThenNotify(collect(environ, start_response), lambda: self._on_scrape(started))
 
-        class Server(ThreadingWSGIServer):
+        class Server(_BoundedServer):
             address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            slots = threading.BoundedSemaphore(max_connections)
 
-        server = make_server(host, port, app, Server, handler_class=_QuietHandler)
+        class Handler(_QuietHandler):
+            timeout = read_timeout_s  # StreamRequestHandler puts it on the socket: every read is bounded
+
+        server = make_server(host, port, app, Server, handler_class=Handler)
         threading.Thread(target=server.serve_forever, daemon=True, name=f"metrics-{self.component}").start()
         return server
 
@@ -288,6 +303,34 @@ class _ThenNotify:
                 close()
         finally:
             self.done()
+
+
+class _BoundedServer(ThreadingWSGIServer):
+    """One thread per connection, at most ``slots`` at once; a connection past the bound is closed unserved."""
+
+    slots: threading.BoundedSemaphore
+    request_queue_size = 64  # listen backlog: a burst of connections is accepted (and closed), not SYN-dropped
+    refused = 0  # connections closed at the bound (per server class)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            type(self).refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()  # the thread never started
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that timed out or went away: dropped quietly (the default prints a traceback)."""
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import re
+import select
+import socket
+import threading
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from common.metrics import COMPONENTS, SPECS, Metrics, specs
+from tests.polling import wait_for
 
 
 def test_every_metric_is_declared_once_with_help_and_prefix() -> None:
@@ -43,7 +47,6 @@ def test_undeclared_metric_is_a_clear_error() -> None:
 
 
 def test_wait_for_scrape_returns_once_an_http_scrape_comes_after_the_mark() -> None:
-    import threading
     import time
 
     m = Metrics("learner")
@@ -126,3 +129,42 @@ def test_architecture_metrics_table_matches_the_declared_metrics() -> None:
         assert kind == s.kind, (name, kind, s.kind)
         names = {x.strip() for x in re.sub(r"\([^)]*\)", "", labels).split(",") if x.strip()}
         assert names == set(s.labels), (name, labels, s.labels)
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server closed this connection (EOF, or a reset), without blocking."""
+    if not select.select([sock], [], [], 0)[0]:
+        return False
+    try:
+        return sock.recv(1 << 16) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_metrics_server_drops_half_requests_after_its_read_timeout_and_bounds_its_threads() -> None:
+    m = Metrics("actor")
+    port = m.serve(0, read_timeout_s=0.5, max_connections=4)
+    baseline = threading.active_count()
+    slow: list[socket.socket] = []
+    closed: set[int] = set()
+
+    def count_closed() -> int:
+        closed.update(i for i, s in enumerate(slow) if i not in closed and _closed_by_server(s))
+        return len(closed)
+
+    try:
+        for _ in range(30):  # each sends half a request line, then nothing
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.sendall(b"GET /metr")
+            slow.append(s)
+        # Four are being read, one thread each; the other 26 are closed at once, unserved.
+        wait_for(lambda: count_closed() >= 26, 10, "connections past the bound closed")
+        assert threading.active_count() <= baseline + 4
+        # The four half requests are dropped after the read timeout, and a scrape is served again.
+        wait_for(lambda: count_closed() == 30, 10, "half requests dropped after the read timeout")
+        wait_for(lambda: threading.active_count() <= baseline, 10, "their threads to end")
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert "vapo_actor_" in body
+    finally:
+        for s in slow:
+            s.close()
