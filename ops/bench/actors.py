@@ -1,21 +1,23 @@
 """Benchmark: end-to-end actor throughput (verified samples/s into the buffer) vs the engine's raw /generate.
 
-    .venv/bin/python ops/bench/actors.py [--seconds 20] [--model DIR] [key=value ...]
+    .venv/bin/python ops/bench/actors.py [--rounds 5] [--seconds 8] [--model DIR] [--quick] [key=value ...]
 
-One ``actors.rollout_server`` engine serves both phases, with the run's config (default
+One ``actors.rollout_server`` engine serves both sides, with the run's config (default
 ``ops/configs/default.yaml``: G = 8, prompts_in_flight = 16, max_new_tokens = 96, temperature 1):
 
-- raw: ``prompts_in_flight`` concurrent asyncio loops POST ``/generate`` (n = G, return_logprob) for this
-  actor's prompts through ``common.sglang_client``, and count samples — the engine's throughput with no
-  verification, no buffer, no credit;
-- actors: ``python -m actors --actor-id 0`` with ``engine.kind=external`` pointing at the same engine, a real
-  buffer (``python -m buffer``, LMDB) and no learner; throughput is the growth of the buffer's committed
-  ``accepted_samples`` counter.
+- baseline, raw ``/generate`` (the limit of the same engine): ``prompts_in_flight`` concurrent asyncio loops
+  POST ``/generate`` (n = G, return_logprob) for this actor's prompts through ``common.sglang_client``, and
+  count samples: the engine's throughput with no verification, no buffer, no credit;
+- subject, the actors: ``python -m actors --actor-id 0`` with ``engine.kind=external`` pointing at the same
+  engine, a real buffer (``python -m buffer``, LMDB) and no learner, a fresh run directory each round;
+  throughput is the growth of the buffer's committed ``accepted_samples`` counter.
 
-Each phase warms up (``--warmup`` s) and is then measured for ``--seconds``; the raw phase runs before and
-after the actor phase and the baseline is their mean, so drift in machine load affects both sides.
-Model: ``--model`` or a random Qwen2 of the config's bootstrap size (char tokenizer). Prints one JSON line.
-Target: ratio >= 0.9.
+Each side warms up (``--warmup`` s) and is then measured for ``--seconds``; the two run interleaved
+(``ops/bench/measure.py``: ``--rounds`` rounds, ABBA order). Judged: ``actor_over_raw_generate`` = actor
+samples/s over raw samples/s per round, **goal >= 0.9**: median, range, interquartile range and verdict
+(``unclear`` when the interquartile range straddles the goal). Model: ``--model`` or a random Qwen2 of the
+config's bootstrap size (char tokenizer). ``--quick``: 2 short rounds of short responses (a check that it
+runs; its verdict is always ``unclear``). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import os
 import select
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,6 +42,11 @@ sys.path.insert(0, str(REPO))
 
 from common.config import Config, load_config  # noqa: E402
 from common.sglang_client import SGLangClient  # noqa: E402
+from ops.bench.measure import MIN_ROUNDS, Run, Timed, interleave, summarise  # noqa: E402
+
+GOAL = 0.9  # the actors deliver at least 90% of what the engine generates
+QUICK = {"seconds": 1.5, "warmup": 0.5, "rounds": 2}
+QUICK_OVERRIDES = ["actors.max_new_tokens=16"]
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
        "TOKENIZERS_PARALLELISM": "false"}
@@ -81,10 +89,11 @@ def build_model(cfg: Config, out: Path) -> Path:
     return save_hf(model, tok, out)
 
 
-def actor_overrides(overrides: list[str], tmp: Path, sock: Path, model: Path, url: str) -> list[str]:
-    """One actor on the engine at ``url`` (``engine.kind=external``), a buffer in ``tmp``, sockets in ``sock``."""
+def actor_overrides(overrides: list[str], tmp: Path, sock: Path, model: Path, url: str, name: str = "bench") -> list[str]:
+    """One actor on the engine at ``url`` (``engine.kind=external``), a buffer in ``tmp``, sockets in ``sock``;
+    a fresh ``name`` starts from an empty buffer and prompt cursor (a restarted actor would re-send groups)."""
     return [
-        *overrides, f"run.root={tmp / 'runs'}", "run.name=bench", f"model.path={model}", "engine.kind=external",
+        *overrides, f"run.root={tmp / 'runs'}", f"run.name={name}", f"model.path={model}", "engine.kind=external",
         f"engine.urls=[{url}]", "actors.num_actors=1", f"buffer.ingest_addr=ipc://{sock}/in",
         f"buffer.serve_addr=ipc://{sock}/serve", "buffer.metrics_port=0", "actors.metrics_base_port=0",
         f"learner.publish_addr=ipc://{sock}/pub", f"learner.query_addr=ipc://{sock}/query",
@@ -143,7 +152,7 @@ def actor_phase(overrides: list[str], tmp: Path, warmup_s: float, seconds: float
         dt = t1 - t0
         samples = s1["accepted_samples"] - s0["accepted_samples"]
         groups = s1["accepted_groups"] - s0["accepted_groups"]
-        return {"samples_per_s": samples / dt, "groups_per_s": groups / dt, "credit_wait_s": done["credit_wait_s"],
+        return {"samples_per_s": samples / dt, "groups_per_s": groups / dt, "seconds": dt, "credit_wait_s": done["credit_wait_s"],
                 "resubmits": done["resubmits"], "tokens_per_sample": done["tokens"] / max(done["samples"], 1)}
     finally:
         for p in procs:
@@ -152,53 +161,89 @@ def actor_phase(overrides: list[str], tmp: Path, warmup_s: float, seconds: float
                 p.wait()
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="key=value overrides apply to ops/configs/default.yaml (or --config)")
     ap.add_argument("--config", default=str(REPO / "ops/configs/default.yaml"))
-    ap.add_argument("--seconds", type=float, default=20.0, help="measured seconds per phase")
-    ap.add_argument("--warmup", type=float, default=4.0, help="unmeasured seconds at the start of each phase")
+    ap.add_argument("--rounds", type=int, default=MIN_ROUNDS, help="interleaved raw/actor rounds")
+    ap.add_argument("--seconds", type=float, default=8.0, help="measured seconds per side and round")
+    ap.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds at the start of each side")
     ap.add_argument("--model", default="", help="HF model dir (default: a random model of the bootstrap size)")
-    args, overrides = ap.parse_known_args()
+    ap.add_argument("--quick", action="store_true", help=f"a check that it runs, no verdict: {QUICK} {QUICK_OVERRIDES}")
+    args, overrides = ap.parse_known_args(argv)
     bad = [o for o in overrides if "=" not in o]
     if bad:
         ap.error(f"unrecognised arguments: {' '.join(bad)}")
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+        overrides = [*QUICK_OVERRIDES, *overrides]
+    return args, overrides
+
+
+def start_engine(cfg: Config, model: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    e = cfg.engine
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "actors.rollout_server", "--model-path", str(model), "--skip-tokenizer-init",
+         "--port", "0", "--threads", str(e.threads), "--max-batch-size", str(e.max_batch_size),
+         "--batch-wait-ms", str(e.batch_wait_ms), "--weight-version", "0", "--log-level", "warning"],
+        cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=open(log, "ab"))  # noqa: SIM115
+    line = read_line(engine, "rollout_server ready", 120)
+    return engine, line.split("ready on ", 1)[1].split()[0]
+
+
+def measure(args: argparse.Namespace, overrides: list[str], cfg: Config, model: Path, url: str, tmp: Path,
+            sock: Path) -> dict[str, Any]:
+    """The interleaved rounds: their figures and the judged ratio."""
+    from common.modeling import load_tokenizer
+    from common.tasks import encode_prompt, get_task
+
+    tok, task = load_tokenizer(model), get_task(cfg.task)
+    prompts = [encode_prompt(tok, task.train_prompt(i)) for i in range(512)]
+    acts: list[dict[str, Any]] = []
+    raws: list[dict[str, float]] = []
+
+    def raw(r: int) -> Timed:
+        raws.append(asyncio.run(raw_phase(cfg, url, prompts, args.warmup, args.seconds)))
+        return Timed(raws[-1]["samples_per_s"] * args.seconds, args.seconds)
+
+    def actor(r: int) -> Timed:
+        run_overrides = [args.config, *actor_overrides(overrides, tmp, sock, model, url, name=f"bench{r}")]
+        acts.append(actor_phase(run_overrides, tmp, args.warmup, args.seconds))
+        return Timed(acts[-1]["samples_per_s"] * acts[-1]["seconds"], acts[-1]["seconds"])
+
+    def say(r: int, b: Timed, s: Timed) -> None:
+        print(f"round {r}: raw {b.rate:.2f} samples/s, actor {s.rate:.2f}", file=sys.stderr)
+
+    rounds = interleave(raw, actor, args.rounds, on_round=say)
+    return {
+        "bench": "actors", **summarise(rounds.rate_ratios(), GOAL, name="actor_over_raw_generate"),
+        "rounds": args.rounds, "seconds": args.seconds, "warmup_s": args.warmup,
+        "actor_samples_per_s": round(statistics.median(t.rate for t in rounds.subject), 2),
+        "raw_samples_per_s": round(statistics.median(t.rate for t in rounds.baseline), 2),
+        "actor_samples_per_s_rounds": [round(t.rate, 2) for t in rounds.subject],
+        "raw_samples_per_s_rounds": [round(t.rate, 2) for t in rounds.baseline],
+        "raw_tokens_per_sample": round(sum(x["tokens_per_s"] for x in raws) / max(sum(x["samples_per_s"] for x in raws), 1e-9), 2),
+        "actor_tokens_per_sample": round(statistics.median(a["tokens_per_sample"] for a in acts), 2),
+        "actor_credit_wait_s": round(sum(a["credit_wait_s"] for a in acts), 2),
+        "actor_resubmits": sum(a["resubmits"] for a in acts),
+        "group_size": cfg.actors.group_size, "prompts_in_flight": cfg.actors.prompts_in_flight,
+        "max_new_tokens": cfg.actors.max_new_tokens,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(argv)
+    run = Run(quick=args.quick)
     tmp = Path(tempfile.mkdtemp(prefix="vbench-actors-"))
     sock = Path(tempfile.mkdtemp(prefix="vba", dir="/tmp"))
     engine: subprocess.Popen | None = None
     try:
         cfg = load_config(args.config, overrides)
         model = Path(args.model) if args.model else build_model(cfg, tmp / "model")
-        e = cfg.engine
-        engine = subprocess.Popen(
-            [sys.executable, "-m", "actors.rollout_server", "--model-path", str(model), "--skip-tokenizer-init",
-             "--port", "0", "--threads", str(e.threads), "--max-batch-size", str(e.max_batch_size),
-             "--batch-wait-ms", str(e.batch_wait_ms), "--weight-version", "0", "--log-level", "warning"],
-            cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=open(tmp / "engine.log", "ab"))  # noqa: SIM115
-        line = read_line(engine, "rollout_server ready", 120)
-        url = line.split("ready on ", 1)[1].split()[0]
-        from common.modeling import load_tokenizer
-        from common.tasks import encode_prompt, get_task
-
-        tok, task = load_tokenizer(model), get_task(cfg.task)
-        prompts = [encode_prompt(tok, task.train_prompt(i)) for i in range(512)]
-        run_overrides = actor_overrides(overrides, tmp, sock, model, url)
-        cfg_arg = [args.config]
-        raw1 = asyncio.run(raw_phase(cfg, url, prompts, args.warmup, args.seconds))
-        act = actor_phase(cfg_arg + run_overrides, tmp, args.warmup, args.seconds)
-        raw2 = asyncio.run(raw_phase(cfg, url, prompts, args.warmup, args.seconds))
-        raw = (raw1["samples_per_s"] + raw2["samples_per_s"]) / 2
-        print(json.dumps({
-            "bench": "actors", "ratio": round(act["samples_per_s"] / raw, 4), "target": 0.9,
-            "actor_samples_per_s": round(act["samples_per_s"], 2), "raw_samples_per_s": round(raw, 2),
-            "raw_samples_per_s_before": round(raw1["samples_per_s"], 2),
-            "raw_samples_per_s_after": round(raw2["samples_per_s"], 2),
-            "raw_tokens_per_sample": round(raw1["tokens_per_s"] / max(raw1["samples_per_s"], 1e-9), 2),
-            "actor_tokens_per_sample": round(act["tokens_per_sample"], 2),
-            "actor_credit_wait_s": act["credit_wait_s"], "actor_resubmits": act["resubmits"],
-            "group_size": cfg.actors.group_size, "prompts_in_flight": cfg.actors.prompts_in_flight,
-            "max_new_tokens": cfg.actors.max_new_tokens, "seconds": args.seconds, "cpus": os.cpu_count(),
-        }))
+        engine, url = start_engine(cfg, model, tmp / "engine.log")
+        out = measure(args, overrides, cfg, model, url, tmp, sock)
+        print(json.dumps({**out, **run.common_fields()}))
         return 0
     finally:
         if engine is not None and engine.poll() is None:
