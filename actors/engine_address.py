@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import Config
+from common.security import url_host
 
 
 class EngineLinkError(RuntimeError):
@@ -23,7 +24,7 @@ def engine_url(cfg: Config, actor_id: int) -> str | None:
             raise EngineLinkError(f"engine.kind=external: engine.urls has {len(e.urls)} URLs, actor {actor_id} needs one")
         return e.urls[actor_id].rstrip("/")
     if e.kind == "sglang":
-        return f"http://{e.host}:{e.base_port + actor_id}"
+        return f"http://{url_host(e.host)}:{e.base_port + actor_id}"
     return None
 
 

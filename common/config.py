@@ -127,6 +127,8 @@ def _actor_engine_checks(cfg: Config) -> list[Check]:
         ("engine.health_failures", cfg.engine.health_failures >= 1, "must be >= 1"),
         ("engine.health_interval_s", cfg.engine.health_interval_s > 0, "must be > 0"),
         ("engine.health_timeout_s", cfg.engine.health_timeout_s > 0, "must be > 0"),
+        ("engine.host", not cfg.engine.host.startswith("["), "an IPv6 address is written without brackets (e.g. :: "
+         "for every interface, ::1 for loopback)"),
         ("engine.host", is_loopback_host(cfg.engine.host) or bool(cfg.engine.bind_protection),
          f"{cfg.engine.host!r} is not a loopback address: the engine's /generate has no authentication (its control "
          "endpoints take an admin API key); bind 127.0.0.1 or set engine.bind_protection (firewall | private_network | auth_proxy)"),
@@ -282,7 +284,10 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {item!r}: empty key")
-    value = yaml.safe_load(raw) if raw.strip() != "" else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() != "" else ""
+    except yaml.YAMLError:
+        value = raw.strip()  # not YAML (e.g. `[::]`): the text itself, which the field's type check then judges
     return key.split("."), value
 
 
@@ -293,8 +298,9 @@ def _nest(path: list[str], value: Any) -> dict[str, Any]:
     return out
 
 
-def _coerce_override(cfg: Config, path: list[str], value: Any) -> Any:
-    """YAML parses `x=1e-4` as a string and `x=3` as int; coerce to what the field wants."""
+def _coerce_override(cfg: Config, path: list[str], value: Any, raw: str = "") -> Any:
+    """YAML parses `x=1e-4` as a string and `x=3` as int; coerce to what the field wants. A string field takes
+    the text as written when YAML made something else of it (`engine.host=::` is a mapping to YAML)."""
     obj: Any = cfg
     for part in path[:-1]:
         obj = getattr(obj, part, None)
@@ -307,6 +313,8 @@ def _coerce_override(cfg: Config, path: list[str], value: Any) -> Any:
             return float(value)
         except ValueError:
             return value
+    if tp is str and isinstance(value, dict | list):
+        return raw.strip()
     if tp is str and value is not None and not isinstance(value, str):
         return str(value)
     return value
@@ -326,7 +334,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _merge(cfg, data)
     for item in overrides or []:
         keypath, value = _parse_override(item)
-        value = _coerce_override(cfg, keypath, value)
+        value = _coerce_override(cfg, keypath, value, item.split("=", 1)[1])
         _merge(cfg, _nest(keypath, value))
     _validate(cfg)
     return cfg

@@ -89,6 +89,11 @@ def is_loopback_host(host: str) -> bool:
         return False  # "*", 0.0.0.0, interface names, host names: may be routable
 
 
+def url_host(host: str) -> str:
+    """``host`` as it goes into a URL: an IPv6 address in brackets (``::`` -> ``[::]``), anything else as is."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 ROLES = ("actor", "learner", "monitor")
 
 
@@ -384,5 +389,5 @@ class RefusalLog:
 __all__ = [
     "SecurityError", "is_local_endpoint", "is_loopback_host", "endpoint_host", "ServerKeys", "ClientKeys",
     "ServerCurve", "server_keys", "client_curve_keys", "server_curve", "apply_client_curve", "generate_keypair",
-    "generate_run_keys", "ROLES", "key_role", "key_actor_id", "HANDSHAKE_FAILED", "RefusalLog",
+    "generate_run_keys", "ROLES", "key_role", "key_actor_id", "HANDSHAKE_FAILED", "RefusalLog", "url_host",
 ]

@@ -230,6 +230,8 @@ class Launcher(Supervision):
     def start_engines(self) -> None:
         """SGLang servers (rollout_server engines are started and supervised by their actor; external URLs
         are given). Engines on this host are waited for here; a remote one is waited for by its actor."""
+        from common.security import url_host  # an IPv6 engine.host (::) goes into a URL in brackets
+
         engines = [p for p in self.plan.procs if p.role == "engine"]
         if engines and self.cfg.engine.admin_api_key_file:
             from actors.sglang_launcher import write_admin_key_config
@@ -242,7 +244,7 @@ class Launcher(Supervision):
         probe_s = self.cfg.engine.health_timeout_s  # SGLang's /health generates a token: slow on a busy CPU
         for i, p in enumerate(engines):
             if p.host == here:
-                url = f"http://{self.cfg.engine.host}:{self.cfg.engine.base_port + i}"
+                url = f"http://{url_host(self.cfg.engine.host)}:{self.cfg.engine.base_port + i}"
                 wait_until(p.name, lambda u=url: http_ok(u + "/health", probe_s), self.children[p.name],
                            self.cfg.engine.startup_timeout_s)
         if engines:

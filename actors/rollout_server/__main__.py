@@ -34,7 +34,7 @@ from common.config import EngineConfig
 from common.generation.sampling import DEFAULT_MAX_N
 from common.generation.scheduler import Scheduler
 from common.metrics import Metrics
-from common.security import is_loopback_host
+from common.security import is_loopback_host, url_host
 
 log = logging.getLogger("vapo.rollout_server")
 
@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="/update_weights_from_disk: reading and checking the checkpoint must finish within this")
     p.add_argument("--bind-protection", default="", choices=("", *BIND_PROTECTIONS),
                    help="required when --host is not a loopback address: how the port is protected "
-                        "(the control API has no authentication), as engine.bind_protection")
+                        "(/generate is open to anyone who reaches it; the control API needs the admin API key), "
+                        "as engine.bind_protection")
     p.add_argument("--imitate-sglang", action="store_true",
                    help="test mode: behave as real SGLang 0.5.23 does where it differs (slow /health that blocks "
                         "while paused or loading, 400 after a load whose cache flush is refused, meta_info."
@@ -144,7 +145,7 @@ async def _serve(args: argparse.Namespace) -> None:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"rollout_server ready on http://{args.host}:{port} model={args.model_path} params={n_params} "
+    print(f"rollout_server ready on http://{url_host(args.host)}:{port} model={args.model_path} params={n_params} "
           f"device={args.device} slots={args.max_batch_size} context={scheduler.context_length} "
           f"weight_version={scheduler.weight_version} load_s={time.time() - t0:.1f}", flush=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -167,9 +168,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.admin_api_key is None:
         args.admin_api_key = os.environ.get(ADMIN_KEY_ENV, "")
     if not is_loopback_host(args.host) and not args.bind_protection:
-        raise SystemExit(f"rollout_server: --host {args.host} is not a loopback address and the engine's control API "
-                         f"(/update_weights_from_disk, /pause_generation, ...) has no authentication; bind 127.0.0.1, "
-                         f"or state how the port is protected with --bind-protection "
+        control = ("its control API (/update_weights_from_disk, /pause_generation, ...) takes only the admin API key"
+                   if args.admin_api_key else "its control API (/update_weights_from_disk, /pause_generation, ...) "
+                   f"is open too: no --admin-api-key or {ADMIN_KEY_ENV} is set")
+        raise SystemExit(f"rollout_server: --host {args.host} is not a loopback address and the generation API "
+                         f"(/generate) has no authentication: anyone who reaches the port can generate ({control}); "
+                         f"bind 127.0.0.1, or state how the port is protected with --bind-protection "
                          f"{{{','.join(BIND_PROTECTIONS)}}} (config key engine.bind_protection)")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -223,12 +223,21 @@ def test_a_non_loopback_bind_needs_its_protection_stated(tiny_model_dir: Path) -
                         "--host", "0.0.0.0", "--port", "0"], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode != 0 and "--bind-protection" in r.stderr and "engine.bind_protection" in r.stderr, r.stderr
+    # What is true: /generate is open; the control API takes the admin key (here none is set, so it is open too).
+    assert "generation API (/generate) has no authentication" in r.stderr, r.stderr
+    assert "control API" in r.stderr and "no --admin-api-key" in r.stderr, r.stderr
     with pytest.raises(ConfigError, match="engine.host: '0.0.0.0' is not a loopback.*engine.bind_protection"):
         load_config(None, ["engine.host=0.0.0.0"])
     with pytest.raises(ConfigError, match="engine.bind_protection"):
         load_config(None, ["engine.host=10.0.0.5", "engine.bind_protection=trust_me"])
     assert load_config(None, ["engine.host=0.0.0.0", "engine.bind_protection=firewall"]).engine.host == "0.0.0.0"
     assert load_config(None, ["engine.host=::1"]).engine.bind_protection == ""
+    # The IPv6 any address (a mapping to YAML) is an address like 0.0.0.0, not "{':': None}".
+    with pytest.raises(ConfigError, match="engine.host: '::' is not a loopback.*engine.bind_protection"):
+        load_config(None, ["engine.host=::"])
+    assert load_config(None, ["engine.host=::", "engine.bind_protection=firewall"]).engine.host == "::"
+    with pytest.raises(ConfigError, match="engine.host: an IPv6 address is written without brackets"):
+        load_config(None, ["engine.host=[::]", "engine.bind_protection=firewall"])
 
 
 def _hostile_requests(rng: random.Random, n: int) -> list[tuple[str, bytes, dict[str, str]]]:

@@ -31,6 +31,7 @@ from common.security import (
     open_monitor,
     server_curve,
     server_keys,
+    url_host,
 )
 
 
@@ -227,3 +228,8 @@ def test_refusal_log_writes_the_first_refusal_then_one_summary_per_interval(capl
     assert "refused 1 connection(s)" in lines[0]
     assert "refused 600 more" in lines[1] and "refused 600 more" in lines[2]
     assert "refused 599 more" in lines[3] and "(1800 in all)" in lines[3]
+
+
+def test_url_host_brackets_ipv6_addresses_only() -> None:
+    assert [url_host(h) for h in ("::", "::1", "[::1]", "127.0.0.1", "node-3")] == [
+        "[::]", "[::1]", "[::1]", "127.0.0.1", "node-3"]
