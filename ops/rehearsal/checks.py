@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rehearsal import sglang
+from rehearsal import elastic, sglang
 from rehearsal.cluster import Cluster
 from rehearsal.push import ADMIN_KEY_ENV, DigestPoller, param_digest_of, sync_figures
 from rehearsal.runs import CONFIG, ROOT, Run, describe, finish, launch, leftovers
@@ -175,17 +175,24 @@ def _shape(run: Run, placed: dict[str, dict[str, int]]) -> dict[str, Any]:
 
 def ssh_route(c: Cluster, stamp: str, logs: Path, extra: list[str], digests: bool = False,
               engine: str = "rollout_server") -> dict[str, Any]:
-    """paper.yaml's topology over ssh/pdsh, with check 1: a rank-0 wait past the process-group timeout.
-    With ``digests``, also the disk transport's weight-sync figures, the engines' digests polled meanwhile."""
-    over = [f"learner.dist_timeout_s={DIST_TIMEOUT_S:g}", *(["learner.keep_weights=100"] if digests else []), *extra]
+    """paper.yaml's topology over ssh/pdsh, with check 1: a rank-0 wait past the process-group timeout, and
+    check 7 (``rehearsal.elastic``): engine host h3 killed mid-run and brought back, the run going on without
+    it. With ``digests``, also the disk transport's weight-sync figures, the engines' digests polled meanwhile."""
+    over = [f"learner.dist_timeout_s={DIST_TIMEOUT_S:g}", *elastic.overrides(engine),
+            *(["learner.keep_weights=100"] if digests else []), *extra]
     run = launch(c, f"rehearsal-{stamp}", over, logs)
     poller = digest_poller(c, engine) if digests else None
+    host_down: dict[str, Any] = {}
     try:
         with poller or contextlib.nullcontext():
             _wait("first RL step", lambda: run.steps() >= 1, run, RUN_TIMEOUT_S)
             placed = roles_per_host(c)
             engine_hosts = [h for h, r in placed.items() if r.get("engine")]
             stall = rank0_stall(c, run, engine_hosts)
+            try:  # check 7: an engine host lost and back; the run goes on without it
+                host_down = elastic.engine_host_down(c, run, lambda what, ok, t: _wait(what, ok, run, t), engine)
+            except RuntimeError as e:
+                host_down = {"error": str(e)[-1500:], "buffer_dir": str(run.buffer_path())}
             finish(run, RUN_TIMEOUT_S)
     finally:
         _stop_if_running(run)
@@ -197,6 +204,7 @@ def ssh_route(c: Cluster, stamp: str, logs: Path, extra: list[str], digests: boo
         **_shape(run, placed),
         "check_pg_timeout": {"ok": run.rc == 0 and run.steps() >= _total_steps(run) and stall > DIST_TIMEOUT_S, "dist_timeout_s": DIST_TIMEOUT_S,
                              "rank0_wait_s": stall},
+        "check_engine_host_lost": elastic.verdict(host_down, run, _total_steps(run)),
         "procs_left": left,
         **sync,
     }
