@@ -1,6 +1,6 @@
 """Benchmark: the two CPU engines on one workload, and the actor path over real SGLang.
 
-    .venv/bin/python -m ops.bench.engines [--seconds 60] [--rounds 2] [--warmup 10] [key=value ...]
+    .venv/bin/python -m ops.bench.engines [--seconds 60] [--rounds 5] [--warmup 10] [--quick] [key=value ...]
 
 Needs the real server (``ops/setup.sh --sglang``). Both engines serve the same model (the config's
 ``model.path``, default the shipped ``ops/bases/addition-tiny``, float32) under the actors' request pattern
@@ -12,10 +12,13 @@ of the config (default ``ops/configs/default.yaml``: ``prompts_in_flight`` concu
 3. the actor path on that SGLang: ``python -m actors`` with ``engine.kind=external``, a real buffer, no
    learner; samples/s committed by the buffer.
 
-Each round measures the three phases back to back, so a change of machine load hits all of them; the JSON
-line gives per-round figures and medians: ``sglang_over_rollout_server`` (tokens/s), and
-``actor_over_raw_sglang`` (samples/s into the buffer over raw /generate; goal >= 0.9, as the actors meet
-on rollout_server). Timings are this machine's: compare ratios, not absolute figures.
+Each round measures the three phases back to back (in reverse order every other round, so neither side
+always runs first), so a change of machine load hits all of them; ``--rounds`` rounds (``ops/bench/measure.py``).
+Judged: ``actor_over_raw_sglang`` (samples/s into the buffer over raw SGLang /generate, the limit of the same
+engine), **goal >= 0.9** as on rollout_server: median, range, interquartile range and verdict (``unclear``
+when the interquartile range straddles the goal). Also per round and as medians:
+``sglang_over_rollout_server`` (tokens/s; no goal). Timings are this machine's: compare ratios, not absolute
+figures. ``--quick``: 2 short rounds of short responses (a check that it runs; verdict always ``unclear``).
 """
 
 from __future__ import annotations
@@ -23,10 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,9 +37,12 @@ from common.config import Config, load_config
 from common.modeling import load_tokenizer
 from common.tasks import encode_prompt, get_task
 from ops.bench.actors import ENV, actor_overrides, actor_phase, raw_phase, read_line
+from ops.bench.measure import MIN_ROUNDS, Run, figures, summarise
 from ops.sglang_cpu.live import REPO, LiveSGLang, skip_reason
 
 TARGET_ACTOR_RATIO = 0.9
+QUICK = {"seconds": 5.0, "warmup": 2.0, "rounds": 2}
+QUICK_OVERRIDES = ["actors.max_new_tokens=16"]
 
 
 def start_rollout_server(cfg: Config, model: Path, log: Path) -> tuple[subprocess.Popen, str]:
@@ -53,13 +56,19 @@ def start_rollout_server(cfg: Config, model: Path, log: Path) -> tuple[subproces
     return proc, line.split("ready on ", 1)[1].split()[0]
 
 
-def one_round(cfg: Config, config_path: str, overrides: list[str], urls: dict[str, str], prompts: list[list[int]],
-              tmp: Path, sock: Path, args: argparse.Namespace) -> dict[str, Any]:
-    raw_rs = asyncio.run(raw_phase(cfg, urls["rollout_server"], prompts, args.warmup, args.seconds))
-    raw_sg = asyncio.run(raw_phase(cfg, urls["sglang"], prompts, args.warmup, args.seconds))
-    act = actor_phase([config_path, *actor_overrides(overrides, tmp, sock, Path(cfg.model.path), urls["sglang"])],
-                      tmp, args.warmup, args.seconds)
+def one_round(r: int, cfg: Config, config_path: str, overrides: list[str], urls: dict[str, str],
+              prompts: list[list[int]], tmp: Path, sock: Path, args: argparse.Namespace) -> dict[str, Any]:
+    got: dict[str, Any] = {}
+    for phase in ("rollout_server", "sglang", "actor")[::1 if r % 2 == 0 else -1]:
+        if phase == "actor":
+            got[phase] = actor_phase([config_path, *actor_overrides(overrides, tmp, sock, Path(cfg.model.path),
+                                                                    urls["sglang"], name=f"bench{r}")],
+                                     tmp, args.warmup, args.seconds)
+        else:
+            got[phase] = asyncio.run(raw_phase(cfg, urls[phase], prompts, args.warmup, args.seconds))
+    raw_rs, raw_sg, act = got["rollout_server"], got["sglang"], got["actor"]
     return {
+        "order": ",".join(got),
         "rollout_server_tokens_per_s": round(raw_rs["tokens_per_s"], 1),
         "sglang_tokens_per_s": round(raw_sg["tokens_per_s"], 1),
         "sglang_samples_per_s": round(raw_sg["samples_per_s"], 2),
@@ -70,15 +79,9 @@ def one_round(cfg: Config, config_path: str, overrides: list[str], urls: dict[st
 
 
 def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key in ("sglang_over_rollout_server", "actor_over_raw_sglang", "rollout_server_tokens_per_s",
-                "sglang_tokens_per_s"):
-        vals = [r[key] for r in rounds]
-        out[key] = round(statistics.median(vals), 3)
-        out[f"{key}_range"] = [min(vals), max(vals)]
-    lo, hi = out["actor_over_raw_sglang_range"]
-    out["actor_verdict"] = "pass" if lo >= TARGET_ACTOR_RATIO else "fail" if hi < TARGET_ACTOR_RATIO else "unclear"
-    return out
+    """The judged ratio (actor over raw SGLang) and every figure's median and range."""
+    judged = summarise([r["actor_over_raw_sglang"] for r in rounds], TARGET_ACTOR_RATIO, name="actor_over_raw_sglang")
+    return {**judged, **{k: v for k, v in figures(rounds, 3).items() if k != "actor_over_raw_sglang"}}
 
 
 def main() -> int:
@@ -87,11 +90,17 @@ def main() -> int:
     ap.add_argument("--config", default=str(REPO / "ops/configs/default.yaml"))
     ap.add_argument("--seconds", type=float, default=60.0, help="measured seconds per phase (SGLang on 2 CPU cores finishes a 16 x 8-sample wave in about a minute)")
     ap.add_argument("--warmup", type=float, default=10.0, help="unmeasured seconds at the start of each phase")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds of the three phases")
+    ap.add_argument("--rounds", type=int, default=MIN_ROUNDS, help="rounds of the three phases")
+    ap.add_argument("--quick", action="store_true", help=f"a check that it runs, no verdict: {QUICK} {QUICK_OVERRIDES}")
     args, overrides = ap.parse_known_args()
     bad = [o for o in overrides if "=" not in o]
     if bad:
         ap.error(f"unrecognised arguments: {' '.join(bad)}")
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+        overrides = [*QUICK_OVERRIDES, *overrides]
+    run = Run(quick=args.quick)
     reason = skip_reason()
     if reason is not None:
         print(f"ops.bench.engines: {reason}", file=sys.stderr)
@@ -108,13 +117,12 @@ def main() -> int:
         tok, task = load_tokenizer(model), get_task(cfg.task)
         prompts = [encode_prompt(tok, task.train_prompt(i)) for i in range(512)]
         urls = {"rollout_server": rs_url, "sglang": sg.url}
-        rounds = [one_round(cfg, args.config, overrides, urls, prompts, tmp, sock, args) for _ in range(args.rounds)]
+        rounds = [one_round(r, cfg, args.config, overrides, urls, prompts, tmp, sock, args) for r in range(args.rounds)]
         print(json.dumps({
-            "bench": "engines", **summary(rounds), "target_actor_over_raw_sglang": TARGET_ACTOR_RATIO,
-            "rounds": rounds, "group_size": cfg.actors.group_size, "prompts_in_flight": cfg.actors.prompts_in_flight,
+            "bench": "engines", **summary(rounds), "rounds": args.rounds, "per_round": rounds,
+            "group_size": cfg.actors.group_size, "prompts_in_flight": cfg.actors.prompts_in_flight,
             "max_new_tokens": cfg.actors.max_new_tokens, "rollout_server_threads": cfg.engine.threads,
-            "seconds": args.seconds, "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
-            "load_1m": round(os.getloadavg()[0], 2),
+            "seconds": args.seconds, "warmup_s": args.warmup, **run.common_fields(),
         }))
         return 0
     finally:

@@ -1,6 +1,6 @@
 """Parts of ``ops/bench/weight_sync.py``: the two engines of a row (``rollout_server`` or live SGLang) and how
-each tells that it serves a version bit for bit, the raw gloo broadcast that is the push's limit, the
-machine, and the rounds' summary.
+each tells that it serves a version bit for bit, the raw gloo broadcast that is the push's limit, and
+the rounds' summary (on ``ops/bench/measure.py``).
 
 Imports nothing of the learner: the raw broadcast's receivers import this module (``python -c``), and
 should start in torch's import time, not DeepSpeed's.
@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import platform
 import select
-import statistics
 import subprocess
 import sys
 import time
@@ -27,6 +25,7 @@ import torch
 
 from common.sglang_client import GenerateOutput, SGLangClient
 from common.weight_bucket import Group, master_store, new_group
+from ops.bench import measure
 from ops.sglang_cpu.live import REPO, LiveSGLang
 
 ENGINES = 2
@@ -39,7 +38,6 @@ PROBE = [5, 6, 7, 8, 9]  # ids every synthetic vocabulary has (the char tokenize
 PROBE_TOKENS = 16
 GOAL_OVER_RAW = 2.0  # the learner blocked at most twice the raw broadcast of the same bytes
 T = TypeVar("T")
-FLAGS = ("sse4_2", "fma", "avx", "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 
 
 def start_rollout_server(model_dir: Path, log_dir: Path, key: str, timeout_s: float = 600.0) -> tuple[Any, str]:
@@ -229,35 +227,13 @@ class RawBroadcast:
                 p.wait(30)
 
 
-def machine() -> dict[str, Any]:
-    """The CPU (model, the vector flags that matter to torch and SGLang's CPU kernels) and its count."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    return {"cpu": model, "cpu_flags": [f for f in FLAGS if f in flags], "cpus": os.cpu_count(),
-            "shared_with_other_jobs": True}
-
-
 def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median and [min, max] of each timed figure over the rounds; the verdict against the raw broadcast:
-    pass when every round met the goal, fail when none did."""
-    out: dict[str, Any] = {}
-    for key in rounds[0]:
-        vals = [r[key] for r in rounds if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]
-        if len(vals) == len(rounds):
-            out[key] = round(statistics.median(vals), 4)
-            out[f"{key}_range"] = [min(vals), max(vals)]
-    lo, hi = out["push_over_raw_broadcast_range"]
-    out["goal"] = f"blocked <= {GOAL_OVER_RAW:g}x the raw broadcast"
-    out["verdict"] = "pass" if hi <= GOAL_OVER_RAW else "fail" if lo > GOAL_OVER_RAW else "unclear"
-    return out
+    """Median and [min, max] of each timed figure over the rounds, and the judged ratio against the raw
+    broadcast (``ops/bench/measure.py``: the verdict from the per-round ratios' interquartile range)."""
+    ratios = [r["push_over_raw_broadcast"] for r in rounds if isinstance(r.get("push_over_raw_broadcast"), float | int)]
+    judged = measure.summarise(ratios or [float("inf")], GOAL_OVER_RAW, higher_is_better=False,
+                               name="push_over_raw_broadcast")
+    return {**measure.figures(rounds), **judged}
 
 
 def ratio(a: float, b: float) -> float | None:

@@ -1,0 +1,75 @@
+"""The ratio benchmarks' ``--quick`` modes (ops/bench/buffer.py, actors.py, engines.py) run and print one
+well-formed JSON line with the fields every ratio benchmark shares (ops/bench/measure.py); weight_sync.py's
+quick mode is checked in test_weight_sync_bench.py. Only buffer's runs in the default suite (~5 s): actors'
+starts an engine, a buffer and an actor per round (~60 s on 2 shared cores), engines' needs SGLang."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMON = ("bench", "ratio_name", "ratio", "ratio_rounds", "ratio_range", "ratio_iqr", "goal", "goal_value",
+          "higher_is_better", "verdict", "rounds", "quick", "machine", "load_at_start", "load_at_end")
+
+
+def run_quick(args: list[str], timeout_s: float) -> dict[str, Any]:
+    p = subprocess.run([sys.executable, *args, "--quick"], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    assert p.returncode == 0, p.stderr[-4000:]
+    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1, p.stdout[-2000:]  # one JSON line, nothing else on stdout
+    return json.loads(lines[0])
+
+
+def check_common(line: dict[str, Any], bench: str, name: str, goal: str) -> None:
+    """The shared fields: the judged ratio over 2 rounds, no verdict from a quick run, machine and load."""
+    missing = [k for k in COMMON if k not in line]
+    assert not missing, missing
+    assert (line["bench"], line["ratio_name"], line["goal"]) == (bench, name, goal)
+    assert line["quick"] is True and line["rounds"] == 2 and len(line["ratio_rounds"]) == 2
+    assert all(math.isfinite(x) and x >= 0 for x in line["ratio_rounds"])
+    lo, hi = line["ratio_range"]
+    q1, q3 = line["ratio_iqr"]
+    assert lo <= q1 <= line["ratio"] <= q3 <= hi and [lo, hi] == sorted(line["ratio_rounds"])
+    assert line["verdict"] == "unclear"  # 2 rounds are too few to judge
+    assert line["machine"]["cpu"] and isinstance(line["machine"]["cpu_flags"], list) and line["machine"]["cpus"] >= 1
+    assert len(line["load_at_start"]) == 3 and len(line["load_at_end"]) == 3
+
+
+def test_buffer_quick() -> None:
+    line = run_quick(["ops/bench/buffer.py"], 180)
+    check_common(line, "buffer", "ingest_over_raw_lmdb", ">= 0.5")
+    assert line["curve"] is True and line["resent"] == 0
+    # every round ingested and put at least one call's groups, and the ratio is their rates'
+    assert all(n >= line["groups_per_call"] for n in line["ingest_groups_rounds"] + line["raw_groups_rounds"])
+    rates = [(n / s) / (m / t) for n, s, m, t in zip(line["ingest_groups_rounds"], line["ingest_s_rounds"],
+                                                      line["raw_groups_rounds"], line["raw_s_rounds"], strict=True)]
+    assert line["ratio_rounds"] == pytest.approx(rates, rel=0.05)
+    assert line["serve_groups"] > 0 and line["serve_latency_decoded_s"] >= line["serve_latency_bytes_s"] > 0
+
+
+@pytest.mark.slow  # an engine, then a buffer and an actor per round: ~60 s on 2 shared cores
+def test_actors_quick() -> None:
+    line = run_quick(["ops/bench/actors.py"], 600)
+    check_common(line, "actors", "actor_over_raw_generate", ">= 0.9")
+    assert len(line["raw_samples_per_s_rounds"]) == 2 and min(line["raw_samples_per_s_rounds"]) > 0
+    assert line["max_new_tokens"] == 16 and line["actor_resubmits"] >= 0
+
+
+@pytest.mark.slow  # starts SGLang (~1 min) and runs 2 rounds of three phases
+@pytest.mark.sglang
+def test_engines_quick() -> None:
+    from ops.sglang_cpu.live import skip_reason
+
+    if (reason := skip_reason()) is not None:
+        pytest.skip(reason)
+    line = run_quick(["-m", "ops.bench.engines"], 900)
+    check_common(line, "engines", "actor_over_raw_sglang", ">= 0.9")
+    assert [r["order"] for r in line["per_round"]] == ["rollout_server,sglang,actor", "actor,sglang,rollout_server"]
+    assert line["sglang_tokens_per_s"] > 0 and line["rollout_server_tokens_per_s"] > 0
