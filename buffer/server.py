@@ -132,7 +132,7 @@ class BufferServer:
             self.ctx.term()
             unlock_server(self._lock_fd)
             raise
-        ingest_sock = self._socket(zmq.ROUTER, b.ingest_addr)
+        ingest_sock = self._socket(zmq.ROUTER, b.ingest_addr, heartbeat_s=b.peer_timeout_s)
         self.serve_sock = self._socket(zmq.ROUTER, b.serve_addr)
         self.serve_peers = Peers(self.serve_sock)
         self.writer = Writer(self.store, self.ctx)
@@ -161,9 +161,14 @@ class BufferServer:
         self.stats = BufferStats(store, metrics, ingest=self.ingest, serving=self.serving,
                                  admission=self.admission, rejections=self.rejections, serve_peers=self.serve_peers)
 
-    def _socket(self, kind: int, addr: str) -> zmq.Socket:
+    def _socket(self, kind: int, addr: str, heartbeat_s: float = 0.0) -> zmq.Socket:
         s = self.ctx.socket(kind)
         s.linger = 0
+        if heartbeat_s > 0:
+            # A peer whose host vanished never closes its TCP connection, so its unused credit would block
+            # admission until credit_ttl_s; libzmq answers the pings on its own thread, however busy the actor.
+            s.setsockopt(zmq.HEARTBEAT_IVL, max(int(heartbeat_s * 1000 / 3), 1))
+            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_s * 1000))
         s.maxmsgsize = 4 * self.cfg.buffer.max_frame_bytes
         s.sndhwm = 10000
         s.rcvhwm = 10000

@@ -150,6 +150,7 @@ def _buffer_checks(cfg: Config) -> list[Check]:
         ("buffer.map_size_bytes", cfg.buffer.map_size_bytes >= 1 << 20, "must be >= 1 MiB"),
         ("buffer.commit_batch", cfg.buffer.commit_batch >= 1, "must be >= 1"),
         ("buffer.credit_ttl_s", cfg.buffer.credit_ttl_s > 0, "must be > 0"),
+        ("buffer.peer_timeout_s", cfg.buffer.peer_timeout_s >= 0, "must be >= 0"),
         ("buffer.max_credit_per_actor", cfg.buffer.max_credit_per_actor >= 0, "must be >= 0"),
         ("buffer.max_credit_per_connection", cfg.buffer.max_credit_per_connection >= 0, "must be >= 0"),
         ("buffer.max_batch_groups", cfg.buffer.max_batch_groups >= 1, "must be >= 1"),

@@ -157,6 +157,7 @@ class BufferConfig:
     max_map_size_bytes: int = f(0, "LMDB map size ceiling; past it writes fail as storage errors (0 = free disk)")
     positive_reward: float = f(1.0, "samples with reward >= this are verified-correct positives, for every role: the buffer's positives store, the learner's NLL mask, replay count and positives_fraction, the actors' positives_rate")
     credit_ttl_s: float = f(600.0, "seconds after which a granted, unused credit stops counting as in flight")
+    peer_timeout_s: float = f(15.0, "an ingest connection that answers no ZMTP heartbeat (sent every third of this) for this long is closed and its unused credit released: an actor host that vanished without closing TCP (0 = never; credit_ttl_s still applies)")
     max_credit_per_actor: int = f(0, "most credit one actor id may hold (granted, unused); 0 = 2 x actors.prompts_in_flight")
     max_credit_per_connection: int = f(0, "most credit the actor ids of one ingest connection may hold together; 0 = max_credit_per_actor")
     max_batch_groups: int = f(1024, "largest BatchRequest.n_groups accepted (also at most capacity_groups)")

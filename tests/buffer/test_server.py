@@ -6,6 +6,7 @@ import json
 import os
 import random
 import resource
+import signal
 import subprocess
 import sys
 import threading
@@ -538,3 +539,46 @@ def test_restarted_actor_gets_credit_its_dead_predecessor_held(buffer_proc: Any)
             assert replacement.acquire(2, timeout_s=5).n == 2
             replacement.send_many([make_group(f"r{i}", actor_id=0) for i in range(2)], timeout_s=10)
             assert len(c.get_batch(0, 2, 5).groups) == 2
+
+
+_HOLD_CREDIT = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from tests.buffer.fixtures import SyncSender
+s = SyncSender({addr!r}, {actor})
+print('granted', s.acquire(2, timeout_s=10).n, flush=True)
+if {busy}:
+    while True:  # Python busy, holding the GIL: libzmq's own thread still answers the heartbeats
+        pass
+time.sleep(600)
+"""
+
+
+def _credit_holder(addr: str, actor: int, busy: bool) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", _HOLD_CREDIT.format(repo=str(REPO), addr=addr, actor=actor, busy=busy)],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "granted 2"
+    return p
+
+
+def test_a_vanished_actor_loses_its_credit_within_peer_timeout_a_busy_one_keeps_it(buffer_proc: Any) -> None:
+    # A host that vanishes closes no connection: stopped (SIGSTOP), the actor's process answers nothing, as
+    # a dead host's would. Its unused credit comes back within buffer.peer_timeout_s, not credit_ttl_s.
+    srv = buffer_proc(["buffer.max_staleness=2", "learner.batch_groups=2", "buffer.credit_ttl_s=600",
+                       "buffer.peer_timeout_s=1"])
+    gone, busy = _credit_holder(srv.ingest_addr, 0, busy=False), _credit_holder(srv.ingest_addr, 1, busy=True)
+    try:
+        with BatchClient(srv.serve_addr) as c:
+            assert c.stats()["credit_outstanding"] == 4
+            gone.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            wait_for(lambda: c.stats()["credit_released"] == 2, 10, "the vanished actor's credit to come back")
+            assert time.monotonic() - t0 < 5
+            # The busy one (same timeout, past it by now) still holds its grant.
+            t1 = time.monotonic()
+            wait_for(lambda: time.monotonic() - t1 > 2 or c.stats()["credit_outstanding"] != 2, 10, "3 timeouts")
+            assert c.stats()["credit_outstanding"] == 2 and busy.poll() is None
+    finally:
+        for p in (gone, busy):
+            p.kill()
+            p.wait()
