@@ -10,9 +10,11 @@ One ``actors.rollout_server`` engine serves both sides, with the run's config (d
   count samples: the engine's throughput with no verification, no buffer, no credit;
 - subject, the actors: ``python -m actors --actor-id 0`` with ``engine.kind=external`` pointing at the same
   engine, a real buffer (``python -m buffer``, LMDB) and no learner, a fresh run directory each round;
-  throughput is the growth of the buffer's committed ``accepted_samples`` counter.
+  throughput is the growth of the buffer's committed ``accepted_samples`` counter (read every 0.1 s).
 
-Each side warms up (``--warmup`` s) and is then measured for ``--seconds``; the two run interleaved
+Each side warms up (``--warmup`` s) and is then measured for ``--seconds``, from the first completion in that
+window to the last (``measure.between_events``: requests finish in batches, so counting whole windows would
+be off by a batch as the window's edges fall); the two run interleaved
 (``ops/bench/measure.py``: ``--rounds`` rounds, ABBA order). Judged: ``actor_over_raw_generate`` = actor
 samples/s over raw samples/s per round, **goal >= 0.9**: median, range, interquartile range and verdict
 (``unclear`` when the interquartile range straddles the goal). Model: ``--model`` or a random Qwen2 of the
@@ -42,7 +44,7 @@ sys.path.insert(0, str(REPO))
 
 from common.config import Config, load_config  # noqa: E402
 from common.sglang_client import SGLangClient  # noqa: E402
-from ops.bench.measure import MIN_ROUNDS, Run, Timed, interleave, summarise  # noqa: E402
+from ops.bench.measure import MIN_ROUNDS, Run, Timed, between_events, interleave, summarise  # noqa: E402
 
 GOAL = 0.9  # the actors deliver at least 90% of what the engine generates
 QUICK = {"seconds": 1.5, "warmup": 0.5, "rounds": 2}
@@ -109,7 +111,8 @@ async def raw_phase(cfg: Config, url: str, prompts: list[list[int]], warmup_s: f
           "max_new_tokens": a.max_new_tokens}
     t_start = time.monotonic()
     t0, t1 = t_start + warmup_s, t_start + warmup_s + seconds
-    counts = {"samples": 0, "tokens": 0}
+    samples: list[tuple[float, float]] = []  # (completed at, samples) of every request
+    tokens: list[tuple[float, float]] = []
     nxt = 0
 
     async def loop(client: SGLangClient) -> None:
@@ -119,13 +122,31 @@ async def raw_phase(cfg: Config, url: str, prompts: list[list[int]], warmup_s: f
             nxt += 1
             outs = await client.generate(ids, sp, return_logprob=True)
             now = time.monotonic()
-            if t0 <= now <= t1:
-                counts["samples"] += len(outs)
-                counts["tokens"] += sum(len(o.output_ids) for o in outs)
+            samples.append((now, len(outs)))
+            tokens.append((now, sum(len(o.output_ids) for o in outs)))
 
     async with SGLangClient(url) as client:
         await asyncio.gather(*(loop(client) for _ in range(a.prompts_in_flight)))
-    return {"samples_per_s": counts["samples"] / seconds, "tokens_per_s": counts["tokens"] / seconds}
+    s, tok = between_events(samples, t0, t1), between_events(tokens, t0, t1)
+    return {"samples_per_s": s.rate, "tokens_per_s": tok.rate, "samples": s.work, "seconds": s.seconds}
+
+
+def committed(bc: Any, warmup_s: float, seconds: float, every_s: float = 0.1) -> tuple[Timed, Timed]:
+    """Samples and groups the buffer committed over ``seconds`` after ``warmup_s``, from its counters read
+    every ``every_s`` (each growth an event, ``measure.between_events``)."""
+    t_start = time.monotonic()
+    t0, t1 = t_start + warmup_s, t_start + warmup_s + seconds
+    last = bc.stats()
+    samples: list[tuple[float, float]] = []
+    groups: list[tuple[float, float]] = []
+    while (now := time.monotonic()) <= t1:
+        s = bc.stats()
+        if s["accepted_samples"] > last["accepted_samples"]:
+            samples.append((now, s["accepted_samples"] - last["accepted_samples"]))
+            groups.append((now, s["accepted_groups"] - last["accepted_groups"]))
+        last = s
+        time.sleep(every_s)  # the counters' sampling period, not synchronisation
+    return between_events(samples, t0, t1), between_events(groups, t0, t1)
 
 
 def actor_phase(overrides: list[str], tmp: Path, warmup_s: float, seconds: float) -> dict[str, Any]:
@@ -142,18 +163,13 @@ def actor_phase(overrides: list[str], tmp: Path, warmup_s: float, seconds: float
         read_tagged(act, "ACTOR READY", 120)
         serve = next(o.split("=", 1)[1] for o in overrides if o.startswith("buffer.serve_addr="))
         with BatchClient(serve) as bc:
-            time.sleep(warmup_s)  # benchmark phase timing, not synchronisation
-            s0, t0 = bc.stats(), time.monotonic()
-            time.sleep(seconds)
-            s1, t1 = bc.stats(), time.monotonic()
+            samples, groups = committed(bc, warmup_s, seconds)
         act.send_signal(signal.SIGTERM)
         done = read_tagged(act, "ACTOR DONE", 60)
         act.wait(timeout=60)
-        dt = t1 - t0
-        samples = s1["accepted_samples"] - s0["accepted_samples"]
-        groups = s1["accepted_groups"] - s0["accepted_groups"]
-        return {"samples_per_s": samples / dt, "groups_per_s": groups / dt, "seconds": dt, "credit_wait_s": done["credit_wait_s"],
-                "resubmits": done["resubmits"], "tokens_per_sample": done["tokens"] / max(done["samples"], 1)}
+        return {"samples_per_s": samples.rate, "groups_per_s": groups.rate, "samples": samples.work,
+                "seconds": samples.seconds, "credit_wait_s": done["credit_wait_s"], "resubmits": done["resubmits"],
+                "tokens_per_sample": done["tokens"] / max(done["samples"], 1)}
     finally:
         for p in procs:
             if p.poll() is None:
@@ -205,12 +221,12 @@ def measure(args: argparse.Namespace, overrides: list[str], cfg: Config, model: 
 
     def raw(r: int) -> Timed:
         raws.append(asyncio.run(raw_phase(cfg, url, prompts, args.warmup, args.seconds)))
-        return Timed(raws[-1]["samples_per_s"] * args.seconds, args.seconds)
+        return Timed(raws[-1]["samples"], raws[-1]["seconds"])
 
     def actor(r: int) -> Timed:
         run_overrides = [args.config, *actor_overrides(overrides, tmp, sock, model, url, name=f"bench{r}")]
         acts.append(actor_phase(run_overrides, tmp, args.warmup, args.seconds))
-        return Timed(acts[-1]["samples_per_s"] * acts[-1]["seconds"], acts[-1]["seconds"])
+        return Timed(acts[-1]["samples"], acts[-1]["seconds"])
 
     def say(r: int, b: Timed, s: Timed) -> None:
         print(f"round {r}: raw {b.rate:.2f} samples/s, actor {s.rate:.2f}", file=sys.stderr)

@@ -66,6 +66,17 @@ class Rounds:
         return [b.rate / s.rate if s.rate > 0 else float("inf") for b, s in zip(self.baseline, self.subject, strict=True)]
 
 
+def between_events(events: list[tuple[float, float]], t0: float, t1: float) -> Timed:
+    """Work over the window [t0, t1] from completion events ``(time, amount)``, measured from the first event
+    in the window to the last: work that completes in waves (a batch of requests, a commit of groups) would
+    otherwise count one wave more or less by where the window's edges fall. The first event's amount is
+    not counted (it completed work begun before it). Under two events: all of them over the whole window."""
+    inside = sorted((t, n) for t, n in events if t0 <= t <= t1)
+    if len(inside) < 2:
+        return Timed(sum(n for _, n in inside), t1 - t0)
+    return Timed(sum(n for _, n in inside[1:]), inside[-1][0] - inside[0][0])
+
+
 def run_for(side: Callable[[int], Timed], r: int, min_s: float) -> Timed:
     """``side(r)`` once, then again until the calls together ran ``min_s`` seconds; their sum."""
     total = side(r)

@@ -11,6 +11,7 @@ from ops.bench.measure import (
     Rounds,
     Run,
     Timed,
+    between_events,
     combined_verdict,
     cpu_model_and_flags,
     figures,
@@ -101,3 +102,13 @@ def test_run_common_fields() -> None:
     f = Run(quick=True).common_fields()
     assert f["quick"] is True and f["machine"]["cpus"] >= 1 and f["machine"]["cpu"]
     assert len(f["load_at_start"]) == 3 and len(f["load_at_end"]) == 3 and f["wall_s"] >= 0
+
+
+def test_between_events_measures_from_the_first_completion_in_the_window_to_the_last() -> None:
+    # waves of 16 at 1, 5, 9 and 13 s; window [2, 12]: from the wave at 5 to the one at 9, the 5 s wave not
+    # counted (its work began before): 16 in 4 s
+    events = [(1.0, 16.0), (5.0, 16.0), (9.0, 16.0), (13.0, 16.0)]
+    assert between_events(events, 2.0, 12.0) == Timed(16.0, 4.0)
+    assert between_events(events, 0.0, 14.0) == Timed(48.0, 12.0)
+    assert between_events(events, 4.0, 6.0) == Timed(16.0, 2.0)  # one event: over the whole window
+    assert between_events([], 0.0, 3.0) == Timed(0.0, 3.0)
