@@ -149,7 +149,7 @@ def test_only_authorised_curve_clients_can_push_or_pull(tmp_path: Path) -> None:
         ctx.term()
         # The authorised client pushes and pulls.
         with SyncSender(ingest, 1, curve=good, ack_timeout_s=2) as s, BatchClient(serve, curve=learner) as c:
-            assert s.send(make_group("good"), timeout_s=10).committed
+            assert s.send(make_group("good", actor_id=1), timeout_s=10).committed  # actor-1's key: its own id
             st = c.stats()
             assert st["accepted_groups"] == 1 and st["rejected_total"] == 0
             # The refused connections above were counted (rogue key, no CURVE, impostor server key).

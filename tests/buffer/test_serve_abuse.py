@@ -233,14 +233,19 @@ def test_with_curve_an_actor_id_belongs_to_one_client_key(tmp_path: Path) -> Non
             return client_curve_keys(CurveConfig(server_public_key=str(keys / "server.key"),
                                                  client_secret_key=str(keys / f"actor-{i}.key_secret")))
 
-        with SyncSender(srv.ingest_addr, 5, curve=client(0), ack_timeout_s=0.5) as owner, \
-                SyncSender(srv.ingest_addr, 5, curve=client(1), ack_timeout_s=0.5) as thief:
-            assert owner.acquire(1, timeout_s=10).n == 1
+        shared = client_curve_keys(CurveConfig(server_public_key=str(keys / "server.key"),
+                                               client_secret_key=str(keys / "actor.key_secret")))
+        # Id 0 is actor-0's by its key's name; id 5 has no key of its own: the first key to ask (the shared one).
+        with SyncSender(srv.ingest_addr, 0, curve=client(0), ack_timeout_s=0.5) as owner, \
+                SyncSender(srv.ingest_addr, 5, curve=shared, ack_timeout_s=0.5) as first:
+            assert owner.acquire(1, timeout_s=10).n == 1 and first.acquire(1, timeout_s=10).n == 1
             # Refused (ErrorReply actor_key): the thief learns why at once instead of waiting forever.
-            with pytest.raises(ProtocolError, match="credit refused: actor_key"):
-                thief.acquire(1, timeout_s=30)
+            for thief_key, actor_id in ((client(1), 0), (shared, 0), (client(1), 5)):
+                with SyncSender(srv.ingest_addr, actor_id, curve=thief_key, ack_timeout_s=0.5) as thief, \
+                        pytest.raises(ProtocolError, match="credit refused: actor_key"):
+                    thief.acquire(1, timeout_s=30)
             with BatchClient(srv.serve_addr, curve=client(0)) as c:  # any role may read the counters
-                assert c.stats()["rejected_actor_key"] >= 1
+                assert c.stats()["rejected_actor_key"] == 3
             assert owner.acquire(1, timeout_s=10).n == 1  # the owner keeps working
     finally:
         srv.cleanup()

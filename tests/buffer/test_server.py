@@ -476,13 +476,14 @@ def test_disk_full_is_an_error_ack_and_a_metric_not_a_crash(tmp_path: Path) -> N
 def test_inspect_cli_while_server_runs(buffer_proc: Any) -> None:
     srv = buffer_proc()
     with SyncSender(srv.ingest_addr, 0) as s:
-        s.send_many([make_group(version=v, rewards=[1, 0, 0, 0]) for v in (5, 3, 9)], timeout_s=10)
+        # A fresh buffer (learner version 0) takes weight versions up to 3 (buffer.ingest.version_limit).
+        s.send_many([make_group(version=v, rewards=[1, 0, 0, 0]) for v in (2, 1, 3)], timeout_s=10)
     out = subprocess.run([sys.executable, "-m", "buffer.inspect", str(srv.path)], cwd=REPO, capture_output=True,
                          text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     assert info["groups"] == 3 and info["samples"] == 12 and info["positives"] == 3
-    assert (info["min_weight_version"], info["max_weight_version"]) == (3, 9)
+    assert (info["min_weight_version"], info["max_weight_version"]) == (1, 3)
     assert info["bytes_on_disk"] > 0
     bad = subprocess.run([sys.executable, "-m", "buffer.inspect", str(srv.path / "missing")], cwd=REPO,
                          capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
