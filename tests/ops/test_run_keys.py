@@ -33,7 +33,10 @@ def test_the_launcher_writes_per_run_keys_with_roles_and_private_modes(tmp_path:
     for role in ("server", "actor", "learner", "monitor"):
         assert (keys / f"{role}.key_secret").stat().st_mode & 0o777 == 0o600
     srv = server_keys(cfg.buffer.curve)
-    assert srv is not None and sorted(srv.roles.values()) == ["actor", "learner", "monitor"]
+    # One actor (the default): the shared actor pair and actor 0's own, bound to actor id 0.
+    assert srv is not None and sorted(srv.roles.values()) == ["actor", "actor", "learner", "monitor"]
+    own = client_curve_keys(cfg.buffer.curve, "actor", 0)
+    assert own is not None and srv.actor_ids == {own.public.decode(): 0}
     monitor = client_curve_keys(cfg.buffer.curve, "monitor")
     assert monitor is not None and srv.roles[monitor.public.decode()] == "monitor"
     sock = zmq.Context.instance().socket(zmq.REQ)
@@ -47,6 +50,11 @@ def test_the_launcher_writes_per_run_keys_with_roles_and_private_modes(tmp_path:
     before = (keys / "learner.key_secret").read_bytes()
     again = load_config(None, [f"run.root={tmp_path}", "run.name=k"])
     assert mod.ensure_run_keys(again) == keys and (keys / "learner.key_secret").read_bytes() == before  # --resume
+    # Resumed with a second actor: actor 0 keeps its key, actor 1 gets one of its own.
+    wider = load_config(None, [f"run.root={tmp_path}", "run.name=k", "actors.num_actors=2"])
+    mod.ensure_run_keys(wider)
+    srv = server_keys(wider.buffer.curve)
+    assert srv is not None and sorted(srv.actor_ids.values()) == [0, 1] and srv.actor_ids[own.public.decode()] == 0
 
 
 def test_keys_named_in_the_config_are_used_as_they_are(tmp_path: Path) -> None:
