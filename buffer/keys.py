@@ -2,7 +2,9 @@
 
 Writes ``DIR/server.key`` + ``DIR/server.key_secret``, a pair per role (``actor``, ``learner``, ``monitor``;
 with ``--actors N`` also ``actor-<i>`` for i = 0..N-1) and ``DIR/authorized_clients/`` with every client's
-public key, whose file name is its role (``common.security``). Prints the config override that uses them:
+public key, whose file name is its role (``common.security``). A pair ``actor-<i>`` is actor i's own: the
+buffer takes credit and groups for actor id i from it alone, and actor i picks it from ``keys_dir`` (the
+launcher adds the pairs a run's ``actors.num_actors`` needs to the keys directory it uses). Prints the config override that uses them:
 ``buffer.curve.keys_dir=DIR`` (each process then picks the key of its role). Existing files are never
 overwritten (``--force`` replaces them). Keys are pyzmq certificate files (``zmq.auth``); the directory is
 mode 0700 and secret files 0600.
@@ -26,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("dir", help="output directory")
     ap.add_argument("--actors", type=int, default=0,
-                    help="also write N per-actor pairs actor-0 .. actor-<N-1> (default: the shared 'actor' pair only)")
+                    help="also write N per-actor pairs actor-0 .. actor-<N-1>, each binding its actor id "
+                         "(default: the shared 'actor' pair only)")
     ap.add_argument("--force", action="store_true", help="overwrite existing key files")
     args = ap.parse_args(argv)
     if args.actors < 0:
