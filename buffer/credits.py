@@ -212,9 +212,10 @@ class CreditLedger:
         if not self._waiting:
             return 0
         held = self.principal_credit()
-        wanted: Counter[str] = Counter()
-        for a, (_, n) in self._waiting.items():
-            wanted[self._principal[a]] += n
+        wanted: Counter[str] = Counter()  # what each waiting party could take now, within its other bounds
+        for a, (ident, n) in self._waiting.items():
+            wanted[self._principal[a]] += max(0, min(n, self.per_actor - self.actor_credit(a),
+                                                     self.per_connection - self.connection_credit(ident)))
         share = fair_share(capacity, self.in_flight, len(set(held) | set(wanted)))
         need = sum(min(n, share - held.get(p, 0)) for p, n in wanted.items() if held.get(p, 0) < share) - capacity
         taken = 0

@@ -159,3 +159,15 @@ def test_no_loan_is_taken_back_while_the_free_capacity_serves_the_waiting_party(
     led2 = CreditLedger(per_actor=16, per_connection=16, ttl_s=600.0)
     assert led2.request(A, 1, 1) is None and led2.request(A, 2, 1) is None
     assert len(led2.principal_credit()) == 0 and led2.share(4) == 4
+
+
+def test_no_loan_is_taken_back_for_a_party_its_own_bounds_keep_from_using_it() -> None:
+    led = CreditLedger(per_actor=2, per_connection=2, ttl_s=600.0)
+    C, D = b"conn-C", b"conn-D"
+    for ident, actor_id in ((A, 1), (C, 2), (D, 3)):  # one key, three ids on three connections
+        assert led.request(ident, actor_id, 2, key="k1") is None
+    assert len(led.grant(6, now=0.0)) == 3  # alone: 6
+    assert led.request(B, 4, 5, key="k2") is None
+    assert led.grant(2, now=0.0) == [Grant(B, 4, 2)]  # k2 at its per-actor bound (2), still wanting 3
+    # share = (0 free + 8) // 2 = 4: k2 holds 2 < 4 but may not hold more, so k1's loan stays.
+    assert led.reclaim(0) == 0 and led.principal_credit() == {"k1": 6, "k2": 2}
