@@ -1,7 +1,8 @@
-"""The ratio benchmarks' ``--quick`` modes (ops/bench/buffer.py, actors.py, engines.py) run and print one
-well-formed JSON line with the fields every ratio benchmark shares (ops/bench/measure.py); weight_sync.py's
-quick mode is checked in test_weight_sync_bench.py. Only buffer's runs in the default suite (~5 s): actors'
-starts an engine, a buffer and an actor per round (~60 s on 2 shared cores), engines' needs SGLang."""
+"""The ratio benchmarks' ``--quick`` modes (ops/bench/buffer.py, gae.py, actors.py, learner.py, engines.py) run
+and print one well-formed JSON line with the fields every ratio benchmark shares (ops/bench/measure.py);
+weight_sync.py's quick mode is checked in test_weight_sync_bench.py. Buffer's and gae's run in the default
+suite (~5 s each on 2 idle cores): actors' starts an engine, a buffer and an actor per round, learner's
+builds DeepSpeed engines (each ~1 min or more on 2 shared cores), engines' needs SGLang."""
 
 from __future__ import annotations
 
@@ -29,17 +30,24 @@ def run_quick(args: list[str], timeout_s: float) -> dict[str, Any]:
 
 def check_common(line: dict[str, Any], bench: str, name: str, goal: str) -> None:
     """The shared fields: the judged ratio over 2 rounds, no verdict from a quick run, machine and load."""
-    missing = [k for k in COMMON if k not in line]
+    assert line["bench"] == bench
+    check_ratio(line, name, goal)
+    assert line["quick"] is True and line["rounds"] == 2
+    assert line["machine"]["cpu"] and isinstance(line["machine"]["cpu_flags"], list) and line["machine"]["cpus"] >= 1
+    assert len(line["load_at_start"]) == 3 and len(line["load_at_end"]) == 3
+
+
+def check_ratio(line: dict[str, Any], name: str, goal: str) -> None:
+    """One judged ratio of 2 rounds: consistent median, range and quartiles; no verdict."""
+    missing = [k for k in COMMON if k not in line and k not in ("bench", "rounds", "quick", "machine", "load_at_start",
+                                                                "load_at_end")]
     assert not missing, missing
-    assert (line["bench"], line["ratio_name"], line["goal"]) == (bench, name, goal)
-    assert line["quick"] is True and line["rounds"] == 2 and len(line["ratio_rounds"]) == 2
+    assert (line["ratio_name"], line["goal"]) == (name, goal) and len(line["ratio_rounds"]) == 2
     assert all(math.isfinite(x) and x >= 0 for x in line["ratio_rounds"])
     lo, hi = line["ratio_range"]
     q1, q3 = line["ratio_iqr"]
     assert lo <= q1 <= line["ratio"] <= q3 <= hi and [lo, hi] == sorted(line["ratio_rounds"])
     assert line["verdict"] == "unclear"  # 2 rounds are too few to judge
-    assert line["machine"]["cpu"] and isinstance(line["machine"]["cpu_flags"], list) and line["machine"]["cpus"] >= 1
-    assert len(line["load_at_start"]) == 3 and len(line["load_at_end"]) == 3
 
 
 def test_buffer_quick() -> None:
@@ -52,6 +60,23 @@ def test_buffer_quick() -> None:
                                                       line["raw_groups_rounds"], line["raw_s_rounds"], strict=True)]
     assert line["ratio_rounds"] == pytest.approx(rates, rel=0.05)
     assert line["serve_groups"] > 0 and line["serve_latency_decoded_s"] >= line["serve_latency_bytes_s"] > 0
+
+
+def test_gae_quick() -> None:
+    line = run_quick(["ops/bench/gae.py"], 120)
+    assert line["bench"] == "gae" and line["quick"] is True and line["rounds"] == 2 and line["verdict"] == "unclear"
+    assert line["machine"]["cpus"] >= 1 and len(line["load_at_start"]) == 3
+    (shape,) = line["shapes"]
+    check_ratio(shape["speedup_vs_loop"], "speedup_vs_loop", ">= 5")
+    check_ratio(shape["ours_over_copy"], "ours_over_copy", "<= 3")
+    assert shape["max_abs_err_vs_loop"] < 1e-4  # both sides computed the same advantages
+
+
+@pytest.mark.slow  # DeepSpeed and plain learners built and stepped: ~2 min on 2 shared cores
+def test_learner_quick() -> None:
+    line = run_quick(["ops/bench/learner.py"], 600)
+    check_common(line, "learner", "deepspeed_over_plain", ">= 0.8")
+    assert line["steps"] == 2 and line["deepspeed_tokens_per_s"] > 0 and line["plain_torch_tokens_per_s"] > 0
 
 
 @pytest.mark.slow  # an engine, then a buffer and an actor per round: ~60 s on 2 shared cores
