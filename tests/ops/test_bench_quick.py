@@ -1,5 +1,5 @@
-"""The ratio benchmarks' ``--quick`` modes (ops/bench/buffer.py, gae.py, actors.py, learner.py, engines.py) run
-and print one well-formed JSON line with the fields every ratio benchmark shares (ops/bench/measure.py);
+"""The ratio benchmarks' ``--quick`` modes (ops/bench/buffer.py, gae.py, actors.py, learner.py, rollout.py,
+engines.py) run and print one well-formed JSON line with the fields every ratio benchmark shares (ops/bench/measure.py);
 weight_sync.py's quick mode is checked in test_weight_sync_bench.py. Buffer's and gae's run in the default
 suite (~5 s each on 2 idle cores): actors' starts an engine, a buffer and an actor per round, learner's
 builds DeepSpeed engines (each ~1 min or more on 2 shared cores), engines' needs SGLang."""
@@ -77,6 +77,13 @@ def test_learner_quick() -> None:
     line = run_quick(["ops/bench/learner.py"], 600)
     check_common(line, "learner", "deepspeed_over_plain", ">= 0.8")
     assert line["steps"] == 2 and line["deepspeed_tokens_per_s"] > 0 and line["plain_torch_tokens_per_s"] > 0
+
+
+@pytest.mark.slow  # a rollout_server and HF generate in turn: ~1 min on 2 shared cores
+def test_rollout_quick() -> None:
+    line = run_quick(["ops/bench/rollout.py"], 600)
+    check_common(line, "rollout", "server_over_hf_generate", ">= 1.5")
+    assert line["tokens"] == 2 * 2 * 2 * 8  # clients x prompts x samples x max_new_tokens, on both sides
 
 
 @pytest.mark.slow  # an engine, then a buffer and an actor per round: ~60 s on 2 shared cores
