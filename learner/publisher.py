@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,9 @@ class WeightPublisher:
         self._latest = latest
         self._stop = threading.Event()
         self.refused = {"publish": 0, "query": 0}
+        # The first refusal is logged at once, the rest summed up once a minute (a stranger retrying every
+        # 100 ms would write ten lines a second).
+        self._refusal_logs = {name: security.RefusalLog(log, f"weight {name} socket") for name in self.refused}
         self._on_refused = on_refused
         # common.security refuses a non-loopback bind without CurveZMQ keys.
         self._curve = security.server_curve(self.ctx, [publish_addr, query_addr],
@@ -87,8 +91,8 @@ class WeightPublisher:
         while not self._stop.is_set():
             events = dict(poller.poll(100))
             for mon, name in monitors.items():
-                if mon in events:
-                    self._count_refused(mon, name)
+                self._refusal_logs[name].note(self._count_refused(mon, name) if mon in events else 0,
+                                              time.monotonic())
             if rep not in events:
                 continue
             frame = rep.recv()
@@ -101,13 +105,16 @@ class WeightPublisher:
                 out = protocol.encode(protocol.ErrorReply(reason=e.reason, message=str(e)[:4000]))
             rep.send(out)
 
-    def _count_refused(self, monitor: zmq.Socket, name: str) -> None:
+    def _count_refused(self, monitor: zmq.Socket, name: str) -> int:
+        """Count the refused handshakes the monitor reports; returns how many."""
+        n = 0
         while monitor.poll(0):
             recv_monitor_message(monitor)
+            n += 1
             self.refused[name] += 1
-            log.warning("weight %s socket: refused a connection at the CurveZMQ handshake", name)
             if self._on_refused is not None:
                 self._on_refused(name)
+        return n
 
     @property
     def latest(self) -> protocol.WeightUpdate | None:

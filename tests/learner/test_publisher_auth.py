@@ -3,9 +3,11 @@ and are counted (no key, a key the run never authorised)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
+import pytest
 import zmq
 
 from common import protocol
@@ -30,7 +32,9 @@ def _req(ctx: zmq.Context, addr: str, keys: ClientKeys | None) -> zmq.Socket:
     return s
 
 
-def test_only_the_runs_keys_read_weight_updates_and_strangers_are_counted(tmp_path: Path) -> None:
+def test_only_the_runs_keys_read_weight_updates_and_strangers_are_counted(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="learner.publisher")
     keys = generate_run_keys(tmp_path / "keys")
     curve = CurveConfig(keys_dir=str(keys))
     seen: list[str] = []
@@ -58,6 +62,9 @@ def test_only_the_runs_keys_read_weight_updates_and_strangers_are_counted(tmp_pa
             sub.close()
         wait_for(lambda: pub.refused["query"] >= 2 and pub.refused["publish"] >= 2, 20, "refused handshakes")
         assert set(seen) == {"query", "publish"}
+        # Each socket's first refusal is logged; the others wait for the once-a-minute summary.
+        lines = sorted(r.getMessage().split(":")[0] for r in caplog.records if "CurveZMQ handshake" in r.getMessage())
+        assert lines == ["weight publish socket", "weight query socket"], lines
         req = _req(ctx, pub.query_endpoint, client_curve_keys(curve, "actor"))
         req.send(protocol.encode(protocol.WeightQuery()))
         assert req.poll(10_000) and protocol.decode(req.recv()) == up
