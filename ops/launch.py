@@ -11,8 +11,10 @@ starts, ``launch_engines``); on GPUs the learner through DeepSpeed's launcher wi
 other hosts through ssh or srun. Each local component is a child process in its own process group, logging to
 ``runs/<name>/logs/<component>.log``, that dies with the launcher (``common.lifeline``); the launcher waits
 for each stage to be healthy before the next, prints one progress line per learner step, restarts a failed
-actor or the buffer a bounded number of times (``vapo_launcher_component_restarts``), stops every child on
-Ctrl-C or when the learner finishes, and exits non-zero naming the component that failed for good. At the
+actor or the buffer a bounded number of times (``vapo_launcher_component_restarts``), gives up an engine or
+actor past that and waits for a lost engine host to return while ``placement.min_engines`` hold
+(``launch_supervise``, ``launch_elastic``), stops every child on Ctrl-C or when the learner finishes, and
+exits non-zero naming the component that failed for good. At the
 end it prints a summary table and writes PNG plots to ``runs/<name>/plots/``.
 """
 
