@@ -1,6 +1,6 @@
 """The launcher's supervision (``ops/launch_supervise.py``) on stand-in children: a lost engine host is
 waited for and its actor restarted when a probe answers, an actor past its restarts is given up, and the run
-stops only below ``placement.min_engines``. Real processes (``sh``), no run: ~2 s."""
+stops only below ``placement.min_engines``. Real processes (``sh``), no run: ~2 s of calls."""
 
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def test_a_lost_engine_host_is_waited_for_and_its_actor_restarted_on_return(tmp_
         assert _value(launcher, "hosts_lost_total", host="h3") == 1 and _value(launcher, "engines_alive") == 1
         launcher.tend_children(now=101.0)  # lost: not restarted (nor counted as a restart)
         assert not a1.alive() and a1.restarts == 0
-        # The host comes back; what ssh starts there now runs.
-        a1.cmd = ["sleep", "600"]
+        # The host comes back; what ssh starts there now runs (until its link closes, as a guarded process).
+        a1.cmd = ["sh", "-c", "cat >/dev/null"]
         up.touch()
         t = [110.0]
 
