@@ -12,9 +12,9 @@ One ``actors.rollout_server`` engine serves both sides, with the run's config (d
   engine, a real buffer (``python -m buffer``, LMDB) and no learner, a fresh run directory each round;
   throughput is the growth of the buffer's committed ``accepted_samples`` counter (read every 0.1 s).
 
-Each side warms up (``--warmup`` s) and is then measured for ``--seconds``, from the first completion in that
-window to the last (``measure.between_events``: requests finish in batches, so counting whole windows would
-be off by a batch as the window's edges fall); the two run interleaved
+Each side warms up (``--warmup`` s) and is then measured for at least ``--seconds``, from a completion to a
+completion (``measure.EventWindow``: requests finish in batches, so a window with fixed edges would count a
+batch more or less by where they fall); the two run interleaved
 (``ops/bench/measure.py``: ``--rounds`` rounds, ABBA order). Judged: ``actor_over_raw_generate`` = actor
 samples/s over raw samples/s per round, **goal >= 0.9**: median, range, interquartile range and verdict
 (``unclear`` when the interquartile range straddles the goal). Model: ``--model`` or a random Qwen2 of the
@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))
 
 from common.config import Config, load_config  # noqa: E402
 from common.sglang_client import SGLangClient  # noqa: E402
-from ops.bench.measure import MIN_ROUNDS, Run, Timed, between_events, interleave, summarise  # noqa: E402
+from ops.bench.measure import MIN_ROUNDS, EventWindow, Run, Timed, interleave, summarise  # noqa: E402
 
 GOAL = 0.9  # the actors deliver at least 90% of what the engine generates
 QUICK = {"seconds": 1.5, "warmup": 0.5, "rounds": 2}
@@ -105,48 +105,48 @@ def actor_overrides(overrides: list[str], tmp: Path, sock: Path, model: Path, ur
 
 
 async def raw_phase(cfg: Config, url: str, prompts: list[list[int]], warmup_s: float, seconds: float) -> dict[str, float]:
-    """Samples/s of the engine alone under the actors' request pattern."""
+    """Samples/s of the engine alone under the actors' request pattern, over at least ``seconds`` after
+    ``warmup_s`` with both edges on completions (``measure.EventWindow``; given up after 4x ``seconds``)."""
     a = cfg.actors
     sp = {"n": a.group_size, "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k,
           "max_new_tokens": a.max_new_tokens}
     t_start = time.monotonic()
-    t0, t1 = t_start + warmup_s, t_start + warmup_s + seconds
-    samples: list[tuple[float, float]] = []  # (completed at, samples) of every request
-    tokens: list[tuple[float, float]] = []
+    samples, tokens = EventWindow(t_start + warmup_s, seconds), EventWindow(t_start + warmup_s, seconds)
+    give_up = t_start + warmup_s + 4 * seconds
     nxt = 0
 
     async def loop(client: SGLangClient) -> None:
         nonlocal nxt
-        while time.monotonic() < t1:
+        while not samples.done and time.monotonic() < give_up:
             ids = prompts[nxt % len(prompts)]
             nxt += 1
             outs = await client.generate(ids, sp, return_logprob=True)
             now = time.monotonic()
-            samples.append((now, len(outs)))
-            tokens.append((now, sum(len(o.output_ids) for o in outs)))
+            samples.add(now, len(outs))
+            tokens.add(now, sum(len(o.output_ids) for o in outs))
 
     async with SGLangClient(url) as client:
         await asyncio.gather(*(loop(client) for _ in range(a.prompts_in_flight)))
-    s, tok = between_events(samples, t0, t1), between_events(tokens, t0, t1)
+    s, tok = samples.timed(time.monotonic()), tokens.timed(time.monotonic())
     return {"samples_per_s": s.rate, "tokens_per_s": tok.rate, "samples": s.work, "seconds": s.seconds}
 
 
 def committed(bc: Any, warmup_s: float, seconds: float, every_s: float = 0.1) -> tuple[Timed, Timed]:
-    """Samples and groups the buffer committed over ``seconds`` after ``warmup_s``, from its counters read
-    every ``every_s`` (each growth an event, ``measure.between_events``)."""
+    """Samples and groups the buffer committed over at least ``seconds`` after ``warmup_s``, both edges on a
+    growth of its counters, read every ``every_s`` (``measure.EventWindow``; given up after 4x ``seconds``)."""
     t_start = time.monotonic()
-    t0, t1 = t_start + warmup_s, t_start + warmup_s + seconds
+    samples, groups = EventWindow(t_start + warmup_s, seconds), EventWindow(t_start + warmup_s, seconds)
+    give_up = t_start + warmup_s + 4 * seconds
     last = bc.stats()
-    samples: list[tuple[float, float]] = []
-    groups: list[tuple[float, float]] = []
-    while (now := time.monotonic()) <= t1:
+    while not samples.done and (now := time.monotonic()) < give_up:
         s = bc.stats()
         if s["accepted_samples"] > last["accepted_samples"]:
-            samples.append((now, s["accepted_samples"] - last["accepted_samples"]))
-            groups.append((now, s["accepted_groups"] - last["accepted_groups"]))
+            samples.add(now, s["accepted_samples"] - last["accepted_samples"])
+            groups.add(now, s["accepted_groups"] - last["accepted_groups"])
         last = s
         time.sleep(every_s)  # the counters' sampling period, not synchronisation
-    return between_events(samples, t0, t1), between_events(groups, t0, t1)
+    now = time.monotonic()
+    return samples.timed(now), groups.timed(now)
 
 
 def actor_phase(overrides: list[str], tmp: Path, warmup_s: float, seconds: float) -> dict[str, Any]:

@@ -66,15 +66,40 @@ class Rounds:
         return [b.rate / s.rate if s.rate > 0 else float("inf") for b, s in zip(self.baseline, self.subject, strict=True)]
 
 
-def between_events(events: list[tuple[float, float]], t0: float, t1: float) -> Timed:
-    """Work over the window [t0, t1] from completion events ``(time, amount)``, measured from the first event
-    in the window to the last: work that completes in waves (a batch of requests, a commit of groups) would
-    otherwise count one wave more or less by where the window's edges fall. The first event's amount is
-    not counted (it completed work begun before it). Under two events: all of them over the whole window."""
-    inside = sorted((t, n) for t, n in events if t0 <= t <= t1)
-    if len(inside) < 2:
-        return Timed(sum(n for _, n in inside), t1 - t0)
-    return Timed(sum(n for _, n in inside[1:]), inside[-1][0] - inside[0][0])
+@dataclass
+class EventWindow:
+    """A rate from completion events ``(time, amount)``, with both edges on events: work completes in waves (a
+    batch of requests, a commit of groups), so a window with fixed edges counts one wave more or less by where
+    they fall. The window opens at the first event at or after ``start`` (its amount not counted: its work
+    began before) and closes at the first event at least ``seconds`` later (counted)."""
+
+    start: float
+    seconds: float
+    first: float | None = None
+    last: float | None = None
+    work: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.first is not None and self.last is not None and self.last >= self.first + self.seconds
+
+    def add(self, t: float, amount: float) -> bool:
+        """Record one event; True once the window is closed (later events are ignored)."""
+        if self.done or t < self.start:
+            return self.done
+        if self.first is None:
+            self.first = t
+        else:
+            self.work += amount
+            self.last = t
+        return self.done
+
+    def timed(self, now: float) -> Timed:
+        """The work and its span; a window not closed by ``now`` spans from its opening (or ``start``) to now."""
+        if self.done:
+            assert self.first is not None and self.last is not None
+            return Timed(self.work, self.last - self.first)
+        return Timed(self.work, now - (self.first if self.first is not None else self.start))
 
 
 def run_for(side: Callable[[int], Timed], r: int, min_s: float) -> Timed:
@@ -128,9 +153,12 @@ def verdict(ratios: list[float], goal: float, higher_is_better: bool = True, min
 
 def summarise(ratios: list[float], goal: float, higher_is_better: bool = True, name: str = "ratio",
               min_rounds: int = MIN_ROUNDS) -> dict[str, Any]:
-    """The judged ratio: its name, median, per-round values, range, interquartile range, goal and verdict."""
+    """The judged ratio: its name, median, per-round values, range, interquartile range, goal and verdict
+    (no rounds, as when none measured anything: no figures, verdict ``unclear``)."""
+    goal_fields = {"goal": goal_text(goal, higher_is_better), "goal_value": goal, "higher_is_better": higher_is_better}
     if not ratios:
-        raise ValueError("no rounds to summarise")
+        return {"ratio_name": name, "ratio": None, "ratio_rounds": [], "ratio_range": None, "ratio_iqr": None,
+                **goal_fields, "verdict": "unclear", "verdict_rule": VERDICT_RULE}
     q1, q3 = quartiles(ratios)
     return {
         "ratio_name": name, "ratio": round(statistics.median(ratios), 4),

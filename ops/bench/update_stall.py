@@ -39,8 +39,12 @@ Per mode (each rep and the mean over reps):
 - ``requests_spanning_versions``: requests (finished or cut at the phase end) whose tokens came from more than one weight version.
 
 ``idle_ratio`` = in_place's lost_s_per_update / wait's (goal <= 0.5), ``idle_ratio_occupancy`` the same from
-occupancy, both from the means over reps (null when wait's mean loss is not positive). ``loadavg``: the machine's 1-minute load at the end. Prints one
-JSON line.
+occupancy, both from the means over reps (null when wait's mean loss is not positive). Judged as every ratio
+benchmark here (``ops/bench/measure.py``): ``in_place_over_wait_lost`` = the same ratio per rep (reps where
+the drain lost nothing measurable left out), **goal <= 0.5**: median, range, interquartile range and verdict
+(``unclear`` when the interquartile range straddles the goal or under 5 judged reps). ``loadavg``: the
+machine's 1-minute load at the end; ``machine``, ``load_at_start``/``load_at_end`` as every ratio benchmark.
+Prints one JSON line.
 
 The engine is started through ``actors.rollout_server.process.RolloutServerProcess`` (the worker's own
 launcher) rather than ``weight_sync.start_engine``, which fixes the batch at 4: a saturated engine here
@@ -72,6 +76,9 @@ from actors.rollout_server.process import RolloutServerProcess  # noqa: E402
 from common.config import load_config  # noqa: E402
 from common.sglang_client import GenerateOutput, SGLangClient  # noqa: E402
 from learner.weight_push import WeightPusher, bucket_plan  # noqa: E402
+from ops.bench.measure import MIN_ROUNDS, Run, summarise  # noqa: E402
+
+GOAL = 0.5  # an in-place update costs at most half the generation a drain costs
 
 BASE = weight_sync.REPO / "ops" / "bases" / "chain-tiny"
 PROMPT = [1, 10, 11, 12, 13]  # any chars: ignore_eos makes the length max_new_tokens
@@ -234,6 +241,7 @@ class Versions:
 async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from common.modeling import load_model
 
+    measured = Run()
     model = load_model(BASE)
     key = secrets.token_hex(16)
     proc, client = await start(tmp, args.batch, key)
@@ -252,7 +260,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 phase = await run_phase(client, args, update, seed=args.seed + rep)
                 row[mode] = summarize(phase, args.batch, row.get("baseline"), args.updates)
             reps.append(row)
-        return report(args, reps)
+        return report(args, reps, measured)
     finally:
         if pusher is not None:
             pusher.close()
@@ -260,7 +268,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         await proc.stop()
 
 
-def report(args: argparse.Namespace, reps: list[dict[str, Any]]) -> dict[str, Any]:
+def report(args: argparse.Namespace, reps: list[dict[str, Any]], run: Run) -> dict[str, Any]:
     mean = {m: mean_of(reps, m) for m in MODES}
 
     def ratio(key: str) -> float | None:
@@ -268,13 +276,15 @@ def report(args: argparse.Namespace, reps: list[dict[str, Any]]) -> dict[str, An
         lost_wait, lost_in_place = mean["wait"].get(key), mean["in_place"].get(key)
         return round(lost_in_place / lost_wait, 3) if lost_wait and lost_wait > 0 and lost_in_place is not None else None
 
+    per_rep = [r["in_place"]["lost_s_per_update"] / r["wait"]["lost_s_per_update"] for r in reps
+               if (r["wait"].get("lost_s_per_update") or 0) > 0 and r["in_place"].get("lost_s_per_update") is not None]
+    judged = summarise(per_rep, GOAL, higher_is_better=False, name="in_place_over_wait_lost")
     return {
-        "bench": "update_stall", "model": "ops/bases/chain-tiny", "batch": args.batch, "updates": args.updates,
+        "bench": "update_stall", **judged, "rounds": len(per_rep), **run.common_fields(), "model": "ops/bases/chain-tiny", "batch": args.batch, "updates": args.updates,
         "interval_s": args.interval_s, "warmup_s": args.warmup_s, "tokens": [args.min_tokens, args.max_tokens],
         "phase_s": phase_length(args), "reps": reps, "mean": mean,
         "idle_ratio": ratio("lost_s_per_update"), "idle_ratio_occupancy": ratio("lost_s_per_update_occupancy"),
-        "loadavg": round(os.getloadavg()[0], 2),
-        "machine": f"{os.cpu_count()} CPUs, shared with other jobs; engine torch threads 1",
+        "loadavg": round(os.getloadavg()[0], 2), "engine_torch_threads": 1,
     }
 
 
@@ -286,7 +296,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup-s", type=float, default=3.0, help="seconds of generation before the first update")
     ap.add_argument("--min-tokens", type=int, default=50)
     ap.add_argument("--max-tokens", type=int, default=400)
-    ap.add_argument("--reps", type=int, default=2, help="times the three modes run, interleaved")
+    ap.add_argument("--reps", type=int, default=MIN_ROUNDS, help="times the three modes run, interleaved")
     ap.add_argument("--sample-s", type=float, default=0.05, help="/get_server_info sampling period")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)

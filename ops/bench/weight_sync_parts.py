@@ -231,7 +231,7 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Median and [min, max] of each timed figure over the rounds, and the judged ratio against the raw
     broadcast (``ops/bench/measure.py``: the verdict from the per-round ratios' interquartile range)."""
     ratios = [r["push_over_raw_broadcast"] for r in rounds if isinstance(r.get("push_over_raw_broadcast"), float | int)]
-    judged = measure.summarise(ratios or [float("inf")], GOAL_OVER_RAW, higher_is_better=False,
+    judged = measure.summarise(ratios, GOAL_OVER_RAW, higher_is_better=False,
                                name="push_over_raw_broadcast")
     return {**measure.figures(rounds), **judged}
 

@@ -4,14 +4,12 @@ expected value derived by hand."""
 
 from __future__ import annotations
 
-import pytest
-
 from ops.bench.measure import (
     MIN_ROUNDS,
+    EventWindow,
     Rounds,
     Run,
     Timed,
-    between_events,
     combined_verdict,
     cpu_model_and_flags,
     figures,
@@ -73,8 +71,8 @@ def test_summarise_gives_median_rounds_range_iqr_goal_and_verdict() -> None:
     assert s["goal"] == ">= 0.5" and s["goal_value"] == 0.5 and s["higher_is_better"] is True
     assert s["verdict"] == "unclear"  # Q1 0.48 below, Q3 0.61 above
     assert summarise([1.0, 1.2], 2.0, higher_is_better=False)["goal"] == "<= 2"
-    with pytest.raises(ValueError):
-        summarise([], 0.5)
+    empty = summarise([], 0.5)  # nothing measured: no figures, no verdict
+    assert (empty["ratio"], empty["ratio_rounds"], empty["verdict"], empty["goal"]) == (None, [], "unclear", ">= 0.5")
 
 
 def test_figures_take_median_and_range_of_numbers_every_round_has() -> None:
@@ -104,11 +102,20 @@ def test_run_common_fields() -> None:
     assert len(f["load_at_start"]) == 3 and len(f["load_at_end"]) == 3 and f["wall_s"] >= 0
 
 
-def test_between_events_measures_from_the_first_completion_in_the_window_to_the_last() -> None:
-    # waves of 16 at 1, 5, 9 and 13 s; window [2, 12]: from the wave at 5 to the one at 9, the 5 s wave not
-    # counted (its work began before): 16 in 4 s
-    events = [(1.0, 16.0), (5.0, 16.0), (9.0, 16.0), (13.0, 16.0)]
-    assert between_events(events, 2.0, 12.0) == Timed(16.0, 4.0)
-    assert between_events(events, 0.0, 14.0) == Timed(48.0, 12.0)
-    assert between_events(events, 4.0, 6.0) == Timed(16.0, 2.0)  # one event: over the whole window
-    assert between_events([], 0.0, 3.0) == Timed(0.0, 3.0)
+def test_event_window_opens_and_closes_on_events() -> None:
+    # waves of 16 every 4 s from t = 1; start 2, 6 s: opens at the wave at 5 (not counted), closes at the
+    # first wave 6 s later or more, at 13: the waves at 9 and 13 in 8 s
+    w = EventWindow(start=2.0, seconds=6.0)
+    assert [w.add(t, 16.0) for t in (1.0, 5.0, 9.0, 13.0, 17.0)] == [False, False, False, True, True]
+    assert w.timed(now=20.0) == Timed(32.0, 8.0)
+    # a wave in three commits 0.1 s apart, the window opening mid-burst (at 5.1): counted 5.2, the wave at 9
+    # and the commit at 13.0 that closes it (>= 5.1 + 6), 5 commits in 7.9 s
+    w = EventWindow(start=5.05, seconds=6.0)
+    for t in (5.0, 5.1, 5.2, 9.0, 9.1, 9.2, 13.0, 13.1, 13.2):
+        w.add(t, 4.0)
+    assert w.timed(now=14.0) == Timed(4.0 * 5, 13.0 - 5.1)
+    open_only = EventWindow(start=0.0, seconds=5.0)
+    open_only.add(1.0, 3.0)
+    open_only.add(2.0, 3.0)
+    assert not open_only.done and open_only.timed(now=4.0) == Timed(3.0, 3.0)  # not closed: up to now
+    assert EventWindow(start=1.0, seconds=5.0).timed(now=3.0) == Timed(0.0, 2.0)  # no event at all
