@@ -85,6 +85,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "algo.truncated": ("keep", "mask", "zero_reward"),
     "algo.actor_values": ("post_update", "pre_update"),
     "learner.eval_via": ("auto", "local", "engine"),
+    "learner.resume_damaged": ("fallback", "refuse"),
     "algo.advantage": ("gae", "grpo"),
     "algo.loss_agg": ("token_mean", "seq_mean"),
     "placement.remote": ("ssh", "srun"),
