@@ -179,7 +179,7 @@ def ssh_route(c: Cluster, stamp: str, logs: Path, extra: list[str], digests: boo
     check 7 (``rehearsal.elastic``): engine host h3 killed mid-run and brought back, the run going on without
     it. With ``digests``, also the disk transport's weight-sync figures, the engines' digests polled meanwhile."""
     over = [f"learner.dist_timeout_s={DIST_TIMEOUT_S:g}", *elastic.overrides(engine),
-            *(["learner.keep_weights=100"] if digests else []), *extra]
+            *([f"learner.keep_weights={elastic.TOTAL_STEPS[engine] + 1}"] if digests else []), *extra]
     run = launch(c, f"rehearsal-{stamp}", over, logs)
     poller = digest_poller(c, engine) if digests else None
     host_down: dict[str, Any] = {}
