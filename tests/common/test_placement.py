@@ -160,6 +160,9 @@ def test_cpu_default_plan_is_unchanged() -> None:
     ("paper.yaml", QWEN_32B, ["placement.store_protection="], "placement.store_protection: the learner spans 7 hosts"),
     ("paper.yaml", QWEN_32B, ["placement.engine_gpus=52-63,0-3"], None),
     ("default.yaml", None, ["placement.engine_gpus=0"], "run.device=cpu"),
+    # More engines required than the run has: it would only stop after placement.min_engines_grace_s.
+    ("paper.yaml", QWEN_32B, ["placement.min_engines=5"], "placement.min_engines=5: the run has only actors.num_actors=4"),
+    ("default.yaml", None, ["placement.min_engines=3"], "placement.min_engines=3: the run has only"),
 ])
 def test_bad_placements_are_refused_naming_the_key(name: str, hf: dict | None, overrides: list[str],
                                                    match: str | None) -> None:
