@@ -7,11 +7,12 @@
 The learner's listening sockets first (``Endpoints``: rank 0's weight publisher and, with the distributed
 transport, the push coordinator's socket and its store's address), so that an address this host does not
 have fails at start; then value pretraining (``learner.value_pretrain``, when enabled and there is no critic
-or checkpoint yet), then ``Runner``: resume from a checkpoint (``learner.resume``) → publish the current weights if
-the actors lack them → ``learner.total_steps`` steps of ``learner.train.Learner``, each followed by a
-checkpoint (every ``learner.checkpoint_every``), a weight push (every ``learner.weights_every``, to
-``<run dir>/weights``) and a held-out evaluation (every ``learner.eval_every``), with one line per step in
-``<run dir>/metrics.jsonl``. Rank 0 talks to the buffer, publishes and evaluates.
+or checkpoint yet), then ``Runner``: resume from the newest intact checkpoint (``learner.resume``, verified
+by rank 0) → publish the current weights if the actors lack them → ``learner.total_steps`` steps of
+``learner.train.Learner``, each followed by a checkpoint (every ``learner.checkpoint_every``), a weight push
+(every ``learner.weights_every``, to ``<run dir>/weights``) and a held-out evaluation (every
+``learner.eval_every``), with one line per step in ``<run dir>/metrics.jsonl``. Rank 0 talks to the buffer,
+publishes and evaluates.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from common.metrics import Metrics
 from common.push_addresses import push_store_problem
 from common.weight_bucket import check_listen
 from learner.data import DataSource
-from learner.dist import all_reduce_sum, rank, shutdown_distributed, world_size
+from learner.dist import all_reduce_sum, broadcast_ints, rank, rank0_wait, shutdown_distributed, world_size
 from learner.records import append_jsonl, write_header, write_json_atomic
 from learner.train import Learner, Phases
 
@@ -52,6 +53,30 @@ def resolve_checkpoint(cfg: Config) -> Path | None:
     if not p.is_dir():
         raise FileNotFoundError(f"learner.resume: checkpoint {p} does not exist")
     return p
+
+
+def choose_resume(cfg: Config) -> Path | None:
+    """Every rank: the checkpoint to resume from (None: start fresh), chosen and verified by rank 0 while
+    the others wait on it (``learner.checkpoint.choose`` for ``auto``: the newest intact one, a damaged newer
+    one set aside or refused per ``learner.resume_damaged``; ``check_explicit`` for a path)."""
+    from learner import checkpoint
+
+    resume = cfg.learner.resume
+    if resume == "never":
+        return None
+    root = cfg.run_dir / "checkpoints"
+
+    def work() -> list[int]:
+        if resume == "auto":
+            p = checkpoint.choose(root, cfg.learner.resume_damaged)
+            return [-1 if p is None else int(p.name[1:])]
+        checkpoint.check_explicit(Path(resume))
+        return [0]
+
+    got = broadcast_ints(rank0_wait(work if rank() == 0 else None, "verifying the checkpoint to resume from"))[0]
+    if resume != "auto":
+        return Path(resume)
+    return None if got < 0 else root / f"v{got}"
 
 
 def source_totals(source: DataSource | None) -> dict[str, int]:
@@ -155,13 +180,14 @@ class Runner:
         self.run_dir = cfg.run_dir
         self.weights_root = self.run_dir / "weights"
         self.ckpt_root = self.run_dir / "checkpoints"
-        resume_from = resolve_checkpoint(cfg)
+        resolve_checkpoint(cfg)  # a learner.resume path that does not exist fails before the models are built
         pretrained = self.run_dir / "critic_pretrained"
         if critic_path is None and pretrained.is_dir():
             critic_path = pretrained
         self.learner = Learner(cfg, source, critic_path=critic_path, metrics=metrics)
         self.task: Any = None
         self.evals: Any = None  # learner.eval_worker.BackgroundEval, rank 0's engine evaluations
+        resume_from = choose_resume(cfg)
         if resume_from is not None:
             checkpoint.load(resume_from, self.learner)
             log.info("resumed from %s at version %d", resume_from, self.learner.version)

@@ -1,17 +1,25 @@
-"""Checkpoint/resume: a SIGKILLed learner continues at the right version with the same next update."""
+"""Checkpoint/resume: a SIGKILLed learner continues at the right version with the same next update; a damaged
+newest checkpoint (truncated, flipped, garbage) is found by its digests and the run resumes from the newest
+intact one (or refuses), with that checkpoint's version and data cursor; checkpoints are fsynced."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.config import load_config
+from common.config import Config, load_config
+from learner import checkpoint
 from learner.data import ListSource
 from learner.runner import Runner
 from learner.synthetic import synth_groups
@@ -92,3 +100,127 @@ def test_versions_published_past_the_checkpoint_are_skipped(tiny_model_dir: Path
     assert r.learner.version == 4
     r.run()
     assert complete_versions(tmp_path / "r" / "weights") == [2, 3, 4]
+
+
+def _cfg(root: Path, model: Path, *extra: str) -> Config:
+    return load_config(None, [f"run.root={root}", "run.name=r", f"model.path={model}", "learner.total_steps=3",
+                              "learner.batch_groups=2", "learner.checkpoint_every=1", "learner.keep_checkpoints=3",
+                              "learner.eval_every=0", "metrics.prometheus=false",
+                              "learner.publish_addr=tcp://127.0.0.1:0", "learner.query_addr=tcp://127.0.0.1:0", *extra])
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One 3-step run checkpointing every step (v1, v2, v3; weights v1..v3), with every fsync's path recorded."""
+    root = tmp_path_factory.mktemp("ckpt")
+    synced: list[str] = []
+    real = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "fsync", recording)
+        Runner(_cfg(root, tiny_model_dir), ListSource(synth_groups(8, 2, 60, seed=4))).run()
+    return {"root": root, "synced": synced}
+
+
+@pytest.fixture
+def run_dir(trained: dict[str, Any], tmp_path: Path) -> Path:
+    """A copy of the trained run (each test damages its own)."""
+    shutil.copytree(trained["root"] / "r", tmp_path / "r")
+    return tmp_path / "r"
+
+
+def _largest(d: Path) -> Path:
+    return max((p for p in d.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def test_truncated_model_state_resumes_from_previous_with_its_version_and_cursor(
+        run_dir: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ck = run_dir / "checkpoints"
+    victim = _largest(ck / "v3" / "policy")
+    size = victim.stat().st_size
+    os.truncate(victim, size // 3)
+    v2 = json.loads((ck / "v2" / "learner.json").read_text())
+    assert v2["source"] != json.loads((ck / "v3" / "learner.json").read_text())["source"]
+    stable_v3 = (run_dir / "weights" / "v3" / "STABLE").read_text()
+    cfg = _cfg(run_dir.parent, tiny_model_dir, "learner.total_steps=5")
+    with caplog.at_level(logging.WARNING, logger="learner.checkpoint"):
+        r = Runner(cfg, ListSource(synth_groups(8, 2, 60, seed=4)))
+    rel = victim.relative_to(ck / "v3")
+    assert f"v3 damaged ({rel}: size {size // 3} != {size}); resuming from v2, 1 version back" in caplog.text
+    # v2's data cursor and sample count; v2's weights republished past the published v3 (never reused).
+    assert r.learner.source.state_dict() == v2["source"] and r.learner.samples_seen == v2["samples_seen"]
+    assert r.learner.version == 4
+    assert (ck / "v3.damaged").is_dir() and not (ck / "v3").exists()
+    r.run()
+    assert (run_dir / "weights" / "v3" / "STABLE").read_text() == stable_v3
+    assert complete_versions(run_dir / "weights") == [3, 4, 5]
+    # The set-aside copy is no v<N>: pruning (keep 3) kept real checkpoints and left it alone.
+    assert [v for v, _ in checkpoint.complete_checkpoints(ck)] == [2, 4, 5]
+    assert checkpoint.latest_checkpoint(ck) == ck / "v5" and (ck / "v3.damaged").is_dir()
+
+
+def test_garbage_learner_json_falls_back_naming_it(run_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ck = run_dir / "checkpoints"
+    (ck / "v3" / "learner.json").write_text('{"version": 3, "samp')
+    with caplog.at_level(logging.WARNING, logger="learner.checkpoint"):
+        assert checkpoint.choose(ck) == ck / "v2"
+    assert "v3 damaged (learner.json: size" in caplog.text and "resuming from v2" in caplog.text
+
+
+def test_refuse_raises_naming_the_file_and_the_intact_checkpoint(run_dir: Path) -> None:
+    ck = run_dir / "checkpoints"
+    victim = _largest(ck / "v3" / "critic")
+    os.truncate(victim, 10)
+    with pytest.raises(checkpoint.CheckpointDamaged) as e:
+        checkpoint.choose(ck, "refuse")
+    assert str(victim.relative_to(ck / "v3")) in str(e.value) and str(ck / "v2") in str(e.value)
+    assert (ck / "v3").is_dir()  # left for the operator to look at
+
+
+def test_same_size_byte_flip_is_caught_by_the_digest(run_dir: Path) -> None:
+    v3 = run_dir / "checkpoints" / "v3"
+    victim = _largest(v3 / "policy")
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointDamaged, match="sha256") as e:
+        checkpoint.verify(v3)
+    assert e.value.file == str(victim.relative_to(v3))
+
+
+def test_explicit_path_and_no_intact_checkpoint_raise(run_dir: Path) -> None:
+    ck = run_dir / "checkpoints"
+    for v in (1, 2, 3):
+        (ck / f"v{v}" / "rng_rank0.pt").unlink()
+    with pytest.raises(checkpoint.CheckpointDamaged, match=r"rng_rank0.pt: missing.*learner.resume"):
+        checkpoint.check_explicit(ck / "v2")
+    with pytest.raises(checkpoint.CheckpointDamaged, match="no intact checkpoint"):
+        checkpoint.choose(ck)
+    assert [v for v, _ in checkpoint.complete_checkpoints(ck)] == [1, 2, 3]  # nothing set aside
+
+
+def test_legacy_checkpoint_without_digests_loads_unverified(run_dir: Path) -> None:
+    ck = run_dir / "checkpoints"
+    (ck / "v3" / "COMPLETE").write_text("3")  # the marker's old format
+    os.truncate(_largest(ck / "v3" / "policy"), 10)  # undetectable without digests
+    assert checkpoint.verify(ck / "v3") is False
+    assert checkpoint.choose(ck) == ck / "v3"
+    (ck / "v3" / "learner.json").write_text("garbage")
+    assert checkpoint.choose(ck) == ck / "v2"
+
+
+def test_files_and_directories_are_fsynced_before_complete_and_the_rename(trained: dict[str, Any]) -> None:
+    ck = trained["root"] / "r" / "checkpoints"
+    synced = trained["synced"]
+    tmp = str(ck / "v3.tmp")
+    files = [str(ck / "v3.tmp" / f) for f in checkpoint.digests(ck / "v3")]
+    dirs = [tmp] + [str(ck / "v3.tmp" / p.relative_to(ck / "v3")) for p in (ck / "v3").rglob("*") if p.is_dir()]
+    complete = synced.index(f"{tmp}/COMPLETE")
+    assert set(files) | set(dirs) <= set(synced[:complete])
+    # COMPLETE's directory entry after it, then the parent after the rename (the new name is durable).
+    assert tmp in synced[complete + 1:] and str(ck) in synced[complete + 1:]
+    assert json.loads((ck / "v3" / "COMPLETE").read_text())["files"]["learner.json"]["size"] > 0
