@@ -42,7 +42,8 @@ then its median and [min, max]; the machine (CPU model, vector flags) and its lo
 ``--quick``: a 1 MB model (hidden 128, 1 layer, vocabulary 256) in 128 KB buckets, 2 rounds (a check that it
 runs; verdict always ``unclear``). Prints one JSON line.
 
-Measured (the defaults, 1.13 GB in 5 buckets, 3 rounds; AMD EPYC, 2 cores with avx2 and no avx512/amx, shared
+Measured before the shared discipline (its figures since: docs/BENCHMARKS.md) (1.13 GB in 5 buckets, 3 rounds,
+verdict from the range; AMD EPYC, 2 cores with avx2 and no avx512/amx, shared
 with other jobs; 8.4 min, SGLang's engines ready after 190 s): rollout_server at load 2.5-3.1, blocked 2.77 s
 median (2.58-3.38) against a raw broadcast of 3.45 s (2.84-5.24), push_over_raw_broadcast 0.91 (0.53-0.98),
 pass; disk path 6.03 s. SGLang at load 9.3-11.4 (other jobs started meanwhile): blocked 2.98 s (2.59-9.30),
