@@ -224,3 +224,30 @@ def test_files_and_directories_are_fsynced_before_complete_and_the_rename(traine
     # COMPLETE's directory entry after it, then the parent after the rename (the new name is durable).
     assert tmp in synced[complete + 1:] and str(ck) in synced[complete + 1:]
     assert json.loads((ck / "v3" / "COMPLETE").read_text())["files"]["learner.json"]["size"] > 0
+
+
+@pytest.mark.slow
+def test_launcher_resume_goes_back_past_a_truncated_checkpoint(tmp_path: Path) -> None:
+    """ops/launch.sh on the smoke config (checkpoints v2, v3), v3's largest policy file cut to a third (a
+    power loss after the rename), then ``--resume``: the run ends at its total steps from v2, v3 set aside."""
+    from tests.ports import port_overrides
+
+    over = [f"run.root={tmp_path}", "run.name=pl", *port_overrides()]
+
+    def launch(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(REPO / "ops" / "launch.sh"), "ops/configs/smoke.yaml", *over, *extra], cwd=REPO,
+                              capture_output=True, text=True, timeout=600, start_new_session=True)
+
+    first = launch()
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    ck = tmp_path / "pl" / "checkpoints"
+    assert [v for v, _ in checkpoint.complete_checkpoints(ck)] == [2, 3]
+    victim = _largest(ck / "v3" / "policy")
+    os.truncate(victim, victim.stat().st_size // 3)
+    second = launch("--resume", "learner.total_steps=5")
+    out = second.stdout + second.stderr + (tmp_path / "pl" / "logs" / "learner.log").read_text()
+    assert second.returncode == 0, out[-4000:]
+    assert f"v3 damaged ({victim.relative_to(ck / 'v3')}: size" in out and "resuming from v2, 1 version back" in out
+    assert (ck / "v3.damaged").is_dir()
+    assert json.loads((tmp_path / "pl" / "learner_done.json").read_text())["version"] == 5
+    assert complete_versions(tmp_path / "pl" / "weights")[-3:] == [3, 4, 5]  # v3 not reused
