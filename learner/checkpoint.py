@@ -276,8 +276,8 @@ def choose(root: Path, damaged: str = "fallback") -> Path | None:
     if damaged == "refuse":
         raise CheckpointDamaged(bad[0].path, bad[0].file, bad[0].problem,
                                 f"the newest intact checkpoint is {chosen[1]} ({back} versions back); resume from it "
-                                f"with learner.resume_damaged=fallback (sets the damaged aside as <name>{DAMAGED}) "
-                                f"or learner.resume={chosen[1]}")
+                                f"with learner.resume_damaged=fallback (renames {', '.join(e.path.name for e in bad)} "
+                                f"to <name>{DAMAGED}) or learner.resume={chosen[1]}")
     aside = [set_aside(e.path).name for e in bad]
     log.warning("%s; resuming from %s, %d version%s back (set aside as %s)", what, chosen[1].name, back,
                 "" if back == 1 else "s", ", ".join(aside))

@@ -251,3 +251,50 @@ def test_launcher_resume_goes_back_past_a_truncated_checkpoint(tmp_path: Path) -
     assert (ck / "v3.damaged").is_dir()
     assert json.loads((tmp_path / "pl" / "learner_done.json").read_text())["version"] == 5
     assert complete_versions(tmp_path / "pl" / "weights")[-3:] == [3, 4, 5]  # v3 not reused
+
+
+TWO_RANKS = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {repo!r})
+    from common.config import load_config
+    from learner.data import ListSource
+    from learner.dist import exit_process, rank
+    from learner.runner import Runner
+    from learner.synthetic import synth_groups
+
+    root, model, steps, *extra = sys.argv[1:]
+    cfg = load_config(None, [f"run.root={{root}}", "run.name=r", f"model.path={{model}}", f"learner.total_steps={{steps}}",
+                             "learner.batch_groups=2", "learner.checkpoint_every=1", "learner.eval_every=0",
+                             "metrics.prometheus=false", "learner.publish_addr=tcp://127.0.0.1:0",
+                             "learner.query_addr=tcp://127.0.0.1:0", *extra])
+    r = Runner(cfg, ListSource(synth_groups(8, 2, 60, seed=4)) if rank() == 0 else None)
+    print(f"rank {{rank()}} resumed at {{r.learner.version}}", flush=True)
+    r.run()
+    exit_process(0)
+""")
+
+
+@pytest.mark.slow
+def test_two_ranks_fall_back_together_and_refuse_together(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Rank 0 verifies and chooses, rank 1 follows (broadcast); with refuse both ranks stop, none hangs."""
+    from tests.ports import free_port
+
+    harness = tmp_path / "two.py"
+    harness.write_text(TWO_RANKS.format(repo=str(REPO)))
+
+    def two(steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), str(harness), str(tmp_path), str(tiny_model_dir), str(steps), *extra]
+        return subprocess.run(cmd, env=child_env(OMP_NUM_THREADS="1", VAPO_DS_SHM="0"), capture_output=True,
+                              text=True, timeout=300, cwd=REPO)
+
+    assert two(2).returncode == 0
+    ck = tmp_path / "r" / "checkpoints"
+    os.truncate(_largest(ck / "v2" / "critic"), 100)
+    p = two(3, "learner.resume_damaged=refuse")
+    assert p.returncode != 0 and "v2 damaged (critic/" in p.stderr and "failed while verifying" in p.stderr
+    p = two(3)
+    assert p.returncode == 0, p.stderr[-3000:]
+    # Both ranks resumed from v1, republished past the published v2 as v3.
+    assert "rank 0 resumed at 3" in p.stdout and "rank 1 resumed at 3" in p.stdout
+    assert (ck / "v2.damaged").is_dir() and [v for v, _ in checkpoint.complete_checkpoints(ck)] == [1, 3]
