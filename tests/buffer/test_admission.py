@@ -1,11 +1,16 @@
 """Admission on a real LMDB store: the capacity formula, refusals answered on the ingest side, grants carrying
-the learner version, credit given back when a connection closes."""
+the learner version, credit given back when a connection closes; in a real buffer process, counters re-seeded
+after a restart and the credit of actors that died, hung or vanished."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -18,7 +23,7 @@ from common.config import CurveConfig
 from common.metrics import Metrics
 from common.protocol import CreditGrant, CreditRequest, ErrorReply, ProtocolError, decode, encode
 from common.security import ClientKeys, apply_client_curve, client_curve_keys, generate_run_keys
-from tests.buffer.fixtures import BufferProc, SyncSender, buffer_config, make_group
+from tests.buffer.fixtures import REPO, BufferProc, SyncSender, buffer_config, make_group
 from tests.polling import wait_for
 
 
@@ -197,3 +202,108 @@ def test_an_actor_key_acts_for_its_own_actor_id_only(tmp_path: Path) -> None:
         assert st["depth_groups"] == 1 and st["rejected_actor_key"] == 2, st
     finally:
         srv.cleanup()
+
+
+def test_admission_counters_reseeded_after_restart(buffer_proc: Any) -> None:
+    k, batch = 1, 4
+    # The learner version starts at 3 on a fresh buffer: allow the jump (the default refuses it).
+    srv = buffer_proc([f"buffer.max_staleness={k}", f"learner.batch_groups={batch}", "buffer.learner_version_max_step=3"])
+    with BatchClient(srv.serve_addr) as c, SyncSender(srv.ingest_addr, 0, ack_timeout_s=1.0) as s:
+        for _ in range(3):
+            with pytest.raises(TimeoutError):
+                c.get_batch(3, batch, 0.05)  # learner at version 3; nothing waiting yet
+        g = s.acquire(8, timeout_s=5)
+        assert g.n == k * batch and g.learner_version == 3  # capacity = k*B with no pending request
+        s.send_many([make_group(version=3, actor_id=0) for _ in range(g.n)], timeout_s=10)
+        assert c.stats()["admission_capacity"] == 0
+    srv.kill()
+    srv.start()
+    with BatchClient(srv.serve_addr) as c, SyncSender(srv.ingest_addr, 0, ack_timeout_s=0.3) as s:
+        st = c.stats()
+        assert st["learner_version"] == 3 and st["depth_groups"] == k * batch
+        assert st["admission_capacity"] == 0  # re-seeded from LMDB, not reset to a fresh start
+        with pytest.raises(TimeoutError):
+            s.acquire(1, timeout_s=0.5)
+        # A stale group (older than 3 - k) is recorded, acknowledged, and never stored.
+        ack = s.send(make_group("old", version=1), timeout_s=5)
+        assert ack.committed and ack.error == "stale"
+        assert c.get_batch(3, batch, 5).groups[0].weight_version == 3
+        assert s.acquire(1, timeout_s=5).n == 1  # consumption re-opened admission
+
+
+# Credit in flight held by actors that died, hung or vanished (real buffer subprocess).
+
+
+def test_unused_credit_expires_and_withdrawn_requests_are_not_granted(buffer_proc: Any) -> None:
+    srv = buffer_proc(["buffer.max_staleness=1", "learner.batch_groups=2", "buffer.credit_ttl_s=0.5"])
+    with SyncSender(srv.ingest_addr, 0, ack_timeout_s=0.2) as s, BatchClient(srv.serve_addr) as c:
+        assert s.acquire(2, timeout_s=5).n == 2  # the whole k*B, then the actor dies without sending
+        assert c.stats()["admission_capacity"] == 0
+        wait_for(lambda: c.stats()["admission_capacity"] == 2, 10, "the unused grant to expire")
+        with SyncSender(srv.ingest_addr, 1, ack_timeout_s=0.2) as other:
+            assert other.acquire(2, timeout_s=5).n == 2
+            with pytest.raises(TimeoutError):
+                other.acquire(1, timeout_s=0.3)
+            # The timed-out request was withdrawn: nothing is granted to it later.
+            wait_for(lambda: c.stats()["credit_waiting"] == 0, 10, "the withdrawal")
+            other.send_many([make_group(f"e{i}", actor_id=1) for i in range(2)], timeout_s=10)
+            c.get_batch(0, 2, 5)
+            assert c.stats()["admission_capacity"] == 2
+            assert other.credits == 0
+
+
+def test_restarted_actor_gets_credit_its_dead_predecessor_held(buffer_proc: Any) -> None:
+    # An actor hung after a grant (its connection still open, so nothing tells the buffer it is gone) must
+    # not block its replacement (same actor id) until credit_ttl_s. A closed connection frees its credit
+    # at once (tests/buffer/test_serve_abuse.py).
+    srv = buffer_proc(["buffer.max_staleness=1", "learner.batch_groups=2", "buffer.credit_ttl_s=600"])
+    with BatchClient(srv.serve_addr) as c, SyncSender(srv.ingest_addr, 0, ack_timeout_s=0.2) as hung:
+        assert hung.acquire(2, timeout_s=5).n == 2
+        assert c.stats()["admission_capacity"] == 0
+        with SyncSender(srv.ingest_addr, 0, ack_timeout_s=0.2) as replacement:
+            assert replacement.acquire(2, timeout_s=5).n == 2
+            replacement.send_many([make_group(f"r{i}", actor_id=0) for i in range(2)], timeout_s=10)
+            assert len(c.get_batch(0, 2, 5).groups) == 2
+
+
+_HOLD_CREDIT = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from tests.buffer.fixtures import SyncSender
+s = SyncSender({addr!r}, {actor})
+print('granted', s.acquire(2, timeout_s=10).n, flush=True)
+if {busy}:
+    while True:  # Python busy, holding the GIL: libzmq's own thread still answers the heartbeats
+        pass
+time.sleep(600)
+"""
+
+
+def _credit_holder(addr: str, actor: int, busy: bool) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", _HOLD_CREDIT.format(repo=str(REPO), addr=addr, actor=actor, busy=busy)],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "granted 2"
+    return p
+
+
+def test_a_vanished_actor_loses_its_credit_within_peer_timeout_a_busy_one_keeps_it(buffer_proc: Any) -> None:
+    # A host that vanishes closes no connection: stopped (SIGSTOP), the actor's process answers nothing, as
+    # a dead host's would. Its unused credit comes back within buffer.peer_timeout_s, not credit_ttl_s.
+    srv = buffer_proc(["buffer.max_staleness=2", "learner.batch_groups=2", "buffer.credit_ttl_s=600",
+                       "buffer.peer_timeout_s=1"])
+    gone, busy = _credit_holder(srv.ingest_addr, 0, busy=False), _credit_holder(srv.ingest_addr, 1, busy=True)
+    try:
+        with BatchClient(srv.serve_addr) as c:
+            assert c.stats()["credit_outstanding"] == 4
+            gone.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            wait_for(lambda: c.stats()["credit_released"] == 2, 10, "the vanished actor's credit to come back")
+            assert time.monotonic() - t0 < 5
+            # The busy one (same timeout, past it by now) still holds its grant.
+            t1 = time.monotonic()
+            wait_for(lambda: time.monotonic() - t1 > 2 or c.stats()["credit_outstanding"] != 2, 10, "3 timeouts")
+            assert c.stats()["credit_outstanding"] == 2 and busy.poll() is None
+    finally:
+        for p in (gone, busy):
+            p.kill()
+            p.wait()
