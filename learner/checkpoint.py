@@ -175,7 +175,7 @@ def _read_complete(path: Path) -> dict[str, Any] | None:
     try:
         marker = json.loads(text)
         files = marker["files"]
-        if not isinstance(files, dict) or not files:
+        if not isinstance(files, dict) or not files or not all(isinstance(v, dict) for v in files.values()):
             raise ValueError("no files listed")
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointDamaged(path, COMPLETE, f"not a checkpoint marker ({e})") from e
@@ -191,6 +191,13 @@ def _read_learner_json(path: Path) -> dict[str, Any]:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointDamaged(path, "learner.json", f"unreadable ({type(e).__name__}: {e})") from e
     return info
+
+
+def _digest_or_error(path: Path) -> dict[str, Any] | OSError:
+    try:
+        return file_digest(path)
+    except OSError as e:
+        return e
 
 
 def verify(path: Path) -> bool:
@@ -209,10 +216,13 @@ def verify(path: Path) -> bool:
             raise CheckpointDamaged(path, name, f"size {size} != {want.get('size')}")
     names = sorted(files)
     with ThreadPoolExecutor(_HASH_THREADS) as pool:
-        got = dict(zip(names, pool.map(lambda n: file_digest(path / n), names), strict=True))
+        got = dict(zip(names, pool.map(lambda n: _digest_or_error(path / n), names), strict=True))
     for name in names:
-        if got[name]["sha256"] != files[name].get("sha256"):
-            raise CheckpointDamaged(path, name, f"sha256 {got[name]['sha256'][:12]}… != {str(files[name].get('sha256'))[:12]}…")
+        digest, want = got[name], str(files[name].get("sha256"))
+        if isinstance(digest, OSError):  # a bad block after a power loss reads as EIO
+            raise CheckpointDamaged(path, name, f"unreadable ({digest.strerror or digest})")
+        if digest["sha256"] != want:
+            raise CheckpointDamaged(path, name, f"sha256 {digest['sha256'][:12]}… != {want[:12]}…")
     _read_learner_json(path)
     return True
 

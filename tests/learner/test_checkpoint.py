@@ -4,6 +4,7 @@ intact one (or refuses), with that checkpoint's version and data cursor; checkpo
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -190,6 +191,21 @@ def test_same_size_byte_flip_is_caught_by_the_digest(run_dir: Path) -> None:
     with pytest.raises(checkpoint.CheckpointDamaged, match="sha256") as e:
         checkpoint.verify(v3)
     assert e.value.file == str(victim.relative_to(v3))
+
+
+def test_a_file_that_cannot_be_read_is_damage_not_a_crash(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ck = run_dir / "checkpoints"
+    real = checkpoint.file_digest
+
+    def eio(path: Path, sync: bool = False) -> dict[str, Any]:
+        if path.name == "learner.json" and path.parent.name == "v3":
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+        return real(path, sync)
+
+    monkeypatch.setattr(checkpoint, "file_digest", eio)
+    with pytest.raises(checkpoint.CheckpointDamaged, match=r"learner.json: unreadable \(Input/output error\)"):
+        checkpoint.verify(ck / "v3")
+    assert checkpoint.choose(ck) == ck / "v2"
 
 
 def test_explicit_path_and_no_intact_checkpoint_raise(run_dir: Path) -> None:
