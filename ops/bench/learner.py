@@ -8,8 +8,9 @@ swaps the two DeepSpeed-wrapped models for a minimal wrapper around the bare mod
 ``clip_grad_norm_``, so the ratio is DeepSpeed's own overhead. Steps alternate between the two sides so
 machine contention hits both. Model: ``ops/bases/addition-tiny`` (the shipped base) when it exists, otherwise a random tiny
 Qwen2 of the default shape (hidden 128, 3 layers); data: synthetic groups shaped like the addition task.
-Judged (``ops/bench/measure.py``): ``deepspeed_over_plain`` = DeepSpeed tokens/s ÷ plain tokens/s per pair of
-steps on the same batch (a round; the side going first alternates), **goal ≥ 0.8**: median, range,
+Judged (``ops/bench/measure.py``): ``deepspeed_over_plain`` = DeepSpeed tokens/s ÷ plain tokens/s per round (each
+side steps on the round's batch until it ran ``--min-round-s``, 10 s: one step of a few seconds read 0.14-4.9
+on a loaded machine; the side going first alternates), **goal ≥ 0.8**: median, range,
 interquartile range and verdict (``unclear`` when the interquartile range straddles the goal); also
 ``ratio_total_wall`` over all steps and ``ratio_cpu_time`` from this process's CPU seconds, which other
 processes on a shared machine disturb less. ``--quick``: 2 small steps (a check that it runs; no verdict). To compare two
@@ -36,10 +37,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from ops.bench.measure import MIN_ROUNDS, Run, summarise  # noqa: E402
+from ops.bench.measure import MIN_ROUNDS, Run, Timed, summarise  # noqa: E402
 
 GOAL = 0.8  # DeepSpeed's overhead over a plain loop at most 25%
-QUICK = {"groups": 2, "group_size": 4, "steps": 2}
+QUICK = {"groups": 2, "group_size": 4, "steps": 2, "min_round_s": 0.0}
 
 
 class PlainModel:
@@ -90,7 +91,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--groups", type=int, default=8, help="groups per step (default 8)")
     ap.add_argument("--group-size", type=int, default=8, help="samples per group (default 8)")
-    ap.add_argument("--steps", type=int, default=MIN_ROUNDS, help="timed steps per side after one warm-up (the rounds)")
+    ap.add_argument("--steps", type=int, default=MIN_ROUNDS, help="rounds after one warm-up step (a batch each)")
+    ap.add_argument("--min-round-s", type=float, default=10.0, help="each side repeats its round's step until it ran this long")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     ap.add_argument("--quick", action="store_true", help=f"a check that it runs, no verdict: {QUICK}")
     ap.add_argument("overrides", nargs="*", help="config overrides key=value (e.g. learner.micro_batch_tokens=2048)")
@@ -120,13 +122,19 @@ def main() -> int:
             PlainModel(load_policy_module(mdir), lc.actor_lr, lc.weight_decay, lc.grad_clip),
             PlainModel(load_critic_module(cfg), lc.critic_lr, lc.weight_decay, lc.grad_clip)))
         res: dict[str, list[dict[str, Any]]] = {"deepspeed": [], "plain": []}
+        rounds: dict[str, list[Timed]] = {"deepspeed": [], "plain": []}
         for i, groups in enumerate(batches):
             for name, learner in (("deepspeed", ds), ("plain", plain)) if i % 2 == 0 else (("plain", plain), ("deepspeed", ds)):
-                t0, c0 = time.perf_counter(), time.process_time()
-                st = learner.step(groups)
-                st["wall"], st["cpu"] = time.perf_counter() - t0, time.process_time() - c0
-                if i > 0:  # step 0 is the warm-up
-                    res[name].append(st)
+                done = Timed(0, 0.0)
+                while done.seconds < (args.min_round_s if i > 0 else 0):  # step 0 is the warm-up
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    st = learner.step(groups)
+                    st["wall"], st["cpu"] = time.perf_counter() - t0, time.process_time() - c0
+                    done = done + Timed(st["tokens"], st["wall"])
+                    if i > 0:
+                        res[name].append(st)
+                if i > 0:
+                    rounds[name].append(done)
 
     def tok_s(rows: list[dict[str, Any]], clock: str = "wall") -> float:
         return sum(r["tokens"] for r in rows) / sum(r[clock] for r in rows)
@@ -136,11 +144,12 @@ def main() -> int:
         return {k: round(statistics.mean(r["phase_seconds"][k] for r in rows), 4) for k in keys}
 
     ds_tps, plain_tps = tok_s(res["deepspeed"]), tok_s(res["plain"])
-    per_step = [tok_s([d]) / tok_s([p]) for d, p in zip(res["deepspeed"], res["plain"], strict=True)]
+    per_step = [d.rate / p.rate for d, p in zip(rounds["deepspeed"], rounds["plain"], strict=True)]
     out = {
         "bench": "learner", **summarise(per_step, GOAL, name="deepspeed_over_plain"), "rounds": args.steps,
         **run.common_fields(), "model": mdesc, "groups": args.groups, "group_size": args.group_size,
-        "steps": args.steps, "threads": args.threads,
+        "steps": args.steps, "min_round_s": args.min_round_s, "threads": args.threads,
+        "steps_per_round": {k: round(len(v) / args.steps, 1) for k, v in res.items()},
         "tokens_per_step": round(statistics.mean(r["tokens"] for r in res["deepspeed"]), 1),
         "deepspeed_tokens_per_s": round(ds_tps, 1), "plain_torch_tokens_per_s": round(plain_tps, 1),
         "ratio_total_wall": round(ds_tps / plain_tps, 3),
