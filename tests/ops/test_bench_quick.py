@@ -1,7 +1,7 @@
 """The ratio benchmarks' ``--quick`` modes (ops/bench/buffer.py, gae.py, actors.py, learner.py, rollout.py,
 engines.py) run and print one well-formed JSON line with the fields every ratio benchmark shares (ops/bench/measure.py);
 weight_sync.py's quick mode is checked in test_weight_sync_bench.py. Buffer's and gae's run in the default
-suite (~5 s each on 2 idle cores): actors' starts an engine, a buffer and an actor per round, learner's
+suite (6-8 s each on 2 loaded cores): actors' starts an engine, a buffer and an actor per round, learner's
 builds DeepSpeed engines (each ~1 min or more on 2 shared cores), engines' needs SGLang."""
 
 from __future__ import annotations
