@@ -6,12 +6,12 @@ Not a CLI; ``learner.runner`` calls ``save`` every ``learner.checkpoint_every`` 
 Layout: ``<run dir>/checkpoints/v<N>/`` with ``policy/`` and ``critic/`` (DeepSpeed ``save_checkpoint``,
 tag ``state``: module, optimizer, lr scheduler), ``rng_rank<r>.pt`` (torch / numpy / python RNG of each
 rank), ``learner.json`` (version, samples seen, data-source cursor) and a ``COMPLETE`` marker. Every rank
-writes into ``v<N>.tmp``; after a barrier rank 0 writes ``learner.json``, then reads every file back to
-hash it (sha256 and size, run dir shared by the ranks as everywhere else) and fsyncs it, fsyncs every
-directory, writes ``COMPLETE`` (JSON: the digests by relative path) and fsyncs it, renames the directory
-and fsyncs ``checkpoints/``. Without the fsyncs a power loss could keep the rename but not the data: a
-``v<N>`` whose marker promises files that are truncated. A crash leaves at most a ``.tmp`` that the next
-save of that version removes. The newest ``learner.keep_checkpoints`` complete ones are kept.
+writes into ``v<N>.tmp`` (rank 0 also ``learner.json``); after a barrier every rank reads its share of the
+files back (the run dir is shared by the ranks, as everywhere else), hashing (sha256, size) and fsyncing
+each, and rank 0, with every digest, fsyncs every directory, writes ``COMPLETE`` (JSON: the digests by
+relative path) and fsyncs it, renames the directory and fsyncs ``checkpoints/``. Without the fsyncs a
+power loss could keep the rename but not the data: a ``v<N>`` whose marker promises files that are
+truncated. A crash leaves at most a ``.tmp`` that the next save of that version removes. The newest ``learner.keep_checkpoints`` complete ones are kept.
 
 ``verify`` checks a checkpoint against its ``COMPLETE``: every listed file present with its size and
 digest, ``learner.json`` readable. A checkpoint from before digests (``COMPLETE`` holds only the version)
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from learner.dist import rank, rank0_wait
+from learner.dist import broadcast_bytes, rank, rank0_wait, world_size
 
 log = logging.getLogger(__name__)
 
@@ -119,16 +119,50 @@ def latest_checkpoint(root: Path) -> Path | None:
     return cps[-1][1] if cps else None
 
 
-def _seal(tmp: Path, final: Path, learner: Any) -> None:
-    """Rank 0: learner.json, digests, fsyncs, COMPLETE, rename, fsync of the parent (module docstring)."""
-    src = learner.source.state_dict() if learner.source is not None else {}
-    _write_synced(tmp / "learner.json", json.dumps({
-        "version": learner.version, "samples_seen": learner.samples_seen, "source": src, "saved_at": time.time(),
-    }))
-    files = digests(tmp, sync=True)
+def _share(sizes: dict[str, int], n: int) -> list[list[str]]:
+    """The files split over ``n`` ranks, largest first to the least loaded (every rank computes the same)."""
+    parts: list[list[str]] = [[] for _ in range(n)]
+    load = [0] * n
+    for name in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        i = load.index(min(load))
+        parts[i].append(name)
+        load[i] += sizes[name]
+    return parts
+
+
+def _hash_shared(tmp: Path) -> dict[str, dict[str, Any]] | None:
+    """Every rank hashes and fsyncs its share of ``tmp``'s files (rank 0's listing, broadcast: a network
+    filesystem may show another host a stale listing); rank 0 gets every digest, the others None. Spread
+    over the ranks, a checkpoint of N bytes costs each about N / world size of reading back."""
+    n = world_size()
+    if n == 1:
+        return digests(tmp, sync=True)
+    listing = json.dumps({f: (tmp / f).stat().st_size for f in _files(tmp)}).encode() if rank() == 0 else None
+    mine = _share(json.loads(broadcast_bytes(listing)), n)[rank()]
+    with ThreadPoolExecutor(_HASH_THREADS) as pool:
+        part = json.dumps(dict(zip(mine, pool.map(lambda f: file_digest(tmp / f, True), mine), strict=True))).encode()
+    # Rank 0 collects the parts (their lengths first): raw bytes in uint8 tensors, nothing pickled.
+    lengths = [torch.zeros(1, dtype=torch.long) for _ in range(n)]
+    torch.distributed.all_gather(lengths, torch.tensor([len(part)], dtype=torch.long))
+    width = max(int(t) for t in lengths)
+    buf = torch.zeros(width, dtype=torch.uint8)
+    buf[: len(part)] = torch.frombuffer(bytearray(part), dtype=torch.uint8)
+    bufs = [torch.zeros(width, dtype=torch.uint8) for _ in range(n)]
+    torch.distributed.all_gather(bufs, buf)
+    if rank() != 0:
+        return None
+    files: dict[str, dict[str, Any]] = {}
+    for b, length in zip(bufs, lengths, strict=True):
+        files.update(json.loads(bytes(b[: int(length)].numpy().tobytes())))
+    return dict(sorted(files.items()))
+
+
+def _seal(tmp: Path, final: Path, version: int, files: dict[str, dict[str, Any]]) -> None:
+    """Rank 0, once every file is hashed and fsynced: fsync the directories, write and fsync COMPLETE,
+    rename, fsync the parent (module docstring)."""
     for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True) + [tmp]:
         fsync_path(d)
-    _write_synced(tmp / COMPLETE, json.dumps({"format": FORMAT, "version": learner.version, "files": files}))
+    _write_synced(tmp / COMPLETE, json.dumps({"format": FORMAT, "version": version, "files": files}))
     fsync_path(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -150,15 +184,21 @@ def save(root: Path, learner: Any, keep: int) -> Path:
         learner.critic.save_checkpoint(str(tmp / "critic"), tag="state", save_latest=False)
     torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
                tmp / f"rng_rank{rank()}.pt")
+    if rank() == 0:
+        src = learner.source.state_dict() if learner.source is not None else {}
+        (tmp / "learner.json").write_text(json.dumps({
+            "version": learner.version, "samples_seen": learner.samples_seen, "source": src, "saved_at": time.time(),
+        }))
     _barrier()
-    # Hashing a big checkpoint takes a while: the other ranks hear from rank 0 meanwhile, not time out.
-    rank0_wait((lambda: _seal_and_prune(root, tmp, final, learner, keep)) if rank() == 0 else None,
+    files = _hash_shared(tmp)
+    # The directory work, pruning included, can take a while on a big tree: the others hear from rank 0 meanwhile.
+    rank0_wait((lambda: _seal_and_prune(root, tmp, final, learner.version, files or {}, keep)) if rank() == 0 else None,
                f"sealing checkpoint {final.name}")
     return final
 
 
-def _seal_and_prune(root: Path, tmp: Path, final: Path, learner: Any, keep: int) -> None:
-    _seal(tmp, final, learner)
+def _seal_and_prune(root: Path, tmp: Path, final: Path, version: int, files: dict[str, dict[str, Any]], keep: int) -> None:
+    _seal(tmp, final, version, files)
     cps = complete_checkpoints(root)
     for _, p in cps[: max(0, len(cps) - max(keep, 1))]:
         shutil.rmtree(p, ignore_errors=True)

@@ -306,6 +306,10 @@ def test_two_ranks_fall_back_together_and_refuse_together(tiny_model_dir: Path, 
 
     assert two(2).returncode == 0
     ck = tmp_path / "r" / "checkpoints"
+    # Each rank hashed its share; rank 0's COMPLETE lists all of them, both ranks' RNG files included.
+    listed = json.loads((ck / "v1" / "COMPLETE").read_text())["files"]
+    assert sorted(listed) == sorted(str(p.relative_to(ck / "v1")) for p in (ck / "v1").rglob("*")
+                                    if p.is_file() and p.name != "COMPLETE") and "rng_rank1.pt" in listed
     os.truncate(_largest(ck / "v2" / "critic"), 100)
     p = two(3, "learner.resume_damaged=refuse")
     assert p.returncode != 0 and "v2 damaged (critic/" in p.stderr and "failed while verifying" in p.stderr
