@@ -173,7 +173,10 @@ class Units:
 
 def resume_hint(run_dir: Path, records: list[dict[str, Any]]) -> str:
     """What ``--resume`` will cost: its newest checkpoint, the steps after it to redo, at this run's pace."""
-    versions = [int(p.name[1:]) for p in (run_dir / "checkpoints").glob("v[0-9]*") if p.name[1:].isdigit()]
+    # Complete ones only (a v<N>.tmp or one without COMPLETE is never resumed); a damaged newest one can still
+    # be named here: --resume verifies and falls back past it (learner.checkpoint), at more steps to redo.
+    versions = [int(p.name[1:]) for p in (run_dir / "checkpoints").glob("v[0-9]*")
+                if p.name[1:].isdigit() and (p / "COMPLETE").is_file()]
     steps = [r for r in records if r.get("kind") == "learner_step" and isinstance(r.get("time"), int | float)]
     done = int(steps[-1].get("weight_version", steps[-1].get("step", 0))) if steps else 0
     if not versions:

@@ -320,7 +320,8 @@ def kill_host(c: Cluster, stamp: str, logs: Path, extra: list[str], victim: str 
     total = _total_steps(resumed)
     # The resumed learner's last checkpoint: it ends at total_steps as a version, which may come from
     # republishing the checkpoint's weights past versions the killed run had published (not as a step).
-    final = max((int(p.name[1:]) for p in (run.dir / "checkpoints").glob("v[0-9]*")), default=0)
+    final = max((int(p.name[1:]) for p in (run.dir / "checkpoints").glob("v[0-9]*") if p.name[1:].isdigit()),
+                default=0)  # not v<N>.tmp, v<N>.damaged
     lost = before["accepted_groups"] - after["accepted_groups"]
     return {"check_kill_host": {
         "ok": run.rc not in (0, None) and stop_s <= STOP_BOUND_S and not any(left.values()) and lost <= 0

@@ -104,8 +104,11 @@ def test_probe_is_ssh_with_the_runs_options() -> None:
 
 
 def test_resume_hint_names_the_checkpoint_and_the_steps_to_redo(tmp_path: Path) -> None:
-    (tmp_path / "checkpoints" / "v4").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "v2").mkdir()
+    for v in (2, 4):
+        (tmp_path / "checkpoints" / f"v{v}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"v{v}" / "COMPLETE").write_text("{}")
+    (tmp_path / "checkpoints" / "v6").mkdir()  # cut short: no COMPLETE, never resumed
+    (tmp_path / "checkpoints" / "v5.damaged").mkdir()
     steps = [{"kind": "learner_step", "weight_version": v, "time": 100.0 + 10 * v} for v in range(1, 7)]
     hint = el.resume_hint(tmp_path, [{"kind": "header"}, *steps])
     assert hint == "--resume continues it from its checkpoint v4: 2 step(s) to redo, ~20 s at this run's 10.0 s/step, plus the start"
