@@ -17,8 +17,8 @@ A run that goes on is judged against itself: ``gap_s`` is the longest interval b
 after the kill, ``interval_before_s`` the median interval before it (the same run's baseline), and
 ``cost_s = gap_s - interval_before_s`` what the failure cost. A run that stops reports ``stopped_after_s``
 (kill to launcher exit), ``procs_left`` (processes of the run still alive 5 s after it), ``steps_redone``
-(steps after the resumed checkpoint that were done again) and ``resume_to_step_s`` (``--resume`` start to
-its first new step: process starts, checkpoint load, the buffer's groups). Engine hosts, learner hosts and a
+(steps made after ``resumed_from``, the checkpoint ``--resume`` takes: done again) and ``resume_to_step_s``
+(``--resume`` start to its first new step: process starts, checkpoint load, the buffer's groups). Engine hosts, learner hosts and a
 power loss during a checkpoint are measured by ``ops/rehearse.sh`` (``check_engine_host_lost``,
 ``check_kill_host``) and ``tests/learner/test_checkpoint.py``; README's "What a run survives" collects them.
 Timings are this machine's and noisy: compare a cost with the same run's step interval.
@@ -147,15 +147,18 @@ def stopped(root: Path, name: str, run_dir: Path, proc: subprocess.Popen, t_kill
     time.sleep(5)  # what lingers 5 s after the stop is left behind, not stopping
     left = [pid for pid, (_, cmd) in processes().items() if str(run_dir) in cmd]
     last = max((s for s, _ in step_times(run_dir)), default=0)
+    # The checkpoint --resume will take (the resumed run numbers its steps past every published version, so
+    # its step numbers do not say how far back it went).
+    ckpt = max((int(p.name[1:]) for p in (run_dir / "checkpoints").glob("v*")
+                if p.name[1:].isdigit() and (p / "COMPLETE").is_file()), default=0)
     t_resume = time.time()
     resumed = launch(root, name, overrides, resume=True)
     wait_for("a step of the resumed run", lambda: any(t > t_resume for _, t in step_times(run_dir)), resumed,
              RUN_TIMEOUT_S)
-    first_new = min(s for s, t in step_times(run_dir) if t > t_resume)
     first_s = min(t for _, t in step_times(run_dir) if t > t_resume) - t_resume
     rc = resumed.wait(timeout=RUN_TIMEOUT_S)
     return {"stopped_after_s": round(stop_s, 1), "rc": proc.returncode, "procs_left": len(left),
-            "last_step_before": last, "steps_redone": max(0, last - first_new + 1),
+            "last_step_before": last, "resumed_from": ckpt, "steps_redone": last - ckpt,
             "resume_to_step_s": round(first_s, 1), "resume_rc": rc}
 
 
