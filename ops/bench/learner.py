@@ -126,7 +126,7 @@ def main() -> int:
         for i, groups in enumerate(batches):
             for name, learner in (("deepspeed", ds), ("plain", plain)) if i % 2 == 0 else (("plain", plain), ("deepspeed", ds)):
                 done = Timed(0, 0.0)
-                while done.seconds < (args.min_round_s if i > 0 else 0):  # step 0 is the warm-up
+                while not done.seconds or (i > 0 and done.seconds < args.min_round_s):  # step 0: the warm-up
                     t0, c0 = time.perf_counter(), time.process_time()
                     st = learner.step(groups)
                     st["wall"], st["cpu"] = time.perf_counter() - t0, time.process_time() - c0
