@@ -97,7 +97,7 @@ def checkpoint_tensors(model_path: str | Path) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {}
     for f in sorted(Path(model_path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+            for name in st.keys():  # safe_open is not a dict
                 out[name] = tuple(st.get_slice(name).get_shape())
     return out
 
@@ -129,7 +129,7 @@ def verify_tensors(path: str | Path, expected: dict[str, tuple[int, ...]]) -> tu
     for f in sorted(Path(path).glob("*.safetensors")):
         try:
             with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():  # noqa: SIM118
+                for name in st.keys():
                     t = st.get_tensor(name)
                     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                         return "non_finite", f"{name} in {f} holds NaN or Inf values"

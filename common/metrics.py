@@ -336,5 +336,5 @@ class _BoundedServer(ThreadingWSGIServer):
 class _QuietHandler(WSGIRequestHandler):
     """No access log line per scrape on stderr."""
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 — the base class's name
+    def log_message(self, format: str, *args: Any) -> None:  # the base class's name
         pass

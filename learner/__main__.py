@@ -20,7 +20,7 @@ def _run() -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-    except BaseException:  # noqa: BLE001 - any failure: its traceback, then a non-zero exit
+    except BaseException:  # any failure: its traceback, then a non-zero exit
         traceback.print_exc()
         return 1
 

@@ -206,7 +206,7 @@ def rank0_wait(work: Callable[[], T] | None, what: str) -> T | None:
     def run() -> None:
         try:
             box["result"] = work()
-        except BaseException as e:  # noqa: BLE001 — handed to the main thread, raised there
+        except BaseException as e:  # handed to the main thread, raised there
             box["error"] = e
 
     t = threading.Thread(target=run, name=f"rank0-{what}", daemon=True)

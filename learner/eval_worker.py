@@ -119,5 +119,5 @@ class BackgroundEval:
     def _safe_record(self, rec: dict[str, Any]) -> None:
         try:
             self.record(rec)
-        except Exception:  # noqa: BLE001 — a failed write must not kill the thread (training goes on)
+        except Exception:  # a failed write must not kill the thread (training goes on)
             log.exception("could not record the held-out evaluation of v%s", rec.get("weight_version"))

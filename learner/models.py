@@ -312,12 +312,12 @@ def save_critic(critic: Any, path: str | Path) -> Path:
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
-        except BaseException as e:  # noqa: BLE001 — raised after the collectives below, never inside them
+        except BaseException as e:  # raised after the collectives below, never inside them
             error = e
     head = _host_head_state(module)
     try:
         export_hf(module.backbone, tmp)
-    except BaseException as e:  # noqa: BLE001 — export_hf raises on rank 0 only, after its gathers
+    except BaseException as e:  # export_hf raises on rank 0 only, after its gathers
         error = error or e
     if error is not None:
         raise error

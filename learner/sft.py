@@ -32,21 +32,21 @@ import os
 # (1.21 steps/s). It must be set before torch loads libgomp; an explicit setting in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import random  # noqa: E402
-import shlex  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import json
+import math
+import random
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
 
-import torch  # noqa: E402
+import torch
 
-from common.config import Config, ConfigError, load_config, to_dict  # noqa: E402
-from common.modeling import build_char_tokenizer, build_tiny_qwen2, save_hf  # noqa: E402
-from common.tasks import Prompt, Task, encode_prompt, get_task, stable_hash  # noqa: E402
+from common.config import Config, ConfigError, load_config, to_dict
+from common.modeling import build_char_tokenizer, build_tiny_qwen2, save_hf
+from common.tasks import Prompt, Task, encode_prompt, get_task, stable_hash
 
 MANIFEST = "manifest.json"  # beside the weights: checksum, command, config, machine, held-out figures
 

@@ -92,7 +92,7 @@ def checkpoint_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {}
     for f in sorted(Path(model_path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+            for name in st.keys():  # safe_open is not a dict
                 out[name] = tuple(st.get_slice(name).get_shape())
     return out
 
@@ -377,7 +377,7 @@ class DurableWriter:
             t0 = time.perf_counter()
             try:
                 update = write_buckets(self.root, version, buckets, self.extra_files)
-            except BaseException as e:  # noqa: BLE001 — reported; the next version is written anyway
+            except BaseException as e:  # reported; the next version is written anyway
                 self.last_error = e
                 log.error("writing weights v%d failed: %s", version, e)
                 continue

@@ -321,7 +321,7 @@ def export_hf(model: Any, out: Path, tokenizer: Any = None) -> list[str]:
                 full[name] = t
             else:
                 writer.add(name, t)
-        except BaseException as e:  # noqa: BLE001 — re-raised below, after the collective
+        except BaseException as e:  # re-raised below, after the collective
             error = e
     if error is not None:
         raise error
@@ -369,7 +369,7 @@ def write_version(root: Path, version: int, model: Any, tokenizer: Any) -> proto
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    except BaseException as e:  # noqa: BLE001 — the other ranks are about to gather with us
+    except BaseException as e:  # the other ranks are about to gather with us
         error = e
     if error is not None:
         if partitioned:

@@ -37,7 +37,7 @@ class OutputTail:
         fd = self._pipe.fileno()
         log: IO[bytes] | None = None
         try:
-            log = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - closed below
+            log = open(self.log_path, "ab", buffering=0)  # closed below
         except OSError as e:
             self.write_error = e
         try:

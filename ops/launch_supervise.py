@@ -226,13 +226,13 @@ class Supervision:
         try:
             client = BatchClient(self.cfg.buffer.serve_addr, curve=client_curve_keys(self.cfg.buffer.curve, "monitor"),
                                  request_timeout_s=STATS_EVERY_S, ctx=zmq.Context.instance())
-        except Exception:  # noqa: BLE001 - the count is best effort; the health probe reports a bad key
+        except Exception:  # the count is best effort; the health probe reports a bad key
             return
         try:
             while not self.stopping:
                 try:
                     released = client.stats(retries=0).get("credit_released", 0.0)
-                except Exception:  # noqa: BLE001 - no answer this time (a busy or restarting buffer)
+                except Exception:  # no answer this time (a busy or restarting buffer)
                     released = None
                 if released is not None:
                     with self._released_lock:

@@ -153,12 +153,12 @@ def actor_phase(overrides: list[str], tmp: Path, warmup_s: float, seconds: float
     from buffer.client import BatchClient
 
     buf = subprocess.Popen([sys.executable, "-m", "buffer", *overrides], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                           stderr=open(tmp / "buffer.log", "ab"))  # noqa: SIM115
+                           stderr=open(tmp / "buffer.log", "ab"))
     procs = [buf]
     try:
         read_tagged(buf, "BUFFER READY", 60)
         act = subprocess.Popen([sys.executable, "-m", "actors", *overrides, "--actor-id", "0"], cwd=REPO, env=ENV,
-                               stdout=subprocess.PIPE, stderr=open(tmp / "actor.log", "ab"))  # noqa: SIM115
+                               stdout=subprocess.PIPE, stderr=open(tmp / "actor.log", "ab"))
         procs.append(act)
         read_tagged(act, "ACTOR READY", 120)
         serve = next(o.split("=", 1)[1] for o in overrides if o.startswith("buffer.serve_addr="))
@@ -203,7 +203,7 @@ def start_engine(cfg: Config, model: Path, log: Path) -> tuple[subprocess.Popen,
         [sys.executable, "-m", "actors.rollout_server", "--model-path", str(model), "--skip-tokenizer-init",
          "--port", "0", "--threads", str(e.threads), "--max-batch-size", str(e.max_batch_size),
          "--batch-wait-ms", str(e.batch_wait_ms), "--weight-version", "0", "--log-level", "warning"],
-        cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=open(log, "ab"))  # noqa: SIM115
+        cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=open(log, "ab"))
     line = read_line(engine, "rollout_server ready", 120)
     return engine, line.split("ready on ", 1)[1].split()[0]
 

@@ -33,12 +33,12 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from common import protocol  # noqa: E402
-from common.config import Config, load_config  # noqa: E402
-from common.tasks import decode_response, encode_prompt, get_task  # noqa: E402
+from common import protocol
+from common.config import Config, load_config
+from common.tasks import decode_response, encode_prompt, get_task
 
 log = logging.getLogger("critic_probe")
 

@@ -51,7 +51,7 @@ def start_rollout_server(cfg: Config, model: Path, log: Path) -> tuple[subproces
         [sys.executable, "-m", "actors.rollout_server", "--model-path", str(model), "--skip-tokenizer-init",
          "--port", "0", "--threads", str(e.threads), "--max-batch-size", str(e.max_batch_size),
          "--batch-wait-ms", str(e.batch_wait_ms), "--weight-version", "0", "--log-level", "warning"],
-        cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=open(log, "ab"))  # noqa: SIM115 — the child owns it
+        cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=open(log, "ab"))  # the child owns it
     line = read_line(proc, "rollout_server ready", 120)
     return proc, line.split("ready on ", 1)[1].split()[0]
 

@@ -40,13 +40,13 @@ from typing import Any
 
 # Appended, not first: ops/bench has actors.py, buffer.py and learner.py, which must not shadow the packages.
 sys.path.append(str(Path(__file__).resolve().parent))
-import actor_values_suite  # noqa: E402
-import long_suite  # noqa: E402
-import value_study_report  # noqa: E402
-import value_study_suite  # noqa: E402
-import weight_sync_suite  # noqa: E402
-from default_suite import BY_NAME, EARLIER, FULL_STEPS, SHORT_STEPS, SUITE, Experiment, group_ran, run_name  # noqa: E402
-from run_records import (  # noqa: E402,F401 (the suites read runs through this module)
+import actor_values_suite
+import long_suite
+import value_study_report
+import value_study_suite
+import weight_sync_suite
+from default_suite import BY_NAME, EARLIER, FULL_STEPS, SHORT_STEPS, SUITE, Experiment, group_ran, run_name
+from run_records import (  # noqa: F401 (the suites read runs through this module)
     TARGET,
     Run,
     bootstrap_seconds,

@@ -110,7 +110,7 @@ def step_times(run_dir: Path) -> list[tuple[int, float]]:
 def launch(root: Path, name: str, overrides: list[str], resume: bool = False) -> subprocess.Popen:
     argv = [str(REPO / "ops/launch.sh"), "ops/configs/smoke.yaml", f"run.root={root}", f"run.name={name}",
             *port_overrides(), *overrides, *(["--resume"] if resume else [])]
-    log = open(root / f"{name}{'-resume' if resume else ''}.out", "w")  # noqa: SIM115 (the child owns it)
+    log = open(root / f"{name}{'-resume' if resume else ''}.out", "w")  # the child owns it
     return subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 

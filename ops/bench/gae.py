@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from learner.advantages import decoupled_gae, length_adaptive_lambda, terminal_rewards  # noqa: E402
-from ops.bench.measure import MIN_ROUNDS, Run, Timed, combined_verdict, run_for, summarise  # noqa: E402
+from learner.advantages import decoupled_gae, length_adaptive_lambda, terminal_rewards
+from ops.bench.measure import MIN_ROUNDS, Run, Timed, combined_verdict, run_for, summarise
 
 LOOP_GOAL, COPY_GOAL = 5.0, 3.0
 QUICK = {"shapes": "64x256", "rounds": 2, "min_round_s": 0.0}

@@ -56,7 +56,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path) -> None:
         if proc.poll() is not None:
             raise SystemExit(f"SGLang exited with code {proc.returncode} while starting (log {log_path})")
         try:
-            with urllib.request.urlopen(url + "/health", timeout=30) as r:  # noqa: S310 - loopback
+            with urllib.request.urlopen(url + "/health", timeout=30) as r:  # loopback
                 if r.status == 200:
                     return
         except OSError:

@@ -69,14 +69,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import torch  # noqa: E402
-import weight_sync  # noqa: E402  (puts the repository root on sys.path)
+import torch
+import weight_sync  # puts the repository root on sys.path
 
-from actors.rollout_server.process import RolloutServerProcess  # noqa: E402
-from common.config import load_config  # noqa: E402
-from common.sglang_client import GenerateOutput, SGLangClient  # noqa: E402
-from learner.weight_push import WeightPusher, bucket_plan  # noqa: E402
-from ops.bench.measure import MIN_ROUNDS, Run, summarise  # noqa: E402
+from actors.rollout_server.process import RolloutServerProcess
+from common.config import load_config
+from common.sglang_client import GenerateOutput, SGLangClient
+from learner.weight_push import WeightPusher, bucket_plan
+from ops.bench.measure import MIN_ROUNDS, Run, summarise
 
 GOAL = 0.5  # an in-place update costs at most half the generation a drain costs
 

@@ -42,11 +42,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from common.config import Config, load_config  # noqa: E402
-from common.tasks import Prompt, Task, decode_response, encode_prompt, get_task  # noqa: E402
+from common.config import Config, load_config
+from common.tasks import Prompt, Task, decode_response, encode_prompt, get_task
 
 BEFORE, AFTER = 18, 36  # tokens shown around the first mistake (2 and 4 lines of the chain task)
 

@@ -43,7 +43,7 @@ T = TypeVar("T")
 def start_rollout_server(model_dir: Path, log_dir: Path, key: str, timeout_s: float = 600.0) -> tuple[Any, str]:
     """``python -m actors.rollout_server`` on a free port; (process, url) once it prints its ready line."""
     env = {**os.environ, "VAPO_ENGINE_ADMIN_API_KEY": key, "PYTHONUNBUFFERED": "1"}
-    err = open(log_dir / f"engine_{time.monotonic_ns()}.log", "w")  # noqa: SIM115 — lives with the process
+    err = open(log_dir / f"engine_{time.monotonic_ns()}.log", "w")  # lives with the process
     proc = subprocess.Popen([sys.executable, "-m", "actors.rollout_server", "--model-path", str(model_dir), "--port", "0",
                              "--threads", "1", "--log-level", "warning", "--max-batch-size", "4"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)

@@ -349,7 +349,7 @@ def run_all(c: Cluster, stamp: str, logs: Path, skip: set[str], extra: list[str]
         t0 = time.time()
         try:
             r = fn(c, stamp, logs, extra)
-        except Exception as e:  # noqa: BLE001 - one failed stage is reported; the others still run
+        except Exception as e:  # one failed stage is reported; the others still run
             r = {f"check_{stage}_stage": {"ok": False, "error": f"{type(e).__name__}: {e}"[-1500:]},
                  "procs_left": leftovers(c)}
         stage_left = r.pop("procs_left")

@@ -325,7 +325,7 @@ PartitionName=rehearsal Nodes={','.join(self.hosts)} Default=YES MaxTime=INFINIT
     def _start(self, host: str | None, argv: list[str]) -> None:
         """A daemon in the foreground, as our child (we reap it: this machine's init may not)."""
         name = Path(argv[0]).name + (f"-{host}" if host else "")
-        log = open(self.tmp / "logs" / f"{name}.out", "ab")  # noqa: SIM115 - the daemon's for its lifetime
+        log = open(self.tmp / "logs" / f"{name}.out", "ab")  # the daemon's for its lifetime
         cmd = self.wrap(host, argv) if host else argv
         self.daemons.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
                                              start_new_session=True))

@@ -30,13 +30,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/: the rehearsal package
 
-from launch_engines import missing_modules  # noqa: E402
+from launch_engines import missing_modules
 
-from common.config import load_config  # noqa: E402
-from rehearsal import checks, sglang  # noqa: E402
-from rehearsal.cluster import Cluster, missing_prerequisites  # noqa: E402
-from rehearsal.push import Link, parse_link  # noqa: E402
-from rehearsal.runs import CONFIG, ROOT  # noqa: E402
+from common.config import load_config
+from rehearsal import checks, sglang
+from rehearsal.cluster import Cluster, missing_prerequisites
+from rehearsal.push import Link, parse_link
+from rehearsal.runs import CONFIG, ROOT
 
 KEYS = "runs/_rehearsal/keys"
 STAGES = ("ssh", "plan", "slurm", "kill")
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             out["weight_sync"]["link"] = link.describe() if link is not None else "unshaped"
     except KeyboardInterrupt:
         out["interrupted"] = True
-    except Exception as e:  # noqa: BLE001 - reported in the JSON line, after the teardown below
+    except Exception as e:  # reported in the JSON line, after the teardown below
         out["error"] = f"{type(e).__name__}: {e}"[-2000:]
     finally:
         owned = cluster.owned  # False when another rehearsal holds the machine: its namespaces are not ours

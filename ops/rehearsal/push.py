@@ -195,7 +195,7 @@ class DigestPoller:
         while not self._stop.wait(self.every_s):
             try:
                 self.poll()
-            except Exception:  # noqa: BLE001, S112 - an engine restarting or gone: the next poll tries again
+            except Exception:  # an engine restarting or gone: the next poll tries again
                 continue
 
     def poll(self) -> None:

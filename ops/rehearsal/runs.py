@@ -70,7 +70,7 @@ def launch(c: Cluster, name: str, overrides: list[str], logs: Path, resume: bool
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{name}{'-resume' if resume else ''}.out"
     cmd = argv or ["ops/launch.sh", CONFIG, f"run.name={name}", *overrides, *(["--resume"] if resume else [])]
-    f = open(log, "ab")  # noqa: SIM115 - the launcher's output for its lifetime
+    f = open(log, "ab")  # the launcher's output for its lifetime
     p = c.popen("h0", cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     f.close()
     return Run(name, p, log)

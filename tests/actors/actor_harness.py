@@ -58,7 +58,7 @@ class Stack:
     # ------------------------------------------------------------------ buffer
 
     def start_buffer(self) -> subprocess.Popen:
-        log = open(self.tmp / "buffer.log", "ab")  # noqa: SIM115 - the child owns it
+        log = open(self.tmp / "buffer.log", "ab")  # the child owns it
         p = subprocess.Popen([sys.executable, "-m", "buffer", *self.overrides], cwd=REPO, env=env(),
                              stdout=subprocess.PIPE, stderr=log)
         log.close()
@@ -97,7 +97,7 @@ class Stack:
     # ------------------------------------------------------------------ actors
 
     def start_actors(self, *args: str, log_name: str = "actors.log") -> subprocess.Popen:
-        log = open(self.tmp / log_name, "ab")  # noqa: SIM115
+        log = open(self.tmp / log_name, "ab")
         p = subprocess.Popen([sys.executable, "-m", "actors", *self.overrides, *args], cwd=REPO, env=env(),
                              stdout=subprocess.PIPE, stderr=log)
         log.close()

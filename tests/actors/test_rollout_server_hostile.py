@@ -197,7 +197,7 @@ def test_an_engine_whose_thread_died_exits_nonzero(tiny_model_dir: Path, tmp_pat
                "E.sample = faulty\n"
                "R.main(sys.argv[1:])\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    log = open(tmp_path / "faulty.log", "w")  # noqa: SIM115 - the child owns it
+    log = open(tmp_path / "faulty.log", "w")  # the child owns it
     p = subprocess.Popen([sys.executable, "-c", wrapper, "--model-path", str(tiny_model_dir), "--port", "0",
                           "--threads", "1", "--log-level", "warning"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                          stderr=log, text=True)

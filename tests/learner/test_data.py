@@ -36,10 +36,10 @@ def test_one_rank_fetch_decodes_nothing_and_encodes_nothing() -> None:
     from learner.data import ListSource, fetch
 
     class NoFrames(ListSource):
-        def get_batch_frames(self, *a, **kw):  # noqa: ANN002, ANN003, ANN201
+        def get_batch_frames(self, *a, **kw):
             raise AssertionError("one rank must not ask for frames")
 
-        def positives_frame(self, n):  # noqa: ANN001, ANN201
+        def positives_frame(self, n):
             raise AssertionError("one rank must not ask for frames")
 
     groups = synth_groups(3, 2, 40, seed=1, p_correct=1.0)
@@ -55,16 +55,16 @@ class FrameClient:
     """Stands in for buffer.client.BatchClient's frame API: replies are real protocol frames, handed out in
     order (``get_batch_frame``) or built from ``positives`` (``positives_frame``)."""
 
-    def __init__(self, replies: list[bytes], positives: list) -> None:  # noqa: ANN001
+    def __init__(self, replies: list[bytes], positives: list) -> None:
         self.replies, self.positives = list(replies), positives
 
-    def get_batch_frame(self, learner_version: int, n_groups: int, timeout_s: float):  # noqa: ANN201
+    def get_batch_frame(self, learner_version: int, n_groups: int, timeout_s: float):
         from common import protocol
 
         frame = self.replies.pop(0)
         return protocol.decode_as(frame, protocol.BatchReply), frame
 
-    def positives_frame(self, n: int):  # noqa: ANN201
+    def positives_frame(self, n: int):
         from common import protocol
 
         frame = protocol.encode(protocol.PositivesReply(samples=self.positives[:n]))

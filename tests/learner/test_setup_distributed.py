@@ -78,7 +78,7 @@ def test_two_ranks_with_the_cuda_layout_reduce_host_tensors(tmp_path: Path) -> N
     assert out.count("CPU_BACKEND ProcessGroupGloo") == 2
 
 
-def test_ranks_on_one_host_meet_in_a_file(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+def test_ranks_on_one_host_meet_in_a_file(tmp_path: Path, monkeypatch) -> None:
     # ops/launch.py names the file for a one-host learner: no TCP store listening on every interface.
     monkeypatch.setenv("VAPO_STORE_FILE", str(tmp_path / "store"))
     out = _run(tmp_path, 2, cuda_layout=False)

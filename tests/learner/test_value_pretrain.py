@@ -46,7 +46,7 @@ def test_value_pretraining_learns_and_saves(tiny_model_dir: Path, tmp_path: Path
     assert pretrain_critic(cfg, None) == out  # idempotent: reuses the saved critic
 
 
-def test_the_best_critic_is_saved_not_the_last(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+def test_the_best_critic_is_saved_not_the_last(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
     """The held-out explained variance is scripted to peak at step 2 of 5 (the critic really trains; only
     the score it gets is fixed): the critic handed to RL is the one of step 2, exactly, not the last."""
     from learner import value_pretrain
@@ -56,7 +56,7 @@ def test_the_best_critic_is_saved_not_the_last(tiny_model_dir: Path, tmp_path: P
     states: list[dict[str, torch.Tensor]] = []
     real_heldout_ev = value_pretrain.heldout_ev
 
-    def scored(critic, batch, gamma, mbs):  # noqa: ANN001, ANN202
+    def scored(critic, batch, gamma, mbs):
         states.append(full_state_dict(critic, copy=True))  # the critic this score is given to
         _, vmean = real_heldout_ev(critic, batch, gamma, mbs)
         return scripted[len(states) - 1], vmean
@@ -85,7 +85,7 @@ def test_zero3_pretraining_saves_a_whole_critic(tiny_model_dir: Path, tmp_path: 
 
 
 def test_the_pretraining_critic_is_freed_before_pretrain_critic_returns(tiny_model_dir: Path, tmp_path: Path,
-                                                                        monkeypatch) -> None:  # noqa: ANN001
+                                                                        monkeypatch) -> None:
     # The RL learner builds its policy and critic right after: the pretraining critic (weights, gradients,
     # Adam states) must be gone by then, not left to a garbage collection that may never run in time.
     import weakref
@@ -95,7 +95,7 @@ def test_the_pretraining_critic_is_freed_before_pretrain_critic_returns(tiny_mod
     built: list[weakref.ref] = []
     real_build = value_pretrain.build_critic
 
-    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def recording(*args, **kwargs):
         engine = real_build(*args, **kwargs)
         built.append(weakref.ref(engine.module))
         return engine
