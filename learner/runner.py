@@ -33,7 +33,8 @@ from common.weight_bucket import check_listen
 from learner.data import DataSource
 from learner.dist import all_reduce_sum, broadcast_ints, rank, rank0_wait, shutdown_distributed, world_size
 from learner.records import append_jsonl, write_header, write_json_atomic
-from learner.train import Learner, Phases
+from learner.step_stats import Phases
+from learner.train import Learner
 
 if TYPE_CHECKING:
     from learner.publisher import WeightPublisher

@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +61,7 @@ from learner.data import DataSource, fetch
 from learner.dist import global_explained_variance, global_whiten, setup_distributed
 from learner.losses import behaviour_weight
 from learner.models import build_critic, build_policy
+from learner.step_stats import Phases, export_step, step_summary
 from learner.update import (
     ActorParams,
     MicroLimits,
@@ -77,21 +76,6 @@ from learner.update import (
 log = logging.getLogger("learner")
 
 
-class Phases:
-    """Wall-clock seconds per named phase of one step."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
-
-
 @dataclass(frozen=True)
 class StepData:
     """One step's batch and how it is cut: what every phase after ``collate`` reads."""
@@ -103,12 +87,6 @@ class StepData:
     rewards: Tensor  # [B, T] the score on each row's last real token, 0 on replayed positives
     lam: Tensor  # [B] λ_actor per row (length-adaptive or constant)
     staleness: Tensor  # [n_real] versions between each real row's weights and the weights being updated
-
-
-def _token_staleness(version: int, token_versions: Tensor, mask: Tensor) -> dict[str, float]:
-    st = (version - token_versions[mask > 0]).clamp(min=0).float()
-    return {"token_staleness_mean": float(st.mean()) if st.numel() else 0.0,
-            "token_staleness_max": float(st.max()) if st.numel() else 0.0}
 
 
 class Learner:
@@ -173,9 +151,11 @@ class Learner:
                                       old_logprobs=old_logprobs, importance_weight=importance_weight,
                                       limits=d.limits, params=self.actor_params, version=self.version))
         self.version += 1
-        stats.update(self.summary(d, phases=t, t_start=t_start))
+        stats.update(step_summary(d.batch, staleness=d.staleness, version=self.version,
+                                  positive_reward=self.cfg.buffer.positive_reward, policy=self.policy,
+                                  critic=self.critic, phases=t, t_start=t_start))
         self.samples_seen += stats["samples"]
-        self._export(stats, d.staleness)
+        export_step(self.metrics, stats, d.staleness)
         self.last = stats
         return stats
 
@@ -276,58 +256,3 @@ class Learner:
             return prox, behaviour_weight(prox, b.behaviour_logprobs, b.mask, learner_cfg.decoupled_weight_cap, mode="mask")
         return prox, behaviour_weight(prox, b.behaviour_logprobs, b.mask, learner_cfg.rollout_correction_cap,
                                       mode="truncate", level=learner_cfg.rollout_correction_level)
-
-    # ------------------------------------------------------------------------------------------ record
-
-    def summary(self, d: StepData, *, phases: Phases, t_start: float) -> dict[str, Any]:
-        """The step's batch, throughput and learning-rate statistics (after ``version += 1``)."""
-        b = d.batch
-        real = ~b.is_replay
-        staleness = d.staleness
-        n_real = max(int(real.sum()), 1)
-        tokens = int((b.prompt_lengths + b.lengths).sum())
-        busy = time.perf_counter() - t_start - phases.seconds.get("fetch", 0.0)
-        out = {
-            "step": self.version, "weight_version": self.version, "time": time.time(),
-            "reward_mean": float(b.rewards[real].sum()) / n_real,
-            "positives_fraction": float((b.rewards[real] >= self.cfg.buffer.positive_reward).sum()) / n_real,
-            "response_length_mean": float(b.lengths[real].sum()) / n_real,
-            "truncated_fraction": float(b.truncated[real].sum()) / n_real,
-            "samples": n_real, "replay_positives": int(b.is_replay.sum()),
-            "staleness_mean": float(staleness.float().mean()) if len(staleness) else 0.0,
-            "staleness_max": int(staleness.max()) if len(staleness) else 0,
-            # Per token (an in-place update mid-generation makes a sample's tokens of several versions; its
-            # staleness above counts from its oldest): the weights being updated were version - 1.
-            **_token_staleness(self.version - 1, b.token_versions[real], b.mask[real]),
-            "tokens": tokens, "tokens_per_second": tokens / max(busy, 1e-9),
-            "actor_lr": float(self.policy.get_lr()[0]),
-            "phase_seconds": dict(phases.seconds), "step_seconds": time.perf_counter() - t_start,
-        }
-        if self.critic is not None:
-            out["critic_lr"] = float(self.critic.get_lr()[0])
-        return out
-
-    def _export(self, s: dict[str, Any], staleness: Tensor) -> None:
-        metrics = self.metrics
-        metrics.step.set(s["step"])
-        metrics.last_step_timestamp_seconds.set(s["time"])
-        for key in ("critic_loss", "value_explained_variance", "value_mean", "policy_loss", "nll_loss",
-                    "clip_fraction_low", "clip_fraction_high", "clip_fraction_dual", "approx_kl", "entropy",
-                    "lambda_actor_mean", "reward_mean", "positives_fraction", "response_length_mean",
-                    "tokens_per_second", "mismatch_tokens"):
-            if key in s:
-                getattr(metrics, key).set(s[key])
-        if s.get("mismatch_tokens", 0) > 0:  # a step without rows of its own version keeps the last measurement
-            metrics.mismatch_kl.set(s["mismatch_kl"])
-            metrics.mismatch_ratio_max.set(s["mismatch_ratio_max"])
-        metrics.grad_norm.labels(model="actor").set(s.get("actor_grad_norm", float("nan")))
-        metrics.lr.labels(model="actor").set(s["actor_lr"])
-        if "critic_lr" in s:
-            metrics.grad_norm.labels(model="critic").set(s.get("critic_grad_norm", float("nan")))
-            metrics.lr.labels(model="critic").set(s["critic_lr"])
-        for v in staleness.tolist():
-            metrics.staleness.observe(v)
-        metrics.data_wait_seconds.inc(s["phase_seconds"].get("fetch", 0.0))
-        for phase, sec in s["phase_seconds"].items():
-            metrics.phase_seconds.labels(phase=phase).set(sec)
-        metrics.samples.inc(s["samples"])
