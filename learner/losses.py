@@ -7,7 +7,7 @@ mini-batch (a per-micro-batch mean would weight short micro-batches' tokens more
 count is used.
 
 - Policy (VAPO §3.3 / DAPO eq. 8-10, clip-higher): L = −Σ_t min(r_t·A_t, clip(r_t, 1−ε_low, 1+ε_high)·A_t) / N,
-  r_t = exp(logp_t − logp_old_t); ``loss_agg="seq_mean"`` gives the vanilla per-sequence mean instead.
+  r_t = exp(clamp(logp_t − logp_old_t, ±20)); ``loss_agg="seq_mean"`` gives the vanilla per-sequence mean instead.
   Dual clip (Ye et al. 2020, verl's ``clip_ratio_c``): for A_t < 0 the objective is bounded below by c·A_t,
   so a token whose ratio ran far above 1 + ε_high (an engine/learner mismatch, a stale sample) gives a
   bounded loss and no gradient instead of one growing linearly in r_t.
@@ -33,6 +33,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+
+LOG_RATIO_CLAMP = 20.0  # |log π/π_old| bound before exp in the policy loss (e^20 ≈ 4.9e8)
 
 
 def _no_reduce(stats: Tensor) -> Tensor:
@@ -123,7 +125,10 @@ def policy_loss(
     ratio_mean (detached token means over real tokens of this call).
     """
     log_ratio = (logprobs - old_logprobs) * mask.to(logprobs.dtype)
-    ratio = torch.exp(log_ratio)
+    # exp overflows fp32 past 88.7, and the clipped branch's zero gradient times an infinite ratio is NaN.
+    # Past |log r| = 20 a token is clipped or dual-clipped already, except A < 0 with the dual clip off,
+    # whose gradient (linear in r) is then cut to 0 instead of growing without bound.
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     obj = torch.minimum(ratio * advantages, clipped * advantages)
     dual = torch.zeros_like(obj, dtype=torch.bool)

@@ -326,3 +326,18 @@ def test_bf16_chunked_head_weight_gradient_error_is_bounded(chunks: int, bound: 
     (coef.double() * ref).sum().backward()
     rel = float((head.weight.grad.double() - w.grad).norm() / w.grad.norm())
     assert rel < bound, rel
+
+
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+@pytest.mark.parametrize("clip_ratio_c", [0.0, 3.0])
+def test_huge_log_ratio_gives_a_finite_loss_and_gradient(adv: float, clip_ratio_c: float) -> None:
+    """log r = 100 on one token (exp overflows fp32 past 88.7): without a clamp the ratio is inf and the
+    gradient 0·inf = NaN (A > 0: the clipped branch wins; A < 0 with the dual clip: the bound wins) or the
+    loss −inf. With the clamp both stay finite; the ordinary token beside it keeps its exact gradient −A/2."""
+    logp = torch.tensor([[100.0, 0.0]], requires_grad=True)
+    loss, st = policy_loss(logp, torch.zeros(1, 2), torch.full((1, 2), adv), torch.ones(1, 2), 0.2, 0.28,
+                           clip_ratio_c=clip_ratio_c)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert logp.grad[0, 1].item() == pytest.approx(-adv / 2)
+    assert math.isfinite(float(st["ratio_mean"]))
