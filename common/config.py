@@ -117,6 +117,9 @@ def _actor_engine_checks(cfg: Config) -> list[Check]:
         ("actors.num_actors", cfg.actors.num_actors >= 1, "must be >= 1"),
         ("actors.max_new_tokens", cfg.actors.max_new_tokens >= 1, "must be >= 1"),
         ("actors.temperature", cfg.actors.temperature >= 0, "must be >= 0"),
+        ("actors.temperature", cfg.actors.temperature == 1.0 or cfg.engine.logprobs == "scaled",
+         f"{cfg.actors.temperature} needs engine.logprobs=scaled: with original the engine returns log π at "
+         "temperature 1, not of the distribution it samples from, and every importance ratio would be off"),
         ("actors.top_p", 0 < cfg.actors.top_p <= 1, "must be in (0, 1]"),
         ("actors.prompts_in_flight", cfg.actors.prompts_in_flight >= 1, "must be >= 1"),
         ("actors.max_prompts", cfg.actors.max_prompts >= 0, "must be >= 0"),

@@ -51,6 +51,7 @@ def test_yaml_then_overrides(tmp_path: Path) -> None:
         (["algo.clip_low=1.5"], "algo.clip_low"),
         (["buffer.max_staleness=-1"], "buffer.max_staleness"),
         (["noequals"], "expected key=value"),
+        (["actors.temperature=0.7"], "actors.temperature: 0.7 needs engine.logprobs=scaled"),
     ],
 )
 def test_errors_name_the_key(overrides: list[str], needle: str) -> None:
