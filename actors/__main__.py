@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+from actors.worker import run_worker
 from common import lifeline
 from common.cli import config_from_argv, setup_logging
 
@@ -121,8 +122,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"actors: --actor-id {actor_id} outside [0, actors.num_actors={cfg.actors.num_actors})", file=sys.stderr)
         return 2
     setup_logging(cfg.run.log_level, f"actor-{actor_id} %(name)s")
-    from actors.worker import run_worker
-
     return run_worker(cfg, actor_id)
 
 

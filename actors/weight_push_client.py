@@ -42,15 +42,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import zmq
+import zmq.asyncio
+
 from common import protocol
 from common.protocol import PushDone, PushGroup, PushVersion
+from common.security import ClientKeys, apply_client_curve
 from common.sglang_client import SGLangClient, SGLangError, cache_flush_refused, session_already_open
 
 if TYPE_CHECKING:
-    import zmq.asyncio
-
     from actors.engine_link import EngineLink
-    from common.security import ClientKeys
 
 log = logging.getLogger("vapo.actors.weight_push")
 
@@ -193,8 +194,6 @@ class PushMember:
 
     def __init__(self, link: EngineLink, push_addr: str, pause: str, curve: ClientKeys | None = None,
                  ctx: zmq.asyncio.Context | None = None, recover_timeout_s: float = 600.0) -> None:
-        import zmq.asyncio
-
         self.recover_timeout_s = recover_timeout_s
         self.link, self.push_addr, self.pause, self.curve = link, push_addr, pause, curve
         self.go_timeout_s = link.cfg.learner.push_timeout_s + GO_SLACK_S
@@ -221,10 +220,6 @@ class PushMember:
                 and (time.monotonic() >= self._rejoin_at or starts != self._failed_start))
 
     async def run(self) -> None:
-        import zmq
-
-        from common.security import apply_client_curve
-
         sock = self.ctx.socket(zmq.DEALER)
         sock.linger = 0
         apply_client_curve(sock, self.curve)
@@ -388,7 +383,7 @@ class PushMember:
         async with link.control:
             client = link.client
             with contextlib.suppress(SGLangError):
-                await link._sync_locked(idle=True)
+                await link.sync_locked(idle=True)
                 if client is not None:
                     await client.continue_generation()
             if link.version < version:

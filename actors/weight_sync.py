@@ -21,15 +21,17 @@ publisher.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from pathlib import Path
 
 import zmq
 import zmq.asyncio
+from safetensors import safe_open
 
 from common import protocol
-from common.checksum import weights_sha256
+from common.checksum import weight_files, weights_sha256
 from common.protocol import WeightUpdate
 from common.security import ClientKeys, apply_client_curve
 
@@ -40,8 +42,6 @@ def learner_checked(path: str | Path, sha256: str | None = None) -> dict[str, in
     """The file sizes the learner recorded in ``STABLE`` when it hashed the version while writing it and
     refused non-finite weights on the device (a durable version of the distributed push), if the marker says
     so (and names ``sha256`` when given); else None."""
-    import json
-
     try:
         info = json.loads((Path(path) / "STABLE").read_text())
     except (OSError, ValueError):
@@ -53,8 +53,6 @@ def learner_checked(path: str | Path, sha256: str | None = None) -> dict[str, in
 
 
 def _sizes_match(path: str | Path, sizes: dict[str, int]) -> str | None:
-    from common.checksum import weight_files
-
     found = {p.name: p.stat().st_size for p in weight_files(path)}
     if found != sizes:
         return f"files of {path} are {found}, the learner wrote {sizes}"
@@ -92,8 +90,6 @@ def verify_update(update: WeightUpdate) -> tuple[str, str] | None:
 
 def checkpoint_tensors(model_path: str | Path) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor in an HF safetensors directory, from the file headers only."""
-    from safetensors import safe_open
-
     out: dict[str, tuple[int, ...]] = {}
     for f in sorted(Path(model_path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
@@ -109,8 +105,7 @@ def verify_tensors(path: str | Path, expected: dict[str, tuple[int, ...]]) -> tu
 
     Reasons: ``missing_tensors``, ``shape``, ``non_finite``, ``unreadable``.
     """
-    import torch
-    from safetensors import safe_open
+    import torch  # noqa: PLC0415 - torch only for a check that runs in a thread, not at the worker's start
 
     try:
         found = checkpoint_tensors(path)

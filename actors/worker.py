@@ -50,6 +50,7 @@ from actors.engine_link import EngineLink, EngineLost, LinkCounts
 from actors.report import ZEROED_METRICS, GroupCounts, done_counters, emit_tagged
 from actors.rollout_server.process import EngineStartError
 from actors.samples import engine_sample, has_behaviour_logprobs
+from actors.weight_push_client import PushMember
 from actors.weight_sync import WeightWatcher
 from buffer.client import AsyncGroupSender
 from common.config import Config
@@ -226,7 +227,7 @@ class RolloutWorker:
         await self.watcher.query()
 
         def tokenizer() -> Any:
-            from common.modeling import load_tokenizer  # imported here: transformers loads in this thread
+            from common.modeling import load_tokenizer  # noqa: PLC0415 - torch and transformers load in this thread, while the engine boots
 
             return load_tokenizer(model_path)
 
@@ -243,8 +244,6 @@ class RolloutWorker:
         loop, link = asyncio.get_running_loop(), self.link
         member = None
         if self.cfg.learner.weight_transport == "distributed":  # the learner broadcasts; disk is the fallback
-            from actors.weight_push_client import PushMember
-
             member = PushMember(link, self.cfg.learner.push_addr, self.actors_cfg.push_pause, curve=curve)
         services = {"weights": self.watcher.run(), "sync": link.sync_loop(), "supervise": link.supervise(),
                     "report": self._report_loop(), "health": link.watch_health()}
@@ -337,37 +336,13 @@ class RolloutWorker:
         return
 
     async def _await_weights(self, needed: int) -> None:
-        """Hold a granted prompt until the engine serves weights ``>= needed`` (the grant's learner version).
-
-        Only a version that has been announced and not refused is waited for (one that was never published,
-        with ``learner.weights_every > 1``, is not), and never longer than ``actors.weight_wait_s``. A grant
-        that overtook its ``WeightUpdate`` triggers an immediate ``WeightQuery`` rather than waiting for the
-        next poll.
-        """
-        if self.version >= needed or self.actors_cfg.weight_wait_s <= 0:
-            return
-        assert self.watcher is not None and self.link is not None
-        t0 = time.monotonic()
-        latest = self.watcher.latest
-        if latest is None or latest.version < needed:
-            await self.watcher.query()  # the PUB message is on its way or was dropped: ask
-            latest = self.watcher.latest
-        if latest is None:
-            return
-        target = min(needed, latest.version)
-        deadline = t0 + self.actors_cfg.weight_wait_s
-        # The sync loop loads only the newest announced update: while that one is refused, nothing moves.
-        while self.version < target and latest.version not in self.link.refused:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                log.warning("actor %d: still serving v%d %.0f s after a grant for learner v%d; generating anyway "
-                            "(actors.weight_wait_s)", self.actor_id, self.version, self.actors_cfg.weight_wait_s, needed)
-                break
-            await self.link.wait_changed(left)
-            latest = self.watcher.latest or latest  # the newest announced now (the watcher never forgets one)
-        waited = time.monotonic() - t0
-        self.weight_wait_s += waited
-        self.metric("weight_wait_seconds").inc(waited)
+        """Hold a granted prompt until the engine serves the grant's learner version (``WeightFollower.
+        await_version``, at most ``actors.weight_wait_s``); the wait is counted."""
+        assert self.link is not None
+        waited = await self.link.weights.await_version(needed, self.actors_cfg.weight_wait_s)
+        if waited:
+            self.weight_wait_s += waited
+            self.metric("weight_wait_seconds").inc(waited)
 
     def _record(self, group: SampleGroup, ack: IngestAck, resent: int) -> None:
         rewards = [s.reward for s in group.samples]

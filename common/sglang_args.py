@@ -159,11 +159,11 @@ def amx_path_available() -> bool:
     compiled one (it registers ``convert_weight_packed``; vapo's pure-torch stub from ``ops/setup.sh --sglang``
     does not). The same test as SGLang's ``cpu_has_amx_support``; False wherever either part is missing."""
     try:
-        import torch
+        import torch  # noqa: PLC0415 - heavy; planning an SGLang command line (launcher CLI) needs it only here
 
         if not torch.cpu._is_amx_tile_supported():
             return False
-        import sgl_kernel  # noqa: F401  (registers torch.ops.sgl_kernel.*)
+        import sgl_kernel  # noqa: F401, PLC0415 - optional (registers torch.ops.sgl_kernel.*), absent without SGLang
 
         return hasattr(torch.ops.sgl_kernel, "convert_weight_packed")
     except Exception:  # no torch, no sgl_kernel, or one that fails to load: the portable path

@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from aiohttp import web
 
 from actors.rollout_server.http import Server
@@ -102,9 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    import torch
-
-    from common.modeling import load_model, load_tokenizer
+    from common.modeling import load_model, load_tokenizer  # noqa: PLC0415 - transformers, only once serving (not for --help)
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")

@@ -35,6 +35,7 @@ same, while this server by default receives at once and drains afterwards, never
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 import time
@@ -332,8 +333,6 @@ class DistributedUpdates:
 
 def param_digest(named: Any) -> str:
     """sha256 over ``(name, tensor)`` pairs in sorted name order: name, NUL, the tensor's raw bytes."""
-    import hashlib
-
     h = hashlib.sha256()
     for name, t in sorted(named, key=lambda kv: kv[0]):
         h.update(name.encode())
