@@ -61,6 +61,7 @@ from learner.data import DataSource, fetch
 from learner.dist import global_explained_variance, global_whiten, setup_distributed
 from learner.losses import behaviour_weight
 from learner.models import build_critic, build_policy
+from learner.oracle import ChainOracle
 from learner.step_stats import Phases, export_step, step_summary
 from learner.update import (
     ActorParams,
@@ -110,6 +111,7 @@ class Learner:
         self.samples_seen = 0
         self.metrics = metrics or Metrics("learner")
         self.row_limits = row_limits(cfg)
+        self.oracle = ChainOracle(self.tokenizer, cfg.algo.oracle_line_accuracy) if cfg.algo.critic == "oracle" else None
         self.last: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------------------- step
@@ -131,11 +133,14 @@ class Learner:
                 stats.update(ev_stats)
             with t("critic_update"):
                 stats.update(self.update_critic(d, returns=returns, old_values=old_values))
-            if self.cfg.algo.actor_values == "pre_update":
+            if self.cfg.algo.actor_values == "pre_update" or self.oracle is not None:
                 values = old_values
             else:
                 with t("fresh_values"):
                     values = compute_values(self.critic, d.batch, rows=d.minibatches, limits=d.limits)
+            if self.oracle is not None:  # algo.critic=oracle: the task's own values replace the critic's
+                values = self.oracle.values(d.batch)
+                stats.update(self.oracle.stats(self.value_stats(d, values=values, returns=returns)))
             with t("advantages"):
                 advantages = self.gae_advantages(d, values=values)
                 stats["lambda_actor_mean"] = self.lambda_actor_mean(d)

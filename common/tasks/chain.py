@@ -137,3 +137,51 @@ only, ten slips are needed to cancel.
         lines.append(f"{left:02d}:{x}+{inc}={new}")
         x = new
     return "\n".join(lines) + f"\nA:{x}"
+
+
+# --------------------------------------------------------------------------------------- the oracle's state
+# What a critic that knows the task could know at each state of a response: how many step lines are left
+# to write and whether a mistake has been made already (every later value is then wrong). It cannot foresee
+# a slip, so an intact prefix is worth the chance of writing the remaining lines right.
+
+LINE_CHARS = 9  # "kk:x+i=y\n"
+RESULT_COL = 7  # where a line's result digit sits (the column a slip changes)
+
+
+def correct_trace(prompt_text: str) -> str:
+    """The error-free response to ``Q:<start>+<inc>x<nn>\\n`` (without EOS)."""
+    return teacher_response(Prompt(prompt_id="", text=prompt_text, answer="", split="", index=0))
+
+
+def lines_left(trace: str, written: int) -> int:
+    """Step lines of ``trace`` whose result digit is not among the first ``written`` characters."""
+    n_lines = trace.count("\n")  # one newline per step line; the answer line has none
+    return sum(1 for i in range(n_lines) if LINE_CHARS * i + RESULT_COL >= written)
+
+
+def first_mistake(trace: str, response: str, stopped: bool) -> int | None:
+    """Index of the first character where ``response`` leaves ``trace``; ``len(trace)`` when it ran on past the
+    end or stopped (``stopped``: the EOS came) before it; None when it is still on the trace."""
+    for j, (a, b) in enumerate(zip(response, trace, strict=False)):
+        if a != b:
+            return j
+    if len(response) > len(trace) or (stopped and len(response) < len(trace)):
+        return min(len(response), len(trace))
+    return None
+
+
+def oracle_value(trace: str, prefix: str, line_accuracy: float) -> float:
+    """P(reward 1 | prefix) for a policy that writes each remaining line right with ``line_accuracy``:
+    0 once the prefix has left the trace, else line_accuracy ** (step lines left)."""
+    if first_mistake(trace, prefix, stopped=False) is not None:
+        return 0.0
+    return float(line_accuracy ** lines_left(trace, len(prefix)))
+
+
+def line_outcome(trace: str, response: str, stopped: bool) -> tuple[int, int]:
+    """(step lines written right before the first mistake, 1 if there is a mistake else 0): one response's
+    share of the line accuracy p = 1 − mistakes / (lines right + mistakes)."""
+    j = first_mistake(trace, response, stopped)
+    end = len(response) if j is None else j
+    right = len(trace.split("\n")[:-1]) - lines_left(trace, end)
+    return right, int(j is not None)

@@ -128,3 +128,24 @@ def test_evaluation_reports_the_length_buckets_in_order() -> None:
     report = score(task, tok, prompts, [[right[0]], [right[1]], [[tok.eos_token_id]]], None, [tok.eos_token_id])
     assert list(report["by_bucket"]) == ["short", "medium", "long"]
     assert [report["by_bucket"][b]["avg_at_k"] for b in ("short", "medium", "long")] == [1.0, 0.0, 1.0]
+
+
+def test_oracle_value_counts_the_step_lines_left_and_drops_to_zero_after_a_mistake() -> None:
+    """Q:3+7x05: five step lines, result digits at characters 7, 16, 25, 34, 43. Before anything is written
+    all five are left: p^5. Once line 1's result (char 7) is written right, four: p^4. A wrong result there
+    leaves the trace: 0 for that state and every later one. The finished trace is worth p^0 = 1."""
+    from common.tasks.chain import correct_trace, line_outcome, lines_left, oracle_value
+
+    trace = correct_trace("Q:3+7x05\n")
+    assert trace == "04:3+7=0\n03:0+7=7\n02:7+7=4\n01:4+7=1\n00:1+7=8\nA:8"
+    assert [lines_left(trace, w) for w in (0, 7, 8, 16, 17, 43, 44, len(trace))] == [5, 5, 4, 4, 3, 1, 0, 0]
+    assert oracle_value(trace, "", 0.9) == pytest.approx(0.9**5)
+    assert oracle_value(trace, "04:3+7=0", 0.9) == pytest.approx(0.9**4)
+    assert oracle_value(trace, "04:3+7=1", 0.9) == 0.0
+    assert oracle_value(trace, "04:3+7=1\n03:1+7=8", 0.9) == 0.0
+    assert oracle_value(trace, trace, 0.9) == 1.0
+    # Lines right before the first mistake, and whether there is one: the line accuracy's counts.
+    assert line_outcome(trace, trace, stopped=True) == (5, 0)
+    assert line_outcome(trace, "04:3+7=0\n03:0+7=8\n", stopped=True) == (1, 1)  # slip on line 2
+    assert line_outcome(trace, "04:3+7=0\n03:0+7=7", stopped=True) == (2, 1)  # stopped early
+    assert line_outcome(trace, trace + "\n", stopped=False) == (5, 1)  # did not stop

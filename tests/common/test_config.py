@@ -52,6 +52,8 @@ def test_yaml_then_overrides(tmp_path: Path) -> None:
         (["buffer.max_staleness=-1"], "buffer.max_staleness"),
         (["noequals"], "expected key=value"),
         (["actors.temperature=0.7"], "actors.temperature: 0.7 needs engine.logprobs=scaled"),
+        (["algo.critic=oracle"], "algo.critic: oracle needs task.name=chain"),
+        (["algo.critic=psychic"], "algo.critic: 'psychic' is not one of"),
     ],
 )
 def test_errors_name_the_key(overrides: list[str], needle: str) -> None:
