@@ -9,6 +9,7 @@ config key was added, removed or re-documented).
 
 from __future__ import annotations
 
+import ast
 import re
 import sys
 from pathlib import Path
@@ -131,6 +132,18 @@ def test_sections_named_within_a_page_exist() -> None:
             if not any(h.startswith(title) for h in heads):
                 bad.append(f"{page.name}: *{title}*")
     assert bad == [], "sections referred to that the page does not have:\n  " + "\n  ".join(bad)
+
+
+def test_the_pure_math_imports_only_torch_and_the_standard_library() -> None:
+    allowed = set(sys.stdlib_module_names) | {"torch", "__future__"}
+    bad: list[str] = []
+    for rel in ("learner/advantages.py", "learner/losses.py"):
+        for node in ast.walk(ast.parse((REPO / rel).read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or "."] if isinstance(node, ast.ImportFrom) and not node.level else
+                ["."] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{rel}:{node.lineno} {n}" for n in names if n.split(".")[0] not in allowed]
+    assert bad == [], bad
 
 
 def _config_keys() -> set[str]:
