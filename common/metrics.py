@@ -1,4 +1,4 @@
-"""Every Prometheus metric of vapo, declared once (the Grafana dashboard and README read these names).
+"""Every Prometheus metric of vapo, declared once (the Grafana dashboard and docs/METRICS.md read these names).
 
 Each process builds only its own component's metrics in its own registry and serves them:
 

@@ -147,7 +147,7 @@ def load_checkpoint(module: nn.Module, src: str | Path) -> None:
     """Copy the HF checkpoint in ``src`` into ``module`` (ZeRO-3-partitioned or not); no collective.
 
     Each rank reads only its own slice of each partitioned tensor (every rank needs ``src`` at the same
-    path, as for ``from_pretrained``; on several hosts that is the shared filesystem the README requires),
+    path, as for ``from_pretrained``; on several hosts that is the shared filesystem docs/MULTIHOST.md requires),
     straight into its partition; replicated tensors (buffers, parameters ZeRO-3 does not partition) in full.
     So no rank ever holds more than its partitions plus one tensor's slice of a dtype conversion."""
     src = Path(src)

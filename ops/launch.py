@@ -317,7 +317,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. learner.total_steps=20")
     ap.add_argument("--resume", action="store_true", help="continue the run named by run.name from its newest checkpoint")
     ap.add_argument("--no-actors", action="store_true",
-                    help="start only the buffer and learner here (actors run on other hosts: see README)")
+                    help="start only the buffer and learner here (actors run on other hosts: see docs/MULTIHOST.md)")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the process plan (host, command, environment, GPUs of every process, learner ranks, "
                     "memory estimate) and exit without starting or writing anything")

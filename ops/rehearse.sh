@@ -3,7 +3,7 @@
 # its own address, hostname, sshd and slurmd (slurmctld on h0, munged), paper.yaml's topology in miniature
 # on CPU (ops/configs/rehearsal.yaml), the scale checks, and everything torn down at the end (also on
 # Ctrl-C or failure). Prints one JSON line of figures; exits 0 when every check passed, 3 when this
-# machine cannot host it (not root, no namespaces, packages missing: see the README), 1 otherwise.
+# machine cannot host it (not root, no namespaces, packages missing: see docs/MULTIHOST.md), 1 otherwise.
 #   sudo ops/rehearse.sh                 # ~4 min on 2 cores (217 s measured, other jobs sharing them)
 #   ops/rehearse.sh --skip slurm,kill    # the ssh route and plan-time checks only
 #   ops/rehearse.sh --link 1gbit --push --skip plan,slurm,kill

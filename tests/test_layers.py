@@ -1,4 +1,4 @@
-"""The layer contract of docs/ARCHITECTURE.md section 1 ("Layers"), checked on every import of the product
+"""The layer contract of docs/ARCHITECTURE.md ("Arrows"), checked on every import of the product
 code: module-level and function-level, ``import x`` and ``from x import y``, relative ones resolved.
 
 1. package edges: common imports nothing of ours; buffer only common; actors and learner only common and
@@ -209,7 +209,7 @@ def _cycle_in(component: list[str], graph: dict[str, dict[str, Import]]) -> list
 
 
 def _report(title: str, problems: list[str]) -> str:
-    return f"{title} ({len(problems)}); see docs/ARCHITECTURE.md section 1, Layers:\n  " + "\n  ".join(problems)
+    return f"{title} ({len(problems)}); see docs/ARCHITECTURE.md, Arrows:\n  " + "\n  ".join(problems)
 
 
 def test_package_edges_follow_the_layer_contract() -> None:

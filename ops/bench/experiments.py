@@ -17,7 +17,7 @@ Every run is a plain ``ops/launch.sh <config> run.root=runs/exp run.name=<exp>-s
 directory is the record. Resumable: a run with ``summary.json`` is done and skipped, a run with a checkpoint
 is continued with ``--resume``, anything else is started afresh (its partial directory moved aside). A
 continued run still ends at ``learner.total_steps`` but without the updates made after its last checkpoint
-(docs/ARCHITECTURE.md 6.4); for a strict equal-updates comparison, move such a run aside and rerun it.
+(docs/OPERATIONS.md, "Crashes, restarts, resume"); for a strict equal-updates comparison, move such a run aside and rerun it.
 
 Cost is counted in *generated* samples: trained samples plus the groups the buffer dropped as stale or
 filtered (DAPO's dynamic sampling pays for groups it never trains on). On 2 cores one default VAPO run

@@ -20,7 +20,7 @@ after the kill, ``interval_before_s`` the median interval before it (the same ru
 (steps made after ``resumed_from``, the checkpoint ``--resume`` takes: done again) and ``resume_to_step_s``
 (``--resume`` start to its first new step: process starts, checkpoint load, the buffer's groups). Engine hosts, learner hosts and a
 power loss during a checkpoint are measured by ``ops/rehearse.sh`` (``check_engine_host_lost``,
-``check_kill_host``) and ``tests/learner/test_checkpoint.py``; README's "What a run survives" collects them.
+``check_kill_host``) and ``tests/learner/test_checkpoint.py``; docs/OPERATIONS.md's "What a run survives" collects them.
 Timings are this machine's and noisy: compare a cost with the same run's step interval.
 """
 

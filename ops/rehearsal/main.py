@@ -3,7 +3,7 @@
     ops/rehearse.sh [--hosts 4] [--keep-logs DIR] [--skip slurm,kill,...] [--link RATE[,DELAY]] [--push]
                     [--engine rollout_server|sglang]
 
-Stages (the README's "Rehearsing the multi-host path" describes each): cluster up (hosts h0..h3), the
+Stages (docs/MULTIHOST.md, "Rehearsing the multi-host path on one machine", describes each): cluster up (hosts h0..h3), the
 base model and CurveZMQ keys (before the timed part), the ssh route (``ops/launch.sh`` on h0: buffer and
 learner rank 0 there, a ZeRO-3 learner over h0+h1 via DeepSpeed's hostfile and pdsh, engines + actors on
 h2 and h3 over ssh) with a process-group timeout of a few seconds and a longer rank-0 wait, then engine

@@ -308,7 +308,7 @@ def test_bf16_chunked_head_weight_gradient_error_is_bounded(chunks: int, bound: 
     152k × 5120 head, outside ZeRO-3's parameter hooks). Measured against float64 math on the same bf16
     inputs (2880 tokens, H 64, V 1000): 2.3e-3 relative (Frobenius) with one chunk (bf16's own rounding of
     the product), 4.2e-3 with 8, 7.9e-3 with 45 (a 20k-token row): ≈ 2.4e-3·sqrt(1 + (n − 1)/4). The
-    documented bound (docs/ARCHITECTURE.md 4.4) is this test's."""
+    documented bound (docs/ALGORITHM.md, "Data parallelism and numerics") is this test's."""
     from learner.losses import chunked_token_logprobs
 
     g = torch.Generator().manual_seed(1)

@@ -95,7 +95,7 @@ def test_dry_run_names_every_missing_file_by_its_key(tmp_path: Path) -> None:
 
 
 def test_paper_keys_are_what_the_documented_command_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """paper.yaml's keys are found after `python -m buffer.keys keys/` (the README's command) in the
+    """paper.yaml's keys are found after `python -m buffer.keys keys/` (docs/MULTIHOST.md's command) in the
     repository root: the server's and every client role's."""
     from common.security import ROLES, client_curve_keys, server_keys
 
