@@ -86,6 +86,17 @@ def test_every_command_module_the_docs_name_exists() -> None:
     assert missing == [], "modules named in the docs' commands that do not exist:\n  " + "\n  ".join(missing)
 
 
+def test_ops_scripts_are_run_as_modules() -> None:
+    """A command runs an ops script as ``python -m ops....``, never as a file path (the shell entry points
+    ops/launch.sh, ops/test.sh, ops/setup.sh, ops/rehearse.sh excepted)."""
+    bad: list[str] = []
+    for page in CHECKED:
+        text = page.read_text()
+        bad += [f"{page.name}: {m}" for m in re.findall(r"python3? ops/\S+", text)]
+        bad += [f"{page.name}: {m}" for m in re.findall(r"`(ops/[\w/]+\.py [^`]+)`", text)]
+    assert bad == [], "ops scripts run by path (write `python -m ops.<module>`):\n  " + "\n  ".join(bad)
+
+
 def test_every_test_the_map_names_exists() -> None:
     named = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", MAP.read_text())
     assert len(named) >= 20, named
