@@ -39,6 +39,7 @@ from common.config import Config
 from common.limits import SampleLimits, group_problem
 from common.metrics import Metrics
 from common.protocol import CreditRequest, IngestAck, ProtocolError, SampleGroup, decode, encode
+from common.rewards import uniform_trained_reward
 from common.security import ServerCurve
 
 log = logging.getLogger("vapo.buffer")  # the server's logger: one log stream for the whole buffer
@@ -174,7 +175,7 @@ class Ingest:
         fate = STORED
         if group.weight_version < learner_version - self.cfg.buffer.max_staleness:
             fate = STALE
-        elif self.cfg.buffer.filter_uniform_groups and len({s.reward for s in group.samples}) == 1:
+        elif self.cfg.buffer.filter_uniform_groups and uniform_trained_reward(group, self.cfg):
             fate = FILTERED
         return GroupRecord(group.group_id, frame, group.weight_version, len(group.samples), positives, fate)
 

@@ -190,3 +190,20 @@ def test_a_group_claiming_weights_newer_than_the_learner_can_have_published_is_r
     assert harness.ingest.invalid == {"version": 2}
     assert harness.metrics.registry.get_sample_value("vapo_buffer_invalid_groups_total", {"reason": "version"}) == 2.0
     assert harness.store.counters["depth_groups"] == 1
+
+
+@pytest.mark.parametrize("harness", [["buffer.filter_uniform_groups=true"]], indirect=True)
+def test_the_uniform_filter_judges_the_reward_the_learner_trains_on(harness: Harness) -> None:
+    """Rewards 1, 0, 0, 0 where the 1 was cut at the length limit: under ``algo.truncated=zero_reward`` (the
+    default) the learner trains on 0, 0, 0, 0, no signal, so the group is filtered; the same rewards with the
+    1 finished are kept."""
+    cut, kept = make_group(rewards=[1.0, 0.0, 0.0, 0.0]), make_group(rewards=[1.0, 0.0, 0.0, 0.0])
+    cut.samples[0].finish_reason = "length"
+    for g in (cut, kept):
+        harness.send(encode(g))
+    harness.drain(n_queued=2)
+    harness.ingest.submit()
+    harness.ingest.settle()
+    acks = {a.group_id: a for a in harness.answers(2) if isinstance(a, IngestAck)}
+    assert acks[cut.group_id].error == "filtered:uniform_reward"
+    assert acks[kept.group_id].committed and acks[kept.group_id].error == ""
