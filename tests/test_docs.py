@@ -147,6 +147,30 @@ def test_sections_named_within_a_page_exist() -> None:
     assert bad == [], "sections referred to that the page does not have:\n  " + "\n  ".join(bad)
 
 
+def _layer_contract() -> dict[str, set[str]]:
+    """tests/test_layers.py's ALLOWED table (read from its source: a test module is never imported)."""
+    tree = ast.parse((REPO / "tests" / "test_layers.py").read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "ALLOWED")
+    assert node.value is not None
+    return {k: set(v) for k, v in ast.literal_eval(node.value).items()}
+
+
+def test_the_maps_arrows_are_the_layer_contract_the_tests_enforce() -> None:
+    section = MAP.read_text().split("\n## Arrows\n", 1)[1].split("\n## ", 1)[0]
+    contract = _layer_contract()
+    everything = set(contract)
+    doc: dict[str, set[str]] = {}
+    for pkg, cell in re.findall(r"^\| `([a-z_]+)/` \| ([^|]+) \|$", section, flags=re.M):
+        named = {w.removesuffix("/").removesuffix(".py").replace("/", ".") for w in re.findall(r"`([^`]+)`", cell)}
+        if cell.startswith("everything except"):
+            named = everything - named
+        elif cell.startswith("everything"):
+            named = everything
+        doc[pkg] = named | {pkg}
+    assert set(doc) == set(contract) | {"tests"}, sorted(doc)
+    assert {k: v for k, v in doc.items() if k != "tests"} == contract
+
+
 def test_the_pure_math_imports_only_torch_and_the_standard_library() -> None:
     allowed = set(sys.stdlib_module_names) | {"torch", "__future__"}
     bad: list[str] = []
