@@ -30,24 +30,21 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(1, str(ROOT / "ops"))
-
-from launch_child import Child, LaunchError  # noqa: E402
-from launch_engines import engine_targets, sglang_install_problem, write_prometheus_config  # noqa: E402,F401
-from launch_failure import failure_notes  # noqa: E402
-from launch_progress import say  # noqa: E402
-from launch_supervise import Supervision  # noqa: E402
-
-from common import lifeline, provenance  # noqa: E402
-from common.config import Config, ConfigError, load_config, save_config  # noqa: E402
-from common.metrics import Metrics  # noqa: E402
-from common.placement import LEARNER_DONE_FILE, STORE_FILE_ENV, build_plan  # noqa: E402
-from common.preflight import missing_files  # noqa: E402
+from common import lifeline, provenance
+from common.config import Config, ConfigError, load_config, save_config
+from common.metrics import Metrics
+from common.placement import LEARNER_DONE_FILE, STORE_FILE_ENV, build_plan
+from common.preflight import missing_files
+from ops.launch_child import Child, LaunchError
+from ops.launch_engines import engine_targets, sglang_install_problem, write_prometheus_config  # noqa: F401
+from ops.launch_failure import failure_notes
+from ops.launch_progress import say
+from ops.launch_supervise import Supervision
 
 if TYPE_CHECKING:
     from common.security import ClientKeys
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PY = sys.executable
 STOP_GRACE_S = 6.0
@@ -409,12 +406,11 @@ def main(argv: list[str] | None = None) -> int:
         launcher.stop_all()
         return 1
     launcher.stop_all()
-    import report  # ops/report.py
+    from ops import report  # ops/report.py
 
     report.finish(cfg, launcher.run_dir, time.time() - launcher.t0)
     return 0
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT / "ops"))
     sys.exit(main())

@@ -11,4 +11,4 @@ export TOKENIZERS_PARALLELISM=false
 export HF_HUB_OFFLINE=1
 # Engines and learner share 2 cores: spinning OpenMP workers made 2-thread torch ~5-10x slower here.
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
-exec .venv/bin/python ops/launch.py "$@"
+exec .venv/bin/python -m ops.launch "$@"

@@ -9,9 +9,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launch_failure import OutputTail  # ops/ is on sys.path, as for launch_child itself
-
 from common import lifeline
+from ops.launch_failure import OutputTail
 
 ROOT = Path(__file__).resolve().parents[1]
 # Slurm's task variables too: a learner rank derives its rank from them when RANK is unset, and in the batch

@@ -10,8 +10,10 @@ import threading
 import time
 from typing import Any
 
-from launch_child import Child, LaunchError
-from launch_elastic import (
+from common import remote
+from common.placement import LEARNER_DONE_FILE
+from ops.launch_child import Child, LaunchError
+from ops.launch_elastic import (
     GIVE_UP,
     HOST_LOST,
     RESTART,
@@ -25,10 +27,7 @@ from launch_elastic import (
     probe_argv,
     resume_hint,
 )
-from launch_progress import Progress, say
-
-from common import remote
-from common.placement import LEARNER_DONE_FILE
+from ops.launch_progress import Progress, say
 
 STATS_EVERY_S = 2.0  # buffer stats polled for the credit a lost host's actors held
 

@@ -19,4 +19,4 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/vapo/torch_exte
 export TOKENIZERS_PARALLELISM=false
 export HF_HUB_OFFLINE=1
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
-exec .venv/bin/python ops/rehearsal/main.py "$@"
+exec .venv/bin/python -m ops.rehearsal.main "$@"

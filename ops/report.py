@@ -1,6 +1,6 @@
 """End-of-run report: summary table and PNG plots from ``runs/<name>/metrics.jsonl``.
 
-    .venv/bin/python ops/report.py runs/<name>        # re-make the summary and plots of any run
+    .venv/bin/python -m ops.report runs/<name>        # re-make the summary and plots of any run
 
 Called by ``ops/launch.py`` when a run finishes. Plots (``runs/<name>/plots/``): reward, held-out
 accuracy, value explained variance, response length, staleness, throughput; ``summary.json`` beside them,

@@ -52,7 +52,7 @@ die() { echo "ops/setup.sh: $*" >&2; exit 1; }
 if [ "$MODE" = cuda ]; then
   # Python, glibc and the NVIDIA driver before anything is downloaded: each fails much later, and obscurely
   # ("cannot download sglang", a torch that sees no GPU), when it is wrong (VAPO_SETUP_NO_GPU=1 skips the driver).
-  "$PY" "$ROOT/ops/setup_checks.py" before || exit 1
+  "$PY" -m ops.setup_checks before || exit 1
 fi
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
@@ -81,15 +81,15 @@ install_sglang_cpu() {
       || die "cannot download sglang==$SGLANG_VERSION from the package index"
     local whl
     whl=$(ls "$wheels"/sglang-*.whl)
-    mapfile -t reqs < <("$VPY" ops/sglang_cpu/prepare.py requirements "$whl")
+    mapfile -t reqs < <("$VPY" -m ops.sglang_cpu.prepare requirements "$whl")
     "${PIP[@]}" -c "$cons" "torchvision==$CPU_TORCHVISION" "${reqs[@]}" || die "installing SGLang's CPU requirements failed"
     "${PIP[@]}" -c "$cons" --no-deps "$whl" || die "installing the sglang wheel failed"
     rm -rf "$wheels"
   fi
   "${PIP[@]}" -c "$cons" --no-deps --no-build-isolation ./ops/sglang_cpu
-  "$VPY" ops/sglang_cpu/prepare.py patch-torchvision || die "could not make torchvision importable on the CPU torch"
+  "$VPY" -m ops.sglang_cpu.prepare patch-torchvision || die "could not make torchvision importable on the CPU torch"
   torch_is "$CPU_TORCH" cpu || die "installing SGLang replaced torch $CPU_TORCH (CPU) with $("$VPY" -c 'import torch; print(torch.__version__, torch.version.cuda)')"
-  "$VPY" ops/sglang_cpu/prepare.py check || die "SGLang does not import on this CPU torch (the error is above)"
+  "$VPY" -m ops.sglang_cpu.prepare check || die "SGLang does not import on this CPU torch (the error is above)"
   touch "$SGLANG_CPU_FILE"
 }
 
@@ -142,7 +142,7 @@ EOF
   rm -f /tmp/vapo-pip-check.$$
   "$VPY" -c "import sglang, deepspeed, torch; print(f'[setup] torch {torch.__version__} (CUDA {torch.version.cuda}), sglang {sglang.__version__}, deepspeed {deepspeed.__version__}')" >&2 \
     || die "SGLang or DeepSpeed does not import with torch $TORCH_PIN"
-  "$VPY" "$ROOT/ops/setup_checks.py" after || exit 1  # a CUDA build that sees a GPU
+  "$VPY" -m ops.setup_checks after || exit 1  # a CUDA build that sees a GPU
 fi
 echo "$MODE" > "$MODE_FILE"
 echo "$want" > "$STAMP"

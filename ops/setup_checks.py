@@ -1,8 +1,8 @@
 """What ``ops/setup.sh --cuda`` checks, so that it stops with the reason instead of failing later (a pip
 resolver's "cannot download sglang", a torch that silently finds no GPU).
 
-    python3 ops/setup_checks.py before   # with the interpreter the venv will use: Python, glibc, driver
-    .venv/bin/python ops/setup_checks.py after   # in the new venv: torch is a CUDA build and sees a GPU
+    python3 -m ops.setup_checks before   # with the interpreter the venv will use: Python, glibc, driver
+    .venv/bin/python -m ops.setup_checks after   # in the new venv: torch is a CUDA build and sees a GPU
 
 Exit 0 when every check passes, 1 with one ``ops/setup.sh: ...`` line per failure. Standard library only
 (``before`` runs before anything is installed). ``VAPO_SETUP_NO_GPU=1`` skips the driver and GPU checks

@@ -1,6 +1,6 @@
 """Benchmark: end-to-end actor throughput (verified samples/s into the buffer) vs the engine's raw /generate.
 
-    .venv/bin/python ops/bench/actors.py [--rounds 5] [--seconds 8] [--model DIR] [--quick] [key=value ...]
+    .venv/bin/python -m ops.bench.actors [--rounds 5] [--seconds 8] [--model DIR] [--quick] [key=value ...]
 
 One ``actors.rollout_server`` engine serves both sides, with the run's config (default
 ``ops/configs/default.yaml``: G = 8, prompts_in_flight = 16, max_new_tokens = 96, temperature 1):
@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 from common.config import Config, load_config  # noqa: E402
 from common.sglang_client import SGLangClient  # noqa: E402

@@ -1,6 +1,6 @@
 """Buffer benchmark: ZeroMQ ingest into LMDB vs raw LMDB puts of the same bytes, plus batch-serve latency.
 
-    .venv/bin/python ops/bench/buffer.py [--rounds 5] [--min-round-s 5] [--senders 2] [--no-curve] [--quick]
+    .venv/bin/python -m ops.bench.buffer [--rounds 5] [--min-round-s 5] [--senders 2] [--no-curve] [--quick]
 
 Prints one JSON line. Workload: groups of 16 samples with 1,000-token responses (100-token prompts),
 rewards all 0 (no positives harvesting), sent by ``--senders`` processes through ``AsyncGroupSender.send``
@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 from ops.bench.measure import MIN_ROUNDS, Rounds, Run, Timed, interleave, summarise  # noqa: E402
 

@@ -82,7 +82,7 @@ def victim(scenario: str, run_dir: Path, launcher_pid: int) -> int | None:
     procs = processes()
     mine = {pid: (ppid, cmd) for pid, (ppid, cmd) in procs.items() if str(run_dir) in cmd}
     if scenario == "launcher":
-        return next((pid for pid, (_, cmd) in mine.items() if "ops/launch.py" in cmd), launcher_pid)
+        return next((pid for pid, (_, cmd) in mine.items() if "-m ops.launch" in cmd), launcher_pid)
     if scenario in ("engine", "actor"):
         actor = next((pid for pid, (_, cmd) in mine.items() if "-m actors " in cmd and "--actor-id 0" in cmd), None)
         if scenario == "actor" or actor is None:

@@ -1,6 +1,6 @@
 """Fingerprint: sha256 digests of what a refactor must not change, to compare two commits bit for bit.
 
-    .venv/bin/python ops/bench/fingerprint.py [--only learner,rollout,wire] [--threads 1]
+    .venv/bin/python -m ops.bench.fingerprint [--only learner,rollout,wire] [--threads 1]
 
 Prints one JSON line. Each part uses only stable public entry points, so the same file runs on an older
 checkout (copy it there and run it with that checkout as the working directory):
@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

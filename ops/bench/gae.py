@@ -1,6 +1,6 @@
 """Benchmark: decoupled length-adaptive GAE (learner.advantages) vs a per-timestep loop and a memory copy.
 
-    .venv/bin/python ops/bench/gae.py [--rounds 5] [--min-round-s 1] [--threads 1] [--quick]
+    .venv/bin/python -m ops.bench.gae [--rounds 5] [--min-round-s 1] [--threads 1] [--quick]
 
 Prints one JSON line. Shapes B=1024,T=4096 and B=8192,T=1024, fp32, one thread, right-padded random
 lengths. Baselines measured in the same run on the same inputs:
@@ -24,11 +24,9 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from learner.advantages import decoupled_gae, length_adaptive_lambda, terminal_rewards
 from ops.bench.measure import MIN_ROUNDS, Run, Timed, combined_verdict, run_for, summarise
 

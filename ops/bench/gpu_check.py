@@ -2,8 +2,8 @@
 with a larger embedded model and, when 2+ GPUs are visible, again with a 2-rank ZeRO-3 learner, in one
 command; prints one JSON line of figures.
 
-    ops/setup.sh --cuda && .venv/bin/python ops/bench/gpu_check.py   # CUDA: hidden 512, 8 layers, 20 RL steps
-    .venv/bin/python ops/bench/gpu_check.py --device cpu --hidden 32 --layers 1 --sft-steps 20 --steps 2
+    ops/setup.sh --cuda && .venv/bin/python -m ops.bench.gpu_check   # CUDA: hidden 512, 8 layers, 20 RL steps
+    .venv/bin/python -m ops.bench.gpu_check --device cpu --hidden 32 --layers 1 --sft-steps 20 --steps 2
                                                                       # the same steps on CPU (checks this script)
 
 It runs ``ops/launch.sh ops/configs/default.yaml`` with ``run.device``, the placement (engine and learner on
@@ -29,10 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "ops"))
+from ops.report import load_records  # metrics.jsonl, crash-cut lines skipped
 
-from report import load_records  # noqa: E402  (ops/report.py: metrics.jsonl, crash-cut lines skipped)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def overrides(a: argparse.Namespace, ranks: int = 1) -> list[str]:

@@ -1,6 +1,6 @@
 """Benchmark: learner tokens/s of a full VAPO step (critic + actor) under DeepSpeed vs plain PyTorch.
 
-    .venv/bin/python ops/bench/learner.py [--groups 8] [--group-size 8] [--steps 5] [--threads 2] [--quick] [key=value ...]
+    .venv/bin/python -m ops.bench.learner [--groups 8] [--group-size 8] [--steps 5] [--threads 2] [--quick] [key=value ...]
 
 Prints one JSON line. Both sides run the same ``learner.train.Learner.step`` code (values → critic
 update → fresh values → advantages → actor update, same mini-/micro-batches, same losses); the baseline
@@ -23,14 +23,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

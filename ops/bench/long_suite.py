@@ -1,10 +1,10 @@
 """The long-horizon suite: VAPO against DAPO and GRPO on ``ops/configs/long.yaml`` (the ``chain``
-task, responses 49-400 tokens), run by ``ops/bench/experiments.py --suite long``.
+task, responses 49-400 tokens), run by ``python -m ops.bench.experiments --suite long``.
 
-    .venv/bin/python ops/bench/experiments.py --suite long              # run what is missing, then report
-    .venv/bin/python ops/bench/experiments.py --suite long --list       # the runs and their state
-    .venv/bin/python ops/bench/experiments.py --suite long --report-only
-    .venv/bin/python ops/bench/experiments.py --suite long --alpha 1 --only long_vapo_a1 long_dapo long_grpo
+    .venv/bin/python -m ops.bench.experiments --suite long              # run what is missing, then report
+    .venv/bin/python -m ops.bench.experiments --suite long --list       # the runs and their state
+    .venv/bin/python -m ops.bench.experiments --suite long --report-only
+    .venv/bin/python -m ops.bench.experiments --suite long --alpha 1 --only long_vapo_a1 long_dapo long_grpo
                                                   # the published table: α fixed, no sweep, no follow-ups
 
 Two phases, both resumable (a finished run is skipped, a checkpointed one continued):
@@ -30,9 +30,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import run_records
-from default_suite import EARLIER
-from run_records import Run, fmt, fmt_k, load_run, mean_std, plot_curves
+from ops.bench import run_records
+from ops.bench.default_suite import EARLIER
+from ops.bench.run_records import Run, fmt, fmt_k, load_run, mean_std, plot_curves
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "ops/configs/long.yaml"
@@ -114,8 +114,8 @@ def probe_values(run_dir: Path, log: Any) -> None:
     out = run_dir / "value_curve.json"
     if (out.exists() and "raw_advantage_share_on_mistake_line" in out.read_text()) or not (run_dir / "summary.json").exists():
         return
-    log(f"{run_dir.name}: probing the critic along long failed responses (ops/bench/value_curve.py)")
-    res = subprocess.run([sys.executable, str(REPO / "ops" / "bench" / "value_curve.py"), str(run_dir),
+    log(f"{run_dir.name}: probing the critic along long failed responses (ops.bench.value_curve)")
+    res = subprocess.run([sys.executable, "-m", "ops.bench.value_curve", str(run_dir),
                           "--plot", str(run_dir / "value_curve.png")], cwd=REPO, capture_output=True, text=True)
     if res.returncode != 0:
         log(f"{run_dir.name}: value_curve failed: {res.stderr.strip()[-500:]}")

@@ -1,6 +1,6 @@
 """Benchmark: learner peak memory of one critic + actor step against response length T and vocabulary V.
 
-    .venv/bin/python ops/bench/memory.py [--t 1024,2048,4096,8192,16384] [--vocab 151936,4096]
+    .venv/bin/python -m ops.bench.memory [--t 1024,2048,4096,8192,16384] [--vocab 151936,4096]
         [--hidden 256] [--layers 2] [--old-max-elements 268435456] [--threads 2] [--embeddings frozen]
 
 Prints one JSON line. For every (T, V) a fresh subprocess builds the learner (DeepSpeed engines, ZeRO-0,
@@ -47,7 +47,6 @@ from types import SimpleNamespace
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -110,7 +109,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
 def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(spec["threads"])}
-    p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env, capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "ops.bench.memory", "--child", json.dumps(spec)], env=env, capture_output=True,
                        text=True, cwd=REPO)
     if p.returncode != 0:
         raise RuntimeError(f"{spec}: exit {p.returncode}\n{p.stderr[-3000:]}")

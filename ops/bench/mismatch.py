@@ -1,7 +1,7 @@
 """Benchmark: the engine/learner log-prob mismatch of a bf16 rollout engine against an fp32 learner, with an
 fp32 engine as the same-run baseline (what the learner's ``mismatch_kl`` / ``mismatch_ratio_max`` report).
 
-    .venv/bin/python ops/bench/mismatch.py [--config ops/configs/default.yaml --prompts 32 --samples 8]
+    .venv/bin/python -m ops.bench.mismatch [--config ops/configs/default.yaml --prompts 32 --samples 8]
 
 The rollout server's own decode loop (``common.generation.scheduler.Scheduler``: fused weights, KV
 cache, batched decode) samples ``samples`` responses to each of ``prompts`` training prompts of the config's
@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -17,7 +17,7 @@ fi
 ops/setup.sh
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 mkdir -p runs/remeasure
-.venv/bin/python ops/bench/experiments.py --root runs/remeasure/default --only vapo dapo grpo ppo \
+.venv/bin/python -m ops.bench.experiments --root runs/remeasure/default --only vapo dapo grpo ppo \
   --out "$out" --notes "$notes" "$@"
-.venv/bin/python ops/bench/experiments.py --suite long --root runs/remeasure/long --alpha 1 \
+.venv/bin/python -m ops.bench.experiments --suite long --root runs/remeasure/long --alpha 1 \
   --only long_vapo_a1 long_dapo long_grpo --out "$out" "$@"

@@ -1,6 +1,6 @@
 """Benchmark: rollout_server tokens/s under concurrent clients vs HF ``model.generate`` on the same work.
 
-    .venv/bin/python ops/bench/rollout.py [--clients 16 --prompts 64 --samples 8 --max-new-tokens 64] [--rounds 5] [--quick]
+    .venv/bin/python -m ops.bench.rollout [--clients 16 --prompts 64 --samples 8 --max-new-tokens 64] [--rounds 5] [--quick]
 
 Model: ``ops/bases/addition-tiny`` (the shipped base) when it exists, else a random Qwen2 of the default bootstrap size
 (hidden 128, 3 layers, char tokenizer). Both sides sample at temperature 1 with EOS ignored and a fixed
@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

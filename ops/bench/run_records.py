@@ -9,15 +9,13 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.append(str(REPO / "ops"))  # after the repo: ops/ must not shadow a package
+from ops.report import read_records  # the one metrics.jsonl reader; the suites take it from here
 
-from report import read_records  # noqa: E402 (ops/report.py: the one metrics.jsonl reader; the suites take it from here)
+REPO = Path(__file__).resolve().parents[2]
 
 TARGET = 0.70  # the stated held-out avg@8 for samples-to-accuracy (base 0.451)
 

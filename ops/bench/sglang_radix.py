@@ -1,6 +1,6 @@
 """Benchmark: what SGLang's radix (prefix) cache is worth on a run's rollouts (``engine.sglang_radix_cache``).
 
-    .venv/bin/python ops/bench/sglang_radix.py [config.yaml] [--prompts 96 --rounds 2 --port 31500]
+    .venv/bin/python -m ops.bench.sglang_radix [config.yaml] [--prompts 96 --rounds 2 --port 31500]
 
 Needs the real SGLang server (``ops/setup.sh --sglang`` on CPU). Starts two SGLang engines with vapo's own
 command line (``common.sglang_args.sglang_command`` for the config, default ``ops/configs/default.yaml`` with
@@ -23,14 +23,12 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -1,6 +1,6 @@
 """Benchmark: how much generation one weight update costs a saturated engine, drain (disk) vs in-place pause.
 
-    .venv/bin/python ops/bench/update_stall.py [--batch 32 --updates 6 --interval-s 4 --reps 2]
+    .venv/bin/python -m ops.bench.update_stall [--batch 32 --updates 6 --interval-s 4 --reps 2]
 
 The training runs on this machine cannot show it: there the learner is the bottleneck and engines are idle
 when an update lands. Here generation is the bottleneck: one ``python -m actors.rollout_server`` on the
@@ -60,7 +60,6 @@ import os
 import random
 import secrets
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -68,14 +67,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
-import weight_sync  # puts the repository root on sys.path
 
 from actors.rollout_server.process import RolloutServerProcess
 from common.config import load_config
 from common.sglang_client import GenerateOutput, SGLangClient
 from learner.weight_push import WeightPusher, bucket_plan
+from ops.bench import weight_sync
 from ops.bench.measure import MIN_ROUNDS, Run, summarise
 
 GOAL = 0.5  # an in-place update costs at most half the generation a drain costs

@@ -1,6 +1,6 @@
 """Does a trained critic's value fall at the first mistake of a long failed response?
 
-    .venv/bin/python ops/bench/value_curve.py RUN_DIR [--bucket long] [--k 8] [--plot PNG]
+    .venv/bin/python -m ops.bench.value_curve RUN_DIR [--bucket long] [--k 8] [--plot PNG]
 
 Loads a finished run's final policy (its newest published weights, ``RUN_DIR/weights/v*``) and critic (its
 newest checkpoint, ``RUN_DIR/checkpoints/v*/critic``), samples ``--k`` responses at temperature
@@ -40,7 +40,6 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np
 import torch

@@ -1,10 +1,10 @@
 """Where does the value model pay? VAPO against DAPO in the regimes where a group baseline should be weak,
 both arms training the same samples per step and compared at equal paid (generated) samples too, run by
-``ops/bench/experiments.py --suite value_study``:
+``python -m ops.bench.experiments --suite value_study``:
 
-    .venv/bin/python ops/bench/experiments.py --suite value_study           # run what is missing, then summarise
-    .venv/bin/python ops/bench/experiments.py --suite value_study --list    # the cells, runs, states, phase-2 pick
-    .venv/bin/python ops/bench/experiments.py --suite value_study --report-only
+    .venv/bin/python -m ops.bench.experiments --suite value_study           # run what is missing, then summarise
+    .venv/bin/python -m ops.bench.experiments --suite value_study --list    # the cells, runs, states, phase-2 pick
+    .venv/bin/python -m ops.bench.experiments --suite value_study --report-only
 
 Root ``runs/exp-value-study``; every run is a plain ``ops/launch.sh ops/configs/long.yaml ...`` (resumable as
 in the other suites). Both arms are ``long.yaml`` (VAPO: α = 1, surprise critic, 10 value-pretraining steps)
@@ -69,7 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from long_suite import DAPO, last_eval, pretrain_seconds
+from ops.bench.long_suite import DAPO, last_eval, pretrain_seconds
 
 CONFIG = "ops/configs/long.yaml"
 STEPS = 40
@@ -239,7 +239,7 @@ def pick_phase2(root: Path, budget_min: float | None = None) -> list[str] | None
     """Cells whose seed-0 VAPO − DAPO (``seed0_delta``) exceeds THRESHOLD, largest |Δ| first, while the estimated
     minutes of their runs not yet done fit ``budget_min`` (default ``phase2_budget(root)``; a shared DAPO arm
     counted once); None until every seed-0 run is done."""
-    from run_records import load_run
+    from ops.bench.run_records import load_run
 
     deltas = {}
     for c in CELLS:
@@ -276,14 +276,14 @@ def prepare(log: Any) -> None:
 
 def report(root: Path, summary: dict[str, Any], out: Path) -> None:
     """The study's section of ``out`` (docs/RESULTS.md): value_study_report."""
-    import value_study_report
+    from ops.bench import value_study_report
 
     value_study_report.write(root, out, summary)
 
 
 def post(root: Path, log: Any) -> None:
     """After the runs: each finished VAPO run's critic probed along long failed responses (value_curve.json)."""
-    from long_suite import probe_values
+    from ops.bench.long_suite import probe_values
 
     for name, (_, arm) in runs().items():
         for s in (0, *PHASE2_SEEDS):

@@ -1,7 +1,7 @@
 """Benchmark: how long a weight publish blocks the learner, disk path vs distributed push, against the raw
 broadcast of the same bytes.
 
-    .venv/bin/python ops/bench/weight_sync.py [--engine both|rollout_server|sglang] [--rounds 5]
+    .venv/bin/python -m ops.bench.weight_sync [--engine both|rollout_server|sglang] [--rounds 5]
         [--layers 3 --hidden 2048 --vocab 32000 --bucket-mb 256] [--quick]
 
 A synthetic fp32 Qwen2 (untied embeddings, the char tokenizer of ``common.modeling``; the defaults make
@@ -70,7 +70,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -1,6 +1,6 @@
 """Benchmark: host memory of building a ZeRO-3 policy and critic, the old way against the new, in one run.
 
-    .venv/bin/python ops/bench/zero_build.py [--hidden 768] [--layers 12] [--vocab 32000] [--ranks 2]
+    .venv/bin/python -m ops.bench.zero_build [--hidden 768] [--layers 12] [--vocab 32000] [--ranks 2]
 
 Prints one JSON line. A random Qwen2 (default ~110M parameters, tied embeddings, fp32) is saved once; then,
 for each path, ``--ranks`` CPU ranks (torchrun, gloo, real subprocesses) build, one after the other:
@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -144,7 +143,7 @@ def run_path(path: str, model: Path, ranks: int) -> list[dict[str, Any]]:
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "VAPO_STORE_FILE"):
             env.pop(k, None)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr",
-               "127.0.0.1", "--master_port", str(free_port()), __file__, "--child", path, str(model), out]
+               "127.0.0.1", "--master_port", str(free_port()), "-m", "ops.bench.zero_build", "--child", path, str(model), out]
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
         if p.returncode != 0:
             raise RuntimeError(f"{path}: exit {p.returncode}\n{p.stderr[-4000:]}")
@@ -176,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--child"]:
         child(*[a for a in argv[1:] if not a.startswith("--local")])
         return 0
-    ap = argparse.ArgumentParser(prog="ops/bench/zero_build.py", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ops.bench.zero_build", description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--vocab", type=int, default=32000)

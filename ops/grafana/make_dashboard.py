@@ -1,6 +1,6 @@
 """Writes ops/grafana/vapo.json, the importable Grafana dashboard (edit the PANELS table, then run this).
 
-    .venv/bin/python ops/grafana/make_dashboard.py
+    .venv/bin/python -m ops.grafana.make_dashboard
 
 Every query must return data against a real run (tests/ops/test_observability.py checks it with a real
 Prometheus): counters that may not have a labelled child yet are written as ``... or vector(0)``.

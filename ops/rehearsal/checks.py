@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rehearsal import elastic, sglang
-from rehearsal.cluster import Cluster
-from rehearsal.push import ADMIN_KEY_ENV, DigestPoller, param_digest_of, sync_figures
-from rehearsal.runs import CONFIG, ROOT, Run, describe, finish, launch, leftovers
+from ops.rehearsal import elastic, sglang
+from ops.rehearsal.cluster import Cluster
+from ops.rehearsal.push import ADMIN_KEY_ENV, DigestPoller, param_digest_of, sync_figures
+from ops.rehearsal.runs import CONFIG, ROOT, Run, describe, finish, launch, leftovers
 
 DIST_TIMEOUT_S = 4.0  # learner.dist_timeout_s of the rehearsal's runs
 FREEZE_S = 3 * DIST_TIMEOUT_S  # engines stopped until the learner has been silent this long

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rehearsal.push import Link, tc_argv
+from ops.rehearsal.link import Link, tc_argv
 
 NETNS_PREFIX = "vapo-"  # namespace names: vapo-h0, vapo-h1, ...; the hostnames inside are h0, h1, ...
 BRIDGE = "vapo-br0"

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rehearsal.cluster import Cluster
-from rehearsal.runs import Run
+from ops.rehearsal.cluster import Cluster
+from ops.rehearsal.runs import Run
 
 VICTIM = "h3"  # engine 1 and actor 1 (engine 0 on h2 serves the held-out evaluation)
 VICTIM_ACTOR = 1

@@ -28,15 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ops/: the rehearsal package
-
-from launch_engines import missing_modules
-
 from common.config import load_config
-from rehearsal import checks, sglang
-from rehearsal.cluster import Cluster, missing_prerequisites
-from rehearsal.push import Link, parse_link
-from rehearsal.runs import CONFIG, ROOT
+from ops.launch_engines import missing_modules
+from ops.rehearsal import checks, sglang
+from ops.rehearsal.cluster import Cluster, missing_prerequisites
+from ops.rehearsal.link import Link, parse_link
+from ops.rehearsal.runs import CONFIG, ROOT
 
 KEYS = "runs/_rehearsal/keys"
 STAGES = ("ssh", "plan", "slurm", "kill")

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from report import read_records
-
-from rehearsal.cluster import Cluster
+from ops.rehearsal.cluster import Cluster
+from ops.report import read_records
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "ops/configs/rehearsal.yaml"

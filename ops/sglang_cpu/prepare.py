@@ -1,8 +1,8 @@
 """Helpers of ``ops/setup.sh --sglang``: what to install from SGLang's wheel on a CPU, and what to fix after.
 
-    python ops/sglang_cpu/prepare.py requirements WHEEL   # the wheel's requirements a CPU install takes, one a line
-    python ops/sglang_cpu/prepare.py patch-torchvision    # guard torchvision's two fake-op registrations
-    python ops/sglang_cpu/prepare.py check                # sglang, sgl_kernel and torchvision import on a CPU torch
+    python -m ops.sglang_cpu.prepare requirements WHEEL   # the wheel's requirements a CPU install takes, one a line
+    python -m ops.sglang_cpu.prepare patch-torchvision    # guard torchvision's two fake-op registrations
+    python -m ops.sglang_cpu.prepare check                # sglang, sgl_kernel and torchvision import on a CPU torch
 
 SGLang 0.5.23 declares CUDA-only packages (and ``torch==2.14.1``) as plain requirements; none of them is
 imported on its CPU serving path (``--device cpu --attention-backend torch_native``), so the sglang wheel is

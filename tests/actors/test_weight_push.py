@@ -261,7 +261,6 @@ def test_actor_verifies_a_learner_checked_version_by_sizes(tiny_model_dir: Path,
 
 ZERO3_HARNESS = '''
 import asyncio, json, sys, threading
-sys.path.insert(0, {repo!r})
 from pathlib import Path
 import torch
 from common.config import load_config
@@ -316,7 +315,7 @@ def test_two_rank_zero3_push_equals_the_disk_export(tiny_model_dir: Path, server
     e = server_factory(tiny_model_dir, "--admin-api-key", KEY)
     harness = tmp_path / "zero3_push.py"
     repo = Path(__file__).resolve().parents[2]
-    harness.write_text(ZERO3_HARNESS.format(repo=str(repo)))
+    harness.write_text(ZERO3_HARNESS.format())
     out = tmp_path / "out"
     out.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",

@@ -268,7 +268,6 @@ def test_restarted_actor_gets_credit_its_dead_predecessor_held(buffer_proc: Any)
 
 _HOLD_CREDIT = """
 import sys, time
-sys.path.insert(0, {repo!r})
 from tests.buffer.fixtures import SyncSender
 s = SyncSender({addr!r}, {actor})
 print('granted', s.acquire(2, timeout_s=10).n, flush=True)
@@ -280,8 +279,8 @@ time.sleep(600)
 
 
 def _credit_holder(addr: str, actor: int, busy: bool) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", _HOLD_CREDIT.format(repo=str(REPO), addr=addr, actor=actor, busy=busy)],
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", _HOLD_CREDIT.format(addr=addr, actor=actor, busy=busy)],
+                         cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None and p.stdout.readline().strip() == "granted 2"
     return p
 

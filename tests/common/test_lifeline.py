@@ -21,7 +21,6 @@ ROOT = Path(__file__).resolve().parents[2]
 # top -> child -> grandchild.
 CHAIN = """
 import os, subprocess, sys, time
-sys.path.insert(0, os.environ["VAPO_ROOT"])
 from common import lifeline
 depth, mode = int(sys.argv[1]), sys.argv[2]
 pids = []
@@ -45,8 +44,8 @@ def gone(pid: int) -> bool:
 
 
 def start_chain(mode: str, depth: int) -> tuple[subprocess.Popen, list[int]]:
-    env = {**os.environ, "CHAIN_SCRIPT": CHAIN, "VAPO_ROOT": str(ROOT)}
-    top = subprocess.Popen([sys.executable, "-c", CHAIN, str(depth), mode], stdout=subprocess.PIPE, text=True,
+    env = {**os.environ, "CHAIN_SCRIPT": CHAIN}
+    top = subprocess.Popen([sys.executable, "-c", CHAIN, str(depth), mode], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                            env=env, start_new_session=True)
     assert top.stdout is not None
     descendants = [int(p) for p in top.stdout.readline().split()]
@@ -85,11 +84,11 @@ def test_popen_kwargs_names_this_process_in_the_child_environment() -> None:
 
 def test_watch_ancestor_kills_a_process_when_its_ancestor_exits() -> None:
     ancestor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from common import lifeline; import time\n"
+    code = ("from common import lifeline; import time\n"
             "assert lifeline.watch_ancestor() is not None\nprint('armed', flush=True)\ntime.sleep(120)")
     env = {**os.environ, lifeline.ENV_VAR: lifeline.token(ancestor.pid)}
     # Not a child of the ancestor (as a DeepSpeed rank is not the launcher's child): only the watchdog acts.
-    ward = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    ward = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert ward.stdout is not None and ward.stdout.readline().strip() == "armed"
         assert ward.poll() is None
@@ -123,7 +122,6 @@ def test_watch_ancestor_is_a_no_op_without_a_valid_token() -> None:
 # learner rank with plain Popen, as DeepSpeed does): only the rank's own watchdog can stop it.
 TOP = """
 import os, subprocess, sys
-sys.path.insert(0, os.environ["VAPO_ROOT"])
 from common import lifeline
 mid = subprocess.Popen([sys.executable, "-c", os.environ["MID_SCRIPT"], *sys.argv[1:]], **lifeline.popen_kwargs())
 print("mid", mid.pid, flush=True)
@@ -144,7 +142,7 @@ def test_a_learner_rank_under_a_foreign_launcher_dies_with_the_vapo_launcher(tin
     run_dir = tmp_path / "r"
     args = ["ops/configs/smoke.yaml", f"run.root={tmp_path}", "run.name=r", f"model.path={tiny_model_dir}",
             "metrics.prometheus=false", *port_overrides()]  # no buffer listens: the rank waits for data
-    env = child_env(VAPO_ROOT=str(ROOT), MID_SCRIPT=MID)
+    env = child_env(MID_SCRIPT=MID)
     top = subprocess.Popen([sys.executable, "-c", TOP, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
                            start_new_session=True)
     pids: dict[str, int] = {}

@@ -219,13 +219,9 @@ def test_over_real_ssh_a_lost_host_ends_ssh_with_255(sshd, tmp_path: Path) -> No
 
 
 def test_over_real_ssh_heartbeats_keep_the_process_and_the_launchers_stop_ends_it(sshd, tmp_path: Path) -> None:
-    import importlib.util
     import threading
 
-    spec = importlib.util.spec_from_file_location("launch_mod_ssh", ROOT / "ops" / "launch.py")
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules["launch_mod_ssh"] = mod
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    from ops import launch as mod
     overrides = ["placement.ssh_alive_interval_s=1", "placement.ssh_alive_count_max=2"]  # guard timeout 2 s
     cmd, marker = _remote_sleeper(sshd, tmp_path, *overrides)
     from common.config import save_config
@@ -266,11 +262,12 @@ def test_over_real_ssh_and_pdsh_learner_ranks_start_on_their_hosts_and_die_with_
         (run / name).write_text(text)
     learner = plan.proc("learner")
     argv = [*learner.argv[:-2], "tests.common.rank_probe", str(run / "config.yaml")]
-    launcher = ("import sys, time; sys.path[:0] = [{root!r}, {ops!r}]; from launch_child import Child; "
+    launcher = ("import time; from ops.launch_child import Child; "
                 "c = Child('learner', {argv!r}, __import__('pathlib').Path({log!r}), 0, env={env!r}, via='pdsh'); "
                 "c.start(); print('started', flush=True); time.sleep(600)").format(
-        root=str(ROOT), ops=str(ROOT / "ops"), argv=argv, log=str(tmp_path / "learner.log"), env=learner.env)
-    fake_launcher = subprocess.Popen([sys.executable, "-c", launcher], env=environ, stdout=subprocess.PIPE, text=True)
+        argv=argv, log=str(tmp_path / "learner.log"), env=learner.env)
+    fake_launcher = subprocess.Popen([sys.executable, "-c", launcher], cwd=ROOT, env=environ, stdout=subprocess.PIPE,
+                                     text=True)
     try:
         wait_for(lambda: len(list(out.glob("rank*.json"))) == 3, 90, "3 ranks to report")
     finally:

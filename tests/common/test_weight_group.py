@@ -182,7 +182,6 @@ def test_the_store_listens_on_its_address_only_at_the_port_given() -> None:
 
 MEMBER = textwrap.dedent("""
     import sys
-    sys.path.insert(0, {repo!r})
     import torch
     from common.weight_bucket import new_group
 
@@ -199,7 +198,7 @@ MEMBER = textwrap.dedent("""
 
 def _member(tmp_path: Path, port: int, name: str) -> subprocess.Popen[str]:
     script = tmp_path / "member.py"
-    script.write_text(MEMBER.format(repo=str(REPO)))
+    script.write_text(MEMBER)
     return subprocess.Popen([sys.executable, str(script), str(port), name], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
 

@@ -3,6 +3,8 @@ against, and the environment of a learner subprocess. Synthetic sample groups ar
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 
@@ -32,9 +34,12 @@ DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE"
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """os.environ for a learner subprocess, without the rendezvous variables this process set for itself."""
+    """os.environ for a learner subprocess, without the rendezvous variables this process set for itself, and
+    with the repository on its path (a harness written to a temporary file imports the product by name)."""
     import os
 
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
-    env.update(DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **extra)
+    env.update(DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    env.update(extra)
     return env

@@ -31,7 +31,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 HARNESS = textwrap.dedent("""
     import os, signal, sys
-    sys.path.insert(0, {repo!r})
     from common.config import load_config
     from learner.data import ListSource
     from learner.runner import Runner
@@ -68,7 +67,7 @@ def _weights(root: Path, name: str, v: int) -> dict[str, torch.Tensor]:
 
 def test_sigkill_and_resume_matches_uninterrupted_run(tiny_model_dir: Path, tmp_path: Path) -> None:
     harness = tmp_path / "harness.py"
-    harness.write_text(HARNESS.format(repo=str(REPO)))
+    harness.write_text(HARNESS.format())
     assert _run(harness, tmp_path, tiny_model_dir, "straight", -1) == 0
     assert _run(harness, tmp_path, tiny_model_dir, "killed", 2) == -9
     killed = tmp_path / "killed"
@@ -271,7 +270,6 @@ def test_launcher_resume_goes_back_past_a_truncated_checkpoint(tmp_path: Path) -
 
 TWO_RANKS = textwrap.dedent("""
     import sys
-    sys.path.insert(0, {repo!r})
     from common.config import load_config
     from learner.data import ListSource
     from learner.dist import exit_process, rank
@@ -296,7 +294,7 @@ def test_two_ranks_fall_back_together_and_refuse_together(tiny_model_dir: Path, 
     from tests.ports import free_port
 
     harness = tmp_path / "two.py"
-    harness.write_text(TWO_RANKS.format(repo=str(REPO)))
+    harness.write_text(TWO_RANKS.format())
 
     def two(steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",

@@ -19,7 +19,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 HARNESS = textwrap.dedent("""
     import sys
-    sys.path.insert(0, {repo!r})
     import numpy as np
     import torch
     torch.distributed.init_process_group("gloo")          # env:// from torchrun
@@ -80,7 +79,7 @@ HARNESS = textwrap.dedent("""
 
 def test_two_ranks_reduce_broadcast_and_fetch_alike(tmp_path: Path) -> None:
     h = tmp_path / "h.py"
-    h.write_text(HARNESS.format(repo=str(REPO)))
+    h.write_text(HARNESS.format())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(h)]
     p = subprocess.run(cmd, env=child_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -103,7 +102,6 @@ def test_one_process_collectives_are_identities() -> None:
 
 MAIN_HARNESS = textwrap.dedent("""
     import sys
-    sys.path.insert(0, {repo!r})
     import torch
     import learner.runner as runner_mod
 
@@ -131,7 +129,7 @@ def test_learner_main_destroys_its_process_group_even_when_a_step_fails(tiny_mod
     # SIGABRT and the launcher would report it failed. main() must tear the group down on every path.
     # In a process of its own: this one may hold a group other tests left for the next ones.
     h = tmp_path / "main.py"
-    h.write_text(MAIN_HARNESS.format(repo=str(REPO)))
+    h.write_text(MAIN_HARNESS.format())
     p = subprocess.run([sys.executable, str(h), f"run.root={tmp_path}", "run.name=r", f"model.path={tiny_model_dir}",
                         "metrics.prometheus=false", "value_pretrain.enabled=false"],
                        env=child_env(), capture_output=True, text=True, timeout=300, cwd=REPO)

@@ -23,7 +23,6 @@ WAIT_S = 4 * TIMEOUT_S
 
 HARNESS = textwrap.dedent("""
     import sys, time
-    sys.path.insert(0, {repo!r})
     import learner.dist as dist
     from common.config import load_config
     from learner.data import ListSource, fetch
@@ -51,7 +50,7 @@ HARNESS = textwrap.dedent("""
 
 def _run(tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProcess[str], float]:
     h = tmp_path / "h.py"
-    h.write_text(HARNESS.format(repo=str(REPO), timeout=TIMEOUT_S, wait=WAIT_S))
+    h.write_text(HARNESS.format(timeout=TIMEOUT_S, wait=WAIT_S))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(h), mode]
     t0 = time.monotonic()

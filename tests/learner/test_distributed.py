@@ -28,7 +28,6 @@ OVERRIDES = ["learner.batch_groups=4", "learner.mini_batches=2", "learner.micro_
 
 HARNESS = textwrap.dedent("""
     import json, sys
-    sys.path.insert(0, {repo!r})
     import torch
     from safetensors.torch import save_file
     from common.config import load_config
@@ -78,7 +77,7 @@ def _two_ranks(model: Path, tmp_path: Path, shm: bool,
     import json
 
     harness = tmp_path / "dist_harness.py"
-    harness.write_text(HARNESS.format(repo=str(REPO), overrides=OVERRIDES, grads=GRADS))
+    harness.write_text(HARNESS.format(overrides=OVERRIDES, grads=GRADS))
     out = tmp_path / "two_ranks.safetensors"
     env = child_env(OMP_NUM_THREADS="1", VAPO_DS_SHM="1" if shm else "0")
     if deepspeed_launcher:  # adds --local_rank=N to our arguments; ~15 s slower to start than torchrun
@@ -132,7 +131,6 @@ ZERO3 = ["learner.zero_stage=3", "learner.batch_groups=5", "learner.mini_batches
 
 ZERO3_HARNESS = textwrap.dedent("""
     import json, sys
-    sys.path.insert(0, {repo!r})
     from safetensors.torch import save_file
     from common.config import load_config
     from learner.data import ListSource
@@ -175,7 +173,7 @@ def test_zero3_two_ranks_unequal_rows_run_equal_forwards_and_equal_one_rank(tiny
     from learner.data import ListSource
 
     harness = tmp_path / "zero3_harness.py"
-    harness.write_text(ZERO3_HARNESS.format(repo=str(REPO)))
+    harness.write_text(ZERO3_HARNESS.format())
     out = tmp_path / "zero3.safetensors"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(harness), str(tiny_model_dir), str(out), json.dumps(ZERO3)]

@@ -24,7 +24,6 @@ GATHER, SHARD = 4 << 20, 16 << 20  # bounds the 2-rank export runs with (the mod
 
 HARNESS = textwrap.dedent("""
     import ctypes, gc, json, os, re, sys
-    sys.path.insert(0, {repo!r})
     from pathlib import Path
     import torch
     from safetensors.torch import save_file
@@ -146,7 +145,7 @@ def test_two_rank_zero3_export_writes_on_rank0_only_and_streams(tiny_model_dir: 
     out = tmp_path / "run"
     out.mkdir()
     harness = tmp_path / "export_harness.py"
-    harness.write_text(HARNESS.format(repo=str(REPO), gather=GATHER, shard=SHARD))
+    harness.write_text(HARNESS.format(gather=GATHER, shard=SHARD))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(harness), str(model_dir), str(tiny_model_dir), str(out)]
     # glibc raises its mmap threshold after the first multi-MB free and then keeps freed blocks in the heap,

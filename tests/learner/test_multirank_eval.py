@@ -32,7 +32,6 @@ OVERRIDES = ["learner.batch_groups=3", "learner.mini_batches=2", "learner.micro_
 
 HARNESS = textwrap.dedent("""
     import sys
-    sys.path.insert(0, {repo!r})
     from common.config import load_config
     from learner.data import ListSource
     from learner.dist import rank
@@ -75,7 +74,7 @@ def test_two_rank_zero3_with_evaluation_finishes_and_equals_one_rank(tiny_model_
         ready = engine.stdout.readline()  # type: ignore[union-attr]  # blocks until the ready line (or EOF)
         assert "ready" in ready, (ready, engine.poll())
         harness = tmp_path / "harness.py"
-        harness.write_text(HARNESS.format(repo=str(REPO)))
+        harness.write_text(HARNESS)
         run_root = tmp_path / "runs"
         args = [f"model.path={tiny_model_dir}", f"run.root={run_root}", "run.name=two",
                 f"learner.publish_addr=tcp://127.0.0.1:{free_port()}", f"learner.query_addr=tcp://127.0.0.1:{free_port()}",

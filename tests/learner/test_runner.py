@@ -148,7 +148,6 @@ def test_each_step_record_carries_the_counts_its_source_keeps() -> None:
 # turn (one interpreter start for all); prints one JSON line: per case, the probe's answers and how main ended.
 MAIN_PROBE = textwrap.dedent("""
     import json, socket, sys
-    sys.path.insert(0, {repo!r})
     import learner.value_pretrain
     from common.config import ConfigError
     from learner.runner import main
@@ -188,7 +187,7 @@ def _main_until_pretraining(tmp_path: Path, tiny_model_dir: Path, cases: list[tu
     """Run ``learner.runner.main`` once per ``(push_addr, extra args)`` case, in one subprocess, until value
     pretraining would begin (``MAIN_PROBE``)."""
     harness = tmp_path / "main_probe.py"
-    harness.write_text(MAIN_PROBE.format(repo=str(REPO)))
+    harness.write_text(MAIN_PROBE.format())
     runs = []
     for i, (push_addr, extra) in enumerate(cases):
         runs.append([push_addr, [f"run.root={tmp_path}", f"run.name=r{i}", f"model.path={tiny_model_dir}",

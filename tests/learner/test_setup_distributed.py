@@ -33,7 +33,6 @@ def test_cuda_backend_has_a_host_tensor_backend() -> None:
 HARNESS = textwrap.dedent("""
     import os
     import sys
-    sys.path.insert(0, {repo!r})
     import torch
     import learner.dist as dist
     from common.config import load_config
@@ -59,7 +58,7 @@ HARNESS = textwrap.dedent("""
 
 def _run(tmp_path: Path, ranks: int, cuda_layout: bool) -> list[str]:
     h = tmp_path / "h.py"
-    h.write_text(HARNESS.format(repo=str(REPO)))
+    h.write_text(HARNESS.format())
     extra = ["cuda-layout"] if cuda_layout else []
     if ranks == 1:
         cmd = [sys.executable, str(h), *extra]

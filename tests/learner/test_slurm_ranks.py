@@ -42,7 +42,6 @@ def test_a_launchers_rank_wins_and_no_slurm_changes_nothing() -> None:
 
 HARNESS = textwrap.dedent("""
     import sys
-    sys.path.insert(0, {repo!r})
     import torch
     import learner.dist as dist
     from common.config import load_config
@@ -58,7 +57,7 @@ HARNESS = textwrap.dedent("""
 
 def test_two_srun_style_tasks_form_one_learner(tmp_path: Path) -> None:
     h = tmp_path / "h.py"
-    h.write_text(HARNESS.format(repo=str(REPO)))
+    h.write_text(HARNESS.format())
     port = str(free_port())
     procs = []
     for task in range(2):
@@ -76,7 +75,7 @@ def test_two_srun_style_tasks_form_one_learner(tmp_path: Path) -> None:
 
 def test_a_multi_rank_srun_task_without_master_addr_says_so(tmp_path: Path) -> None:
     h = tmp_path / "h.py"
-    h.write_text(HARNESS.format(repo=str(REPO)))
+    h.write_text(HARNESS.format())
     env = child_env(SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="1", SLURM_TASKS_PER_NODE="2")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "VAPO_STORE_FILE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_partitioned_build_peak_is_under_three_quarters_of_the_model() -> None:
-    p = subprocess.run([sys.executable, "ops/bench/zero_build.py", "--hidden", "384", "--layers", "8", "--vocab", "4000"],
+    p = subprocess.run([sys.executable, "-m", "ops.bench.zero_build", "--hidden", "384", "--layers", "8", "--vocab", "4000"],
                        env=child_env(), capture_output=True, text=True, timeout=900, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])

@@ -3,9 +3,7 @@ finished run directory (config, metrics records, summary) for the suites to read
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -16,11 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def load_experiments() -> ModuleType:
     """``ops/bench/experiments.py`` as a module (it is a script, not a package member)."""
-    spec = importlib.util.spec_from_file_location("experiments_mod", ROOT / "ops" / "bench" / "experiments.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["experiments_mod"] = mod  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(mod)
+    from ops.bench import experiments as mod
     return mod
 
 

@@ -57,13 +57,9 @@ def test_shipped_base_matches_its_manifest_and_its_config(name: str) -> None:
 
 
 def _launcher(tmp_path: Path, base: Path):
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("launch_mod_bases", ROOT / "ops" / "launch.py")
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules["launch_mod_bases"] = mod
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
     from common.config import save_config
+    from ops import launch as mod
 
     cfg = load_config(ROOT / "ops" / "configs" / "default.yaml", [f"run.root={tmp_path}", "run.name=b", f"model.path={base}"])
     return mod, mod.Launcher(cfg, save_config(cfg).resolve(), False)

@@ -51,7 +51,7 @@ def check_ratio(line: dict[str, Any], name: str, goal: str) -> None:
 
 
 def test_buffer_quick() -> None:
-    line = run_quick(["ops/bench/buffer.py"], 180)
+    line = run_quick(["-m", "ops.bench.buffer"], 180)
     check_common(line, "buffer", "ingest_over_raw_lmdb", ">= 0.5")
     assert line["curve"] is True and line["resent"] == 0
     # every round ingested and put at least one call's groups, and the ratio is their rates'
@@ -63,7 +63,7 @@ def test_buffer_quick() -> None:
 
 
 def test_gae_quick() -> None:
-    line = run_quick(["ops/bench/gae.py"], 120)
+    line = run_quick(["-m", "ops.bench.gae"], 120)
     assert line["bench"] == "gae" and line["quick"] is True and line["rounds"] == 2 and line["verdict"] == "unclear"
     assert line["machine"]["cpus"] >= 1 and len(line["load_at_start"]) == 3
     (shape,) = line["shapes"]
@@ -74,21 +74,21 @@ def test_gae_quick() -> None:
 
 @pytest.mark.slow  # DeepSpeed and plain learners built and stepped: ~2 min on 2 shared cores
 def test_learner_quick() -> None:
-    line = run_quick(["ops/bench/learner.py"], 600)
+    line = run_quick(["-m", "ops.bench.learner"], 600)
     check_common(line, "learner", "deepspeed_over_plain", ">= 0.8")
     assert line["steps"] == 2 and line["deepspeed_tokens_per_s"] > 0 and line["plain_torch_tokens_per_s"] > 0
 
 
 @pytest.mark.slow  # a rollout_server and HF generate in turn: ~1 min on 2 shared cores
 def test_rollout_quick() -> None:
-    line = run_quick(["ops/bench/rollout.py"], 600)
+    line = run_quick(["-m", "ops.bench.rollout"], 600)
     check_common(line, "rollout", "server_over_hf_generate", ">= 1.5")
     assert line["tokens"] == 2 * 2 * 2 * 8  # clients x prompts x samples x max_new_tokens, on both sides
 
 
 @pytest.mark.slow  # an engine, then a buffer and an actor per round: ~60 s on 2 shared cores
 def test_actors_quick() -> None:
-    line = run_quick(["ops/bench/actors.py"], 600)
+    line = run_quick(["-m", "ops.bench.actors"], 600)
     check_common(line, "actors", "actor_over_raw_generate", ">= 0.9")
     assert len(line["raw_samples_per_s_rounds"]) == 2 and min(line["raw_samples_per_s_rounds"]) > 0
     assert line["max_new_tokens"] == 16 and line["actor_resubmits"] >= 0

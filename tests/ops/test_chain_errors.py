@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_chain_error_kinds() -> None:
-    spec = importlib.util.spec_from_file_location("chain_errors_mod", ROOT / "ops" / "bench" / "chain_errors.py")
-    assert spec is not None and spec.loader is not None
-    ce = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ce)
+    from ops.bench import chain_errors as ce
     want = "02:3+7=0\n01:0+7=7\n00:7+7=4\nA:4"
     cases = {
         want: "ok",

@@ -18,7 +18,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -27,12 +26,11 @@ from typing import Any
 import pytest
 
 from common import lifeline
+from ops.report import load_records  # metrics.jsonl, a line being written skipped
 from tests.polling import wait_for
 from tests.ports import port_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "ops"))
-from report import load_records  # noqa: E402  (ops/report.py: metrics.jsonl, a line being written skipped)
 
 LAUNCH = ROOT / "ops" / "launch.sh"
 STEP_WAIT_S = 600.0  # one learner step, or a component's restart, on two cores shared with other work

@@ -10,13 +10,11 @@ from pathlib import Path
 from common.config import load_config
 from common.tasks import get_task
 from common.tasks.addition import teacher_response
+from ops.bench import critic_probe
 from tests.learner.synth import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
-PROBE = ROOT / "ops" / "bench" / "critic_probe.py"
-sys.path.insert(0, str(ROOT / "ops" / "bench"))
-
-import critic_probe  # noqa: E402
+PROBE = ("-m", "ops.bench.critic_probe")
 
 SMALL = ["actors.group_size=2", "actors.max_new_tokens=12", "value_pretrain.batch_groups=2", "learner.micro_batch_size=4",
          "task.max_digits=2"]
@@ -38,7 +36,7 @@ def test_first_wrong_digit_is_where_the_response_leaves_the_teacher_trace() -> N
 
 
 def _run(args: list[str]) -> dict:
-    p = subprocess.run([sys.executable, str(PROBE), *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+    p = subprocess.run([sys.executable, *PROBE, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env=child_env())  # not this process's torch.distributed rendezvous port
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -72,7 +70,7 @@ def test_critic_mode_scores_a_saved_critic_on_unseen_prompts(tiny_model_dir: Pat
 
 
 def test_missing_model_is_a_clear_error(tmp_path: Path) -> None:
-    p = subprocess.run([sys.executable, str(PROBE), "--model", str(tmp_path / "nope")], cwd=ROOT, capture_output=True,
+    p = subprocess.run([sys.executable, *PROBE, "--model", str(tmp_path / "nope")], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and "not found" in p.stderr
 

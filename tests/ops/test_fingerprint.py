@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 
@@ -10,11 +9,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_fingerprint() -> ModuleType:
-    # By file path: putting ops/bench on sys.path would let its learner.py shadow the learner package.
-    spec = importlib.util.spec_from_file_location("fingerprint", ROOT / "ops" / "bench" / "fingerprint.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from ops.bench import fingerprint as module
     return module
 
 

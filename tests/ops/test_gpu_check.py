@@ -13,11 +13,11 @@ import torch
 from tests.ports import port_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECK = ROOT / "ops" / "bench" / "gpu_check.py"
+CHECK = ("-m", "ops.bench.gpu_check")
 
 
 def _run(*args: str) -> tuple[int, dict]:
-    p = subprocess.run([sys.executable, str(CHECK), *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, *CHECK, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
     return p.returncode, json.loads(p.stdout.strip().splitlines()[-1])
 
 

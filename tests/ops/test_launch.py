@@ -57,12 +57,8 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory):
         from common.config import load_config
 
         sys_cfg = load_config(ROOT / "ops/configs/smoke.yaml", overrides)
-        import importlib.util
 
-        spec = importlib.util.spec_from_file_location("launch_mod", ROOT / "ops" / "launch.py")
-        mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        sys.modules["launch_mod"] = mod  # dataclasses resolve annotations through sys.modules
-        spec.loader.exec_module(mod)  # type: ignore[union-attr]
+        from ops import launch as mod
         prom_cfg = root / "prometheus.yml"
         mod.write_prometheus_config(sys_cfg, prom_cfg)
         prom_port = free_port()
@@ -226,7 +222,7 @@ def test_stop_signals_and_nohup(inherited: str) -> None:
             signal.signal(sig, signal.SIG_IGN if inherited == "ignored" else signal.SIG_DFL)
 
     # A child process: handlers are process-wide, and pytest's own SIGINT handler must stay.
-    probe = ("import signal, sys; sys.path[:0] = ['.', 'ops']; import launch; launch.install_stop_handlers(); "
+    probe = ("import signal; from ops import launch; launch.install_stop_handlers(); "
              "print([signal.getsignal(s) is launch._stop for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)])")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True,
                          preexec_fn=start).stdout.strip()
@@ -234,17 +230,12 @@ def test_stop_signals_and_nohup(inherited: str) -> None:
 
 
 def test_launcher_health_check_uses_the_configured_curve_client_keys(tmp_path: Path) -> None:
-    import importlib.util
 
     import zmq
 
     from common.config import load_config
     from common.security import generate_keypair
-
-    spec = importlib.util.spec_from_file_location("launch_mod2", ROOT / "ops" / "launch.py")
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules["launch_mod2"] = mod
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    from ops import launch as mod
     server_pub, _ = generate_keypair(tmp_path, "server")
     _, client_secret = generate_keypair(tmp_path, "client")
     cfg = load_config(None, [f"buffer.curve.server_public_key={server_pub}", f"buffer.curve.client_secret_key={client_secret}"])
@@ -257,12 +248,8 @@ def test_launcher_health_check_uses_the_configured_curve_client_keys(tmp_path: P
 
 
 def _launch_module():
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("launch_mod_links", ROOT / "ops" / "launch.py")
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules["launch_mod_links"] = mod
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    from ops import launch as mod
     return mod
 
 

@@ -3,17 +3,14 @@ processes except one probe of a command that fails and one that answers."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
+from ops import launch_elastic as el
+from tests.polling import wait_for
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "ops"))
-
-import launch_elastic as el  # noqa: E402
-
-from tests.polling import wait_for  # noqa: E402
 
 
 @pytest.mark.parametrize(("role", "rc", "via", "restarts", "want"), [

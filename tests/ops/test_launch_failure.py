@@ -12,13 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from ops.launch_child import Child
+from ops.launch_failure import disk_notes, failure_notes
+from tests.polling import wait_for
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "ops"))
-
-from launch_child import Child  # noqa: E402
-from launch_failure import disk_notes, failure_notes  # noqa: E402
-
-from tests.polling import wait_for  # noqa: E402
 
 # A child that logs, then dies writing a checkpoint to the full disk (a traceback on stderr).
 CHILD = """

@@ -4,28 +4,20 @@ stops only below ``placement.min_engines``. Real processes (``sh``), no run: ~2 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
+from ops import launch_supervise
+from tests.polling import wait_for
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "ops"))
-
-import launch_supervise  # noqa: E402
-
-from tests.polling import wait_for  # noqa: E402
 
 
 def _launcher(tmp_path: Path, *overrides: str):
-    import importlib.util
 
     from common.config import load_config, save_config
-
-    spec = importlib.util.spec_from_file_location("launch_mod_supervise", ROOT / "ops" / "launch.py")
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules["launch_mod_supervise"] = mod
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    from ops import launch as mod
     cfg = load_config(ROOT / "ops" / "configs" / "smoke.yaml",
                       [f"run.root={tmp_path}", "run.name=elastic", "actors.num_actors=2", *overrides])
     return mod, mod.Launcher(cfg, save_config(cfg).resolve(), False)

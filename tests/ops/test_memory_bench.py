@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,14 +10,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "ops" / "bench" / "memory.py"
+BENCH = ("-m", "ops.bench.memory")
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("memory_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from ops.bench import memory as mod
     return mod
 
 
@@ -39,7 +35,7 @@ def test_padding_waste_counts_padding_and_fillers() -> None:
 
 @pytest.mark.slow
 def test_tiny_run_reports_every_field() -> None:
-    p = subprocess.run([sys.executable, str(BENCH), "--t", "32,64", "--vocab", "2048,256", "--hidden", "32",
+    p = subprocess.run([sys.executable, *BENCH, "--t", "32,64", "--vocab", "2048,256", "--hidden", "32",
                         "--layers", "1", "--threads", "1", "--old-max-elements", "70000"],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -13,11 +12,7 @@ def test_bf16_engine_mismatches_an_fp32_learner_and_an_fp32_engine_does_not(tiny
     from common.modeling import load_tokenizer
     from common.tasks import encode_prompt, get_task
     from learner.train import Learner
-
-    spec = importlib.util.spec_from_file_location("mismatch_bench", ROOT / "ops" / "bench" / "mismatch.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from ops.bench import mismatch as bench
     cfg = load_config(ROOT / "ops/configs/smoke.yaml", [f"model.path={tiny_model_dir}", "metrics.prometheus=false"])
     tok = load_tokenizer(str(tiny_model_dir))
     prompts = [encode_prompt(tok, get_task(cfg.task).train_prompt(i)) for i in range(4)]

@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "ops"))
+from ops.rehearsal.cluster import missing_prerequisites
 
-from rehearsal.cluster import missing_prerequisites  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 WALL_LIMIT_S = 900  # the rehearsal's promise: <= 15 min on 2 cores
 SGLANG_WALL_LIMIT_S = 600  # the push stage alone; SGLang's start takes ~40-120 s per engine on 2 busy cores

@@ -8,16 +8,14 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "ops"))
+from ops.rehearsal import main as rehearsal_main
+from ops.rehearsal.cluster import LOCK_FILE, missing_prerequisites
 
-from rehearsal import main as rehearsal_main  # noqa: E402
-from rehearsal.cluster import LOCK_FILE, missing_prerequisites  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or bool(missing_prerequisites()), reason="needs root and the rehearsal's packages")

@@ -4,19 +4,16 @@ start read from their logs, and which processes are an engine's."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from common.generation.weights import read_state_dict
+from ops.rehearsal import sglang
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "ops"))
-
-from rehearsal import sglang  # noqa: E402
-
-from common.generation.weights import read_state_dict  # noqa: E402
 
 # per_engine_checksum of SGLang 0.5.23's /weights_checker (action checksum) on a CPU engine serving the shipped
 # ops/bases/addition-tiny (captured from the live server; the rehearsal compares each engine with this rule).

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from common.config import load_config
 from learner.records import append_jsonl, write_header
+from ops import report  # ops/report.py
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "ops"))
-import report  # noqa: E402  (ops/report.py)
 
 
 def _steps(path: Path, first: int, last: int) -> None:

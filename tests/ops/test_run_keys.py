@@ -3,8 +3,6 @@ authenticates its clients, loopback included), keeps them on --resume, and leave
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,10 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _launch_module():
-    spec = importlib.util.spec_from_file_location("launch_keys_mod", ROOT / "ops" / "launch.py")
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules["launch_keys_mod"] = mod
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    from ops import launch as mod
     return mod
 
 

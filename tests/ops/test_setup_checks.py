@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "ops"))
+from ops import setup_checks as sc
 
-import setup_checks as sc  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_python_and_glibc_floors() -> None:
@@ -61,6 +60,6 @@ def test_setup_cuda_without_a_driver_stops_before_installing(tmp_path: Path) -> 
 
 def test_after_install_check_refuses_a_cpu_torch() -> None:
     # The venv these tests run in has the CPU build: exactly what `after` must refuse on a GPU machine.
-    p = subprocess.run([sys.executable, str(ROOT / "ops" / "setup_checks.py"), "after"], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "ops.setup_checks", "after"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120, env={k: v for k, v in os.environ.items() if k != "VAPO_SETUP_NO_GPU"})
     assert p.returncode == 1 and "the installed torch is a CPU build" in p.stderr

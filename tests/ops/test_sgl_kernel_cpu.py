@@ -5,7 +5,6 @@ Loaded from its file, so that it is tested whether or not ``ops/setup.sh --sglan
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 
@@ -19,10 +18,7 @@ SOURCE = Path(__file__).resolve().parents[2] / "ops" / "sglang_cpu" / "sgl_kerne
 
 @pytest.fixture(scope="module")
 def sgl_kernel() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("vapo_sgl_kernel_under_test", SOURCE)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from ops.sglang_cpu import sgl_kernel as mod
     return mod
 
 

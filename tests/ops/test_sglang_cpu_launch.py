@@ -5,7 +5,6 @@ engine command against SGLang's own parser, the launcher's stop at once when SGL
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -25,10 +24,7 @@ SGLANG_CPU = ROOT / "ops" / "configs" / "sglang-cpu.yaml"
 
 @pytest.fixture(scope="module")
 def launch() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("launch_sglang_cpu", ROOT / "ops" / "launch.py")
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules["launch_sglang_cpu"] = mod  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    from ops import launch as mod
     return mod
 
 

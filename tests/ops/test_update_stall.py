@@ -3,22 +3,15 @@ the disk update drains the engine and the in-place push does not."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "ops" / "bench" / "update_stall.py"
 BATCH = 4
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("update_stall_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclass looks its module up there
-    spec.loader.exec_module(mod)
+    from ops.bench import update_stall as mod
     return mod
 
 

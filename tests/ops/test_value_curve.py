@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -20,10 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def vc() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("value_curve_mod", ROOT / "ops" / "bench" / "value_curve.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from ops.bench import value_curve as mod
     return mod
 
 
@@ -49,12 +45,12 @@ def test_newest_version_is_numeric_not_lexical(vc: ModuleType, tmp_path: Path) -
 
 
 def test_cli_refuses_what_it_cannot_probe(tmp_path: Path) -> None:
-    bad = subprocess.run([sys.executable, str(ROOT / "ops/bench/value_curve.py"), str(tmp_path)],
-                         capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "ops.bench.value_curve", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "has no config.yaml" in bad.stderr
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({"algo": {"advantage": "grpo"}}))
-    bad = subprocess.run([sys.executable, str(ROOT / "ops/bench/value_curve.py"), str(tmp_path)],
-                         capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "ops.bench.value_curve", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "without a critic" in bad.stderr
 
 

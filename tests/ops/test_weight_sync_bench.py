@@ -15,7 +15,7 @@ import pytest
 from ops.bench.weight_sync_parts import GOAL_OVER_RAW, summarise
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "ops" / "bench" / "weight_sync.py"
+BENCH = ("-m", "ops.bench.weight_sync")
 TIMED = ("disk_blocked_s", "distributed_blocked_s", "raw_broadcast_s", "push_over_raw_broadcast", "blocked_ratio",
          "final_broadcast_background_s", "durable_write_s", "engine_pause_s", "engine_receive_s")
 
@@ -37,7 +37,7 @@ def test_summary_gives_median_and_range_and_judges_the_ratio_to_the_raw_broadcas
 
 
 def run_quick(engine: str, tmp_path: Path) -> dict[str, Any]:
-    p = subprocess.run([sys.executable, str(BENCH), "--quick", "--engine", engine, "--log-dir", str(tmp_path)],
+    p = subprocess.run([sys.executable, *BENCH, "--quick", "--engine", engine, "--log-dir", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
     lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
