@@ -183,6 +183,21 @@ def test_the_pure_math_imports_only_torch_and_the_standard_library() -> None:
     assert bad == [], bad
 
 
+def test_the_step_phases_documented_are_the_ones_train_times() -> None:
+    page = (DOCS / "ALGORITHM.md").read_text().split("\n## One step", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `([a-z_]+)` \|", page, flags=re.M))
+    timed = set(re.findall(r'with t\("([a-z_]+)"\)', (REPO / "learner" / "train.py").read_text()))
+    assert timed and documented == timed, (sorted(documented), sorted(timed))
+
+
+def test_every_vapo_environment_variable_the_docs_name_is_read_or_set_by_the_code() -> None:
+    code = "\n".join(p.read_text() for d in TOP_DIRS[:-2] for p in (REPO / d).rglob("*")
+                     if p.suffix in (".py", ".sh", ".sbatch") and "__pycache__" not in p.parts)
+    bad = [f"{page.name}: {v}" for page in CHECKED for v in sorted(set(re.findall(r"\bVAPO_[A-Z_]+[A-Z]", page.read_text())))
+           if v not in code]
+    assert bad == [], "environment variables named in the docs that no code reads or sets:\n  " + "\n  ".join(bad)
+
+
 def _config_keys() -> set[str]:
     return {key for key, _, _, _ in describe()}
 
