@@ -97,6 +97,42 @@ def test_ops_scripts_are_run_as_modules() -> None:
     assert bad == [], "ops scripts run by path (write `python -m ops.<module>`):\n  " + "\n  ".join(bad)
 
 
+# Where the flags of a shell entry point are parsed.
+SHELL_FLAG_SOURCES = {"ops/launch.sh": "ops/launch*.py", "ops/rehearse.sh": "ops/rehearsal/*.py",
+                      "ops/setup.sh": "ops/setup.sh"}
+
+
+def _flag_sources(command: str) -> list[Path]:
+    """The files whose text must hold a flag of ``command`` (a ``python -m`` module and its package's
+    modules, or a shell entry point's parser); empty for commands that are not the repository's."""
+    if command in SHELL_FLAG_SOURCES:
+        return [*REPO.glob(SHELL_FLAG_SOURCES[command]), REPO / command]
+    base = REPO / command.replace(".", "/")
+    if command.split(".")[0] not in TOP_DIRS[:-2]:
+        return []
+    package = base if base.is_dir() else base.parent
+    return sorted(package.glob("*.py"))
+
+
+def test_every_flag_the_docs_give_a_command_is_one_it_takes() -> None:
+    """``python -m MODULE ... --flag`` and ``ops/launch.sh ... --flag``: the flag is spelled in the code that
+    parses that command's arguments (its module or package, or the shell entry point's parser)."""
+    bad: list[str] = []
+    for page in CHECKED:
+        text = page.read_text()
+        commands = _spans(text) + [ln for b in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S) for ln in b.splitlines()]
+        for chunk in commands:
+            chunk = chunk.split("#")[0]
+            for m in re.finditer(r"(?:python -m ([\w.]+)|(ops/(?:launch|rehearse|setup)\.sh))([^|;&]*)", chunk):
+                command = m.group(1) or m.group(2)
+                sources = _flag_sources(command)
+                code = "\n".join(p.read_text() for p in sources if p.is_file())
+                for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", m.group(3)):
+                    if sources and flag != "--help" and flag not in code:  # argparse's own
+                        bad.append(f"{page.name}: {command} {flag}")
+    assert bad == [], "flags the docs give commands that their code does not take:\n  " + "\n  ".join(sorted(set(bad)))
+
+
 def test_every_test_the_map_names_exists() -> None:
     named = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", MAP.read_text())
     assert len(named) >= 20, named
