@@ -234,6 +234,14 @@ def test_every_vapo_environment_variable_the_docs_name_is_read_or_set_by_the_cod
     assert bad == [], "environment variables named in the docs that no code reads or sets:\n  " + "\n  ".join(bad)
 
 
+def test_every_shipped_config_is_in_the_config_page() -> None:
+    page = (DOCS / "CONFIG.md").read_text()
+    table = re.findall(r"^\| (`[^|]+) \|", page, flags=re.M)
+    named = {Path(w).name for row in table for w in re.findall(r"`([\w/.-]+\.yaml)`", row)}
+    shipped = {p.name for p in (REPO / "ops" / "configs").glob("*.yaml")}
+    assert shipped and shipped <= named, f"shipped configs missing from docs/CONFIG.md: {sorted(shipped - named)}"
+
+
 def _config_keys() -> set[str]:
     return {key for key, _, _, _ in describe()}
 
