@@ -1,10 +1,14 @@
 """The layer contract of docs/ARCHITECTURE.md ("Arrows"), checked on every import of the product
-code: module-level and function-level, ``import x`` and ``from x import y``, relative ones resolved.
+code (actors, learner, buffer, common and ops): module-level and function-level, ``import x`` and
+``from x import y``, relative ones resolved, and the dynamic ones whose module is a string literal
+(``importlib.import_module("x.y")``, ``import_module("x.y")``, ``__import__("x.y")``).
 
 1. package edges: common imports nothing of ours; buffer only common; actors and learner only common and
-   buffer.client; ops anything but tests;
-2. no cycle in the module graph of our own modules;
-3. no private (leading underscore) name imported from another top-level package.
+   buffer.client; ops (the top layer) anything but tests; nothing imports ops but ops (and tests);
+2. no bare-name import of a sibling module (``import long_suite`` in ops/bench/): ours are imported by
+   their package path, so the checks here see them and no script directory shadows a package;
+3. no cycle in the module graph of our own modules (bare-name imports resolved to the sibling they name);
+4. no private (leading underscore) name imported from another top-level package.
 
 Each failure names the file:line to fix."""
 
@@ -36,6 +40,7 @@ class Import:
     line: int
     target: str      # imported module, dotted (for ``from m import n``: m.n when that is a module, else m)
     names: tuple[str, ...]   # names taken by ``from m import ...``; empty for ``import m``
+    bare: str = ""   # the name as written, when it named a sibling module without its package path
 
     def where(self) -> str:
         return f"{self.path}:{self.line}"
@@ -65,30 +70,63 @@ def _resolve_relative(module: str, is_package: bool, level: int, target: str | N
     return ".".join([*base, target] if target else base)
 
 
-def imports_of(module: str, path: str, text: str, modules: set[str]) -> list[Import]:
-    """Every import statement of one module, wherever it is in the file, restricted to our own modules."""
-    is_package = path.endswith("__init__.py")
-    found = []
-    for node in ast.walk(ast.parse(text, filename=path)):
+_DYNAMIC = ("import_module", "__import__")
+
+
+def _dynamic_target(node: ast.Call) -> str | None:
+    """The module of ``importlib.import_module("m")``, ``import_module("m")`` or ``__import__("m")``."""
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    if name not in _DYNAMIC or not node.args:
+        return None
+    first = node.args[0]
+    return first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
+
+
+def _raw_imports(module: str, is_package: bool, tree: ast.AST,
+                 modules: set[str]) -> list[tuple[int, str, tuple[str, ...]]]:
+    """(line, target, names) of every import in the tree, our own modules or not."""
+    found: list[tuple[int, str, tuple[str, ...]]] = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            for alias in node.names:
-                found.append(Import(module, path, node.lineno, alias.name, ()))
+            found += [(node.lineno, alias.name, ()) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = (_resolve_relative(module, is_package, node.level, node.module) if node.level
                     else node.module or "")
             names = tuple(alias.name for alias in node.names)
             submodules = [f"{base}.{name}" for name in names if f"{base}.{name}" in modules]
             plain = tuple(name for name in names if f"{base}.{name}" not in modules)
-            for sub in submodules:
-                found.append(Import(module, path, node.lineno, sub, ()))
+            found += [(node.lineno, sub, ()) for sub in submodules]
             if plain or not submodules:
-                found.append(Import(module, path, node.lineno, base, plain))
-    return [imp for imp in found if imp.target.split(".")[0] in OURS]
+                found.append((node.lineno, base, plain))
+        elif isinstance(node, ast.Call) and (target := _dynamic_target(node)) is not None:
+            found.append((node.lineno, target, ()))
+    return found
+
+
+def imports_of(module: str, path: str, text: str, modules: set[str],
+               packages: frozenset[str] = frozenset()) -> list[Import]:
+    """Every import of one module, wherever it is in the file, restricted to our own modules. A name that
+    is none of ours but names a sibling module file (``import long_suite`` next to ops/bench/long_suite.py,
+    the way a script run by path finds it) is resolved to that module and kept with ``bare`` set. A sibling
+    package is the source of a distribution installed under its own name (ops/sglang_cpu/sgl_kernel)."""
+    is_package = path.endswith("__init__.py")
+    package = module if is_package else module.rpartition(".")[0]
+    found = []
+    for line, target, names in _raw_imports(module, is_package, ast.parse(text, filename=path), modules):
+        top = target.split(".")[0]
+        if top in OURS:
+            found.append(Import(module, path, line, target, names))
+        elif package and f"{package}.{top}" in modules and f"{package}.{top}" not in packages:
+            found.append(Import(module, path, line, f"{package}.{target}", names, bare=target))
+    return found
 
 
 def all_imports(sources: dict[str, tuple[str, str]]) -> list[Import]:
     modules = set(sources)
-    return [imp for module, (path, text) in sources.items() for imp in imports_of(module, path, text, modules)]
+    packages = frozenset(module for module, (path, _) in sources.items() if path.endswith("__init__.py"))
+    return [imp for module, (path, text) in sources.items()
+            for imp in imports_of(module, path, text, modules, packages)]
 
 
 def _allows(allowed: str, target: str) -> bool:
@@ -102,6 +140,10 @@ def edge_violations(imports: list[Import]) -> list[str]:
         if not any(_allows(allowed, imp.target) for allowed in ALLOWED[package]):
             bad.append(f"{imp.where()}: {package} may not import {imp.target} (allowed: {', '.join(ALLOWED[package])})")
     return bad
+
+
+def bare_violations(imports: list[Import]) -> list[str]:
+    return [f"{imp.where()}: bare-name import {imp.bare}: write it as {imp.target}" for imp in imports if imp.bare]
 
 
 def private_violations(imports: list[Import]) -> list[str]:
@@ -217,6 +259,11 @@ def test_package_edges_follow_the_layer_contract() -> None:
     assert not problems, _report("imports across layers the contract forbids", problems)
 
 
+def test_our_modules_are_imported_by_their_package_path() -> None:
+    problems = bare_violations(all_imports(collect_sources(ROOT)))
+    assert not problems, _report("bare-name imports of our own modules", problems)
+
+
 def test_no_import_cycles_between_modules() -> None:
     sources = collect_sources(ROOT)
     problems = find_cycles(all_imports(sources), set(sources))
@@ -233,6 +280,8 @@ def test_the_scan_sees_our_own_imports() -> None:
     imports = all_imports(collect_sources(ROOT))
     assert len(imports) > 200
     assert any(imp.source.startswith("learner") and imp.target.startswith("common") for imp in imports)
+    assert any(imp.source == "ops.launch" and imp.target == "ops.launch_supervise" for imp in imports)
+    assert any(imp.source == "ops.bench.experiments" and imp.target == "ops.bench.long_suite" for imp in imports)
 
 
 def _write_tree(root: Path, files: dict[str, str]) -> None:
@@ -266,3 +315,47 @@ def test_the_checker_reports_violations_with_file_and_line(tmp_path: Path) -> No
     assert cycles == ["cycle: common.a -> common.b (common/a.py:4); common.b -> common.a (common/b.py:1)"], cycles
     private = private_violations(imports)
     assert private == ["actors/worker.py:1: private name _helper imported from learner.core"], private
+
+
+def test_a_module_named_in_a_dynamic_import_string_is_an_edge(tmp_path: Path) -> None:
+    _write_tree(tmp_path, {
+        "actors/__init__.py": "",
+        "actors/worker.py": "",
+        "learner/__init__.py": "",
+        "learner/plugin.py": "import importlib\n\n\ndef load() -> object:\n"
+                             "    return importlib.import_module(\"actors.worker\")\n",
+        "buffer/__init__.py": "",
+        "buffer/hook.py": "hook = __import__('actors.worker')\n",
+        "common/__init__.py": "",
+        "common/late.py": "from importlib import import_module\n\nlaunch = import_module('ops.launch')\n"
+                          "name = 'actors.worker'\nimport_module(name)\n",  # not a literal: not seen
+        "ops/__init__.py": "",
+        "ops/launch.py": "import importlib\n\nworker = importlib.import_module('actors.worker')\n",
+    })
+    imports = all_imports(collect_sources(tmp_path))
+    assert sorted(edge_violations(imports)) == [
+        "buffer/hook.py:1: buffer may not import actors.worker (allowed: buffer, common)",
+        "common/late.py:3: common may not import ops.launch (allowed: common)",
+        "learner/plugin.py:5: learner may not import actors.worker (allowed: learner, common, buffer.client)",
+    ]
+
+
+def test_a_cycle_between_ops_scripts_imported_by_bare_name_is_caught(tmp_path: Path) -> None:
+    _write_tree(tmp_path, {
+        "ops/__init__.py": "",
+        "ops/bench/__init__.py": "",
+        "ops/bench/suite.py": "import json\n\nimport tables\n",
+        "ops/bench/tables.py": "from suite import RUNS\n",
+        "ops/bench/learner.py": "from learner.train import Learner\n",  # the package, not its sibling
+        "learner/__init__.py": "",
+        "learner/train.py": "Learner = 1\n",
+    })
+    sources = collect_sources(tmp_path)
+    imports = all_imports(sources)
+    assert find_cycles(imports, set(sources)) == [
+        "cycle: ops.bench.suite -> ops.bench.tables (ops/bench/suite.py:3); "
+        "ops.bench.tables -> ops.bench.suite (ops/bench/tables.py:1)"]
+    assert sorted(bare_violations(imports)) == [
+        "ops/bench/suite.py:3: bare-name import tables: write it as ops.bench.tables",
+        "ops/bench/tables.py:1: bare-name import suite: write it as ops.bench.suite",
+    ]
