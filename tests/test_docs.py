@@ -10,12 +10,16 @@ config key was added, removed or re-documented).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 import sys
 from pathlib import Path
 
+from buffer.credits import REFUSAL_REASONS
 from common.config import describe
+from common.limits import REASONS as INGEST_REASONS
 from common.metrics import SPECS
+from common.protocol import MESSAGE_TYPES
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -240,6 +244,39 @@ def test_every_shipped_config_is_in_the_config_page() -> None:
     named = {Path(w).name for row in table for w in re.findall(r"`([\w/.-]+\.yaml)`", row)}
     shipped = {p.name for p in (REPO / "ops" / "configs").glob("*.yaml")}
     assert shipped and shipped <= named, f"shipped configs missing from docs/CONFIG.md: {sorted(shipped - named)}"
+
+
+def test_the_wire_page_names_every_message_and_every_field() -> None:
+    """docs/WIRE.md's message table: every message type of common/protocol.py is named in the section; a row
+    of the table is a real message and names each of its fields."""
+    section = (DOCS / "WIRE.md").read_text().split("\n## Messages", 1)[1].split("\n## ", 1)[0]
+    assert sorted(set(MESSAGE_TYPES) - set(re.findall(r"`(\w+)`", section))) == []
+    rows = re.findall(r"^\| `(\w+)`[^|]*\|(.*)$", section, flags=re.M)
+    assert len(rows) >= 15, rows
+    bad: list[str] = []
+    for name, rest in rows:
+        cls = MESSAGE_TYPES.get(name)
+        if cls is None:
+            bad.append(f"{name}: no such message")
+            continue
+        named = set(re.findall(r"`(\w+)`", rest))
+        bad += [f"{name}.{f.name}" for f in dataclasses.fields(cls) if f.name not in named]
+    assert bad == [], "docs/WIRE.md's messages out of step with common/protocol.py:\n  " + "\n  ".join(bad)
+
+
+def test_the_error_reasons_documented_are_the_codes() -> None:
+    """docs/WIRE.md's error table: the decoder's reasons (every literal reason common/protocol.py raises),
+    the ingest bounds' reasons (common.limits.REASONS) and the credit refusals are all listed."""
+    section = (DOCS / "WIRE.md").read_text().split("\n## Error reasons", 1)[1].split("\n## ", 1)[0]
+    rows = {ln.split("|")[1]: set(re.findall(r"`([a-z_]+)`", ln.split("|")[2])) for ln in section.splitlines()
+            if ln.startswith("| ") and ln.count("|") >= 4}
+    decoder = set(re.findall(r'(?:_err|ProtocolError)\("([a-z_]+)"', (REPO / "common" / "protocol.py").read_text()))
+    listed = set().union(*(v for k, v in rows.items() if "ProtocolError" in k or "client-side" in k))
+    assert decoder and decoder == listed, (sorted(decoder - listed), sorted(listed - decoder))
+    ingest = set().union(*(v for k, v in rows.items() if "invalid:<reason>" in k))
+    assert set(INGEST_REASONS) <= ingest, sorted(set(INGEST_REASONS) - ingest)
+    refusals = set().union(*(v for k, v in rows.items() if k.strip().startswith("buffer ingest (`ErrorReply`")))
+    assert REFUSAL_REASONS <= refusals, sorted(REFUSAL_REASONS - refusals)
 
 
 def _config_keys() -> set[str]:
