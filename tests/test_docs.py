@@ -90,6 +90,36 @@ def test_every_command_module_the_docs_name_exists() -> None:
     assert missing == [], "modules named in the docs' commands that do not exist:\n  " + "\n  ".join(missing)
 
 
+def _module_file(parts: list[str]) -> tuple[Path, list[str]] | None:
+    """The repository module a dotted name starts with (longest prefix), and the rest of the name."""
+    for i in range(len(parts), 0, -1):
+        base = REPO.joinpath(*parts[:i])
+        for f in (base.with_suffix(".py"), base / "__init__.py"):
+            if f.is_file():
+                return f, parts[i:]
+    return None
+
+
+def test_every_code_name_the_docs_give_is_in_its_module() -> None:
+    """``pkg.module.Name`` and ``pkg/module.py`` ``Name`` (config keys and files aside): Name is spelled in
+    that module, so a renamed class or function shows up here."""
+    keys = _config_keys()
+    groups = {k.rsplit(".", 1)[0] for k in keys}
+    bad: list[str] = []
+    for page in CHECKED:
+        text = page.read_text()
+        for name in re.findall(r"`([a-z_]+(?:\.[A-Za-z_]\w*)+)(?:\(\))?`", text):
+            if name in keys or name in groups or name.endswith(FILE_SUFFIXES):
+                continue
+            found = _module_file(name.split("."))
+            if found and found[1] and not re.search(rf"\b{found[1][0]}\b", found[0].read_text()):
+                bad.append(f"{page.name}: {name}")
+        for path, name in re.findall(r"`([\w/]+\.py)` `([A-Za-z_][\w.]*)(?:\(\))?`", text):
+            if (REPO / path).is_file() and not re.search(rf"\b{name.split('.')[0]}\b", (REPO / path).read_text()):
+                bad.append(f"{page.name}: {path} {name}")
+    assert bad == [], "names the docs give that their module does not have:\n  " + "\n  ".join(bad)
+
+
 def test_ops_scripts_are_run_as_modules() -> None:
     """A command runs an ops script as ``python -m ops....``, never as a file path (the shell entry points
     ops/launch.sh, ops/test.sh, ops/setup.sh, ops/rehearse.sh excepted)."""
