@@ -23,9 +23,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from buffer.client import BatchClient
 from common import protocol
 from common.limits import is_positive
 from common.protocol import Sample, SampleGroup
+from common.security import client_curve_keys
 from learner.dist import broadcast_frames, broadcast_ints, rank, rank0_wait, world_size
 
 # Longest wait of one BatchRequest: a long batch_timeout_s is asked for in turns of this length. Short, because
@@ -172,9 +174,6 @@ class BufferSource:
 
     def __init__(self, addr: str, max_staleness: int, client: Any | None = None, curve: Any = None) -> None:
         if client is None:
-            from buffer.client import BatchClient
-            from common.security import client_curve_keys
-
             client = BatchClient(addr, curve=client_curve_keys(curve, "learner") if curve is not None else None)
         self.client = client
         self.max_staleness = max_staleness

@@ -128,8 +128,8 @@ def setup_distributed(cfg: Config) -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_SIZE", os.environ["WORLD_SIZE"])
-    import deepspeed
-    import deepspeed.ops
+    import deepspeed  # noqa: PLC0415 - DeepSpeed picks its accelerator at import: after setup_distributed set DS_ACCELERATOR
+    import deepspeed.ops  # noqa: PLC0415 - DeepSpeed picks its accelerator at import: after setup_distributed set DS_ACCELERATOR
 
     ws = int(os.environ["WORLD_SIZE"])
     if cfg.run.device == "cpu" and (ws == 1 or os.environ.get("VAPO_DS_SHM", "1") == "0"):

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common.config import Config
+from learner.evaluate import EngineEvalError, eval_engine_urls, evaluate_on_engines
 
 log = logging.getLogger("learner.eval")
 
@@ -42,8 +43,6 @@ class BackgroundEval:
 
     def __init__(self, cfg: Config, tokenizer: Any, task: Any, record: Callable[[dict[str, Any]], None],
                  urls: list[str] | None = None) -> None:
-        from learner.evaluate import eval_engine_urls
-
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.task = task
@@ -99,8 +98,6 @@ class BackgroundEval:
                     self._cond.notify_all()
 
     def _evaluate(self, version: int) -> dict[str, Any]:
-        from learner.evaluate import EngineEvalError, evaluate_on_engines
-
         t0 = time.perf_counter()
         rec: dict[str, Any] = {"kind": "eval", "weight_version": version, "step": version}
         try:

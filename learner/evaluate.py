@@ -34,7 +34,13 @@ from typing import Any
 
 import torch
 
-from common.tasks import Prompt, Task, decode_response, encode_prompt
+from common.config import ConfigError, load_config
+from common.generation.passes import generate_passes
+from common.generation.sampling import SamplingParams
+from common.modeling import load_model, load_tokenizer
+from common.placement import engine_tp, parse_gpus
+from common.sglang_client import SGLangClient, SGLangError, as_int
+from common.tasks import Prompt, Task, decode_response, encode_prompt, get_task
 
 LENGTH_BINS = (16, 32, 48, 64, 96, 128, 192, 256, 320, 400)  # response-length bucket upper edges (tokens)
 
@@ -78,9 +84,6 @@ def _generate(
     server's scheduler (``common.generation.passes.generate_passes``: the same KV-cache decode loop the
     actors sample with, on this process's model; one scheduler for all passes). Each pass starts from
     ``seed``, so a pass's samples do not depend on the others; ``progress`` follows the first."""
-    from common.generation.passes import generate_passes
-    from common.generation.sampling import SamplingParams
-
     vocab = int(model.config.vocab_size)
     jobs = []
     for n, temperature in passes:
@@ -203,8 +206,6 @@ def eval_target(cfg: Any, world: int) -> tuple[str, list[str]]:
     Generating through the training model is right only for one process: under ZeRO-3 every forward is a
     collective that all ranks must join, so a rank-0-only evaluation would hang the others (and a gathered
     copy of a large policy does not fit one rank). Anything else evaluates on a rollout engine."""
-    from common.config import ConfigError
-
     lc = cfg.learner
     mode = lc.eval_via
     if mode == "auto":
@@ -222,9 +223,6 @@ def eval_engine_urls(cfg: Any) -> list[str]:
     ``learner.eval_engine_url`` alone, else every external engine (``engine.urls``), else every engine of a
     one-host run (engine i at ``engine.host:engine.base_port + i``), else engine 0 (the only one a loopback
     engine on another host would leave reachable from learner rank 0)."""
-    from common.config import ConfigError
-    from common.placement import engine_tp, parse_gpus
-
     lc, e = cfg.learner, cfg.engine
     if lc.eval_engine_urls:
         return [u.rstrip("/") for u in lc.eval_engine_urls]
@@ -261,8 +259,6 @@ class _Shard:
 
 async def _engine_generate(shard: _Shard, k: int, max_new_tokens: int, temperature: float, version: int,
                            timeout_s: float, concurrency: int, request_timeout_s: float, version_wait_s: float) -> None:
-    from common.sglang_client import SGLangClient, SGLangError, as_int
-
     url, ids = shard.url, shard.ids
     deadline = time.monotonic() + timeout_s
     wait_deadline = min(deadline, time.monotonic() + version_wait_s)
@@ -387,10 +383,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: learner.threads)")
     ap.add_argument("overrides", nargs="*", help="config overrides key=value (e.g. task.eval_size=64)")
     args = ap.parse_args(argv)
-
-    from common.config import ConfigError, load_config
-    from common.modeling import load_model, load_tokenizer
-    from common.tasks import get_task
 
     try:
         overrides = list(args.overrides) + ([f"task.name={args.task}"] if args.task else [])

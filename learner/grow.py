@@ -26,6 +26,10 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
+
+from common.checksum import weights_sha256
+from common.modeling import load_tokenizer
 
 
 def expansion_plan(n_src: int, n_out: int) -> list[tuple[int, bool]]:
@@ -73,11 +77,6 @@ def n_parameters(model: torch.nn.Module) -> int:
 
 def grow(src: str | Path, out: str | Path, n_layers: int) -> Path:
     """Write the grown copy of the HF model in ``src`` to ``out`` (refused if ``out`` exists)."""
-    from transformers import AutoModelForCausalLM
-
-    from common.checksum import weights_sha256
-    from common.modeling import load_tokenizer
-
     src, out = Path(src), Path(out)
     if out.exists():
         raise FileExistsError(f"{out} exists: remove it or choose another directory")

@@ -34,16 +34,25 @@ and the update, and some libraries default a value head's dropout to 0.1).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import shutil
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from common.config import Config
+from common.config import Config, ConfigError
+from common.modeling import load_tokenizer, torch_dtype
 from learner.dist import rank, setup_distributed, world_size
+from learner.losses import chunked_token_logprobs
+from learner.partitioned import build_empty, load_checkpoint, to_device
+from learner.weights import export_hf, is_partitioned, iter_host_tensors, unwrap
 
 # False restores the old ZeRO-3 build (every rank loads the whole model; deepspeed.initialize partitions
 # it): ops/bench/zero_build.py measures both in one run.
@@ -64,11 +73,8 @@ def device_for(cfg: Config) -> torch.device:
 def _hf_module(auto_cls: Any, src: str | Path, hf_cfg: Any, dtype: str, partition: Config | None) -> nn.Module:
     """``auto_cls`` with the weights in ``src``: ``from_pretrained``, or under ZeRO-3 (``partition`` given)
     built partitioned, each rank reading only its own slices of the files."""
-    from common.modeling import torch_dtype
-
     if partition is None:
         return auto_cls.from_pretrained(str(src), config=hf_cfg, dtype=torch_dtype(dtype))
-    from learner.partitioned import build_empty, load_checkpoint
 
     setup_distributed(partition)
     model = build_empty(auto_cls, hf_cfg, torch_dtype(dtype), ds_config(partition, partition.learner.grad_clip))
@@ -158,8 +164,6 @@ class Critic(nn.Module):
     @torch.no_grad()
     def _surprise_features(self, h: Tensor, input_ids: Tensor, attention_mask: Tensor,
                            response_start: Tensor) -> Tensor:
-        from learner.losses import chunked_token_logprobs
-
         emb = self.backbone.get_input_embeddings().weight
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)
         real = (pos[None, :] >= response_start.to(input_ids.device)[:, None]) & attention_mask.bool()
@@ -200,8 +204,6 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
 def load_policy_module(path: str | Path, dtype: str = "float32", activation_checkpointing: bool = False,
                        partition: Config | None = None) -> nn.Module:
     """The policy in ``path``; ``partition`` (a ZeRO-3 config) builds it partitioned (``partitioned_build``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     hf_cfg = AutoConfig.from_pretrained(str(path))
     _no_dropout(hf_cfg)
     model = _hf_module(AutoModelForCausalLM, path, hf_cfg, dtype, partition)
@@ -220,9 +222,6 @@ def check_critic_base(policy: str | Path, critic: str | Path) -> None:
     """ConfigError unless the critic's base reads the policy's token ids: the same vocabulary (token -> id), an
     embedding row for every id the policy can emit, and at least the policy's context. A critic from another
     tokenizer family would silently embed the wrong tokens: its values would be noise, not an error."""
-    from common.config import ConfigError
-    from common.modeling import load_tokenizer
-
     pc, cc = (json.loads((Path(d) / "config.json").read_text()) for d in (policy, critic))
     pc, cc = pc.get("text_config", pc), cc.get("text_config", cc)
     try:
@@ -243,10 +242,6 @@ def load_critic_module(cfg: Config, path: str | Path | None = None, partitioned:
     """The critic initialised from ``critic_base(cfg)`` (or from ``path``); when ``path`` holds a saved
     critic (``save_critic``), its value head is loaded too. ``partitioned``: the backbone is built
     ZeRO-3-partitioned (the small heads are not; ``deepspeed.initialize`` partitions them)."""
-    from transformers import AutoConfig, AutoModel
-
-    from common.config import ConfigError
-
     src = Path(path) if path else critic_base(cfg)
     if path is None and cfg.model.critic_path and src.resolve() != Path(cfg.model.path).resolve():
         check_critic_base(cfg.model.path, src)
@@ -265,22 +260,16 @@ def load_critic_module(cfg: Config, path: str | Path | None = None, partitioned:
                     logit_chunk_elements=cfg.learner.logits_chunk_elements or 1 << 24)
     head = src / "value_head.safetensors"
     if head.is_file():
-        from safetensors.torch import load_file
-
         critic.load_head_state_dict(load_file(str(head)))
     return critic
 
 
 def _host_head_state(module: Critic) -> dict[str, Tensor]:
     """``head_state_dict`` as fp32 host tensors on rank 0 (``{}`` elsewhere); collective under ZeRO-3."""
-    from contextlib import nullcontext
-
-    from learner.weights import is_partitioned
-
     head = [p for n, p in module.named_parameters() if not n.startswith("backbone.")]
     ctx: Any = nullcontext()
     if is_partitioned(module) and head:
-        import deepspeed
+        import deepspeed  # noqa: PLC0415 - DeepSpeed picks its accelerator at import: after setup_distributed set DS_ACCELERATOR
 
         ctx = deepspeed.zero.GatheredParameters(head, modifier_rank=None)
     with ctx:
@@ -295,12 +284,6 @@ def save_critic(critic: Any, path: str | Path) -> Path:
 
     Every rank calls it under ZeRO-3: the backbone is gathered a bounded group at a time and only rank 0
     copies it to host and writes. Without ZeRO-3 rank 0 alone writes and the other ranks return at once."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    from learner.weights import export_hf, is_partitioned, unwrap
-
     module = unwrap(critic)
     out = Path(path)
     if rank() != 0 and not is_partitioned(module):
@@ -340,9 +323,7 @@ def build_deepspeed(cfg: Config, module: nn.Module, lr: float, warmup_steps: int
     A :class:`Critic`'s surprise MLP gets ``lr * head_lr_scale``: Adam moves a parameter by about lr per
     step whatever its gradient, and that small, freshly initialised MLP must move its output by ~0.5 in a
     few dozen steps (the linear value head on 128 features does not need it and overshoots with it)."""
-    import deepspeed
-
-    from learner.partitioned import to_device
+    import deepspeed  # noqa: PLC0415 - DeepSpeed picks its accelerator at import: after setup_distributed set DS_ACCELERATOR
 
     setup_distributed(cfg)
     train_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.learner.precision, torch.float32)
@@ -393,8 +374,8 @@ def release(model: Any) -> None:
     # DeepSpeed 0.19's ZeRO-3 keeps two process-wide references that outlive destroy(): every engine's module
     # stays at the base of a module-level stack (its forward-hook bookkeeping), and a class-level lru_cache of
     # PartitionedParameterCoordinator keys on coordinators and submodules. Either keeps all states alive.
-    from deepspeed.runtime.zero import parameter_offload
-    from deepspeed.runtime.zero.partitioned_param_coordinator import (
+    from deepspeed.runtime.zero import parameter_offload  # noqa: PLC0415 - DeepSpeed picks its accelerator at import: after setup_distributed set DS_ACCELERATOR
+    from deepspeed.runtime.zero.partitioned_param_coordinator import (  # noqa: PLC0415 - DeepSpeed picks its accelerator at import: after setup_distributed set DS_ACCELERATOR
         PartitionedParameterCoordinator as Coordinator,
     )
 
@@ -409,9 +390,7 @@ def release(model: Any) -> None:
 
 def collect() -> None:
     """Free what ``release``d models held, now (host and accelerator)."""
-    import gc
-
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator  # noqa: PLC0415 - DeepSpeed picks its accelerator at import: after setup_distributed set DS_ACCELERATOR
 
     gc.collect()
     get_accelerator().empty_cache()
@@ -431,6 +410,4 @@ def full_state_dict(model: Any, copy: bool = False) -> dict[str, Tensor]:
     Collective under ZeRO-3 (every rank calls it): the parameters are gathered a bounded group at a time
     and only rank 0 keeps host copies, so no other rank ever holds the whole model. Without ZeRO-3 the
     tensors are rank 0's own (copied only with ``copy`` or when on an accelerator)."""
-    from learner.weights import iter_host_tensors
-
     return {k: v for k, v in iter_host_tensors(model, copy=copy, aliases=True) if v is not None}

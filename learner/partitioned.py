@@ -25,12 +25,15 @@ from torch import nn
 
 from learner.weights import _aliases, is_partitioned
 
+try:
+    from transformers.initialization import no_init_weights
+except ImportError:  # older transformers: the random init runs (on each submodule, before it is partitioned)
+    no_init_weights = None
+
 
 @contextmanager
 def _no_init() -> Iterator[None]:
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # older transformers: the random init runs (on each submodule, before it is partitioned)
+    if no_init_weights is None:
         yield
         return
     with no_init_weights():
@@ -41,7 +44,7 @@ def build_empty(auto_cls: Any, hf_config: Any, dtype: torch.dtype, ds_config: di
     """``auto_cls.from_config`` ZeRO-3-partitioned submodule by submodule as it is built (``deepspeed.zero.Init``,
     in the dtype ``ds_config`` trains in), without the random init (every weight is loaded next; HF's init
     would also index partitions that are empty). The process group must exist (``setup_distributed``)."""
-    import deepspeed
+    import deepspeed  # noqa: PLC0415 - DeepSpeed picks its accelerator at import: after setup_distributed set DS_ACCELERATOR
 
     class InitUnsynced(deepspeed.zero.Init):  # type: ignore[misc]
         """zero.Init without its broadcast of each new parameter from rank 0: every value is loaded from

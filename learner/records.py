@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import provenance
+
 _lock = threading.Lock()  # rank 0's background evaluation appends beside the training loop
 
 
@@ -29,8 +31,6 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
 def header_record(cfg: Any) -> dict[str, Any]:
     """``{"kind": "header", "time", "run", "resumed", **common.provenance.for_config(cfg)}``: commit, base
     checksum, CPU model and SIMD flags, torch/DeepSpeed versions, thread settings, load."""
-    from common import provenance
-
     path = cfg.run_dir / "metrics.jsonl"
     resumed = path.exists() and path.stat().st_size > 0
     return {"kind": "header", "time": time.time(), "run": cfg.run.name, "resumed": resumed,

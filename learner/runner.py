@@ -18,34 +18,40 @@ publishes and evaluates.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import zmq
 
+from common import lifeline
 from common.cli import config_from_argv, setup_logging
-from common.config import Config, ConfigError
+from common.config import Config, ConfigError, save_config
 from common.metrics import Metrics
+from common.placement import LEARNER_DONE_FILE
 from common.push_addresses import push_store_problem
+from common.tasks import get_task
 from common.weight_bucket import check_listen
-from learner.data import DataSource
+from learner import checkpoint
+from learner.data import BufferSource, DataSource
 from learner.dist import all_reduce_sum, broadcast_ints, rank, rank0_wait, shutdown_distributed, world_size
+from learner.eval_worker import BackgroundEval
+from learner.evaluate import eval_target, evaluate
+from learner.models import full_state_dict, load_policy_module
+from learner.publisher import WeightPublisher
+from learner.push_coordinator import PushCoordinator, pushed_version
 from learner.records import append_jsonl, write_header, write_json_atomic
 from learner.step_stats import Phases
 from learner.train import Learner
-
-if TYPE_CHECKING:
-    from learner.publisher import WeightPublisher
-    from learner.push_coordinator import PushCoordinator
+from learner.value_pretrain import pretrain_critic
+from learner.weights import latest_update, prune, publish_policy
 
 log = logging.getLogger("learner")
 
 
 def resolve_checkpoint(cfg: Config) -> Path | None:
-    from learner import checkpoint
-
     if cfg.learner.resume == "never":
         return None
     if cfg.learner.resume == "auto":
@@ -60,8 +66,6 @@ def choose_resume(cfg: Config) -> Path | None:
     """Every rank: the checkpoint to resume from (None: start fresh), chosen and verified by rank 0 while
     the others wait on it (``learner.checkpoint.choose`` for ``auto``: the newest intact one, a damaged newer
     one set aside or refused per ``learner.resume_damaged``; ``check_explicit`` for a path)."""
-    from learner import checkpoint
-
     resume = cfg.learner.resume
     if resume == "never":
         return None
@@ -89,9 +93,6 @@ def source_totals(source: DataSource | None) -> dict[str, int]:
 
 def start_publisher(cfg: Config, metrics: Metrics) -> WeightPublisher:
     """Rank 0's WeightPublisher, announcing the newest complete version on disk."""
-    from learner.publisher import WeightPublisher
-    from learner.weights import latest_update, prune
-
     learner_cfg, weights_root = cfg.learner, cfg.run_dir / "weights"
     weights_root.mkdir(parents=True, exist_ok=True)
     prune(weights_root, learner_cfg.keep_weights)  # drops *.tmp left by a crash
@@ -146,8 +147,6 @@ class Endpoints:
             raise
 
     def _push_coordinator(self, cfg: Config, metrics: Metrics) -> PushCoordinator:
-        from learner.push_coordinator import PushCoordinator
-
         if rank() == 0:
             check_push_store(cfg)
         try:
@@ -175,8 +174,6 @@ class Runner:
 
     def __init__(self, cfg: Config, source: DataSource | None, critic_path: str | Path | None = None,
                  metrics: Metrics | None = None, endpoints: Endpoints | None = None) -> None:
-        from learner import checkpoint
-
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         self.weights_root = self.run_dir / "weights"
@@ -207,7 +204,6 @@ class Runner:
         """The newest published version (-1: none), read by rank 0: every rank decides alike from it."""
         newest = self.publisher.latest.version if self.publisher is not None and self.publisher.latest else -1
         if rank() == 0:  # a version pushed to the engines whose disk copy a crash cut short counts as published
-            from learner.push_coordinator import pushed_version
 
             newest = max(newest, pushed_version(self.weights_root))
         return int(all_reduce_sum(torch.tensor([newest if rank() == 0 else 0]))[0])
@@ -218,8 +214,6 @@ class Runner:
         The actors serve them, so continuing under their number with the checkpoint's weights would make
         groups from orphaned weights look fresh. The checkpoint's weights are republished under a new
         number instead: a version is never reused and never names two different sets of weights."""
-        from learner import checkpoint
-
         log.warning("weights v%d exist beyond checkpoint v%d; republishing the checkpoint's weights as v%d",
                     published, self.learner.version, published + 1)
         self.learner.version = published + 1
@@ -230,8 +224,6 @@ class Runner:
             checkpoint.save(self.ckpt_root, self.learner, self.cfg.learner.keep_checkpoints)
 
     def publish(self) -> None:
-        from learner.weights import publish_policy
-
         if self.push is not None:  # broadcast now; the durable version is announced once written
             self.push.publish(self.learner.policy, self.learner.version)
             self.learner.metrics.weight_version.set(self.learner.version)
@@ -251,9 +243,6 @@ class Runner:
         A one-process learner evaluates in-process, now, and returns the report. Otherwise the published
         version goes to the background evaluator (``learner.eval_worker``: all engines, off the training
         path) and {} is returned; its ``eval`` record is appended to metrics.jsonl when it completes."""
-        from common.tasks import get_task
-        from learner.evaluate import eval_target, evaluate
-
         if rank() != 0:
             return {}
         if self.task is None:
@@ -261,15 +250,12 @@ class Runner:
         mode, _ = eval_target(self.cfg, world_size())
         if mode == "engine":
             if self.evals is None:
-                from learner.eval_worker import BackgroundEval
-
                 self.evals = BackgroundEval(self.cfg, self.learner.tokenizer, self.task, self._record_eval)
             self.evals.submit(self.publisher.latest.version if self.publisher is not None and self.publisher.latest else 0)
             return {}
         model = self.learner.policy.module
         if self.learner.policy.zero_optimization_stage() == 3:
             # One rank holds every partition; a gathered copy runs plain forwards.
-            from learner.models import full_state_dict, load_policy_module
 
             state = full_state_dict(self.learner.policy)
             model = load_policy_module(self.cfg.model.path, self.cfg.model.dtype)
@@ -323,8 +309,6 @@ class Runner:
 
     def _train_step(self) -> None:
         """One learner step, then its checkpoint, weight push and evaluation when due, timed as phases."""
-        from learner import checkpoint
-
         learner_cfg, learner = self.cfg.learner, self.learner
         stats = learner.step()
         phases = Phases()
@@ -356,16 +340,12 @@ class Runner:
 
     def _finish(self) -> None:
         """The final checkpoint, the last evaluations, and the done file the launcher trusts (not exit 0)."""
-        from learner import checkpoint
-
         learner_cfg, version = self.cfg.learner, self.learner.version
         if learner_cfg.checkpoint_every > 0 and version % learner_cfg.checkpoint_every != 0:
             checkpoint.save(self.ckpt_root, self.learner, learner_cfg.keep_checkpoints)
         if self.evals is not None:  # the run's last evaluations land in metrics.jsonl before it ends
             self.evals.finish()
         if rank() == 0:
-            from common.placement import LEARNER_DONE_FILE
-
             reason = "total_steps" if version >= learner_cfg.total_steps else "run.max_wall_seconds"
             write_json_atomic(self.run_dir / LEARNER_DONE_FILE, {"version": version, "total_steps": learner_cfg.total_steps,
                                                                  "reason": reason, "time": time.time()})
@@ -381,24 +361,18 @@ Fields: python -m common.config --help (sections learner, algo, value_pretrain, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
-
-    from common.config import save_config
-
     cfg = config_from_argv("learner", USAGE, argv)
     if isinstance(cfg, int):
         return cfg
     setup_logging(cfg.run.log_level, f"learner[{rank()}]")
     # Ranks started by deepspeed/torchrun are not our launcher's children, so its parent-death signal
     # does not reach them: they watch the launcher named in VAPO_LIFELINE themselves.
-    from common import lifeline
 
     lifeline.watch_ancestor()
     torch.set_num_threads(cfg.learner.threads)
     if not Path(cfg.model.path).is_dir():
         print(f"model.path {cfg.model.path} does not exist; build it first (python -m learner.sft)", file=sys.stderr)
         return 2
-    from learner.data import BufferSource
 
     source = BufferSource(cfg.buffer.serve_addr, cfg.buffer.max_staleness, curve=cfg.buffer.curve) if rank() == 0 else None
     # One registry for the whole process, served from the start: value pretraining's metrics go to the
@@ -416,8 +390,6 @@ def main(argv: list[str] | None = None) -> int:
         endpoints = Endpoints(cfg, metrics)
         critic_path = None
         if (cfg.value_pretrain.enabled and cfg.algo.advantage == "gae" and resolve_checkpoint(cfg) is None):
-            from learner.value_pretrain import pretrain_critic
-
             critic_path = pretrain_critic(cfg, source, metrics=metrics)
         Runner(cfg, source, critic_path=critic_path, metrics=metrics, endpoints=endpoints).run()
     finally:

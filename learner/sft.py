@@ -44,9 +44,11 @@ from typing import Any
 
 import torch
 
+from common import provenance
 from common.config import Config, ConfigError, load_config, to_dict
 from common.modeling import build_char_tokenizer, build_tiny_qwen2, save_hf
 from common.tasks import Prompt, Task, encode_prompt, get_task, stable_hash
+from learner.evaluate import evaluate
 
 MANIFEST = "manifest.json"  # beside the weights: checksum, command, config, machine, held-out figures
 
@@ -195,8 +197,6 @@ def train(cfg: Config, log: Any = print, stop_after: int | None = None) -> tuple
 def manifest_for(path: str | Path, stats: dict[str, Any], command: str) -> dict[str, Any]:
     """The ``manifest.json`` of a built base: name, checksum, the command and config that built it, the
     machine (``common.provenance``) and the held-out figures of the closing evaluation."""
-    from common import provenance
-
     out = Path(path)
     ev = stats.get("eval") or {}
     machine = provenance.collect(None, {"bootstrap": stats["threads"]})
@@ -229,8 +229,6 @@ def write_manifest(path: str | Path, manifest: dict[str, Any]) -> Path:
 def run(cfg: Config, log: Any = print, command: str = "", stop_after: int | None = None) -> dict[str, Any]:
     """Train, evaluate on the held-out split, save to ``cfg.model.path`` with its ``manifest.json``;
     returns the saved stats."""
-    from learner.evaluate import evaluate
-
     t_all = time.perf_counter()
     model, tokenizer, stats = train(cfg, log, stop_after)
     b = cfg.model.bootstrap

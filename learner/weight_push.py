@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import Tensor
 
 from common import protocol
@@ -87,8 +88,6 @@ def bucket_plan(model: Any, bucket_bytes: int) -> list[BucketMeta]:
 
 def checkpoint_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor in the safetensors files of an HF directory, from their headers only."""
-    from safetensors import safe_open
-
     out: dict[str, tuple[int, ...]] = {}
     for f in sorted(Path(model_path).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:

@@ -27,18 +27,31 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from common import protocol
 from common.checksum import weights_sha256
 from learner.dist import rank
+
+try:
+    from transformers.modeling_utils import _get_tied_weight_keys
+except ImportError:  # other transformers layouts: keep the first name of each tied group
+    _get_tied_weight_keys = None
+try:
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+except ImportError:  # transformers before its weight conversions: nothing to convert
+    get_model_conversion_mapping = None
 
 log = logging.getLogger(__name__)
 STABLE = "STABLE"
@@ -96,9 +109,7 @@ def _nbytes(t: Tensor) -> int:
 
 
 def _tied_patterns(module: nn.Module) -> list[str]:
-    try:
-        from transformers.modeling_utils import _get_tied_weight_keys
-    except ImportError:  # other transformers layouts: keep the first name of each tied group
+    if _get_tied_weight_keys is None:
         return []
     try:
         return list(_get_tied_weight_keys(module))
@@ -111,8 +122,6 @@ def _aliases(module: nn.Module, entries: list[tuple[str, Tensor]]) -> dict[str, 
 
     safetensors cannot store one tensor twice; like ``save_pretrained``, the names the model declares as
     tied (``lm_head.weight``) are dropped and the one it expects on reload is kept."""
-    import re
-
     by_id: dict[int, list[str]] = {}
     for name, t in entries:
         by_id.setdefault(id(t), []).append(name)
@@ -172,10 +181,8 @@ def _groups(entries: list[tuple[str, Tensor]], bound: int) -> Iterator[list[tupl
 def _gathered(params: list[Tensor], modifier_rank: int | None) -> Any:
     """DeepSpeed's gather of ZeRO-3 ``params`` (a no-op context when there are none)."""
     if not params:
-        from contextlib import nullcontext
-
         return nullcontext()
-    import deepspeed
+    import deepspeed  # noqa: PLC0415 - DeepSpeed picks its accelerator at import: after setup_distributed set DS_ACCELERATOR
 
     return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
 
@@ -248,8 +255,6 @@ class ShardWriter:
         self.total_bytes += n
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         part = self.out / f".part-{len(self.parts) + 1:05d}"
         save_file(self.cur, str(part), metadata={"format": "pt"})
         self.parts.append((part, list(self.cur)))
@@ -285,10 +290,7 @@ def _needs_conversion(module: nn.Module) -> bool:
         return False
     conversions = getattr(module, "_weight_conversions", None)
     if conversions is None:
-        try:
-            from transformers.conversion_mapping import get_model_conversion_mapping
-            from transformers.core_model_loading import PrefixChange
-        except ImportError:
+        if get_model_conversion_mapping is None:
             return False
         conversions = [c for c in get_model_conversion_mapping(module, add_legacy=False)
                        if not isinstance(c, PrefixChange)]
