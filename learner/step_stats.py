@@ -84,6 +84,12 @@ def export_step(metrics: Metrics, s: dict[str, Any], staleness: Tensor) -> None:
     if s.get("mismatch_tokens", 0) > 0:  # a step without rows of its own version keeps the last measurement
         metrics.mismatch_kl.set(s["mismatch_kl"])
         metrics.mismatch_ratio_max.set(s["mismatch_ratio_max"])
+        if "mismatch_ratio_min" in s:  # measured in the proximal pass (learner.mismatch)
+            metrics.mismatch_ratio_min.set(s["mismatch_ratio_min"])
+            for key in (k for k in s if k.startswith("mismatch_kl_len_")):
+                metrics.mismatch_kl_by_length.labels(length_bin=key.removeprefix("mismatch_kl_len_")).set(s[key])
+    if "oracle_explained_variance" in s:
+        metrics.oracle_explained_variance.set(s["oracle_explained_variance"])
     metrics.grad_norm.labels(model="actor").set(s.get("actor_grad_norm", float("nan")))
     metrics.lr.labels(model="actor").set(s["actor_lr"])
     if "critic_lr" in s:

@@ -19,9 +19,10 @@ Step (VAPO arXiv 2504.05118 §3):
                      ``pre_update``, verl's order, where the advantages read the values pass)
     advantages       decoupled GAE with per-sample length-adaptive λ_actor = 1 − 1/(α·l); or GRPO
     proximal         (learner.off_policy=decoupled | rollout_correction) logprobs of the current policy and
-                     the behaviour importance weight (AReaL's masked, or verl's truncated)
+                     the behaviour importance weight (AReaL's masked, or verl's truncated); the engine/learner
+                     mismatch on every row of the weights being updated (learner.mismatch)
     actor_update     clip-higher (+ dual clip) token-level PPO + μ·NLL on the batch's verified, untruncated
-                     positives; its first mini-batch measures the engine/learner mismatch
+                     positives; without a proximal pass its first mini-batch measures the engine/learner mismatch
     version += 1     (the runner then checkpoints, publishes weights and evaluates, every N versions)
 
 Deviations from the paper: mini-batches are cut from one seeded permutation per step and reused by every
@@ -60,6 +61,7 @@ from learner.batch import (
 from learner.data import DataSource, fetch
 from learner.dist import global_explained_variance, global_whiten, setup_distributed
 from learner.losses import behaviour_weight
+from learner.mismatch import proximal_mismatch
 from learner.models import build_critic, build_policy
 from learner.oracle import ChainOracle
 from learner.step_stats import Phases, export_step, step_summary
@@ -151,10 +153,12 @@ class Learner:
         if self.cfg.learner.off_policy != "behaviour":
             with t("proximal"):
                 old_logprobs, importance_weight = self.proximal(d)
+                stats.update(proximal_mismatch(old_logprobs, d.batch, d.mine, self.version))
         with t("actor_update"):
             stats.update(actor_update(self.policy, d.batch, minibatches=d.minibatches, advantages=advantages,
                                       old_logprobs=old_logprobs, importance_weight=importance_weight,
-                                      limits=d.limits, params=self.actor_params, version=self.version))
+                                      limits=d.limits, params=self.actor_params,
+                                      version=self.version if importance_weight is None else None))
         self.version += 1
         stats.update(step_summary(d.batch, staleness=d.staleness, version=self.version,
                                   positive_reward=self.cfg.buffer.positive_reward, policy=self.policy,
