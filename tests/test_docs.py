@@ -167,6 +167,21 @@ def test_every_flag_the_docs_give_a_command_is_one_it_takes() -> None:
     assert bad == [], "flags the docs give commands that their code does not take:\n  " + "\n  ".join(sorted(set(bad)))
 
 
+def _product_code() -> str:
+    return "\n".join(p.read_text() for d in TOP_DIRS[:-2] for p in (REPO / d).rglob("*")
+                     if p.suffix in (".py", ".sh", ".sbatch") and "__pycache__" not in p.parts)
+
+
+def test_every_flag_the_docs_name_alone_is_spelled_in_the_code() -> None:
+    """A flag named on its own (`--imitate-sglang`, `--dry-run`) is one some code of the repository parses or
+    passes on (vapo's own, or SGLang's and DeepSpeed's that the plan writes)."""
+    code = _product_code()
+    bad = [f"{page.name}: {flag}" for page in CHECKED
+           for flag in sorted(set(re.findall(r"`(--[a-z][a-z0-9-]*)`", page.read_text())))
+           if flag != "--help" and flag not in code]
+    assert bad == [], "flags named in the docs that no code spells:\n  " + "\n  ".join(bad)
+
+
 def test_every_test_the_map_names_exists() -> None:
     named = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", MAP.read_text())
     assert len(named) >= 20, named
@@ -261,8 +276,7 @@ def test_the_step_phases_documented_are_the_ones_train_times() -> None:
 
 
 def test_every_vapo_environment_variable_the_docs_name_is_read_or_set_by_the_code() -> None:
-    code = "\n".join(p.read_text() for d in TOP_DIRS[:-2] for p in (REPO / d).rglob("*")
-                     if p.suffix in (".py", ".sh", ".sbatch") and "__pycache__" not in p.parts)
+    code = _product_code()
     bad = [f"{page.name}: {v}" for page in CHECKED for v in sorted(set(re.findall(r"\bVAPO_[A-Z_]+[A-Z]", page.read_text())))
            if v not in code]
     assert bad == [], "environment variables named in the docs that no code reads or sets:\n  " + "\n  ".join(bad)
