@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import sys
 
+from buffer.server import serve_forever
 from common.cli import config_from_argv, setup_logging
+from common.security import SecurityError
 
 USAGE = """usage: python -m buffer [config.yaml] [key=value ...]
 
@@ -31,8 +33,6 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(cfg, int):
         return cfg  # --help (0) or a config error, already explained (2)
     setup_logging(cfg.run.log_level)
-    from buffer.server import serve_forever
-    from common.security import SecurityError
 
     try:
         return serve_forever(cfg)

@@ -41,6 +41,7 @@ from common.config_sections import (
     TaskConfig,
     ValuePretrainConfig,
 )
+from common.security import is_loopback_host  # one definition of "loopback" for every bind rule
 
 # The sections are re-exported: every importer takes them from here, with the loader.
 __all__ = [
@@ -111,8 +112,6 @@ def _validate(cfg: Config) -> None:
 
 
 def _actor_engine_checks(cfg: Config) -> list[Check]:
-    from common.security import is_loopback_host  # one definition of "loopback" for every bind rule
-
     return [
         ("actors.group_size", cfg.actors.group_size >= 1, "must be >= 1"),
         ("actors.num_actors", cfg.actors.num_actors >= 1, "must be >= 1"),

@@ -9,6 +9,7 @@ checkpoint (``AutoTokenizer`` / ``AutoModelForCausalLM``).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -20,6 +21,11 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+try:
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
+except ImportError:  # older transformers: the same expression Qwen2's tokenizer.json carries
+    QWEN2_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 # Every character the embedded tasks print: digits, operators, separators, a few letters for words.
@@ -45,15 +51,6 @@ def _byte_level_alphabet() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
-
-
-def _qwen2_pretokenize_regex() -> str:
-    try:
-        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-        return PRETOKENIZE_REGEX
-    except ImportError:  # older transformers: the same expression Qwen2's tokenizer.json carries
-        return r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 
 def build_char_tokenizer(charset: list[str] | None = None) -> PreTrainedTokenizerFast:
@@ -82,7 +79,7 @@ def build_char_tokenizer(charset: list[str] | None = None) -> PreTrainedTokenize
     )
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_qwen2_pretokenize_regex()), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
@@ -137,16 +134,12 @@ def save_hf(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, path: st
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
-        import shutil
-
         shutil.rmtree(tmp)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     if extra:
         (tmp / "vapo_info.json").write_text(json.dumps(extra, indent=2))
     if out.exists():
-        import shutil
-
         shutil.rmtree(out)
     tmp.rename(out)
     return out

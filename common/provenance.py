@@ -9,6 +9,7 @@ AVX-512 reductions round differently), so two runs of the same code and seed agr
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -16,6 +17,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from common.checksum import weights_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,7 +44,7 @@ def cpu() -> dict[str, Any]:
     out: dict[str, Any] = {"model": model or platform.processor() or platform.machine(), "machine": platform.machine(), "logical_cpus": os.cpu_count(),
                            "simd_flags": flags}
     try:
-        import torch
+        import torch  # noqa: PLC0415 - ops/launch.py, a CLI without torch, reads the machine through this module
 
         out["torch_capability"] = torch.backends.cpu.get_cpu_capability()
     except (ImportError, AttributeError):
@@ -80,8 +83,6 @@ def commit(root: Path = ROOT) -> dict[str, Any]:
 
 def base_checksum(model_path: str | Path) -> str | None:
     """``common.checksum.weights_sha256`` of the base model directory (None: not a local safetensors dir)."""
-    from common.checksum import weights_sha256
-
     try:
         return weights_sha256(model_path)
     except FileNotFoundError:
@@ -91,8 +92,6 @@ def base_checksum(model_path: str | Path) -> str | None:
 def verify_base(model_path: str | Path) -> str | None:
     """A base that carries a ``manifest.json`` (the shipped ones, or one ``learner.sft`` built) must still hold
     the weights the manifest names: the reason it does not, else None (also when there is no manifest)."""
-    import json
-
     m = Path(model_path) / "manifest.json"
     if not m.is_file():
         return None
@@ -166,8 +165,6 @@ def describe(p: dict[str, Any] | None) -> str:
 
 def of_run(run_dir: str | Path) -> dict[str, Any] | None:
     """What produced a run: its metrics.jsonl's first ``header`` record (None: a run from before headers)."""
-    import json
-
     f = Path(run_dir) / "metrics.jsonl"
     if not f.is_file():
         return None

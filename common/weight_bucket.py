@@ -52,6 +52,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.distributed_c10d import (
+    Backend,
+    PrefixStore,
+    _abort_process_group,
+    _get_default_group,
+    _new_process_group_helper,
+    _world,
+)
 
 from common.push_addresses import WILDCARDS
 
@@ -219,7 +227,6 @@ class Group:
             pg, self.pg, self.store = self.pg, None, None
         if pg is None:
             return
-        from torch.distributed.distributed_c10d import _abort_process_group, _world
 
         try:
             if pg in _world.pg_map:
@@ -248,8 +255,6 @@ class Group:
 def _forget(pg: Any) -> None:
     """Drop ``pg`` from torch's registry of groups (what destroy/abort do on success): the registry holds
     the group's store, whose listening port the next group takes again."""
-    from torch.distributed.distributed_c10d import _world
-
     for table in (_world.pg_map, _world.pg_names, _world.pg_group_ranks, _world.pg_backend_config,
                   _world.pg_to_tag, _world.pg_coalesce_state):
         table.pop(pg, None)
@@ -283,8 +288,6 @@ def _env(values: Mapping[str, str]) -> Iterator[None]:
 def _own_communicator(backend: str) -> Iterator[None]:
     """While torch creates the weight group: the default group unbound (no ``ncclCommSplit`` of the
     learner's communicator) and, on NCCL, no watchdog thread for the new group (module docstring)."""
-    from torch.distributed.distributed_c10d import _get_default_group
-
     default = _get_default_group() if torch.distributed.is_initialized() else None
     if backend != "nccl" and (default is None or default.bound_device_id is None):
         yield  # nothing to change (an engine's gloo group): no lock held through gloo's rendezvous
@@ -359,8 +362,6 @@ def new_group(backend: str, master_address: str, master_port: int, rank: int, wo
     watchdog (module docstring). Rank 0 passes the store from ``master_store`` (one is made if not); the
     others connect to ``master_address:master_port``. A name is registered once per process: a rebuilt
     group takes a new name, and ``Group.close`` unregisters the old one."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
-
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend {backend!r}: gloo | nccl")
     td = datetime.timedelta(seconds=timeout_s)

@@ -23,6 +23,7 @@ import stat
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 
 class WeightLoadError(RuntimeError):
@@ -54,8 +55,6 @@ def _read_regular_text(p: Path) -> str:
 
 def read_state_dict(model_path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of an HF safetensors checkpoint directory (single file or shards)."""
-    from safetensors.torch import load_file
-
     path = Path(model_path)
     if not path.is_dir():
         raise WeightLoadError(f"model_path {str(path)!r} is not a directory")

@@ -9,7 +9,9 @@ with math-verify). See ``common.tasks.base`` for the interface and the prompt en
 from __future__ import annotations
 
 from common.config import TaskConfig
+from common.tasks.addition import AdditionTask
 from common.tasks.base import Prompt, Task, Verdict, decode_response, encode_prompt, stable_hash
+from common.tasks.chain import ChainTask
 
 __all__ = ["Prompt", "Task", "Verdict", "decode_response", "encode_prompt", "get_task", "stable_hash"]
 
@@ -18,19 +20,15 @@ def get_task(cfg: TaskConfig) -> Task:
     """Build the task named by ``cfg.name`` (raises ValueError with the choices on a bad name)."""
     name = cfg.name
     if name == "addition":
-        from common.tasks.addition import AdditionTask
-
         return AdditionTask(cfg)
     if name == "chain":
-        from common.tasks.chain import ChainTask
-
         return ChainTask(cfg)
     if name.startswith("reasoning_gym:"):
-        from common.tasks.reasoning_gym_task import ReasoningGymTask
+        from common.tasks.reasoning_gym_task import ReasoningGymTask  # noqa: PLC0415 - reasoning_gym takes seconds to import; only its tasks pay them
 
         return ReasoningGymTask(name.split(":", 1)[1], cfg)
     if name.startswith("jsonl:"):
-        from common.tasks.jsonl_task import JsonlTask
+        from common.tasks.jsonl_task import JsonlTask  # noqa: PLC0415 - math_verify loads sympy; only jsonl tasks pay for it
 
         return JsonlTask(name.split(":", 1)[1], cfg)
     raise ValueError(f"unknown task {name!r}; use addition | chain | reasoning_gym:<generator> | jsonl:<path>")

@@ -17,6 +17,8 @@ import re
 import threading
 from pathlib import Path
 
+from math_verify import parse, verify
+
 from common.config import TaskConfig
 from common.tasks.base import Prompt, Task, Verdict, in_eval_bucket
 
@@ -49,8 +51,6 @@ def extract_final(text: str) -> str | None:
 
 
 def math_equal(gold: str, pred: str) -> bool:
-    from math_verify import parse, verify
-
     # math-verify's timeouts use signal.alarm, which only works in the main thread.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
 

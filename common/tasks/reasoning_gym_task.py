@@ -17,6 +17,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+import reasoning_gym
+from reasoning_gym.utils import extract_answer
+
 from common.config import TaskConfig
 from common.tasks.base import Prompt, Task, Verdict, in_eval_bucket, stable_hash
 
@@ -27,8 +30,6 @@ _MAX_DRAWS = 1000
 
 class ReasoningGymTask(Task):
     def __init__(self, generator: str, cfg: TaskConfig) -> None:
-        import reasoning_gym
-
         if generator not in reasoning_gym.factory.DATASETS:
             known = ", ".join(sorted(reasoning_gym.factory.DATASETS))
             raise ValueError(f"reasoning_gym: unknown generator {generator!r}; known: {known}")
@@ -45,8 +46,6 @@ class ReasoningGymTask(Task):
         self._eval: list[tuple[Prompt, dict[str, Any]]] | None = None
 
     def _dataset(self, stream: str, chunk_no: int) -> Any:
-        import reasoning_gym
-
         key = (stream, chunk_no)
         ds = self._datasets.get(key)
         if ds is None:
@@ -111,8 +110,6 @@ class ReasoningGymTask(Task):
         return [p for p, _ in self._eval_items()]
 
     def verify(self, prompt: Prompt, response: str) -> Verdict:
-        from reasoning_gym.utils import extract_answer
-
         if prompt.split == "eval":
             ds, entry = self._dataset("eval", 0), self._eval_items()[prompt.index][1]
         else:
