@@ -69,7 +69,7 @@ def idle(generation_s: float, learner_s: float) -> tuple[str, float]:
 
 def estimate(cfg: Config, engine_gpus: int, learner_gpus: int, counts: dict[str, int],
              hf_config: dict[str, Any]) -> dict[str, Any]:
-    """The balance of this placement (``counts`` from ``placement.count_parameters``)."""
+    """The balance of this placement (``counts`` from ``gpu_memory.count_parameters``)."""
     pl = cfg.placement
     c = hf_config.get("text_config", hf_config)
     layers, heads = int(c["num_hidden_layers"]), int(c.get("num_attention_heads", 1))

@@ -21,7 +21,7 @@ Weight push (``learner.weight_transport=distributed``): the addresses learner ra
 checked against host 0's (``common.push_addresses``), so a placeholder is refused now, not after value
 pretraining.
 
-Memory check: from the model's ``config.json`` the plan estimates each learner rank's model states
+Memory check (``common.gpu_memory``): from the model's ``config.json`` the plan estimates each learner rank's model states
 (weights, gradients, Adam; divided by ZeRO stage) for policy and critic, and each engine GPU's weights, and
 refuses a placement that cannot hold them (``placement.gpu_memory_gib``,
 ``placement.learner_memory_fraction``, ``engine.sglang_mem_fraction_static``).
@@ -41,6 +41,7 @@ from typing import Any
 
 from common import balance, remote
 from common.config import Config, ConfigError
+from common.gpu_memory import check_memory, count_parameters, read_model_config
 from common.gpu_spec import engine_tp, parse_gpus
 from common.push_addresses import check_push_addresses
 from common.security import is_local_endpoint
@@ -50,8 +51,6 @@ STORE_FILE_ENV = "VAPO_STORE_FILE"  # learner.dist reads it: one-host ranks rend
 # Written by learner rank 0 into the run dir when its steps are done. The launcher trusts it, not the exit code:
 # DeepSpeed's multi-node runner exits 0 when its pdsh dies of a signal, so a run killed part-way looked finished.
 LEARNER_DONE_FILE = "learner_done.json"
-
-GIB = float(1 << 30)
 
 
 @dataclass(frozen=True)
@@ -114,46 +113,6 @@ class Plan:
             lines += [f"  {line}"] + ([f"  {warning}"] if warning else [])
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------------- memory
-
-
-def count_parameters(hf_config: dict[str, Any]) -> dict[str, int]:
-    """Parameters of a Llama/Qwen2-style decoder from its HF ``config.json`` (policy, and critic = backbone
-    without an untied LM head + value head). Exact for Qwen2 (q/k/v biases), within 0.1% for Llama."""
-    c = hf_config.get("text_config", hf_config)
-    V, H, L = int(c["vocab_size"]), int(c["hidden_size"]), int(c["num_hidden_layers"])
-    inter = int(c.get("intermediate_size", 4 * H))
-    heads = int(c.get("num_attention_heads", 1))
-    kv = int(c.get("num_key_value_heads", heads))
-    hd = int(c.get("head_dim") or H // heads)
-    q, kvd = heads * hd, kv * hd
-    attn = H * q + q + 2 * (H * kvd + kvd) + q * H
-    layer = attn + 3 * H * inter + 2 * H
-    backbone = V * H + L * layer + H
-    tied = bool(c.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False)))
-    policy = backbone + (0 if tied else V * H)
-    return {"policy": policy, "critic": backbone + H + 1, "vocab": V, "hidden": H, "tied": int(tied)}
-
-
-def model_state_bytes(params: int, zero_stage: int, world: int, precision: str) -> float:
-    """Per-rank bytes of weights + gradients + AdamW states (16 bytes a parameter in all; mixed precision
-    keeps 2-byte weights/grads and a 12-byte fp32 master + moments, fp32 4 + 4 + 8), by ZeRO stage:
-    0 replicates all, 1 partitions optimizer states, 2 also gradients, 3 also weights."""
-    w = 4 if precision == "fp32" else 2
-    g, opt = w, 16 - 2 * w
-    n = max(world, 1)
-    per_param = {0: w + g + opt, 1: w + g + opt / n, 2: w + (g + opt) / n, 3: (w + g + opt) / n}[zero_stage]
-    return params * per_param
-
-
-def read_model_config(path: str | Path) -> dict[str, Any] | None:
-    p = Path(path) / "config.json"
-    try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 # --------------------------------------------------------------------------------------------- plan
@@ -236,7 +195,7 @@ def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, roo
         b.notes.append("run.device=cpu: placement.*_gpus name slots (no device is assigned); GPU memory not checked")
     else:
         hf = hf_config if hf_config is not None else read_model_config(cfg.model.path)
-        plan.memory = check_memory(cfg, plan, eg, lg, hf)
+        plan.memory = check_memory(cfg, plan.notes, eg, lg, hf)
         if hf is not None and plan.memory:  # the shape was readable
             engine_gpus = len(eg) if cfg.engine.kind != "external" else 0
             plan.balance = balance.estimate(cfg, engine_gpus, len(lg), count_parameters(hf), hf)
@@ -406,56 +365,3 @@ def _cpu_plan(cfg: Config, cfgf: str, py: str, base_env: dict[str, str]) -> Plan
         procs.append(Proc(f"actor-{i}", "actor", host, [py, "-m", "actors", cfgf, "--actor-id", str(i)], dict(env), (),
                           cfg.engine.max_restarts))
     return Plan("cpu", procs, [Rank(0, host, -1, -1)])
-
-
-def check_memory(cfg: Config, plan: Plan, engine_gpus: list[int], learner_gpus: list[int],
-                 hf_config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Estimated GiB per GPU; ConfigError when the learner's model states or an engine's weights cannot fit."""
-    hf = hf_config if hf_config is not None else read_model_config(cfg.model.path)
-    if hf is None:
-        plan.notes.append(f"memory not checked: no config.json under model.path={cfg.model.path} on this host")
-        return {}
-    try:
-        n = count_parameters(hf)
-        n["embedding"] = n["vocab"] * n["hidden"]
-        critic_hf = read_model_config(cfg.model.critic_path) if cfg.model.critic_path else None
-        if critic_hf is not None:  # a critic of its own shape (model.critic_path)
-            c = count_parameters(critic_hf)
-            n["critic"], n["embedding"] = c["critic"], max(n["embedding"], c["vocab"] * c["hidden"])
-        elif cfg.model.critic_path:
-            plan.notes.append(f"critic sized as the policy: no config.json under model.critic_path={cfg.model.critic_path}")
-    except (KeyError, TypeError, ValueError) as e:
-        plan.notes.append(f"memory not checked: cannot read the model shape from config.json ({e})")
-        return {}
-    pl, lc = cfg.placement, cfg.learner
-    gpu = pl.gpu_memory_gib
-    world = len(learner_gpus)
-    policy = model_state_bytes(n["policy"], lc.zero_stage, world, lc.precision) / GIB
-    critic = model_state_bytes(n["critic"], lc.zero_stage, world, lc.precision) / GIB if cfg.algo.advantage == "gae" else 0.0
-    learner_states = policy + critic
-    wbytes = 4 if cfg.model.dtype == "float32" else 2
-    # ZeRO-3 builds the critic beside the policy's states, one submodule at a time (deepspeed.zero.Init):
-    # the largest, the embedding (or an untied LM head), is whole on the GPU for a moment.
-    build_peak = learner_states + (n["embedding"] * wbytes / GIB if lc.zero_stage == 3 else 0.0)
-    tp = engine_tp(cfg)
-    engine_weights = n["policy"] * wbytes / tp / GIB if engine_gpus else 0.0
-    engine_fraction = cfg.engine.sglang_mem_fraction_static if cfg.engine.kind == "sglang" else 0.0
-    shared = bool(set(engine_gpus) & set(learner_gpus))
-    learner_budget = gpu * (pl.learner_memory_fraction - (engine_fraction if shared else 0.0))
-    mem = {"policy_params_b": round(n["policy"] / 1e9, 3), "critic_params_b": round(n["critic"] / 1e9, 3),
-           "learner_states_gib_per_gpu": round(learner_states, 2), "learner_build_peak_gib_per_gpu": round(build_peak, 2),
-           "learner_budget_gib_per_gpu": round(learner_budget, 2),
-           "engine_weights_gib_per_gpu": round(engine_weights, 2), "gpu_gib": gpu}
-    if build_peak > learner_budget:
-        raise ConfigError(
-            f"placement.learner_gpus: policy + critic model states need ~{build_peak:.1f} GiB per learner GPU "
-            f"({n['policy'] / 1e9:.2f}B + {n['critic'] / 1e9:.2f}B parameters, ZeRO-{lc.zero_stage} over {world} rank(s)) but "
-            f"{learner_budget:.1f} GiB is allowed (placement.gpu_memory_gib={gpu:g} x placement.learner_memory_fraction="
-            f"{pl.learner_memory_fraction:g}{' minus the engine share' if shared else ''}): add learner GPUs or raise "
-            "learner.zero_stage")
-    if cfg.engine.kind == "sglang" and engine_weights > gpu * engine_fraction * 0.9:
-        raise ConfigError(
-            f"engine.sglang_tp_size: the policy's weights need ~{engine_weights:.1f} GiB per engine GPU but "
-            f"engine.sglang_mem_fraction_static={engine_fraction:g} of {gpu:g} GiB leaves too little for them and a KV "
-            "cache: raise the tensor-parallel size or the memory fraction")
-    return mem

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from common.config import ConfigError, load_config
-from common.placement import GIB, build_plan, count_parameters, model_state_bytes, parse_gpus
+from common.gpu_memory import GIB, check_memory, count_parameters, model_state_bytes
+from common.placement import build_plan, parse_gpus
 from tests.common.placement_fixtures import QWEN_05B, QWEN_7B, QWEN_32B
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -345,16 +346,13 @@ def test_a_critic_of_its_own_shape_is_counted_in_the_memory_check(tmp_path: Path
     """model.critic_path: the learner holds the critic's own parameters (a 32B critic beside a 7B policy), and
     its larger embedding is the ZeRO-3 build transient."""
     import json
-    from types import SimpleNamespace
-
-    from common.placement import check_memory
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN_32B))
 
     def check(*extra: str) -> dict:
         cfg = load_config(None, ["learner.zero_stage=3", "learner.precision=bf16", "model.dtype=bfloat16",
                                  "placement.gpu_memory_gib=1000", *extra])
-        return check_memory(cfg, SimpleNamespace(notes=[]), [], list(range(8)), QWEN_7B)
+        return check_memory(cfg, [], [], list(range(8)), QWEN_7B)
 
     same, big = check(), check(f"model.critic_path={tmp_path}")
     assert same["critic_params_b"] == round(count_parameters(QWEN_7B)["critic"] / 1e9, 3)

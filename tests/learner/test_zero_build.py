@@ -52,10 +52,8 @@ def test_load_checkpoint_fills_every_tensor_and_names_missing_ones(tiny_model_di
 def test_the_placement_check_counts_the_build_transient() -> None:
     # A ZeRO-3 learner builds the critic beside the policy's states; its embedding is whole on the GPU for a
     # moment. A budget that fits the steady states but not that transient is refused.
-    from types import SimpleNamespace
-
     from common.config import ConfigError, load_config
-    from common.placement import GIB, check_memory, count_parameters, model_state_bytes
+    from common.gpu_memory import GIB, check_memory, count_parameters, model_state_bytes
 
     hf = dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, intermediate_size=18944,
               num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
@@ -67,7 +65,7 @@ def test_the_placement_check_counts_the_build_transient() -> None:
     def check(gib: float) -> dict:
         cfg = load_config(None, ["learner.zero_stage=3", "learner.precision=bf16", "model.dtype=bfloat16",
                                  f"placement.gpu_memory_gib={gib}", "placement.learner_memory_fraction=1.0"])
-        return check_memory(cfg, SimpleNamespace(notes=[]), [], list(range(world)), hf)
+        return check_memory(cfg, [], [], list(range(world)), hf)
 
     mem = check(states + 2 * transient)
     assert mem["learner_build_peak_gib_per_gpu"] == pytest.approx(states + transient, abs=0.01)
