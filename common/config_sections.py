@@ -194,6 +194,7 @@ class LearnerConfig:
     value_head_init_bias: float = f(0.5, "initial value head bias (prior mean reward)")
     value_head_lr_scale: float = f(1.0, "the critic's surprise MLP (value_head_surprise) trains at this multiple of the critic lr")
     value_head_surprise: bool = f(False, "critic adds an MLP over the response's token logprobs under its own LM head (latest and running minimum): sees the first unlikely token")
+    critic_grown_lr_scale: float = f(1.0, "layers learner.grow inserted into the critic's backbone (grow.json in model.critic_path) train at this multiple of the critic lr: their output projections start at zero, and at a near-frozen backbone lr they barely move")
     publish_addr: str = f("tcp://127.0.0.1:5557", "PUB address for WeightUpdate")
     query_addr: str = f("tcp://127.0.0.1:5558", "REP address where late subscribers ask for the latest weights")
     weights_every: int = f(1, "publish weights every N steps")

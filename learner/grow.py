@@ -9,7 +9,10 @@ pre-norm block add zero and the block is the identity: the grown model's logits 
 checks it), and its surprise features (``learner.value_head_surprise``, read through its own LM head) are the
 source's on the first step. The copies' other weights are the source layer's rather than fresh random ones,
 so a block computes useful features as soon as its output projections move off zero (the block expansion of
-LLaMA Pro, arXiv 2401.02415). A truly larger pretrained critic (the common practice: a bigger model of the
+LLaMA Pro, arXiv 2401.02415). They move off zero at about the critic's lr per Adam step, which at a
+near-frozen backbone lr (1e-5) leaves them at a few percent of a trained block's scale for a whole study:
+``learner.critic_grown_lr_scale`` gives the inserted layers (``inserted_layers``, from ``grow.json``) their own
+rate (``lr_groups``). A truly larger pretrained critic (the common practice: a bigger model of the
 same family) needs no tool: point ``model.critic_path`` at it.
 
 Writes an HF directory (weights, config, the source's tokenizer) atomically, with ``grow.json`` recording
@@ -21,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -69,6 +74,33 @@ def grow_model(model: torch.nn.Module, n_layers: int) -> torch.nn.Module:
     if cfg.tie_word_embeddings:
         grown.tie_weights()
     return grown
+
+
+def inserted_layers(model_dir: str | Path) -> set[int]:
+    """Indices of the layers ``grow`` inserted into the model in ``model_dir`` (from its ``grow.json``; empty
+    for a model ``grow`` did not write)."""
+    info = Path(model_dir) / "grow.json"
+    if not info.is_file():
+        return set()
+    return {j for j, step in enumerate(json.loads(info.read_text())["plan"]) if step["identity"]}
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def lr_groups(named: list[tuple[str, torch.nn.Parameter]], lr: float, head_lr_scale: float, grown: set[int],
+              grown_lr_scale: float) -> list[dict[str, Any]]:
+    """A critic's optimizer groups: the surprise MLP at ``lr * head_lr_scale``, the layers in ``grown`` at
+    ``lr * grown_lr_scale``, the rest at ``lr`` (empty groups left out). Inserted blocks need their own rate:
+    their output projections start at zero and Adam moves a weight by about lr per step, so at the backbone's
+    near-frozen lr they stay a few percent of a trained block's scale for a whole study."""
+    groups: dict[float, list[torch.nn.Parameter]] = {}
+    for name, p in named:
+        layer = _LAYER.search(name)
+        scale = (head_lr_scale if name.startswith("surprise_head.")
+                 else grown_lr_scale if layer is not None and int(layer.group(1)) in grown else 1.0)
+        groups.setdefault(lr * scale, []).append(p)
+    return [{"params": ps, "lr": group_lr} for group_lr, ps in groups.items()]
 
 
 def n_parameters(model: torch.nn.Module) -> int:

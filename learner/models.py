@@ -50,6 +50,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from common.config import Config, ConfigError
 from common.modeling import load_tokenizer, torch_dtype
 from learner.dist import rank, setup_distributed, world_size
+from learner.grow import inserted_layers, lr_groups
 from learner.losses import chunked_token_logprobs
 from learner.partitioned import build_empty, load_checkpoint, to_device
 from learner.weights import export_hf, is_partitioned, iter_host_tensors, unwrap
@@ -329,10 +330,10 @@ def build_deepspeed(cfg: Config, module: nn.Module, lr: float, warmup_steps: int
     train_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.learner.precision, torch.float32)
     module = to_device(module, device_for(cfg), train_dtype)
     params: Any = [p for p in module.parameters() if p.requires_grad]
-    if isinstance(module, Critic) and head_lr_scale != 1.0:
-        head_ids = {id(p) for n, p in module.named_parameters() if n.startswith("surprise_head.")}
-        params = [{"params": [p for p in params if id(p) not in head_ids], "lr": lr},
-                  {"params": [p for p in params if id(p) in head_ids], "lr": lr * head_lr_scale}]
+    if isinstance(module, Critic):
+        grown = inserted_layers(critic_base(cfg))
+        params = lr_groups([(n, p) for n, p in module.named_parameters() if p.requires_grad], lr, head_lr_scale,
+                           grown, cfg.learner.critic_grown_lr_scale)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.learner.weight_decay, betas=(0.9, 0.999), eps=1e-8)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup(warmup_steps)) if warmup_steps > 0 else None
     clip = cfg.learner.grad_clip if grad_clip is None else grad_clip

@@ -67,3 +67,26 @@ def test_the_cli_writes_a_critic_base_and_refuses_to_overwrite(two_layer_dir: Pa
     assert again.returncode == 2 and "exists" in again.stderr
     with pytest.raises(FileExistsError):
         grow(two_layer_dir, out, 4)
+
+
+def test_a_grown_critics_inserted_layers_train_at_their_own_rate(two_layer_dir: Path, tmp_path: Path) -> None:
+    """``learner.critic_grown_lr_scale``: the layers grow.json marks as inserted (1 and 3 of 4) get critic_lr ×
+    scale in the critic's optimizer, the source layers, embeddings and value head critic_lr, the surprise MLP
+    critic_lr × value_head_lr_scale."""
+    from common.config import load_config
+    from learner.grow import inserted_layers
+    from learner.models import build_critic
+
+    out = grow(two_layer_dir, tmp_path / "grown", 4)
+    assert inserted_layers(out) == {1, 3} and inserted_layers(two_layer_dir) == set()
+    cfg = load_config(None, [f"model.path={two_layer_dir}", f"model.critic_path={out}", "learner.critic_lr=1e-3",
+                             "learner.critic_grown_lr_scale=10", "learner.value_head_surprise=true",
+                             "learner.value_head_lr_scale=100", "metrics.prometheus=false"])
+    critic = build_critic(cfg)
+    by_lr = {round(g["lr"], 9): {id(p) for p in g["params"]} for g in critic.optimizer.param_groups}
+    names = {id(p): n for n, p in critic.module.named_parameters()}
+    layer_of = {n: n.split("layers.")[1].split(".")[0] for n in names.values() if "layers." in n}
+    assert sorted(by_lr) == [0.001, 0.01, 0.1]
+    assert {layer_of[names[i]] for i in by_lr[0.01] if names[i] in layer_of} == {"1", "3"}
+    assert {layer_of[names[i]] for i in by_lr[0.001] if names[i] in layer_of} == {"0", "2"}
+    assert all(names[i].startswith("surprise_head.") for i in by_lr[0.1])
