@@ -58,6 +58,7 @@ from learner.batch import (
     fetch_usable,
     row_limits,
 )
+from learner.compute import step_token_passes
 from learner.data import DataSource, fetch
 from learner.dist import global_explained_variance, global_whiten, setup_distributed
 from learner.losses import behaviour_weight
@@ -163,6 +164,8 @@ class Learner:
         stats.update(step_summary(d.batch, staleness=d.staleness, version=self.version,
                                   positive_reward=self.cfg.buffer.positive_reward, policy=self.policy,
                                   critic=self.critic, phases=t, t_start=t_start))
+        stats.update(step_token_passes(d.batch, t.seconds, self.cfg.learner.ppo_epochs,
+                                       value_pass=self.critic is not None and self.value_pass))
         self.samples_seen += stats["samples"]
         export_step(self.metrics, stats, d.staleness)
         self.last = stats

@@ -36,7 +36,8 @@ from common.modeling import load_tokenizer, pad_token_id
 from common.protocol import SampleGroup
 from learner.advantages import gae, terminal_rewards
 from learner.batch import collate_scored, fetch_usable, row_limits
-from learner.data import DataSource, fetch
+from learner.compute import batch_tokens
+from learner.data import BufferSource, DataSource, fetch
 from learner.dist import global_explained_variance, rank
 from learner.models import build_critic, collect, full_state_dict, release, save_critic
 from learner.records import append_jsonl
@@ -109,6 +110,7 @@ def _train_on(critic: Any, cfg: Config, groups: list[SampleGroup], pad: int, mic
     stats = critic_update(critic, batch, minibatches=minibatches, returns=returns, old_values=no_values, epochs=1,
                           limits=micro, value_clip=0.0, record=seen)
     train_ev, _ = global_explained_variance(seen[mine], returns[mine], batch.mask[mine])
+    stats["critic_backward_tokens"] = batch_tokens(batch)
     return stats, train_ev
 
 
@@ -144,6 +146,9 @@ def _train(critic: Any, cfg: Config, usable: Callable[[int], list[SampleGroup]],
             "train_explained_variance": train_ev, "value_mean": value_mean,
             "best_explained_variance": best.explained_variance,
             "grad_norm": stats.get("critic_grad_norm", float("nan")), "seconds": time.perf_counter() - t0,
+            # the update's forward and backward, and the held-out EV pass (learner.compute)
+            "critic_forward_tokens": stats["critic_backward_tokens"] + batch_tokens(held_batch),
+            "critic_backward_tokens": stats["critic_backward_tokens"],
             "time": time.time()})
     return step
 
@@ -199,8 +204,6 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
 
 
 def main(argv: list[str] | None = None) -> int:
-    from learner.data import BufferSource
-
     cfg = config_from_argv("learner.value_pretrain", __doc__ or "", argv)
     if isinstance(cfg, int):
         return cfg

@@ -104,3 +104,15 @@ def test_the_pretraining_critic_is_freed_before_pretrain_critic_returns(tiny_mod
     cfg = vp_config(tiny_model_dir, tmp_path, 2, 8, "learner.zero_stage=3")
     pretrain_critic(cfg, ListSource(learnable_groups(24, seed=4)))
     assert len(built) == 1 and built[0]() is None
+
+
+def test_pretraining_records_its_critic_token_passes(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Each value-pretraining record counts the update's forward and backward over its batch and the
+    held-out pass's forward (learner.compute): forward = backward + the held-out batch's tokens, the same
+    held-out batch every step."""
+    cfg = vp_config(tiny_model_dir, tmp_path, 16, 16)
+    pretrain_critic(cfg, ListSource(learnable_groups(48, seed=1)))
+    recs = [json.loads(x) for x in (tmp_path / "vp" / "metrics.jsonl").read_text().splitlines()]
+    held = {r["critic_forward_tokens"] - r["critic_backward_tokens"] for r in recs}
+    assert len(held) == 1 and held.pop() > 0
+    assert all(r["critic_backward_tokens"] > 0 for r in recs)
