@@ -120,6 +120,19 @@ def test_every_code_name_the_docs_give_is_in_its_module() -> None:
     assert bad == [], "names the docs give that their module does not have:\n  " + "\n  ".join(bad)
 
 
+def test_every_identifier_the_docs_name_is_spelled_in_the_code() -> None:
+    """A class-like (`BufferConnectionLost`) or snake_case (`rank0_wait`, `token_staleness_mean`) name in a code
+    span is a word of the repository's code or tests: a renamed function, field or record key shows up here."""
+    words = set(re.findall(r"\w+", _product_code() + "\n".join(p.read_text() for p in (REPO / "tests").rglob("*.py"))))
+    bad: list[str] = []
+    for page in CHECKED:
+        text = page.read_text()
+        names = re.findall(r"`([A-Z][a-zA-Z0-9]*[a-z][A-Za-z0-9]*)(?:\(\))?`", text)
+        names += re.findall(r"`([a-z][a-z0-9]*_[a-z0-9_]+)(?:\(\))?`", text)
+        bad += [f"{page.name}: {n}" for n in sorted(set(names)) if n not in words and not n.startswith("vapo_")]
+    assert bad == [], "names in the docs that no code or test spells:\n  " + "\n  ".join(bad)
+
+
 def test_ops_scripts_are_run_as_modules() -> None:
     """A command runs an ops script as ``python -m ops....``, never as a file path (the shell entry points
     ops/launch.sh, ops/test.sh, ops/setup.sh, ops/rehearse.sh excepted)."""
