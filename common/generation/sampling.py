@@ -131,6 +131,29 @@ class SamplingParams:
                    top_k=top_k, min_p=min_p, stop_token_ids=frozenset(stop_ids), ignore_eos=ignore_eos, n=n)
 
 
+def validate_prompt(ids: Any, params: SamplingParams, vocab_size: int, context_length: int) -> list[int]:
+    """``ids`` when they are a prompt the model can take with ``params`` (SGLang's wording otherwise, as a
+    ``RequestError``); an unset ``max_new_tokens`` becomes the rest of the context."""
+    if not isinstance(ids, list) or not ids:
+        raise RequestError("input_ids cannot be empty.")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise RequestError("input_ids must be a list of integers or a list of lists of integers.")
+    if any(t < 0 or t >= vocab_size for t in ids):
+        raise RequestError(f"The input_ids {short_repr(ids)} contains values greater than the vocab size ({vocab_size}).")
+    if len(ids) >= context_length:
+        raise RequestError(f"The input ({len(ids)} tokens) is longer than the model's context length "
+                           f"({context_length} tokens).")
+    if params.max_new_tokens < 0:  # None: up to the context length
+        params.max_new_tokens = context_length - len(ids)
+    if len(ids) + params.max_new_tokens > context_length:
+        raise RequestError(
+            f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
+            f"You requested a total of {len(ids) + params.max_new_tokens} tokens: {len(ids)} tokens from the "
+            f"input messages and {params.max_new_tokens} tokens for the completion. Please reduce the number "
+            f"of tokens in the input messages or the completion to fit within the limit.")
+    return ids
+
+
 
 def _race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One draw per row from unnormalised ``probs`` by inverting the CDF (exact; ~20x cheaper than multinomial

@@ -5,7 +5,7 @@ copy it in.
 and refuses unknown or missing tensors, shape mismatches, non-float dtypes (integer or bool tensors are
 no weights: casting them would serve garbage) and values that are not finite once cast to the served
 dtype; ``install(sd)`` then copies the tensors into the model's parameters in place (the scheduler calls
-it between two decode steps). A float dtype other than the served one is cast, as SGLang's loaders do
+it between two decode steps, through ``WeightUpdates``: the served version and the one update waiting). A float dtype other than the served one is cast, as SGLang's loaders do
 (``param.data.copy_``), and refused when the cast overflows (an fp32 value past fp16's range).
 
 Only regular files are read, and the check is made on the opened file: each file is opened with
@@ -17,13 +17,18 @@ Deviations from SGLang: safetensors only (``load_format`` auto | safetensors), a
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
+import logging
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
+
+log = logging.getLogger("vapo.engine")
 
 
 class WeightLoadError(RuntimeError):
@@ -119,3 +124,45 @@ class LiveWeights:
         with torch.no_grad():
             for name, t in sd.items():
                 self.params[name].copy_(t)
+
+
+class WeightUpdates:
+    """The served weight version and the one checked update waiting for a step boundary (a newer update
+    supersedes it). Touched only on the scheduler thread; each update's future resolves to (success, message)."""
+
+    def __init__(self, live: LiveWeights, version: str, metrics: Any = None) -> None:
+        self.live = live
+        self.version = version
+        self.metrics = metrics
+        self.pending: tuple[dict[str, torch.Tensor], str | None, cf.Future] | None = None
+        self._set_version_metric()
+
+    def arm(self, sd: dict[str, torch.Tensor], version: str | None, fut: cf.Future) -> None:
+        if self.pending is not None:
+            self.pending[2].set_result((False, "Superseded by a newer weight update."))
+        self.pending = (sd, version, fut)
+
+    def apply(self) -> None:
+        """Install the waiting update (there must be one) and move the served version with it."""
+        assert self.pending is not None
+        sd, version, fut = self.pending
+        self.pending = None
+        self.live.install(sd)
+        if version is not None:
+            self.version = version
+        self._set_version_metric()
+        fut.set_result((True, "Succeeded to update model weights."))
+        log.info("weights updated (version %s)", self.version)
+
+    def fail(self, message: str) -> None:
+        """Answer the waiting update, if any, with ``message`` (the engine died)."""
+        if self.pending is not None:
+            self.pending[2].set_result((False, message))
+            self.pending = None
+
+    def _set_version_metric(self) -> None:
+        if self.metrics is not None:
+            try:
+                self.metrics.weight_version.set(float(self.version))
+            except ValueError:
+                pass
