@@ -52,14 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.distributed_c10d import (
-    Backend,
-    PrefixStore,
-    _abort_process_group,
-    _get_default_group,
-    _new_process_group_helper,
-    _world,
-)
+from torch.distributed import distributed_c10d as c10d  # privates via the module: tests patch them
 
 from common.push_addresses import WILDCARDS
 
@@ -229,8 +222,8 @@ class Group:
             return
 
         try:
-            if pg in _world.pg_map:
-                _abort_process_group(pg)  # aborts, then unregisters its name
+            if pg in c10d._world.pg_map:
+                c10d._abort_process_group(pg)  # aborts, then unregisters its name
             else:
                 pg.abort()
         except Exception as e:  # already aborted by a failed wait; nothing more to free
@@ -255,10 +248,11 @@ class Group:
 def _forget(pg: Any) -> None:
     """Drop ``pg`` from torch's registry of groups (what destroy/abort do on success): the registry holds
     the group's store, whose listening port the next group takes again."""
-    for table in (_world.pg_map, _world.pg_names, _world.pg_group_ranks, _world.pg_backend_config,
-                  _world.pg_to_tag, _world.pg_coalesce_state):
+    world = c10d._world
+    for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config, world.pg_to_tag,
+                  world.pg_coalesce_state):
         table.pop(pg, None)
-    for groups in _world.tags_to_pg.values():
+    for groups in world.tags_to_pg.values():
         while pg in groups:
             groups.remove(pg)
 
@@ -288,7 +282,7 @@ def _env(values: Mapping[str, str]) -> Iterator[None]:
 def _own_communicator(backend: str) -> Iterator[None]:
     """While torch creates the weight group: the default group unbound (no ``ncclCommSplit`` of the
     learner's communicator) and, on NCCL, no watchdog thread for the new group (module docstring)."""
-    default = _get_default_group() if torch.distributed.is_initialized() else None
+    default = c10d._get_default_group() if torch.distributed.is_initialized() else None
     if backend != "nccl" and (default is None or default.bound_device_id is None):
         yield  # nothing to change (an engine's gloo group): no lock held through gloo's rendezvous
         return
@@ -369,9 +363,10 @@ def new_group(backend: str, master_address: str, master_port: int, rank: int, wo
         store = (master_store(master_address, master_port, world_size, timeout_s) if rank == 0 else
                  torch.distributed.TCPStore(master_address, master_port, world_size, False, td, wait_for_workers=False))
     with _own_communicator(backend):
-        pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                          group_name=group_name, backend_options=None, timeout=td)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+        pg, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend),
+                                               c10d.PrefixStore(group_name, store), group_name=group_name,
+                                               backend_options=None, timeout=td)
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     group = Group(pg, store, rank, world_size, group_name, timeout_s, backend)
     if split_parent(pg) is not None:  # a torch whose helper splits some other way: refused, never hung
         group.abort()

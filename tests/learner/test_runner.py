@@ -148,7 +148,7 @@ def test_each_step_record_carries_the_counts_its_source_keeps() -> None:
 # turn (one interpreter start for all); prints one JSON line: per case, the probe's answers and how main ended.
 MAIN_PROBE = textwrap.dedent("""
     import json, socket, sys
-    import learner.value_pretrain
+    import learner.runner
     from common.config import ConfigError
     from learner.runner import main
 
@@ -169,7 +169,7 @@ MAIN_PROBE = textwrap.dedent("""
                     bound.append(True)
             raise Stop
 
-        learner.value_pretrain.pretrain_critic = probe
+        learner.runner.pretrain_critic = probe
         try:
             main(args)
             ended = "returned"
