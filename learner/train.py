@@ -194,7 +194,7 @@ class Learner:
 
     def step_data(self, batch: Batch) -> StepData:
         cfg, ac = self.cfg, self.cfg.algo
-        limits = MicroLimits.from_config(cfg.learner)
+        limits = MicroLimits.from_config(cfg.learner, cfg.actors.temperature)
         minibatches = minibatch_rows(batch.size, cfg.learner.mini_batches, cfg.run.seed, self.version)
         lam = (length_adaptive_lambda(batch.lengths, ac.alpha) if ac.length_adaptive
                else torch.full((batch.size,), ac.lambda_actor))

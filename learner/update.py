@@ -30,14 +30,15 @@ tokens, recomputed in the backward (``learner.losses.chunked_token_logprobs``); 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from learner.accum import Accum
 from learner.batch import Batch, gather_positions
-from learner.dist import all_reduce_sum, loss_scale_for_dp, rank, world_size
+from learner.dist import loss_scale_for_dp, rank, world_size
 from learner.losses import (
     chunked_token_logprobs,
     entropy_from_logits,
@@ -67,14 +68,16 @@ class MicroLimits:
     rows: int = 64
     tokens: int = 0  # most padded tokens (rows × longest prompt + response) per micro-batch; 0 = no limit
     logit_elements: int = 0  # tokens × vocab per LM-head chunk; 0 = full logits (the old path)
+    temperature: float = 1.0  # the engines' sampling temperature: log π is of logits / temperature, as they sample
 
     @classmethod
     def of(cls, limits: MicroLimits | int) -> MicroLimits:
         return limits if isinstance(limits, MicroLimits) else cls(rows=int(limits))
 
     @classmethod
-    def from_config(cls, learner_cfg: Any) -> MicroLimits:
-        return cls(learner_cfg.micro_batch_size, learner_cfg.micro_batch_tokens, learner_cfg.logits_chunk_elements)
+    def from_config(cls, learner_cfg: Any, temperature: float = 1.0) -> MicroLimits:
+        return cls(learner_cfg.micro_batch_size, learner_cfg.micro_batch_tokens, learner_cfg.logits_chunk_elements,
+                   temperature)
 
 
 @dataclass(frozen=True)
@@ -191,14 +194,15 @@ def head_chunks(policy: Any, peak_tokens: int, logit_elements: int) -> int:
 
 
 def policy_logprobs(policy: Any, batch: Batch, micro: Micro, logit_elements: int, entropy: bool = True,
-                    entropy_grad: bool = False) -> tuple[Tensor, Tensor | None, Batch]:
+                    entropy_grad: bool = False, temperature: float = 1.0) -> tuple[Tensor, Tensor | None, Batch]:
     """log π of each response token ``[n, T_rows]`` fp32 (0 on padding), its entropy (or None) and the
     rows' sub-batch. ``logit_elements`` > 0: chunked LM head over the real tokens (no ``[n, T, V]``);
-    0: full logits. ``entropy_grad``: the entropy enters the loss (otherwise it is a detached metric)."""
+    0: full logits. ``entropy_grad``: the entropy enters the loss (otherwise it is a detached metric).
+    ``temperature``: π is softmax(logits / temperature), the distribution the engines sampled from."""
     sub = batch.select(micro.rows).to(_dev(policy))
     if logit_elements <= 0:
         logits = gather_positions(policy(input_ids=sub.input_ids, attention_mask=sub.attention_mask).logits,
-                                  sub.positions)
+                                  sub.positions) / temperature
         logp = token_logprobs(logits, sub.response_ids)
         ent = None
         if entropy:
@@ -209,7 +213,9 @@ def policy_logprobs(policy: Any, batch: Batch, micro: Micro, logit_elements: int
     h = _final_hidden(policy, sub)
     r, t = (sub.mask > 0).nonzero(as_tuple=True)
     chunks = head_chunks(policy, micro.peak_tokens, logit_elements)
-    lp, ent_flat = chunked_token_logprobs(h[r, sub.positions[r, t]], policy.module.get_output_embeddings(),
+    lm_head = policy.module.get_output_embeddings()
+    head = lm_head if temperature == 1.0 else (lambda x: lm_head(x) / temperature)
+    lp, ent_flat = chunked_token_logprobs(h[r, sub.positions[r, t]], head,
                                           sub.response_ids[r, t], chunks, entropy=entropy, entropy_grad=entropy_grad)
     logp = lp.new_zeros(sub.mask.shape).index_put((r, t), lp)
     ent = ent_flat.new_zeros(sub.mask.shape).index_put((r, t), ent_flat) if entropy else None
@@ -259,46 +265,11 @@ def compute_logprobs(policy: Any, batch: Batch, rows: Tensor | list[Tensor], lim
     lim = MicroLimits.of(limits)
     policy.eval()
     for mb in micro_batches(_as_minibatches(rows), batch, lim):
-        logp, _, _ = policy_logprobs(policy, batch, mb, lim.logit_elements, entropy=False)
+        logp, _, _ = policy_logprobs(policy, batch, mb, lim.logit_elements, entropy=False, temperature=lim.temperature)
         if mb.weight > 0:
             _put(out, mb.rows, logp)
     policy.train()
     return out * batch.mask
-
-
-@dataclass
-class Accum:
-    """Token-weighted sums of statistics, all-reduced at the end of a phase."""
-
-    sums: dict[str, float] = field(default_factory=dict)
-    peaks: dict[str, float] = field(default_factory=dict)
-    totals: dict[str, float] = field(default_factory=dict)
-
-    def add(self, name: str, value: float, weight: float = 1.0) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + float(value) * weight
-        self.sums[name + "/w"] = self.sums.get(name + "/w", 0.0) + weight
-
-    def peak(self, name: str, value: float) -> None:
-        """A maximum over micro-batches and ranks (reported as 0 when no rank saw a value)."""
-        self.peaks[name] = max(self.peaks.get(name, 0.0), float(value))
-
-    def total(self, name: str, value: float) -> None:
-        """A plain sum over micro-batches and ranks."""
-        self.totals[name] = self.totals.get(name, 0.0) + float(value)
-
-    def reduce(self) -> dict[str, float]:
-        keys = sorted(k for k in self.sums if not k.endswith("/w"))
-        rows = [[self.sums[k], self.sums[k + "/w"]] for k in keys] + [[self.totals[k], 1.0] for k in sorted(self.totals)]
-        vec = all_reduce_sum(torch.tensor(rows or [[0.0, 0.0]], dtype=torch.float64))
-        out = {k: float(vec[i, 0] / vec[i, 1]) if vec[i, 1] > 0 else 0.0 for i, k in enumerate(keys)}
-        out.update({k: float(vec[len(keys) + i, 0]) for i, k in enumerate(sorted(self.totals))})
-        if self.peaks:  # the same names on every rank (the caller declares them unconditionally)
-            names = sorted(self.peaks)
-            top = torch.tensor([self.peaks[k] for k in names], dtype=torch.float64)
-            if world_size() > 1:
-                torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX)
-            out.update({k: float(top[i]) for i, k in enumerate(names)})
-        return out
 
 
 def critic_update(
@@ -409,7 +380,7 @@ def actor_update(
             parts = {"policy_loss": 0.0, "nll_loss": 0.0}
             for micro in micro_batches([mbrows], batch, lim):
                 logp, ent, sub = policy_logprobs(policy, batch, micro, lim.logit_elements,
-                                                 entropy_grad=p.entropy_coef > 0)
+                                                 entropy_grad=p.entropy_coef > 0, temperature=lim.temperature)
                 assert ent is not None
                 T = logp.shape[1]
                 dev = logp.device

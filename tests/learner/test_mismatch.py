@@ -51,3 +51,28 @@ def test_a_step_with_a_proximal_pass_measures_every_mini_batch(tiny_model_dir: P
     assert stats["mismatch_tokens"] == n_tokens
     assert 0 < stats["mismatch_ratio_min"] < stats["mismatch_ratio_max"]
     assert stats["mismatch_kl"] > 0.1  # synthetic logprobs are unrelated to the policy's
+
+
+def test_a_sampling_temperature_is_applied_to_the_learners_log_probs(tiny_model_dir: Path) -> None:
+    """Engines at temperature 0.5 returning processed log-probs (engine.logprobs=scaled): log_softmax(logits/0.5)
+    of the very weights being updated. The learner must compute the same distribution: mismatch 0, ratio 1
+    (at temperature 1 it would compare two different distributions)."""
+    import numpy as np
+
+    from learner.update import MicroLimits, compute_logprobs
+
+    extra = ("actors.temperature=0.5", "engine.logprobs=scaled", "learner.off_policy=rollout_correction")
+    groups = synth_groups(4, 4, VOCAB, seed=8)
+    probe = Learner(make_cfg(tiny_model_dir, *extra), None)
+    b = collate(groups, probe.pad_id)
+    with torch.no_grad():
+        logits = probe.policy(input_ids=b.input_ids, attention_mask=b.attention_mask).logits.float()
+    gathered = logits[torch.arange(b.size).unsqueeze(-1), b.positions]
+    scaled = torch.log_softmax(gathered / 0.5, -1).gather(-1, b.response_ids.unsqueeze(-1)).squeeze(-1)
+    for i, s in enumerate(s for g in groups for s in g.samples):
+        s.output_logprobs = scaled[i, : s.response_length].numpy().astype(np.float32)
+    lp = compute_logprobs(probe.policy, b, torch.arange(b.size), MicroLimits(rows=64, temperature=0.5))
+    torch.testing.assert_close(lp * b.mask, scaled * b.mask, atol=1e-5, rtol=1e-5)
+    stats = Learner(make_cfg(tiny_model_dir, *extra), None).step(groups)
+    assert stats["mismatch_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert stats["mismatch_ratio_max"] == pytest.approx(1.0, abs=1e-4)
