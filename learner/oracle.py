@@ -25,9 +25,10 @@ from learner.batch import Batch
 class ChainOracle:
     """V(s_t) ``[B, T]`` of a batch of chain-task rows from their token ids."""
 
-    def __init__(self, tokenizer: Any, line_accuracy: float = 0.0) -> None:
+    def __init__(self, tokenizer: Any, line_accuracy: float = 0.0, sees_mistakes: bool = True) -> None:
         self.tokenizer = tokenizer
         self.line_accuracy = line_accuracy
+        self.sees_mistakes = sees_mistakes  # False: the steps-left-only baseline, blind to a mistake made
         self.eos = tokenizer.eos_token_id
         self._pieces: dict[int, str] = {}
         self.last_line_accuracy = line_accuracy
@@ -66,7 +67,7 @@ class ChainOracle:
             written = 0  # characters of the trace written so far, all of them right
             for t, piece in enumerate(pieces):
                 out[b, t] = p ** lines_left(trace, written)  # = oracle_value(trace, prefix, p), in O(lines)
-                if trace[written:written + len(piece)] != piece or written + len(piece) > len(trace):
+                if self.sees_mistakes and trace[written:written + len(piece)] != piece:
                     break  # left the trace: this and every later state is worth 0 (the zeros already there)
                 written += len(piece)
         return out * batch.mask

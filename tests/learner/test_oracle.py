@@ -46,6 +46,9 @@ def test_oracle_values_are_what_the_task_state_says() -> None:
     want_slip = [0.64] * 8 + [0.0] * (n - 8)
     torch.testing.assert_close(v[0, :n], torch.tensor(want_right))
     torch.testing.assert_close(v[1, :n], torch.tensor(want_slip))
+    # Blind to mistakes (the steps-left-only baseline): the slipped row is valued like the right one.
+    blind = ChainOracle(tok, line_accuracy=0.8, sees_mistakes=False).values(batch)
+    torch.testing.assert_close(blind[1, :n], torch.tensor(want_right))
 
 
 def test_line_accuracy_is_estimated_from_the_batch() -> None:
