@@ -24,7 +24,8 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from actors.engine_address import as_version
-from actors.weight_sync import checkpoint_tensors, verify_tensors, verify_update
+from actors.weight_sync import verify_tensors, verify_update
+from common.checksum import checkpoint_shapes
 from common.protocol import WeightUpdate
 from common.sglang_client import SGLangError
 
@@ -55,7 +56,7 @@ class WeightFollower:
         bad = verify_update(upd)
         if bad is None and self.link.cfg.actors.verify_tensors:
             if self._expected is None:
-                self._expected = checkpoint_tensors(self.link.cfg.model.path)
+                self._expected = checkpoint_shapes(self.link.cfg.model.path)
             bad = verify_tensors(upd.path, self._expected)
         return bad
 

@@ -31,7 +31,7 @@ import zmq.asyncio
 from safetensors import safe_open
 
 from common import protocol
-from common.checksum import weight_files, weights_sha256
+from common.checksum import checkpoint_shapes, weight_files, weights_sha256
 from common.protocol import WeightUpdate
 from common.security import ClientKeys, apply_client_curve
 
@@ -88,16 +88,6 @@ def verify_update(update: WeightUpdate) -> tuple[str, str] | None:
     return None
 
 
-def checkpoint_tensors(model_path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in an HF safetensors directory, from the file headers only."""
-    out: dict[str, tuple[int, ...]] = {}
-    for f in sorted(Path(model_path).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():  # safe_open is not a dict
-                out[name] = tuple(st.get_slice(name).get_shape())
-    return out
-
-
 def verify_tensors(path: str | Path, expected: dict[str, tuple[int, ...]]) -> tuple[str, str] | None:
     """None when the weights at ``path`` hold every tensor of ``expected`` with its shape, all finite;
     else ``(reason, message)``. SGLang loads whatever names it finds and copies NaN without a word, so
@@ -108,7 +98,7 @@ def verify_tensors(path: str | Path, expected: dict[str, tuple[int, ...]]) -> tu
     import torch  # noqa: PLC0415 - torch only for a check that runs in a thread, not at the worker's start
 
     try:
-        found = checkpoint_tensors(path)
+        found = checkpoint_shapes(path)
     except Exception as e:  # truncated header, not safetensors, unreadable
         return "unreadable", f"cannot read the safetensors headers in {path}: {e}"
     missing = sorted(set(expected) - set(found))
@@ -236,4 +226,4 @@ class WeightWatcher:
             self.ctx.term()
 
 
-__all__ = ["WeightWatcher", "checkpoint_tensors", "verify_tensors", "verify_update"]
+__all__ = ["WeightWatcher", "verify_tensors", "verify_update"]

@@ -5,13 +5,16 @@ order; for each file it hashes the file name (UTF-8), a NUL byte, the file size 
 bytes, then the file's bytes. Hashing names and sizes means a renamed, split or truncated shard changes
 the digest even when the concatenated bytes would not. The learner puts the digest in
 ``WeightUpdate.sha256``; an actor refuses weights whose digest differs, so a half-written or corrupted
-version never reaches an engine.
+version never reaches an engine. ``checkpoint_shapes(path)``: what the files hold (name -> shape, read from
+the headers), which the learner's push plan and an actor's check of an update both hold against the base.
 """
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+
+from safetensors import safe_open
 
 _CHUNK = 1 << 20
 
@@ -41,3 +44,13 @@ def weights_sha256(path: str | Path) -> str:
 
 
 __all__ = ["weight_files", "weights_sha256"]
+
+
+def checkpoint_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the safetensors files of an HF directory, from their headers only."""
+    out: dict[str, tuple[int, ...]] = {}
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # safe_open is not a dict
+                out[name] = tuple(st.get_slice(name).get_shape())
+    return out

@@ -46,10 +46,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import Tensor
 
 from common import protocol
+from common.checksum import checkpoint_shapes
 from common.weight_bucket import (
     BucketMeta,
     Group,
@@ -84,16 +84,6 @@ def _shape(t: Tensor) -> tuple[int, ...]:
 def bucket_plan(model: Any, bucket_bytes: int) -> list[BucketMeta]:
     """The buckets of a push (every rank computes the same plan from the same model)."""
     return plan_buckets(((n, t.dtype, _shape(t)) for n, t in _entries(model)), bucket_bytes)
-
-
-def checkpoint_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in the safetensors files of an HF directory, from their headers only."""
-    out: dict[str, tuple[int, ...]] = {}
-    for f in sorted(Path(model_path).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():  # safe_open is not a dict
-                out[name] = tuple(st.get_slice(name).get_shape())
-    return out
 
 
 def plan_mismatch(plan: list[BucketMeta], model_path: str | Path) -> str | None:

@@ -235,7 +235,8 @@ def test_actor_verifies_a_learner_checked_version_by_sizes(tiny_model_dir: Path,
     """A durable version of the push carries the learner's own check (sizes, finite): the actor verifies
     it by file sizes without reading it again; a short file fails, and a version without that record is
     still re-hashed whole."""
-    from actors.weight_sync import checkpoint_tensors, verify_tensors, verify_update
+    from actors.weight_sync import verify_tensors, verify_update
+    from common.checksum import checkpoint_shapes
     from common.weight_bucket import flatten
     from learner.weight_push import write_buckets
 
@@ -244,7 +245,7 @@ def test_actor_verifies_a_learner_checked_version_by_sizes(tiny_model_dir: Path,
     state = dict(model.state_dict())
     upd = write_buckets(tmp_path, 1, [(m, flatten([state[n] for n in m.names])) for m in plan])
     assert verify_update(upd) is None
-    assert verify_tensors(upd.path, checkpoint_tensors(tiny_model_dir)) is None
+    assert verify_tensors(upd.path, checkpoint_shapes(tiny_model_dir)) is None
     f = sorted(Path(upd.path).glob("*.safetensors"))[-1]
     raw = bytearray(f.read_bytes())
     raw[-1] ^= 0xFF  # same size: the size check passes, the full digest does not
