@@ -28,7 +28,9 @@ class ChainOracle:
     def __init__(self, tokenizer: Any, line_accuracy: float = 0.0, sees_mistakes: bool = True) -> None:
         self.tokenizer = tokenizer
         self.line_accuracy = line_accuracy
-        self.sees_mistakes = sees_mistakes  # False: the steps-left-only baseline, blind to a mistake made
+        # False: the step-count-only baseline. Blind to mistakes, it knows no more at line j than at the start:
+        # the response succeeds if all its lines are right, p^(step count), at every state.
+        self.sees_mistakes = sees_mistakes
         self.eos = tokenizer.eos_token_id
         self._pieces: dict[int, str] = {}
         self.last_line_accuracy = line_accuracy
@@ -64,10 +66,13 @@ class ChainOracle:
         self.last_line_accuracy = p
         out = torch.zeros(batch.mask.shape, dtype=torch.float32)
         for b, (trace, pieces, _) in enumerate(rows):
+            if not self.sees_mistakes:  # success needs every line right, whichever are written: p^(all lines)
+                out[b, : len(pieces)] = p ** lines_left(trace, 0)
+                continue
             written = 0  # characters of the trace written so far, all of them right
             for t, piece in enumerate(pieces):
                 out[b, t] = p ** lines_left(trace, written)  # = oracle_value(trace, prefix, p), in O(lines)
-                if self.sees_mistakes and trace[written:written + len(piece)] != piece:
+                if trace[written:written + len(piece)] != piece:
                     break  # left the trace: this and every later state is worth 0 (the zeros already there)
                 written += len(piece)
         return out * batch.mask
