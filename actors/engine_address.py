@@ -1,6 +1,7 @@
 """Where a worker's engine is (``engine_url``), the key its control endpoints take (``engine_api_key``),
-and how SGLang's weight versions read as vapo's (``as_version``); used by ``actors.engine_link`` and by the
-worker before any startup work (a missing engine address fails at once)."""
+and how SGLang's weight versions read as vapo's (``as_version``); used by ``actors.engine_link`` and its parts
+(``actors.engine_supervisor``, ``actors.weight_follower``) and by the worker before any startup work (a
+missing engine address fails at once)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ Per worker, on one asyncio loop:
   away), wait until the engine serves the grant's learner version (the learner publishes a version before
   it asks for the batch the grant is for, but the grant can overtake the ``WeightUpdate``; a group started
   on older weights could be born stale), ask the engine for ``n = G`` samples of the prompt with
-  ``return_logprob``, verify every response (``Task.verify`` on ``decode_response``), and send the
+  ``return_logprob`` (``actors.groups.GroupMaker``), verify every response (``Task.verify`` on
+  ``decode_response``), and send the
   ``SampleGroup`` (ack after the buffer's LMDB commit; ``group_id = a<actor>-p<index>``, so re-sends and
   re-generations are stored once).
 - **Version stamp**: each sample carries the oldest weight version among its tokens (``GenerateOutput.
@@ -44,28 +45,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.cursor import PromptCursor, group_id_for
+from actors.cursor import PromptCursor
 from actors.engine_address import EngineLinkError, engine_url
 from actors.engine_link import EngineLink, EngineLost, LinkCounts
+from actors.groups import GroupMaker, WorkerError
 from actors.report import ZEROED_METRICS, GroupCounts, done_counters, emit_tagged
 from actors.rollout_server.process import EngineStartError
-from actors.samples import engine_sample, has_behaviour_logprobs
 from actors.weight_push_client import PushMember
 from actors.weight_sync import WeightWatcher
 from buffer.client import AsyncGroupSender
 from common.config import Config
 from common.metrics import Metrics
-from common.protocol import IngestAck, Sample, SampleGroup
 from common.security import ClientKeys, client_curve_keys
-from common.sglang_client import GenerateOutput, SGLangError
-from common.tasks import Prompt, encode_prompt, get_task
+from common.sglang_client import SGLangError
+from common.tasks import get_task
 
 log = logging.getLogger("vapo.actors.worker")
 REPORT_EVERY_S = 10.0
-
-
-class WorkerError(RuntimeError):
-    """A condition the worker cannot recover from (engine restarts exhausted, bad engine output)."""
 
 
 def generate_timeout_s(cfg: Config) -> float:
@@ -105,15 +101,16 @@ class RolloutWorker:
         self.credit_wait_s = 0.0
         self.weight_wait_s = 0.0
         self.generate_timeout_s = generate_timeout_s(cfg)
+        self.groups = GroupMaker(cfg, actor_id, self.task, self.counts, self.metric,
+                                 generate_timeout_s=self.generate_timeout_s)
         self.in_flight = 0
         self._started = time.monotonic()
         self._stop = asyncio.Event()
         self._all_done = asyncio.Event()  # actors.max_prompts prompts are done
-        # Made by run(): the learner's weight announcements, the buffer's sender, the engine, the tokenizer.
+        # Made by run(): the learner's weight announcements, the buffer's sender, the engine.
         self.watcher: WeightWatcher | None = None
         self.sender: AsyncGroupSender | None = None
         self.link: EngineLink | None = None
-        self.tokenizer: Any = None
         # Tasks that run for the worker's life, by name (one that ends is fatal), and the prompt loops.
         self.services: dict[str, asyncio.Task[None]] = {}
         self.prompt_tasks: list[asyncio.Task[None]] = []
@@ -219,6 +216,7 @@ class RolloutWorker:
                                        ack_timeout_s=actors_cfg.send_timeout_s)
         self.link = EngineLink(cfg, self.actor_id, self.watcher, self, self.metrics,
                                generate_timeout_s=self.generate_timeout_s)
+        self.groups.link = self.link
 
     async def _reach_engine(self) -> None:
         """The newest announced weights, the tokenizer and the engine; then ``ACTOR READY``."""
@@ -232,7 +230,7 @@ class RolloutWorker:
             return load_tokenizer(model_path)
 
         # The engine boots (seconds) while this process imports transformers for the tokenizer.
-        self.tokenizer, _ = await asyncio.gather(asyncio.to_thread(tokenizer), link.connect())
+        self.groups.tokenizer, _ = await asyncio.gather(asyncio.to_thread(tokenizer), link.connect())
         link.gate.set()
         emit_tagged("ACTOR READY", {"actor_id": self.actor_id, "pid": os.getpid(), "engine_url": link.url,
                                     "engine_pid": link.pid, "metrics_port": self.metrics_port, "weight_version": self.version,
@@ -315,7 +313,7 @@ class RolloutWorker:
             self.in_flight += 1
             self.metric("prompts_in_flight").set(self.in_flight)
             try:
-                group = await self._generate_group(k)
+                group = await self.groups.make(self.cursor.index(k))
                 if group is None:
                     self.cursor.complete(k)
                     if self.cursor.finished():
@@ -324,7 +322,7 @@ class RolloutWorker:
                 resent = self.sender.resent
                 ack = await self.sender.send(group)
                 self.cursor.complete(k)
-                self._record(group, ack, self.sender.resent - resent)
+                self.groups.record(group, ack, self.sender.resent - resent)
                 if self.cursor.finished():
                     self._all_done.set()
             except BaseException:
@@ -343,77 +341,6 @@ class RolloutWorker:
         if waited:
             self.weight_wait_s += waited
             self.metric("weight_wait_seconds").inc(waited)
-
-    def _record(self, group: SampleGroup, ack: IngestAck, resent: int) -> None:
-        rewards = [s.reward for s in group.samples]
-        n_pos = sum(1 for r in rewards if r >= self.cfg.buffer.positive_reward)  # the buffer's and learner's test too
-        tokens = sum(s.response_length for s in group.samples)
-        self.counts.groups += 1
-        self.counts.samples += len(rewards)
-        self.counts.tokens += tokens
-        self.counts.positives += n_pos
-        self.counts.duplicates += int(bool(ack.duplicate))
-        if ack.error:  # committed but never served: "stale" or "filtered:<why>"
-            self.counts.not_served += 1
-            self.metric("groups_not_served", reason=ack.error.split(":", 1)[0]).inc()
-        self.metric("groups_sent").inc()
-        self.metric("samples").inc(len(rewards))
-        self.metric("tokens").inc(tokens)
-        self.metric("reward_mean").set(sum(rewards) / len(rewards))
-        self.metric("positives_rate").set(n_pos / len(rewards))
-        if resent > 0:
-            self.metric("groups_resent").inc(resent)
-
-    async def _generate_group(self, k: int) -> SampleGroup | None:
-        """G verified samples of this actor's k-th prompt; None if the engine refuses the prompt."""
-        index = self.cursor.index(k)
-        prompt = self.task.train_prompt(index)
-        ids = encode_prompt(self.tokenizer, prompt)
-        sp: dict[str, Any] = {"n": self.actors_cfg.group_size, "temperature": self.actors_cfg.temperature, "top_p": self.actors_cfg.top_p,
-                              "top_k": self.actors_cfg.top_k, "max_new_tokens": self.actors_cfg.max_new_tokens}
-        failures = 0
-        link = self.link
-        assert link is not None
-        while True:
-            await link.gate.wait()
-            client, v_before = link.client, self.version
-            assert client is not None
-            t0 = time.monotonic()
-            try:
-                outs = await client.generate(ids, sp, return_logprob=True, timeout_s=self.generate_timeout_s)
-            except SGLangError as e:
-                if e.status is not None and 400 <= e.status < 500:
-                    log.error("actor %d: engine refused prompt %d (%s): %s; skipping it", self.actor_id, index,
-                              prompt.prompt_id, e.message)
-                    self.counts.skipped += 1
-                    self.metric("prompts_skipped").inc()
-                    return None
-                failures += 1
-                self.counts.resubmits += 1
-                self.metric("resubmits", reason="engine_error").inc()
-                link.report_trouble()
-                if failures % 10 == 1:
-                    log.warning("actor %d: generate failed (%s); will resubmit", self.actor_id, e)
-                # Back off while the supervisor notices a dead engine (its exit or /health) and restarts it.
-                await asyncio.sleep(min(0.05 * 2 ** min(failures, 6), 2.0))
-                continue
-            reported = [o.weight_version_int for o in outs if o.weight_version_int is not None]
-            if not link.owned and reported and min(reported) < v_before:
-                link.report_trouble()  # an engine we do not own lost our weights: re-sync (samples stay honest)
-            if any(o.finish_reason == "abort" for o in outs):
-                self.counts.resubmits += 1
-                self.metric("resubmits", reason="abort").inc()
-                continue  # aborted for a weight update: generate the whole group again on the new weights
-            self.metric("generation_seconds").observe(time.monotonic() - t0)
-            v_now = min(v_before, self.version)
-            samples = [self._sample(prompt, ids, o, v_now) for o in outs]
-            return SampleGroup(group_id=group_id_for(self.actor_id, index), prompt_id=prompt.prompt_id,
-                               task=self.task.name, actor_id=self.actor_id, samples=samples, created_at=time.time())
-
-    def _sample(self, prompt: Prompt, prompt_ids: list[int], o: GenerateOutput, fallback_version: int) -> Sample:
-        if not has_behaviour_logprobs(o):
-            raise WorkerError(f"engine returned no or non-finite output logprobs (rid {o.rid}); behaviour logprobs are required")
-        return engine_sample(self.task, self.tokenizer, prompt, prompt_ids, o, fallback_version)
 
     # ------------------------------------------------------------------ progress
 

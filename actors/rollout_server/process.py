@@ -1,7 +1,7 @@
 """A worker's own ``actors.rollout_server`` child process: command line, start, readiness, stop.
 
-Not a CLI; ``actors.engine_link`` uses it when ``engine.kind = rollout_server`` (the CPU default). The engine of
-actor ``i`` listens on ``engine.host:engine.base_port + i`` (``engine.base_port = 0``: any free port, read
+Not a CLI; ``actors.engine_supervisor.LocalSupervisor`` uses it when ``engine.kind = rollout_server`` (the CPU
+default). The engine of actor ``i`` listens on ``engine.host:engine.base_port + i`` (``engine.base_port = 0``: any free port, read
 from the server's ready line). It is started with the newest verified weights (``--model-path`` = the
 weights directory, ``--weight-version`` = its version) or the base model as version 0, without a tokenizer
 (the worker tokenises and detokenises itself). Its stderr goes to ``<run dir>/logs/engine-<i>.log``.

@@ -1,5 +1,7 @@
-"""actors.engine_link.EngineLink on its own, against a real ``actors.rollout_server`` subprocess reached as an
-external engine: disk weight sync, refused and failed updates, health probes and a lost engine."""
+"""actors.engine_link.EngineLink on its own, with its parts (``actors.engine_supervisor``,
+``actors.weight_follower``), against a real ``actors.rollout_server`` subprocess reached as an external engine:
+disk weight sync, refused and failed updates, health probes and a lost engine; and which supervisor and
+engine implementation each ``engine.kind`` gets."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ from typing import Any
 
 import pytest
 
+from actors.engine import RolloutServerEngine, SGLangEngine
 from actors.engine_link import EngineLink, EngineLost
+from actors.engine_supervisor import LocalSupervisor, RemoteSupervisor
 from actors.weight_sync import WeightWatcher
 from common.checksum import weights_sha256
 from common.config import Config, load_config
@@ -77,6 +81,25 @@ def _misshapen_weights(base: Path, out: Path, version: int) -> WeightUpdate:
     return WeightUpdate(version=version, path=str(out), sha256=weights_sha256(out), created_at=time.time())
 
 
+def test_each_engine_kind_gets_its_supervisor_and_implementation(tiny_model_dir: Path) -> None:
+    owner = Owner()
+    remote, watcher = _link(_config(tiny_model_dir, "http://127.0.0.1:1"), owner)
+    watcher.close()
+    assert isinstance(remote.supervisor, RemoteSupervisor) and remote.process is None and not remote.owned
+    kinds = {}
+    for kind, imitate in (("rollout_server", "false"), ("rollout_server", "true"), ("sglang", "false")):
+        cfg = load_config(None, [f"model.path={tiny_model_dir}", f"engine.kind={kind}",
+                                 f"engine.imitate_sglang={imitate}", "metrics.prometheus=false"])
+        link, watcher = _link(cfg, owner)
+        watcher.close()
+        asyncio.run(link.use_engine("http://127.0.0.1:1"))  # what a (re)start does with the engine's URL
+        kinds[kind, imitate] = (type(link.supervisor), type(link.client))
+        asyncio.run(link.close())
+    assert kinds == {("rollout_server", "false"): (LocalSupervisor, RolloutServerEngine),
+                     ("rollout_server", "true"): (LocalSupervisor, SGLangEngine),
+                     ("sglang", "false"): (RemoteSupervisor, SGLangEngine)}
+
+
 def test_disk_sync_moves_the_served_version_and_refusals_are_counted(tiny_model_dir: Path, server_factory: Any,
                                                                      tmp_path: Path) -> None:
     server = server_factory(tiny_model_dir)
@@ -92,6 +115,7 @@ def test_disk_sync_moves_the_served_version_and_refusals_are_counted(tiny_model_
         try:
             await link.connect()
             assert link.version == 0 and link.url == server.url and not link.owned and owner.changes == 1
+            assert type(link.client) is SGLangEngine  # an external engine: SGLang's behaviour is assumed
             link.gate.set()
             sync = asyncio.get_running_loop().create_task(link.sync_loop())
             watcher.offer(v1)

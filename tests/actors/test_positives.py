@@ -20,6 +20,6 @@ def test_actor_counts_positives_at_buffer_positive_reward(tiny_model_dir: Path) 
         cfg = load_config(None, [f"model.path={tiny_model_dir}", f"buffer.positive_reward={threshold}",
                                  "metrics.prometheus=false"])
         w = RolloutWorker(cfg, 0)
-        w._record(_group([0.0, 0.5, 0.75, 1.0]), ack, 0)  # type: ignore[arg-type]
+        w.groups.record(_group([0.0, 0.5, 0.75, 1.0]), ack, 0)  # type: ignore[arg-type]
         assert w.counts.positives == expected
         assert w.metric("positives_rate")._value.get() == expected / 4

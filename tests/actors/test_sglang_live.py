@@ -21,6 +21,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from actors.engine import Engine, RolloutServerEngine, SGLangEngine
 from common.sglang_client import GenerateOutput, SGLangClient, SGLangError
 from learner.losses import token_logprobs
 from ops.sglang_cpu.contract import FIXTURE, conversation, violations
@@ -186,6 +187,41 @@ def test_control_endpoints_refuse_a_missing_or_wrong_admin_key(server: LiveSGLan
     assert server.request("GET", "/health", key=None)[0] == 200
     assert server.request("POST", "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}},
                           key=None)[0] == 200
+
+
+def test_the_engine_interface_holds_for_the_real_server(server: LiveSGLang, tmp_path: Path) -> None:
+    """``actors.engine.SGLangEngine`` is the engine the actors drive: what it relies on where SGLang and
+    rollout_server differ. There is no ``/get_weight_version`` (the rollout_server implementation's route), so
+    the served version comes from a generation; ``/health`` cannot run while paused, ``/model_info`` can."""
+    upd = make_weights(BASE, tmp_path / "v9", 1.02, 9)
+
+    async def go() -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        engine = SGLangEngine(server.url, timeout_s=120, control_timeout_s=60, api_key=ADMIN_KEY)
+        other = RolloutServerEngine(server.url, timeout_s=120, control_timeout_s=60, api_key=ADMIN_KEY)
+        try:
+            seen["is_engine"] = isinstance(engine, Engine)
+            await engine.update_weights_from_disk(upd.path, weight_version=9)
+            seen["versions"] = (await engine.get_weight_version(), await engine.served_weight_version())
+            with pytest.raises(SGLangError) as e:
+                await other.served_weight_version(timeout_s=10)
+            seen["missing_route"] = e.value.status
+            await engine.pause_generation("in_place")
+            try:
+                seen["paused"] = (await engine.probe(True, 10.0), await engine.health(3.0))
+            finally:
+                await engine.continue_generation()
+            seen["running"] = (await engine.health(30.0), await engine.probe(False, 30.0))
+        finally:
+            await engine.close()
+            await other.close()
+        return seen
+
+    seen = run(go())
+    assert seen["is_engine"] and seen["versions"] == ("9", "9")
+    assert seen["missing_route"] == 404
+    assert seen["paused"] == (True, False)  # the update-time probe answers; SGLang's /health generation cannot
+    assert seen["running"] == (True, True)
 
 
 def test_the_captured_contract_still_holds_for_the_installed_server(server: LiveSGLang) -> None:

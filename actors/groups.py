@@ -1,0 +1,126 @@
+"""A worker's groups: one prompt through the engine into G verified, version-stamped samples, and what the
+groups the buffer acknowledged came to.
+
+``GroupMaker.make(index)`` asks the engine (through the worker's ``actors.engine_link.EngineLink``, whose
+gate it waits on) for ``n = actors.group_size`` samples of the task's train prompt ``index`` with
+``return_logprob``; an engine error is resubmitted after a back-off (the link is told: the engine may be
+gone), a 4xx refusal skips the prompt, a group with an aborted sample (a weight update with
+``actors.weight_sync = abort``) is generated again whole. Each sample is verified by the task
+(``actors.samples``) and stamped with the oldest weight version among its tokens. ``record`` counts a group
+the buffer acknowledged in the worker's ``GroupCounts`` and metrics.
+
+Not a CLI; used by ``actors.worker``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from actors.cursor import group_id_for
+from actors.report import GroupCounts
+from actors.samples import engine_sample, has_behaviour_logprobs
+from common.config import Config
+from common.protocol import IngestAck, Sample, SampleGroup
+from common.sglang_client import GenerateOutput, SGLangError
+from common.tasks import Prompt, Task, encode_prompt
+
+if TYPE_CHECKING:
+    from actors.engine_link import EngineLink
+
+log = logging.getLogger("vapo.actors.worker")
+
+
+class WorkerError(RuntimeError):
+    """A condition the worker cannot recover from (engine restarts exhausted, bad engine output)."""
+
+
+class GroupMaker:
+    """One worker's prompts into groups (see the module docstring); ``link`` and ``tokenizer`` are set by the
+    worker once it has them."""
+
+    def __init__(self, cfg: Config, actor_id: int, task: Task, counts: GroupCounts, metric: Callable[..., Any], *,
+                 generate_timeout_s: float) -> None:
+        self.actors_cfg, self.actor_id, self.task = cfg.actors, actor_id, task
+        self.positive_reward = cfg.buffer.positive_reward
+        self.counts, self.metric = counts, metric
+        self.generate_timeout_s = generate_timeout_s
+        self.link: EngineLink | None = None
+        self.tokenizer: Any = None
+
+    def record(self, group: SampleGroup, ack: IngestAck, resent: int) -> None:
+        """Count a group the buffer acknowledged (``resent``: how many times it was sent again)."""
+        rewards = [s.reward for s in group.samples]
+        n_pos = sum(1 for r in rewards if r >= self.positive_reward)  # the buffer's and learner's test too
+        tokens = sum(s.response_length for s in group.samples)
+        self.counts.groups += 1
+        self.counts.samples += len(rewards)
+        self.counts.tokens += tokens
+        self.counts.positives += n_pos
+        self.counts.duplicates += int(bool(ack.duplicate))
+        if ack.error:  # committed but never served: "stale" or "filtered:<why>"
+            self.counts.not_served += 1
+            self.metric("groups_not_served", reason=ack.error.split(":", 1)[0]).inc()
+        self.metric("groups_sent").inc()
+        self.metric("samples").inc(len(rewards))
+        self.metric("tokens").inc(tokens)
+        self.metric("reward_mean").set(sum(rewards) / len(rewards))
+        self.metric("positives_rate").set(n_pos / len(rewards))
+        if resent > 0:
+            self.metric("groups_resent").inc(resent)
+
+    async def make(self, index: int) -> SampleGroup | None:
+        """G verified samples of the task's train prompt ``index``; None if the engine refuses the prompt."""
+        prompt = self.task.train_prompt(index)
+        ids = encode_prompt(self.tokenizer, prompt)
+        sp: dict[str, Any] = {"n": self.actors_cfg.group_size, "temperature": self.actors_cfg.temperature, "top_p": self.actors_cfg.top_p,
+                              "top_k": self.actors_cfg.top_k, "max_new_tokens": self.actors_cfg.max_new_tokens}
+        failures = 0
+        link = self.link
+        assert link is not None
+        while True:
+            await link.gate.wait()
+            client, v_before = link.client, link.version
+            assert client is not None
+            t0 = time.monotonic()
+            try:
+                outs = await client.generate(ids, sp, return_logprob=True, timeout_s=self.generate_timeout_s)
+            except SGLangError as e:
+                if e.status is not None and 400 <= e.status < 500:
+                    log.error("actor %d: engine refused prompt %d (%s): %s; skipping it", self.actor_id, index,
+                              prompt.prompt_id, e.message)
+                    self.counts.skipped += 1
+                    self.metric("prompts_skipped").inc()
+                    return None
+                failures += 1
+                self.counts.resubmits += 1
+                self.metric("resubmits", reason="engine_error").inc()
+                link.report_trouble()
+                if failures % 10 == 1:
+                    log.warning("actor %d: generate failed (%s); will resubmit", self.actor_id, e)
+                # Back off while the supervisor notices a dead engine (its exit or /health) and restarts it.
+                await asyncio.sleep(min(0.05 * 2 ** min(failures, 6), 2.0))
+                continue
+            reported = [o.weight_version_int for o in outs if o.weight_version_int is not None]
+            if not link.owned and reported and min(reported) < v_before:
+                link.report_trouble()  # an engine we do not own lost our weights: re-sync (samples stay honest)
+            if any(o.finish_reason == "abort" for o in outs):
+                self.counts.resubmits += 1
+                self.metric("resubmits", reason="abort").inc()
+                continue  # aborted for a weight update: generate the whole group again on the new weights
+            self.metric("generation_seconds").observe(time.monotonic() - t0)
+            v_now = min(v_before, link.version)
+            samples = [self._sample(prompt, ids, o, v_now) for o in outs]
+            return SampleGroup(group_id=group_id_for(self.actor_id, index), prompt_id=prompt.prompt_id,
+                               task=self.task.name, actor_id=self.actor_id, samples=samples, created_at=time.time())
+
+    def _sample(self, prompt: Prompt, prompt_ids: list[int], o: GenerateOutput, fallback_version: int) -> Sample:
+        if not has_behaviour_logprobs(o):
+            raise WorkerError(f"engine returned no or non-finite output logprobs (rid {o.rid}); behaviour logprobs are required")
+        return engine_sample(self.task, self.tokenizer, prompt, prompt_ids, o, fallback_version)
+
+
+__all__ = ["GroupMaker", "WorkerError"]
