@@ -27,14 +27,21 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import zmq
+
+from actors.sglang_launcher import write_admin_key_config
+from buffer.client import BatchClient
 from common import lifeline, provenance
 from common.config import Config, ConfigError, load_config, save_config
 from common.metrics import Metrics
 from common.placement import LEARNER_DONE_FILE, STORE_FILE_ENV, build_plan
 from common.preflight import missing_files
+from common.security import apply_client_curve, client_curve_keys, generate_run_keys, url_host
+from ops import report
 from ops.launch_child import Child, LaunchError
 from ops.launch_engines import engine_targets, sglang_install_problem, write_prometheus_config  # noqa: F401
 from ops.launch_failure import failure_notes
@@ -60,9 +67,6 @@ class ProbeError(RuntimeError):
 def buffer_healthy(cfg: Config, timeout_s: float = 1.0) -> bool:
     """The buffer answers a StatsRequest on its learner socket (False: no answer yet; ProbeError: the probe
     cannot work, e.g. a client key file that does not exist)."""
-    import zmq
-
-    from buffer.client import BatchClient
 
     addr = cfg.buffer.serve_addr
     try:
@@ -82,21 +86,15 @@ def buffer_healthy(cfg: Config, timeout_s: float = 1.0) -> bool:
 
 def _probe_keys(cfg: Config) -> ClientKeys | None:
     """The health probe's CURVE client keys (the ``monitor`` role; None without CURVE)."""
-    from common.security import client_curve_keys
-
     return client_curve_keys(cfg.buffer.curve, "monitor")
 
 
 def _apply_client_curve(sock: Any, cfg: Config) -> None:
     """The probe's keys on a socket of one's own (how a test checks which keys the probe presents)."""
-    from common.security import apply_client_curve
-
     apply_client_curve(sock, _probe_keys(cfg))
 
 
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:
-    import urllib.request
-
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as r:  # loopback/config URLs
             return 200 <= r.status < 300
@@ -152,8 +150,6 @@ def ensure_run_keys(cfg: Config) -> Path | None:
     ``buffer.curve.keys_dir`` at it, so each process uses the key of its role. Each actor gets a pair of its
     own, ``actor-<i>``, which binds actor id i to that key at the buffer (``common.security``); the shared
     ``actor`` pair stays for actors started by hand. Returns the keys directory."""
-    from common.security import generate_run_keys
-
     c = cfg.buffer.curve
     if c.server_secret_key or c.server_public_key or c.client_secret_key or c.authorized_clients_dir:
         return None  # keys of the operator's own making (e.g. on a shared filesystem): used as configured
@@ -229,12 +225,8 @@ class Launcher(Supervision):
     def start_engines(self) -> None:
         """SGLang servers (rollout_server engines are started and supervised by their actor; external URLs
         are given). Engines on this host are waited for here; a remote one is waited for by its actor."""
-        from common.security import url_host  # an IPv6 engine.host (::) goes into a URL in brackets
-
         engines = [p for p in self.plan.procs if p.role == "engine"]
         if engines and self.cfg.engine.admin_api_key_file:
-            from actors.sglang_launcher import write_admin_key_config
-
             write_admin_key_config(self.cfg.engine.admin_api_key_file)  # the --config file their argv names
         t0 = time.time()
         for p in engines:
@@ -406,8 +398,6 @@ def main(argv: list[str] | None = None) -> int:
         launcher.stop_all()
         return 1
     launcher.stop_all()
-    from ops import report  # ops/report.py
-
     report.finish(cfg, launcher.run_dir, time.time() - launcher.t0)
     return 0
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import Config
+from common.security import is_loopback_host
 
 # What an SGLang engine imports first: SGLang, and its kernels (on CPU vapo's pure-torch stand-in).
 SGLANG_MODULES = ("sglang", "sgl_kernel")
@@ -50,8 +51,6 @@ def engine_targets(cfg: Config, plan: Any = None) -> list[str]:
     """host:port of every engine's /metrics: rollout_server's, or SGLang's (``sglang:*``, which it serves
     with ``--enable-metrics`` on its HTTP port). An engine on another host is scraped by that host's name
     when it binds a non-loopback address; one bound to its own loopback cannot be scraped from host 0."""
-    from common.security import is_loopback_host
-
     if cfg.engine.kind not in ("rollout_server", "sglang"):
         return []
     here = cfg.placement.hosts[0]

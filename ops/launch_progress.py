@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.provenance import describe
+
 
 def say(msg: str) -> None:
     print(f"[vapo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -55,8 +57,6 @@ class Progress:
         kind = r.get("kind", "")
         ev = r if kind == "eval" else r.get("eval")
         if kind == "header":
-            from common.provenance import describe
-
             say(f"learner {'resumed' if r.get('resumed') else 'started'} on {describe(r)}")
         elif kind == "value_pretrain":
             say(f"value pretraining step {r.get('step', '?')}: explained variance (fresh groups) "

@@ -10,8 +10,12 @@ import threading
 import time
 from typing import Any
 
+import zmq
+
+from buffer.client import BatchClient
 from common import remote
 from common.placement import LEARNER_DONE_FILE
+from common.security import client_curve_keys
 from ops.launch_child import Child, LaunchError
 from ops.launch_elastic import (
     GIVE_UP,
@@ -217,10 +221,6 @@ class Supervision:
 
     def _watch_released(self) -> None:
         """Samples the buffer's released credit (a thread: a slow answer never delays supervision)."""
-        import zmq
-
-        from buffer.client import BatchClient
-        from common.security import client_curve_keys
 
         try:
             client = BatchClient(self.cfg.buffer.serve_addr, curve=client_curve_keys(self.cfg.buffer.curve, "monitor"),

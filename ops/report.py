@@ -14,6 +14,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from common.provenance import describe, for_config
+
 
 def read_records(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl`` (none when it does not exist yet), only ``kind``'s if given."""
@@ -129,10 +134,10 @@ PLOTS = {
 
 
 def plot(run_dir: Path) -> list[Path]:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - plots only; the Agg backend is chosen first
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - plots only; the Agg backend is chosen first
 
     records = load_records(run_dir)
     out_dir = run_dir / "plots"
@@ -165,9 +170,6 @@ def plot(run_dir: Path) -> list[Path]:
 
 
 def print_table(summary: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     t = Table(title=f"vapo run '{summary['run']}'")
     t.add_column("metric")
     t.add_column("value", justify="right")
@@ -187,7 +189,6 @@ def print_table(summary: dict[str, Any]) -> None:
     t.add_row("samples trained on", fmt(summary["samples"]))
     t.add_row("wall time (s)", fmt(summary.get("wall_seconds")))
     Console().print(t)
-    from common.provenance import describe
 
     Console().print(f"produced by: {describe(summary.get('provenance'))}", soft_wrap=True)
 
@@ -195,7 +196,6 @@ def print_table(summary: dict[str, Any]) -> None:
 def finish(cfg: Any, run_dir: Path, wall_s: float) -> dict[str, Any]:
     summary = summarize(run_dir, wall_s)
     if summary["provenance"] is None:  # metrics.jsonl=false, or a learner that never started: this machine
-        from common.provenance import for_config
 
         summary["provenance"] = {"source": "launcher at the end of the run", **for_config(cfg)}
     if getattr(cfg.metrics, "plots", True):

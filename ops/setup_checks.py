@@ -110,7 +110,7 @@ def run(stage: str) -> list[str]:
         if not no_gpu:
             problems.append(check_driver(driver_version()))
     else:
-        import torch
+        import torch  # noqa: PLC0415 - the 'before' checks run before torch is installed
 
         problems = [] if no_gpu else [check_torch(torch.version.cuda, torch.cuda.is_available(), driver_version())]
     return [p for p in problems if p]

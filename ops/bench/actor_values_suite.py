@@ -27,6 +27,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from ops.bench.run_records import read_records
+
 STEPS = 40
 SEEDS = (0, 1)
 TASKS = {"default": "ops/configs/default.yaml", "long": "ops/configs/long.yaml"}
@@ -54,8 +56,6 @@ def experiments(Experiment: Any) -> list[Any]:
 
 def summary(root: Path, load_run: Any) -> dict[str, Any]:
     """Per ``<task>/<arm>``: seeds done, final avg@8 (mean, per seed), mean reported EV, mean mismatch KL."""
-    from ops.bench.run_records import read_records
-
     out: dict[str, Any] = {}
     arms = [(t, a) for t in TASKS for a in ARMS] + [("default", a) for a in DEFAULT_CHANGES]
     for t, a in arms:

@@ -41,8 +41,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 
+from buffer.client import BatchClient  # noqa: E402
 from common.config import Config, load_config  # noqa: E402
 from common.sglang_client import SGLangClient  # noqa: E402
+from common.tasks import encode_prompt, get_task  # noqa: E402
 from ops.bench.measure import MIN_ROUNDS, EventWindow, Run, Timed, interleave, summarise  # noqa: E402
 
 GOAL = 0.9  # the actors deliver at least 90% of what the engine generates
@@ -80,7 +82,7 @@ def read_tagged(p: subprocess.Popen, tag: str, timeout_s: float) -> dict[str, An
 
 
 def build_model(cfg: Config, out: Path) -> Path:
-    from common.modeling import build_char_tokenizer, build_tiny_qwen2, save_hf
+    from common.modeling import build_char_tokenizer, build_tiny_qwen2, save_hf  # noqa: PLC0415 - heavy (torch): --help and the light paths skip it
 
     b = cfg.model.bootstrap
     tok = build_char_tokenizer()
@@ -149,8 +151,6 @@ def committed(bc: Any, warmup_s: float, seconds: float, every_s: float = 0.1) ->
 
 
 def actor_phase(overrides: list[str], tmp: Path, warmup_s: float, seconds: float) -> dict[str, Any]:
-    from buffer.client import BatchClient
-
     buf = subprocess.Popen([sys.executable, "-m", "buffer", *overrides], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
                            stderr=open(tmp / "buffer.log", "ab"))
     procs = [buf]
@@ -210,8 +210,7 @@ def start_engine(cfg: Config, model: Path, log: Path) -> tuple[subprocess.Popen,
 def measure(args: argparse.Namespace, overrides: list[str], cfg: Config, model: Path, url: str, tmp: Path,
             sock: Path) -> dict[str, Any]:
     """The interleaved rounds: their figures and the judged ratio."""
-    from common.modeling import load_tokenizer
-    from common.tasks import encode_prompt, get_task
+    from common.modeling import load_tokenizer  # noqa: PLC0415 - heavy (torch): --help and the light paths skip it
 
     tok, task = load_tokenizer(model), get_task(cfg.task)
     prompts = [encode_prompt(tok, task.train_prompt(i)) for i in range(512)]

@@ -28,6 +28,8 @@ assume a 60 s step (long-CoT 32B steps take minutes), i.e. 137 samples/s from on
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -41,9 +43,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+import lmdb
+import numpy as np
 
-from ops.bench.measure import MIN_ROUNDS, Rounds, Run, Timed, interleave, summarise  # noqa: E402
+from buffer.client import AsyncGroupSender, BatchClient
+from common.config import CurveConfig
+from common.ports import free_port
+from common.protocol import BatchReply, BatchRequest, Sample, SampleGroup, decode, encode
+from common.security import client_curve_keys, generate_run_keys
+from ops.bench.measure import MIN_ROUNDS, Rounds, Run, Timed, interleave, summarise
+
+REPO = Path(__file__).resolve().parents[2]
 
 GOAL = 0.5  # ingest at least half the raw LMDB rate
 QUICK = {"groups_per_sender": 8, "group_size": 4, "tokens": 50, "serve_groups": 8, "rounds": 2, "min_round_s": 0.0}
@@ -52,9 +62,6 @@ PAPER_SAMPLES_PER_STEP = 512 * 16
 
 
 def build_groups(n: int, seed: int, prefix: str, g: int, tokens: int) -> list[Any]:
-    import numpy as np
-
-    from common.protocol import Sample, SampleGroup
 
     rng = np.random.default_rng(seed)
     out = []
@@ -72,9 +79,6 @@ def build_groups(n: int, seed: int, prefix: str, g: int, tokens: int) -> list[An
 
 
 def _keys(keys_dir: str, role: str) -> Any:
-    from common.config import CurveConfig
-    from common.security import client_curve_keys
-
     return client_curve_keys(CurveConfig(keys_dir=keys_dir), role) if keys_dir else None
 
 
@@ -82,10 +86,6 @@ def sender_main(addr: str, actor: int, n: int, g: int, tokens: int, window: int,
                 results: Any, keys_dir: str = "") -> None:
     """One sender process: builds its ``n`` groups once, then per command (a tag) sends them all under fresh
     group_ids ``{tag}-{actor}-{i}`` (the buffer stores a group_id once) and reports (t0, t1, groups, resent)."""
-    import asyncio
-    import dataclasses
-
-    from buffer.client import AsyncGroupSender
 
     pool = build_groups(n, actor, f"s{actor}", g, tokens)
 
@@ -125,8 +125,6 @@ class RawLMDB:
         self.written = 0
 
     def open(self, r: int) -> None:
-        import lmdb
-
         self.close()
         self.round, self.path = r, self.work / f"raw{r}"
         self.env = lmdb.open(str(self.path), map_size=1 << 30, max_dbs=8, subdir=True, sync=True, metasync=True,
@@ -141,8 +139,6 @@ class RawLMDB:
 
     def put_all(self, r: int) -> Timed:
         """Every frame once (keys continue from the previous call of the round, as the buffer's do)."""
-        import lmdb
-
         if self.env is None or self.round != r:
             self.open(r)
         key = struct.Struct(">QQI")
@@ -210,8 +206,6 @@ def stop_buffer(proc: subprocess.Popen[bytes]) -> None:
 
 def ingest_rounds(args: argparse.Namespace, ingest: str, keys_dir: str, work: Path) -> dict[str, Any]:
     """Interleaved rounds of sender ingest and raw LMDB puts of the same bytes (``measure.interleave``)."""
-    from common.protocol import encode
-
     ctx = mp.get_context("spawn")
     commands = [ctx.Queue() for _ in range(args.senders)]
     barrier, results = ctx.Barrier(args.senders), ctx.Queue()
@@ -254,9 +248,6 @@ def ingest_rounds(args: argparse.Namespace, ingest: str, keys_dir: str, work: Pa
 
 def serve_latency(args: argparse.Namespace, serve: str, keys_dir: str, n_stored: int) -> dict[str, Any]:
     """One batch request timed to its bytes and to its decoded reply, then one ``get_batch``."""
-    from buffer.client import BatchClient
-    from common.protocol import BatchReply, BatchRequest, decode, encode
-
     n = min(args.serve_groups, n_stored // 2)
     with BatchClient(serve, request_timeout_s=120, curve=_keys(keys_dir, "learner")) as c:
         stats = c.stats()
@@ -311,13 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run = Run(quick=args.quick)
     work = Path(tempfile.mkdtemp(prefix="vapo-bench-buffer-"))
-    from common.ports import free_port
 
     ingest, serve = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     keys_dir = ""
     if not args.no_curve:
-        from common.security import generate_run_keys
-
         keys_dir = str(generate_run_keys(work / "keys"))
     proc = None
     try:

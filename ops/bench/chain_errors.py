@@ -19,6 +19,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from common.config import load_config
+from common.tasks import decode_response, encode_prompt, get_task
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -58,13 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
 
-    import torch
+    import torch  # noqa: PLC0415 - heavy (torch): --help and the light paths skip it
 
-    from common.config import load_config
-    from common.modeling import load_tokenizer
-    from common.tasks import decode_response, encode_prompt, get_task
-    from learner.evaluate import generate
-    from learner.models import load_policy_module
+    from common.modeling import load_tokenizer  # noqa: PLC0415 - heavy (torch): --help and the light paths skip it
+    from learner.evaluate import generate  # noqa: PLC0415 - heavy (torch): --help and the light paths skip it
+    from learner.models import load_policy_module  # noqa: PLC0415 - heavy (torch): --help and the light paths skip it
 
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, [])

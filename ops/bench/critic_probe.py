@@ -37,17 +37,21 @@ import torch
 
 from common import protocol
 from common.config import Config, load_config
+from common.modeling import load_tokenizer, pad_token_id
 from common.tasks import decode_response, encode_prompt, get_task
+from common.tasks.addition import teacher_response
+from learner.batch import collate
+from learner.dist import global_explained_variance, setup_distributed
+from learner.evaluate import generate
+from learner.models import build_critic, load_policy_module
+from learner.update import compute_values, critic_update, minibatch_rows
+from learner.value_pretrain import heldout_ev, value_targets
 
 log = logging.getLogger("critic_probe")
 
 
 def sample_groups(cfg: Config, first_index: int, n_groups: int, seed: int) -> list[protocol.SampleGroup]:
     """``n_groups`` groups of ``actors.group_size`` verified samples of training prompts from the base policy."""
-    from common.modeling import load_tokenizer
-    from learner.evaluate import generate
-    from learner.models import load_policy_module
-
     task = get_task(cfg.task)
     tok = load_tokenizer(cfg.model.path)
     model = load_policy_module(cfg.model.path).eval()
@@ -73,12 +77,6 @@ def sample_groups(cfg: Config, first_index: int, n_groups: int, seed: int) -> li
 
 def train_variant(cfg: Config, pool: list[protocol.SampleGroup], fresh: Any, steps: int, eval_every: int,
                   pad: int) -> tuple[dict[str, Any], Any]:
-    from learner.batch import collate
-    from learner.dist import global_explained_variance
-    from learner.models import build_critic
-    from learner.update import compute_values, critic_update, minibatch_rows
-    from learner.value_pretrain import heldout_ev, value_targets
-
     torch.manual_seed(cfg.run.seed)
     vp, lc = cfg.value_pretrain, cfg.learner
     critic = build_critic(cfg, lr=vp.lr)
@@ -116,13 +114,11 @@ def train_variant(cfg: Config, pool: list[protocol.SampleGroup], fresh: Any, ste
 def plot_values(critic: Any, fresh_groups: list[protocol.SampleGroup], fresh: Any, cfg: Config, path: Path) -> dict[str, Any]:
     """V(s_t) along 3 failed and 2 successful fresh responses (longest first, ≥ 3 columns), and the mean
     value change at the first wrong column line of every failed response whose trace we can check."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - plots only; the Agg backend is chosen first
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - plots only; the Agg backend is chosen first
 
-    from common.modeling import load_tokenizer
-    from learner.update import compute_values
 
     tok = load_tokenizer(cfg.model.path)
     task = get_task(cfg.task)
@@ -168,8 +164,6 @@ def plot_values(critic: Any, fresh_groups: list[protocol.SampleGroup], fresh: An
 def _first_wrong_digit(prompt: Any, chars: list[str]) -> int | None:
     """Token index where the response first leaves the correct trace (a wrong column sum, carry or copied
     operand digit); None when it never does (or only by stopping early/late)."""
-    from common.tasks.addition import teacher_response
-
     want = teacher_response(prompt)
     text = "".join(chars)
     for j, (a, b) in enumerate(zip(text, want, strict=False)):
@@ -214,9 +208,6 @@ def load_groups(args: argparse.Namespace, cfg: Config, n_all: int) -> list[proto
 def score_critic(args: argparse.Namespace, cfg: Config, fresh_groups: list[protocol.SampleGroup], fresh: Any,
                  rewards: list[float]) -> dict[str, Any]:
     """``--critic``: the saved critic's EV on the fresh groups (and its values plotted), no training."""
-    from learner.models import build_critic
-    from learner.value_pretrain import heldout_ev
-
     critic = build_critic(cfg, args.critic)
     ev, vmean = heldout_ev(critic, fresh, cfg.algo.gamma, cfg.learner.micro_batch_size)
     out = {"bench": "critic_probe", "critic": args.critic, "fresh_groups": args.fresh_groups,
@@ -266,9 +257,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sample_s = time.perf_counter() - t0
     pool_all, fresh_groups = groups[: args.train_groups], groups[args.train_groups : n_all]
-    from common.modeling import load_tokenizer, pad_token_id
-    from learner.batch import collate
-    from learner.dist import setup_distributed
 
     setup_distributed(cfg)
     pad = pad_token_id(load_tokenizer(cfg.model.path))

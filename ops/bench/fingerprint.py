@@ -37,6 +37,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from common import protocol  # noqa: E402
+from common.config import load_config  # noqa: E402
+from common.modeling import build_char_tokenizer, build_tiny_qwen2, save_hf  # noqa: E402
+from common.protocol import Sample, SampleGroup  # noqa: E402
+from learner.dist import exit_process  # noqa: E402
+from learner.train import Learner  # noqa: E402
+
 VOLATILE_STATS = ("time", "tokens_per_second", "phase_seconds", "step_seconds")
 VOLATILE_FIELDS = ("e2e_latency",)
 LEARNER_OVERRIDES = ("learner.micro_batch_size=3", "learner.mini_batches=2", "learner.batch_groups=4",
@@ -56,8 +63,6 @@ def sha(data: bytes) -> str:
 
 def tiny_model(root: Path) -> Path:
     """The tests' tiny model (1-layer Qwen2, hidden 32, char tokenizer, seed 0), saved under ``root``."""
-    from common.modeling import build_char_tokenizer, build_tiny_qwen2, save_hf
-
     tok = build_char_tokenizer()
     model = build_tiny_qwen2(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                              intermediate_size=64, max_position_embeddings=256, seed=0)
@@ -68,8 +73,6 @@ def fixed_groups(n_groups: int = 4, group_size: int = 4, vocab: int = 60, seed: 
                  max_new_tokens: int = 12) -> list[Any]:
     """Random prompts and responses over token ids [3, vocab), reward 1 with probability 1/2; a response of
     ``max_new_tokens`` ends by 'length'. Its own generator: the data must not move with product code."""
-    from common.protocol import Sample, SampleGroup
-
     rng = np.random.default_rng(seed)
     groups = []
     for g in range(n_groups):
@@ -127,9 +130,6 @@ def watch_grads(modules: dict[str, torch.nn.Module]) -> dict[str, list[str]]:
 def learner_fingerprint(model_dir: Path, data_seed: int = 3, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """One DeepSpeed learner step on ``fixed_groups(seed=data_seed)`` with config overrides ``extra``:
     digests of the models (critic "none" without one), statistics and gradients."""
-    from common.config import load_config
-    from learner.train import Learner
-
     cfg = load_config(None, [f"model.path={model_dir}", *LEARNER_OVERRIDES, *extra])
     learner = Learner(cfg, None)
     models = {"policy": learner.policy.module}
@@ -214,8 +214,6 @@ def rollout_fingerprint(model_dir: Path, log_dir: Path) -> dict[str, Any]:
 
 def wire_messages() -> list[Any]:
     """One message of every protocol type, built with keyword arguments only."""
-    from common import protocol
-
     groups = fixed_groups(n_groups=2, group_size=2)
     # The longest response, its first token from version 0 and the rest from 1 (an update mid-generation).
     sample = max(groups[1].samples, key=lambda s: s.response_length)
@@ -247,8 +245,6 @@ def wire_messages() -> list[Any]:
 
 
 def wire_fingerprint() -> dict[str, Any]:
-    from common import protocol
-
     total = hashlib.sha256()
     parts: dict[str, str] = {}
     roundtrip = True
@@ -283,12 +279,10 @@ def main(argv: list[str] | None = None) -> None:
             out["learner"] = {name: learner_fingerprint(model_dir, extra=extra)
                               for name, extra in LEARNER_VARIANTS.items()}
             out["learner"]["volatile_stats"] = list(VOLATILE_STATS)
-    import common.protocol
 
-    out["code"] = str(Path(common.protocol.__file__).resolve().parents[1])  # which checkout was imported
+    out["code"] = str(Path(protocol.__file__).resolve().parents[1])  # which checkout was imported
     print(json.dumps(out, sort_keys=True), flush=True)
     if "learner" in parts:  # a live gloo group can abort interpreter finalisation; leave as a learner does
-        from learner.dist import exit_process
 
         exit_process(0)
 

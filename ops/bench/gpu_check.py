@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("extra", nargs="*", help="more config key=value overrides")
     a = ap.parse_args(argv)
     out: dict[str, Any] = {"bench": "gpu_check", "device": a.device, "hidden": a.hidden, "layers": a.layers}
-    import torch
+    import torch  # noqa: PLC0415 - heavy (torch): --help and the light paths skip it
 
     if a.device == "cuda":
         if not torch.cuda.is_available():

@@ -35,6 +35,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from common.config import load_config  # noqa: E402
+from common.modeling import build_char_tokenizer, build_tiny_qwen2, save_hf  # noqa: E402
+from learner.models import load_critic_module, load_policy_module  # noqa: E402
+from learner.synthetic import synth_groups  # noqa: E402
+from learner.train import Learner  # noqa: E402
 from ops.bench.measure import MIN_ROUNDS, Run, Timed, summarise  # noqa: E402
 
 GOAL = 0.8  # DeepSpeed's overhead over a plain loop at most 25%
@@ -79,7 +84,6 @@ def model_dir(tmp: Path) -> tuple[Path, str]:
     base = REPO / "ops" / "bases" / "addition-tiny"
     if (base / "config.json").is_file():
         return base, "ops/bases/addition-tiny"
-    from common.modeling import build_char_tokenizer, build_tiny_qwen2, save_hf
 
     tok = build_char_tokenizer()
     return save_hf(build_tiny_qwen2(len(tok), hidden_size=128, num_layers=3), tok, tmp / "tiny"), "random tiny Qwen2 (128x3)"
@@ -101,10 +105,6 @@ def main() -> int:
     run = Run(quick=args.quick)
     torch.set_num_threads(args.threads)
 
-    from common.config import load_config
-    from learner.models import load_critic_module, load_policy_module
-    from learner.synthetic import synth_groups
-    from learner.train import Learner
 
     with tempfile.TemporaryDirectory() as tmp:
         mdir, mdesc = model_dir(Path(tmp))

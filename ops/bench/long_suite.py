@@ -30,6 +30,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from common.provenance import machines_line
 from ops.bench import run_records
 from ops.bench.default_suite import EARLIER
 from ops.bench.run_records import Run, fmt, fmt_k, load_run, mean_std, plot_curves
@@ -131,7 +134,6 @@ def final_eval(run_dir: Path, log: Any) -> None:
     if out.exists() or not recs or "by_bucket" in recs[-1]:
         return
     weights = max((p for p in (run_dir / "weights").glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
-    import yaml
 
     seed = int(yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["seed"])
     log(f"{run_dir.name}: re-running its final held-out evaluation for the per-bucket accuracy ({weights.name})")
@@ -224,15 +226,11 @@ def _finished_runs(root: Path) -> dict[str, list[tuple[Path, Run]]]:
 
 def _introduction(rows: dict[str, list[tuple[Path, Run]]]) -> list[str]:
     """The machines, the task and its base (from any run's base evaluation) and the hand-written notes."""
-    from common.provenance import machines_line
-
     lines = ["Produced by (each run's metrics.jsonl header): "
              + machines_line([d for rs in rows.values() for d, _ in rs]), ""]
     bases = [_eval_records(d)[0] for rs in rows.values() for d, _ in rs]  # every run starts from the same base
     base_rec = next((b for b in bases if "by_response_length" in b), bases[0] if bases else None)
     if base_rec is not None:
-        import yaml
-
         some_run = next(d for rs in rows.values() for d, _ in rs)
         boot = (yaml.safe_load((some_run / "config.yaml").read_text()).get("model") or {}).get("bootstrap") or {}
         slips = f"{boot['teacher_error_rate']:.0%}" if "teacher_error_rate" in boot else "?"
@@ -341,10 +339,10 @@ def _critic_quality(vapo_runs: list[tuple[Path, Run]], vapo_name: str | None, fi
 
 
 def ev_plot(path: Path, runs: list[tuple[str, Any]]) -> None:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - plots only; the Agg backend is chosen first
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - plots only; the Agg backend is chosen first
 
     fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
     for name, r in runs:

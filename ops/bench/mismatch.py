@@ -39,6 +39,9 @@ from common.generation.scheduler import Scheduler, Sequence  # noqa: E402
 from common.modeling import load_model, load_tokenizer  # noqa: E402
 from common.protocol import Sample, SampleGroup  # noqa: E402
 from common.tasks import encode_prompt, get_task  # noqa: E402
+from learner.losses import mismatch_stats  # noqa: E402
+from learner.train import Learner  # noqa: E402
+from learner.update import compute_logprobs  # noqa: E402
 
 
 def sample(model_path: str, dtype: str, prompts: list[list[int]], n: int, max_new: int, eos: set[int],
@@ -71,9 +74,6 @@ def sample(model_path: str, dtype: str, prompts: list[list[int]], n: int, max_ne
 
 def measure(cfg: Config, learner: object, seqs: list[Sequence], n: int) -> dict[str, float]:
     """The learner's mismatch statistics on ``seqs`` (groups of ``n``), as its first mini-batch computes them."""
-    from learner.losses import mismatch_stats
-    from learner.update import compute_logprobs
-
     groups = []
     for g in range(len(seqs) // n):
         samples = [Sample(prompt_ids=np.array(s.prompt_ids, np.int32), output_ids=np.array(s.output_ids, np.int32),
@@ -109,7 +109,6 @@ def main() -> None:
     task = get_task(cfg.task)
     prompts = [encode_prompt(tok, task.train_prompt(i)) for i in range(args.prompts)]
     eos = {int(tok.eos_token_id)} if tok.eos_token_id is not None else set()
-    from learner.train import Learner
 
     learner = Learner(cfg, None)
     out: dict[str, object] = {"bench": "mismatch", "config": args.config, "model": cfg.model.path,

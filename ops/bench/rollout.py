@@ -37,6 +37,8 @@ REPO = Path(__file__).resolve().parents[2]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import subprocess  # noqa: E402
+
 import torch  # noqa: E402
 
 from common.config import BootstrapConfig  # noqa: E402
@@ -67,8 +69,6 @@ def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def start_server(path: Path, args: argparse.Namespace) -> tuple[object, str]:
-    import subprocess
-
     cmd = [sys.executable, "-m", "actors.rollout_server", "--model-path", str(path), "--port", "0",
            "--threads", str(args.threads), "--max-batch-size", str(args.max_batch_size), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=sys.stderr, text=True)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from ops.report import read_records  # the one metrics.jsonl reader; the suites take it from here
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,8 +79,6 @@ def bootstrap_seconds(info: Path) -> float:
 
 
 def load_run(d: Path) -> Run | None:
-    import yaml
-
     if not (d / "summary.json").exists() or not (d / "metrics.jsonl").exists():
         return None
     cfg = yaml.safe_load((d / "config.yaml").read_text())
@@ -168,10 +168,10 @@ def fmt_k(x: float | None) -> str:
 
 def plot_curves(path: Path, series: dict[str, list[Run]], xkey: str, xlabel: str, title: str,
                 upto_step: int | None = None, target: float = TARGET) -> None:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - plots only; the Agg backend is chosen first
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - plots only; the Agg backend is chosen first
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     for label, runs in series.items():

@@ -71,8 +71,10 @@ import torch
 
 from actors.rollout_server.process import RolloutServerProcess
 from common.config import load_config
+from common.modeling import load_model
 from common.sglang_client import GenerateOutput, SGLangClient
 from learner.weight_push import WeightPusher, bucket_plan
+from learner.weights import write_version
 from ops.bench import weight_sync
 from ops.bench.measure import MIN_ROUNDS, Run, summarise
 
@@ -210,8 +212,6 @@ class Versions:
 
     def disk(self, n: int) -> Update:
         """``n`` versions written now (off the clock: only the engine's load is timed), loaded from disk."""
-        from learner.weights import write_version
-
         first = self.version + 1
         for _ in range(n):
             self.version += 1
@@ -237,8 +237,6 @@ class Versions:
 
 
 async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    from common.modeling import load_model
-
     measured = Run()
     model = load_model(BASE)
     key = secrets.token_hex(16)

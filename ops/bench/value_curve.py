@@ -44,8 +44,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np
 import torch
 
+from common import protocol
 from common.config import Config, load_config
+from common.modeling import load_tokenizer, pad_token_id
 from common.tasks import Prompt, Task, decode_response, encode_prompt, get_task
+from learner.advantages import gae, length_adaptive_lambda, terminal_rewards
+from learner.batch import collate
+from learner.evaluate import generate
+from learner.losses import masked_whiten
+from learner.models import load_critic_module, load_policy_module
+from learner.update import compute_values
 
 BEFORE, AFTER = 18, 36  # tokens shown around the first mistake (2 and 4 lines of the chain task)
 
@@ -83,8 +91,6 @@ class _Engine(torch.nn.Module):
 
 
 def load_critic(cfg: Config, run_dir: Path) -> torch.nn.Module:
-    from learner.models import load_critic_module
-
     critic = load_critic_module(cfg)
     state_file = newest(run_dir / "checkpoints") / "critic" / "state" / "mp_rank_00_model_states.pt"
     # Our own checkpoint on local disk (DeepSpeed writes it with torch.save; it holds non-tensor entries).
@@ -96,8 +102,6 @@ def load_critic(cfg: Config, run_dir: Path) -> torch.nn.Module:
 def actor_advantages(values: torch.Tensor, batch: Any, algo: Any) -> np.ndarray:
     """``[B, T]`` the actor's advantages as the learner forms them from these values, before whitening: GAE
     with λ_actor (length-adaptive: 1 − 1/(α·l), Eq. 7) over the terminal score."""
-    from learner.advantages import gae, length_adaptive_lambda, terminal_rewards
-
     lam = length_adaptive_lambda(batch.lengths, algo.alpha) if algo.length_adaptive else algo.lambda_actor
     adv, _ = gae(terminal_rewards(batch.scores, batch.mask), values, batch.mask, algo.gamma, lam)
     return adv.numpy()
@@ -106,8 +110,6 @@ def actor_advantages(values: torch.Tensor, batch: Any, algo: Any) -> np.ndarray:
 def as_trained(adv: np.ndarray, batch: Any, algo: Any) -> np.ndarray:
     """``adv`` whitened over the batch's real tokens when ``algo.whiten_advantages``, as the learner does (the
     probe's batch stands in for a training batch); unchanged otherwise."""
-    from learner.losses import masked_whiten
-
     if not algo.whiten_advantages:
         return adv
     return (masked_whiten(torch.from_numpy(adv), batch.mask) * batch.mask).numpy()
@@ -130,13 +132,6 @@ def credit_on_line(adv: np.ndarray, span: tuple[int, int]) -> dict[str, float]:
 
 
 def measure(cfg: Config, run_dir: Path, bucket: str, k: int, seed: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    from common import protocol
-    from common.modeling import load_tokenizer, pad_token_id
-    from learner.batch import collate
-    from learner.evaluate import generate
-    from learner.models import load_policy_module
-    from learner.update import compute_values
-
     task = get_task(cfg.task)
     weights = newest(run_dir / "weights")
     tok = load_tokenizer(weights)
@@ -220,10 +215,10 @@ def _credit_summary(credit: list[dict[str, float]], prefix: str = "") -> dict[st
 
 
 def plot(path: Path, report: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - plots only; the Agg backend is chosen first
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - plots only; the Agg backend is chosen first
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 3.6), dpi=100)
     mean = report["aligned_curve"]["mean"]

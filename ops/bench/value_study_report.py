@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from common.provenance import machines_line
 from ops.bench.run_records import splice
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,8 +118,6 @@ def section(summary: dict[str, Any], machines: str, notes: Path | None = NOTES) 
 
 def write(root: Path, out: Path, summary: dict[str, Any], notes: Path | None = NOTES) -> str:
     """Splice the section made from ``summary`` (runs under ``root``) into ``out``; return the block."""
-    from common.provenance import machines_line
-
     runs = sorted(d for d in root.glob("vs_*-s*") if d.is_dir())
     block = section(summary, machines_line(runs), notes)
     out.write_text(splice(out.read_text() if out.exists() else "# Results: VAPO in miniature\n", block, BEGIN, END))

@@ -65,11 +65,15 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ops.bench.long_suite import DAPO, last_eval, pretrain_seconds
+from ops.bench import value_study_report
+from ops.bench.long_suite import DAPO, last_eval, pretrain_seconds, probe_values
+from ops.bench.run_records import load_run
 
 CONFIG = "ops/configs/long.yaml"
 STEPS = 40
@@ -239,8 +243,6 @@ def pick_phase2(root: Path, budget_min: float | None = None) -> list[str] | None
     """Cells whose seed-0 VAPO − DAPO (``seed0_delta``) exceeds THRESHOLD, largest |Δ| first, while the estimated
     minutes of their runs not yet done fit ``budget_min`` (default ``phase2_budget(root)``; a shared DAPO arm
     counted once); None until every seed-0 run is done."""
-    from ops.bench.run_records import load_run
-
     deltas = {}
     for c in CELLS:
         delta = seed0_delta(c, root, load_run)
@@ -264,9 +266,6 @@ def pick_phase2(root: Path, budget_min: float | None = None) -> list[str] | None
 
 def prepare(log: Any) -> None:
     """The files the runs read that no run makes: the grown critic base (seconds; kept across sittings)."""
-    import subprocess
-    import sys
-
     repo = Path(__file__).resolve().parents[2]
     if not (repo / CRITIC_X2 / "config.json").is_file():
         log(f"value_study: building the 2x critic base {CRITIC_X2} from {CRITIC_X2_SOURCE}")
@@ -276,15 +275,11 @@ def prepare(log: Any) -> None:
 
 def report(root: Path, summary: dict[str, Any], out: Path) -> None:
     """The study's section of ``out`` (docs/RESULTS.md): value_study_report."""
-    from ops.bench import value_study_report
-
     value_study_report.write(root, out, summary)
 
 
 def post(root: Path, log: Any) -> None:
     """After the runs: each finished VAPO run's critic probed along long failed responses (value_curve.json)."""
-    from ops.bench.long_suite import probe_values
-
     for name, (_, arm) in runs().items():
         for s in (0, *PHASE2_SEEDS):
             if arm == "vapo":

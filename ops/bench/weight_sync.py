@@ -74,19 +74,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from actors.weight_push_client import join_group, receive_push  # noqa: E402
+from common.modeling import build_char_tokenizer  # noqa: E402
 from common.sglang_client import SGLangClient  # noqa: E402
 from learner.weight_push import DurableWriter, WeightPusher, bucket_plan, iter_buckets  # noqa: E402
 from learner.weights import version_dir, write_version  # noqa: E402
 from ops.bench.measure import MIN_ROUNDS, Run, combined_verdict  # noqa: E402
-from ops.bench.weight_sync_parts import (  # noqa: E402
-    ENGINES,
-    RawBroadcast,
-    ratio,
-    start_engines,
-    summarise,
-)
+from ops.bench.weight_sync_parts import ENGINES, RawBroadcast, ratio, start_engines, summarise  # noqa: E402
 from ops.sglang_cpu.live import skip_reason  # noqa: E402
 
 QUICK = {"hidden": 128, "layers": 1, "vocab": 256, "bucket_mb": 0.125, "rounds": 2}
@@ -100,9 +96,6 @@ BITWISE_BY = {
 def make_model(out: Path, hidden: int, layers: int, vocab: int) -> torch.nn.Module:
     """A random fp32 Qwen2 (untied) with the char tokenizer, saved in ``out`` (SGLang loads it as is: ids
     past the tokenizer's 89 decode to nothing)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from common.modeling import build_char_tokenizer
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_hidden_layers=layers,

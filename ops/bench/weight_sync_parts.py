@@ -23,6 +23,8 @@ from typing import Any, TypeVar
 import aiohttp
 import torch
 
+from actors.rollout_server.dist_update import param_digest
+from common.generation.weights import read_state_dict
 from common.sglang_client import GenerateOutput, SGLangClient
 from common.weight_bucket import Group, master_store, new_group
 from ops.bench import measure
@@ -113,9 +115,6 @@ class RolloutServerEngines:
 
     async def check(self, pushed: Path, disk: Path, version: int) -> tuple[bool, Any]:
         """(every engine serves the bytes of both disk copies, engine 0's served state)."""
-        from actors.rollout_server.dist_update import param_digest
-        from common.generation.weights import read_state_dict
-
         got = await self._digests()
         want = [await asyncio.to_thread(lambda p=p: param_digest(read_state_dict(p).items())) for p in (pushed, disk)]
         return all(g == want[0] for g in got) and want[0] == want[1], got[0]

@@ -44,6 +44,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from ops.bench.run_records import read_records
+
 STEPS = 40
 SEEDS = (0, 1)
 CONFIG = "ops/configs/long.yaml"
@@ -80,8 +82,6 @@ def _actor_done(d: Path) -> list[dict[str, Any]]:
 
 
 def summary(root: Path, load_run: Any) -> dict[str, Any]:
-    from ops.bench.run_records import read_records
-
     out: dict[str, Any] = {}
     for arm in ALL_ARMS:
         accs, rates, stalls, st_mean, st_max = [], [], [], [], []

@@ -17,6 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from buffer.directory import inspect
 from ops.rehearsal import elastic, sglang
 from ops.rehearsal.cluster import Cluster
 from ops.rehearsal.push import ADMIN_KEY_ENV, DigestPoller, param_digest_of, sync_figures
@@ -291,8 +294,6 @@ def slurm_route(c: Cluster, stamp: str, logs: Path, extra: list[str]) -> dict[st
 
 
 def _total_steps(run: Run) -> int:
-    import yaml
-
     cfg = yaml.safe_load((run.dir / "config.yaml").read_text()) if (run.dir / "config.yaml").exists() else {}
     return int(cfg.get("learner", {}).get("total_steps", 1 << 30))
 
@@ -300,8 +301,6 @@ def _total_steps(run: Run) -> int:
 def kill_host(c: Cluster, stamp: str, logs: Path, extra: list[str], victim: str = "h1") -> dict[str, Any]:
     """Check 5: every process of a learner host killed mid-run; the run stops in order within
     STOP_BOUND_S, no acknowledged group is lost, and --resume on the host, back up, runs to the end."""
-    from buffer.directory import inspect
-
     name = f"rehearsal-kill-{stamp}"
     over = [f"learner.dist_timeout_s={DIST_TIMEOUT_S:g}", "learner.total_steps=6", "learner.checkpoint_every=2",
             "learner.eval_every=0", *extra]

@@ -14,6 +14,8 @@ host's processes, as on separate machines). Nothing is changed on the machine it
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import os
 import shutil
 import signal
@@ -39,8 +41,6 @@ PACKAGES = {"ip": "iproute2", "nsenter": "util-linux", "python3": "python3", "ss
 def become_subreaper() -> None:
     """Adopt orphans (slurmstepd and sshd daemonise): reaped by ``reap()`` here, whatever this machine's
     init does, so no zombie of the rehearsal outlives it."""
-    import ctypes
-
     ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 
 
@@ -244,8 +244,6 @@ class Cluster:
     def _lock(self) -> None:
         """One cluster per machine: the namespace and bridge names are fixed, so a second one would tear
         down the first. The lock dies with this process, so a killed rehearsal never blocks the next."""
-        import fcntl
-
         self._lock_fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lmdb
+
+from buffer.directory import inspect
 from ops.rehearsal.cluster import Cluster
 from ops.rehearsal.runs import Run
 
@@ -38,8 +41,6 @@ def overrides(engine: str) -> list[str]:
 
 def actor_groups(buffer_dir: Path, actor: int) -> int:
     """Groups the buffer has acknowledged from ``actor`` (its group index: every group_id ever acked)."""
-    import lmdb
-
     env = lmdb.open(str(buffer_dir), readonly=True, lock=True, max_dbs=8, subdir=True, readahead=False, map_size=0)
     try:
         prefix = f"a{actor}-".encode()
@@ -59,9 +60,6 @@ def actor_groups(buffer_dir: Path, actor: int) -> int:
 def acked_lost(buffer_dir: Path) -> dict[str, int]:
     """Acknowledged groups unaccounted for: every stored group was served, is waiting, or was dropped stale
     (``stale_dropped`` less the groups refused stale on arrival, which were never stored)."""
-    import lmdb
-
-    from buffer.directory import inspect
 
     counters = inspect(buffer_dir)["counters"]
     env = lmdb.open(str(buffer_dir), readonly=True, lock=True, max_dbs=8, subdir=True, readahead=False, map_size=0)

@@ -99,8 +99,8 @@ def sync_figures(run_dir: Path, transport: str, seen: dict[str, dict[int, str]] 
 
 def param_digest_of(version_dir: Path) -> str:
     """``param_digest`` of a published version's tensors (as ``ops/bench/weight_sync.py`` computes it)."""
-    from actors.rollout_server.dist_update import param_digest
-    from common.generation.weights import read_state_dict
+    from actors.rollout_server.dist_update import param_digest  # noqa: PLC0415 - heavy (torch): --help and the light paths skip it
+    from common.generation.weights import read_state_dict  # noqa: PLC0415 - heavy (torch): --help and the light paths skip it
 
     return param_digest(read_state_dict(version_dir).items())
 

@@ -75,7 +75,7 @@ def is_engine_part(cmdline: bytes) -> bool:
 
 def _hash(t: Any) -> str:
     """SGLang's ``tensor_hash`` of a CPU tensor, as ``/weights_checker`` prints it."""
-    import torch  # here, as in rehearsal.push: the cluster's own stages need no torch
+    import torch  # noqa: PLC0415 - here, as in rehearsal.push: the cluster's own stages need no torch
 
     raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
     return f"{int.from_bytes(hashlib.sha256(memoryview(raw)).digest()[:8], 'big'):016x}"
@@ -83,7 +83,7 @@ def _hash(t: Any) -> str:
 
 def sglang_state(state: dict[str, Any], tied: bool) -> dict[str, Any]:
     """An HF checkpoint's tensors under SGLang's names (fused as SGLang loads them, at tensor-parallel 1)."""
-    import torch
+    import torch  # noqa: PLC0415 - heavy (torch): --help and the light paths skip it
 
     out: dict[str, Any] = {}
     parts: dict[str, dict[str, Any]] = {}
@@ -103,7 +103,7 @@ def sglang_state(state: dict[str, Any], tied: bool) -> dict[str, Any]:
 
 
 def _pad_vocab(t: Any) -> Any:
-    import torch
+    import torch  # noqa: PLC0415 - heavy (torch): --help and the light paths skip it
 
     rows = -t.shape[0] % VOCAB_PADDING
     return torch.cat([t, t.new_zeros((rows, *t.shape[1:]))], 0) if rows else t
@@ -111,7 +111,7 @@ def _pad_vocab(t: Any) -> Any:
 
 def checksums(version_dir: Path) -> dict[str, str]:
     """Per SGLang parameter name, the hash ``/weights_checker`` answers for a version on disk."""
-    from common.generation.weights import read_state_dict
+    from common.generation.weights import read_state_dict  # noqa: PLC0415 - heavy (torch): --help and the light paths skip it
 
     cfg = version_dir / "config.json"  # every published version carries its model's config
     tied = cfg.exists() and bool(json.loads(cfg.read_text()).get("tie_word_embeddings", False))

@@ -15,6 +15,8 @@ not check for it (SGLang imports ``torchvision.transforms`` when it resolves its
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
 import sys
 import zipfile
@@ -78,8 +80,6 @@ def patch_source(text: str) -> str:
 
 
 def patch_torchvision() -> Path:
-    import importlib.util
-
     spec = importlib.util.find_spec("torchvision")
     if spec is None or spec.origin is None:
         raise SystemExit("torchvision is not installed")
@@ -93,13 +93,11 @@ def patch_torchvision() -> Path:
 
 def check() -> None:
     """Import what the server imports, as it does on a CPU (fails with the import error otherwise)."""
-    import os
-
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-    import sgl_kernel
-    import sglang
-    import torch
-    import torchvision.transforms  # noqa: F401  (what SGLang's argument parsing imports)
+    import sgl_kernel  # noqa: PLC0415 - optional dependency: SGLang's stack
+    import sglang  # noqa: PLC0415 - optional dependency: SGLang's stack
+    import torch  # noqa: PLC0415 - heavy (torch): --help and the light paths skip it
+    import torchvision.transforms  # noqa: F401,PLC0415 - optional dependency: what SGLang's argument parsing imports
 
     missing = [n for n in REQUIRED_SGL_KERNEL_NAMES if not hasattr(sgl_kernel, n)]
     if missing:

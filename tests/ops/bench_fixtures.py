@@ -1,4 +1,4 @@
-"""Shared by the tests of ``ops/bench``'s suites: the experiments module loaded from its file, and a fake
+"""Shared by the tests of ``ops/bench``'s suites: the experiments module, and a fake
 finished run directory (config, metrics records, summary) for the suites to read."""
 
 from __future__ import annotations
@@ -9,13 +9,14 @@ from types import ModuleType
 
 import yaml
 
+from ops.bench import experiments
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_experiments() -> ModuleType:
-    """``ops/bench/experiments.py`` as a module (it is a script, not a package member)."""
-    from ops.bench import experiments as mod
-    return mod
+    """``ops.bench.experiments``, the module every suite's test reads runs and reports through."""
+    return experiments
 
 
 def make_run(d: Path, accs: dict[int, float], group_size: int = 8, filtered_per_step: int = 0,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from ops import launch
 from tests.ops.process_fixtures import processes_mentioning
 from tests.polling import wait_for
 from tests.ports import free_port, port_overrides
@@ -57,10 +58,8 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory):
         from common.config import load_config
 
         sys_cfg = load_config(ROOT / "ops/configs/smoke.yaml", overrides)
-
-        from ops import launch as mod
         prom_cfg = root / "prometheus.yml"
-        mod.write_prometheus_config(sys_cfg, prom_cfg)
+        launch.write_prometheus_config(sys_cfg, prom_cfg)
         prom_port = free_port()
         prom = subprocess.Popen(
             ["prometheus", f"--config.file={prom_cfg}", f"--storage.tsdb.path={root / 'tsdb'}",
@@ -68,7 +67,7 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory):
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
         # A Prometheus still opening its TSDB when the learner's short life ends would record nothing.
-        wait_for(lambda: mod.http_ok(f"http://127.0.0.1:{prom_port}/-/ready"), 60, "prometheus to be ready")
+        wait_for(lambda: launch.http_ok(f"http://127.0.0.1:{prom_port}/-/ready"), 60, "prometheus to be ready")
     proc = subprocess.Popen([str(LAUNCH), "ops/configs/smoke.yaml", *overrides], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     actor1_kills: list[int] = []
@@ -230,43 +229,34 @@ def test_stop_signals_and_nohup(inherited: str) -> None:
 
 
 def test_launcher_health_check_uses_the_configured_curve_client_keys(tmp_path: Path) -> None:
-
     import zmq
 
     from common.config import load_config
     from common.security import generate_keypair
-    from ops import launch as mod
     server_pub, _ = generate_keypair(tmp_path, "server")
     _, client_secret = generate_keypair(tmp_path, "client")
     cfg = load_config(None, [f"buffer.curve.server_public_key={server_pub}", f"buffer.curve.client_secret_key={client_secret}"])
     sock = zmq.Context.instance().socket(zmq.REQ)
     try:
-        mod._apply_client_curve(sock, cfg)
+        launch._apply_client_curve(sock, cfg)
         assert sock.getsockopt(zmq.MECHANISM) == zmq.CURVE
     finally:
         sock.close(0)
 
 
-def _launch_module():
-
-    from ops import launch as mod
-    return mod
-
-
-def _bare_launcher(mod, tmp_path: Path, *overrides: str):
+def _bare_launcher(tmp_path: Path, *overrides: str) -> launch.Launcher:
     from common.config import load_config, save_config
 
     cfg = load_config(ROOT / "ops" / "configs" / "smoke.yaml", [f"run.root={tmp_path}", "run.name=links", *overrides])
-    return mod.Launcher(cfg, save_config(cfg).resolve(), False)
+    return launch.Launcher(cfg, save_config(cfg).resolve(), False)
 
 
 def test_launcher_stops_the_run_when_a_learner_host_is_lost(tmp_path: Path) -> None:
     """pdsh reports a learner rank's lost host (ssh exit 255): that stops the run in order, not a crash to
     restart. (An engine host's loss does not: tests/ops/test_launch_supervise.py.)"""
-    mod = _launch_module()
-    launcher = _bare_launcher(mod, tmp_path)
+    launcher = _bare_launcher(tmp_path)
     # An ordinary exit of a remote process is left to the restart logic.
-    launcher.children = {"actor-1": mod.Child("actor-1", ["sh", "-c", "exit 3"], tmp_path / "a.log", 3, via="ssh")}
+    launcher.children = {"actor-1": launch.Child("actor-1", ["sh", "-c", "exit 3"], tmp_path / "a.log", 3, via="ssh")}
     launcher.children["actor-1"].start()
     wait_for(lambda: not launcher.children["actor-1"].alive(), 10, "the process to exit")
     launcher.check_links()
@@ -274,14 +264,14 @@ def test_launcher_stops_the_run_when_a_learner_host_is_lost(tmp_path: Path) -> N
     log = tmp_path / "learner.log"
     log.write_text("pdsh@h0: h3: ssh exited with exit code 255\n")  # an earlier run's
     script = "echo 'pdsh@h0: h1: ssh exited with exit code 255'; sleep 30"
-    learner = mod.Child("learner", ["sh", "-c", script], log, 0, via="pdsh")
+    learner = launch.Child("learner", ["sh", "-c", script], log, 0, via="pdsh")
     launcher.children = {"learner": learner}
     launcher._pdsh_offset = log.stat().st_size
     learner.start()
     try:
         # The report itself (a line of its own), not the launcher's header line that quotes the command.
         wait_for(lambda: "\npdsh@h0: h1:" in log.read_text(), 10, "pdsh's report")
-        with pytest.raises(mod.LaunchError, match="learner ranks on h1 ended: host lost"):
+        with pytest.raises(launch.LaunchError, match="learner ranks on h1 ended: host lost"):
             launcher.check_links()
     finally:
         launcher.stop_all()
@@ -291,13 +281,11 @@ def test_launcher_heartbeat_keeps_a_guarded_process_and_its_stop_ends_it(tmp_pat
     """The launcher's side of the ssh link: heartbeats keep the remote guard's process running past the
     guard's timeout; stop_all closes the link and the guarded process ends within the stop grace."""
     import threading
-
-    mod = _launch_module()
-    launcher = _bare_launcher(mod, tmp_path, "placement.ssh_alive_interval_s=1", "placement.ssh_alive_count_max=2")
+    launcher = _bare_launcher(tmp_path, "placement.ssh_alive_interval_s=1", "placement.ssh_alive_count_max=2")
     marker = tmp_path / "guarded-child-marker"
     guarded = [sys.executable, "-m", "common.remote", "--timeout", "2", "--", sys.executable, "-c",
                f"import time; open({str(marker)!r}, 'w').close(); time.sleep(600)"]
-    c = mod.Child("actor-1", guarded, tmp_path / "actor-1.log", 0, via="ssh", host="h2")
+    c = launch.Child("actor-1", guarded, tmp_path / "actor-1.log", 0, via="ssh", host="h2")
     launcher.children = {"actor-1": c}
     threading.Thread(target=launcher._heartbeat, daemon=True).start()
     c.start()
@@ -307,7 +295,7 @@ def test_launcher_heartbeat_keeps_a_guarded_process_and_its_stop_ends_it(tmp_pat
     assert c.alive(), c.tail()
     t0 = time.time()
     launcher.stop_all()
-    assert not c.alive() and time.time() - t0 < mod.STOP_GRACE_S
+    assert not c.alive() and time.time() - t0 < launch.STOP_GRACE_S
     assert processes_mentioning(str(marker)) == []
 
 
@@ -316,14 +304,12 @@ def test_buffer_probe_reports_a_missing_key_file_at_once(tmp_path: Path) -> None
     its deadline and reporting the buffer "not healthy"."""
     from common.config import load_config
     from common.security import generate_keypair
-
-    mod = _launch_module()
     server_pub, _ = generate_keypair(tmp_path, "server")
     cfg = load_config(None, [f"buffer.curve.server_public_key={server_pub}",
                              f"buffer.curve.client_secret_key={tmp_path / 'client-0.key_secret'}"])
     t0 = time.time()
-    with pytest.raises(mod.LaunchError, match="client-0.key_secret not found"):
-        mod.wait_until("buffer", lambda: mod.buffer_healthy(cfg), None, 10)
+    with pytest.raises(launch.LaunchError, match="client-0.key_secret not found"):
+        launch.wait_until("buffer", lambda: launch.buffer_healthy(cfg), None, 10)
     assert time.time() - t0 < 3
 
 
@@ -335,11 +321,9 @@ def test_prometheus_config_scrapes_sglang_engines(tmp_path: Path) -> None:
     from common.config import load_config
     from common.placement import build_plan
     from tests.common.placement_fixtures import QWEN_7B, QWEN_32B
-
-    mod = _launch_module()
     cfg = load_config(ROOT / "ops" / "configs" / "gpu-node8.yaml")
     plan = build_plan(cfg, tmp_path / "config.yaml", sys.executable, ROOT, tmp_path, hf_config=QWEN_7B)
-    mod.write_prometheus_config(cfg, tmp_path / "prometheus.yml", plan)
+    launch.write_prometheus_config(cfg, tmp_path / "prometheus.yml", plan)
     jobs = {j["job_name"]: j["static_configs"][0]["targets"] for j in
             yaml.safe_load((tmp_path / "prometheus.yml").read_text())["scrape_configs"]}
     assert jobs["vapo_sglang"] == [f"127.0.0.1:{cfg.engine.base_port}", f"127.0.0.1:{cfg.engine.base_port + 1}"]
@@ -351,7 +335,7 @@ def test_prometheus_config_scrapes_sglang_engines(tmp_path: Path) -> None:
                                                                  "engine.bind_protection=private_network"])
     plan = build_plan(cfg, tmp_path / "config.yaml", sys.executable, ROOT, tmp_path, hf_config=QWEN_32B, environ=env)
     port = cfg.engine.base_port
-    assert mod.engine_targets(cfg, plan) == [f"0.0.0.0:{port}", f"node6:{port + 1}", f"node7:{port + 2}",
+    assert launch.engine_targets(cfg, plan) == [f"0.0.0.0:{port}", f"node6:{port + 1}", f"node7:{port + 2}",
                                              f"node7:{port + 3}"]
 
 
@@ -366,28 +350,26 @@ def test_a_run_across_hosts_keeps_its_buffer_off_the_shared_run_directory(tmp_pa
     cfg = load_config(ROOT / "ops" / "configs" / "smoke.yaml", multi)
     assert cfg.buffer_path == tmp_path / "local" / "r" / "buffer"
     assert load_config(ROOT / "ops" / "configs" / "smoke.yaml", [*multi, "buffer.path=/x/b"]).buffer_path == Path("/x/b")
-    mod = _launch_module()
     (tmp_path / "local" / "r" / "buffer").mkdir(parents=True)
     (tmp_path / "local" / "r" / "buffer" / "data.mdb").write_bytes(b"")
-    cfg, _ = mod.resolve_run(str(ROOT / "ops" / "configs" / "smoke.yaml"), multi, False)
+    cfg, _ = launch.resolve_run(str(ROOT / "ops" / "configs" / "smoke.yaml"), multi, False)
     assert cfg.run.name.startswith("r-") and not cfg.buffer_path.exists()
 
 
 def test_learner_exit_zero_without_its_done_file_is_a_failure(tmp_path: Path) -> None:
     """DeepSpeed's multi-node runner exits 0 when pdsh dies of a signal, so a learner killed part-way exits 0:
     only the done file that rank 0 writes after its last step says the run finished."""
-    mod = _launch_module()
-    launcher = _bare_launcher(mod, tmp_path)
+    launcher = _bare_launcher(tmp_path)
     launcher.progress = None
 
     def learner_exits_0(script: str) -> None:
-        child = mod.Child("learner", ["sh", "-c", script], tmp_path / "learner.log", 0)
+        child = launch.Child("learner", ["sh", "-c", script], tmp_path / "learner.log", 0)
         launcher.children = {"learner": child}
         child.start()
         wait_for(lambda: not child.alive(), 10, "the learner stand-in to exit")
 
     learner_exits_0("echo 'step 1 of 3'; exit 0")
-    with pytest.raises(mod.LaunchError, match="exited with code 0 but never wrote learner_done.json"):
+    with pytest.raises(launch.LaunchError, match="exited with code 0 but never wrote learner_done.json"):
         launcher.supervise()
     learner_exits_0(f"echo '{{}}' > {launcher.run_dir / 'learner_done.json'}; exit 0")
     launcher.supervise()  # returns: finished

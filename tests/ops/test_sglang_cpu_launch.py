@@ -15,6 +15,7 @@ import pytest
 
 from common.config import load_config, save_config
 from common.placement import build_plan
+from ops import launch_engines
 from tests.common.placement_fixtures import QWEN_05B
 from tests.ports import free_port
 
@@ -67,7 +68,7 @@ def test_sglang_parses_the_engine_command_the_launcher_starts() -> None:
 def test_missing_sglang_stops_the_launch_at_once(launch: ModuleType, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """A venv without SGLang: one line naming ops/setup.sh --sglang, exit 2, nothing started or written."""
-    monkeypatch.setattr(sys.modules["launch_engines"], "SGLANG_MODULES", ("vapo_no_such_module_for_this_test",))
+    monkeypatch.setattr(launch_engines, "SGLANG_MODULES", ("vapo_no_such_module_for_this_test",))
     t0 = time.monotonic()
     rc = launch.main([str(SGLANG_CPU), f"run.root={tmp_path}", "run.name=nosglang"])
     err = capsys.readouterr().err.strip()
@@ -78,7 +79,7 @@ def test_missing_sglang_stops_the_launch_at_once(launch: ModuleType, tmp_path: P
 
 
 def test_install_check_names_the_setup_of_the_device(launch: ModuleType) -> None:
-    eng = sys.modules["launch_engines"]
+    eng = launch_engines
     assert eng.missing_modules(sys.executable, ("json", "vapo_no_such_module_for_this_test")) == [
         "vapo_no_such_module_for_this_test"]
     gone = ("vapo_no_such_module_for_this_test",)
