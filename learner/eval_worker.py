@@ -1,7 +1,7 @@
 """Held-out evaluation on rollout engines off the training path: a background thread of learner rank 0.
 
 Not a CLI. ``learner.runner`` submits a version after publishing it; the thread evaluates it on every engine
-of ``learner.evaluate.eval_engine_urls`` (prompts dealt round-robin, ``evaluate_on_engines``) while training
+of ``learner.engine_eval.eval_engine_urls`` (prompts dealt round-robin, ``evaluate_on_engines``) while training
 goes on, and appends ``{"kind": "eval", "weight_version": v, "step": v, ...}`` to metrics.jsonl when done:
 
     evals = BackgroundEval(cfg, tokenizer, task, record)   # record(dict) appends and sets the gauges
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common.config import Config
-from learner.evaluate import EngineEvalError, eval_engine_urls, evaluate_on_engines
+from learner.engine_eval import EngineEvalError, eval_engine_urls, evaluate_on_engines
 
 log = logging.getLogger("learner.eval")
 

@@ -61,7 +61,7 @@ def _parts(model: Path) -> tuple:
 
 
 def test_the_prompts_are_dealt_over_every_engine(tiny_model_dir: Path, engines: list[str]) -> None:
-    from learner.evaluate import evaluate_on_engines
+    from learner.engine_eval import evaluate_on_engines
 
     cfg, tok, task = _parts(tiny_model_dir)
     two = evaluate_on_engines(engines, tok, task, version=0, k=2, max_new_tokens=6)
@@ -75,7 +75,7 @@ def test_the_prompts_are_dealt_over_every_engine(tiny_model_dir: Path, engines: 
 
 
 def test_engine_urls_default_to_every_engine_of_a_one_host_run() -> None:
-    from learner.evaluate import eval_engine_urls
+    from learner.engine_eval import eval_engine_urls
 
     cfg = load_config(None, ["actors.num_actors=3", "engine.base_port=31000"])
     assert eval_engine_urls(cfg) == [f"http://127.0.0.1:{31000 + i}" for i in range(3)]
