@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ops.bench import chain_errors
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_chain_error_kinds() -> None:
-    from ops.bench import chain_errors as ce
     want = "02:3+7=0\n01:0+7=7\n00:7+7=4\nA:4"
     cases = {
         want: "ok",
@@ -22,4 +23,4 @@ def test_chain_error_kinds() -> None:
         "02:3*7=0": "format",
     }
     for response, kind in cases.items():
-        assert ce.first_mistake_kind(response, want) == kind, response
+        assert chain_errors.first_mistake_kind(response, want) == kind, response

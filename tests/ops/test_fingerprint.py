@@ -3,38 +3,31 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import ModuleType
+
+from ops.bench import fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def load_fingerprint() -> ModuleType:
-    from ops.bench import fingerprint as module
-    return module
-
-
 def test_learner_step_fingerprint_repeats_and_follows_the_data(tiny_model_dir: Path) -> None:
-    fp = load_fingerprint()
-    first = fp.learner_fingerprint(tiny_model_dir)
-    second = fp.learner_fingerprint(tiny_model_dir)
+    first = fingerprint.learner_fingerprint(tiny_model_dir)
+    second = fingerprint.learner_fingerprint(tiny_model_dir)
     assert first == second
     assert first["grad_events"] > 0
-    other = fp.learner_fingerprint(tiny_model_dir, data_seed=4)
+    other = fingerprint.learner_fingerprint(tiny_model_dir, data_seed=4)
     for key in ("policy", "critic", "stats", "grads"):
         assert len(first[key]) == 64 and other[key] != first[key], key
-    grpo = fp.learner_fingerprint(tiny_model_dir, extra=fp.LEARNER_VARIANTS["grpo_decoupled"])
+    grpo = fingerprint.learner_fingerprint(tiny_model_dir, extra=fingerprint.LEARNER_VARIANTS["grpo_decoupled"])
     assert grpo["critic"] == "none" and grpo["policy"] != first["policy"]
 
 
 def test_wire_fingerprint_repeats_and_frames_decode_back() -> None:
-    fp = load_fingerprint()
-    first = fp.wire_fingerprint()
-    assert first == fp.wire_fingerprint()
+    first = fingerprint.wire_fingerprint()
+    assert first == fingerprint.wire_fingerprint()
     assert first["decode_reencodes_equal"] is True
-    assert len(first["parts"]) == len(fp.wire_messages()) + 1
+    assert len(first["parts"]) == len(fingerprint.wire_messages()) + 1
 
 
 def test_only_timing_values_are_blanked() -> None:
-    fp = load_fingerprint()
     raw = b'{"meta_info":{"id":"a","cached_tokens":0,"e2e_latency":0.0123,"x":1.5e-05},"e2e_latency": 2}'
-    assert fp.blank_volatile(raw) == b'{"meta_info":{"id":"a","cached_tokens":0,"e2e_latency":null,"x":1.5e-05},"e2e_latency": null}'
+    assert fingerprint.blank_volatile(raw) == b'{"meta_info":{"id":"a","cached_tokens":0,"e2e_latency":null,"x":1.5e-05},"e2e_latency": null}'

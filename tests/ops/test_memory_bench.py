@@ -9,28 +9,24 @@ from pathlib import Path
 
 import pytest
 
+from ops.bench import memory
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ("-m", "ops.bench.memory")
 
 
-def _bench():
-    from ops.bench import memory as mod
-    return mod
-
-
 def test_padding_waste_counts_padding_and_fillers() -> None:
-    bench = _bench()
     # Rows of 10, 10, 2, 2 tokens (prompt 1 + response): one mini-batch, one rank, 2 rows per micro-batch.
     # Sorted longest first: [10, 10] and [2, 2], no padding.
     p, r = [1, 1, 1, 1], [9, 1, 9, 1]
-    assert bench.padding_waste(p, r, 1, 1, 2, 0) == 0.0
+    assert memory.padding_waste(p, r, 1, 1, 2, 0) == 0.0
     # Two ranks, budget 10 tokens: micro-batches [10], [10], [2, 2] (2 × 10 > 10); dealt by padded tokens:
     # rank 0 [10] then [2, 2], rank 1 [10] and a filler (the shortest row, 2 tokens) to match the count.
     # Processed 26 for 24 real.
-    assert bench.padding_waste(p, r, 1, 2, 8, 10) == round(1 - 24 / 26, 4)
+    assert memory.padding_waste(p, r, 1, 2, 8, 10) == round(1 - 24 / 26, 4)
     # Three rows [10, 2, 2] on two ranks, rows only (at most ceil(3 / 2) = 2 rows per micro-batch so that
     # both ranks get work): [10, 2] → 2 × 10 = 20 on rank 0, [2] on rank 1. Processed 22 for 14: waste 8 / 22.
-    assert bench.padding_waste([1, 1, 1], [9, 1, 1], 1, 2, 8, 0) == round(1 - 14 / 22, 4)
+    assert memory.padding_waste([1, 1, 1], [9, 1, 1], 1, 2, 8, 0) == round(1 - 14 / 22, 4)
 
 
 @pytest.mark.slow

@@ -10,19 +10,14 @@ import zmq
 
 from common.config import load_config
 from common.security import SecurityError, client_curve_keys, generate_keypair, server_keys
+from ops import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _launch_module():
-    from ops import launch as mod
-    return mod
-
-
 def test_the_launcher_writes_per_run_keys_with_roles_and_private_modes(tmp_path: Path) -> None:
-    mod = _launch_module()
     cfg = load_config(None, [f"run.root={tmp_path}", "run.name=k"])
-    keys = mod.ensure_run_keys(cfg)
+    keys = launch.ensure_run_keys(cfg)
     assert keys == tmp_path / "k" / "keys" and cfg.buffer.curve.keys_dir == str(keys)
     assert keys.stat().st_mode & 0o777 == 0o700
     for role in ("server", "actor", "learner", "monitor"):
@@ -36,7 +31,7 @@ def test_the_launcher_writes_per_run_keys_with_roles_and_private_modes(tmp_path:
     assert monitor is not None and srv.roles[monitor.public.decode()] == "monitor"
     sock = zmq.Context.instance().socket(zmq.REQ)
     try:
-        mod._apply_client_curve(sock, cfg)  # the health probe: the monitor key, not an actor's or the learner's
+        launch._apply_client_curve(sock, cfg)  # the health probe: the monitor key, not an actor's or the learner's
         assert sock.getsockopt(zmq.MECHANISM) == zmq.CURVE
     finally:
         sock.close(0)
@@ -44,17 +39,16 @@ def test_the_launcher_writes_per_run_keys_with_roles_and_private_modes(tmp_path:
         client_curve_keys(cfg.buffer.curve)  # with a keys directory, no client can go without a role
     before = (keys / "learner.key_secret").read_bytes()
     again = load_config(None, [f"run.root={tmp_path}", "run.name=k"])
-    assert mod.ensure_run_keys(again) == keys and (keys / "learner.key_secret").read_bytes() == before  # --resume
+    assert launch.ensure_run_keys(again) == keys and (keys / "learner.key_secret").read_bytes() == before  # --resume
     # Resumed with a second actor: actor 0 keeps its key, actor 1 gets one of its own.
     wider = load_config(None, [f"run.root={tmp_path}", "run.name=k", "actors.num_actors=2"])
-    mod.ensure_run_keys(wider)
+    launch.ensure_run_keys(wider)
     srv = server_keys(wider.buffer.curve)
     assert srv is not None and sorted(srv.actor_ids.values()) == [0, 1] and srv.actor_ids[own.public.decode()] == 0
 
 
 def test_keys_named_in_the_config_are_used_as_they_are(tmp_path: Path) -> None:
-    mod = _launch_module()
     pub, _ = generate_keypair(tmp_path / "mine", "server")
     cfg = load_config(None, [f"run.root={tmp_path}", "run.name=k", f"buffer.curve.server_public_key={pub}"])
-    assert mod.ensure_run_keys(cfg) is None and cfg.buffer.curve.keys_dir == ""
+    assert launch.ensure_run_keys(cfg) is None and cfg.buffer.curve.keys_dir == ""
     assert not (tmp_path / "k" / "keys").exists()

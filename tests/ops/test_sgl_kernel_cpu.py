@@ -1,19 +1,17 @@
 """vapo's pure-torch ``sgl_kernel`` (ops/sglang_cpu): the two operators SGLang's CPU path may call, against a
 plain per-element reference, and the seven speculative-decoding names failing loudly.
 
-Loaded from its file, so that it is tested whether or not ``ops/setup.sh --sglang`` installed it."""
+Imported from its source (``ops.sglang_cpu.sgl_kernel``), so that it is tested whether or not
+``ops/setup.sh --sglang`` installed it."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
 from ops.sglang_cpu.prepare import REQUIRED_SGL_KERNEL_NAMES
-
-SOURCE = Path(__file__).resolve().parents[2] / "ops" / "sglang_cpu" / "sgl_kernel" / "__init__.py"
 
 
 @pytest.fixture(scope="module")

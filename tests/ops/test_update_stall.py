@@ -4,19 +4,15 @@ the disk update drains the engine and the in-place push does not."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import ModuleType
+
+from ops.bench import update_stall
 
 ROOT = Path(__file__).resolve().parents[2]
 BATCH = 4
 
 
-def _bench() -> ModuleType:
-    from ops.bench import update_stall as mod
-    return mod
-
-
 def test_tiny_run_drains_on_disk_updates_and_not_in_place() -> None:
-    out = _bench().main(["--batch", str(BATCH), "--updates", "2", "--interval-s", "2", "--warmup-s", "1",
+    out = update_stall.main(["--batch", str(BATCH), "--updates", "2", "--interval-s", "2", "--warmup-s", "1",
                          "--reps", "1", "--min-tokens", "30", "--max-tokens", "300"])
     for key in ("bench", "batch", "updates", "phase_s", "reps", "mean", "idle_ratio", "idle_ratio_occupancy", "loadavg",
                 "machine"):
