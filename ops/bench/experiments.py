@@ -12,6 +12,7 @@ the embedded default task (addition, the 0.6M-parameter base). Writes ``docs/RES
     .venv/bin/python -m ops.bench.experiments --suite actor_values   # pre- vs post-update critic (actor_values_suite.py)
     .venv/bin/python -m ops.bench.experiments --suite weight_sync    # drain vs in-place updates (weight_sync_suite.py)
     .venv/bin/python -m ops.bench.experiments --suite value_study    # where VAPO beats DAPO (value_study_suite.py)
+    .venv/bin/python -m ops.bench.experiments --suite value_parts    # the critic, NLL, filter, oracle (value_parts_suite.py)
 
 Every run is a plain ``ops/launch.sh <config> run.root=runs/exp run.name=<exp>-s<seed> ...``; its
 directory is the record. Resumable: a run with ``summary.json`` is done and skipped, a run with a checkpoint
@@ -37,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ops.bench import actor_values_suite, long_suite, value_study_suite, weight_sync_suite
+from ops.bench import actor_values_suite, long_suite, value_parts_suite, value_study_suite, weight_sync_suite
 from ops.bench.default_report import write_report
 from ops.bench.default_suite import BY_NAME, SUITE, Experiment, run_name
 from ops.bench.run_records import (  # noqa: F401 (the suites read runs through this module)
@@ -213,14 +214,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--notes", default="docs/results/notes.md", help="hand-written reading included in the report")
     ap.add_argument("--alpha", type=float, help="long suite: VAPO's α for seeds 1-2 and the follow-ups, instead of "
                     "the sweep's pick (with --only, the sweep can be skipped)")
-    ap.add_argument("--suite", choices=["default", "long", "actor_values", "weight_sync", "value_study"], default="default",
+    ap.add_argument("--suite", choices=["default", "long", "actor_values", "weight_sync", "value_study", "value_parts"],
+                    default="default",
                     help="default: baselines, ablations, staleness and α on the embedded default task (root runs/exp); long: the long-horizon "
                     "task (root runs/exp-long, its own section of the report); actor_values: pre- vs post-update "
                     "critic values for the actor, default and long tasks, 2 seeds (root runs/exp-actor-values, a "
                     "JSON summary, no report); weight_sync: weight updates that drain (wait, disk) against in-place "
                     "pauses (distributed push) on the long task, 2 seeds (root runs/exp-weight-sync, a JSON summary); "
-                    "value_study: VAPO vs DAPO where a group baseline is weak, two phases (root runs/exp-value-study)")
+                    "value_study: VAPO vs DAPO where a group baseline is weak, two phases (root runs/exp-value-study); "
+                    "value_parts: the critic, the NLL, DAPO's filter and an oracle critic separated at G = 2 and 16, "
+                    "3 seeds, equal-compute readings (root runs/exp-value-parts, ~9 h)")
     args = ap.parse_args(argv)
+    if args.suite == "value_parts":
+        return run_actor_values(REPO / (args.root if args.root != "runs/exp" else "runs/exp-value-parts"), args,
+                                value_parts_suite, "value_parts")
     if args.suite == "value_study":
         return run_actor_values(REPO / (args.root if args.root != "runs/exp" else "runs/exp-value-study"), args,
                                 value_study_suite, "value_study")

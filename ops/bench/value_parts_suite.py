@@ -1,0 +1,178 @@
+"""Separate the parts of VAPO's gain, at equal total compute: the critic, the positive NLL, DAPO's filter, and
+the ceiling a perfect critic would reach. Run by ``python -m ops.bench.experiments --suite value_parts``:
+
+    .venv/bin/python -m ops.bench.experiments --suite value_parts --list           # runs, states, minutes each
+    .venv/bin/python -m ops.bench.experiments --suite value_parts                  # run what is missing, summarise
+    .venv/bin/python -m ops.bench.experiments --suite value_parts --report-only
+    .venv/bin/python -m ops.bench.value_parts_suite --pilot g16_oracle_a1 --steps 4   # one arm, one seed, few steps
+
+Root ``runs/exp-value-parts``; every run is a plain ``ops/launch.sh ops/configs/long.yaml ...`` (resumable as in
+the other suites), 40 steps x 256 samples, evaluated every 5 steps (``learner.eval_every=5``: a crossing is
+read between two evaluations, so they are close). At G = 2 and G = 16 (prompts per step scaled to keep 256
+samples, as ``value_study_suite.group_overrides``), the arms are:
+
+- ``vapo`` (long.yaml: surprise critic, 10 value-pretraining steps, μ = 0.1 NLL) and ``vapo_nonll`` (μ = 0);
+- ``oracle`` (``algo.critic=oracle``: the task's own values, the ceiling of a critic that cannot foresee a
+  slip; ``pre_update`` values, so no value pass is spent on the critic the actor does not read) and
+  ``trainable`` (the critic's backbone at the actor's lr, 1e-4, in RL and value pretraining);
+- each of those four at α = 1 and α = 0.05 (``_a1``, ``_a0.05``);
+- ``dapo`` (``long_suite.DAPO``: dynamic sampling, no NLL), ``dapo_nofilter`` and ``dapo_nll`` (μ = 0.1).
+
+Three seeds per arm (``SEEDS``), each arm its own. 22 arms x 3 seeds = 66 runs. Wall time on this machine
+(2 cores, quiet; ``estimate_run_minutes``): a VAPO-type run ~9.2 min (8 min measured for long.yaml's 40 steps
+at G = 2-8 in the value study, x 1.15 for evaluating twice as often), a DAPO one ~5.5 min (0.55 of that, plus
+the groups its filter regenerates); ~180 min per seed, **~9 h** in all; loaded cores make every run slower.
+
+The summary (one JSON line, ``summary``): per arm the final held-out avg@8 (each seed, mean, sd), the
+accuracy at equal budget on every compute axis of ``ops.bench.compute_axes`` (samples, generated tokens,
+learner and critic token passes, wall time; the budget is the largest every run of the regime reached), and
+per regime (G, α) the differences that separate the parts, each with the σ of the difference of two means
+(sqrt(sd_a²/n_a + sd_b²/n_b)): ``vapo − dapo`` (as shipped), ``vapo_nonll − dapo`` (the critic alone),
+``vapo − dapo_nll`` (both with the NLL), ``dapo − dapo_nofilter`` (the filter), ``oracle − vapo`` (what a
+perfect critic would add), ``trainable − vapo`` (a critic that can learn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from ops.bench.compute_axes import AXES, accuracy_at, load_axis_run
+from ops.bench.long_suite import DAPO
+from ops.bench.run_records import port_overrides
+from ops.bench.value_study_suite import group_overrides
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = "ops/configs/long.yaml"
+STEPS = 40
+SEEDS = (0, 1, 2)
+GROUPS = (2, 16)
+ALPHAS = (1.0, 0.05)
+SHARED = ("learner.eval_every=5",)
+RUN_MIN = 8.0 * 1.15       # VAPO on long.yaml, 40 steps (value study: 7.9-8.4 min), evaluations twice as often
+DAPO_SHARE = 0.6           # DAPO against VAPO: 0.55 measured at G = 8, plus the groups the filter regenerates
+CRITIC_ARMS: dict[str, tuple[str, ...]] = {
+    "vapo": (),
+    "vapo_nonll": ("nll.coef=0",),
+    "oracle": ("algo.critic=oracle", "algo.actor_values=pre_update"),
+    "trainable": ("learner.critic_lr=1e-4", "value_pretrain.lr=1e-4"),
+}
+DAPO_ARMS: dict[str, tuple[str, ...]] = {
+    "dapo": DAPO,
+    "dapo_nofilter": (*DAPO, "buffer.filter_uniform_groups=false"),
+    "dapo_nll": (*DAPO, "nll.coef=0.1"),
+}
+# (a, b, what a − b measures); a critic arm and "dapo*" are matched within the regime (G, α).
+DIFFERENCES = (("vapo", "dapo", "as shipped"), ("vapo_nonll", "dapo", "the critic alone (no NLL in either)"),
+               ("vapo", "dapo_nll", "both with the NLL"), ("dapo", "dapo_nofilter", "DAPO's filter"),
+               ("oracle", "vapo", "what a perfect critic adds"), ("trainable", "vapo", "a critic that can learn"))
+
+
+def arms() -> dict[str, tuple[str, ...]]:
+    """Every arm's name (``g<G>_<arm>[_a<α>]``) and its overrides on top of long.yaml."""
+    out: dict[str, tuple[str, ...]] = {}
+    for g in GROUPS:
+        for arm, ov in CRITIC_ARMS.items():
+            for a in ALPHAS:
+                out[f"g{g}_{arm}_a{a:g}"] = (*SHARED, *group_overrides(g), f"algo.alpha={a}", *ov)
+        for arm, ov in DAPO_ARMS.items():
+            out[f"g{g}_{arm}"] = (*SHARED, *group_overrides(g), *ov)
+    return out
+
+
+def name(arm: str) -> str:
+    return f"vp_{arm}"
+
+
+def experiments(Experiment: Any) -> list[Any]:
+    return [Experiment(name(a), "value_parts", f"{a} on long.yaml", CONFIG, ov, seeds=SEEDS, steps=STEPS)
+            for a, ov in arms().items()]
+
+
+def estimate_run_minutes(run: str) -> float:
+    """Minutes one run of ``run`` (an experiment name) takes on 2 quiet cores."""
+    return RUN_MIN * (DAPO_SHARE if "_dapo" in run else 1.0)
+
+
+def total_minutes() -> float:
+    return sum(estimate_run_minutes(name(a)) for a in arms()) * len(SEEDS)
+
+
+def diff(a: list[float], b: list[float]) -> dict[str, float] | None:
+    """mean(a) − mean(b) and the σ of that difference, sqrt(sd_a²/n_a + sd_b²/n_b) (sd 0 for one seed)."""
+    if not a or not b:
+        return None
+    sd = [statistics.stdev(x) if len(x) > 1 else 0.0 for x in (a, b)]
+    return {"diff": statistics.fmean(a) - statistics.fmean(b),
+            "sigma": math.sqrt(sd[0] ** 2 / len(a) + sd[1] ** 2 / len(b)), "n": [len(a), len(b)]}
+
+
+def summary(root: Path, load_run: Any = None) -> dict[str, Any]:
+    """Per arm: final accuracy per seed and at equal budget per axis; per regime the differences (docstring)."""
+    runs: dict[str, list[Any]] = {}
+    for arm in arms():
+        for s in SEEDS:
+            r = load_axis_run(root / f"{name(arm)}-s{s}")
+            if r is not None and len(r.points) > 1:
+                runs.setdefault(arm, []).append(r)
+    out: dict[str, Any] = {"estimate_minutes": round(total_minutes()), "arms": {}, "differences": {}}
+    for g in GROUPS:
+        in_g = [r for arm, rs in runs.items() if arm.startswith(f"g{g}_") for r in rs]
+        budgets = {axis: min((r.points[-1][axis] for r in in_g), default=0.0) for axis in AXES}
+        for arm, rs in runs.items():
+            if not arm.startswith(f"g{g}_"):
+                continue
+            row = {"final": [r.points[-1]["acc"] for r in rs]}
+            for axis in AXES:
+                accs = [a["acc"] for r in rs if (a := accuracy_at(r.points, axis, budgets[axis])) is not None]
+                row[f"at_equal_{axis}"] = accs
+            out["arms"][arm] = row
+    for g in GROUPS:
+        for alpha in (f"a{x:g}" for x in ALPHAS):
+            for a, b, what in DIFFERENCES:
+                an, bn = (f"g{g}_{x}_{alpha}" if x in CRITIC_ARMS else f"g{g}_{x}" for x in (a, b))
+                ra, rb = out["arms"].get(an), out["arms"].get(bn)
+                if ra is not None and rb is not None:
+                    out["differences"][f"g{g} {alpha}: {a} − {b}"] = {
+                        "what": what, "final": diff(ra["final"], rb["final"]),
+                        **{f"at_equal_{ax}": diff(ra[f"at_equal_{ax}"], rb[f"at_equal_{ax}"]) for ax in AXES}}
+    return out
+
+
+def pilot(arm: str, steps: int, seed: int, root: Path) -> int:
+    """One arm, one seed, ``steps`` learner steps (evaluated every other step) under ``root``: the suite's own
+    command line, short. Prints the run directory."""
+    overrides = arms()[arm]
+    cmd = [str(REPO / "ops" / "launch.sh"), str(REPO / CONFIG), f"run.root={root}", f"run.name={name(arm)}-s{seed}",
+           f"run.seed={seed}", f"learner.total_steps={steps}", *overrides, f"learner.eval_every={max(1, steps // 2)}",
+           *port_overrides(0)]
+    print("$ " + " ".join(cmd), flush=True)
+    rc = subprocess.call(cmd, cwd=REPO)
+    print(root / f"{name(arm)}-s{seed}")
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ops.bench.value_parts_suite", description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--pilot", metavar="ARM", help=f"run one arm briefly: {', '.join(arms())}")
+    ap.add_argument("--steps", type=int, default=4, help="--pilot: learner steps (default 4)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--root", type=Path, default=REPO / "runs" / "exp-value-parts-pilot")
+    ap.add_argument("--estimate", action="store_true", help="print the suite's runs and estimated minutes")
+    args = ap.parse_args(argv)
+    if args.estimate or not args.pilot:
+        print(f"{len(arms())} arms x {len(SEEDS)} seeds = {len(arms()) * len(SEEDS)} runs, "
+              f"~{total_minutes():.0f} min (~{total_minutes() / 60:.1f} h) on 2 quiet cores")
+        return 0
+    if args.pilot not in arms():
+        ap.error(f"unknown arm {args.pilot!r}; choose from {', '.join(arms())}")
+    return pilot(args.pilot, args.steps, args.seed, args.root.resolve())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

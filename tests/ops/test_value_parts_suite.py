@@ -1,0 +1,57 @@
+"""ops.bench.value_parts_suite: every arm is a valid config, the estimate adds up, and the summary's
+differences carry the σ of a difference of means (hand-made run records)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from common.config import load_config
+from ops.bench import value_parts_suite as vp
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_arm_loads_and_the_estimate_adds_up() -> None:
+    arms = vp.arms()
+    assert len(arms) == len(vp.GROUPS) * (len(vp.CRITIC_ARMS) * len(vp.ALPHAS) + len(vp.DAPO_ARMS)) == 22
+    for arm, overrides in arms.items():
+        cfg = load_config(str(ROOT / vp.CONFIG), list(overrides))
+        assert cfg.learner.eval_every == 5, arm
+        assert cfg.actors.group_size * cfg.learner.batch_groups == 256, arm
+    assert load_config(str(ROOT / vp.CONFIG), list(arms["g2_oracle_a1"])).algo.critic == "oracle"
+    assert not load_config(str(ROOT / vp.CONFIG), list(arms["g16_dapo_nofilter"])).buffer.filter_uniform_groups
+    per_seed = 2 * (8 * vp.RUN_MIN + 3 * vp.RUN_MIN * vp.DAPO_SHARE)
+    assert vp.total_minutes() == pytest.approx(3 * per_seed)
+
+
+def _run(root: Path, arm: str, seed: int, accs: list[float]) -> None:
+    d = root / f"{vp.name(arm)}-s{seed}"
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump({"actors": {"group_size": 2}}))
+    recs = [{"kind": "eval", "step": 0, "time": 0.0, "avg_at_k": accs[0]}]
+    recs += [{"kind": "learner_step", "step": k, "time": 10.0 * k, "samples": 256, "response_tokens": 2560,
+              "policy_forward_tokens": 100, "policy_backward_tokens": 100, "eval": {"avg_at_k": a}}
+             for k, a in enumerate(accs[1:], start=1)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_summary_differences_with_their_sigma(tmp_path: Path) -> None:
+    """VAPO α = 1 at G = 2 ends at 0.6 and 0.8 (mean 0.7, sd √0.02), DAPO at 0.5 (one seed, sd 0): the
+    difference is 0.2 with σ = sqrt(0.02/2 + 0) = 0.1. Every run reaches the same samples, so the accuracy
+    at equal samples is the final one."""
+    _run(tmp_path, "g2_vapo_a1", 0, [0.4, 0.5, 0.6])
+    _run(tmp_path, "g2_vapo_a1", 1, [0.4, 0.6, 0.8])
+    _run(tmp_path, "g2_dapo", 0, [0.4, 0.45, 0.5])
+    out = vp.summary(tmp_path)
+    assert out["arms"]["g2_vapo_a1"]["final"] == [0.6, 0.8]
+    d = out["differences"]["g2 a1: vapo − dapo"]
+    assert d["final"]["diff"] == pytest.approx(0.2) and d["final"]["sigma"] == pytest.approx(math.sqrt(0.01))
+    assert d["final"]["n"] == [2, 1]
+    assert d["at_equal_samples"]["diff"] == pytest.approx(0.2)
+    assert "g2 a0.05: vapo − dapo" not in out["differences"]  # no α = 0.05 run yet
+    assert vp.diff([], [0.5]) is None
