@@ -183,6 +183,18 @@ def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, roo
     b.procs.append(_learner(b, ranks))
     _engines_and_actors(b, eg)
     check_push_addresses(cfg, remote_engines=any(p.host != pl.hosts[0] for p in b.procs if p.role in ("engine", "actor")))
+    _check_eval_engine(b)
+    plan = Plan(cfg.run.device, b.procs, ranks, files=b.files, notes=b.notes)
+    if b.cpu:
+        b.notes.append("run.device=cpu: placement.*_gpus name slots (no device is assigned); GPU memory not checked")
+    else:
+        _size(plan, cfg, eg, lg, hf_config if hf_config is not None else read_model_config(cfg.model.path))
+    return plan
+
+
+def _check_eval_engine(b: _Build) -> None:
+    """Held-out evaluation on engine 0 (no evaluation URL given) needs engine 0 on host 0, beside rank 0."""
+    cfg, pl = b.cfg, b.cfg.placement
     if (cfg.learner.eval_every > 0 and not cfg.learner.eval_engine_url and not cfg.learner.eval_engine_urls
             and cfg.engine.kind != "external"):
         engine0 = next((p for p in b.procs if p.name in ("engine-0", "actor-0")), None)
@@ -190,16 +202,15 @@ def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, roo
             raise ConfigError(f"learner.eval_engine_url: held-out evaluation runs on a rollout engine, and engine 0 is on "
                               f"{engine0.host}, not on host 0 where learner rank 0 runs: give the URL of an engine that "
                               "host 0 can reach, or learner.eval_every=0")
-    plan = Plan(cfg.run.device, b.procs, ranks, files=b.files, notes=b.notes)
-    if b.cpu:
-        b.notes.append("run.device=cpu: placement.*_gpus name slots (no device is assigned); GPU memory not checked")
-    else:
-        hf = hf_config if hf_config is not None else read_model_config(cfg.model.path)
-        plan.memory = check_memory(cfg, plan.notes, eg, lg, hf)
-        if hf is not None and plan.memory:  # the shape was readable
-            engine_gpus = len(eg) if cfg.engine.kind != "external" else 0
-            plan.balance = balance.estimate(cfg, engine_gpus, len(lg), count_parameters(hf), hf)
-    return plan
+
+
+def _size(plan: Plan, cfg: Config, eg: list[int], lg: list[int], hf: dict[str, Any] | None) -> None:
+    """The plan's GPU memory check (``common.gpu_memory``) and, when the model's shape was readable, the
+    balance of engine and learner GPUs (``common.balance``)."""
+    plan.memory = check_memory(cfg, plan.notes, eg, lg, hf)
+    if hf is not None and plan.memory:
+        engine_gpus = len(eg) if cfg.engine.kind != "external" else 0
+        plan.balance = balance.estimate(cfg, engine_gpus, len(lg), count_parameters(hf), hf)
 
 
 def _device_lists(cfg: Config) -> tuple[list[int], list[int]]:
@@ -264,7 +275,7 @@ def _learner_across_hosts(b: _Build, ranks: list[Rank], hosts: list[str], ds_env
     """ssh: DeepSpeed's launcher, ``--hostfile`` + pdsh. srun: one step of all ranks (DeepSpeed's Slurm runner
     sets no RANK/WORLD_SIZE/MASTER_ADDR and drops ``--module``): each rank derives its rank from Slurm's
     SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID and meets rank 0 at MASTER_ADDR:MASTER_PORT."""
-    cfg, pl = b.cfg, b.cfg.placement
+    pl = b.cfg.placement
     if not pl.store_protection:
         raise ConfigError(f"placement.store_protection: the learner spans {len(hosts)} hosts, so its "
                           f"torch.distributed store listens on {pl.hosts[0]}:{pl.master_port} on every interface, "
@@ -273,22 +284,35 @@ def _learner_across_hosts(b: _Build, ranks: list[Rank], hosts: list[str], ds_env
     b.notes.append(f"learner spans {len(hosts)} hosts: the torch.distributed store listens on "
                    f"{master}:{pl.master_port}; keep that port inside the cluster network")
     ds_env = {**ds_env, **remote.forwarded_env(b.environ)}
-    gpus = tuple(r.gpu for r in ranks)
     per_host = {h: sorted(r.local_gpu for r in ranks if r.host == h) for h in hosts}
     if pl.remote == "srun":
-        if any(v != list(range(len(v))) for v in per_host.values()) or len({len(v) for v in per_host.values()}) > 1:
-            raise ConfigError("placement.learner_gpus: under placement.remote=srun one srun step places the ranks by count "
-                              f"(--ntasks-per-node), not by GPU id: give every learner host its first N GPUs (got {per_host})")
-        n = len(per_host[hosts[0]])
-        env = {**b.base_env, **ds_env, "MASTER_ADDR": master, "MASTER_PORT": str(pl.master_port)}
-        cpus = remote.srun_cpus(cfg, b.environ)
-        argv = ["srun", f"--nodes={len(hosts)}", f"--ntasks={len(ranks)}", f"--ntasks-per-node={n}",
-                f"--nodelist={','.join(hosts)}", "--distribution=block", "--overlap", "--kill-on-bad-exit=1",
-                *([f"--cpus-per-task={max(cpus // n, 1)}"] if cpus else []), f"--chdir={b.root}",
-                "env", *(f"{k}={v}" for k, v in sorted(env.items())), b.py, "-m", "learner", b.cfgf]
-        b.notes.append("learner ranks follow Slurm's node order (task 0 on the first node of the step): list "
-                       "placement.hosts in the allocation's order, as ops/slurm/vapo.sbatch does")
-        return Proc("learner", "learner", pl.hosts[0], argv, {}, gpus, 0, via="srun")
+        return _learner_srun(b, ranks, per_host, ds_env, master)
+    return _learner_pdsh(b, ranks, per_host, ds_env, master)
+
+
+def _learner_srun(b: _Build, ranks: list[Rank], per_host: dict[str, list[int]], ds_env: dict[str, str],
+                  master: str) -> Proc:
+    """One srun step of all the learner's ranks, each host's first N GPUs (Slurm places tasks by count)."""
+    cfg, pl, hosts = b.cfg, b.cfg.placement, list(per_host)
+    if any(v != list(range(len(v))) for v in per_host.values()) or len({len(v) for v in per_host.values()}) > 1:
+        raise ConfigError("placement.learner_gpus: under placement.remote=srun one srun step places the ranks by count "
+                          f"(--ntasks-per-node), not by GPU id: give every learner host its first N GPUs (got {per_host})")
+    n = len(per_host[hosts[0]])
+    env = {**b.base_env, **ds_env, "MASTER_ADDR": master, "MASTER_PORT": str(pl.master_port)}
+    cpus = remote.srun_cpus(cfg, b.environ)
+    argv = ["srun", f"--nodes={len(hosts)}", f"--ntasks={len(ranks)}", f"--ntasks-per-node={n}",
+            f"--nodelist={','.join(hosts)}", "--distribution=block", "--overlap", "--kill-on-bad-exit=1",
+            *([f"--cpus-per-task={max(cpus // n, 1)}"] if cpus else []), f"--chdir={b.root}",
+            "env", *(f"{k}={v}" for k, v in sorted(env.items())), b.py, "-m", "learner", b.cfgf]
+    b.notes.append("learner ranks follow Slurm's node order (task 0 on the first node of the step): list "
+                   "placement.hosts in the allocation's order, as ops/slurm/vapo.sbatch does")
+    return Proc("learner", "learner", pl.hosts[0], argv, {}, tuple(r.gpu for r in ranks), 0, via="srun")
+
+
+def _learner_pdsh(b: _Build, ranks: list[Rank], per_host: dict[str, list[int]], ds_env: dict[str, str],
+                  master: str) -> Proc:
+    """DeepSpeed's launcher with ``--hostfile`` and pdsh, under a guard that ends it with the launcher."""
+    cfg, pl, hosts = b.cfg, b.cfg.placement, list(per_host)
     if shutil.which("pdsh", path=b.environ.get("PATH")) is None:
         raise ConfigError(f"placement.remote: the learner spans {len(hosts)} hosts and placement.remote=ssh starts its "
                           "ranks with DeepSpeed's pdsh launcher, but pdsh is not on PATH: install it (Debian/Ubuntu: "
@@ -306,7 +330,7 @@ def _learner_across_hosts(b: _Build, ranks: list[Rank], hosts: list[str], ds_env
     # The runner under a guard (stdin from the launcher, no heartbeat: it is local): when the launcher dies
     # the guard stops the runner's process group, so pdsh's ssh sessions close and the remote ranks get SIGHUP.
     guarded = [b.py, "-m", "common.remote", "--timeout", "0", "--", *ds]
-    return Proc("learner", "learner", pl.hosts[0], guarded, env, gpus, 0, via="pdsh")
+    return Proc("learner", "learner", pl.hosts[0], guarded, env, tuple(r.gpu for r in ranks), 0, via="pdsh")
 
 
 def _engines_and_actors(b: _Build, eg: list[int]) -> None:
@@ -334,17 +358,24 @@ def _engines_and_actors(b: _Build, eg: list[int]) -> None:
                               actor_env, tuple(gpus) if cfg.engine.kind == "rollout_server" else (),
                               cfg.engine.max_restarts))
     if remote_actor:
-        local_addrs = [k for k, a in (("buffer.ingest_addr", cfg.buffer.ingest_addr),
-                                      ("learner.publish_addr", cfg.learner.publish_addr),
-                                      ("learner.query_addr", cfg.learner.query_addr),
-                                      *((("learner.push_addr", cfg.learner.push_addr),
-                                         ("learner.push_master_address", f"tcp://{cfg.learner.push_master_address}:1"))
-                                        if cfg.learner.weight_transport == "distributed" else ())) if is_local_endpoint(a)]
-        if local_addrs:
-            raise ConfigError(f"{', '.join(local_addrs)}: actors run on other hosts, so these must be addresses they can "
-                              "reach (e.g. tcp://0.0.0.0:5555 with CurveZMQ keys in buffer.curve.*; python -m buffer.keys)")
-        b.notes.append(f"actors on other hosts read weights from {b.run_dir}/weights: the run directory must be on a "
-                       "filesystem every host mounts at the same path")
+        _check_remote_actors(b)
+
+
+def _check_remote_actors(b: _Build) -> None:
+    """Actors on other hosts: the addresses they connect to must be reachable from there, and the run
+    directory shared."""
+    cfg = b.cfg
+    local_addrs = [k for k, a in (("buffer.ingest_addr", cfg.buffer.ingest_addr),
+                                  ("learner.publish_addr", cfg.learner.publish_addr),
+                                  ("learner.query_addr", cfg.learner.query_addr),
+                                  *((("learner.push_addr", cfg.learner.push_addr),
+                                     ("learner.push_master_address", f"tcp://{cfg.learner.push_master_address}:1"))
+                                    if cfg.learner.weight_transport == "distributed" else ())) if is_local_endpoint(a)]
+    if local_addrs:
+        raise ConfigError(f"{', '.join(local_addrs)}: actors run on other hosts, so these must be addresses they can "
+                          "reach (e.g. tcp://0.0.0.0:5555 with CurveZMQ keys in buffer.curve.*; python -m buffer.keys)")
+    b.notes.append(f"actors on other hosts read weights from {b.run_dir}/weights: the run directory must be on a "
+                   "filesystem every host mounts at the same path")
 
 
 def _cpu_plan(cfg: Config, cfgf: str, py: str, base_env: dict[str, str]) -> Plan:
