@@ -211,6 +211,14 @@ def test_every_package_is_a_room_and_every_room_a_package() -> None:
     assert rooms == packages | {"docs"}, (sorted(rooms), sorted(packages))
 
 
+def test_every_module_of_a_room_is_on_the_map() -> None:
+    """Each top-level module of the product packages is named on the map (a new module gets its line there)."""
+    text = MAP.read_text()
+    missing = [str(p.relative_to(REPO)) for d in TOP_DIRS[:-2] for p in sorted((REPO / d).glob("*.py"))
+               if not p.name.startswith("__") and f"`{p.relative_to(REPO)}`" not in text]
+    assert missing == [], "modules the map does not name (add them to its Rooms tables):\n  " + "\n  ".join(missing)
+
+
 def _headings(page: Path) -> list[str]:
     """A page's headings (a `#` line inside a fenced block is a shell comment, not a heading)."""
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
