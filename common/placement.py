@@ -175,10 +175,7 @@ def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, roo
                os.environ if environ is None else environ, {"PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": cfg.run.device})
     eg, lg = _device_lists(cfg)
     lg = sorted(lg, key=lambda g: (g // pl.gpus_per_host, g))  # DeepSpeed numbers ranks host-major
-    ranks = [Rank(r, b.host_of(g), b.local(g), g) for r, g in enumerate(lg)]
-    if ranks[0].host != pl.hosts[0]:
-        raise ConfigError(f"placement.learner_gpus: learner rank 0 must run on host 0 ({pl.hosts[0]}): it talks to the "
-                          "buffer and publishes the weights there")
+    ranks = _ranks(b, lg)
     b.procs.append(Proc("buffer", "buffer", pl.hosts[0], [py, "-m", "buffer", b.cfgf], dict(b.base_env), (), 3))
     b.procs.append(_learner(b, ranks))
     _engines_and_actors(b, eg)
@@ -190,6 +187,15 @@ def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, roo
     else:
         _size(plan, cfg, eg, lg, hf_config if hf_config is not None else read_model_config(cfg.model.path))
     return plan
+
+
+def _ranks(b: _Build, lg: list[int]) -> list[Rank]:
+    """One learner rank per learner GPU (slot), in DeepSpeed's order; rank 0 on host 0."""
+    ranks = [Rank(r, b.host_of(g), b.local(g), g) for r, g in enumerate(lg)]
+    if ranks[0].host != b.cfg.placement.hosts[0]:
+        raise ConfigError(f"placement.learner_gpus: learner rank 0 must run on host 0 ({b.cfg.placement.hosts[0]}): it "
+                          "talks to the buffer and publishes the weights there")
+    return ranks
 
 
 def _check_eval_engine(b: _Build) -> None:
@@ -216,9 +222,7 @@ def _size(plan: Plan, cfg: Config, eg: list[int], lg: list[int], hf: dict[str, A
 def _device_lists(cfg: Config) -> tuple[list[int], list[int]]:
     """Engine and learner GPUs (CPU: slots), checked against the hosts and each other."""
     pl = cfg.placement
-    cpu = cfg.run.device == "cpu"
-    unit, where = ("slot", " with several placement.hosts") if cpu else ("GPU", "")
-    n_gpus = len(pl.hosts) * pl.gpus_per_host
+    unit, where = ("slot", " with several placement.hosts") if cfg.run.device == "cpu" else ("GPU", "")
     engines_needed = cfg.engine.kind != "external"
     eg = parse_gpus(pl.engine_gpus, "placement.engine_gpus")
     lg = parse_gpus(pl.learner_gpus, "placement.learner_gpus")
@@ -228,6 +232,15 @@ def _device_lists(cfg: Config) -> tuple[list[int], list[int]]:
     if engines_needed and not eg:
         raise ConfigError(f"placement.engine_gpus: run.device={cfg.run.device}{where} needs the engines' {unit}s, "
                           "e.g. placement.engine_gpus=0")
+    _check_device_lists(cfg, eg, lg, unit)
+    return eg, lg
+
+
+def _check_device_lists(cfg: Config, eg: list[int], lg: list[int], unit: str) -> None:
+    """Every GPU (slot) exists, none is both an engine's and the learner's unless shared on purpose, and the
+    engines get exactly their tensor-parallel share each."""
+    pl = cfg.placement
+    n_gpus = len(pl.hosts) * pl.gpus_per_host
     for key, gs in (("placement.engine_gpus", eg), ("placement.learner_gpus", lg)):
         bad = [g for g in gs if g >= n_gpus]
         if bad:
@@ -238,10 +251,9 @@ def _device_lists(cfg: Config) -> tuple[list[int], list[int]]:
         raise ConfigError(f"placement.engine_gpus/learner_gpus: {unit}(s) {shared} are given to both engines and the "
                           "learner; set placement.share_gpus=true to allow it (and size engine.sglang_mem_fraction_static)")
     tp = engine_tp(cfg)
-    if engines_needed and len(eg) != cfg.actors.num_actors * tp:
+    if cfg.engine.kind != "external" and len(eg) != cfg.actors.num_actors * tp:
         raise ConfigError(f"placement.engine_gpus: {len(eg)} {unit}(s) for actors.num_actors={cfg.actors.num_actors} "
                           f"engines x {tp} {unit}(s) each (engine.sglang_tp_size) = {cfg.actors.num_actors * tp}; make them match")
-    return eg, lg
 
 
 def _learner(b: _Build, ranks: list[Rank]) -> Proc:
