@@ -76,3 +76,40 @@ def test_a_sampling_temperature_is_applied_to_the_learners_log_probs(tiny_model_
     stats = Learner(make_cfg(tiny_model_dir, *extra), None).step(groups)
     assert stats["mismatch_kl"] == pytest.approx(0.0, abs=1e-6)
     assert stats["mismatch_ratio_max"] == pytest.approx(1.0, abs=1e-4)
+
+
+def _rank_share(rank: int, init: str, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        b, prox = _ranked_batch()
+        mine = torch.arange(b.size)[rank::2]  # each rank holds the log-probs of its own rows only
+        share = torch.zeros_like(prox)
+        share[mine] = prox[mine]
+        res = proximal_mismatch(share, b, mine, version=0)
+        if rank == 0:
+            Path(out).write_text(repr(res))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _ranked_batch() -> tuple:
+    groups = synth_groups(3, 3, VOCAB, seed=21, resp_len=(1, 90), max_new_tokens=90)
+    b = collate(groups, 0)
+    prox = b.behaviour_logprobs + 0.3 * torch.randn(b.mask.shape, generator=torch.Generator().manual_seed(4))
+    return b, prox * b.mask
+
+
+def test_two_ranks_measure_what_one_rank_measures(tmp_path: Path) -> None:
+    """The sums go through all_reduce and the extreme ratios through a MAX reduction: two gloo ranks, each
+    with half the rows, report exactly the one-rank statistics of the whole batch."""
+    import ast
+
+    b, prox = _ranked_batch()
+    one = proximal_mismatch(prox, b, torch.arange(b.size), version=0)
+    out = tmp_path / "two.txt"
+    torch.multiprocessing.spawn(_rank_share, args=(f"file://{tmp_path / 'store'}", str(out)), nprocs=2, join=True)
+    two = ast.literal_eval(out.read_text())
+    assert set(two) == set(one)
+    for k, v in one.items():
+        assert two[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
+    assert one["mismatch_ratio_min"] < 1.0 < one["mismatch_ratio_max"]
