@@ -155,25 +155,29 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-
+def _load(args: argparse.Namespace) -> tuple[Any, Task, Any, torch.nn.Module]:
+    """(config, task, tokenizer, model) of the command line; ValueError saying what is wrong."""
     try:
         overrides = list(args.overrides) + ([f"task.name={args.task}"] if args.task else [])
         cfg = load_config(args.config, overrides)
         task = get_task(cfg.task)
     except (ConfigError, ValueError) as e:
-        print(f"evaluate: {e}", file=sys.stderr)
-        return 2
+        raise ValueError(str(e)) from e
     if args.k < 1 or args.batch_size < 1:
-        print("evaluate: --k and --batch-size must be >= 1", file=sys.stderr)
-        return 2
+        raise ValueError("--k and --batch-size must be >= 1")
     torch.set_num_threads(args.threads or cfg.learner.threads)
     try:
-        tokenizer = load_tokenizer(args.model)
-        model = load_model(args.model, cfg.model.dtype, cfg.run.device)
+        return cfg, task, load_tokenizer(args.model), load_model(args.model, cfg.model.dtype, cfg.run.device)
     except (OSError, ValueError) as e:
-        print(f"evaluate: cannot load model from {args.model}: {e}", file=sys.stderr)
+        raise ValueError(f"cannot load model from {args.model}: {e}") from e
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg, task, tokenizer, model = _load(args)
+    except ValueError as e:
+        print(f"evaluate: {e}", file=sys.stderr)
         return 2
     prompts = task.eval_prompts()
     if args.n_prompts is not None:
