@@ -141,9 +141,7 @@ class RolloutServerEngine(_NativeEngine):
     kind = "rollout_server"
 
     async def served_weight_version(self, timeout_s: float | None = 60.0) -> str | None:
-        _, body, _ = await self._request("GET", "get_weight_version", timeout_s=timeout_s)
-        v = body.get("weight_version") if isinstance(body, dict) else None
-        return None if v is None else str(v)
+        return await self.get_weight_version_route(timeout_s)
 
 
 def engine_class(kind: str, imitate_sglang: bool) -> type[SGLangEngine] | type[RolloutServerEngine]:

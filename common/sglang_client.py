@@ -409,6 +409,14 @@ class SGLangClient:
         v = (await self.model_info()).get("weight_version")
         return None if v is None else str(v)
 
+    async def get_weight_version_route(self, timeout_s: float | None = None) -> str | None:
+        """``/get_weight_version``: the scheduler's version, where the server has the route (rollout_server,
+        SGLang before 0.5.23; 0.5.23 answers 404)."""
+        timeout_s = self.control_timeout_s if timeout_s is None else timeout_s
+        _, body, _ = await self._request("GET", "get_weight_version", timeout_s=timeout_s)
+        v = body.get("weight_version") if isinstance(body, dict) else None
+        return None if v is None else str(v)
+
     async def served_weight_version(self, timeout_s: float | None = 60.0) -> str | None:
         """The version the scheduler generates with: one greedy token, its ``meta_info.weight_version``.
         After an update that answered 400 this is the truth, not ``/model_info``."""

@@ -318,7 +318,8 @@ def test_every_request_to_a_stopped_engine_ends_at_its_deadline(tiny_model_dir: 
         took = []
         async with SGLangClient(srv.url, timeout_s=1.0, control_timeout_s=0.5) as c:
             calls = [c.pause_generation("abort"), c.continue_generation(), c.flush_cache(),
-                     c.abort_request(abort_all=True), c.model_info(), c.begin_weight_update(), c.end_weight_update(),
+                     c.abort_request(abort_all=True), c.model_info(), c.get_weight_version_route(),
+                     c.begin_weight_update(), c.end_weight_update(),
                      c.update_weights_from_disk(str(tiny_model_dir), weight_version=1), c.generate([5, 6], {})]
             for call in calls:
                 t = time.monotonic()
