@@ -48,7 +48,8 @@ import zmq
 from common import protocol, security
 from common.config import Config, CurveConfig
 from learner.dist import rank
-from learner.weight_push import DurableWriter, PushResult, WeightPusher, bucket_plan, plan_mismatch
+from learner.durable_push import DurableWriter
+from learner.weight_push import PushResult, WeightPusher, bucket_plan, plan_mismatch
 from learner.weights import prune
 
 log = logging.getLogger(__name__)
