@@ -107,13 +107,10 @@ class Ingest:
         for _ in range(4 * self.cfg.buffer.commit_batch):
             if not self.accepting:
                 break
-            try:
-                parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            got = self.peers.recv()
+            if got is None:
                 break
-            ident, body = parts[0].bytes, parts[1:]
-            if body:
-                self.peers.seen(ident, body[-1])
+            ident, body = got
             msg = self._decode(ident, body)
             key = client_key(self.curve, body[0])
             if isinstance(msg, CreditRequest):

@@ -33,6 +33,18 @@ class Peers:
         self._fd_of: dict[bytes, int] = {}
         self._ids_on: dict[int, set[bytes]] = {}
 
+    def recv(self) -> tuple[bytes, list[zmq.Frame]] | None:
+        """The next message waiting on the socket as (identity, body frames), its connection noted
+        (``seen``); None when nothing waits."""
+        try:
+            parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        ident, body = parts[0].bytes, parts[1:]
+        if body:
+            self.seen(ident, body[-1])
+        return ident, body
+
     def seen(self, ident: bytes, frame: zmq.Frame) -> None:
         try:
             fd = int(frame.get(zmq.SRCFD))

@@ -274,13 +274,10 @@ class BufferServer:
     def _drain_serve(self) -> None:
         """Answer what can be answered now; batch requests join the wait list (``BatchServing``)."""
         for _ in range(256):
-            try:
-                parts = self.serve_sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            got = self.serve_peers.recv()
+            if got is None:
                 return
-            ident, rest = parts[0].bytes, parts[1:]
-            if rest:
-                self.serve_peers.seen(ident, rest[-1])
+            ident, rest = got
             envelope: list[bytes] = []
             if rest and len(rest[0]) == 0:  # a REQ client's empty delimiter: echo it so REQ accepts the reply
                 envelope, rest = [b""], rest[1:]
