@@ -51,9 +51,10 @@ from common.config import Config, ConfigError
 from common.modeling import load_tokenizer, torch_dtype
 from learner.dist import rank, setup_distributed, world_size
 from learner.grow import inserted_layers, lr_groups
+from learner.host_tensors import is_partitioned, iter_host_tensors, unwrap
 from learner.losses import chunked_token_logprobs
 from learner.partitioned import build_empty, load_checkpoint, to_device
-from learner.weights import export_hf, is_partitioned, iter_host_tensors, unwrap
+from learner.weights import export_hf
 
 # False restores the old ZeRO-3 build (every rank loads the whole model; deepspeed.initialize partitions
 # it): ops/bench/zero_build.py measures both in one run.

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from learner.weights import _aliases, is_partitioned
+from learner.host_tensors import is_partitioned, tied_aliases
 
 try:
     from transformers.initialization import no_init_weights
@@ -156,7 +156,7 @@ def load_checkpoint(module: nn.Module, src: str | Path) -> None:
     src = Path(src)
     index = checkpoint_index(src)
     entries = list(module.state_dict(keep_vars=True).items())
-    alias = _aliases(module, entries)
+    alias = tied_aliases(module, entries)
     missing = []
     for name, t in entries:
         if name in alias:

@@ -39,10 +39,10 @@ from learner.batch import collate_scored, fetch_usable, row_limits
 from learner.compute import batch_tokens
 from learner.data import BufferSource, DataSource, fetch
 from learner.dist import global_explained_variance, rank
+from learner.host_tensors import load_host_tensors
 from learner.models import build_critic, collect, full_state_dict, release, save_critic
 from learner.records import append_jsonl
 from learner.update import MicroLimits, compute_values, critic_update, minibatch_rows, my_rows
-from learner.weights import load_host_tensors
 
 log = logging.getLogger("learner.value_pretrain")
 

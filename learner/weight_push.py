@@ -58,7 +58,7 @@ from common.weight_bucket import (
 )
 from learner.dist import rank
 from learner.durable_push import DurableWriter, write_buckets
-from learner.weights import _aliases, _gathered, is_partitioned, unwrap
+from learner.host_tensors import gathered, is_partitioned, tied_aliases, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 def _entries(model: Any) -> list[tuple[str, Tensor]]:
     module = unwrap(model)
     entries = list(module.state_dict(keep_vars=True).items())
-    alias = _aliases(module, entries)
+    alias = tied_aliases(module, entries)
     return [(n, t) for n, t in entries if n not in alias]
 
 
@@ -154,7 +154,7 @@ def iter_buckets(model: Any, plan: list[BucketMeta], pool: HostPool | None = Non
     bad: str | None = None
     for i, meta in enumerate(plan):
         ts = [by_name[n] for n in meta.names]
-        with _gathered([t for t in ts if hasattr(t, "ds_id")] if partitioned else [], modifier_rank=None):
+        with gathered([t for t in ts if hasattr(t, "ds_id")] if partitioned else [], modifier_rank=None):
             if me != 0:
                 yield None
                 continue

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import learner.host_tensors as H
 import learner.weights as W
 from common.checksum import weights_sha256
 from common.modeling import build_char_tokenizer, build_tiny_qwen2, load_model, load_tokenizer, save_hf
@@ -31,12 +32,14 @@ HARNESS = textwrap.dedent("""
     from common.config import load_config
     from learner.dist import rank
     from learner.models import build_critic, build_policy, save_critic
+    import learner.host_tensors as H
     import learner.weights as W
-    from learner.weights import load_host_tensors, publish_policy
+    from learner.host_tensors import load_host_tensors
+    from learner.weights import publish_policy
     from learner.value_pretrain import _snapshot
 
     model, tiny, out = (Path(a) for a in sys.argv[1:4])
-    W.GATHER_BYTES, W.SHARD_BYTES = {gather}, {shard}
+    H.GATHER_BYTES, W.SHARD_BYTES = {gather}, {shard}
     me = None
     written = []
     def audit(event, args):  # every Python-level write, mkdir, rename or removal under the test directory
@@ -109,7 +112,7 @@ def test_export_is_save_pretrained_byte_for_byte_and_shards_load(tiny_model_dir:
     assert json.loads((one / "config.json").read_text()) == json.loads((ref / "config.json").read_text())
     assert (one / "generation_config.json").is_file() and (one / "tokenizer.json").is_file()
     monkeypatch.setattr(W, "SHARD_BYTES", 20_000)
-    monkeypatch.setattr(W, "GATHER_BYTES", 30_000)
+    monkeypatch.setattr(H, "GATHER_BYTES", 30_000)
     many = Path(W.write_version(tmp_path / "w", 2, model, tok).path)
     files = json.loads((many / "STABLE").read_text())["files"]
     index = json.loads((many / W.INDEX_NAME).read_text())
@@ -175,7 +178,7 @@ def test_two_rank_zero3_export_writes_on_rank0_only_and_streams(tiny_model_dir: 
     assert any("v1.tmp" in w for w in r0["writes"]) and any("critic.tmp" in w for w in r0["critic_writes"])
 
     # The published version equals a one-rank export of the unsharded model, byte for byte.
-    monkeypatch.setattr(W, "GATHER_BYTES", GATHER)
+    monkeypatch.setattr(H, "GATHER_BYTES", GATHER)
     monkeypatch.setattr(W, "SHARD_BYTES", SHARD)
     one = W.write_version(tmp_path / "one", 1, reference, load_tokenizer(model_dir))
     published = out / "w0" / "v1"
