@@ -112,6 +112,36 @@ def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float) -> 
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
+def _base_model(cfg: Config, tokenizer: Any) -> torch.nn.Module:
+    """The tiny Qwen2 of ``model.bootstrap``, freshly initialised (seeded), on ``run.device``."""
+    b = cfg.model.bootstrap
+    model = build_tiny_qwen2(
+        len(tokenizer), hidden_size=b.hidden_size, num_layers=b.num_layers, num_heads=b.num_heads,
+        num_kv_heads=b.num_kv_heads, intermediate_size=b.intermediate_size,
+        max_position_embeddings=b.max_position_embeddings, seed=b.seed,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    if cfg.run.device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("run.device=cuda but torch sees no CUDA device")
+        model = model.to("cuda")  # the base differs from a CPU-built one (other kernels): record, do not mix
+    return model
+
+
+def _sft_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One optimizer step on the masked (response-token) NLL of a batch; returns the loss."""
+    logits = model(input_ids=ids).logits[:, :-1].float()
+    nll = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none"
+    ).view_as(mask)
+    loss = (nll * mask).sum() / mask.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
+
+
 def train(cfg: Config, log: Any = print, stop_after: int | None = None) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
     """Run the SFT; returns (model, tokenizer, stats). Does not save. ``stop_after``: end after that many
     steps of the ``max_steps`` schedule (a check build: the same learning-rate schedule, cut short)."""
@@ -122,17 +152,8 @@ def train(cfg: Config, log: Any = print, stop_after: int | None = None) -> tuple
         raise ValueError(f"learner.sft bootstraps the embedded synthetic tasks (addition, chain), not {task.name!r}; "
                          "for other tasks point model.path at a pretrained HF model")
     tokenizer = build_char_tokenizer()
-    model = build_tiny_qwen2(
-        len(tokenizer), hidden_size=b.hidden_size, num_layers=b.num_layers, num_heads=b.num_heads,
-        num_kv_heads=b.num_kv_heads, intermediate_size=b.intermediate_size,
-        max_position_embeddings=b.max_position_embeddings, seed=b.seed,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )
+    model = _base_model(cfg, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
-    if cfg.run.device == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("run.device=cuda but torch sees no CUDA device")
-        model = model.to("cuda")  # the base differs from a CPU-built one (other kernels): record, do not mix
     device = next(model.parameters()).device
     torch.manual_seed(b.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=b.lr, betas=(0.9, 0.98), weight_decay=b.weight_decay)
@@ -156,15 +177,7 @@ def train(cfg: Config, log: Any = print, stop_after: int | None = None) -> tuple
         ids, mask = ids.to(device), mask.to(device)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, b.max_steps, b.lr, warmup, b.min_lr_ratio)
-        logits = model(input_ids=ids).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none"
-        ).view_as(mask)
-        loss = (nll * mask).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = _sft_step(model, opt, ids, mask)
         tokens += int(mask.sum())
         step += 1
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
