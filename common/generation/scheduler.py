@@ -2,7 +2,7 @@
 ``common.generation.passes``): one thread, one model, one KV cache.
 
 One background thread owns the model and a ``ModelRunner`` with ``max_batch_size`` KV-cache slots. Requests
-arriving from any thread join a waiting queue (``queue.WaitQueue``); at every step boundary the thread admits waiting sequences
+arriving from any thread join a waiting queue (``waiting.WaitQueue``); at every step boundary the thread admits waiting sequences
 into free slots (one batched, right-padded prefill), then runs one batched decode step for every running
 sequence, samples (``sampling.sample``), and retires sequences that hit EOS, a stop token or
 ``max_new_tokens``. Finished slots are compacted (the last running sequence moves into the hole) so the
@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from common.generation.model_runner import ModelRunner
-from common.generation.queue import Commands, SchedulerBusy, Sequence, WaitQueue, aborted
 from common.generation.sampling import RequestError, SamplingParams, sample, validate_prompt
+from common.generation.waiting import Commands, SchedulerBusy, Sequence, WaitQueue, aborted
 from common.generation.weights import LiveWeights, WeightUpdates
 
 # The waiting queue's types are part of this module's interface (the server and in-process generation).
