@@ -90,3 +90,31 @@ def test_a_grown_critics_inserted_layers_train_at_their_own_rate(two_layer_dir: 
     assert {layer_of[names[i]] for i in by_lr[0.01] if names[i] in layer_of} == {"1", "3"}
     assert {layer_of[names[i]] for i in by_lr[0.001] if names[i] in layer_of} == {"0", "2"}
     assert all(names[i].startswith("surprise_head.") for i in by_lr[0.1])
+
+
+def test_the_inserted_blocks_output_projections_move_with_their_own_lr(two_layer_dir: Path, tmp_path: Path) -> None:
+    """Three critic updates from the zero output projections of an inserted block: Adam moves each weight by
+    about its lr per step, so at critic_grown_lr_scale 10 the projections end about 10x further from zero
+    than at 1 (the reason a grown critic's new blocks barely moved at a near-frozen backbone lr)."""
+    from common.config import load_config
+    from learner.batch import collate
+    from learner.models import build_critic
+    from learner.synthetic import synth_groups
+    from learner.update import critic_update
+
+    out = grow(two_layer_dir, tmp_path / "grown", 4)
+    batch = collate(synth_groups(4, 2, 60, seed=3), 0)
+    returns = batch.rewards.unsqueeze(-1) * batch.mask
+    moved = {}
+    for scale in (1, 10):
+        cfg = load_config(None, [f"model.path={two_layer_dir}", f"model.critic_path={out}", "learner.critic_lr=1e-4",
+                                 f"learner.critic_grown_lr_scale={scale}", "metrics.prometheus=false",
+                                 "learner.grad_clip=0"])
+        torch.manual_seed(0)
+        critic = build_critic(cfg)
+        for _ in range(3):
+            critic_update(critic, batch, minibatches=[torch.arange(batch.size)], returns=returns,
+                          old_values=torch.zeros_like(returns), epochs=1, limits=64)
+        layer = dict(critic.module.named_parameters())
+        moved[scale] = float(next(p for n, p in layer.items() if n.endswith("layers.1.mlp.down_proj.weight")).abs().mean())
+    assert moved[1] > 0 and 5 < moved[10] / moved[1] < 20
