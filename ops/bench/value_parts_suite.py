@@ -23,6 +23,11 @@ Three seeds per arm (``SEEDS``), each arm its own. 22 arms x 3 seeds = 66 runs. 
 at G = 2-8 in the value study, x 1.15 for evaluating twice as often), a DAPO one ~5.5 min (0.55 of that, plus
 the groups its filter regenerates); ~180 min per seed, **~9 h** in all; loaded cores make every run slower.
 
+Pilot (``--pilot g16_oracle_a1 --steps 4``, seed 0, 2 cores under load ~6 from other jobs): 511 s end to end
+(10 value-pretraining steps, 4 RL steps of 256 samples, 3 evaluations); held-out avg@8 0.213 -> 0.303; the
+oracle's EV on the RL batches 0.41 / 0.26 / 0.45 against the trained critic's 0.27 / 0.10 / 0.21 (steps
+1-3); ``python -m ops.bench.compute_axes`` reads its five axes.
+
 The summary (one JSON line, ``summary``): per arm the final held-out avg@8 (each seed, mean, sd), the
 accuracy at equal budget on every compute axis of ``ops.bench.compute_axes`` (samples, generated tokens,
 learner and critic token passes, wall time; the budget is the largest every run of the regime reached), and
