@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 from typing import Any, Protocol
 
 from actors.engine import Engine, engine_class
 from actors.engine_address import engine_api_key, engine_url
 from actors.engine_supervisor import EngineLost, HealthWatch, LocalSupervisor, RemoteSupervisor
+from actors.link_state import LinkCounts
 from actors.rollout_server.process import RolloutServerProcess
 from actors.weight_follower import WeightFollower
 from actors.weight_sync import WeightWatcher
@@ -51,24 +51,6 @@ class LinkOwner(Protocol):
 
     def stopping(self) -> bool:
         """The worker is shutting down: an engine exit is then no failure."""
-
-
-@dataclasses.dataclass
-class LinkCounts:
-    """What the link did, for the worker's ``ACTOR DONE`` line."""
-
-    engine_restarts: int = 0
-    weight_syncs: int = 0  # from disk and by distributed push
-    weight_sync_failures: int = 0
-    weight_pushes: int = 0
-    push_pause_ms: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        """The counters by name; the push counters only once a push arrived (as they always appeared)."""
-        out = dataclasses.asdict(self)
-        if not self.weight_pushes:
-            del out["weight_pushes"], out["push_pause_ms"]
-        return out
 
 
 class EngineLink:

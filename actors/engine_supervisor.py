@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from actors.engine_address import EngineLinkError, as_version
+from actors.link_state import LinkState
 from actors.rollout_server.process import EngineStartError, RolloutServerProcess
+from actors.weight_follower import WeightFollower
 from common.sglang_client import SGLangError
-
-if TYPE_CHECKING:
-    from actors.engine_link import EngineLink
 
 log = logging.getLogger("vapo.actors.engine_link")
 
@@ -37,10 +36,17 @@ class EngineLost(EngineLinkError):
     """The engine cannot be kept: restarts exhausted, or a remote engine that did not come back."""
 
 
+class SupervisedLink(LinkState, Protocol):
+    """The link as its supervisor and health watch see it: its state, its weight follower and supervisor."""
+
+    weights: WeightFollower
+    supervisor: LocalSupervisor | RemoteSupervisor
+
+
 class LocalSupervisor:
     """The worker's own rollout_server child: start, restart on exit, kill when declared dead."""
 
-    def __init__(self, link: EngineLink) -> None:
+    def __init__(self, link: SupervisedLink) -> None:
         self.link = link
         self.process: RolloutServerProcess | None = None
 
@@ -98,7 +104,7 @@ class RemoteSupervisor:
 
     process = None  # nothing of ours to start, kill or stop
 
-    def __init__(self, link: EngineLink, url: str) -> None:
+    def __init__(self, link: SupervisedLink, url: str) -> None:
         self.link, self.url = link, url
 
     async def start(self) -> None:
@@ -166,7 +172,7 @@ class RemoteSupervisor:
 class HealthWatch:
     """Failed probes in a row declare the engine dead to the link's supervisor (module docstring)."""
 
-    def __init__(self, link: EngineLink) -> None:
+    def __init__(self, link: SupervisedLink) -> None:
         self.link = link
 
     async def run(self) -> None:

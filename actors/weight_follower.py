@@ -24,6 +24,7 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from actors.engine_address import as_version
+from actors.link_state import LinkState
 from actors.weight_sync import verify_tensors, verify_update
 from common.checksum import checkpoint_shapes
 from common.protocol import WeightUpdate
@@ -31,7 +32,6 @@ from common.sglang_client import SGLangError
 
 if TYPE_CHECKING:
     from actors.engine import Engine
-    from actors.engine_link import EngineLink
 
 log = logging.getLogger("vapo.actors.engine_link")
 Result = TypeVar("Result")
@@ -40,7 +40,7 @@ Result = TypeVar("Result")
 class WeightFollower:
     """The newest verified version, the refused ones, and the loads into the engine (module docstring)."""
 
-    def __init__(self, link: EngineLink) -> None:
+    def __init__(self, link: LinkState) -> None:
         self.link = link
         self.refused: dict[int, str] = {}  # version -> reason
         self.sync_latencies: list[float] = []
