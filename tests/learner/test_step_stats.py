@@ -1,0 +1,51 @@
+"""learner.step_stats: per-token staleness of a batch, and the step's statistics exported as the learner's
+metrics (a step without rows of its own version keeps the last mismatch measurement)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from common.metrics import Metrics
+from learner.step_stats import Phases, export_step, token_staleness
+
+
+def test_token_staleness_counts_real_tokens_from_the_weights_being_updated() -> None:
+    versions = torch.tensor([[3, 3, 5, 0], [1, 4, 4, 4]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    # version 5: real tokens of versions 3, 3, 5 (a newer one counts 0), 1, 4; the padded ones not at all.
+    st = token_staleness(5, versions, mask)
+    assert st["token_staleness_mean"] == pytest.approx((2 + 2 + 0 + 4 + 1) / 5) and st["token_staleness_max"] == 4.0
+    assert token_staleness(5, versions, torch.zeros_like(mask)) == {"token_staleness_mean": 0.0,
+                                                                    "token_staleness_max": 0.0}
+
+
+def stats(step: int, **extra: float) -> dict:
+    return {"step": step, "time": 1000.0 + step, "actor_lr": 1e-6, "samples": 4, "reward_mean": 0.5,
+            "phase_seconds": {"fetch": 0.25, "actor_update": 1.5}, **extra}
+
+
+def test_export_sets_the_gauges_and_keeps_the_last_mismatch_measurement() -> None:
+    m = Metrics("learner")
+    get = m.registry.get_sample_value
+    export_step(m, stats(1, mismatch_tokens=10, mismatch_kl=0.02, mismatch_ratio_max=1.5), torch.tensor([0, 1, 1]))
+    export_step(m, stats(2, mismatch_tokens=0, mismatch_kl=9.0, mismatch_ratio_max=9.0), torch.tensor([2]))
+    assert get("vapo_learner_step") == 2 and get("vapo_learner_reward_mean") == 0.5
+    assert get("vapo_learner_mismatch_kl") == 0.02 and get("vapo_learner_mismatch_ratio_max") == 1.5
+    assert get("vapo_learner_samples_total") == 8 and get("vapo_learner_data_wait_seconds_total") == 0.5
+    assert get("vapo_learner_staleness_count") == 4 and get("vapo_learner_staleness_sum") == 4
+    assert get("vapo_learner_phase_seconds", {"phase": "actor_update"}) == 1.5
+    assert math.isnan(get("vapo_learner_grad_norm", {"model": "actor"}))  # no norm reported: NaN, not a stale one
+    assert get("vapo_learner_lr", {"model": "critic"}) is None  # no critic (GRPO): its series never appear
+
+
+def test_phases_add_up_the_time_of_a_name_entered_twice() -> None:
+    t = Phases()
+    for _ in range(2):
+        with t("values"):
+            pass
+    with t("advantages"):
+        pass
+    assert set(t.seconds) == {"values", "advantages"} and all(s >= 0 for s in t.seconds.values())
