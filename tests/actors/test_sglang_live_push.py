@@ -121,6 +121,9 @@ if rank() == 0:
 '''
 
 
+# slow: the SGLang rehearsal in CI (two live engines, distributed push, bitwise digests) covers the same path,
+# and the two-rank ZeRO-3 gather is tested against rollout_server engines in test_weight_push.py.
+@pytest.mark.slow
 def test_two_rank_zero3_push_into_two_live_engines_is_bitwise_the_disk_export(
         engines: list[LiveSGLang], tmp_path: Path) -> None:
     """Both ranks gather every bucket, rank 0 broadcasts each into both engines inside their weight-update

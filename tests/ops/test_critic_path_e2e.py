@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from common.checksum import weights_sha256
@@ -17,6 +18,8 @@ from tests.ports import port_overrides
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# slow: a whole launched run; growing, loading and training a grown critic are tested in tests/learner/test_grow.py.
+@pytest.mark.slow
 def test_a_smoke_run_trains_a_grown_critic_larger_than_its_policy(tmp_path: Path) -> None:
     critic = tmp_path / "critic"  # the shipped addition base (128 wide, 3 layers) grown to 4 layers
     subprocess.run([sys.executable, "-m", "learner.grow", "ops/bases/addition-tiny", str(critic), "--layers", "4"],

@@ -8,6 +8,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from common.checksum import weights_sha256
 from tests.ports import port_overrides
 
@@ -31,6 +33,9 @@ def test_smoke_run_with_distributed_push(tmp_path: Path) -> None:
         assert stable["sha256"] == weights_sha256(run / "weights" / f"v{v}")
 
 
+# slow: the kill and rejoin are also tested against the real server (test_sglang_live_push) and mid-broadcast
+# (tests/actors/test_weight_push.py); this one adds the launched run around them.
+@pytest.mark.slow
 def test_engine_killed_during_a_run_with_the_push_rejoins(tmp_path: Path) -> None:
     """The actor's engine is killed mid-run: the learner goes on (pushes to it fail or skip it, bounded),
     the restarted engine comes back on the newest durable version from disk, joins the weight push again,
