@@ -150,7 +150,7 @@ class BufferConfig:
     capacity_groups: int = f(4096, "most groups held before admission stops")
     capacity_bytes: int = f(8 << 30, "most bytes of group data held before admission stops")
     positives_capacity: int = f(20000, "verified-correct samples kept for NLL replay (oldest evicted)")
-    filter_uniform_groups: bool = f(False, "drop groups whose rewards are all equal (DAPO dynamic sampling)")
+    filter_uniform_groups: bool = f(False, "drop groups whose trained returns are all equal (DAPO dynamic sampling)")
     max_frame_bytes: int = f(64 << 20, "largest accepted wire frame")
     map_size_bytes: int = f(1 << 30, "initial LMDB map size (grows automatically)")
     commit_batch: int = f(64, "most groups written in one LMDB transaction")
