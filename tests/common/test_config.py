@@ -96,7 +96,7 @@ def test_cli_help_and_error_exit_codes() -> None:
 
 
 @pytest.mark.parametrize(("override", "hint"), [
-    ("learner.lr=1e-6", "did you mean actor_lr, critic_lr, value_head_lr_scale?"),       # a word of the known keys
+    ("learner.lr=1e-6", "did you mean actor_lr, critic_grown_lr_scale, critic_lr, value_head_lr_scale?"),       # a word of the known keys
     ("learner.total_step=3", "did you mean total_steps?"),           # a near spelling
     ("buffer.max_stalenes=1", "did you mean max_staleness?"),
 ])
