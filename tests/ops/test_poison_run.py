@@ -1,6 +1,7 @@
 """A smoke run that a poison sender and a stranger attack at its start still finishes: the three kinds of
 protocol-valid group that each used to end a run (empty prompt, token id 2^31-1, reward 1e300 with logprob
-3e38) are refused at ingest even from a holder of the run's actor key, and a process without the run's keys
+3e38) are refused at ingest even from a holder of actor 0's own key (sent as actor 0, so the refusal is the
+bounds', not the key binding's), and a process without the run's keys
 can neither move the learner version nor take credit."""
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def _attack(cfg: Any, keys: Path, out: dict[str, Any]) -> None:
                 s.close()
         finally:
             ctx.term()
-        with SyncSender(cfg.buffer.ingest_addr, 0, curve=client_curve_keys(curve, "actor"), ack_timeout_s=5) as s:
+        # Actor 0's own key: the shared actor key may act for no actor id and would be refused as actor_key.
+        with SyncSender(cfg.buffer.ingest_addr, 0, curve=client_curve_keys(curve, "actor", 0), ack_timeout_s=5) as s:
             out["acks"] = [s.send(g, timeout_s=60) for g in _poison()]
         out["stats"] = wait_for(lambda: (x := _stats(probe)) is not None and x["auth_refused_serve"] >= 1
                                 and x["auth_refused_ingest"] >= 2 and x, 30, "the strangers counted")
