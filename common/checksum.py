@@ -43,7 +43,7 @@ def weights_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-__all__ = ["weight_files", "weights_sha256"]
+__all__ = ["checkpoint_shapes", "weight_files", "weights_sha256"]
 
 
 def checkpoint_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:

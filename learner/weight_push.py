@@ -321,5 +321,5 @@ class WeightPusher:
 
 # The push as one import for its callers (ops/bench/weight_sync.py, the push tests): the disk copy and the
 # checkpoint reader live in learner.durable_push and common.checksum.
-__all__ = ["DurableWriter", "PushResult", "WeightPusher", "bucket_plan", "checkpoint_shapes", "dtype_name",
+__all__ = ["DurableWriter", "PushResult", "WeightPusher", "bucket_plan", "dtype_name",
            "iter_buckets", "plan_mismatch", "write_buckets"]

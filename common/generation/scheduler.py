@@ -102,10 +102,6 @@ class Scheduler:
         return self._waiting.max_queued_tokens
 
     @property
-    def queued_tokens(self) -> int:
-        return self._waiting.tokens
-
-    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
