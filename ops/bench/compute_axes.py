@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import re
-import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any
 
 import yaml
 
+from ops.bench.run_records import mean_std
 from ops.report import read_records
 
 AXES = ("samples", "gen_tokens", "learner_passes", "critic_passes", "wall_s")
@@ -142,8 +142,7 @@ def readings(runs: list[AxisRun], target: float, budgets: dict[str, float]) -> d
 def _ms(xs: list[float]) -> str:
     if not xs:
         return "—"
-    m = statistics.fmean(xs)
-    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    m, sd = mean_std(xs)
     return f"{_num(m)} ± {_num(sd)} (n={len(xs)})"
 
 
