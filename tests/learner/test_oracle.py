@@ -11,6 +11,7 @@ import torch
 from common import protocol
 from common.modeling import load_tokenizer
 from common.tasks import Prompt, encode_prompt
+from common.tasks.chain import oracle_value
 from learner.batch import collate
 from learner.oracle import ChainOracle
 
@@ -46,6 +47,9 @@ def test_oracle_values_are_what_the_task_state_says() -> None:
     want_slip = [0.64] * 8 + [0.0] * (n - 8)
     torch.testing.assert_close(v[0, :n], torch.tensor(want_right))
     torch.testing.assert_close(v[1, :n], torch.tensor(want_slip))
+    # The same as the task's own per-prefix formula, which the oracle walks in O(lines) instead.
+    for row, text in enumerate([RIGHT, SLIP]):
+        assert [oracle_value(RIGHT, text[:t], 0.8) for t in range(n)] == pytest.approx(v[row, :n].tolist())
     # Blind to mistakes (the step-count-only baseline): p^2 = 0.64 on every state of both rows.
     blind = ChainOracle(tok, line_accuracy=0.8, sees_mistakes=False).values(batch)
     torch.testing.assert_close(blind[:, :n], torch.full((2, n), 0.64))
