@@ -89,10 +89,14 @@ def _check_bool(name: str, v: Any) -> bool:
     return v
 
 
+_ARRAY_KEYS = frozenset(("dtype", "n", "data"))
+_DTYPES = {d: np.dtype(d) for d in ("<i4", "<f4", "<i8")}
+
+
 def _unpack_array(name: str, v: Any, dtype: str) -> np.ndarray:
     if not isinstance(v, dict):
         raise _err("bad_type", f"{name} must be an array map")
-    if set(v) != {"dtype", "n", "data"}:
+    if v.keys() != _ARRAY_KEYS:
         raise _err("bad_type", f"{name}: array map needs exactly dtype, n, data")
     if v["dtype"] != dtype:
         raise _err("bad_type", f"{name}: dtype {v['dtype']!r}, expected {dtype!r}")
@@ -104,7 +108,7 @@ def _unpack_array(name: str, v: Any, dtype: str) -> np.ndarray:
     data = v["data"]
     if not isinstance(data, bytes):
         raise _err("bad_type", f"{name}: data must be bytes")
-    dt = np.dtype(dtype)
+    dt = _DTYPES.get(dtype) or np.dtype(dtype)
     if len(data) != n * dt.itemsize:
         raise _err("length_mismatch", f"{name}: {len(data)} bytes for {n} x {dt.itemsize}")
     return np.frombuffer(data, dtype=dt)
@@ -125,13 +129,19 @@ class WireKind:
     pack: Callable[[Any], Any]
     check: Callable[[str, Any], Any]
     optional: bool = False
+    # An array field's rule on its values, kept apart from ``check`` (the structure) so that a list of
+    # messages can run it once over all their arrays (``check_values``): a reduction per array costs more
+    # than the reduction itself at ingest's rate.
+    values: Callable[[str, np.ndarray], None] | None = None
 
 
-def _kind(pack: Callable[[Any], Any], check: Callable[[str, Any], Any], optional: bool = False) -> Any:
+def _kind(pack: Callable[[Any], Any], check: Callable[[str, Any], Any], optional: bool = False,
+          values: Callable[[str, np.ndarray], None] | None = None) -> Any:
     # ``Any`` as dataclasses.field itself returns: the declaration reads `name: int = wire_int(...)`.
+    kind = WireKind(pack, check, optional, values)
     if optional:
-        return field(default=None, metadata={"wire": WireKind(pack, check, optional=True)})
-    return field(metadata={"wire": WireKind(pack, check)})
+        return field(default=None, metadata={"wire": kind})
+    return field(metadata={"wire": kind})
 
 
 def _as_is(value: Any) -> Any:
@@ -181,12 +191,13 @@ def wire_array(dtype: str, nonneg: bool = False, finite: bool = False, optional:
     """A 1-d array of ``dtype`` (at most MAX_ARRAY_LEN); ``nonneg`` token ids, ``finite`` values."""
 
     def check(name: str, value: Any) -> np.ndarray:
-        array = _unpack_array(name, value, dtype)
+        return _unpack_array(name, value, dtype)
+
+    def values(name: str, array: np.ndarray) -> None:
         if nonneg and array.size and int(array.min()) < 0:
             raise _err("bad_value", f"{name} has negative token ids")
         if finite and array.size and not bool(np.isfinite(array).all()):
             raise _err("not_finite", f"{name} has non-finite values")
-        return array
 
     np_dtype = np.dtype(dtype)
 
@@ -194,7 +205,7 @@ def wire_array(dtype: str, nonneg: bool = False, finite: bool = False, optional:
         array = np.ascontiguousarray(array, dtype=np_dtype)
         return {"dtype": dtype, "n": int(array.shape[0]), "data": array.tobytes()}
 
-    return _kind(pack, check, optional)
+    return _kind(pack, check, optional, values if nonneg or finite else None)
 
 
 def _check_list(name: str, value: Any, lo: int, hi: int) -> list[Any]:
@@ -214,7 +225,9 @@ def wire_samples(lo: int, hi: int) -> Any:
 
     def check(name: str, value: Any) -> list[Sample]:
         # Sample.from_wire is looked up on each call, not bound once: wrapping it (codec counts) sees every call.
-        return [Sample.from_wire(s) for s in _check_list(name, value, lo, hi)]
+        samples = [Sample.from_wire(s, values=False) for s in _check_list(name, value, lo, hi)]
+        check_values(samples)
+        return samples
 
     return _kind(_pack_samples, check)
 
@@ -287,6 +300,7 @@ class Schema:
     required_set: frozenset[str]
     allowed: frozenset[str]
     cross_field: bool  # the class has rules across fields (``_check``)
+    values: tuple[tuple[str, Callable[[str, np.ndarray], None]], ...]  # the array fields' value rules
 
     @staticmethod
     def of(cls: type) -> Schema:
@@ -298,7 +312,8 @@ class Schema:
             raise TypeError(f"{cls.__name__}: wire fields must be positional, the optional ones last")
         names = tuple(n for n, _ in required)
         return Schema(tuple((n, k.pack) for n, k in required), tuple((n, k.check) for n, k in required), optional,
-                      names, frozenset(names), frozenset(n for n, _ in kinds), "_check" in cls.__dict__)
+                      names, frozenset(names), frozenset(n for n, _ in kinds), "_check" in cls.__dict__,
+                      tuple((n, k.values) for n, k in kinds if k.values is not None))
 
 
 def _expect_fields(name: str, d: Any, required: tuple[str, ...], allowed: frozenset[str]) -> dict[str, Any]:
@@ -338,8 +353,11 @@ class Message:
         return out
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> Self:
-        """Check a decoded map field by field (exact field set, kinds, bounds), then the cross-field rules."""
+    def from_wire(cls, d: dict[str, Any], values: bool = True) -> Self:
+        """Check a decoded map field by field (exact field set, kinds, bounds), then the cross-field rules.
+
+        ``values=False`` leaves the array fields' value rules to the caller, who must run ``check_values``
+        on the message (with the others of its list) before anyone uses it."""
         schema = cls.SCHEMA
         if not (type(d) is dict and d.keys() == schema.required_set):  # else optional fields or a bad field set
             _expect_fields(cls.TYPE, d, schema.names, schema.allowed)
@@ -347,6 +365,8 @@ class Message:
         for name, kind in schema.optional:
             if name in d:  # set on the fresh instance, frozen or not, before anyone else sees it
                 object.__setattr__(msg, name, kind.check(name, d[name]))
+        if values:
+            check_values([msg])
         if schema.cross_field:
             msg._check()
         return msg
@@ -367,6 +387,28 @@ def _wire_equal(a: Any, b: Any) -> bool:
 
 
 M = TypeVar("M", bound=Message)
+
+
+def check_values(msgs: list[Message]) -> None:
+    """Run the array fields' value rules (``wire_array``'s ``nonneg``, ``finite``) over a list of messages of
+    one type: once over each field's arrays joined, and only when that fails, message by message to name
+    the first bad one (``samples[3].output_ids has negative token ids``)."""
+    if not msgs:
+        return
+    for name, rule in msgs[0].SCHEMA.values:
+        arrays = [a for a in (getattr(m, name) for m in msgs) if a is not None]
+        if not arrays:
+            continue
+        try:
+            rule(name, arrays[0] if len(arrays) == 1 else np.concatenate(arrays))
+        except ProtocolError:
+            if len(msgs) == 1:
+                raise
+            for i, m in enumerate(msgs):
+                array = getattr(m, name)
+                if array is not None:
+                    rule(f"[{i}].{name}", array)
+            raise
 
 
 def wire_message(cls: type[M]) -> type[M]:

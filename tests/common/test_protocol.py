@@ -187,6 +187,20 @@ def test_rejections_name_the_reason(frame: bytes, reason: str) -> None:
     assert e.value.reason == reason
 
 
+@pytest.mark.parametrize("field, dtype, bad, reason", [
+    ("output_ids", "<i4", np.array([1, 2, -1, 3, 4], "<i4"), "bad_value"),
+    ("prompt_ids", "<i4", np.array([0, 1, 2, -7], "<i4"), "bad_value"),
+    ("output_logprobs", "<f4", np.array([0, -1, np.nan, 0, 0], "<f4"), "not_finite"),
+])
+def test_a_bad_value_in_a_later_sample_is_found_and_named(field: str, dtype: str, bad: np.ndarray, reason: str) -> None:
+    # The value rules run once over the joined arrays of all samples, then sample by sample to name the culprit.
+    body = _group_body()
+    body["samples"][2][field] = {"dtype": dtype, "n": len(bad), "data": bad.tobytes()}
+    with pytest.raises(ProtocolError) as e:
+        decode(_raw(body))
+    assert e.value.reason == reason and f"[2].{field}" in str(e.value)
+
+
 def test_oversized_frames_are_rejected_before_parsing() -> None:
     frame = encode(make_group(length=1000))
     with pytest.raises(ProtocolError) as e:
