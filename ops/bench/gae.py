@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from learner.advantages import decoupled_gae, length_adaptive_lambda, terminal_rewards
-from ops.bench.measure import MIN_ROUNDS, Run, Timed, combined_verdict, run_for, summarise
+from ops.bench.measure import MIN_ROUNDS, Run, Timed, combined_verdict, rotate, summarise
 
 LOOP_GOAL, COPY_GOAL = 5.0, 3.0
 QUICK = {"shapes": "64x256", "rounds": 2, "min_round_s": 0.0}
@@ -85,10 +85,7 @@ def bench_shape(B: int, T: int, rounds: int, min_round_s: float, alpha: float) -
     max_err = max(float((a1 - a2).abs().max()), float((r1 - r2).abs().max()))
     copy()  # warm-up (the guard warmed the other two)
     sides = {"ours": call(ours), "loop": call(loop), "copy": call(copy)}
-    per_round: list[dict[str, float]] = []
-    for r in range(rounds):  # the order rotates, so a drift of the machine's load hits every method alike
-        names = list(sides)[r % 3:] + list(sides)[:r % 3]
-        per_round.append({n: 1 / run_for(sides[n], r, min_round_s).rate for n in names})
+    per_round = [{n: 1 / t.rate for n, t in timed.items()} for timed in rotate(sides, rounds, min_round_s)]
     speedup = summarise([x["loop"] / x["ours"] for x in per_round], LOOP_GOAL, name="speedup_vs_loop")
     to_copy = summarise([x["ours"] / x["copy"] for x in per_round], COPY_GOAL, higher_is_better=False,
                         name="ours_over_copy")

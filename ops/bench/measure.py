@@ -130,6 +130,21 @@ def interleave(baseline: Callable[[int], Timed], subject: Callable[[int], Timed]
     return out
 
 
+def rotate(sides: dict[str, Callable[[int], Timed]], rounds: int, min_round_s: float = 0.0,
+           on_round: Callable[[int, dict[str, Timed]], None] | None = None) -> list[dict[str, Timed]]:
+    """``interleave`` for any number of sides: ``rounds`` rounds, the order rotated by one each round so a
+    drift of the machine's load hits every side alike; each side runs at least ``min_round_s``."""
+    names = list(sides)
+    out = []
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        timed = {n: run_for(sides[n], r, min_round_s) for n in order}
+        out.append({n: timed[n] for n in names})
+        if on_round is not None:
+            on_round(r, out[-1])
+    return out
+
+
 def quartiles(values: list[float]) -> tuple[float, float]:
     """First and third quartiles (inclusive method: for 1..5, (2, 4)); one value is its own quartiles."""
     if len(values) == 1:

@@ -15,6 +15,7 @@ from ops.bench.measure import (
     figures,
     interleave,
     quartiles,
+    rotate,
     summarise,
     verdict,
 )
@@ -36,6 +37,25 @@ def test_interleave_alternates_which_side_runs_first_and_repeats_a_side_to_the_r
     assert rounds.baseline == [Timed(30, 3.0)] * 2 and rounds.subject == [Timed(20, 4.0)] * 2
     assert rounds.rate_ratios() == [0.5, 0.5]  # 20/4 = 5 per s over 30/3 = 10 per s
     assert rounds.time_ratios() == [2.0, 2.0]  # 0.2 s per unit over 0.1 s
+
+
+def test_rotate_turns_the_order_by_one_each_round_and_keeps_each_side_to_the_round_length() -> None:
+    calls: list[str] = []
+
+    def side(name: str, seconds: float):
+        def run(r: int) -> Timed:
+            calls.append(f"{name}{r}")
+            return Timed(work=6, seconds=seconds)
+        return run
+
+    seen: list[int] = []
+    rounds = rotate({"a": side("a", 1.0), "b": side("b", 3.0), "c": side("c", 2.0)}, rounds=4, min_round_s=2.0,
+                    on_round=lambda r, t: seen.append(r))
+    assert calls == ["a0", "a0", "b0", "c0",  "b1", "c1", "a1", "a1",  "c2", "a2", "a2", "b2",  "a3", "a3", "b3", "c3"]
+    assert seen == [0, 1, 2, 3]
+    # each round's sides are named in the order given, whatever order they ran in
+    assert all(list(t) == ["a", "b", "c"] for t in rounds)
+    assert rounds[1] == {"a": Timed(12, 2.0), "b": Timed(6, 3.0), "c": Timed(6, 2.0)}
 
 
 def test_a_side_runs_once_when_no_minimum_and_a_zero_rate_has_ratio_zero() -> None:
