@@ -392,7 +392,7 @@ M = TypeVar("M", bound=Message)
 def check_values(msgs: list[Message]) -> None:
     """Run the array fields' value rules (``wire_array``'s ``nonneg``, ``finite``) over a list of messages of
     one type: once over each field's arrays joined, and only when that fails, message by message to name
-    the first bad one (``samples[3].output_ids has negative token ids``)."""
+    the first bad one (a group's ``[3].output_ids has negative token ids``)."""
     if not msgs:
         return
     for name, rule in msgs[0].SCHEMA.values:

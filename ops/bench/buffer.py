@@ -2,29 +2,29 @@
 
     .venv/bin/python -m ops.bench.buffer [--rounds 5] [--min-round-s 5] [--senders 2] [--no-curve] [--quick]
 
-Prints one JSON line. Workload: groups of 16 samples with 1,000-token responses (100-token prompts),
-rewards all 0 (no positives harvesting), sent by ``--senders`` processes through ``AsyncGroupSender.send``
-(``--window`` concurrent sends, default 128 as ``ops/configs/paper.yaml``'s ``actors.prompts_in_flight``: an
-actor awaits each group's ack in one of its prompt loops) over TCP on 127.0.0.1 to ``python -m buffer`` (a
-subprocess), acknowledged after each LMDB commit (fsync on). As in a launched run, every client authenticates with the
-run's CurveZMQ key of its role (``--no-curve``: plain sockets, to measure what encryption costs) and every
-group passes the ingest bounds (``common.limits``; vocabulary 151,936 as Qwen2's). Credit/admission is not
-exercised (the senders do not acquire). Each sender builds ``--groups-per-sender`` groups once and sends
-them again under fresh group_ids as often as a round needs.
+Prints one JSON line. Workload: groups of 16 samples with 1,000-token responses (100-token prompts), rewards all
+0 (no positives harvesting), sent by ``--senders`` processes through ``AsyncGroupSender.send`` (``--window``
+concurrent sends, default 128 as ``ops/configs/paper.yaml``'s ``actors.prompts_in_flight``: an actor awaits each
+group's ack in one of its prompt loops) over TCP on 127.0.0.1 to ``python -m buffer`` (a subprocess),
+acknowledged after each LMDB commit (fsync on). As in a launched run, every client authenticates with the run's
+CurveZMQ key of its role (``--no-curve``: plain sockets, to measure what encryption costs) and every group passes
+the ingest bounds (``common.limits``; vocabulary 151,936 as Qwen2's). Credit/admission is not exercised (the
+senders do not acquire). Each sender builds ``--groups-per-sender`` groups once and sends them again under fresh
+group_ids as often as a round needs.
 
-The baseline, the limit of the same resource: this process putting the same encoded frames into one
-LMDB for the whole run (growing as the buffer's store does; ``RawLMDB`` says why) opened with the buffer store's
-settings (sync and metasync: an fsync per commit), ``buffer.commit_batch`` groups per transaction. A third side measures the transport's limit: the same senders sending the same groups
-to a sink (``sink_main``: the buffer's CurveZMQ setup, an ack as soon as the group_id is read, nothing
-validated or stored). The three run in rounds, the order rotated each round (``ops/bench/measure.py``):
-``--rounds`` rounds, each side repeated until it ran ``--min-round-s`` seconds. Judged: ``ingest_over_raw_lmdb``
-= ingest groups/s over raw groups/s per round, **goal >= 0.6**, its median, range and interquartile range, and
-the verdict (``unclear`` when the interquartile range straddles the goal). Beside it, not judged:
-``sink_over_raw_lmdb``, ``ingest_over_sink``, and ``ceiling_over_raw_lmdb``, the best any buffer could do on
-these cores (``ceiling_rate``: the sink's transport cost plus the raw side's measured CPU per group for the same
-writes, shared perfectly over the cores). Then ``BatchClient.get_batch`` for 512 groups, timed to bytes
-received and to decoded ``BatchReply``. ``--quick``: tiny groups, 2 rounds (a check that it runs; its verdict is
-always ``unclear``).
+The baseline, the limit of the same resource: this process putting the same encoded frames into one LMDB for the
+whole run (growing as the buffer's store does; ``RawLMDB`` says why) opened with the buffer store's settings
+(sync and metasync: an fsync per commit), ``buffer.commit_batch`` groups per transaction. A third side measures
+the transport's limit: the same senders sending the same groups to a sink (``sink_main``: the buffer's CurveZMQ
+setup, an ack as soon as the group_id is read, nothing validated or stored). The three run in rounds, the order
+rotated each round (``ops/bench/measure.py``): ``--rounds`` rounds, each side repeated until it ran
+``--min-round-s`` seconds. Judged: ``ingest_over_raw_lmdb`` = ingest groups/s over raw groups/s per round, **goal
+>= 0.6**, its median, range and interquartile range, and the verdict (``unclear`` when the interquartile range
+straddles the goal). Beside it, not judged: ``sink_over_raw_lmdb``, ``ingest_over_sink``, and
+``ceiling_over_raw_lmdb``, the best any buffer could do on these cores (``ceiling_rate``: the sink's transport
+cost plus the raw side's measured CPU per group for the same writes, shared perfectly over the cores). Then
+``BatchClient.get_batch`` for 512 groups, timed to bytes received and to decoded ``BatchReply``. ``--quick``:
+tiny groups, 2 rounds (a check that it runs; its verdict is always ``unclear``).
 
 Requirement figure: the paper's setting trains on 512 prompts x 16 = 8,192 samples per learner step; we
 assume a 60 s step (long-CoT 32B steps take minutes), i.e. 137 samples/s from one buffer; the target is
@@ -210,7 +210,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--commit-batch", type=int, default=64)
     ap.add_argument("--window", type=int, default=128,
                     help="unacknowledged groups per sender (128: paper.yaml's actors.prompts_in_flight)")
-    ap.add_argument("--rounds", type=int, default=MIN_ROUNDS, help="interleaved ingest/raw rounds")
+    ap.add_argument("--rounds", type=int, default=MIN_ROUNDS, help="rounds of the three sides (raw, ingest, sink)")
     ap.add_argument("--min-round-s", type=float, default=5.0, help="each side of a round repeats until it ran this long")
     ap.add_argument("--no-curve", action="store_true", help="plain sockets (no CurveZMQ), to measure its cost")
     ap.add_argument("--quick", action="store_true", help=f"a check that it runs, no verdict: {QUICK}")
