@@ -4,6 +4,9 @@ expected value derived by hand."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 from ops.bench.measure import (
     MIN_ROUNDS,
     EventWindow,
@@ -21,17 +24,20 @@ from ops.bench.measure import (
 )
 
 
+def logged_side(calls: list[str], name: str, work: float, seconds: float) -> Callable[[int], Timed]:
+    """A side that does ``work`` in ``seconds`` per call and logs each call as ``<name><round>``."""
+    def run(r: int) -> Timed:
+        calls.append(f"{name}{r}")
+        return Timed(work=work, seconds=seconds)
+    return run
+
+
 def test_interleave_alternates_which_side_runs_first_and_repeats_a_side_to_the_round_length() -> None:
     calls: list[str] = []
-
-    def side(name: str, seconds: float):
-        def run(r: int) -> Timed:
-            calls.append(f"{name}{r}")
-            return Timed(work=10, seconds=seconds)
-        return run
+    side = partial(logged_side, calls, work=10)
 
     # baseline rounds take 1 s per call (3 calls to reach 2.5 s), subject 2 s (2 calls)
-    rounds = interleave(side("b", 1.0), side("s", 2.0), rounds=2, min_round_s=2.5)
+    rounds = interleave(side("b", seconds=1.0), side("s", seconds=2.0), rounds=2, min_round_s=2.5)
     assert calls == ["b0", "b0", "b0", "s0", "s0", "s1", "s1", "b1", "b1", "b1"]
     assert rounds.first == ["baseline", "subject"]
     assert rounds.baseline == [Timed(30, 3.0)] * 2 and rounds.subject == [Timed(20, 4.0)] * 2
@@ -41,15 +47,9 @@ def test_interleave_alternates_which_side_runs_first_and_repeats_a_side_to_the_r
 
 def test_rotate_turns_the_order_by_one_each_round_and_keeps_each_side_to_the_round_length() -> None:
     calls: list[str] = []
-
-    def side(name: str, seconds: float):
-        def run(r: int) -> Timed:
-            calls.append(f"{name}{r}")
-            return Timed(work=6, seconds=seconds)
-        return run
-
+    side = partial(logged_side, calls, work=6)
     seen: list[int] = []
-    rounds = rotate({"a": side("a", 1.0), "b": side("b", 3.0), "c": side("c", 2.0)}, rounds=4, min_round_s=2.0,
+    rounds = rotate({"a": side("a", seconds=1.0), "b": side("b", seconds=3.0), "c": side("c", seconds=2.0)}, rounds=4, min_round_s=2.0,
                     on_round=lambda r, t: seen.append(r))
     assert calls == ["a0", "a0", "b0", "c0",  "b1", "c1", "a1", "a1",  "c2", "a2", "a2", "b2",  "a3", "a3", "b3", "c3"]
     assert seen == [0, 1, 2, 3]
