@@ -19,9 +19,11 @@ samples, as ``value_study_suite.group_overrides``), the arms are:
 - ``dapo`` (``long_suite.DAPO``: dynamic sampling, no NLL), ``dapo_nofilter`` and ``dapo_nll`` (μ = 0.1).
 
 Three seeds per arm (``SEEDS``), each arm its own. 22 arms x 3 seeds = 66 runs. Wall time on this machine
-(2 cores, quiet; ``estimate_run_minutes``): a VAPO-type run ~9.2 min (8 min measured for long.yaml's 40 steps
-at G = 2-8 in the value study, x 1.15 for evaluating twice as often), a DAPO one ~5.5 min (0.55 of that, plus
-the groups its filter regenerates); ~180 min per seed, **~9 h** in all; loaded cores make every run slower.
+(2 cores, quiet; ``estimate_run_minutes``): a VAPO-type run ~15 min (the suite's first run,
+``vp_g2_vapo_a1-s0``, took 900 s on 2 otherwise idle cores; the first estimate, 9.2 min from the value
+study's long.yaml runs, was that much short), a DAPO one ~9 min (0.6 of that: 0.55
+measured at G = 8, plus the groups its filter regenerates); ~294 min per seed, **~15 h** in all; loaded cores
+make every run slower.
 
 Pilot (``--pilot g16_oracle_a1 --steps 4``, seed 0, 2 cores under load ~6 from other jobs): 511 s end to end
 (10 value-pretraining steps, 4 RL steps of 256 samples, 3 evaluations); held-out avg@8 0.213 -> 0.303; the
@@ -59,7 +61,7 @@ SEEDS = (0, 1, 2)
 GROUPS = (2, 16)
 ALPHAS = (1.0, 0.05)
 SHARED = ("learner.eval_every=5",)
-RUN_MIN = 8.0 * 1.15       # VAPO on long.yaml, 40 steps (value study: 7.9-8.4 min), evaluations twice as often
+RUN_MIN = 15.0             # VAPO on long.yaml, 40 steps, evaluated every 5: vp_g2_vapo_a1-s0 took 900 s (2 idle cores)
 DAPO_SHARE = 0.6           # DAPO against VAPO: 0.55 measured at G = 8, plus the groups the filter regenerates
 CRITIC_ARMS: dict[str, tuple[str, ...]] = {
     "vapo": (),
