@@ -34,6 +34,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,9 @@ def run_one(root: Path, e: Experiment, seed: int, slot: int, log: Any) -> tuple[
     return name, rc, time.monotonic() - t0
 
 
-def run_suite(root: Path, todo: list[tuple[Experiment, int]], jobs: int) -> int:
+def run_suite(root: Path, todo: list[tuple[Experiment, int]], jobs: int,
+              on_done: Callable[[Path, str, int, float, Callable[[str], None]], None] | None = None) -> int:
+    """Run ``todo``, ``jobs`` at a time; ``on_done(root, name, rc, seconds, log)`` follows each run."""
     def log(msg: str) -> None:
         print(f"[experiments {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -115,6 +118,8 @@ def run_suite(root: Path, todo: list[tuple[Experiment, int]], jobs: int) -> int:
             summary = root / name / "summary.json"
             acc = json.loads(summary.read_text()).get("final_accuracy") if summary.exists() else None
             failures += rc != 0
+            if on_done is not None:
+                on_done(root, name, rc, secs, log)
             elapsed = time.monotonic() - t_all
             eta = elapsed / n * (len(todo) - n)
             log(f"{name}: {'ok' if rc == 0 else f'FAILED rc={rc}'} in {secs:.0f} s, final avg@8 "
@@ -168,6 +173,11 @@ def run_actor_values(root: Path, args: argparse.Namespace, module: Any = actor_v
     only when named with --only."""
     phased = getattr(module, "PHASED", False)
     opt_in = getattr(module, "OPT_IN", frozenset())
+    recorded = getattr(module, "recorded_names", set)()  # done on an earlier checkout (value_parts' ledger)
+
+    def state(e: Experiment, s: int) -> str:
+        st = status(root, e, s)
+        return "recorded" if st != "done" and run_name(e, s) in recorded else st
 
     def todo_now() -> list[tuple[Experiment, int]]:
         exps = module.experiments(Experiment, root) if phased else module.experiments(Experiment)
@@ -180,7 +190,7 @@ def run_actor_values(root: Path, args: argparse.Namespace, module: Any = actor_v
             print(module.phase_line(root))
         for e, s in todo_now():
             cost = f" ~{est(e.name):.0f} min" if est else ""
-            print(f"{run_name(e, s):32s} {status(root, e, s):10s} {e.steps:3d} steps{cost}  {e.label}")
+            print(f"{run_name(e, s):32s} {state(e, s):10s} {e.steps:3d} steps{cost}  {e.label}")
         return 0
     failures = 0
     if not args.report_only:
@@ -188,7 +198,8 @@ def run_actor_values(root: Path, args: argparse.Namespace, module: Any = actor_v
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         getattr(module, "prepare", lambda log: None)(print)  # files the runs read that no run makes
         for _ in range(2 if phased else 1):  # phase 2 only after a phase 1 without failures (no retry loop)
-            failures += run_suite(root.resolve(), [(e, s) for e, s in todo_now() if status(root, e, s) != "done"], args.jobs)
+            missing = [(e, s) for e, s in todo_now() if state(e, s) not in ("done", "recorded")]
+            failures += run_suite(root.resolve(), missing[:args.max_runs], args.jobs, getattr(module, "on_run_done", None))
             if failures:
                 break
         if hasattr(module, "post"):
@@ -209,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", nargs="+", type=int, help="override the seeds of the selected experiments")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (default 1: on 2 cores more skews wall times)")
     ap.add_argument("--list", action="store_true", help="print the suite and each run's state, then exit")
+    ap.add_argument("--max-runs", type=int, metavar="N",
+                    help="start at most N of the missing runs, then summarise: a long suite over several sessions "
+                    "(every suite but long)")
     ap.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
     ap.add_argument("--out", default="docs/RESULTS.md", help="report path (plots go to <its dir>/results/)")
     ap.add_argument("--notes", default="docs/results/notes.md", help="hand-written reading included in the report")
@@ -225,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                     "value_parts: the critic, the NLL, DAPO's filter and an oracle critic separated at G = 2 and 16, "
                     "3 seeds, equal-compute readings (root runs/exp-value-parts, ~15 h)")
     args = ap.parse_args(argv)
+    if args.max_runs is not None and args.max_runs < 1:
+        ap.error("--max-runs must be at least 1")
     if args.suite == "value_parts":
         return run_actor_values(REPO / (args.root if args.root != "runs/exp" else "runs/exp-value-parts"), args,
                                 value_parts_suite, "value_parts")
@@ -270,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         root.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        failures = run_suite(root, [(e, s) for e, s in todo if status(root, e, s) != "done"], args.jobs)
+        failures = run_suite(root, [(e, s) for e, s in todo if status(root, e, s) != "done"][:args.max_runs], args.jobs)
     write_report(root, REPO / args.out, REPO / args.notes)
     print(json.dumps({"bench": "experiments", "report": args.out, "failed_runs": failures,
                       "done": sum(status(root, e, s) == "done" for e in SUITE for s in e.seeds),

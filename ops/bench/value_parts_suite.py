@@ -30,6 +30,17 @@ Pilot (``--pilot g16_oracle_a1 --steps 4``, seed 0, 2 cores under load ~6 from o
 oracle's EV on the RL batches 0.41 / 0.26 / 0.45 against the trained critic's 0.27 / 0.10 / 0.21 (steps
 1-3); ``python -m ops.bench.compute_axes`` reads its five axes.
 
+**A study longer than a machine's lease.** Run directories stay on the machine that made them, so each run
+that finishes is also kept, as one line of its readings (every evaluation on every axis, the final accuracy,
+its seconds, the commit, the CPU and the load), in ``docs/results/value_parts_runs.jsonl``: committed, it
+lets the next checkout, on this machine or another, go on from there (a recorded run counts as done) and
+the summary read every run so far. ``--max-runs N`` starts at most N runs, to fit a session:
+
+    .venv/bin/python -m ops.bench.experiments --suite value_parts --max-runs 6
+
+Runs recorded on different CPUs are comparable on every axis but wall time; the summary lists the CPUs
+(``machines``) so a wall-time reading across them is not taken for a method's.
+
 The summary (one JSON line, ``summary``): per arm the final held-out avg@8 (each seed, mean, sd), the
 accuracy at equal budget on every compute axis of ``ops.bench.compute_axes`` (samples, generated tokens,
 learner and critic token passes, wall time; the budget is the largest every run of the regime reached), and
@@ -42,19 +53,23 @@ perfect critic would add), ``trainable − vapo`` (a critic that can learn).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from ops.bench.compute_axes import AXES, accuracy_at, load_axis_run
+from ops.bench import measure
+from ops.bench.compute_axes import AXES, AxisRun, accuracy_at, load_axis_run
 from ops.bench.long_suite import DAPO
 from ops.bench.run_records import port_overrides
 from ops.bench.value_study_suite import group_overrides
 
 REPO = Path(__file__).resolve().parents[2]
+LEDGER = REPO / "docs" / "results" / "value_parts_runs.jsonl"  # every finished run's readings, committed
 CONFIG = "ops/configs/long.yaml"
 STEPS = 40
 SEEDS = (0, 1, 2)
@@ -119,15 +134,78 @@ def diff(a: list[float], b: list[float]) -> dict[str, float] | None:
             "sigma": math.sqrt(sd[0] ** 2 / len(a) + sd[1] ** 2 / len(b)), "n": [len(a), len(b)]}
 
 
-def summary(root: Path, load_run: Any = None) -> dict[str, Any]:
-    """Per arm: final accuracy per seed and at equal budget per axis; per regime the differences (docstring)."""
-    runs: dict[str, list[Any]] = {}
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def read_ledger(ledger: Path = LEDGER) -> dict[str, dict[str, Any]]:
+    """The recorded runs by name (a later line of the same run replaces an earlier one)."""
+    if not ledger.exists():
+        return {}
+    rows = (json.loads(line) for line in ledger.read_text().splitlines() if line.strip())
+    return {row["run"]: row for row in rows}
+
+
+def recorded_names(ledger: Path = LEDGER) -> set[str]:
+    """Runs the ledger holds: done, wherever they ran."""
+    return set(read_ledger(ledger))
+
+
+def record(root: Path, run: str, seconds: float, ledger: Path = LEDGER) -> dict[str, Any] | None:
+    """Keep finished run ``run``'s readings in the ledger (its line replaced if it was there); None, and
+    nothing written, for a run without ``summary.json`` or without evaluations beyond the base one."""
+    d = root / run
+    axis_run = load_axis_run(d) if (d / "summary.json").exists() else None
+    if axis_run is None or len(axis_run.points) < 2:
+        return None
+    row = {"run": run, "final_accuracy": axis_run.points[-1]["acc"],
+           "points": [{k: round(v, 6) for k, v in p.items()} for p in axis_run.points], "seconds": round(seconds, 1),
+           "commit": _commit(), "date": time.strftime("%Y-%m-%d"), **measure.machine(), "load_at_end": measure.load()}
+    rows = read_ledger(ledger)
+    rows[run] = row
+    ledger.parent.mkdir(parents=True, exist_ok=True)
+    tmp = ledger.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in sorted(rows.values(), key=lambda r: r["run"])))
+    tmp.replace(ledger)  # a crash mid-write leaves the old ledger, never half of one
+    return row
+
+
+def on_run_done(root: Path, run: str, rc: int, seconds: float, log: Any) -> None:
+    """After each run of the suite: a finished one goes into the ledger at once (a killed driver loses none)."""
+    if rc == 0 and record(root, run, seconds) is not None:
+        log(f"{run}: recorded in {LEDGER.relative_to(REPO)}")
+
+
+def _runs(root: Path, ledger: Path) -> tuple[dict[str, list[AxisRun]], set[str]]:
+    """Each arm's runs with evaluations beyond the base one (a run directory under ``root`` wins over its
+    ledger line), and the CPUs they ran on."""
+    kept = read_ledger(ledger)
+    runs: dict[str, list[AxisRun]] = {}
+    machines: set[str] = set()
     for arm in arms():
         for s in SEEDS:
-            r = load_axis_run(root / f"{name(arm)}-s{s}")
+            run = f"{name(arm)}-s{s}"
+            r = load_axis_run(root / run)
+            if r is None and run in kept:
+                r = AxisRun(run, kept[run]["points"])
+                machines.add(kept[run].get("cpu", "unknown"))
+            elif r is not None:
+                machines.add(measure.machine()["cpu"])
             if r is not None and len(r.points) > 1:
                 runs.setdefault(arm, []).append(r)
-    out: dict[str, Any] = {"estimate_minutes": round(total_minutes()), "arms": {}, "differences": {}}
+    return runs, machines
+
+
+def summary(root: Path, load_run: Any = None, ledger: Path = LEDGER) -> dict[str, Any]:
+    """Per arm: final accuracy per seed and at equal budget per axis; per regime the differences (docstring).
+    Reads the runs under ``root`` and those the ledger holds."""
+    runs, machines = _runs(root, ledger)
+    out: dict[str, Any] = {"estimate_minutes": round(total_minutes()), "runs": sum(map(len, runs.values())),
+                           "machines": sorted(machines), "arms": {}, "differences": {}}
     for g in GROUPS:
         in_g = [r for arm, rs in runs.items() if arm.startswith(f"g{g}_") for r in rs]
         budgets = {axis: min((r.points[-1][axis] for r in in_g), default=0.0) for axis in AXES}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import types
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,49 @@ def test_summary_differences_with_their_sigma(tmp_path: Path) -> None:
     assert d["at_equal_samples"]["diff"] == pytest.approx(0.2)
     assert "g2 a0.05: vapo − dapo" not in out["differences"]  # no α = 0.05 run yet
     assert vp.diff([], [0.5]) is None
+
+
+def test_a_finished_run_is_recorded_and_the_summary_reads_the_ledger_alone(tmp_path: Path) -> None:
+    """The ledger carries a study across checkouts: a finished run's readings go in (once per run, the last
+    replacing the first), an unfinished one's do not, and from the ledger alone, with no run directory left,
+    the summary gives the same differences as from the directories."""
+    runs, ledger = tmp_path / "runs", tmp_path / "kept.jsonl"
+    _run(runs, "g2_vapo_a1", 0, [0.4, 0.5, 0.6])
+    _run(runs, "g2_vapo_a1", 1, [0.4, 0.6, 0.8])
+    _run(runs, "g2_dapo", 0, [0.4, 0.45, 0.5])
+    assert vp.record(runs, "vp_g2_dapo-s0", 300.0, ledger) is None  # no summary.json: not finished
+    for run, final in (("vp_g2_vapo_a1-s0", 0.6), ("vp_g2_vapo_a1-s1", 0.8), ("vp_g2_dapo-s0", 0.5)):
+        (runs / run / "summary.json").write_text("{}")
+        assert vp.record(runs, run, 900.0, ledger)["final_accuracy"] == final
+    row = vp.record(runs, "vp_g2_dapo-s0", 540.0, ledger)
+    assert row is not None and row["seconds"] == 540.0 and row["cpu"] and row["cpus"] >= 1
+    assert len(ledger.read_text().splitlines()) == 3 and vp.read_ledger(ledger)["vp_g2_dapo-s0"]["seconds"] == 540.0
+    assert vp.recorded_names(ledger) == {"vp_g2_vapo_a1-s0", "vp_g2_vapo_a1-s1", "vp_g2_dapo-s0"}
+    from_dirs = vp.summary(runs, ledger=tmp_path / "none.jsonl")
+    from_ledger = vp.summary(tmp_path / "gone", ledger=ledger)
+    assert from_ledger["runs"] == from_dirs["runs"] == 3 and from_ledger["machines"] == [row["cpu"]]
+    assert from_ledger["differences"] == from_dirs["differences"]
+    assert from_ledger["differences"]["g2 a1: vapo − dapo"]["final"]["diff"] == pytest.approx(0.2)
+
+
+def test_the_driver_skips_recorded_runs_starts_at_most_max_runs_and_records_each(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--max-runs 2`` with one of four runs recorded: the first two missing runs start, in order, and each
+    is handed to the suite's ``on_run_done`` as it ends; ``--list`` calls the recorded one recorded."""
+    from ops.bench import experiments as exp
+
+    started, done = [], []
+    suite = types.SimpleNamespace(
+        experiments=lambda E: [E(n, "t", n, vp.CONFIG, (), seeds=(0,), steps=1) for n in ("a", "b", "c", "d")],
+        recorded_names=lambda: {"b-s0"}, summary=lambda root, load_run: {},
+        on_run_done=lambda root, run, rc, secs, log: done.append((run, rc)))
+    monkeypatch.setattr(exp, "run_one", lambda root, e, seed, slot, log: (started.append(f"{e.name}-s{seed}")
+                                                                          or (f"{e.name}-s{seed}", 0, 1.0)))
+    args = exp.argparse.Namespace(only=None, seeds=None, list=False, report_only=False, jobs=1, max_runs=2)
+    assert exp.run_actor_values(tmp_path, args, suite, "t") == 0
+    assert started == ["a-s0", "c-s0"] and done == [("a-s0", 0), ("c-s0", 0)]
+    capsys.readouterr()
+    args.list = True
+    assert exp.run_actor_values(tmp_path, args, suite, "t") == 0
+    assert [line.split()[:2] for line in capsys.readouterr().out.splitlines()] == [
+        ["a-s0", "todo"], ["b-s0", "recorded"], ["c-s0", "todo"], ["d-s0", "todo"]]
