@@ -12,7 +12,8 @@ import random
 from buffer.layout import positive_hash
 from buffer.store import BufferStore
 from common.limits import is_positive
-from common.protocol import PositivesRequest, SampleGroup, encode_positives_reply, sample_frames
+from common.protocol import PositivesRequest, SampleGroup
+from common.splice import encode_positives_reply, sample_frames
 
 MAX_POSITIVES_PER_REPLY = 1 << 16
 

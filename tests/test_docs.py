@@ -330,12 +330,14 @@ def test_the_wire_page_names_every_message_and_every_field() -> None:
 
 
 def test_the_error_reasons_documented_are_the_codes() -> None:
-    """docs/WIRE.md's error table: the decoder's reasons (every literal reason common/protocol.py raises),
+    """docs/WIRE.md's error table: the decoder's reasons (every literal reason common/protocol.py and the field
+    checks of common/wire.py raise),
     the ingest bounds' reasons (common.limits.REASONS) and the credit refusals are all listed."""
     section = (DOCS / "WIRE.md").read_text().split("\n## Error reasons", 1)[1].split("\n## ", 1)[0]
     rows = {ln.split("|")[1]: set(re.findall(r"`([a-z_]+)`", ln.split("|")[2])) for ln in section.splitlines()
             if ln.startswith("| ") and ln.count("|") >= 4}
-    decoder = set(re.findall(r'(?:_err|ProtocolError)\("([a-z_]+)"', (REPO / "common" / "protocol.py").read_text()))
+    codec = (REPO / "common" / "protocol.py").read_text() + (REPO / "common" / "wire.py").read_text()
+    decoder = set(re.findall(r'(?:_err|ProtocolError)\("([a-z_]+)"', codec))
     listed = set().union(*(v for k, v in rows.items() if "ProtocolError" in k or "client-side" in k))
     assert decoder and decoder == listed, (sorted(decoder - listed), sorted(listed - decoder))
     ingest = set().union(*(v for k, v in rows.items() if "invalid:<reason>" in k))

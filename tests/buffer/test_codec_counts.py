@@ -6,7 +6,8 @@ previous one was answered), and calls made on the server's threads are told apar
 main thread), which is how a count is attributed to a hop.
 
 Counted: ``protocol.encode`` / ``protocol.decode`` (every module that imported them), ``Sample.to_wire`` /
-``from_wire`` and ``SampleGroup.to_wire`` / ``from_wire``.
+``from_wire`` and ``SampleGroup.to_wire`` / ``from_wire``, and the samples ``protocol.samples_from_wire`` builds
+(``Sample.decoded``: a message's samples are decoded there, in one pass when they have the usual shape).
 
 Per group (G samples): the actor encodes it once (1 SampleGroup.to_wire, G Sample.to_wire); the buffer decodes
 it once at ingest and serves the stored frame as it is; the learner client decodes the BatchReply once (1
@@ -15,7 +16,7 @@ which is still one parse of the group's bytes).
 
 Per positive: before, Sample.to_wire ran 3 times (actor, buffer ingest storing it, buffer serve re-encoding
 the reply) and Sample.from_wire 3 times (buffer ingest, buffer serve decoding the stored frame, learner
-client). Now 1 to_wire (actor) and 2 from_wire (buffer ingest, learner client): the buffer stores the bytes
+client). Now 1 to_wire (actor) and 2 decodes (buffer ingest, learner client): the buffer stores the bytes
 it received and splices them into the reply.
 """
 
@@ -55,6 +56,16 @@ class Counts:
 
         return counted
 
+    def wrap_items(self, name: str, fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+        """Like ``wrap``, counting the items of the list ``fn`` is given rather than the calls."""
+        def counted(items: list[Any]) -> Any:
+            side = "client" if threading.current_thread() is threading.main_thread() else "buffer"
+            with self._lock:
+                self.c[(side, name)] += len(items)
+            return fn(items)
+
+        return counted
+
     def take(self) -> dict[str, int]:
         """Counts since the last call, as ``side.name``."""
         with self._lock:
@@ -78,6 +89,7 @@ def counts(monkeypatch: pytest.MonkeyPatch) -> Counts:
         monkeypatch.setattr(cls, "to_wire", k.wrap(f"{cls.__name__}.to_wire", to_wire))
         from_wire = cls.__dict__["from_wire"].__func__
         monkeypatch.setattr(cls, "from_wire", classmethod(k.wrap(f"{cls.__name__}.from_wire", from_wire)))
+    monkeypatch.setattr(protocol, "samples_from_wire", k.wrap_items("Sample.decoded", protocol.samples_from_wire))
     return k
 
 
@@ -122,16 +134,17 @@ def test_one_group_is_encoded_once_and_decoded_once_per_hop(server: BufferServer
     assert ingest["client.SampleGroup.to_wire"] == 1 and ingest["client.Sample.to_wire"] == 4
     # Buffer at ingest: one decode (validation) of the group, and one encode: its IngestAck.
     assert ingest["buffer.decode"] == 1  # the group frame
-    assert ingest["buffer.SampleGroup.from_wire"] == 1 and ingest["buffer.Sample.from_wire"] == 4
+    assert ingest["buffer.SampleGroup.from_wire"] == 1 and ingest["buffer.Sample.decoded"] == 4
     assert ingest["buffer.encode"] == 1  # the IngestAck
     assert "buffer.SampleGroup.to_wire" not in ingest and "buffer.Sample.to_wire" not in ingest
     # Buffer at serve: decodes the BatchRequest only; the stored group frame is spliced into the reply.
-    assert serve.get("buffer.SampleGroup.from_wire", 0) == 0 and serve.get("buffer.Sample.from_wire", 0) == 0
+    assert serve.get("buffer.SampleGroup.from_wire", 0) == 0 and serve.get("buffer.Sample.decoded", 0) == 0
+    assert serve.get("buffer.Sample.from_wire", 0) == 0
     assert serve.get("buffer.SampleGroup.to_wire", 0) == 0 and serve.get("buffer.Sample.to_wire", 0) == 0
     assert serve["buffer.decode"] == 1  # the BatchRequest
     # Learner client: the reply frame and the group frame nested in it, each parsed once.
     assert serve["client.decode"] == 2
-    assert serve["client.SampleGroup.from_wire"] == 1 and serve["client.Sample.from_wire"] == 4
+    assert serve["client.SampleGroup.from_wire"] == 1 and serve["client.Sample.decoded"] == 4
 
 
 def test_a_positive_is_copied_not_reencoded_on_its_way_to_the_learner(server: BufferServer, counts: Counts) -> None:
@@ -145,9 +158,10 @@ def test_a_positive_is_copied_not_reencoded_on_its_way_to_the_learner(server: Bu
     serve = counts.take()
     assert samples == [group.samples[1]]
     # Ingest: the group decoded once (its 4 samples with it); the positive is stored as its exact bytes.
-    assert ingest["buffer.Sample.from_wire"] == 4
+    assert ingest["buffer.Sample.decoded"] == 4
     assert ingest.get("buffer.Sample.to_wire", 0) == 0
     # Serve: the stored frame goes into the PositivesReply as it is.
-    assert serve.get("buffer.Sample.from_wire", 0) == 0 and serve.get("buffer.Sample.to_wire", 0) == 0
+    assert serve.get("buffer.Sample.decoded", 0) == 0 and serve.get("buffer.Sample.from_wire", 0) == 0
+    assert serve.get("buffer.Sample.to_wire", 0) == 0
     assert serve["buffer.decode"] == 1  # the PositivesRequest
-    assert serve["client.decode"] == 1 and serve["client.Sample.from_wire"] == 1
+    assert serve["client.decode"] == 1 and serve["client.Sample.decoded"] == 1

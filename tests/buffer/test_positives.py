@@ -7,7 +7,8 @@ from pathlib import Path
 
 from buffer.positives import Positives, harvest_positives
 from buffer.store import BufferStore, GroupRecord
-from common.protocol import PositivesReply, PositivesRequest, decode, encode, encode_positives_reply
+from common.protocol import PositivesReply, PositivesRequest, decode, encode
+from common.splice import encode_positives_reply
 from tests.buffer.fixtures import make_group
 
 

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common import protocol
 from common.protocol import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -37,17 +38,13 @@ from common.protocol import (
     StatsRequest,
     WeightQuery,
     WeightUpdate,
-    WireKind,
     decode,
     decode_as,
     encode,
     encode_batch_reply,
-    encode_positives_reply,
-    sample_frames,
-    wire_array,
-    wire_int,
-    wire_message,
 )
+from common.splice import encode_positives_reply, sample_frames
+from common.wire import WireKind, wire_array, wire_int, wire_message
 
 token_ids = st.lists(st.integers(0, 2**31 - 1), max_size=40)
 names = st.text(max_size=40)
@@ -445,3 +442,48 @@ def test_an_optional_field_declared_before_a_required_one_is_refused() -> None:
 
     with pytest.raises(TypeError, match="the optional ones last"):
         wire_message(Misordered)
+
+
+def _variants(value: object) -> list[object]:
+    """Values to put where ``value`` was: of every wire type, near the bounds, and, for an array map, the map
+    with each key replaced, removed or joined by another."""
+    out: list[object] = [None, True, 0, -1, 1 << 63, 2.0, float("inf"), "stop", "eos", b"", [], {}]
+    if isinstance(value, dict):
+        for key in value:
+            out += [{k: v for k, v in value.items() if k != key}, {**value, "extra": 1}]
+            out += [{**value, key: other} for other in (None, True, 5, 5.0, "<i4", "<f4", "<i8", b"\x00" * 20, -1)]
+    return out
+
+
+def test_the_one_pass_sample_path_accepts_exactly_what_from_wire_accepts() -> None:
+    """``samples_from_wire`` takes the usual sample maps in one pass (``_plain_samples``) instead of field by
+    field: on every variant of every field of a sample map (and an added or missing field), that pass either
+    defers (None) or builds the very samples ``Sample.from_wire`` builds, and never takes a map from_wire
+    refuses."""
+    maps = msgpack.unpackb(encode(make_group()), raw=False)["samples"]
+    assert protocol._plain_samples(maps) == [Sample.from_wire(m, values=False) for m in maps]  # the usual shape
+    tried = accepted_by_both = 0
+    for field in [*maps[1], "version_spans", "extra"]:
+        present = field in maps[1]
+        for variant in [*_variants(maps[1].get(field)), *(["drop"] if present else [])]:
+            changed = [dict(m) for m in maps]
+            if variant == "drop":
+                del changed[1][field]
+            else:
+                changed[1][field] = variant
+            try:
+                slow: list[Sample] | None = [Sample.from_wire(m, values=False) for m in changed]
+            except (ProtocolError, TypeError, ValueError, KeyError, AttributeError, OverflowError):
+                slow = None
+            fast = protocol._plain_samples(changed)
+            tried += 1
+            if slow is None:
+                assert fast is None, (field, variant)
+            elif fast is not None:
+                assert fast == slow, (field, variant)
+                accepted_by_both += 1
+    assert tried > 200 and accepted_by_both >= 1
+    int_reward = [dict(m) for m in maps]
+    int_reward[0]["reward"] = 1  # from_wire widens it; the one-pass path leaves that to it
+    assert protocol._plain_samples(int_reward) is None
+    assert decode(_raw({**_group_body(), "samples": int_reward})).samples[0].reward == 1.0

@@ -43,9 +43,8 @@ from common.protocol import (
     decode,
     encode,
     encode_batch_reply,
-    encode_positives_reply,
-    sample_frames,
 )
+from common.splice import encode_positives_reply, sample_frames
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden_frames.json"
 INT64_MAX = (1 << 63) - 1
