@@ -178,8 +178,8 @@ def wire_array(dtype: str, nonneg: bool = False, finite: bool = False, optional:
     itemsize = np_dtype.itemsize
 
     def check(name: str, value: Any) -> np.ndarray:
-        # The common case inline (ingest decodes 3 arrays a sample); anything unusual gets the full checks and
-        # their message from _unpack_array.
+        # The usual array map inline (the samples outside protocol's one-pass path decode 3 or 4 each); anything
+        # unusual gets the full checks, and their message, from _unpack_array.
         if type(value) is dict and len(value) == 3:
             data, n = value.get("data"), value.get("n")
             if (type(data) is bytes and type(n) is int and 0 <= n <= MAX_ARRAY_LEN and len(data) == n * itemsize
