@@ -32,7 +32,7 @@ oracle's EV on the RL batches 0.41 / 0.26 / 0.45 against the trained critic's 0.
 
 **A study longer than a machine's lease.** Run directories stay on the machine that made them, so each run
 that finishes is also kept, as one line of its readings (every evaluation on every axis, the final accuracy,
-its seconds, the commit, the CPU and the load), in ``docs/results/value_parts_runs.jsonl``: committed, it
+its seconds, the commit and CPU it ran on, the load at its start and end), in ``docs/results/value_parts_runs.jsonl``: committed, it
 lets the next checkout, on this machine or another, go on from there (a recorded run counts as done) and
 the summary read every run so far. ``--max-runs N`` starts at most N runs, to fit a session:
 
@@ -62,6 +62,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.provenance import of_run
 from ops.bench import measure
 from ops.bench.compute_axes import AXES, AxisRun, accuracy_at, load_axis_run
 from ops.bench.long_suite import DAPO
@@ -134,14 +135,6 @@ def diff(a: list[float], b: list[float]) -> dict[str, float] | None:
             "sigma": math.sqrt(sd[0] ** 2 / len(a) + sd[1] ** 2 / len(b)), "n": [len(a), len(b)]}
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def read_ledger(ledger: Path = LEDGER) -> dict[str, dict[str, Any]]:
     """The recorded runs by name (a later line of the same run replaces an earlier one)."""
     if not ledger.exists():
@@ -162,9 +155,13 @@ def record(root: Path, run: str, seconds: float, ledger: Path = LEDGER) -> dict[
     axis_run = load_axis_run(d) if (d / "summary.json").exists() else None
     if axis_run is None or len(axis_run.points) < 2:
         return None
+    made_by = of_run(d) or {}  # the run's own header: the commit and machine it ran on, its starting load
+    cpu = made_by.get("cpu") or {}
     row = {"run": run, "final_accuracy": axis_run.points[-1]["acc"],
            "points": [{k: round(v, 6) for k, v in p.items()} for p in axis_run.points], "seconds": round(seconds, 1),
-           "commit": _commit(), "date": time.strftime("%Y-%m-%d"), **measure.machine(), "load_at_end": measure.load()}
+           "commit": (made_by.get("commit") or {}).get("sha"), "dirty": (made_by.get("commit") or {}).get("dirty"),
+           "cpu": cpu.get("model", "unknown"), "simd": cpu.get("torch_capability"), "cpus": cpu.get("logical_cpus"),
+           "load_at_start": made_by.get("load_1m"), "load_at_end": measure.load()[0], "date": time.strftime("%Y-%m-%d")}
     rows = read_ledger(ledger)
     rows[run] = row
     ledger.parent.mkdir(parents=True, exist_ok=True)
@@ -194,7 +191,7 @@ def _runs(root: Path, ledger: Path) -> tuple[dict[str, list[AxisRun]], set[str]]
                 r = AxisRun(run, kept[run]["points"])
                 machines.add(kept[run].get("cpu", "unknown"))
             elif r is not None:
-                machines.add(measure.machine()["cpu"])
+                machines.add(((of_run(root / run) or {}).get("cpu") or {}).get("model", "unknown"))
             if r is not None and len(r.points) > 1:
                 runs.setdefault(arm, []).append(r)
     return runs, machines

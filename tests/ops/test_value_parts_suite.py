@@ -34,7 +34,9 @@ def _run(root: Path, arm: str, seed: int, accs: list[float]) -> None:
     d = root / f"{vp.name(arm)}-s{seed}"
     d.mkdir(parents=True)
     (d / "config.yaml").write_text(yaml.safe_dump({"actors": {"group_size": 2}}))
-    recs = [{"kind": "eval", "step": 0, "time": 0.0, "avg_at_k": accs[0]}]
+    recs = [{"kind": "header", "commit": {"sha": "c0ffee", "dirty": False}, "cpu": {"model": "Test CPU", "logical_cpus": 2},
+             "load_1m": 0.5},
+            {"kind": "eval", "step": 0, "time": 0.0, "avg_at_k": accs[0]}]
     recs += [{"kind": "learner_step", "step": k, "time": 10.0 * k, "samples": 256, "response_tokens": 2560,
               "policy_forward_tokens": 100, "policy_backward_tokens": 100, "eval": {"avg_at_k": a}}
              for k, a in enumerate(accs[1:], start=1)]
@@ -71,12 +73,13 @@ def test_a_finished_run_is_recorded_and_the_summary_reads_the_ledger_alone(tmp_p
         (runs / run / "summary.json").write_text("{}")
         assert vp.record(runs, run, 900.0, ledger)["final_accuracy"] == final
     row = vp.record(runs, "vp_g2_dapo-s0", 540.0, ledger)
-    assert row is not None and row["seconds"] == 540.0 and row["cpu"] and row["cpus"] >= 1
+    assert row is not None and row["seconds"] == 540.0 and (row["cpu"], row["cpus"], row["commit"]) == ("Test CPU", 2, "c0ffee")
+    assert row["load_at_start"] == 0.5 and not row["dirty"]
     assert len(ledger.read_text().splitlines()) == 3 and vp.read_ledger(ledger)["vp_g2_dapo-s0"]["seconds"] == 540.0
     assert vp.recorded_names(ledger) == {"vp_g2_vapo_a1-s0", "vp_g2_vapo_a1-s1", "vp_g2_dapo-s0"}
     from_dirs = vp.summary(runs, ledger=tmp_path / "none.jsonl")
     from_ledger = vp.summary(tmp_path / "gone", ledger=ledger)
-    assert from_ledger["runs"] == from_dirs["runs"] == 3 and from_ledger["machines"] == [row["cpu"]]
+    assert from_ledger["runs"] == from_dirs["runs"] == 3 and from_ledger["machines"] == from_dirs["machines"] == ["Test CPU"]
     assert from_ledger["differences"] == from_dirs["differences"]
     assert from_ledger["differences"]["g2 a1: vapo − dapo"]["final"]["diff"] == pytest.approx(0.2)
 
