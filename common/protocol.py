@@ -44,6 +44,7 @@ from common.wire import (
     _err,
     _kind,
     check_values,
+    pack,
     wire_array,
     wire_bool,
     wire_buckets,
@@ -436,7 +437,7 @@ def encode(msg: Message) -> bytes:
     body = msg.to_wire()
     body["v"] = PROTOCOL_VERSION
     body["type"] = msg.TYPE
-    return msgpack.packb(body, use_bin_type=True)
+    return pack(body)
 
 
 def encode_batch_reply(group_frames: list[bytes], stale_dropped: int, filtered: int) -> bytes:
@@ -444,7 +445,7 @@ def encode_batch_reply(group_frames: list[bytes], stale_dropped: int, filtered: 
     body = {"groups": list(group_frames), "stale_dropped": int(stale_dropped), "filtered": int(filtered)}
     body["v"] = PROTOCOL_VERSION
     body["type"] = BatchReply.TYPE
-    return msgpack.packb(body, use_bin_type=True)
+    return pack(body)
 
 
 def decode(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> AnyMessage:

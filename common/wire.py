@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Self, TypeVar
 
+import msgpack
 import numpy as np
 
 PROTOCOL_VERSION = 1
@@ -33,6 +35,30 @@ class ProtocolError(ValueError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason = reason
+
+
+# ------------------------------------------------------------------------------------------ packing
+
+KEEP_PACKER_BYTES = 8 << 20  # a thread keeps its packer while frames stay under this (its buffer grows to fit)
+_packers = threading.local()
+
+
+def pack(body: dict[str, Any]) -> bytes:
+    """``body`` as msgpack (``use_bin_type``), bytes equal to ``msgpack.packb``'s, through this thread's packer:
+    ``packb`` makes a packer, and with it a 1 MiB buffer, per call, which costs a group frame more than packing
+    it does (pages faulted in, then unmapped: 158 us against 20 for a 137 KB group on an EPYC). A frame over
+    ``KEEP_PACKER_BYTES`` retires the thread's packer, so a thread holds no more than that after a large one."""
+    packer = getattr(_packers, "packer", None)
+    if packer is None:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    try:
+        out = packer.pack(body)
+    except BaseException:
+        _packers.packer = None  # whatever it holds half-packed goes with it
+        raise
+    if len(out) > KEEP_PACKER_BYTES:
+        _packers.packer = None
+    return out
 
 
 # ------------------------------------------------------------------------------ wire value checks
