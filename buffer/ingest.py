@@ -87,6 +87,10 @@ class Ingest:
         self.consume_credit = consume_credit
         self.on_committed = on_committed
         self.next_batch: list[Pending] = []  # validated, waiting for a commit
+        # Groups and bytes to be stored by next_batch and by the batch the writer is committing: kept as they
+        # change, since summing them for every group that arrives grows with the batch squared.
+        self._queued = (0, 0)
+        self._writing = (0, 0)
         self.invalid: dict[str, int] = {}  # refused groups by reason
         self.storage_errors = 0
         self.commits = 0
@@ -156,6 +160,8 @@ class Ingest:
                     error=f"full: {self.store.counters['depth_groups']} groups waiting")))
                 return
         self.next_batch.append((record, (ident, group.group_id, group.actor_id)))
+        if record.fate == STORED:
+            self._queued = (self._queued[0] + 1, self._queued[1] + len(frame))
 
     def _refuse_group(self, ident: bytes, group: SampleGroup, reason: str, message: str, consume: bool = True) -> None:
         """A protocol-valid group the learner could not use: never stored, answered with a final error."""
@@ -178,9 +184,8 @@ class Ingest:
 
     def _has_room(self, nbytes: int) -> bool:
         c = self.store.counters
-        new = [r for r, _ in self.next_batch + self.writer.batch if r.fate == STORED]
-        groups = c["depth_groups"] + len(new)
-        size = c["depth_bytes"] + sum(len(r.frame) for r in new) + nbytes
+        groups = c["depth_groups"] + self._queued[0] + self._writing[0]
+        size = c["depth_bytes"] + self._queued[1] + self._writing[1] + nbytes
         return groups < self.cfg.buffer.capacity_groups and size <= self.cfg.buffer.capacity_bytes
 
     def submit(self) -> None:
@@ -188,6 +193,7 @@ class Ingest:
         if not self.next_batch or self.writer.busy:
             return
         batch, self.next_batch = self.next_batch, []
+        self._writing, self._queued = self._queued, (0, 0)
         self.metrics.ingested_groups.inc(len(batch))
         self.writer.submit(batch, dict(self.store.counters))
 
@@ -203,6 +209,7 @@ class Ingest:
     def collect(self) -> None:
         """Acknowledge the batches whose commit finished (never blocks)."""
         for batch, before, results, err in self.writer.collect():
+            self._writing = (0, 0)  # committed (in the store's counters now) or failed (not stored)
             if err is not None or results is None:
                 self._fail_batch(batch, err)
             else:

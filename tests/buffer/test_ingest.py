@@ -3,6 +3,7 @@ commit, bad frames and unusable groups are refused, credit requests go back to t
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,35 @@ def test_a_group_past_capacity_is_not_stored_and_may_be_resent(harness: Harness)
     acks = {a.group_id: a for a in harness.answers(2) if isinstance(a, IngestAck)}
     assert acks[kept.group_id].committed
     assert not acks[refused.group_id].committed and acks[refused.group_id].error.startswith("full: 1 groups")
+
+
+@pytest.mark.parametrize("harness", [["buffer.capacity_groups=3"]], indirect=True)
+def test_capacity_counts_the_batch_being_committed_and_the_one_queued(harness: Harness,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Capacity 3: a and b are being committed when c and d arrive; c fits (2 + 1), d would make 4 and is
+    refused, after the buffer waited for a and b's commit (it may have freed room); then c is stored. The
+    commit is held until the buffer waits for it, so a and b are in neither the store's counters nor the
+    queue while c and d are judged."""
+    gate = threading.Event()
+    put_groups, settle = harness.store.put_groups, harness.ingest.settle
+    monkeypatch.setattr(harness.store, "put_groups", lambda records: gate.wait(60) and put_groups(records))
+    monkeypatch.setattr(harness.ingest, "settle", lambda: (gate.set(), settle())[1])
+    a, b, c, d = (make_group(f"g{i}") for i in range(4))
+    harness.send(encode(a))
+    harness.send(encode(b))
+    harness.drain(n_queued=2)
+    harness.ingest.submit()
+    harness.send(encode(c))
+    harness.send(encode(d))
+    harness.drain(n_answers=3, n_queued=1)
+    acks = {x.group_id: x for x in harness.answers(3) if isinstance(x, IngestAck)}
+    assert acks[a.group_id].committed and acks[b.group_id].committed
+    assert not acks[d.group_id].committed and acks[d.group_id].error.startswith("full: 2 groups")
+    harness.ingest.submit()
+    harness.ingest.settle()
+    (ack,) = harness.answers(1)
+    assert isinstance(ack, IngestAck) and ack.group_id == c.group_id and ack.committed
+    assert harness.store.counters["depth_groups"] == 3
 
 
 def test_a_stale_group_is_recorded_never_stored_and_reported(harness: Harness) -> None:
