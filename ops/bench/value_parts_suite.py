@@ -97,14 +97,17 @@ DIFFERENCES = (("vapo", "dapo", "as shipped"), ("vapo_nonll", "dapo", "the criti
 
 
 def arms() -> dict[str, tuple[str, ...]]:
-    """Every arm's name (``g<G>_<arm>[_a<α>]``) and its overrides on top of long.yaml."""
+    """Every arm's name (``g<G>_<arm>[_a<α>]``) and its overrides on top of long.yaml, in the order they run:
+    one regime (G, α) whole before the next, shipped VAPO and DAPO first, so that a suite run a session at a
+    time has complete comparisons to read early (G = 2 at α = 1 after its first 21 runs)."""
     out: dict[str, tuple[str, ...]] = {}
     for g in GROUPS:
-        for arm, ov in CRITIC_ARMS.items():
-            for a in ALPHAS:
-                out[f"g{g}_{arm}_a{a:g}"] = (*SHARED, *group_overrides(g), f"algo.alpha={a}", *ov)
-        for arm, ov in DAPO_ARMS.items():
-            out[f"g{g}_{arm}"] = (*SHARED, *group_overrides(g), *ov)
+        for i, a in enumerate(ALPHAS):
+            critic = {f"g{g}_{arm}_a{a:g}": (*SHARED, *group_overrides(g), f"algo.alpha={a}", *ov)
+                      for arm, ov in CRITIC_ARMS.items()}
+            dapo = {f"g{g}_{arm}": (*SHARED, *group_overrides(g), *ov) for arm, ov in DAPO_ARMS.items()} if i == 0 else {}
+            first, *others = critic.items()
+            out.update([first, *dapo.items(), *others])
     return out
 
 

@@ -20,6 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_every_arm_loads_and_the_estimate_adds_up() -> None:
     arms = vp.arms()
     assert len(arms) == len(vp.GROUPS) * (len(vp.CRITIC_ARMS) * len(vp.ALPHAS) + len(vp.DAPO_ARMS)) == 22
+    order = list(arms)  # one regime whole before the next: G = 2 at α = 1 (with the DAPO arms) first
+    assert order[:2] == ["g2_vapo_a1", "g2_dapo"] and set(order[:7]) == {
+        "g2_vapo_a1", "g2_dapo", "g2_dapo_nofilter", "g2_dapo_nll", "g2_vapo_nonll_a1", "g2_oracle_a1", "g2_trainable_a1"}
+    assert order.index("g2_trainable_a0.05") < order.index("g16_vapo_a1")
     for arm, overrides in arms.items():
         cfg = load_config(str(ROOT / vp.CONFIG), list(overrides))
         assert cfg.learner.eval_every == 5, arm
