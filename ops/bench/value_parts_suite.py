@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from common.provenance import of_run
-from ops.bench import measure
+from ops.bench import measure, value_parts_report
 from ops.bench.compute_axes import AXES, AxisRun, accuracy_at, load_axis_run
 from ops.bench.long_suite import DAPO
 from ops.bench.run_records import port_overrides
@@ -180,16 +180,16 @@ def on_run_done(root: Path, run: str, rc: int, seconds: float, log: Any) -> None
         log(f"{run}: recorded in {LEDGER.relative_to(REPO)}")
 
 
-def _runs(root: Path, ledger: Path) -> tuple[dict[str, list[AxisRun]], set[str]]:
-    """Each arm's runs with evaluations beyond the base one (a run directory under ``root`` wins over its
-    ledger line), and the CPUs they ran on."""
+def runs_by_arm(root: Path, ledger: Path = LEDGER) -> tuple[dict[str, list[AxisRun]], set[str]]:
+    """Each arm's finished runs with evaluations beyond the base one (a run directory under ``root`` wins over
+    its ledger line; one without ``summary.json``, still running or killed, is left out), and their CPUs."""
     kept = read_ledger(ledger)
     runs: dict[str, list[AxisRun]] = {}
     machines: set[str] = set()
     for arm in arms():
         for s in SEEDS:
             run = f"{name(arm)}-s{s}"
-            r = load_axis_run(root / run)
+            r = load_axis_run(root / run) if (root / run / "summary.json").exists() else None  # finished only
             if r is None and run in kept:
                 r = AxisRun(run, kept[run]["points"])
                 machines.add(kept[run].get("cpu", "unknown"))
@@ -203,12 +203,14 @@ def _runs(root: Path, ledger: Path) -> tuple[dict[str, list[AxisRun]], set[str]]
 def summary(root: Path, load_run: Any = None, ledger: Path = LEDGER) -> dict[str, Any]:
     """Per arm: final accuracy per seed and at equal budget per axis; per regime the differences (docstring).
     Reads the runs under ``root`` and those the ledger holds."""
-    runs, machines = _runs(root, ledger)
+    runs, machines = runs_by_arm(root, ledger)
     out: dict[str, Any] = {"estimate_minutes": round(total_minutes()), "runs": sum(map(len, runs.values())),
-                           "machines": sorted(machines), "arms": {}, "differences": {}}
+                           "machines": sorted(machines), "budgets": {}, "arms": {}, "differences": {}}
     for g in GROUPS:
         in_g = [r for arm, rs in runs.items() if arm.startswith(f"g{g}_") for r in rs]
         budgets = {axis: min((r.points[-1][axis] for r in in_g), default=0.0) for axis in AXES}
+        if in_g:
+            out["budgets"][g] = budgets
         for arm, rs in runs.items():
             if not arm.startswith(f"g{g}_"):
                 continue
@@ -227,6 +229,15 @@ def summary(root: Path, load_run: Any = None, ledger: Path = LEDGER) -> dict[str
                         "what": what, "final": diff(ra["final"], rb["final"]),
                         **{f"at_equal_{ax}": diff(ra[f"at_equal_{ax}"], rb[f"at_equal_{ax}"]) for ax in AXES}}
     return out
+
+
+def report(root: Path, summary: dict[str, Any], out: Path) -> None:
+    """The suite's section of ``out`` (docs/RESULTS.md) and its plots: value_parts_report."""
+    kept = read_ledger(LEDGER)
+    value_parts_report.write(out, summary, value_parts_report.Study(
+        arms=list(arms()), groups=GROUPS, alphas=ALPHAS, total_runs=len(arms()) * len(SEEDS),
+        hours=sum(r.get("seconds", 0.0) for r in kept.values()) / 3600, source=str(LEDGER.relative_to(REPO) if LEDGER.is_relative_to(REPO) else LEDGER),
+        task=CONFIG, steps=STEPS, runs=runs_by_arm(root, LEDGER)[0]))
 
 
 def pilot(arm: str, steps: int, seed: int, root: Path) -> int:

@@ -34,9 +34,11 @@ def test_every_arm_loads_and_the_estimate_adds_up() -> None:
     assert vp.total_minutes() == pytest.approx(3 * per_seed)
 
 
-def _run(root: Path, arm: str, seed: int, accs: list[float]) -> None:
+def _run(root: Path, arm: str, seed: int, accs: list[float], finished: bool = True) -> None:
     d = root / f"{vp.name(arm)}-s{seed}"
     d.mkdir(parents=True)
+    if finished:
+        (d / "summary.json").write_text("{}")
     (d / "config.yaml").write_text(yaml.safe_dump({"actors": {"group_size": 2}}))
     recs = [{"kind": "header", "commit": {"sha": "c0ffee", "dirty": False}, "cpu": {"model": "Test CPU", "logical_cpus": 2},
              "load_1m": 0.5},
@@ -54,7 +56,8 @@ def test_summary_differences_with_their_sigma(tmp_path: Path) -> None:
     _run(tmp_path, "g2_vapo_a1", 0, [0.4, 0.5, 0.6])
     _run(tmp_path, "g2_vapo_a1", 1, [0.4, 0.6, 0.8])
     _run(tmp_path, "g2_dapo", 0, [0.4, 0.45, 0.5])
-    out = vp.summary(tmp_path)
+    _run(tmp_path, "g2_dapo", 1, [0.4, 0.9], finished=False)  # still running (or killed): not a result
+    out = vp.summary(tmp_path, ledger=tmp_path / "none.jsonl")
     assert out["arms"]["g2_vapo_a1"]["final"] == [0.6, 0.8]
     d = out["differences"]["g2 a1: vapo − dapo"]
     assert d["final"]["diff"] == pytest.approx(0.2) and d["final"]["sigma"] == pytest.approx(math.sqrt(0.01))
@@ -71,10 +74,10 @@ def test_a_finished_run_is_recorded_and_the_summary_reads_the_ledger_alone(tmp_p
     runs, ledger = tmp_path / "runs", tmp_path / "kept.jsonl"
     _run(runs, "g2_vapo_a1", 0, [0.4, 0.5, 0.6])
     _run(runs, "g2_vapo_a1", 1, [0.4, 0.6, 0.8])
-    _run(runs, "g2_dapo", 0, [0.4, 0.45, 0.5])
+    _run(runs, "g2_dapo", 0, [0.4, 0.45, 0.5], finished=False)
     assert vp.record(runs, "vp_g2_dapo-s0", 300.0, ledger) is None  # no summary.json: not finished
+    (runs / "vp_g2_dapo-s0" / "summary.json").write_text("{}")
     for run, final in (("vp_g2_vapo_a1-s0", 0.6), ("vp_g2_vapo_a1-s1", 0.8), ("vp_g2_dapo-s0", 0.5)):
-        (runs / run / "summary.json").write_text("{}")
         assert vp.record(runs, run, 900.0, ledger)["final_accuracy"] == final
     row = vp.record(runs, "vp_g2_dapo-s0", 540.0, ledger)
     assert row is not None and row["seconds"] == 540.0 and (row["cpu"], row["cpus"], row["commit"]) == ("Test CPU", 2, "c0ffee")

@@ -1,0 +1,37 @@
+"""ops.bench.value_parts_report: the suite's section of RESULTS.md from hand-made runs, spliced in once (before
+the value study's section the first time, in place after) with its plots, and marked partial."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ops.bench import value_parts_report as report
+from ops.bench import value_parts_suite as vp
+from tests.ops.test_value_parts_suite import _run
+
+
+def test_the_section_is_spliced_in_once_with_its_tables_and_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vp, "LEDGER", tmp_path / "kept.jsonl")
+    runs = tmp_path / "runs"
+    _run(runs, "g2_vapo_a1", 0, [0.4, 0.5, 0.6])
+    _run(runs, "g2_vapo_a1", 1, [0.4, 0.6, 0.8])
+    _run(runs, "g2_dapo", 0, [0.4, 0.45, 0.5])
+    out = tmp_path / "docs" / "RESULTS.md"
+    out.parent.mkdir()
+    out.write_text("# Results\n\nbefore\n\n<!-- value study: generated -->\nthe value study\n")
+    summary = vp.summary(runs)
+    vp.report(runs, summary, out)
+    text = out.read_text()
+    assert text.index(report.BEGIN) < text.index(report.END) < text.index("<!-- value study:")
+    assert "**Runs so far: 3 of 66**" in text and "Partial:" in text
+    # VAPO 0.6 and 0.8 (mean 0.7, sd 0.141), DAPO 0.5 (one seed): 0.2 apart, σ = sqrt(0.02 / 2) = 0.1, 2 σ.
+    assert "| g2_vapo_a1 | 0.700 ± 0.141 (2) |" in text and "| g2_dapo | 0.500 (1) |" in text
+    assert "| g2 a1: vapo − dapo | as shipped | +0.200 ± 0.100, 2.0 σ (n 2/1) |" in text
+    assert "g2 a0.05" not in text  # no run of that regime yet
+    png = out.parent / "results" / "value_parts_g2_a1.png"
+    assert png.stat().st_size > 1000 and "](results/value_parts_g2_a1.png)" in text
+    assert not (out.parent / "results" / "value_parts_g16_a1.png").exists()
+    vp.report(runs, summary, out)
+    assert out.read_text() == text  # re-made in place, nothing added
