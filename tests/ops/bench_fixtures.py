@@ -10,6 +10,7 @@ from types import ModuleType
 import yaml
 
 from ops.bench import experiments
+from ops.bench import value_parts_suite as vp
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,3 +62,20 @@ def long_run(d: Path, accs: dict[int, float], reward: float, advantage: str = "g
                        "min_response_length": 49, "max_response_length": 400, "mean_response_length": 150.0,
                        "by_response_length": {"<=64": {"n_samples": 10, "avg_at_k": 0.9}}})
     (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+
+
+def value_parts_run(root: Path, arm: str, seed: int, accs: list[float], finished: bool = True) -> None:
+    """A value_parts run directory of ``arm``/``seed`` under ``root`` whose evaluations read ``accs``; without
+    summary.json unless ``finished``."""
+    d = root / f"{vp.name(arm)}-s{seed}"
+    d.mkdir(parents=True)
+    if finished:
+        (d / "summary.json").write_text("{}")
+    (d / "config.yaml").write_text(yaml.safe_dump({"actors": {"group_size": 2}}))
+    recs = [{"kind": "header", "commit": {"sha": "c0ffee", "dirty": False}, "cpu": {"model": "Test CPU", "logical_cpus": 2},
+             "load_1m": 0.5},
+            {"kind": "eval", "step": 0, "time": 0.0, "avg_at_k": accs[0]}]
+    recs += [{"kind": "learner_step", "step": k, "time": 10.0 * k, "samples": 256, "response_tokens": 2560,
+              "policy_forward_tokens": 100, "policy_backward_tokens": 100, "eval": {"avg_at_k": a}}
+             for k, a in enumerate(accs[1:], start=1)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))

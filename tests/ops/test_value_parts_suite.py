@@ -3,16 +3,15 @@ differences carry the σ of a difference of means (hand-made run records)."""
 
 from __future__ import annotations
 
-import json
 import math
 import types
 from pathlib import Path
 
 import pytest
-import yaml
 
 from common.config import load_config
 from ops.bench import value_parts_suite as vp
+from tests.ops.bench_fixtures import value_parts_run as _run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,21 +31,6 @@ def test_every_arm_loads_and_the_estimate_adds_up() -> None:
     assert not load_config(str(ROOT / vp.CONFIG), list(arms["g16_dapo_nofilter"])).buffer.filter_uniform_groups
     per_seed = 2 * (8 * vp.RUN_MIN + 3 * vp.RUN_MIN * vp.DAPO_SHARE)
     assert vp.total_minutes() == pytest.approx(3 * per_seed)
-
-
-def _run(root: Path, arm: str, seed: int, accs: list[float], finished: bool = True) -> None:
-    d = root / f"{vp.name(arm)}-s{seed}"
-    d.mkdir(parents=True)
-    if finished:
-        (d / "summary.json").write_text("{}")
-    (d / "config.yaml").write_text(yaml.safe_dump({"actors": {"group_size": 2}}))
-    recs = [{"kind": "header", "commit": {"sha": "c0ffee", "dirty": False}, "cpu": {"model": "Test CPU", "logical_cpus": 2},
-             "load_1m": 0.5},
-            {"kind": "eval", "step": 0, "time": 0.0, "avg_at_k": accs[0]}]
-    recs += [{"kind": "learner_step", "step": k, "time": 10.0 * k, "samples": 256, "response_tokens": 2560,
-              "policy_forward_tokens": 100, "policy_backward_tokens": 100, "eval": {"avg_at_k": a}}
-             for k, a in enumerate(accs[1:], start=1)]
-    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
 
 
 def test_summary_differences_with_their_sigma(tmp_path: Path) -> None:
