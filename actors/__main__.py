@@ -20,6 +20,7 @@ import time
 
 from actors.worker import run_worker
 from common import lifeline
+from common.allocator import keep_freed_memory
 from common.cli import config_from_argv, setup_logging
 
 USAGE = """usage: python -m actors [config.yaml] [key=value ...] [--actor-id I]
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"actors: --actor-id {actor_id} outside [0, actors.num_actors={cfg.actors.num_actors})", file=sys.stderr)
         return 2
     setup_logging(cfg.run.log_level, f"actor-{actor_id} %(name)s")
+    keep_freed_memory()  # every group it sends is encoded and copied here
     return run_worker(cfg, actor_id)
 
 

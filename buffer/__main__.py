@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from buffer.server import serve_forever
+from common.allocator import keep_freed_memory
 from common.cli import config_from_argv, setup_logging
 from common.security import SecurityError
 
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(cfg, int):
         return cfg  # --help (0) or a config error, already explained (2)
     setup_logging(cfg.run.log_level)
+    keep_freed_memory()  # every group's frames are allocated and freed here
 
     try:
         return serve_forever(cfg)

@@ -23,7 +23,9 @@ rotated each round (``ops/bench/measure.py``): ``--rounds`` rounds, each side re
 straddles the goal). Beside it, not judged: ``sink_over_raw_lmdb``, ``ingest_over_sink``, and
 ``ceiling_over_raw_lmdb``, the best any buffer could do on these cores (``ceiling_rate``: the sink's transport
 cost plus the raw side's measured CPU per group for the same writes, shared perfectly over the cores). Then
-``BatchClient.get_batch`` for 512 groups, timed to bytes received and to decoded ``BatchReply``. ``--quick``:
+``BatchClient.get_batch`` for 512 groups, timed to bytes received and to decoded ``BatchReply``. Every process here
+(buffer, senders, sink, this one's raw side) keeps freed memory for reuse as the buffer and actors do
+(``common.allocator``). ``--quick``:
 tiny groups, 2 rounds (a check that it runs; its verdict is always ``unclear``).
 
 Requirement figure: the paper's setting trains on 512 prompts x 16 = 8,192 samples per learner step; we
@@ -56,6 +58,7 @@ import numpy as np
 import zmq
 
 from buffer.client import AsyncGroupSender, BatchClient
+from common.allocator import keep_freed_memory
 from common.config import CurveConfig
 from common.ports import free_port
 from common.protocol import BatchReply, BatchRequest, IngestAck, Sample, SampleGroup, decode, encode
@@ -97,6 +100,7 @@ def sender_main(addrs: dict[str, str], actor: int, n: int, g: int, tokens: int, 
     sends them all to that address under fresh group_ids ``{tag}-{actor}-{i}`` (the buffer stores a group_id
     once) and reports (t0, t1, groups, resent)."""
 
+    keep_freed_memory()  # as an actor process does
     pool = build_groups(n, actor, f"s{actor}", g, tokens)
 
     async def send_all(s: AsyncGroupSender, groups: list[Any]) -> list[Any]:
@@ -135,6 +139,7 @@ def sink_main(addr: str, keys_dir: str, ready: Any) -> None:
     """The transport's limit: a ROUTER with the buffer's CurveZMQ setup that answers each group with a committed
     ``IngestAck`` as soon as it read the group_id (the frame's first field), validating and storing nothing.
     What the senders reach into it bounds what any buffer can reach on these cores (runs until killed)."""
+    keep_freed_memory()  # as the buffer does
     ctx = zmq.Context()
     curve = server_curve(ctx, [addr], CurveConfig(keys_dir=keys_dir))
     sock = ctx.socket(zmq.ROUTER)
@@ -383,6 +388,7 @@ def report(args: argparse.Namespace, ingested: dict[str, Any], served: dict[str,
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    keep_freed_memory()  # the raw side's process allocates as the buffer's does
     run = Run(quick=args.quick)
     work = Path(tempfile.mkdtemp(prefix="vapo-bench-buffer-"))
 
