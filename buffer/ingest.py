@@ -47,6 +47,8 @@ log = logging.getLogger("vapo.buffer")  # the server's logger: one log stream fo
 # A credit request read from the ingest socket: (ROUTER identity, request, client key).
 CreditMessage = tuple[bytes, CreditRequest, str | None]
 
+READ_AHEAD = 2  # batches validated ahead of the one being committed (``Ingest.accepting`` says why)
+
 
 def version_limit(counters: dict[str, int], max_step: int) -> int:
     """The newest weight version a group may carry: the highest learner version a ``BatchRequest`` may still
@@ -86,7 +88,7 @@ class Ingest:
         self.limits = limits
         self.consume_credit = consume_credit
         self.on_committed = on_committed
-        self.next_batch: list[Pending] = []  # validated, waiting for a commit
+        self.next_batch: list[Pending] = []  # validated, waiting for a commit (the next READ_AHEAD batches)
         # Groups and bytes to be stored by next_batch and by the batch the writer is committing: kept as they
         # change, since summing them for every group that arrives grows with the batch squared.
         self._queued = (0, 0)
@@ -97,8 +99,13 @@ class Ingest:
 
     @property
     def accepting(self) -> bool:
-        """False while the next batch is full: the loop stops reading (the ZeroMQ queues push back on senders)."""
-        return len(self.next_batch) < self.cfg.buffer.commit_batch
+        """False while the next two batches are validated and waiting: the loop stops reading (the ZeroMQ queues
+        push back on senders).
+
+        Two, not one: with one, the main thread validated the next batch early in a commit and then waited,
+        and the senders, out of window until the acks, waited with it, so the writer ran alone on one core for
+        the rest of the commit (a quarter of two cores idle in the buffer benchmark)."""
+        return len(self.next_batch) < READ_AHEAD * self.cfg.buffer.commit_batch
 
     def drain(self) -> list[CreditMessage]:
         """Read, validate and queue groups for the next commit; answer bad frames at once.
@@ -109,6 +116,9 @@ class Ingest:
         learner_version = self.store.counters["learner_version"]
         newest = version_limit(self.store.counters, self.cfg.buffer.learner_version_max_step)
         for _ in range(4 * self.cfg.buffer.commit_batch):
+            if self.writer.finished:  # hand the writer the next batch now, not after this drain
+                self.collect()
+                self.submit()
             if not self.accepting:
                 break
             got = self.peers.recv()
@@ -192,8 +202,11 @@ class Ingest:
         """Hand the next batch to the writer thread when there is one and the writer is idle."""
         if not self.next_batch or self.writer.busy:
             return
-        batch, self.next_batch = self.next_batch, []
-        self._writing, self._queued = self._queued, (0, 0)
+        n = self.cfg.buffer.commit_batch
+        batch, self.next_batch = self.next_batch[:n], self.next_batch[n:]
+        stored = [len(record.frame) for record, _ in batch if record.fate == STORED]
+        self._writing = (len(stored), sum(stored))
+        self._queued = (self._queued[0] - self._writing[0], self._queued[1] - self._writing[1])
         self.metrics.ingested_groups.inc(len(batch))
         self.writer.submit(batch, dict(self.store.counters))
 

@@ -81,6 +81,12 @@ class Writer:
         self.batch = batch
         self._jobs.put((batch, before))
 
+    @property
+    def finished(self) -> bool:
+        """The commit in progress is done and waits for ``collect`` (a read of the thread's result queue: no
+        syscall, cheap enough for every group the main thread reads)."""
+        return bool(self._done)
+
     def wait(self) -> None:
         self.notify.poll()  # blocks until the commit in progress is done
 

@@ -142,6 +142,42 @@ def test_an_unusable_group_is_refused_for_good_and_frees_its_credit(harness: Har
     assert harness.ingest.next_batch == []
 
 
+@pytest.mark.parametrize("harness", [["buffer.commit_batch=2"]], indirect=True)
+def test_two_batches_are_validated_while_one_commits_and_each_commit_takes_one_batch(
+        harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """commit_batch 2, the commit of g0 and g1 held: the main thread reads and validates g2..g5 (two batches)
+    and leaves g6 in the socket; once the commit ends, the writer gets g2 and g3 only, and g6 is read."""
+    gate = threading.Event()
+    committed: list[list[str]] = []
+    put_groups = harness.store.put_groups
+
+    def held(records: list[Any]) -> Any:
+        gate.wait(60)
+        committed.append([r.group_id for r in records])
+        return put_groups(records)
+
+    monkeypatch.setattr(harness.store, "put_groups", held)
+    groups = [make_group(f"g{i}") for i in range(7)]
+    harness.send(encode(groups[0]))
+    harness.send(encode(groups[1]))
+    harness.drain(n_queued=2)
+    harness.ingest.submit()
+    for g in groups[2:]:
+        harness.send(encode(g))
+    harness.drain(n_queued=4)
+    harness.ingest.drain()
+    assert [p[1][1] for p in harness.ingest.next_batch] == ["g2", "g3", "g4", "g5"]
+    assert not harness.ingest.accepting
+    gate.set()
+    harness.ingest.settle()
+    harness.ingest.submit()
+    harness.drain(n_queued=3)
+    assert [p[1][1] for p in harness.ingest.next_batch] == ["g4", "g5", "g6"]
+    harness.ingest.settle()
+    assert committed == [["g0", "g1"], ["g2", "g3"]]
+    acks = [a for a in harness.answers(4) if isinstance(a, IngestAck) and a.committed]
+    assert {a.group_id for a in acks} == {"g0", "g1", "g2", "g3"}
+
 @pytest.mark.parametrize("harness", [["buffer.capacity_groups=1"]], indirect=True)
 def test_a_group_past_capacity_is_not_stored_and_may_be_resent(harness: Harness) -> None:
     kept, refused = make_group(), make_group()
