@@ -40,9 +40,16 @@ Per mode (each rep and the mean over reps):
 
 ``idle_ratio`` = in_place's lost_s_per_update / wait's (goal <= 0.5), ``idle_ratio_occupancy`` the same from
 occupancy, both from the means over reps (null when wait's mean loss is not positive). Judged as every ratio
-benchmark here (``ops/bench/measure.py``): ``in_place_over_wait_lost`` = the same ratio per rep (reps where
-the drain lost nothing measurable left out), **goal <= 0.5**: median, range, interquartile range and verdict
-(``unclear`` when the interquartile range straddles the goal or under 5 judged reps). ``loadavg``: the
+benchmark here (``ops/bench/measure.py``): ``in_place_over_wait_lost_occupancy`` = in_place's
+``lost_s_per_update_occupancy`` over wait's, per rep (reps where the drain lost nothing measurable left out),
+**goal <= 0.5**: median, range, interquartile range and verdict (``unclear`` when the interquartile range
+straddles the goal or under 5 judged reps); the same per rep from tokens beside it (``ratio_tokens_rounds``,
+not judged). Occupancy, because on CPU the token loss is noise: the rate drifted 6,900-8,500 tokens/s between
+the phases of one run (2-core EPYC), while a drain cost 0.34-0.44 s of occupancy per update, 8 % of a phase,
+and a part-empty CPU batch steps faster, so fewer tokens are lost than slots stood empty. Token losses per
+update read -0.65 to +0.18 s for the drain, ratios -1.3 to 3.6; occupancy ratios 0.05 or less. On a GPU a
+decode step costs about the same with one request or 32 (memory-bound), so an empty slot is a lost token and
+the two agree. ``loadavg``: the
 machine's 1-minute load at the end; ``machine``, ``load_at_start``/``load_at_end`` as every ratio benchmark.
 Prints one JSON line.
 
@@ -264,6 +271,13 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         await proc.stop()
 
 
+def rep_ratios(reps: list[dict[str, Any]], key: str) -> list[float]:
+    """in_place's ``key`` over wait's, per rep; a rep whose drain lost nothing measurable (wait's ``key`` not
+    positive) is left out: a ratio of two noise terms says nothing."""
+    return [r["in_place"][key] / r["wait"][key] for r in reps
+            if (r["wait"].get(key) or 0) > 0 and r["in_place"].get(key) is not None]
+
+
 def report(args: argparse.Namespace, reps: list[dict[str, Any]], run: Run) -> dict[str, Any]:
     mean = {m: mean_of(reps, m) for m in MODES}
 
@@ -272,11 +286,11 @@ def report(args: argparse.Namespace, reps: list[dict[str, Any]], run: Run) -> di
         lost_wait, lost_in_place = mean["wait"].get(key), mean["in_place"].get(key)
         return round(lost_in_place / lost_wait, 3) if lost_wait and lost_wait > 0 and lost_in_place is not None else None
 
-    per_rep = [r["in_place"]["lost_s_per_update"] / r["wait"]["lost_s_per_update"] for r in reps
-               if (r["wait"].get("lost_s_per_update") or 0) > 0 and r["in_place"].get("lost_s_per_update") is not None]
-    judged = summarise(per_rep, GOAL, higher_is_better=False, name="in_place_over_wait_lost")
+    per_rep = rep_ratios(reps, "lost_s_per_update_occupancy")
+    judged = summarise(per_rep, GOAL, higher_is_better=False, name="in_place_over_wait_lost_occupancy")
     return {
-        "bench": "update_stall", **judged, "rounds": len(per_rep), **run.common_fields(), "model": "ops/bases/chain-tiny", "batch": args.batch, "updates": args.updates,
+        "bench": "update_stall", **judged, "rounds": len(per_rep), **run.common_fields(),
+        "ratio_tokens_rounds": [round(x, 4) for x in rep_ratios(reps, "lost_s_per_update")], "model": "ops/bases/chain-tiny", "batch": args.batch, "updates": args.updates,
         "interval_s": args.interval_s, "warmup_s": args.warmup_s, "tokens": [args.min_tokens, args.max_tokens],
         "phase_s": phase_length(args), "reps": reps, "mean": mean,
         "idle_ratio": ratio("lost_s_per_update"), "idle_ratio_occupancy": ratio("lost_s_per_update_occupancy"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from ops.bench import update_stall
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +33,8 @@ def test_tiny_run_drains_on_disk_updates_and_not_in_place() -> None:
     for key in ("idle_ratio", "idle_ratio_occupancy"):  # null when a tiny run's drain lost nothing measurable
         assert out[key] is None or isinstance(out[key], float), key
     # judged per rep as every ratio benchmark (ops/bench/measure.py): one rep is too few for a verdict
-    assert out["ratio_name"] == "in_place_over_wait_lost" and out["goal"] == "<= 0.5" and out["verdict"] == "unclear"
+    assert out["ratio_name"] == "in_place_over_wait_lost_occupancy" and out["goal"] == "<= 0.5"
+    assert out["verdict"] == "unclear"
     assert out["rounds"] == len(out["ratio_rounds"]) <= 1 and out["machine"]["cpus"] >= 1
     # In place: requests running across a push carry on, their tokens on two weight versions.
     assert rep["in_place"]["requests_spanning_versions"] >= 1, rep["in_place"]
@@ -42,3 +45,16 @@ def test_tiny_run_drains_on_disk_updates_and_not_in_place() -> None:
     # (A push takes ~20 ms, often between two samples: no such check in place.)
     assert rep["wait"]["min_running_during_update"] is not None, rep["wait"]
     assert rep["wait"]["min_running_during_update"] < BATCH, rep["wait"]
+
+
+def test_reps_are_judged_by_occupancy_and_a_drain_that_lost_nothing_is_left_out() -> None:
+    """Three reps (lost seconds per update): the tokens say noise (the drain gained in rep 1), the occupancy
+    says 0.02 / 0.4 = 0.05 and 0.04 / 0.2 = 0.2; rep 2's drain lost no occupancy and is not a ratio."""
+    reps = [{"wait": {"lost_s_per_update": -0.2, "lost_s_per_update_occupancy": 0.4},
+             "in_place": {"lost_s_per_update": 0.1, "lost_s_per_update_occupancy": 0.02}},
+            {"wait": {"lost_s_per_update": 0.3, "lost_s_per_update_occupancy": 0.2},
+             "in_place": {"lost_s_per_update": 0.6, "lost_s_per_update_occupancy": 0.04}},
+            {"wait": {"lost_s_per_update": 0.1, "lost_s_per_update_occupancy": 0.0},
+             "in_place": {"lost_s_per_update": 0.05, "lost_s_per_update_occupancy": 0.01}}]
+    assert update_stall.rep_ratios(reps, "lost_s_per_update_occupancy") == pytest.approx([0.05, 0.2])
+    assert update_stall.rep_ratios(reps, "lost_s_per_update") == pytest.approx([2.0, 0.5])
