@@ -1,4 +1,4 @@
-"""glibc malloc settings for the processes that move sample groups (buffer, actors, learner).
+"""glibc malloc settings for the processes that move sample groups one at a time (buffer, actors).
 
     from common.allocator import keep_freed_memory
     keep_freed_memory()   # first thing in a process's main; a no-op where the C library is not glibc
@@ -13,7 +13,8 @@ costly). Fixed thresholds keep up to ``TRIM_THRESHOLD`` of freed memory for the 
 blocks over ``MMAP_THRESHOLD`` (glibc's ceiling, 32 MiB on 64-bit) directly.
 
 A setting the environment already makes (glibc's own ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``)
-is left as the user set it.
+is left as the user set it. The learner does not call it: its large buffers are torch's, taken once a
+step, and its memory figures (``ops/bench/memory.py``) were measured with glibc's defaults.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ the ingest bounds (``common.limits``; vocabulary 151,936 as Qwen2's). Credit/adm
 senders do not acquire). Each sender builds ``--groups-per-sender`` groups once and, per call, sends
 ``--groups-per-call`` of them (cycling through them, under fresh group_ids), as many calls as a round needs. A
 call is long (1,000 groups a sender, ~1 s) because each starts with an empty pipeline and ends draining it, a
-cost a stream of groups does not have and the raw side never pays (on a 2-core EPYC, six runs each: medians of
-0.59-0.65, mean 0.61, with calls of 200 groups; 0.60-0.66, mean 0.64, with calls of 1,000).
+cost a stream of groups does not have and the raw side never pays. (On a 2-core EPYC, same code: medians
+0.59-0.65, mean 0.61, over three runs with calls of 200 groups; 0.60-0.65, mean 0.63, over five with 1,000;
+a difference inside the run-to-run spread. The drain and refill every ~0.25 s, not the figure, is the reason.)
 
 The baseline, the limit of the same resource: this process putting the same encoded frames into one LMDB for the
 whole run (growing as the buffer's store does; ``RawLMDB`` says why) opened with the buffer store's settings

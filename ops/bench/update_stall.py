@@ -38,16 +38,17 @@ Per mode (each rep and the mean over reps):
 - ``update_latency_s``: mean update call (start to return).
 - ``requests_spanning_versions``: requests (finished or cut at the phase end) whose tokens came from more than one weight version.
 
-``idle_ratio`` = in_place's lost_s_per_update / wait's (goal <= 0.5), ``idle_ratio_occupancy`` the same from
+``idle_ratio`` = in_place's lost_s_per_update / wait's, ``idle_ratio_occupancy`` the same from
 occupancy, both from the means over reps (null when wait's mean loss is not positive). Judged as every ratio
 benchmark here (``ops/bench/measure.py``): ``in_place_over_wait_lost_occupancy`` = in_place's
 ``lost_s_per_update_occupancy`` over wait's, per rep (reps where the drain lost nothing measurable left out),
 **goal <= 0.5**: median, range, interquartile range and verdict (``unclear`` when the interquartile range
 straddles the goal or under 5 judged reps); the same per rep from tokens beside it (``ratio_tokens_rounds``,
-not judged). Occupancy, because on CPU the token loss is noise: the rate drifted 6,900-8,500 tokens/s between
-the phases of one run (2-core EPYC), while a drain cost 0.34-0.44 s of occupancy per update, 8 % of a phase,
-and a part-empty CPU batch steps faster, so fewer tokens are lost than slots stood empty. Token losses per
-update read -0.65 to +0.18 s for the drain, ratios -1.3 to 3.6; occupancy ratios 0.05 or less. On a GPU a
+not judged). Occupancy, because on CPU the token loss is noise: the baseline rate moved by up to a third between
+the phases of one run (5,900-7,860 tokens/s; 2-core EPYC, four runs of the defaults), while a drain cost
+0.31-0.59 s of occupancy per update, 7-13 % of a phase, and a part-empty CPU batch steps faster, so fewer
+tokens are lost than slots stood empty. One run's token losses per update read -0.65 to +0.18 s for the drain;
+the token ratios -17.9 to 3.6 (most reps left out as not positive); occupancy ratios -0.01 to 0.10. On a GPU a
 decode step costs about the same with one request or 32 (memory-bound), so an empty slot is a lost token and
 the two agree. ``loadavg``: the
 machine's 1-minute load at the end; ``machine``, ``load_at_start``/``load_at_end`` as every ratio benchmark.
@@ -282,15 +283,16 @@ def report(args: argparse.Namespace, reps: list[dict[str, Any]], run: Run) -> di
     mean = {m: mean_of(reps, m) for m in MODES}
 
     def ratio(key: str) -> float | None:
-        """None unless the drain lost something measurable: a ratio of two noise terms says nothing."""
-        lost_wait, lost_in_place = mean["wait"].get(key), mean["in_place"].get(key)
-        return round(lost_in_place / lost_wait, 3) if lost_wait and lost_wait > 0 and lost_in_place is not None else None
+        """The same ratio of the means over reps; None unless the drain lost something measurable."""
+        of_means = rep_ratios([mean], key)
+        return round(of_means[0], 3) if of_means else None
 
     per_rep = rep_ratios(reps, "lost_s_per_update_occupancy")
     judged = summarise(per_rep, GOAL, higher_is_better=False, name="in_place_over_wait_lost_occupancy")
     return {
         "bench": "update_stall", **judged, "rounds": len(per_rep), **run.common_fields(),
-        "ratio_tokens_rounds": [round(x, 4) for x in rep_ratios(reps, "lost_s_per_update")], "model": "ops/bases/chain-tiny", "batch": args.batch, "updates": args.updates,
+        "ratio_tokens_rounds": [round(x, 4) for x in rep_ratios(reps, "lost_s_per_update")],
+        "model": "ops/bases/chain-tiny", "batch": args.batch, "updates": args.updates,
         "interval_s": args.interval_s, "warmup_s": args.warmup_s, "tokens": [args.min_tokens, args.max_tokens],
         "phase_s": phase_length(args), "reps": reps, "mean": mean,
         "idle_ratio": ratio("lost_s_per_update"), "idle_ratio_occupancy": ratio("lost_s_per_update_occupancy"),

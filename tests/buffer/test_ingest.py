@@ -178,6 +178,7 @@ def test_two_batches_are_validated_while_one_commits_and_each_commit_takes_one_b
     acks = [a for a in harness.answers(4) if isinstance(a, IngestAck) and a.committed]
     assert {a.group_id for a in acks} == {"g0", "g1", "g2", "g3"}
 
+
 @pytest.mark.parametrize("harness", [["buffer.capacity_groups=1"]], indirect=True)
 def test_a_group_past_capacity_is_not_stored_and_may_be_resent(harness: Harness) -> None:
     kept, refused = make_group(), make_group()
