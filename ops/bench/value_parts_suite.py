@@ -138,20 +138,22 @@ def diff(a: list[float], b: list[float]) -> dict[str, float] | None:
             "sigma": math.sqrt(sd[0] ** 2 / len(a) + sd[1] ** 2 / len(b)), "n": [len(a), len(b)]}
 
 
-def read_ledger(ledger: Path = LEDGER) -> dict[str, dict[str, Any]]:
-    """The recorded runs by name (a later line of the same run replaces an earlier one)."""
+def read_ledger(ledger: Path | None = None) -> dict[str, dict[str, Any]]:
+    """The recorded runs by name (a later line of the same run replaces an earlier one). ``None``: ``LEDGER``,
+    looked up on each call (a default bound at import would ignore a test's or a tool's own ledger)."""
+    ledger = LEDGER if ledger is None else ledger
     if not ledger.exists():
         return {}
     rows = (json.loads(line) for line in ledger.read_text().splitlines() if line.strip())
     return {row["run"]: row for row in rows}
 
 
-def recorded_names(ledger: Path = LEDGER) -> set[str]:
+def recorded_names(ledger: Path | None = None) -> set[str]:
     """Runs the ledger holds: done, wherever they ran."""
     return set(read_ledger(ledger))
 
 
-def record(root: Path, run: str, seconds: float, ledger: Path = LEDGER) -> dict[str, Any] | None:
+def record(root: Path, run: str, seconds: float, ledger: Path | None = None) -> dict[str, Any] | None:
     """Keep finished run ``run``'s readings in the ledger (its line replaced if it was there); None, and
     nothing written, for a run without ``summary.json`` or without evaluations beyond the base one."""
     d = root / run
@@ -165,6 +167,7 @@ def record(root: Path, run: str, seconds: float, ledger: Path = LEDGER) -> dict[
            "commit": (made_by.get("commit") or {}).get("sha"), "dirty": (made_by.get("commit") or {}).get("dirty"),
            "cpu": cpu.get("model", "unknown"), "simd": cpu.get("torch_capability"), "cpus": cpu.get("logical_cpus"),
            "load_at_start": made_by.get("load_1m"), "load_at_end": measure.load()[0], "date": time.strftime("%Y-%m-%d")}
+    ledger = LEDGER if ledger is None else ledger
     rows = read_ledger(ledger)
     rows[run] = row
     ledger.parent.mkdir(parents=True, exist_ok=True)
@@ -180,7 +183,7 @@ def on_run_done(root: Path, run: str, rc: int, seconds: float, log: Any) -> None
         log(f"{run}: recorded in {LEDGER.relative_to(REPO)}")
 
 
-def runs_by_arm(root: Path, ledger: Path = LEDGER) -> tuple[dict[str, list[AxisRun]], set[str]]:
+def runs_by_arm(root: Path, ledger: Path | None = None) -> tuple[dict[str, list[AxisRun]], set[str]]:
     """Each arm's finished runs with evaluations beyond the base one (a run directory under ``root`` wins over
     its ledger line; one without ``summary.json``, still running or killed, is left out), and their CPUs."""
     kept = read_ledger(ledger)
@@ -200,7 +203,7 @@ def runs_by_arm(root: Path, ledger: Path = LEDGER) -> tuple[dict[str, list[AxisR
     return runs, machines
 
 
-def summary(root: Path, load_run: Any = None, ledger: Path = LEDGER) -> dict[str, Any]:
+def summary(root: Path, load_run: Any = None, ledger: Path | None = None) -> dict[str, Any]:
     """Per arm: final accuracy per seed and at equal budget per axis; per regime the differences (docstring).
     Reads the runs under ``root`` and those the ledger holds."""
     runs, machines = runs_by_arm(root, ledger)
