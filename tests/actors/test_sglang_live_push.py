@@ -79,7 +79,7 @@ import asyncio, json, sys, threading
 from pathlib import Path
 import torch
 from common.config import load_config
-from learner.dist import rank
+from learner.dist import exit_process, rank
 from learner.models import build_policy
 from learner.weight_push import WeightPusher, bucket_plan
 from learner.weights import write_version
@@ -118,6 +118,8 @@ update = write_version(out, 1, policy, None)
 if rank() == 0:
     (out / "result.json").write_text(json.dumps({"broadcast": res.broadcast, "error": res.error,
                                                 "buckets": len(pusher.plan), "path": update.path}))
+pusher.close()
+exit_process(0)  # no interpreter finalisation: a gloo worker thread can abort it (SIGABRT at exit)
 '''
 
 

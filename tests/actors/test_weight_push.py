@@ -265,7 +265,7 @@ import asyncio, json, sys, threading
 from pathlib import Path
 import torch
 from common.config import load_config
-from learner.dist import rank
+from learner.dist import exit_process, rank
 from learner.models import build_policy
 from learner.weight_push import WeightPusher, bucket_plan
 from learner.weights import write_version
@@ -295,12 +295,15 @@ if rank() == 0:
     engine.start()
     pusher.join()
 res = pusher.push(policy, 1)
+pusher.settle()  # res.broadcast is final only once the last bucket's broadcast has ended
 if rank() == 0:
     engine.join(120)
 update = write_version(out, 1, policy, None)
 if rank() == 0:
     (out / "result.json").write_text(json.dumps({{"broadcast": res.broadcast, "error": res.error,
                                                  "buckets": len(pusher.plan), "path": update.path}}))
+pusher.close()
+exit_process(0)  # no interpreter finalisation: a gloo worker thread can abort it (SIGABRT at exit)
 '''
 
 
