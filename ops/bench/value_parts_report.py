@@ -84,8 +84,8 @@ def plot(study: Study, out_dir: Path) -> list[Path]:
         for alpha in (f"a{a:g}" for a in study.alphas):
             arms = [a for a in study.arms if a.startswith(f"g{g}_") and (a.endswith(f"_{alpha}") or "_dapo" in a)]
             arms = [a for a in arms if runs.get(a)]
-            if not arms:
-                continue
+            if all("_dapo" in a for a in arms):
+                continue  # no critic arm at this α yet (DAPO's arms, which have no α, are drawn beside each α's)
             fig, axes = plt.subplots(1, len(PLOTTED), figsize=(4 * len(PLOTTED), 3.6), dpi=100, sharey=True)
             for i, arm in enumerate(arms):
                 for k, r in enumerate(runs[arm]):

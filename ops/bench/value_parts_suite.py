@@ -211,7 +211,8 @@ def summary(root: Path, load_run: Any = None, ledger: Path | None = None) -> dic
                            "machines": sorted(machines), "budgets": {}, "arms": {}, "differences": {}}
     for g in GROUPS:
         in_g = [r for arm, rs in runs.items() if arm.startswith(f"g{g}_") for r in rs]
-        budgets = {axis: min((r.points[-1][axis] for r in in_g), default=0.0) for axis in AXES}
+        # an axis a run has none of (DAPO's critic passes) is not a budget: it is read only for runs that have it
+        budgets = {axis: min((r.points[-1][axis] for r in in_g if r.points[-1][axis] > 0), default=0.0) for axis in AXES}
         if in_g:
             out["budgets"][g] = budgets
         for arm, rs in runs.items():
@@ -219,16 +220,20 @@ def summary(root: Path, load_run: Any = None, ledger: Path | None = None) -> dic
                 continue
             row = {"final": [r.points[-1]["acc"] for r in rs]}
             for axis in AXES:
-                accs = [a["acc"] for r in rs if (a := accuracy_at(r.points, axis, budgets[axis])) is not None]
+                accs = [a["acc"] for r in rs if r.points[-1][axis] > 0
+                        and (a := accuracy_at(r.points, axis, budgets[axis])) is not None]
                 row[f"at_equal_{axis}"] = accs
             out["arms"][arm] = row
     for g in GROUPS:
-        for alpha in (f"a{x:g}" for x in ALPHAS):
+        for i, alpha in enumerate(f"a{x:g}" for x in ALPHAS):
             for a, b, what in DIFFERENCES:
+                with_alpha = a in CRITIC_ARMS or b in CRITIC_ARMS
+                if not with_alpha and i > 0:
+                    continue  # a pair of DAPO arms has no α: once per G
                 an, bn = (f"g{g}_{x}_{alpha}" if x in CRITIC_ARMS else f"g{g}_{x}" for x in (a, b))
                 ra, rb = out["arms"].get(an), out["arms"].get(bn)
                 if ra is not None and rb is not None:
-                    out["differences"][f"g{g} {alpha}: {a} − {b}"] = {
+                    out["differences"][f"g{g} {alpha}: {a} − {b}" if with_alpha else f"g{g}: {a} − {b}"] = {
                         "what": what, "final": diff(ra["final"], rb["final"]),
                         **{f"at_equal_{ax}": diff(ra[f"at_equal_{ax}"], rb[f"at_equal_{ax}"]) for ax in AXES}}
     return out
