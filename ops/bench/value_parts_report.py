@@ -123,7 +123,8 @@ def section(summary: dict[str, Any], study: Study, plots: list[Path], out: Path)
              + ("Every cell has its seeds." if complete else
                 "Partial: a cell with fewer than 3 seeds is not a finding, and no claim rests on this section until "
                 "it is complete."), "",
-             f"Equal budget: per G, the largest amount of each axis every run of that G reached ({_budgets(summary)}); "
+             f"Equal budget: per G, the largest amount of each axis every run of that G reached, critic passes among "
+             f"the runs that train a critic ({_budgets(summary)}); "
              "the accuracy there is interpolated between the evaluations either side. `m ± sd (n)`: mean and sd "
              "over n seeds; a difference `d ± σ` has σ = sqrt(sd_a²/n_a + sd_b²/n_b), and how many σ it is.", "",
              "### Arms", "", *arm_table(summary, study.arms), "", "### Differences", "", *difference_table(summary), ""]
