@@ -43,8 +43,9 @@ Runs recorded on different CPUs are comparable on every axis but wall time; the 
 
 The summary (one JSON line, ``summary``): per arm the final held-out avg@8 (each seed, mean, sd), the
 accuracy at equal budget on every compute axis of ``ops.bench.compute_axes`` (samples, generated tokens,
-learner and critic token passes, wall time; the budget is the largest every run of the regime reached), and
-per regime (G, α) the differences that separate the parts, each with the σ of the difference of two means
+learner and critic token passes, wall time; the budget is the largest every run of the regime reached, critic
+passes among the runs that train a critic, and only those runs are read on that axis), and
+per regime (G, α) the differences that separate the parts (a pair of DAPO arms, which have no α, once per G), each with the σ of the difference of two means
 (sqrt(sd_a²/n_a + sd_b²/n_b)): ``vapo − dapo`` (as shipped), ``vapo_nonll − dapo`` (the critic alone),
 ``vapo − dapo_nll`` (both with the NLL), ``dapo − dapo_nofilter`` (the filter), ``oracle − vapo`` (what a
 perfect critic would add), ``trainable − vapo`` (a critic that can learn).

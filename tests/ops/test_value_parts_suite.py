@@ -51,7 +51,6 @@ def test_summary_differences_with_their_sigma(tmp_path: Path) -> None:
     assert vp.diff([], [0.5]) is None
 
 
-
 def test_a_pair_of_dapo_arms_is_compared_once_per_group_and_no_arm_is_read_on_an_axis_it_has_none_of(
         tmp_path: Path) -> None:
     """DAPO's arms have no α, so their difference is one row per G (not one per α); none of these runs trains
@@ -64,6 +63,7 @@ def test_a_pair_of_dapo_arms_is_compared_once_per_group_and_no_arm_is_read_on_an
     assert out["arms"]["g2_dapo"]["at_equal_critic_passes"] == []
     assert out["differences"]["g2: dapo − dapo_nofilter"]["at_equal_critic_passes"] is None
     assert out["arms"]["g2_dapo"]["at_equal_samples"] == [0.5]
+
 
 def test_a_finished_run_is_recorded_and_the_summary_reads_the_ledger_alone(tmp_path: Path) -> None:
     """The ledger carries a study across checkouts: a finished run's readings go in (once per run, the last
