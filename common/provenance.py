@@ -65,8 +65,14 @@ def versions() -> dict[str, str | None]:
             "transformers": _version("transformers")}
 
 
+# What the experiment suites write while they run (ledger, report plots): a suite's second run in a frozen
+# checkout would otherwise be recorded as made by modified code.
+RESULTS_DIR = "docs/results"
+
+
 def commit(root: Path = ROOT) -> dict[str, Any]:
-    """The checkout's commit and whether tracked files differ from it (None when it is not a git checkout)."""
+    """The checkout's commit and whether tracked files other than ``RESULTS_DIR``'s differ from it (None when it
+    is not a git checkout)."""
     def git(*args: str) -> str | None:
         try:
             p = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=20)
@@ -77,7 +83,7 @@ def commit(root: Path = ROOT) -> dict[str, Any]:
     sha = git("rev-parse", "HEAD")
     if sha is None:
         return {"sha": None, "dirty": None}
-    status = git("status", "--porcelain", "--untracked-files=no")
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ".", f":(exclude){RESULTS_DIR}")
     return {"sha": sha, "dirty": bool(status) if status is not None else None}
 
 

@@ -39,6 +39,29 @@ def test_base_without_weights_or_outside_git_is_recorded_as_unknown(tmp_path: Pa
     assert provenance.commit(tmp_path) == {"sha": None, "dirty": None}
 
 
+def test_a_checkout_is_dirty_for_changed_code_not_for_the_results_a_suite_writes(tmp_path: Path) -> None:
+    """An experiment suite appends to its ledger in docs/results/ after each run; the next run in the same
+    checkout is made by the same code, so it is not recorded as dirty. Any other changed tracked file is."""
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                       capture_output=True)
+
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    ledger, code = tmp_path / "docs" / "results" / "runs.jsonl", tmp_path / "train.py"
+    ledger.write_text("{}\n")
+    code.write_text("lr = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "c")
+    clean = provenance.commit(tmp_path)
+    assert clean["dirty"] is False and len(clean["sha"]) == 40
+    ledger.write_text("{}\n{}\n")
+    (tmp_path / "notes.txt").write_text("untracked")
+    assert provenance.commit(tmp_path)["dirty"] is False
+    code.write_text("lr = 2\n")
+    assert provenance.commit(tmp_path)["dirty"] is True
+
+
 def test_verify_base_accepts_the_described_weights_and_names_a_changed_one(tiny_model_dir: Path, tmp_path: Path) -> None:
     base = tmp_path / "base"
     shutil.copytree(tiny_model_dir, base)
