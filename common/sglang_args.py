@@ -25,6 +25,14 @@ vapo's pure-torch stand-in is not; SGLang's CPU default is ``intel_amx`` whateve
 ``--max-total-tokens`` (``max_total_tokens``: the actor's sequences in flight, not SGLang's sizing from host
 memory). No CUDA variables.
 
+Temporary files, ``private_tmp_env(dir)``: a server started here (the launcher's engines on its own host,
+``ops.sglang_cpu.live``'s for the tests and the engine and weight sync benchmarks) gets ``TMPDIR`` of its own,
+which whoever started it removes after it: SGLang names its ZeroMQ ipc sockets with
+``NamedTemporaryFile(delete=False)`` (``PortArgs``, five a start) and never removes them, and the Prometheus
+multiprocess directory ``--enable-metrics`` makes stays when the server is killed; with the system's TMPDIR every
+start left them there. An engine on another host keeps that host's TMPDIR (a directory made here might not exist
+there).
+
 Radix (prefix) cache, ``engine.sglang_radix_cache``: SGLang flushes it after each weight update
 (``flush_cache`` defaults to true) but only when no request is running (``Scheduler.flush_cache``); refused,
 every later prompt whose prefix is cached (every prompt shares the task's template) reuses KV computed by
@@ -53,8 +61,11 @@ keeps the cache correct under ``auto``, at the price of recomputing the retracte
 from __future__ import annotations
 
 import functools
+import getpass
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from common.config import Config, ConfigError
@@ -124,6 +135,19 @@ def sglang_command(cfg: Config, index: int) -> tuple[list[str], dict[str, str]]:
     if e.logprobs == "original":
         env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
     return argv, env
+
+
+def private_tmp_env(tmp_dir: Path | str) -> dict[str, str]:
+    """The environment that keeps one SGLang server's temporary files in ``tmp_dir`` (module docstring). Torch's
+    compile cache, whose default follows TMPDIR, stays where it was: a private one would be cold at every start."""
+    env = {"TMPDIR": str(tmp_dir)}
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):  # no passwd entry (some containers): torch names it by uid then
+            user = f"uid_{os.getuid()}"
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"torchinductor_{user}")
+    return env
 
 
 def radix_cache_kept(cfg: Config) -> bool:

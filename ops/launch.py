@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -41,6 +43,7 @@ from common.metrics import Metrics
 from common.placement import LEARNER_DONE_FILE, STORE_FILE_ENV, build_plan
 from common.preflight import missing_files
 from common.security import apply_client_curve, client_curve_keys, generate_run_keys, url_host
+from common.sglang_args import private_tmp_env
 from ops import report
 from ops.launch_child import Child, LaunchError
 from ops.launch_engines import engine_targets, sglang_install_problem, write_prometheus_config  # noqa: F401
@@ -166,6 +169,7 @@ class Launcher(Supervision):
         self.run_dir = cfg_file.parent
         self.logs = self.run_dir / "logs"
         self.children: dict[str, Child] = {}
+        self.private_tmps: list[Path] = []  # engines' TMPDIRs, removed when every child has stopped
         self.metrics = Metrics("launcher")
         self.stopping = False
         self.t0 = time.time()
@@ -188,7 +192,11 @@ class Launcher(Supervision):
     def child(self, name: str) -> Child:
         """The plan's process ``name`` as a supervised child (its environment and devices from the plan)."""
         p = self.plan.proc(name)
-        c = Child(name, p.argv, self.logs / f"{name}.log", p.max_restarts, env=dict(p.env), via=p.via, host=p.host)
+        env = dict(p.env)
+        if p.role == "engine" and not p.via:  # an SGLang server on this host: its temporary files kept apart
+            self.private_tmps.append(Path(tempfile.mkdtemp(prefix=f"vapo-{name}-")))
+            env.update(private_tmp_env(self.private_tmps[-1]))
+        c = Child(name, p.argv, self.logs / f"{name}.log", p.max_restarts, env=env, via=p.via, host=p.host)
         self.children[name] = c
         return c
 
@@ -287,6 +295,8 @@ class Launcher(Supervision):
                 except subprocess.TimeoutExpired:
                     pass
             self.metrics.components_up.labels(component=c.name).set(0)
+        for d in self.private_tmps:  # after the stop: a live engine could still write there
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

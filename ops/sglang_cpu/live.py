@@ -18,8 +18,10 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -29,7 +31,7 @@ from typing import Any
 
 from common.config import Config, load_config
 from common.ports import free_port
-from common.sglang_args import sglang_command
+from common.sglang_args import private_tmp_env, sglang_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,12 +56,14 @@ def cpu_config(model_dir: Path, port: int, *overrides: str) -> Config:
 
 @dataclass
 class LiveSGLang:
-    """One running ``sglang.launch_server`` (its own process group: the scheduler and detokenizer are children)."""
+    """One running ``sglang.launch_server`` (its own process group: the scheduler and detokenizer are children),
+    with a TMPDIR of its own that goes with it (``common.sglang_args.private_tmp_env``)."""
 
     proc: subprocess.Popen
     url: str
     log_path: Path
     admin_key: str | None
+    tmp_dir: Path
 
     @classmethod
     def start(cls, model_dir: Path, log_dir: Path, *, admin_key: str | None = None, name: str = "sglang",
@@ -69,11 +73,17 @@ class LiveSGLang:
         if admin_key:  # vapo passes it through a --config file; on the command line here (a test key)
             cmd += ["--admin-api-key", admin_key]
         log_path = log_dir / f"{name}-{port}.log"
+        tmp_dir = Path(tempfile.mkdtemp(prefix=f"vapo-{name}-"))
         env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-               **extra_env}
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        server = cls(proc, f"http://127.0.0.1:{port}", log_path, admin_key)
+               **extra_env, **private_tmp_env(tmp_dir)}
+        try:
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        except BaseException:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise
+        server = cls(proc, f"http://127.0.0.1:{port}", log_path, admin_key, tmp_dir)
         try:
             server.wait_healthy(START_TIMEOUT_S)
         except BaseException:
@@ -126,6 +136,7 @@ class LiveSGLang:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -137,3 +148,4 @@ class LiveSGLang:
                 self.kill()
         with contextlib.suppress(ProcessLookupError):  # children that outlived the main process
             os.killpg(self.proc.pid, signal.SIGKILL)
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)

@@ -12,7 +12,13 @@ import pytest
 from actors.sglang_launcher import write_admin_key_config
 from common import sglang_args
 from common.config import ConfigError, load_config
-from common.sglang_args import SGLANG_FLAGS_USED, max_total_tokens, radix_cache_kept, sglang_command
+from common.sglang_args import (
+    SGLANG_FLAGS_USED,
+    max_total_tokens,
+    private_tmp_env,
+    radix_cache_kept,
+    sglang_command,
+)
 
 # ServerArgs fields of sgl-project/sglang python/sglang/srt/server_args.py (commit 001067ff), as flags
 # (field model_path -> --model-path): host, port, model_path, tokenizer_path, skip_tokenizer_init,
@@ -141,6 +147,18 @@ def test_cpu_form_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None
     assert _flags(sglang_command(cfg, 0)[0][3:])["--attention-backend"] == "intel_amx"
     extra = load_config("ops/configs/sglang-cpu.yaml", ["engine.sglang_extra_args=[--attention-backend,torch_native]"])
     assert sglang_command(extra, 0)[0][-2:] == ["--attention-backend", "torch_native"]  # last: argparse keeps it
+
+
+def test_a_private_tmpdir_leaves_torchs_compile_cache_where_torch_puts_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TMPDIR moves SGLang's temporary files; torch's inductor cache, whose default follows TMPDIR, is pinned to
+    the default torch computes here (a private one would be cold at every start), unless the user set one."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    env = private_tmp_env("/tmp/vapo-engine-0-x")
+    assert env == {"TMPDIR": "/tmp/vapo-engine-0-x", "TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/scratch/inductor")
+    assert private_tmp_env("/tmp/e") == {"TMPDIR": "/tmp/e"}  # the user's own: inherited, not overridden
 
 
 def test_amx_path_is_detected_not_assumed() -> None:

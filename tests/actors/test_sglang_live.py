@@ -4,8 +4,8 @@ One server per module, started as vapo starts a CPU engine (``common.sglang_args
 shipped ``ops/bases/addition-tiny`` base in float32. Each test talks to it through vapo's own client
 (``common.sglang_client``): /generate fields and log-probs, n-sampling, log-probs equal to the learner's own
 recomputation (``SGLANG_RETURN_ORIGINAL_LOGPROB``: before temperature), /update_weights_from_disk, the
-per-token ``weight_versions`` spans of a request that spans an update, each pause mode, and control endpoints
-that refuse a missing admin key.
+per-token ``weight_versions`` spans of a request that spans an update, each pause mode, control endpoints
+that refuse a missing admin key, and its temporary files kept in the TMPDIR vapo gives it.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveSGLang]:
     s = LiveSGLang.start(BASE, tmp_path_factory.mktemp("sglang_logs"), admin_key=ADMIN_KEY)
     yield s
     s.stop()
+    assert not s.tmp_dir.exists()  # its temporary files went with it
 
 
 def run(coro: Any) -> Any:
@@ -69,6 +70,14 @@ def running_requests(server: LiveSGLang) -> float:
     _, text = server.request("GET", "/metrics", key=None)
     m = re.search(r"^sglang:num_running_reqs\{[^}]*\} ([0-9.e+]+)$", str(text), re.M)
     return float(m.group(1)) if m else 0.0
+
+
+def test_the_servers_temporary_files_are_in_a_directory_of_its_own(server: LiveSGLang) -> None:
+    """SGLang honours the TMPDIR vapo gives it (``common.sglang_args.private_tmp_env``): its ZeroMQ ipc sockets,
+    which it never removes, and its Prometheus multiprocess files are there, not in the system's TMPDIR."""
+    entries = list(server.tmp_dir.iterdir())
+    assert sum(e.is_socket() for e in entries) >= 3, entries  # tokenizer, scheduler, detokenizer
+    assert any(e.is_dir() and any(e.glob("*.db")) for e in entries), entries  # --enable-metrics' counters
 
 
 def test_generate_returns_n_samples_per_prompt_with_logprobs_and_version_spans(server: LiveSGLang) -> None:

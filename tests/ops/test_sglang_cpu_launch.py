@@ -1,11 +1,13 @@
 """The SGLang CPU launch option (``ops/configs/sglang-cpu.yaml``): its config against the default's, its
 engine command against SGLang's own parser, the launcher's stop at once when SGLang is missing, and (marked
-``sglang``) the launcher starting a real engine, waiting for it and stopping its whole process group."""
+``sglang``) the launcher starting a real engine, waiting for it and stopping its whole process group and removing
+its temporary files."""
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
@@ -116,12 +118,18 @@ def test_launcher_starts_a_real_engine_and_stops_its_process_group(launch: Modul
         assert len(pids) >= 3, pids  # the HTTP server, its scheduler and detokenizer
         log = (tmp_path / "engine" / "logs" / "engine-0.log").read_text()
         assert "sglang.launch_server" in log and "--sleep-on-idle" in log
+        # SGLang's ZeroMQ ipc sockets (which it never removes) in the engine's own TMPDIR, not the system's
+        tmp = Path(engine.env["TMPDIR"])
+        assert tmp.parent == Path(tempfile.gettempdir()) and tmp.name.startswith("vapo-engine-0-")
+        sockets = [f.name for f in tmp.iterdir() if f.is_socket()]
+        assert len(sockets) >= 3, sorted(f.name for f in tmp.iterdir())  # tokenizer, scheduler, detokenizer
     finally:
         t0 = time.monotonic()
         launcher.stop_all()
     assert time.monotonic() - t0 < launch.STOP_GRACE_S + 5
     left = [p for p in pids if Path(f"/proc/{p}").exists() and _state(p) != "Z"]
     assert not left, left
+    assert not tmp.exists()  # removed with the engine
 
 
 def _state(pid: int) -> str:
