@@ -44,9 +44,9 @@ Runs recorded on different CPUs are comparable on every axis but wall time; the 
 The summary (one JSON line, ``summary``): per arm the final held-out avg@8 (each seed, mean, sd), the
 accuracy at equal budget on every compute axis of ``ops.bench.compute_axes`` (samples, generated tokens,
 learner and critic token passes, wall time; the budget is the largest every run of the regime reached, critic
-passes among the runs that train a critic, and only those runs are read on that axis), and
-per regime (G, α) the differences that separate the parts (a pair of DAPO arms, which have no α, once per G), each with the σ of the difference of two means
-(sqrt(sd_a²/n_a + sd_b²/n_b)): ``vapo − dapo`` (as shipped), ``vapo_nonll − dapo`` (the critic alone),
+passes among the runs that train a critic, and only those runs are read on that axis), and per regime (G, α)
+the differences that separate the parts (a pair of DAPO arms, which have no α, once per G), each with the σ
+of the difference of two means (sqrt(sd_a²/n_a + sd_b²/n_b)): ``vapo − dapo`` (as shipped), ``vapo_nonll − dapo`` (the critic alone),
 ``vapo − dapo_nll`` (both with the NLL), ``dapo − dapo_nofilter`` (the filter), ``oracle − vapo`` (what a
 perfect critic would add), ``trainable − vapo`` (a critic that can learn).
 """
@@ -213,7 +213,8 @@ def summary(root: Path, load_run: Any = None, ledger: Path | None = None) -> dic
     for g in GROUPS:
         in_g = [r for arm, rs in runs.items() if arm.startswith(f"g{g}_") for r in rs]
         # an axis a run has none of (DAPO's critic passes) is not a budget: it is read only for runs that have it
-        budgets = {axis: min((r.points[-1][axis] for r in in_g if r.points[-1][axis] > 0), default=0.0) for axis in AXES}
+        budgets = {axis: min((r.points[-1][axis] for r in in_g if r.points[-1][axis] > 0), default=0.0)
+                   for axis in AXES}
         if in_g:
             out["budgets"][g] = budgets
         for arm, rs in runs.items():
