@@ -146,11 +146,13 @@ class _Build:
     def proc(self, name: str, role: str, host: str, argv: list[str], env: dict[str, str],
              gpus: tuple[int, ...], restarts: int) -> Proc:
         """A process of the plan; on a host other than host 0 wrapped in ssh or srun, carrying ``env`` and the
-        launcher's socket-interface variables (``common.remote.FORWARD_PREFIXES``)."""
+        launcher's socket-interface variables (``common.remote.FORWARD_PREFIXES``); an engine there with a
+        temporary directory of its own (on host 0 the launcher gives it one: ``Launcher.child``)."""
         if host == self.cfg.placement.hosts[0]:
             return Proc(name, role, host, argv, env, gpus, restarts)
         env = {**remote.forwarded_env(self.environ), **env}
-        argv = remote.wrap_remote(self.cfg, host, argv, env, self.root, self.py, self.environ)
+        argv = remote.wrap_remote(self.cfg, host, argv, env, self.root, self.py, self.environ,
+                                  private_tmp=f"vapo-{name}-" if role == "engine" else "")
         return Proc(name, role, host, argv, {}, gpus, restarts, via=self.cfg.placement.remote)
 
 

@@ -3,6 +3,7 @@
     wrap_remote(cfg, host, argv, env, root, py)   # the ssh or srun command the plan gives a remote process
     ssh_options(cfg, environ)                     # options of every ssh the launcher (and pdsh) runs
     python -m common.remote --timeout S -- ARGV   # on the remote host: ARGV, which dies with its ssh link
+    python -m common.remote --no-link --private-tmp PREFIX -- ARGV   # an srun'd engine: only its TMPDIR
     pdsh_failures(text)                           # hosts whose pdsh'd ssh (learner ranks) exited non-zero
 
 A process started over ssh runs under a guard (``main`` here) that watches its stdin, which is the ssh
@@ -15,24 +16,34 @@ same bound, which the launcher reads as a lost host. Learner ranks on other host
 pdsh launcher, which gives them no stdin: their ssh gets a terminal (``-tt``), so the kernel sends them
 SIGHUP when the session closes, and pdsh reports a lost host as ``<host>: ssh exited with exit code 255``.
 srun'd processes need none of this: Slurm ends a step whose srun ends.
+
+An SGLang engine on another host runs under the guard with ``--private-tmp vapo-engine-<i>-`` (over srun with
+``--no-link``: no stdin to watch): the guard makes a directory in that host's temporary directory, runs the
+engine with it as ``TMPDIR`` (``common.sglang_args.private_tmp_env``: SGLang's ipc socket files and its
+Prometheus directory go there, never removed by SGLang) and removes it once the engine has stopped, however
+it stopped, unless the guard itself is killed (SIGKILL, the host lost).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from common import lifeline
+from common.sglang_args import private_tmp_env
 
 SSH_ARGS_ENV = "VAPO_SSH_ARGS"  # extra ssh options from the environment, after placement.ssh_args
 SSH_LOST = 255  # ssh's exit code when the connection fails or is lost (a remote command's own codes pass through)
@@ -92,16 +103,20 @@ def srun_cpus(cfg: Any, environ: Mapping[str, str] | None = None) -> int:
 
 
 def wrap_remote(cfg: Any, host: str, argv: list[str], env: dict[str, str], root: Path, py: str,
-                environ: Mapping[str, str] | None = None) -> list[str]:
-    """``argv`` with ``env`` run on ``host`` from the same repository path (a shared filesystem)."""
+                environ: Mapping[str, str] | None = None, private_tmp: str = "") -> list[str]:
+    """``argv`` with ``env`` run on ``host`` from the same repository path (a shared filesystem); with
+    ``private_tmp`` (a name prefix) in a temporary directory of its own on that host (module docstring)."""
     inner = ["env", *(f"{k}={v}" for k, v in sorted(env.items()))]
+    tmp = ["--private-tmp", private_tmp] if private_tmp else []
     if cfg.placement.remote == "srun":
         # --overlap: the step shares the allocation's nodes with the others (engines, learner). Without
         # --cpus-per-task a step gets one CPU, and an engine or actor confined to it crawls.
         cpus = srun_cpus(cfg, environ)
+        # srun forwards the launcher's stdin, which may be closed: the guard must not read it as a lost link.
+        guard_tmp = [py, "-m", "common.remote", "--no-link", *tmp, "--"] if tmp else []
         return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap",
-                *([f"--cpus-per-task={cpus}"] if cpus else []), f"--chdir={root}", *inner, *argv]
-    guarded = [*inner, py, "-m", "common.remote", "--timeout", str(lost_after_s(cfg)), "--", *argv]
+                *([f"--cpus-per-task={cpus}"] if cpus else []), f"--chdir={root}", *inner, *guard_tmp, *argv]
+    guarded = [*inner, py, "-m", "common.remote", "--timeout", str(lost_after_s(cfg)), *tmp, "--", *argv]
     return ["ssh", *ssh_options(cfg, environ), host, f"cd {shlex.quote(str(root))} && exec {shlex.join(guarded)}"]
 
 
@@ -130,13 +145,19 @@ def _code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc  # killed by signal N: 128 + N, as a shell reports it
 
 
-def guard(argv: list[str], timeout_s: float, grace_s: float = GRACE_S, stdin_fd: int = 0) -> int:
-    """Run ``argv`` until it exits, ``stdin_fd`` reaches end of file, or no byte arrives for ``timeout_s``."""
-    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True, **lifeline.popen_kwargs())
+def guard(argv: list[str], timeout_s: float, grace_s: float = GRACE_S, stdin_fd: int | None = 0,
+          env: Mapping[str, str] | None = None) -> int:
+    """Run ``argv`` (with ``env``, default this process's) until it exits, ``stdin_fd`` reaches end of file, no
+    byte arrives on it for ``timeout_s``, or this process is asked to stop. ``stdin_fd=None``: no link to watch."""
+    stop = threading.Event()  # before the child starts: a stop asked meanwhile still stops it
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True, **lifeline.popen_kwargs(env))
     last = [time.monotonic()]
     eof = threading.Event()
 
     def read() -> None:
+        assert stdin_fd is not None
         while True:
             try:
                 data = os.read(stdin_fd, 4096)
@@ -147,14 +168,12 @@ def guard(argv: list[str], timeout_s: float, grace_s: float = GRACE_S, stdin_fd:
                 return
             last[0] = time.monotonic()
 
-    threading.Thread(target=read, name="ssh-link", daemon=True).start()
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    if stdin_fd is not None:
+        threading.Thread(target=read, name="ssh-link", daemon=True).start()
     while child.poll() is None:
         if eof.is_set() or stop.is_set():
             return _stop(child, grace_s)
-        if timeout_s > 0 and time.monotonic() - last[0] > timeout_s:
+        if stdin_fd is not None and timeout_s > 0 and time.monotonic() - last[0] > timeout_s:
             print(f"common.remote: no heartbeat from the launcher for {timeout_s:g} s; stopping {argv[0]}",
                   file=sys.stderr, flush=True)
             return _stop(child, grace_s)
@@ -162,19 +181,39 @@ def guard(argv: list[str], timeout_s: float, grace_s: float = GRACE_S, stdin_fd:
     return _code(child.returncode)
 
 
+@contextlib.contextmanager
+def private_tmp(prefix: str) -> Iterator[dict[str, str]]:
+    """The environment of a command with a temporary directory of its own (``prefix``*, in this host's
+    temporary directory; ``common.sglang_args.private_tmp_env``), the directory removed on leaving."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield {**os.environ, **private_tmp_env(tmp)}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m common.remote",
                                  description="Run a command on this host for as long as the ssh link to the launcher "
                                  "lives: stop it on end of stdin or when no heartbeat byte came for --timeout seconds.")
-    ap.add_argument("--timeout", type=float, required=True,
+    ap.add_argument("--timeout", type=float, default=0.0,
                     help="seconds without a heartbeat byte before stopping (0: only end of stdin stops it)")
+    ap.add_argument("--no-link", action="store_true",
+                    help="no link to watch (srun): stop only when asked (SIGTERM, SIGHUP, SIGINT) or the command exits")
+    ap.add_argument("--private-tmp", default="", metavar="PREFIX",
+                    help="run the command with a TMPDIR of its own (PREFIX*, in this host's temporary directory), "
+                    "removed once it has stopped")
     ap.add_argument("--grace", type=float, default=GRACE_S, help="SIGTERM to SIGKILL seconds")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- the command and its arguments")
     args = ap.parse_args(argv)
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         ap.error("no command given")
-    return guard(cmd, args.timeout, args.grace)
+    stdin_fd = None if args.no_link else 0
+    if not args.private_tmp:
+        return guard(cmd, args.timeout, args.grace, stdin_fd)
+    with private_tmp(args.private_tmp) as env:
+        return guard(cmd, args.timeout, args.grace, stdin_fd, env)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,8 @@ Temporary files, ``private_tmp_env(dir)``: a server started here (the launcher's
 which whoever started it removes after it: SGLang names its ZeroMQ ipc sockets with
 ``NamedTemporaryFile(delete=False)`` (``PortArgs``, five a start) and never removes them, and the Prometheus
 multiprocess directory ``--enable-metrics`` makes stays when the server is killed; with the system's TMPDIR every
-start left them there. An engine on another host keeps that host's TMPDIR (a directory made here might not exist
-there).
+start left them there. An engine on another host gets its directory on that host from the guard it runs under
+(``common.remote``'s ``--private-tmp``), which removes it after the engine.
 
 Radix (prefix) cache, ``engine.sglang_radix_cache``: SGLang flushes it after each weight update
 (``flush_cache`` defaults to true) but only when no request is running (``Scheduler.flush_cache``); refused,

@@ -4,6 +4,7 @@ here (the rehearsal, ``ops/rehearse.sh``, runs the same guard behind a real sshd
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import shlex
@@ -85,6 +86,76 @@ def test_guard_passes_the_exit_code_through_and_kills_a_stubborn_child(tmp_path:
     assert g.stdin is not None
     g.stdin.close()
     assert g.wait(timeout=10) == 128 + 9 and not _alive(int(pid_file.read_text()))
+
+
+PROBE = ("import json, os, sys, tempfile, time; d = tempfile.gettempdir(); open(os.path.join(d, 'sock'), 'w');"
+         "open(sys.argv[1] + '.part', 'w').write(json.dumps({'tmp': d, 'inductor': os.environ.get("
+         "'TORCHINDUCTOR_CACHE_DIR'), 'pid': os.getpid()})); os.rename(sys.argv[1] + '.part', sys.argv[1]); ")
+
+
+def _private_tmp_guard(tmp_path: Path, child: str, *flags: str, stdin: int | None = subprocess.PIPE
+                       ) -> tuple[subprocess.Popen, dict, Path]:
+    """The guard with ``--private-tmp`` on a host whose temporary directory is ``tmp_path/host``; its child
+    (which leaves a file in its temporary directory, as SGLang does) reports what it was given, then runs
+    ``child``."""
+    host_tmp, report = tmp_path / "host", tmp_path / "report.json"
+    host_tmp.mkdir(parents=True)
+    env = {**os.environ, "TMPDIR": str(host_tmp)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    g = subprocess.Popen([sys.executable, "-m", "common.remote", *flags, "--private-tmp", "vapo-engine-0-", "--",
+                          sys.executable, "-c", PROBE + child, str(report)], cwd=ROOT, stdin=stdin, env=env)
+    wait_for(lambda: report.exists(), 20, "the guarded child to report")
+    return g, json.loads(report.read_text()), host_tmp
+
+
+def test_guard_gives_its_process_a_private_tmp_and_removes_it_however_it_stops(tmp_path: Path) -> None:
+    """SGLang leaves its ipc socket files in TMPDIR: an engine on another host gets a directory of its own
+    in that host's temporary directory, gone once the engine has stopped (link closed, or exited itself)."""
+    g, seen, host_tmp = _private_tmp_guard(tmp_path / "a", "time.sleep(600)", "--timeout", "30")
+    tmp = Path(seen["tmp"])
+    assert tmp.parent == host_tmp and tmp.name.startswith("vapo-engine-0-") and (tmp / "sock").exists()
+    # Torch's compile cache stays where the host's TMPDIR puts it (a private one would be cold every start).
+    assert seen["inductor"] == str(host_tmp / f"torchinductor_{getpass.getuser()}")
+    assert g.stdin is not None
+    g.stdin.close()
+    assert g.wait(timeout=10) == 128 + 15 and not _alive(seen["pid"])
+    assert list(host_tmp.iterdir()) == []
+    g, seen, host_tmp = _private_tmp_guard(tmp_path / "b", "sys.exit(3)", "--timeout", "30")
+    assert g.wait(timeout=10) == 3 and list(host_tmp.iterdir()) == []
+
+
+def test_guard_without_a_link_ignores_a_closed_stdin_and_stops_when_asked(tmp_path: Path) -> None:
+    """srun hands the step the launcher's stdin, which may be /dev/null: with --no-link its end of file is not
+    a lost link; Slurm's SIGTERM (the step ending) stops the engine, and its directory goes with it."""
+    g, seen, host_tmp = _private_tmp_guard(tmp_path, "time.sleep(600)", "--no-link", stdin=subprocess.DEVNULL)
+    t0 = time.time()
+    wait_for(lambda: time.time() - t0 > 1.0, 5, "a second past end of stdin")  # the guard would have stopped by now
+    assert g.poll() is None and _alive(seen["pid"])
+    g.send_signal(15)
+    assert g.wait(timeout=10) == 128 + 15 and not _alive(seen["pid"])
+    assert list(host_tmp.iterdir()) == []
+
+
+def test_remote_engines_and_only_they_get_a_private_tmp_over_ssh_and_srun(tmp_path: Path) -> None:
+    environ = {"PATH": _bin_with_pdsh(tmp_path)}
+    _, plan = _plan(tmp_path, environ, "engine.kind=sglang")
+    for p in plan.procs:
+        if p.via == "ssh":
+            words = shlex.split(p.argv[-1])
+            guard = words[words.index("common.remote"):words.index("--")]
+            assert ("--private-tmp" in guard) == (p.role == "engine"), (p.name, guard)
+            if p.role == "engine":
+                assert guard[guard.index("--private-tmp") + 1] == f"vapo-{p.name}-"
+    assert sum(p.role == "engine" and p.via == "ssh" for p in plan.procs) == 2
+    _, plan = _plan(tmp_path, environ, "engine.kind=sglang", "placement.remote=srun", "placement.learner_gpus=0,2",
+                    "placement.engine_gpus=1,4,7")
+    engines = [p for p in plan.procs if p.role == "engine" and p.via == "srun"]
+    assert len(engines) == 2
+    for p in engines:
+        i = p.argv.index("common.remote")
+        assert p.argv[i + 1:i + 5] == ["--no-link", "--private-tmp", f"vapo-{p.name}-", "--"]
+        assert p.argv[i - 2:i] == ["/venv/bin/python", "-m"] and p.argv[i + 6:i + 8] == ["-m", "sglang.launch_server"]
+    assert all("common.remote" not in p.argv for p in plan.procs if p.via == "srun" and p.role != "engine")
 
 
 def test_pdsh_reports_a_lost_host_in_the_format_the_launcher_reads() -> None:
@@ -216,6 +287,21 @@ def test_over_real_ssh_a_lost_host_ends_ssh_with_255(sshd, tmp_path: Path) -> No
         os.kill(child, 9)
     assert client.wait(timeout=30) == remote.SSH_LOST
     wait_for(lambda: not _alive(pid), 30, "the remote process to stop without its link")
+
+
+def test_over_real_ssh_an_engines_private_tmp_is_made_on_its_host_and_removed_with_it(sshd, tmp_path: Path) -> None:
+    cfg = load_config(ROOT / "ops" / "configs" / "smoke.yaml", [f"placement.ssh_args=-F {sshd['config']}"])
+    report = tmp_path / "report.json"
+    argv = [sys.executable, "-c", PROBE + "time.sleep(600)", str(report)]
+    cmd = remote.wrap_remote(cfg, "127.0.0.1", argv, {}, ROOT, sys.executable, {}, private_tmp="vapo-engine-9-")
+    client = subprocess.Popen(cmd, stdin=subprocess.PIPE)
+    wait_for(lambda: report.exists(), 30, "the remote process to report")
+    tmp = Path(json.loads(report.read_text())["tmp"])
+    assert tmp.name.startswith("vapo-engine-9-") and (tmp / "sock").exists()
+    assert client.stdin is not None
+    client.stdin.close()  # the launcher's stop: end of file down the link
+    client.wait(timeout=30)
+    wait_for(lambda: not tmp.exists(), 10, "the remote guard to remove the directory")
 
 
 def test_over_real_ssh_heartbeats_keep_the_process_and_the_launchers_stop_ends_it(sshd, tmp_path: Path) -> None:
