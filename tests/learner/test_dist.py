@@ -13,7 +13,7 @@ import torch
 
 from learner import dist
 from tests.learner.synth import child_env
-from tests.ports import free_port
+from tests.ports import free_port, port_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -131,7 +131,7 @@ def test_learner_main_destroys_its_process_group_even_when_a_step_fails(tiny_mod
     h = tmp_path / "main.py"
     h.write_text(MAIN_HARNESS.format())
     p = subprocess.run([sys.executable, str(h), f"run.root={tmp_path}", "run.name=r", f"model.path={tiny_model_dir}",
-                        "metrics.prometheus=false", "value_pretrain.enabled=false"],
+                        "metrics.prometheus=false", "value_pretrain.enabled=false", *port_overrides()],
                        env=child_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
     assert p.returncode == 0, p.stderr[-4000:]
     assert "RAISED step failed" in p.stdout and "INITIALIZED False" in p.stdout, p.stdout
