@@ -1,15 +1,29 @@
-"""Shared fixtures: a tiny HF-format model + char tokenizer built once per session (no downloads)."""
+"""Shared fixtures: a tiny HF-format model + char tokenizer built once per session (no downloads), and the
+session's temporary files kept out of /tmp."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests import sockdirs
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_temporary_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """What the tests' processes leave in /tmp, kept out of it: torchrun (every multi-rank test) makes a log
+    directory per run there unless told where (``PET_LOG_DIR``: kept with the session's temporary files), and
+    the ipc socket directories (``tests/sockdirs.py``) go when the session ends."""
+    os.environ.setdefault("PET_LOG_DIR", str(tmp_path_factory.mktemp("torchelastic")))
+    yield
+    sockdirs.remove_all()
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from typing import Any
 
 from common import protocol
 from common.checksum import weights_sha256
+from tests.sockdirs import socket_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,7 @@ class Stack:
 
     def __init__(self, tmp: Path, model_dir: Path, extra: list[str] | None = None) -> None:
         self.tmp = tmp
-        self.sockdir = Path(tempfile.mkdtemp(prefix="va", dir="/tmp"))
+        self.sockdir = socket_dir("va")
         self.ingest = f"ipc://{self.sockdir}/ingest"
         self.serve = f"ipc://{self.sockdir}/serve"
         self.publish = f"ipc://{self.sockdir}/pub"

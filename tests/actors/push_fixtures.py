@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +22,7 @@ from common.metrics import Metrics
 from common.modeling import load_model
 from common.sglang_client import SGLangClient
 from learner.weights import write_version
+from tests.sockdirs import socket_dir
 
 
 class Owner:
@@ -44,7 +44,7 @@ def member_config(model_dir: Path, urls: list[str], *extra: str) -> Config:
 async def connected_link(cfg: Config, actor_id: int) -> EngineLink:
     """Actor ``actor_id``'s link, connected to its engine with its gate open (as the worker leaves it). Its
     watcher hears only ``offer()`` (no learner at its sockets)."""
-    sockets = tempfile.mkdtemp(prefix="vp", dir="/tmp")
+    sockets = socket_dir("vp")
     watcher = WeightWatcher(f"ipc://{sockets}/pub", f"ipc://{sockets}/query", query_timeout_s=0.2)
     link = EngineLink(cfg, actor_id, watcher, Owner(), Metrics("actor"), generate_timeout_s=60.0)
     await link.connect()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +24,7 @@ from common.config import Config, load_config
 from common.metrics import Metrics
 from common.protocol import WeightUpdate
 from tests.actors.actor_harness import make_weights
+from tests.sockdirs import socket_dir
 
 
 class Owner:
@@ -47,7 +47,7 @@ def _config(model_dir: Path, url: str, *extra: str) -> Config:
 
 
 def _link(cfg: Config, owner: Owner) -> tuple[EngineLink, WeightWatcher]:
-    sockets = tempfile.mkdtemp(prefix="vl", dir="/tmp")  # no learner there: the watcher only hears offer()
+    sockets = socket_dir("vl")  # no learner there: the watcher only hears offer()
     watcher = WeightWatcher(f"ipc://{sockets}/pub", f"ipc://{sockets}/query", query_timeout_s=0.2)
     return EngineLink(cfg, 0, watcher, owner, Metrics("actor"), generate_timeout_s=30.0), watcher
 

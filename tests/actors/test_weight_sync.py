@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import time
 from contextlib import closing
 from pathlib import Path
@@ -12,10 +11,11 @@ from actors.weight_sync import WeightWatcher, verify_update
 from common import protocol
 from learner.publisher import WeightPublisher
 from tests.actors.actor_harness import make_weights
+from tests.sockdirs import socket_dir
 
 
 def _addrs() -> tuple[str, str]:
-    d = tempfile.mkdtemp(prefix="vw", dir="/tmp")
+    d = socket_dir("vw")
     return f"ipc://{d}/pub", f"ipc://{d}/query"
 
 

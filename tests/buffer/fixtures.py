@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -22,6 +21,7 @@ import numpy as np
 from buffer.client import AsyncGroupSender
 from common.protocol import CreditGrant, IngestAck, Sample, SampleGroup
 from common.security import ClientKeys, generate_run_keys
+from tests.sockdirs import socket_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -103,7 +103,7 @@ class BufferProc:
     """``python -m buffer`` in a subprocess with ipc:// sockets in a short private directory."""
 
     def __init__(self, workdir: Path, overrides: list[str] | None = None) -> None:
-        self.sockdir = Path(tempfile.mkdtemp(prefix="vb", dir="/tmp"))
+        self.sockdir = socket_dir("vb")
         self.path = workdir / "lmdb"
         self.ingest_addr = f"ipc://{self.sockdir}/ingest"
         self.serve_addr = f"ipc://{self.sockdir}/serve"
