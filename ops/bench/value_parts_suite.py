@@ -19,11 +19,10 @@ samples, as ``value_study_suite.group_overrides``), the arms are:
 - ``dapo`` (``long_suite.DAPO``: dynamic sampling, no NLL), ``dapo_nofilter`` and ``dapo_nll`` (μ = 0.1).
 
 Three seeds per arm (``SEEDS``), each arm its own. 22 arms x 3 seeds = 66 runs. Wall time on this machine
-(2 cores, quiet; ``estimate_run_minutes``): a VAPO-type run ~15 min (the suite's first run,
-``vp_g2_vapo_a1-s0``, took 900 s on 2 otherwise idle cores; the first estimate, 9.2 min from the value
-study's long.yaml runs, was that much short), a DAPO one ~9 min (0.6 of that: 0.55
-measured at G = 8, plus the groups its filter regenerates); ~294 min per seed, **~15 h** in all; loaded cores
-make every run slower.
+(2 cores, quiet; ``estimate_run_minutes``), the medians of the first 22 runs (G = 2, ``docs/results/
+value_parts_runs.jsonl``): a run that trains or reads a critic ~11 min (10.6-13.0), a DAPO one 0.87 of that
+(9.4-9.9 min: the groups its filter drops are regenerated), DAPO without the filter 0.58 (6.2-6.4 min);
+~227 min per seed, **~11 h** in all, if G = 16 costs what G = 2 does; loaded cores make every run slower.
 
 Pilot (``--pilot g16_oracle_a1 --steps 4``, seed 0, 2 cores under load ~6 from other jobs): 511 s end to end
 (10 value-pretraining steps, 4 RL steps of 256 samples, 3 evaluations); held-out avg@8 0.213 -> 0.303; the
@@ -78,8 +77,9 @@ SEEDS = (0, 1, 2)
 GROUPS = (2, 16)
 ALPHAS = (1.0, 0.05)
 SHARED = ("learner.eval_every=5",)
-RUN_MIN = 15.0             # VAPO on long.yaml, 40 steps, evaluated every 5: vp_g2_vapo_a1-s0 took 900 s (2 idle cores)
-DAPO_SHARE = 0.6           # DAPO against VAPO: 0.55 measured at G = 8, plus the groups the filter regenerates
+RUN_MIN = 11.0             # a critic arm on long.yaml, 40 steps, evaluated every 5: median of 13 G = 2 runs
+DAPO_SHARE = 0.87          # DAPO against that: the median of 6 (its filter's dropped groups are regenerated)
+NOFILTER_SHARE = 0.58      # DAPO without the filter against that: the median of 3
 CRITIC_ARMS: dict[str, tuple[str, ...]] = {
     "vapo": (),
     "vapo_nonll": ("nll.coef=0",),
@@ -123,7 +123,9 @@ def experiments(Experiment: Any) -> list[Any]:
 
 def estimate_run_minutes(run: str) -> float:
     """Minutes one run of ``run`` (an experiment name) takes on 2 quiet cores."""
-    return RUN_MIN * (DAPO_SHARE if "_dapo" in run else 1.0)
+    if "_dapo" not in run:
+        return RUN_MIN
+    return RUN_MIN * (NOFILTER_SHARE if run.endswith("_nofilter") else DAPO_SHARE)
 
 
 def total_minutes() -> float:

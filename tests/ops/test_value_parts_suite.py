@@ -29,7 +29,7 @@ def test_every_arm_loads_and_the_estimate_adds_up() -> None:
         assert cfg.actors.group_size * cfg.learner.batch_groups == 256, arm
     assert load_config(str(ROOT / vp.CONFIG), list(arms["g2_oracle_a1"])).algo.critic == "oracle"
     assert not load_config(str(ROOT / vp.CONFIG), list(arms["g16_dapo_nofilter"])).buffer.filter_uniform_groups
-    per_seed = 2 * (8 * vp.RUN_MIN + 3 * vp.RUN_MIN * vp.DAPO_SHARE)
+    per_seed = 2 * (8 * vp.RUN_MIN + 2 * vp.RUN_MIN * vp.DAPO_SHARE + vp.RUN_MIN * vp.NOFILTER_SHARE)
     assert vp.total_minutes() == pytest.approx(3 * per_seed)
 
 
