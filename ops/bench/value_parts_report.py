@@ -60,6 +60,21 @@ def arm_table(summary: dict[str, Any], arms: list[str]) -> list[str]:
     return lines
 
 
+CRITIC_COLUMNS = {"pretrain_ev": "held-out EV after value pretraining",
+                  "rl_ev": "critic EV on the RL batches (mean over steps)",
+                  "oracle_ev": "oracle EV on the same batches"}
+
+
+def critic_table(summary: dict[str, Any], arms: list[str]) -> list[str]:
+    """Per arm with a critic: its explained variance (mean ± sd over the runs that kept it)."""
+    lines = ["| arm | " + " | ".join(CRITIC_COLUMNS.values()) + " |", "|---|" + "---|" * len(CRITIC_COLUMNS)]
+    for arm in arms:
+        row = summary.get("critic", {}).get(arm)
+        if row:
+            lines.append(f"| {arm} | " + " | ".join(_ms(row.get(k, [])) for k in CRITIC_COLUMNS) + " |")
+    return lines
+
+
 def difference_table(summary: dict[str, Any]) -> list[str]:
     """Per regime and pair: the difference of means ± its σ, and how many σ that is."""
     lines = ["| regime: a − b | what it measures | " + " | ".join(READ) + " |", "|---|---|" + "---|" * len(READ)]
@@ -127,7 +142,13 @@ def section(summary: dict[str, Any], study: Study, plots: list[Path], out: Path)
              f"the runs that train a critic ({_budgets(summary)}); "
              "the accuracy there is interpolated between the evaluations either side. `m ± sd (n)`: mean and sd "
              "over n seeds; a difference `d ± σ` has σ = sqrt(sd_a²/n_a + sd_b²/n_b), and how many σ it is.", "",
-             "### Arms", "", *arm_table(summary, study.arms), "", "### Differences", "", *difference_table(summary), ""]
+             "### Arms", "", *arm_table(summary, study.arms), "", "### Differences", "", *difference_table(summary), "",
+             "### The critic's explained variance", "",
+             "Per token, of the return the critic is trained on (metrics `value_explained_variance`, "
+             "`oracle_explained_variance`). The oracle arm trains its critic as the others do while the actor reads "
+             "the oracle's values, so its two RL columns are a trained critic and the ceiling on the same batches. "
+             "Ledger lines written before these readings were kept have none: n counts the runs that have them.", "",
+             *critic_table(summary, study.arms), ""]
     lines += [f"![{p.stem}]({p.relative_to(out.parent).as_posix()})" for p in plots]
     return "\n".join([*lines, "", END])
 

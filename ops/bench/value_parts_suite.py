@@ -31,7 +31,9 @@ oracle's EV on the RL batches 0.41 / 0.26 / 0.45 against the trained critic's 0.
 
 **A study longer than a machine's lease.** Run directories stay on the machine that made them, so each run
 that finishes is also kept, as one line of its readings (every evaluation on every axis, the final accuracy,
-its seconds, the commit and CPU it ran on, the load at its start and end), in ``docs/results/value_parts_runs.jsonl``: committed, it
+its seconds, the commit and CPU it ran on, the load at its start and end, its critic's explained variance:
+``critic_readings``; lines written before that was kept have none), in
+``docs/results/value_parts_runs.jsonl``: committed, it
 lets the next checkout, on this machine or another, go on from there (a recorded run counts as done) and
 the summary read every run so far. ``--max-runs N`` starts at most N runs, to fit a session:
 
@@ -47,7 +49,8 @@ passes among the runs that train a critic, and only those runs are read on that 
 the differences that separate the parts (a pair of DAPO arms, which have no α, once per G), each with the σ
 of the difference of two means (sqrt(sd_a²/n_a + sd_b²/n_b)): ``vapo − dapo`` (as shipped), ``vapo_nonll − dapo`` (the critic alone),
 ``vapo − dapo_nll`` (both with the NLL), ``dapo − dapo_nofilter`` (the filter), ``oracle − vapo`` (what a
-perfect critic would add), ``trainable − vapo`` (a critic that can learn).
+perfect critic would add), ``trainable − vapo`` (a critic that can learn); and per arm its critic's
+explained variance (``critic``: after value pretraining, on the RL batches, and the oracle's beside it).
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ SHARED = ("learner.eval_every=5",)
 RUN_MIN = 11.0             # a critic arm on long.yaml, 40 steps, evaluated every 5: median of 13 G = 2 runs
 DAPO_SHARE = 0.87          # DAPO against that: the median of 6 (its filter's dropped groups are regenerated)
 NOFILTER_SHARE = 0.58      # DAPO without the filter against that: the median of 3
+CRITIC_READINGS = ("pretrain_ev", "rl_ev", "oracle_ev")  # what a run's ledger line keeps of its critic
 CRITIC_ARMS: dict[str, tuple[str, ...]] = {
     "vapo": (),
     "vapo_nonll": ("nll.coef=0",),
@@ -156,6 +160,22 @@ def recorded_names(ledger: Path | None = None) -> set[str]:
     return set(read_ledger(ledger))
 
 
+def critic_readings(d: Path) -> dict[str, float | None]:
+    """Run directory ``d``'s critic (``CRITIC_READINGS``): the held-out EV value pretraining ended with (the
+    best, which it keeps), and the mean over the RL steps of the critic's EV on the trained batches and, under
+    ``algo.critic=oracle``, of the oracle's on the same batches. None where the run has none (DAPO)."""
+    pretrain, rl, oracle = None, [], []
+    for line in (d / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line) if line.strip() else {}
+        if rec.get("kind") == "value_pretrain":
+            pretrain = rec.get("best_explained_variance", pretrain)
+        elif rec.get("kind") == "learner_step":
+            rl += [rec["value_explained_variance"]] if "value_explained_variance" in rec else []
+            oracle += [rec["oracle_explained_variance"]] if "oracle_explained_variance" in rec else []
+    return {"pretrain_ev": pretrain, "rl_ev": statistics.fmean(rl) if rl else None,
+            "oracle_ev": statistics.fmean(oracle) if oracle else None}
+
+
 def record(root: Path, run: str, seconds: float, ledger: Path | None = None) -> dict[str, Any] | None:
     """Keep finished run ``run``'s readings in the ledger (its line replaced if it was there); None, and
     nothing written, for a run without ``summary.json`` or without evaluations beyond the base one."""
@@ -169,7 +189,8 @@ def record(root: Path, run: str, seconds: float, ledger: Path | None = None) -> 
            "points": [{k: round(v, 6) for k, v in p.items()} for p in axis_run.points], "seconds": round(seconds, 1),
            "commit": (made_by.get("commit") or {}).get("sha"), "dirty": (made_by.get("commit") or {}).get("dirty"),
            "cpu": cpu.get("model", "unknown"), "simd": cpu.get("torch_capability"), "cpus": cpu.get("logical_cpus"),
-           "load_at_start": made_by.get("load_1m"), "load_at_end": measure.load()[0], "date": time.strftime("%Y-%m-%d")}
+           "load_at_start": made_by.get("load_1m"), "load_at_end": measure.load()[0], "date": time.strftime("%Y-%m-%d"),
+           "critic": critic_readings(d)}
     ledger = LEDGER if ledger is None else ledger
     rows = read_ledger(ledger)
     rows[run] = row
@@ -206,12 +227,29 @@ def runs_by_arm(root: Path, ledger: Path | None = None) -> tuple[dict[str, list[
     return runs, machines
 
 
+def critic_by_arm(root: Path, ledger: Path | None = None) -> dict[str, dict[str, list[float]]]:
+    """Each arm's ``CRITIC_READINGS`` over its finished runs that have them (a run directory under ``root``
+    wins over its ledger line; ledger lines from before the readings were kept have none)."""
+    kept = read_ledger(ledger)
+    out: dict[str, dict[str, list[float]]] = {}
+    for arm in arms():
+        for s in SEEDS:
+            run = f"{name(arm)}-s{s}"
+            d = root / run
+            got = critic_readings(d) if (d / "summary.json").exists() else kept.get(run, {}).get("critic") or {}
+            for k in CRITIC_READINGS:
+                if got.get(k) is not None:
+                    out.setdefault(arm, {}).setdefault(k, []).append(got[k])
+    return out
+
+
 def summary(root: Path, load_run: Any = None, ledger: Path | None = None) -> dict[str, Any]:
     """Per arm: final accuracy per seed and at equal budget per axis; per regime the differences (docstring).
     Reads the runs under ``root`` and those the ledger holds."""
     runs, machines = runs_by_arm(root, ledger)
     out: dict[str, Any] = {"estimate_minutes": round(total_minutes()), "runs": sum(map(len, runs.values())),
-                           "machines": sorted(machines), "budgets": {}, "arms": {}, "differences": {}}
+                           "machines": sorted(machines), "budgets": {}, "arms": {}, "differences": {},
+                           "critic": critic_by_arm(root, ledger)}
     for g in GROUPS:
         in_g = [r for arm, rs in runs.items() if arm.startswith(f"g{g}_") for r in rs]
         # an axis a run has none of (DAPO's critic passes) is not a budget: it is read only for runs that have it

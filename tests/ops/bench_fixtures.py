@@ -64,9 +64,11 @@ def long_run(d: Path, accs: dict[int, float], reward: float, advantage: str = "g
     (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
 
 
-def value_parts_run(root: Path, arm: str, seed: int, accs: list[float], finished: bool = True) -> None:
+def value_parts_run(root: Path, arm: str, seed: int, accs: list[float], finished: bool = True,
+                    pretrain_ev: list[float] = (), rl_ev: list[float] = (), oracle_ev: list[float] = ()) -> None:
     """A value_parts run directory of ``arm``/``seed`` under ``root`` whose evaluations read ``accs``; without
-    summary.json unless ``finished``."""
+    summary.json unless ``finished``. Its critic: one value-pretraining record per ``pretrain_ev`` (the best
+    so far), and the RL steps' ``rl_ev`` / ``oracle_ev`` (step k's, where given)."""
     d = root / f"{vp.name(arm)}-s{seed}"
     d.mkdir(parents=True)
     if finished:
@@ -75,7 +77,11 @@ def value_parts_run(root: Path, arm: str, seed: int, accs: list[float], finished
     recs = [{"kind": "header", "commit": {"sha": "c0ffee", "dirty": False}, "cpu": {"model": "Test CPU", "logical_cpus": 2},
              "load_1m": 0.5},
             {"kind": "eval", "step": 0, "time": 0.0, "avg_at_k": accs[0]}]
+    recs[1:1] = [{"kind": "value_pretrain", "step": k, "time": 0.0, "best_explained_variance": ev}
+                 for k, ev in enumerate(pretrain_ev, start=1)]
     recs += [{"kind": "learner_step", "step": k, "time": 10.0 * k, "samples": 256, "response_tokens": 2560,
-              "policy_forward_tokens": 100, "policy_backward_tokens": 100, "eval": {"avg_at_k": a}}
+              "policy_forward_tokens": 100, "policy_backward_tokens": 100, "eval": {"avg_at_k": a},
+              **({"value_explained_variance": rl_ev[k - 1]} if k <= len(rl_ev) else {}),
+              **({"oracle_explained_variance": oracle_ev[k - 1]} if k <= len(oracle_ev) else {})}
              for k, a in enumerate(accs[1:], start=1)]
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))

@@ -15,8 +15,8 @@ from tests.ops.bench_fixtures import value_parts_run as _run
 def test_the_section_is_spliced_in_once_with_its_tables_and_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vp, "LEDGER", tmp_path / "kept.jsonl")
     runs = tmp_path / "runs"
-    _run(runs, "g2_vapo_a1", 0, [0.4, 0.5, 0.6])
-    _run(runs, "g2_vapo_a1", 1, [0.4, 0.6, 0.8])
+    _run(runs, "g2_vapo_a1", 0, [0.4, 0.5, 0.6], pretrain_ev=[0.2], rl_ev=[0.3, 0.5])
+    _run(runs, "g2_vapo_a1", 1, [0.4, 0.6, 0.8], pretrain_ev=[0.4], rl_ev=[0.5, 0.7])
     _run(runs, "g2_dapo", 0, [0.4, 0.45, 0.5])
     out = tmp_path / "docs" / "RESULTS.md"
     out.parent.mkdir()
@@ -30,6 +30,9 @@ def test_the_section_is_spliced_in_once_with_its_tables_and_plots(tmp_path: Path
     assert "| g2_vapo_a1 | 0.700 ± 0.141 (2) |" in text and "| g2_dapo | 0.500 (1) |" in text
     assert "| g2 a1: vapo − dapo | as shipped | +0.200 ± 0.100, 2.0 σ (n 2/1) |" in text
     assert "g2 a0.05" not in text  # no run of that regime yet
+    # EV after pretraining 0.2 and 0.4 (sd 0.141); on the RL batches means 0.4 and 0.6 (sd 0.141); no oracle.
+    assert "| g2_vapo_a1 | 0.300 ± 0.141 (2) | 0.500 ± 0.141 (2) | — |" in text
+    assert "| g2_dapo | — |" not in text  # no critic: no row
     png = out.parent / "results" / "value_parts_g2_a1.png"
     assert png.stat().st_size > 1000 and "](results/value_parts_g2_a1.png)" in text
     assert not (out.parent / "results" / "value_parts_g16_a1.png").exists()

@@ -3,6 +3,7 @@ differences carry the σ of a difference of means (hand-made run records)."""
 
 from __future__ import annotations
 
+import json
 import math
 import types
 from pathlib import Path
@@ -87,6 +88,34 @@ def test_a_finished_run_is_recorded_and_the_summary_reads_the_ledger_alone(tmp_p
     assert from_ledger["runs"] == from_dirs["runs"] == 3 and from_ledger["machines"] == from_dirs["machines"] == ["Test CPU"]
     assert from_ledger["differences"] == from_dirs["differences"]
     assert from_ledger["differences"]["g2 a1: vapo − dapo"]["final"]["diff"] == pytest.approx(0.2)
+
+
+def test_the_critics_explained_variance_is_kept_per_run_and_summarised_per_arm(tmp_path: Path) -> None:
+    """An oracle run whose value pretraining ended with a best held-out EV of 0.2 (0.1 then 0.2) and whose two
+    RL steps read critic EV 0.3 and 0.5 (mean 0.4) beside the oracle's 0.6 and 0.8 (mean 0.7); a DAPO run has
+    no critic; a ledger line from before the readings were kept counts for none of them."""
+    runs, ledger = tmp_path / "runs", tmp_path / "kept.jsonl"
+    _run(runs, "g2_oracle_a1", 0, [0.4, 0.5, 0.6], pretrain_ev=[0.1, 0.2], rl_ev=[0.3, 0.5], oracle_ev=[0.6, 0.8])
+    _run(runs, "g2_vapo_a1", 0, [0.4, 0.5, 0.6], pretrain_ev=[0.15], rl_ev=[0.2, 0.25])
+    _run(runs, "g2_dapo", 0, [0.4, 0.45, 0.5])
+    row = vp.record(runs, "vp_g2_oracle_a1-s0", 600.0, ledger)
+    assert row is not None and row["critic"] == pytest.approx({"pretrain_ev": 0.2, "rl_ev": 0.4, "oracle_ev": 0.7})
+    assert vp.record(runs, "vp_g2_dapo-s0", 500.0, ledger)["critic"] == {
+        "pretrain_ev": None, "rl_ev": None, "oracle_ev": None}
+    old = vp.read_ledger(ledger)
+    vp.record(runs, "vp_g2_vapo_a1-s0", 600.0, ledger)
+    lines = [json.loads(x) for x in ledger.read_text().splitlines()]
+    for line in lines:
+        if line["run"] == "vp_g2_vapo_a1-s0":
+            del line["critic"]  # a line written before the readings were kept
+    ledger.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    from_ledger = vp.summary(tmp_path / "gone", ledger=ledger)["critic"]
+    assert from_ledger == {"g2_oracle_a1": {"pretrain_ev": [0.2], "rl_ev": [pytest.approx(0.4)],
+                                            "oracle_ev": [pytest.approx(0.7)]}}
+    assert old.keys() == {"vp_g2_oracle_a1-s0", "vp_g2_dapo-s0"}
+    from_dirs = vp.summary(runs, ledger=tmp_path / "none.jsonl")["critic"]  # a run directory has them all
+    assert from_dirs["g2_vapo_a1"] == {"pretrain_ev": [0.15], "rl_ev": [pytest.approx(0.225)]}
+    assert set(from_dirs) == {"g2_oracle_a1", "g2_vapo_a1"}
 
 
 def test_the_driver_skips_recorded_runs_starts_at_most_max_runs_and_records_each(
