@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
 from learner.batch import collate
+from learner.dist import exit_process
 from learner.mismatch import length_bin_names, proximal_mismatch
 from learner.synthetic import synth_groups
 from learner.train import Learner
@@ -88,8 +90,12 @@ def _rank_share(rank: int, init: str, out: str) -> None:
         res = proximal_mismatch(share, b, mine, version=0)
         if rank == 0:
             Path(out).write_text(repr(res))
-    finally:
-        torch.distributed.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        exit_process(1)
+    # As a learner rank ends: gloo's threads can abort (SIGABRT) a rank that finished during interpreter
+    # finalisation, which spawn would report as a failed rank.
+    exit_process(0)
 
 
 def _ranked_batch() -> tuple:
