@@ -21,7 +21,8 @@ An SGLang engine on another host runs under the guard with ``--private-tmp vapo-
 ``--no-link``: no stdin to watch): the guard makes a directory in that host's temporary directory, runs the
 engine with it as ``TMPDIR`` (``common.sglang_args.private_tmp_env``: SGLang's ipc socket files and its
 Prometheus directory go there, never removed by SGLang) and removes it once the engine has stopped, however
-it stopped, unless the guard itself is killed (SIGKILL, the host lost).
+it stopped, unless the guard itself is killed: SIGKILL, the host lost, and every srun'd engine the launcher
+stops (srun turns a SIGTERM into SIGKILL for its whole step), whose directory stays.
 """
 
 from __future__ import annotations

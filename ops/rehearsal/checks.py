@@ -21,7 +21,7 @@ import yaml
 
 from buffer.directory import inspect
 from ops.rehearsal import elastic, sglang
-from ops.rehearsal.cluster import Cluster
+from ops.rehearsal.cluster import ENGINE_TMP_PREFIX, Cluster
 from ops.rehearsal.push import ADMIN_KEY_ENV, DigestPoller, param_digest_of, sync_figures
 from ops.rehearsal.runs import CONFIG, ROOT, Run, describe, finish, launch, leftovers
 
@@ -89,6 +89,22 @@ def engines_now(c: Cluster, engine: str = "rollout_server") -> list[tuple[str, i
             except OSError:
                 continue
             out.append((h, int(argv[argv.index("--port") + 1]), env.get(ADMIN_KEY_ENV, "")))
+    return out
+
+
+def engine_tmpdirs(c: Cluster) -> dict[str, list[str]]:
+    """Per host, the ``TMPDIR`` each SGLang engine process runs with (``""``: the host's own)."""
+    out: dict[str, list[str]] = {}
+    for h in c.hosts:
+        for p in c.run_pids(h):
+            try:
+                argv = Path(f"/proc/{p}/cmdline").read_bytes().decode().split("\0")
+                if not sglang.is_engine(argv):
+                    continue
+                env = dict(kv.split("=", 1) for kv in Path(f"/proc/{p}/environ").read_bytes().decode().split("\0") if "=" in kv)
+            except OSError:
+                continue
+            out.setdefault(h, []).append(env.get("TMPDIR", ""))
     return out
 
 
@@ -229,7 +245,7 @@ def push_route(c: Cluster, stamp: str, logs: Path, extra: list[str], engine: str
         with digest_poller(c, engine) as poller:
             # Once a step is done every engine and actor runs: what each host runs, and the engines' admin API.
             _wait("first RL step", lambda: run.steps() >= 1, run, RUN_TIMEOUT_S)
-            placed, admin = roles_per_host(c), admin_api(c, engine)
+            placed, admin, tmpdirs = roles_per_host(c), admin_api(c, engine), engine_tmpdirs(c)
             finish(run, RUN_TIMEOUT_S)
     finally:
         _stop_if_running(run)
@@ -245,7 +261,10 @@ def push_route(c: Cluster, stamp: str, logs: Path, extra: list[str], engine: str
              "push_failures": sum(a["weight_sync_failures"] or 0 for a in actors),
              "bitwise_equal": figures["bitwise"]["ok"], "run": run.name}
     if engine == "sglang":
-        check.update(engine_start_s=sglang.engine_start_seconds(run.dir), admin_api=admin)
+        # SGLang never removes its ipc socket files: each engine must run in a TMPDIR of its own on its host.
+        private = bool(tmpdirs) and all(Path(t).name.startswith(ENGINE_TMP_PREFIX) for ts in tmpdirs.values() for t in ts)
+        check.update(engine_start_s=sglang.engine_start_seconds(run.dir), admin_api=admin, engine_tmpdirs=tmpdirs,
+                     engine_tmpdirs_private=private, ok=ok and private)
     return {"check_push_shaped": check, "weight_sync_distributed": figures, **_shape(run, placed),
             "procs_left": leftovers(c)}
 

@@ -32,6 +32,7 @@ BRIDGE = "vapo-br0"
 LOCK_FILE = "/run/vapo-rehearsal.lock"
 SUBNET = "10.213.7"  # a private /24 used only between namespaces this file creates
 # A host's daemons and the wrappers that entered its namespaces (slurmscriptd: slurmctld's helper).
+ENGINE_TMP_PREFIX = "vapo-engine-"  # an SGLang engine's private TMPDIR (common.remote --private-tmp)
 DAEMONS = ("sshd", "slurmd", "slurmctld", "slurmscriptd", "nsenter", "unshare")
 PACKAGES = {"ip": "iproute2", "nsenter": "util-linux", "python3": "python3", "sshd": "openssh-server", "ssh": "openssh-client", "ssh-keygen": "openssh-client",
             "pdsh": "pdsh", "slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "sbatch": "slurm-wlm",
@@ -77,6 +78,28 @@ def _zombie_children() -> bool:
 
 class ClusterUnavailable(RuntimeError):
     """This machine cannot host the rehearsal (not root, no namespaces, a package missing)."""
+
+
+def engine_tmps_of(pids: list[int]) -> set[Path]:
+    """The ``TMPDIR`` of each of ``pids`` that runs in an SGLang engine's private one."""
+    found: set[Path] = set()
+    for p in pids:
+        try:
+            environ = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for kv in environ:
+            if kv.startswith(b"TMPDIR=") and Path(kv[7:].decode()).name.startswith(ENGINE_TMP_PREFIX):
+                found.add(Path(kv[7:].decode()))
+    return found
+
+
+def engine_tmps_left(before: set[Path]) -> list[str]:
+    """SGLang engines' private temporary directories in this machine's temporary directory (every host's, here)
+    that were not there ``before`` and that no living process runs in: what the rehearsal's engines left."""
+    now = set(Path(tempfile.gettempdir()).glob(ENGINE_TMP_PREFIX + "*")) - before
+    live = engine_tmps_of([int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]) if now else set()
+    return sorted(str(d) for d in now - live)
 
 
 def missing_prerequisites() -> str | None:
@@ -180,7 +203,10 @@ class Cluster:
         return [p for p in self.pids(host) if self.comm(p) not in DAEMONS and p != self.inits.get(host)]
 
     def kill_host(self, host: str, sig: int = signal.SIGKILL) -> int:
-        """Kill every process in ``host``'s namespace (daemons included): a host that died."""
+        """Kill every process in ``host``'s namespace (daemons included): a host that died. Killed outright,
+        its SGLang engines' private temporary directories stay, as files do in a lost node's /tmp; every host's
+        /tmp is this machine's here, so they go with the host (a node that comes back starts with an empty one)."""
+        engine_tmps = self._engine_tmps(host) if sig == signal.SIGKILL else set()
         n = 0
         for p in self.pids(host):
             try:
@@ -188,7 +214,13 @@ class Cluster:
                 n += 1
             except ProcessLookupError:
                 pass
+        for d in engine_tmps:
+            shutil.rmtree(d, ignore_errors=True)
         return n
+
+    def _engine_tmps(self, host: str) -> set[Path]:
+        """The private ``TMPDIR`` of each SGLang engine process on ``host`` (common.remote, ops/launch.py)."""
+        return engine_tmps_of(self.pids(host))
 
     def link(self, host: str, up: bool) -> None:
         _sh("ip", "link", "set", f"v{host}", "up" if up else "down")

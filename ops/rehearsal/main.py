@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from typing import Any
 from common.config import load_config
 from ops.launch_engines import missing_modules
 from ops.rehearsal import checks, sglang
-from ops.rehearsal.cluster import Cluster, missing_prerequisites
+from ops.rehearsal.cluster import ENGINE_TMP_PREFIX, Cluster, engine_tmps_left, missing_prerequisites
 from ops.rehearsal.link import Link, parse_link
 from ops.rehearsal.runs import CONFIG, ROOT
 
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     out: dict[str, Any] = {"ok": False, "hosts": args.hosts, "engine": args.engine}
     cluster = Cluster(args.hosts, keep=logs / f"daemons-{stamp}")
+    tmps_before = set(Path(tempfile.gettempdir()).glob(ENGINE_TMP_PREFIX + "*"))
     try:
         cluster.up()
         out["cluster_up_s"] = round(time.time() - t0, 1)
@@ -123,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         out["procs_left_at_teardown"] = sum(left.values())
         namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         out["namespaces_left"] = sum(1 for h in cluster.hosts if owned and cluster.ns(h) in namespaces.split())
+        # An engine's private TMPDIR (SGLang's ipc socket files) stays when its guard is killed outright: a host
+        # the rehearsal kills (kill_host removes those), and every srun'd engine, which srun SIGKILLs when the
+        # launcher stops it (srun turns SIGTERM into SIGKILL). Counted, then removed: they are this rehearsal's.
+        out["engine_tmps_left"] = engine_tmps_left(tmps_before)
+        for d in out["engine_tmps_left"]:
+            shutil.rmtree(d, ignore_errors=True)
         out["seconds"] = round(time.time() - t0, 1)
     out["ok"] = bool(out.get("ok_checks")) and not out.get("interrupted") and out["namespaces_left"] == 0 \
         and out.get("procs_left_after_runs", 1) == 0

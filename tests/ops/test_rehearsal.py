@@ -49,6 +49,7 @@ def rehearse(*args: str, limit_s: float = WALL_LIMIT_S) -> dict[str, Any]:
     assert out["base_accuracy"] is not None and out["final_accuracy"] is not None
     # nothing left: no process of any run on any host, no process or namespace after the teardown
     assert out["procs_left_after_runs"] == 0 and out["procs_left_at_teardown"] == 0 and out["namespaces_left"] == 0
+    assert out["engine_tmps_left"] == []  # no SGLang engine's private TMPDIR (its socket files) outlived it
     assert out["seconds"] <= limit_s
     return out
 
@@ -83,3 +84,5 @@ def test_rehearsal_sglang_engines_distributed_push() -> None:
     assert push["admin_api"]["ok"]  # from h0: 401 without the key, 200 with it, for both engines
     assert set(push["engine_start_s"]) == {"engine-0", "engine-1"}
     assert all(s is not None for s in push["engine_start_s"].values())
+    # Each engine ran in a TMPDIR of its own on its host (SGLang leaves its ipc socket files in TMPDIR).
+    assert push["engine_tmpdirs_private"] and sorted(push["engine_tmpdirs"]) == ["h2", "h3"]
