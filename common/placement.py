@@ -33,6 +33,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ class Proc:
     gpus: tuple[int, ...] = ()  # global GPU indices
     max_restarts: int = 0
     via: str = ""  # how it reaches its host: "" (host 0) | ssh | srun; the learner: pdsh | srun across hosts
+    stop_signal: int = signal.SIGTERM  # how to ask it to stop where no ssh link is closed instead
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,9 @@ class _Build:
         env = {**remote.forwarded_env(self.environ), **env}
         argv = remote.wrap_remote(self.cfg, host, argv, env, self.root, self.py, self.environ,
                                   private_tmp=f"vapo-{name}-" if role == "engine" else "")
-        return Proc(name, role, host, argv, {}, gpus, restarts, via=self.cfg.placement.remote)
+        via = self.cfg.placement.remote
+        return Proc(name, role, host, argv, {}, gpus, restarts, via=via,
+                    stop_signal=remote.SRUN_STOP if via == "srun" else signal.SIGTERM)
 
 
 def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, root: Path | None = None,

@@ -3,7 +3,7 @@
     wrap_remote(cfg, host, argv, env, root, py)   # the ssh or srun command the plan gives a remote process
     ssh_options(cfg, environ)                     # options of every ssh the launcher (and pdsh) runs
     python -m common.remote --timeout S -- ARGV   # on the remote host: ARGV, which dies with its ssh link
-    python -m common.remote --no-link --private-tmp PREFIX -- ARGV   # an srun'd engine: only its TMPDIR
+    python -m common.remote --no-link [--private-tmp PREFIX] -- ARGV   # srun'd: stops on SIGUSR1 (SRUN_STOP)
     pdsh_failures(text)                           # hosts whose pdsh'd ssh (learner ranks) exited non-zero
 
 A process started over ssh runs under a guard (``main`` here) that watches its stdin, which is the ssh
@@ -15,14 +15,18 @@ keep-alive (ServerAliveInterval × ServerAliveCountMax) ends the ssh client with
 same bound, which the launcher reads as a lost host. Learner ranks on other hosts start through DeepSpeed's
 pdsh launcher, which gives them no stdin: their ssh gets a terminal (``-tt``), so the kernel sends them
 SIGHUP when the session closes, and pdsh reports a lost host as ``<host>: ssh exited with exit code 255``.
-srun'd processes need none of this: Slurm ends a step whose srun ends.
+An srun'd process has no link either (srun hands the step the launcher's stdin, which may be closed): it
+runs under the guard with ``--no-link`` and is asked to stop with ``SRUN_STOP`` (SIGUSR1): srun passes
+SIGUSR1 and SIGUSR2 to its step as they are, but turns SIGTERM, SIGHUP and a second SIGINT within a second
+into SIGKILL for the whole step. Slurm delivers it to every process of the step, so the guard starts its command with the signal
+ignored (an ignored signal stays ignored across exec) and stops it with SIGTERM, as over ssh. The learner's
+srun step (all its ranks) has no guard: stopped, it is killed, which its checkpoints are written to survive.
 
-An SGLang engine on another host runs under the guard with ``--private-tmp vapo-engine-<i>-`` (over srun with
-``--no-link``: no stdin to watch): the guard makes a directory in that host's temporary directory, runs the
-engine with it as ``TMPDIR`` (``common.sglang_args.private_tmp_env``: SGLang's ipc socket files and its
-Prometheus directory go there, never removed by SGLang) and removes it once the engine has stopped, however
-it stopped, unless the guard itself is killed: SIGKILL, the host lost, and every srun'd engine the launcher
-stops (srun turns a SIGTERM into SIGKILL for its whole step), whose directory stays.
+An SGLang engine on another host runs under the guard with ``--private-tmp vapo-engine-<i>-``: the guard
+makes a directory in that host's temporary directory, runs the engine with it as ``TMPDIR``
+(``common.sglang_args.private_tmp_env``: SGLang's ipc socket files and its Prometheus directory go there,
+never removed by SGLang) and removes it once the engine has stopped, however it stopped, unless the guard
+itself is killed (SIGKILL, the host lost), whose directory stays.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from common.sglang_args import private_tmp_env
 SSH_ARGS_ENV = "VAPO_SSH_ARGS"  # extra ssh options from the environment, after placement.ssh_args
 SSH_LOST = 255  # ssh's exit code when the connection fails or is lost (a remote command's own codes pass through)
 GRACE_S = 4.0  # SIGTERM → SIGKILL on the remote host; below the launcher's own stop grace (6 s)
+SRUN_STOP = signal.SIGUSR1  # the launcher's stop for an srun'd process: srun forwards it unchanged
 # Variables of the launcher's environment that every process on another host needs as well: socket
 # interfaces and rendezvous tuning (gloo otherwise binds the address its hostname resolves to, which
 # Debian's /etc/hosts makes 127.0.1.1: unreachable from the other ranks), and the run-time settings
@@ -114,9 +119,10 @@ def wrap_remote(cfg: Any, host: str, argv: list[str], env: dict[str, str], root:
         # --cpus-per-task a step gets one CPU, and an engine or actor confined to it crawls.
         cpus = srun_cpus(cfg, environ)
         # srun forwards the launcher's stdin, which may be closed: the guard must not read it as a lost link.
-        guard_tmp = [py, "-m", "common.remote", "--no-link", *tmp, "--"] if tmp else []
+        # It is there to turn the launcher's SRUN_STOP into a SIGTERM for the process (module docstring).
+        guarded = [py, "-m", "common.remote", "--no-link", *tmp, "--"]
         return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap",
-                *([f"--cpus-per-task={cpus}"] if cpus else []), f"--chdir={root}", *inner, *guard_tmp, *argv]
+                *([f"--cpus-per-task={cpus}"] if cpus else []), f"--chdir={root}", *inner, *guarded, *argv]
     guarded = [*inner, py, "-m", "common.remote", "--timeout", str(lost_after_s(cfg)), *tmp, "--", *argv]
     return ["ssh", *ssh_options(cfg, environ), host, f"cd {shlex.quote(str(root))} && exec {shlex.join(guarded)}"]
 
@@ -142,6 +148,19 @@ def _stop(child: subprocess.Popen, grace_s: float) -> int:
     return _code(child.wait())
 
 
+def _deaf_to_srun_stop(kw: dict[str, Any]) -> dict[str, Any]:
+    """Popen arguments whose child starts with ``SRUN_STOP`` ignored: Slurm signals every process of a step,
+    and the command must stop on the guard's SIGTERM, not die by SIGUSR1's default action."""
+    inner = kw.get("preexec_fn")
+
+    def preexec() -> None:
+        signal.signal(SRUN_STOP, signal.SIG_IGN)
+        if inner is not None:
+            inner()
+
+    return {**kw, "preexec_fn": preexec}
+
+
 def _code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc  # killed by signal N: 128 + N, as a shell reports it
 
@@ -151,9 +170,10 @@ def guard(argv: list[str], timeout_s: float, grace_s: float = GRACE_S, stdin_fd:
     """Run ``argv`` (with ``env``, default this process's) until it exits, ``stdin_fd`` reaches end of file, no
     byte arrives on it for ``timeout_s``, or this process is asked to stop. ``stdin_fd=None``: no link to watch."""
     stop = threading.Event()  # before the child starts: a stop asked meanwhile still stops it
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, SRUN_STOP):
         signal.signal(sig, lambda *_: stop.set())
-    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True, **lifeline.popen_kwargs(env))
+    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True,
+                             **_deaf_to_srun_stop(lifeline.popen_kwargs(env)))
     last = [time.monotonic()]
     eof = threading.Event()
 
@@ -200,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=0.0,
                     help="seconds without a heartbeat byte before stopping (0: only end of stdin stops it)")
     ap.add_argument("--no-link", action="store_true",
-                    help="no link to watch (srun): stop only when asked (SIGTERM, SIGHUP, SIGINT) or the command exits")
+                    help="no link to watch (srun): stop only when asked (SIGUSR1, which srun forwards; SIGTERM, SIGHUP, "
+                    "SIGINT) or the command exits")
     ap.add_argument("--private-tmp", default="", metavar="PREFIX",
                     help="run the command with a TMPDIR of its own (PREFIX*, in this host's temporary directory), "
                     "removed once it has stopped")

@@ -196,7 +196,8 @@ class Launcher(Supervision):
         if p.role == "engine" and not p.via:  # an SGLang server on this host: its temporary files kept apart
             self.private_tmps.append(Path(tempfile.mkdtemp(prefix=f"vapo-{name}-")))
             env.update(private_tmp_env(self.private_tmps[-1]))
-        c = Child(name, p.argv, self.logs / f"{name}.log", p.max_restarts, env=env, via=p.via, host=p.host)
+        c = Child(name, p.argv, self.logs / f"{name}.log", p.max_restarts, env=env, via=p.via, host=p.host,
+                  stop_signal=p.stop_signal)
         self.children[name] = c
         return c
 
@@ -275,11 +276,11 @@ class Launcher(Supervision):
         self.cancel_probes()
         # Learner first (it stops consuming batches; it resumes from its last checkpoint), then actors/engines,
         # then the buffer. A process behind ssh is stopped by closing its link: its guard SIGTERMs it, and
-        # ssh returns once it has exited.
+        # ssh returns once it has exited; an srun'd one by SIGUSR1, which its guard turns into a SIGTERM.
         order = sorted(self.children.values(), key=lambda c: (c.name != "learner", c.name == "buffer"))
         for c in order:
             if c.alive():
-                c.hang_up() if c.via in ("ssh", "pdsh") else c.signal(signal.SIGTERM)
+                c.ask_to_stop()
         # One deadline for all of them (not one per child), so that stopping is bounded however many
         # children are slow: SIGTERM grace, then SIGKILL every process group at once.
         deadline = time.time() + STOP_GRACE_S

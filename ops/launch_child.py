@@ -4,6 +4,7 @@ launcher, and for a process behind ssh the link the launcher beats on (``common.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)
     via: str = ""  # "ssh": its stdin is the ssh link the launcher beats on; "pdsh": a local guard's stdin (common.remote)
     host: str = ""
+    stop_signal: int = signal.SIGTERM  # "" and srun: how it is asked to stop (srun'd: common.remote.SRUN_STOP)
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -76,6 +78,13 @@ class Child:
             os.killpg(self.proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def ask_to_stop(self) -> None:
+        """The orderly stop: end of its ssh link (or the pdsh guard's stdin), else its stop signal."""
+        if self.via in ("ssh", "pdsh"):
+            self.hang_up()
+        else:
+            self.signal(self.stop_signal)
 
     def beat(self) -> None:
         """One heartbeat byte down the ssh link (the remote guard stops its process without them)."""

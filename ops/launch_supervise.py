@@ -196,7 +196,7 @@ class Supervision:
             other = self.children.get(name)
             if other is not None and other is not c and other.alive():
                 self.units.given_up.add(name)
-                other.hang_up() if other.via in ("ssh", "pdsh") else other.signal(signal.SIGTERM)
+                other.ask_to_stop()
         alive, _ = self.units.counts(set(self.lost))
         say(f"GIVING UP {c.name}: exited with code {c.returncode} after {c.restarts} restart(s) "
             f"(engine.max_restarts={c.max_restarts}); the run goes on on {alive}/{len(self.units.members)} engine(s)"

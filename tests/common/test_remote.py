@@ -9,6 +9,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -88,22 +89,24 @@ def test_guard_passes_the_exit_code_through_and_kills_a_stubborn_child(tmp_path:
     assert g.wait(timeout=10) == 128 + 9 and not _alive(int(pid_file.read_text()))
 
 
-PROBE = ("import json, os, sys, tempfile, time; d = tempfile.gettempdir(); open(os.path.join(d, 'sock'), 'w');"
+PROBE = ("import json, os, signal, sys, tempfile, time; d = tempfile.gettempdir(); open(os.path.join(d, 'sock'), 'w');"
          "open(sys.argv[1] + '.part', 'w').write(json.dumps({'tmp': d, 'inductor': os.environ.get("
-         "'TORCHINDUCTOR_CACHE_DIR'), 'pid': os.getpid()})); os.rename(sys.argv[1] + '.part', sys.argv[1]); ")
+         "'TORCHINDUCTOR_CACHE_DIR'), 'pid': os.getpid(), "
+         "'usr1_ignored': signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN})); "
+         "os.rename(sys.argv[1] + '.part', sys.argv[1]); ")
 
 
-def _private_tmp_guard(tmp_path: Path, child: str, *flags: str, stdin: int | None = subprocess.PIPE
-                       ) -> tuple[subprocess.Popen, dict, Path]:
+def _private_tmp_guard(tmp_path: Path, child: str, *flags: str, stdin: int | None = subprocess.PIPE,
+                       setup: str = "") -> tuple[subprocess.Popen, dict, Path]:
     """The guard with ``--private-tmp`` on a host whose temporary directory is ``tmp_path/host``; its child
-    (which leaves a file in its temporary directory, as SGLang does) reports what it was given, then runs
-    ``child``."""
+    runs ``setup``, (leaving a file in its temporary directory, as SGLang does) reports what it was given,
+    then runs ``child``."""
     host_tmp, report = tmp_path / "host", tmp_path / "report.json"
     host_tmp.mkdir(parents=True)
     env = {**os.environ, "TMPDIR": str(host_tmp)}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     g = subprocess.Popen([sys.executable, "-m", "common.remote", *flags, "--private-tmp", "vapo-engine-0-", "--",
-                          sys.executable, "-c", PROBE + child, str(report)], cwd=ROOT, stdin=stdin, env=env)
+                          sys.executable, "-c", setup + PROBE + child, str(report)], cwd=ROOT, stdin=stdin, env=env)
     wait_for(lambda: report.exists(), 20, "the guarded child to report")
     return g, json.loads(report.read_text()), host_tmp
 
@@ -136,6 +139,22 @@ def test_guard_without_a_link_ignores_a_closed_stdin_and_stops_when_asked(tmp_pa
     assert list(host_tmp.iterdir()) == []
 
 
+def test_srun_stop_reaches_the_command_as_sigterm_and_its_tmp_goes(tmp_path: Path) -> None:
+    """srun turns a SIGTERM into SIGKILL for its step but passes SIGUSR1 on, to every process of the step: the
+    guard's command starts deaf to it (not killed by its default action), the guard stops it with SIGTERM
+    (its handler runs, as an SGLang server's or an actor's does), and its directory goes."""
+    term = tmp_path / "got-sigterm"
+    setup = (f"import signal, sys; signal.signal(signal.SIGTERM, lambda *_: (open({str(term)!r}, 'w').close(), "
+             "sys.exit(0))); ")
+    g, seen, host_tmp = _private_tmp_guard(tmp_path, "time.sleep(600)", "--no-link", stdin=subprocess.DEVNULL,
+                                           setup=setup)
+    assert seen["usr1_ignored"]
+    for pid in (seen["pid"], g.pid):  # as Slurm signals a step: each of its processes, the command first
+        os.kill(pid, remote.SRUN_STOP)
+    assert g.wait(timeout=10) == 0 and term.exists() and not _alive(seen["pid"])
+    assert list(host_tmp.iterdir()) == []
+
+
 def test_remote_engines_and_only_they_get_a_private_tmp_over_ssh_and_srun(tmp_path: Path) -> None:
     environ = {"PATH": _bin_with_pdsh(tmp_path)}
     _, plan = _plan(tmp_path, environ, "engine.kind=sglang")
@@ -155,7 +174,13 @@ def test_remote_engines_and_only_they_get_a_private_tmp_over_ssh_and_srun(tmp_pa
         i = p.argv.index("common.remote")
         assert p.argv[i + 1:i + 5] == ["--no-link", "--private-tmp", f"vapo-{p.name}-", "--"]
         assert p.argv[i - 2:i] == ["/venv/bin/python", "-m"] and p.argv[i + 6:i + 8] == ["-m", "sglang.launch_server"]
-    assert all("common.remote" not in p.argv for p in plan.procs if p.via == "srun" and p.role != "engine")
+    # Every srun'd process but the learner's step runs under the guard (without a directory of its own), which
+    # turns the launcher's SIGUSR1 into a SIGTERM; the learner's ranks are stopped as srun stops them.
+    actors = [p for p in plan.procs if p.role == "actor" and p.via == "srun"]
+    assert actors and all(p.argv[p.argv.index("common.remote") + 1:][:2] == ["--no-link", "--"] for p in actors)
+    assert all(p.stop_signal == remote.SRUN_STOP for p in engines + actors)
+    learner = plan.proc("learner")
+    assert learner.via == "srun" and "common.remote" not in learner.argv and learner.stop_signal == signal.SIGTERM
 
 
 def test_pdsh_reports_a_lost_host_in_the_format_the_launcher_reads() -> None:
