@@ -125,15 +125,14 @@ def main(argv: list[str] | None = None) -> int:
         out["procs_left_at_teardown"] = sum(left.values())
         namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         out["namespaces_left"] = sum(1 for h in cluster.hosts if owned and cluster.ns(h) in namespaces.split())
-        # An engine's private TMPDIR (SGLang's ipc socket files) stays when its guard is killed outright: a host
-        # the rehearsal kills (kill_host removes those), and every srun'd engine, which srun SIGKILLs when the
-        # launcher stops it (srun turns SIGTERM into SIGKILL). Counted, then removed: they are this rehearsal's.
+        # An engine's private TMPDIR (SGLang's ipc socket files) stays only when its guard is killed outright (a
+        # host the rehearsal kills: kill_host removes those). Counted, then removed: they are this rehearsal's.
         out["engine_tmps_left"] = engine_tmps_left(tmps_before)
         for d in out["engine_tmps_left"]:
             shutil.rmtree(d, ignore_errors=True)
         out["seconds"] = round(time.time() - t0, 1)
     out["ok"] = bool(out.get("ok_checks")) and not out.get("interrupted") and out["namespaces_left"] == 0 \
-        and out.get("procs_left_after_runs", 1) == 0
+        and out.get("procs_left_after_runs", 1) == 0 and not out["engine_tmps_left"]
     print(json.dumps(out), flush=True)
     return 0 if out["ok"] else 1
 
