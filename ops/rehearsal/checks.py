@@ -21,7 +21,7 @@ import yaml
 
 from buffer.directory import inspect
 from ops.rehearsal import elastic, sglang
-from ops.rehearsal.cluster import ENGINE_TMP_PREFIX, Cluster
+from ops.rehearsal.cluster import ENGINE_TMP_PREFIX, Cluster, proc_environ
 from ops.rehearsal.push import ADMIN_KEY_ENV, DigestPoller, param_digest_of, sync_figures
 from ops.rehearsal.runs import CONFIG, ROOT, Run, describe, finish, launch, leftovers
 
@@ -85,7 +85,7 @@ def engines_now(c: Cluster, engine: str = "rollout_server") -> list[tuple[str, i
                     continue
                 if "actors.rollout_server" not in argv or "--port" not in argv:
                     continue
-                env = dict(kv.split("=", 1) for kv in Path(f"/proc/{p}/environ").read_bytes().decode().split("\0") if "=" in kv)
+                env = proc_environ(p)
             except OSError:
                 continue
             out.append((h, int(argv[argv.index("--port") + 1]), env.get(ADMIN_KEY_ENV, "")))
@@ -101,7 +101,7 @@ def engine_tmpdirs(c: Cluster) -> dict[str, list[str]]:
                 argv = Path(f"/proc/{p}/cmdline").read_bytes().decode().split("\0")
                 if not sglang.is_engine(argv):
                     continue
-                env = dict(kv.split("=", 1) for kv in Path(f"/proc/{p}/environ").read_bytes().decode().split("\0") if "=" in kv)
+                env = proc_environ(p)
             except OSError:
                 continue
             out.setdefault(h, []).append(env.get("TMPDIR", ""))

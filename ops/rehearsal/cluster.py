@@ -80,24 +80,30 @@ class ClusterUnavailable(RuntimeError):
     """This machine cannot host the rehearsal (not root, no namespaces, a package missing)."""
 
 
+def proc_environ(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` was started with; OSError once it is gone."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="surrogateescape")
+    return dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
+
+
 def engine_tmps_of(pids: list[int]) -> set[Path]:
     """The ``TMPDIR`` of each of ``pids`` that runs in an SGLang engine's private one."""
     found: set[Path] = set()
     for p in pids:
         try:
-            environ = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
+            tmp = proc_environ(p).get("TMPDIR", "")
         except OSError:
             continue
-        for kv in environ:
-            if kv.startswith(b"TMPDIR=") and Path(kv[7:].decode()).name.startswith(ENGINE_TMP_PREFIX):
-                found.add(Path(kv[7:].decode()))
+        if tmp and Path(tmp).name.startswith(ENGINE_TMP_PREFIX):
+            found.add(Path(tmp))
     return found
 
 
-def engine_tmps_left(before: set[Path]) -> list[str]:
-    """SGLang engines' private temporary directories in this machine's temporary directory (every host's, here)
-    that were not there ``before`` and that no living process runs in: what the rehearsal's engines left."""
-    now = set(Path(tempfile.gettempdir()).glob(ENGINE_TMP_PREFIX + "*")) - before
+def engine_tmps_left(before: set[Path], root: Path | None = None) -> list[str]:
+    """SGLang engines' private temporary directories in ``root`` (default: this machine's temporary directory,
+    every host's here) that were not there ``before`` and that no living process runs in: what the rehearsal's
+    engines left."""
+    now = set(Path(root or tempfile.gettempdir()).glob(ENGINE_TMP_PREFIX + "*")) - before
     live = engine_tmps_of([int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]) if now else set()
     return sorted(str(d) for d in now - live)
 

@@ -1,9 +1,11 @@
 """The rehearsal's SGLang parts that need neither root nor a running engine: a disk version's tensors as
 SGLang holds them (fused, vocabulary padded) and the digest its ``/weights_checker`` answers, the engines'
-start read from their logs, and which processes are an engine's."""
+start read from their logs, which processes are an engine's, and the directories engines leave."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,8 @@ from safetensors.torch import save_file
 
 from common.generation.weights import read_state_dict
 from ops.rehearsal import sglang
+from ops.rehearsal.cluster import ENGINE_TMP_PREFIX, engine_tmps_left, engine_tmps_of, proc_environ
+from tests.polling import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,3 +88,25 @@ def test_which_processes_are_an_engine() -> None:
     assert not sglang.is_engine_part(b"/v/python\0-m\0actors\0cfg.yaml")
     assert sglang.overrides("rollout_server") == []
     assert "engine.kind=sglang" in sglang.overrides("sglang")
+
+
+def test_engine_directories_are_read_from_each_process_environment(tmp_path: Path) -> None:
+    """The rehearsal finds an engine's private TMPDIR in its process's environment (``/proc/<pid>/environ``),
+    and counts as left over only such a directory that no living process runs in."""
+    live, left = tmp_path / f"{ENGINE_TMP_PREFIX}0-live", tmp_path / f"{ENGINE_TMP_PREFIX}1-left"
+    live.mkdir()
+    left.mkdir()
+    procs = [subprocess.Popen(["sleep", "600"], env={**os.environ, "TMPDIR": tmp}) for tmp in (str(live), "/tmp")]
+    try:
+        for q in procs:  # Popen can return before the child's exec: its environment is the new one after it
+            wait_for(lambda q=q: Path(f"/proc/{q.pid}/cmdline").read_bytes().startswith(b"sleep"), 10, "sleep's exec")
+        assert proc_environ(procs[1].pid)["TMPDIR"] == "/tmp"
+        assert engine_tmps_of([p.pid for p in procs]) == {live}
+        assert engine_tmps_left(set(), tmp_path) == [str(left)]
+        assert engine_tmps_left({left}, tmp_path) == []
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    with pytest.raises(OSError):
+        proc_environ(procs[0].pid)
