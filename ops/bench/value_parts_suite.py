@@ -45,11 +45,14 @@ Runs recorded on different CPUs are comparable on every axis but wall time; the 
 The summary (one JSON line, ``summary``): per arm the final held-out avg@8 (each seed, mean, sd), the
 accuracy at equal budget on every compute axis of ``ops.bench.compute_axes`` (samples, generated tokens,
 learner and critic token passes, wall time; the budget is the largest every run of the regime reached, critic
-passes among the runs that train a critic, and only those runs are read on that axis), and per regime (G, α)
+passes among the runs that train a critic, and only those runs are read on that axis) and on policy passes
+(learner passes less the critic's: what the actor's updates cost, and all an oracle critic would cost, since
+the oracle arm trains a critic only to measure it), and per regime (G, α)
 the differences that separate the parts (a pair of DAPO arms, which have no α, once per G), each with the σ
 of the difference of two means (sqrt(sd_a²/n_a + sd_b²/n_b)): ``vapo − dapo`` (as shipped), ``vapo_nonll − dapo`` (the critic alone),
 ``vapo − dapo_nll`` (both with the NLL), ``dapo − dapo_nofilter`` (the filter), ``oracle − vapo`` (what a
-perfect critic would add), ``trainable − vapo`` (a critic that can learn); and per arm its critic's
+perfect critic would add), ``oracle − dapo`` (a perfect critic against no critic), ``trainable − vapo`` (a
+critic that can learn); and per arm its critic's
 explained variance (``critic``: after value pretraining, on the RL batches, and the oracle's beside it).
 """
 
@@ -98,7 +101,10 @@ DAPO_ARMS: dict[str, tuple[str, ...]] = {
 # (a, b, what a − b measures); a critic arm and "dapo*" are matched within the regime (G, α).
 DIFFERENCES = (("vapo", "dapo", "as shipped"), ("vapo_nonll", "dapo", "the critic alone (no NLL in either)"),
                ("vapo", "dapo_nll", "both with the NLL"), ("dapo", "dapo_nofilter", "DAPO's filter"),
-               ("oracle", "vapo", "what a perfect critic adds"), ("trainable", "vapo", "a critic that can learn"))
+               ("oracle", "vapo", "what a perfect critic adds"), ("oracle", "dapo", "a perfect critic against none"),
+               ("trainable", "vapo", "a critic that can learn"))
+# Every axis a run is read on: compute_axes' and policy passes (learner passes less the critic's).
+READ_AXES = (*AXES, "policy_passes")
 
 
 def arms() -> dict[str, tuple[str, ...]]:
@@ -223,8 +229,13 @@ def runs_by_arm(root: Path, ledger: Path | None = None) -> tuple[dict[str, list[
             elif r is not None:
                 machines.add(((of_run(root / run) or {}).get("cpu") or {}).get("model", "unknown"))
             if r is not None and len(r.points) > 1:
-                runs.setdefault(arm, []).append(r)
+                runs.setdefault(arm, []).append(with_policy_passes(r))
     return runs, machines
+
+
+def with_policy_passes(run: AxisRun) -> AxisRun:
+    """``run`` with each evaluation's policy passes: its learner passes less the critic's."""
+    return AxisRun(run.name, [{**p, "policy_passes": p["learner_passes"] - p["critic_passes"]} for p in run.points])
 
 
 def critic_by_arm(root: Path, ledger: Path | None = None) -> dict[str, dict[str, list[float]]]:
@@ -254,14 +265,14 @@ def summary(root: Path, load_run: Any = None, ledger: Path | None = None) -> dic
         in_g = [r for arm, rs in runs.items() if arm.startswith(f"g{g}_") for r in rs]
         # an axis a run has none of (DAPO's critic passes) is not a budget: it is read only for runs that have it
         budgets = {axis: min((r.points[-1][axis] for r in in_g if r.points[-1][axis] > 0), default=0.0)
-                   for axis in AXES}
+                   for axis in READ_AXES}
         if in_g:
             out["budgets"][g] = budgets
         for arm, rs in runs.items():
             if not arm.startswith(f"g{g}_"):
                 continue
             row = {"final": [r.points[-1]["acc"] for r in rs]}
-            for axis in AXES:
+            for axis in READ_AXES:
                 accs = [a["acc"] for r in rs if r.points[-1][axis] > 0
                         and (a := accuracy_at(r.points, axis, budgets[axis])) is not None]
                 row[f"at_equal_{axis}"] = accs
@@ -277,7 +288,7 @@ def summary(root: Path, load_run: Any = None, ledger: Path | None = None) -> dic
                 if ra is not None and rb is not None:
                     out["differences"][f"g{g} {alpha}: {a} − {b}" if with_alpha else f"g{g}: {a} − {b}"] = {
                         "what": what, "final": diff(ra["final"], rb["final"]),
-                        **{f"at_equal_{ax}": diff(ra[f"at_equal_{ax}"], rb[f"at_equal_{ax}"]) for ax in AXES}}
+                        **{f"at_equal_{ax}": diff(ra[f"at_equal_{ax}"], rb[f"at_equal_{ax}"]) for ax in READ_AXES}}
     return out
 
 

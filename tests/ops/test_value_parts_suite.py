@@ -66,6 +66,29 @@ def test_a_pair_of_dapo_arms_is_compared_once_per_group_and_no_arm_is_read_on_an
     assert out["arms"]["g2_dapo"]["at_equal_samples"] == [0.5]
 
 
+def test_an_oracle_is_read_at_equal_policy_passes_where_its_unused_critic_is_not_charged(tmp_path: Path) -> None:
+    """The oracle arm trains a critic only to measure it: at each evaluation its learner passes are 0, 200, 400
+    of which the critic's 0, 100, 200, so its policy passes are 0, 100, 200, as DAPO's (no critic, 0, 100, 200).
+    Accuracy oracle 0.2, 0.5, 0.7 and DAPO 0.2, 0.4, 0.6. At the equal learner-pass budget (200, DAPO's end)
+    the oracle reads 0.5, 0.1 below DAPO's 0.6; at equal policy passes (200) 0.7, 0.1 above."""
+    ledger = tmp_path / "kept.jsonl"
+
+    def line(run: str, accs: list[float], learner: list[float], critic: list[float]) -> str:
+        points = [{"step": 5 * i, "acc": a, "samples": 100.0 * i, "gen_tokens": 1000.0 * i, "learner_passes": lp,
+                   "critic_passes": cp, "wall_s": 10.0 * i}
+                  for i, (a, lp, cp) in enumerate(zip(accs, learner, critic, strict=True))]
+        return json.dumps({"run": run, "final_accuracy": accs[-1], "points": points, "cpu": "Test CPU"}) + "\n"
+
+    ledger.write_text(line("vp_g2_oracle_a1-s0", [0.2, 0.5, 0.7], [0, 200, 400], [0, 100, 200])
+                      + line("vp_g2_dapo-s0", [0.2, 0.4, 0.6], [0, 100, 200], [0, 0, 0]))
+    out = vp.summary(tmp_path / "gone", ledger=ledger)
+    assert out["budgets"][2]["learner_passes"] == 200 and out["budgets"][2]["policy_passes"] == 200
+    d = out["differences"]["g2 a1: oracle − dapo"]
+    assert d["at_equal_learner_passes"]["diff"] == pytest.approx(-0.1)
+    assert d["at_equal_policy_passes"]["diff"] == pytest.approx(0.1)
+    assert d["final"]["diff"] == pytest.approx(0.1)
+
+
 def test_a_finished_run_is_recorded_and_the_summary_reads_the_ledger_alone(tmp_path: Path) -> None:
     """The ledger carries a study across checkouts: a finished run's readings go in (once per run, the last
     replacing the first), an unfinished one's do not, and from the ledger alone, with no run directory left,
