@@ -10,7 +10,8 @@ Every evaluation of a run is placed on five cumulative axes, read from its ``met
 - ``gen_tokens``: response tokens generated. The learner sees the tokens of what it trains on
   (``response_tokens``); groups generated and never trained on (filtered, stale) are counted at the mean
   length of the trained ones (``groups_consumed_total`` and the drop totals give their number), and value
-  pretraining's at the first RL step's mean length;
+  pretraining's at the first RL step's mean length (they are in ``groups_consumed_total`` too, since value
+  pretraining draws from the same buffer: taken out there, so they count once);
 - ``learner_passes``: learner token passes, forward + 2 × backward (a backward costs about two forwards),
   policy and critic together, value pretraining included (``learner.compute``);
 - ``critic_passes``: the critic's share of ``learner_passes`` (0 for DAPO/GRPO);
@@ -88,7 +89,7 @@ def load_axis_run(d: Path) -> AxisRun | None:
         eval_s += float((r.get("phase_seconds") or {}).get("eval", 0.0))
         filtered = g * float(r.get("filtered_total", 0))
         gen = (g * (r["groups_consumed_total"] + r.get("stale_dropped_total", 0) + r.get("filtered_total", 0))
-               if "groups_consumed_total" in r else trained)
+               - vp_samples if "groups_consumed_total" in r else trained)
         step = int(r["step"])
         if step in evals:
             run.points.append({"step": step, "acc": float(evals[step]["avg_at_k"]),

@@ -87,6 +87,7 @@ RUN_MIN = 11.0             # a critic arm on long.yaml, 40 steps, evaluated ever
 DAPO_SHARE = 0.87          # DAPO against that: the median of 6 (its filter's dropped groups are regenerated)
 NOFILTER_SHARE = 0.58      # DAPO without the filter against that: the median of 3
 CRITIC_READINGS = ("pretrain_ev", "rl_ev", "oracle_ev")  # what a run's ledger line keeps of its critic
+AXES_VERSION = 2           # ledger lines since gen_tokens counts value pretraining's groups once (compute_axes)
 CRITIC_ARMS: dict[str, tuple[str, ...]] = {
     "vapo": (),
     "vapo_nonll": ("nll.coef=0",),
@@ -196,7 +197,7 @@ def record(root: Path, run: str, seconds: float, ledger: Path | None = None) -> 
            "commit": (made_by.get("commit") or {}).get("sha"), "dirty": (made_by.get("commit") or {}).get("dirty"),
            "cpu": cpu.get("model", "unknown"), "simd": cpu.get("torch_capability"), "cpus": cpu.get("logical_cpus"),
            "load_at_start": made_by.get("load_1m"), "load_at_end": measure.load()[0], "date": time.strftime("%Y-%m-%d"),
-           "critic": critic_readings(d)}
+           "critic": critic_readings(d), "axes_version": AXES_VERSION}
     ledger = LEDGER if ledger is None else ledger
     rows = read_ledger(ledger)
     rows[run] = row
@@ -224,13 +225,29 @@ def runs_by_arm(root: Path, ledger: Path | None = None) -> tuple[dict[str, list[
             run = f"{name(arm)}-s{s}"
             r = load_axis_run(root / run) if (root / run / "summary.json").exists() else None  # finished only
             if r is None and run in kept:
-                r = AxisRun(run, kept[run]["points"])
+                points = kept[run]["points"]
+                r = AxisRun(run, points if kept[run].get("axes_version", 1) >= AXES_VERSION
+                            else pretraining_counted_once(points))
                 machines.add(kept[run].get("cpu", "unknown"))
             elif r is not None:
                 machines.add(((of_run(root / run) or {}).get("cpu") or {}).get("model", "unknown"))
             if r is not None and len(r.points) > 1:
                 runs.setdefault(arm, []).append(with_policy_passes(r))
     return runs, machines
+
+
+def pretraining_counted_once(points: list[dict[str, float]]) -> list[dict[str, float]]:
+    """The points of a ledger line recorded before ``AXES_VERSION`` 2, whose generated tokens counted value
+    pretraining's ``vp`` samples twice: once at the first step's length (``gen_tokens`` at step 0) and again
+    among the generated samples scaled to the trained ones' length. With ``s`` the samples axis (``vp`` +
+    trained + filtered) the recorded ``gen = gen_0 + L·s`` (L: tokens per trained sample), so the right one is
+    ``gen_0 + L·(s − vp)``; exact when no group was dropped stale (otherwise short by stale · vp / s samples'
+    tokens). A run without value pretraining (``vp`` = 0) is unchanged."""
+    vp, gen_0 = points[0]["samples"], points[0]["gen_tokens"]
+    if vp <= 0:
+        return points
+    return [points[0]] + [{**p, "gen_tokens": gen_0 + (p["gen_tokens"] - gen_0) * (p["samples"] - vp) / p["samples"]}
+                          for p in points[1:]]
 
 
 def with_policy_passes(run: AxisRun) -> AxisRun:

@@ -30,7 +30,9 @@ def _run(root: Path, name: str, accs: list[float], *, critic: bool, filtered: in
     recs.append({"kind": "eval", "step": 0, "time": 1011.0, "avg_at_k": accs[0]})
     for step, acc in enumerate(accs[1:], start=1):
         recs.append({"kind": "learner_step", "step": step, "time": 1010.0 + 10 * step, "samples": 4,
-                     "response_tokens": 40, "response_length_mean": 10.0, "groups_consumed_total": 2 * step,
+                     # value pretraining's groups come from the same buffer: the learner counts them consumed
+                     "response_tokens": 40, "response_length_mean": 10.0,
+                     "groups_consumed_total": (7 if critic else 0) + 2 * step,
                      "filtered_total": filtered * step, "stale_dropped_total": 0,
                      "phase_seconds": {"eval": 1.0}, "policy_forward_tokens": 100, "policy_backward_tokens": 100,
                      "critic_forward_tokens": 200 if critic else 0, "critic_backward_tokens": 100 if critic else 0,
@@ -41,7 +43,8 @@ def _run(root: Path, name: str, accs: list[float], *, critic: bool, filtered: in
 
 def test_every_axis_by_hand(tmp_path: Path) -> None:
     """VAPO-like run: pretraining paid (2·3 + 1)·2 = 14 samples, at the first step's 10 tokens each = 140
-    generated tokens, and 2·(30 + 2·20) = 140 critic token passes. Each step adds 4 samples, 40 tokens,
+    generated tokens, and 2·(30 + 2·20) = 140 critic token passes (its 7 groups, in the learner's consumed
+    total, are counted there once, not again at the trained samples' length). Each step adds 4 samples, 40 tokens,
     policy 100 + 2·100 = 300 and critic 200 + 2·100 = 400 passes, and 10 s of which 1 s is evaluation.
     DAPO-like run with one filtered group per step: 2 more paid samples per step and generation scaled by
     (2 consumed + 1 filtered) groups · 2 / 4 trained = 1.5."""

@@ -89,6 +89,29 @@ def test_an_oracle_is_read_at_equal_policy_passes_where_its_unused_critic_is_not
     assert d["final"]["diff"] == pytest.approx(0.1)
 
 
+def test_a_line_recorded_when_pretraining_was_counted_twice_is_read_with_it_counted_once(tmp_path: Path) -> None:
+    """Value pretraining paid 14 samples of 10 tokens (140 tokens); each step then trains 4 samples of 10 tokens.
+    Recorded before the fix, step 1 read 140 + 40·(14 + 4)/4 = 320 tokens and step 2 140 + 80·22/8 = 360 (the 14
+    again among the generated samples); the right ones are 180 and 220. A line recorded since (``axes_version``
+    2), and one without value pretraining, are read as they are."""
+    old = [{"step": 0, "acc": 0.2, "samples": 14.0, "gen_tokens": 140.0, "learner_passes": 1.0, "critic_passes": 1.0,
+            "wall_s": 0.0},
+           {"step": 1, "acc": 0.3, "samples": 18.0, "gen_tokens": 320.0, "learner_passes": 2.0, "critic_passes": 1.0,
+            "wall_s": 1.0},
+           {"step": 2, "acc": 0.4, "samples": 22.0, "gen_tokens": 360.0, "learner_passes": 3.0, "critic_passes": 1.0,
+            "wall_s": 2.0}]
+    assert [p["gen_tokens"] for p in vp.pretraining_counted_once(old)] == pytest.approx([140, 180, 220])
+    dapo = [{**p, "samples": p["samples"] - 14, "gen_tokens": p["gen_tokens"] - 140} for p in old]
+    assert vp.pretraining_counted_once(dapo) == dapo
+    ledger = tmp_path / "kept.jsonl"
+    ledger.write_text(json.dumps({"run": "vp_g2_vapo_a1-s0", "points": old, "cpu": "Test CPU"}) + "\n"
+                      + json.dumps({"run": "vp_g2_vapo_a1-s1", "points": old, "cpu": "Test CPU",
+                                    "axes_version": vp.AXES_VERSION}) + "\n")
+    runs, _ = vp.runs_by_arm(tmp_path / "gone", ledger)
+    assert [[p["gen_tokens"] for p in r.points] for r in runs["g2_vapo_a1"]] == [
+        pytest.approx([140, 180, 220]), [140, 320, 360]]
+
+
 def test_a_finished_run_is_recorded_and_the_summary_reads_the_ledger_alone(tmp_path: Path) -> None:
     """The ledger carries a study across checkouts: a finished run's readings go in (once per run, the last
     replacing the first), an unfinished one's do not, and from the ledger alone, with no run directory left,
