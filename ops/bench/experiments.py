@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                     "pauses (distributed push) on the long task, 2 seeds (root runs/exp-weight-sync, a JSON summary); "
                     "value_study: VAPO vs DAPO where a group baseline is weak, two phases (root runs/exp-value-study); "
                     "value_parts: the critic, the NLL, DAPO's filter and an oracle critic separated at G = 2 and 16, "
-                    "3 seeds, equal-compute readings (root runs/exp-value-parts, ~11 h)")
+                    "3 seeds, equal-compute readings (root runs/exp-value-parts, ~13.5 h)")
     args = ap.parse_args(argv)
     if args.max_runs is not None and args.max_runs < 1:
         ap.error("--max-runs must be at least 1")

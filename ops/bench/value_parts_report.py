@@ -2,7 +2,8 @@
 differences that separate the critic, the NLL and DAPO's filter (each with the σ of a difference), and one
 plot per regime of accuracy against the compute axes. Written by the suite after its runs
 (``python -m ops.bench.experiments --suite value_parts``, ``--report-only`` to re-make it) from every run kept
-so far (``value_parts_suite.LEDGER``), so it is partial until all 66 runs are in, and says so. The suite
+so far (``value_parts_suite.LEDGER``), so it is partial until all its runs are in, and says so. The reading
+on top is hand-written (``Study.notes``: ``docs/results/value_parts_notes.md``) and kept as it is. The suite
 hands it everything (``Study``); this module knows no suite.
 """
 
@@ -35,6 +36,7 @@ class Study:
     task: str  # the config every run starts from
     steps: int
     runs: dict[str, list[AxisRun]]  # each arm's runs with evaluations
+    notes: Path | None = None  # the hand-written reading, put above the tables when the file is there
 
 
 def _ms(xs: list[float]) -> str:
@@ -127,6 +129,18 @@ def _budgets(summary: dict[str, Any]) -> str:
                      for g, bud in summary.get("budgets", {}).items())
 
 
+def _complete_arms(summary: dict[str, Any], study: Study) -> str:
+    """How many arms have every seed, per G: only those are findings."""
+    seeds = study.total_runs // max(len(study.arms), 1)
+    per_g = []
+    for g in study.groups:
+        arms = [a for a in study.arms if a.startswith(f"g{g}_")]
+        done = sum(len(summary["arms"].get(a, {}).get("final", [])) >= seeds for a in arms)
+        per_g.append(f"G = {g}, {done} of {len(arms)}")
+    return (f"arms with all {seeds} seeds: {'; '.join(per_g)}. An arm with fewer is not a finding, and no claim "
+            "rests on it.")
+
+
 def section(summary: dict[str, Any], study: Study, plots: list[Path], out: Path) -> str:
     """The markdown between ``BEGIN`` and ``END``, both included."""
     complete = summary["runs"] == study.total_runs
@@ -136,9 +150,8 @@ def section(summary: dict[str, Any], study: Study, plots: list[Path], out: Path)
              f"{study.steps} steps x 256 trained samples, held-out avg@8 every 5 steps.", "",
              f"**Runs so far: {summary['runs']} of {study.total_runs}** ({study.hours:.1f} h of runs; CPUs: "
              f"{', '.join(summary['machines']) or 'none'}). "
-             + ("Every cell has its seeds." if complete else
-                "Partial: a cell with fewer than 3 seeds is not a finding, and no claim rests on this section until "
-                "it is complete."), "",
+             + ("Every cell has its seeds." if complete else f"Partial: {_complete_arms(summary, study)}"), "",
+             *([study.notes.read_text().rstrip("\n"), ""] if study.notes is not None and study.notes.is_file() else []),
              f"Equal budget: per G, the largest amount of each axis every run of that G reached, critic passes among "
              f"the runs that train a critic ({_budgets(summary)}); "
              "the accuracy there is interpolated between the evaluations either side. Policy passes are learner "

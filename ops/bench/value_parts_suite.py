@@ -13,16 +13,18 @@ samples, as ``value_study_suite.group_overrides``), the arms are:
 
 - ``vapo`` (long.yaml: surprise critic, 10 value-pretraining steps, μ = 0.1 NLL) and ``vapo_nonll`` (μ = 0);
 - ``oracle`` (``algo.critic=oracle``: the task's own values, the ceiling of a critic that cannot foresee a
-  slip; ``pre_update`` values, so no value pass is spent on the critic the actor does not read) and
-  ``trainable`` (the critic's backbone at the actor's lr, 1e-4, in RL and value pretraining);
-- each of those four at α = 1 and α = 0.05 (``_a1``, ``_a0.05``);
+  slip; ``pre_update`` values, so no value pass is spent on the critic the actor does not read),
+  ``trainable`` (the critic at the actor's lr, 1e-4, in RL and value pretraining; its surprise MLP, at
+  ``learner.value_head_lr_scale`` = 1000 times that, then trains at 0.1) and ``backbone`` (the backbone at
+  1e-4 with the surprise MLP at its shipped 1e-2: which of the two a faster critic's result comes from);
+- each of those five at α = 1 and α = 0.05 (``_a1``, ``_a0.05``);
 - ``dapo`` (``long_suite.DAPO``: dynamic sampling, no NLL), ``dapo_nofilter`` and ``dapo_nll`` (μ = 0.1).
 
-Three seeds per arm (``SEEDS``), each arm its own. 22 arms x 3 seeds = 66 runs. Wall time on this machine
+Three seeds per arm (``SEEDS``), each arm its own. 26 arms x 3 seeds = 78 runs. Wall time on this machine
 (2 cores, quiet; ``estimate_run_minutes``), the medians of the first 22 runs (G = 2, ``docs/results/
 value_parts_runs.jsonl``): a run that trains or reads a critic ~11 min (10.6-13.0), a DAPO one 0.87 of that
 (9.4-9.9 min: the groups its filter drops are regenerated), DAPO without the filter 0.58 (6.2-6.4 min);
-~227 min per seed, **~11 h** in all, if G = 16 costs what G = 2 does; loaded cores make every run slower.
+~271 min per seed, **~13.5 h** in all, if G = 16 costs what G = 2 does; loaded cores make every run slower.
 
 Pilot (``--pilot g16_oracle_a1 --steps 4``, seed 0, 2 cores under load ~6 from other jobs): 511 s end to end
 (10 value-pretraining steps, 4 RL steps of 256 samples, 3 evaluations); held-out avg@8 0.213 -> 0.303; the
@@ -77,6 +79,7 @@ from ops.bench.value_study_suite import group_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 LEDGER = REPO / "docs" / "results" / "value_parts_runs.jsonl"  # every finished run's readings, committed
+NOTES = REPO / "docs" / "results" / "value_parts_notes.md"  # the section's hand-written reading
 CONFIG = "ops/configs/long.yaml"
 STEPS = 40
 SEEDS = (0, 1, 2)
@@ -93,6 +96,7 @@ CRITIC_ARMS: dict[str, tuple[str, ...]] = {
     "vapo_nonll": ("nll.coef=0",),
     "oracle": ("algo.critic=oracle", "algo.actor_values=pre_update"),
     "trainable": ("learner.critic_lr=1e-4", "value_pretrain.lr=1e-4"),
+    "backbone": ("learner.critic_lr=1e-4", "value_pretrain.lr=1e-4", "learner.value_head_lr_scale=100"),
 }
 DAPO_ARMS: dict[str, tuple[str, ...]] = {
     "dapo": DAPO,
@@ -103,7 +107,8 @@ DAPO_ARMS: dict[str, tuple[str, ...]] = {
 DIFFERENCES = (("vapo", "dapo", "as shipped"), ("vapo_nonll", "dapo", "the critic alone (no NLL in either)"),
                ("vapo", "dapo_nll", "both with the NLL"), ("dapo", "dapo_nofilter", "DAPO's filter"),
                ("oracle", "vapo", "what a perfect critic adds"), ("oracle", "dapo", "a perfect critic against none"),
-               ("trainable", "vapo", "a critic that can learn"))
+               ("trainable", "vapo", "a critic that can learn"),
+               ("backbone", "vapo", "the backbone at the actor's lr, its head's as shipped"))
 # Every axis a run is read on: compute_axes' and policy passes (learner passes less the critic's).
 READ_AXES = (*AXES, "policy_passes")
 
@@ -315,7 +320,7 @@ def report(root: Path, summary: dict[str, Any], out: Path) -> None:
     value_parts_report.write(out, summary, value_parts_report.Study(
         arms=list(arms()), groups=GROUPS, alphas=ALPHAS, total_runs=len(arms()) * len(SEEDS),
         hours=sum(r.get("seconds", 0.0) for r in kept.values()) / 3600, source=str(LEDGER.relative_to(REPO) if LEDGER.is_relative_to(REPO) else LEDGER),
-        task=CONFIG, steps=STEPS, runs=runs_by_arm(root, LEDGER)[0]))
+        task=CONFIG, steps=STEPS, runs=runs_by_arm(root, LEDGER)[0], notes=NOTES))
 
 
 def pilot(arm: str, steps: int, seed: int, root: Path) -> int:

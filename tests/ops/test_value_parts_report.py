@@ -14,6 +14,8 @@ from tests.ops.bench_fixtures import value_parts_run as _run
 
 def test_the_section_is_spliced_in_once_with_its_tables_and_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vp, "LEDGER", tmp_path / "kept.jsonl")
+    monkeypatch.setattr(vp, "NOTES", tmp_path / "notes.md")
+    (tmp_path / "notes.md").write_text("### Reading\n\nhand-written, kept as it is\n")
     runs = tmp_path / "runs"
     _run(runs, "g2_vapo_a1", 0, [0.4, 0.5, 0.6], pretrain_ev=[0.2], rl_ev=[0.3, 0.5])
     _run(runs, "g2_vapo_a1", 1, [0.4, 0.6, 0.8], pretrain_ev=[0.4], rl_ev=[0.5, 0.7])
@@ -25,7 +27,8 @@ def test_the_section_is_spliced_in_once_with_its_tables_and_plots(tmp_path: Path
     vp.report(runs, summary, out)
     text = out.read_text()
     assert text.index(report.BEGIN) < text.index(report.END) < text.index("<!-- value study:")
-    assert "**Runs so far: 3 of 66**" in text and "Partial:" in text
+    assert "**Runs so far: 3 of 78**" in text and "Partial: arms with all 3 seeds: G = 2, 0 of 13; G = 16, 0 of 13." in text
+    assert text.index("Partial:") < text.index("### Reading\n\nhand-written, kept as it is\n") < text.index("### Arms")
     # VAPO 0.6 and 0.8 (mean 0.7, sd 0.141), DAPO 0.5 (one seed): 0.2 apart, σ = sqrt(0.02 / 2) = 0.1, 2 σ.
     assert "| g2_vapo_a1 | 0.700 ± 0.141 (2) |" in text and "| g2_dapo | 0.500 (1) |" in text
     assert "| g2 a1: vapo − dapo | as shipped | +0.200 ± 0.100, 2.0 σ (n 2/1) |" in text

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_every_arm_loads_and_the_estimate_adds_up() -> None:
     arms = vp.arms()
-    assert len(arms) == len(vp.GROUPS) * (len(vp.CRITIC_ARMS) * len(vp.ALPHAS) + len(vp.DAPO_ARMS)) == 22
+    assert len(arms) == len(vp.GROUPS) * (len(vp.CRITIC_ARMS) * len(vp.ALPHAS) + len(vp.DAPO_ARMS)) == 26
     order = list(arms)  # one regime whole before the next: G = 2 at α = 1 (with the DAPO arms) first
     assert order[:2] == ["g2_vapo_a1", "g2_dapo"] and set(order[:7]) == {
         "g2_vapo_a1", "g2_dapo", "g2_dapo_nofilter", "g2_dapo_nll", "g2_vapo_nonll_a1", "g2_oracle_a1", "g2_trainable_a1"}
@@ -30,7 +30,7 @@ def test_every_arm_loads_and_the_estimate_adds_up() -> None:
         assert cfg.actors.group_size * cfg.learner.batch_groups == 256, arm
     assert load_config(str(ROOT / vp.CONFIG), list(arms["g2_oracle_a1"])).algo.critic == "oracle"
     assert not load_config(str(ROOT / vp.CONFIG), list(arms["g16_dapo_nofilter"])).buffer.filter_uniform_groups
-    per_seed = 2 * (8 * vp.RUN_MIN + 2 * vp.RUN_MIN * vp.DAPO_SHARE + vp.RUN_MIN * vp.NOFILTER_SHARE)
+    per_seed = 2 * (10 * vp.RUN_MIN + 2 * vp.RUN_MIN * vp.DAPO_SHARE + vp.RUN_MIN * vp.NOFILTER_SHARE)
     assert vp.total_minutes() == pytest.approx(3 * per_seed)
 
 
