@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -34,6 +35,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from common.config import Config, load_config  # noqa: E402
 from common.modeling import load_tokenizer  # noqa: E402
+from common.remote import private_tmp  # noqa: E402
 from common.sglang_args import sglang_command  # noqa: E402
 from common.sglang_client import SGLangClient  # noqa: E402
 from common.tasks import encode_prompt, get_task  # noqa: E402
@@ -41,10 +43,12 @@ from common.tasks import encode_prompt, get_task  # noqa: E402
 START_TIMEOUT_S = 600.0
 
 
-def start_engine(cfg: Config, log_path: Path) -> subprocess.Popen:
+def start_engine(cfg: Config, log_path: Path, base_env: dict[str, str]) -> subprocess.Popen:
+    """One SGLang server for ``cfg`` in ``base_env`` (this process's, with a ``TMPDIR`` of its own: SGLang leaves
+    its ipc socket files there), its output appended to ``log_path``."""
     argv, env = sglang_command(cfg, 0)
     with open(log_path, "ab") as log:
-        return subprocess.Popen(argv, cwd=REPO, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+        return subprocess.Popen(argv, cwd=REPO, env={**base_env, **env}, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
 
@@ -113,12 +117,14 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     arms: dict[str, dict[str, Any]] = {}
+    tmps = contextlib.ExitStack()  # each engine's TMPDIR, removed once the engines have stopped
     try:
         for i, mode in enumerate(("enabled", "disabled")):
             cfg = load_config(args.config, [*args.overrides, "engine.kind=sglang", f"engine.sglang_radix_cache={mode}",
                                             f"engine.base_port={args.port + i}", "actors.num_actors=1"])
             log = Path(args.log_dir) / f"sglang-radix-{mode}-{args.port + i}.log"
-            arms[mode] = {"cfg": cfg, "proc": start_engine(cfg, log), "log": log,
+            env = tmps.enter_context(private_tmp(f"vapo-engine-radix-{mode}-"))
+            arms[mode] = {"cfg": cfg, "proc": start_engine(cfg, log, env), "log": log,
                           "url": f"http://{cfg.engine.host}:{args.port + i}", "rounds": []}
         for arm in arms.values():
             wait_healthy(arm["proc"], arm["url"], arm["log"])
@@ -143,7 +149,10 @@ def main() -> None:
                 os.killpg(arm["proc"].pid, signal.SIGTERM)
                 arm["proc"].wait(timeout=20)
             except (ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(arm["proc"].pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(arm["proc"].pid, signal.SIGKILL)
+                arm["proc"].wait()
+        tmps.close()
     med = {m: {k: statistics.median(x[k] for x in a["rounds"]) for k in ("tokens_per_s", "tokens_per_engine_cpu_s")}
            for m, a in arms.items()}
     # Per round, disabled over enabled: the pairs share the machine's load of their minute.
