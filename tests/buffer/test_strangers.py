@@ -135,7 +135,8 @@ def test_strangers_cannot_take_groups_move_the_learner_version_or_hold_credit(tm
             assert actor.acquire(1, timeout_s=10).n == 1
             with BatchClient(srv.serve_addr, curve=role["learner"]) as learner:
                 served = learner.get_batch(0, 2, 5).groups
-                assert len({g.group_id for g in served}) == 2 and {g.group_id for g in served} <= {"v0-0", "v0-1", "v0-2"}
+                ids = {g.group_id for g in served}
+                assert len(ids) == 2 and ids <= {"v0-0", "v0-1", "v0-2"}, ids
                 assert all(g.weight_version == 0 for g in served)
                 assert learner.stats()["learner_version"] == 0
     finally:
