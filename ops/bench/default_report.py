@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 
 from common.provenance import machines_line
-from ops.bench import long_suite, value_study_report
+from ops.bench import long_suite, value_parts_report, value_study_report
 from ops.bench.default_suite import BY_NAME, EARLIER, FULL_STEPS, SHORT_STEPS, SUITE, group_ran, run_name
 from ops.bench.run_records import TARGET, Run, fmt, fmt_k, keep_block, load_run, mean_std, plot_curves
 
@@ -27,8 +27,9 @@ def write_report(root: Path, out: Path, notes: Path) -> str:
                                ("alpha", "α sweep", lambda: _alpha_section(runs))):
         lines += make() if group_ran(runs, group) else [f"## {title}", "", EARLIER, ""]
     text = "\n".join(lines) + "\n"
-    if out.exists():  # the long-horizon suite's and the value study's sections are written by their own reports
-        for begin, end in ((long_suite.BEGIN, long_suite.END), (value_study_report.BEGIN, value_study_report.END)):
+    if out.exists():  # the long-horizon suite's, the value parts' and the value study's sections have their own reports
+        for begin, end in ((long_suite.BEGIN, long_suite.END), (value_parts_report.BEGIN, value_parts_report.END),
+                           (value_study_report.BEGIN, value_study_report.END)):
             text = keep_block(out.read_text(), text, begin, end)
     out.write_text(text)
     return text

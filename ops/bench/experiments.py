@@ -163,14 +163,23 @@ def run_long(root: Path, args: argparse.Namespace) -> int:
     return failures
 
 
+def refuse_empty_report(root: Path) -> str | None:
+    """Why a report must not be re-made from ``root`` (None when it may): the runs are not in git, so on another
+    checkout (or with a mistyped ``--root``) a report re-made from no finished run would empty its tables."""
+    if root.is_dir() and any(root.glob("*/summary.json")):
+        return None
+    return (f"no finished run under {root} (a run directory with summary.json): the report is left as it is; "
+            "run the suite first, or give --root where its runs are")
+
+
 def run_actor_values(root: Path, args: argparse.Namespace, module: Any = actor_values_suite,
                      label: str = "actor_values") -> int:
     """A suite of arms with a JSON summary (actor_values_suite.py, weight_sync_suite.py, value_study_suite.py):
     run what is missing, print one JSON summary line. A phased module (``PHASED``: value_study) lists its runs
     from what is done under ``root``, so a second pass runs the phase-2 seeds phase 1 earned; its ``prepare``
     (if any: files its runs read) precedes the runs, its ``post`` follows them, its ``report`` writes its section
-    of the report (``--out``) from the summary. A module's ``OPT_IN`` arms run
-    only when named with --only."""
+    of the report (``--out``) from the summary (refused when ``REPORT_FROM_RUNS`` and no run under ``root``
+    finished). A module's ``OPT_IN`` arms run only when named with --only."""
     phased = getattr(module, "PHASED", False)
     opt_in = getattr(module, "OPT_IN", frozenset())
     recorded = getattr(module, "recorded_names", set)()  # done on an earlier checkout (value_parts' ledger)
@@ -204,8 +213,12 @@ def run_actor_values(root: Path, args: argparse.Namespace, module: Any = actor_v
                 break
         if hasattr(module, "post"):
             module.post(root.resolve(), print)
+    refusal = refuse_empty_report(root) if getattr(module, "REPORT_FROM_RUNS", False) else None
+    if refusal:
+        print(f"experiments: {refusal}", file=sys.stderr)
+        return 2
     summary = module.summary(root, load_run)
-    if hasattr(module, "report"):  # a section of the report (value_study)
+    if hasattr(module, "report"):  # a section of the report (value_study, value_parts)
         module.report(root, summary, REPO / args.out)
     print(json.dumps({"bench": "experiments", "suite": label, "failed_runs": failures, "arms": summary}))
     return 1 if failures else 0
@@ -223,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-runs", type=int, metavar="N",
                     help="start at most N of the missing runs, then summarise: a long suite over several sessions "
                     "(every suite but long)")
-    ap.add_argument("--report-only", action="store_true", help="only (re)write the report from finished runs")
+    ap.add_argument("--report-only", action="store_true",
+                    help="only (re)write the report from finished runs (refused when there are none: runs are not "
+                    "in git, and a report made from none would empty its tables)")
     ap.add_argument("--out", default="docs/RESULTS.md", help="report path (plots go to <its dir>/results/)")
     ap.add_argument("--notes", default="docs/results/notes.md", help="hand-written reading included in the report")
     ap.add_argument("--alpha", type=float, help="long suite: VAPO's α for seeds 1-2 and the follow-ups, instead of "
@@ -265,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         root.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         failures = run_long(root, args)
+        refusal = refuse_empty_report(root)
+        if refusal:
+            ap.exit(2, f"experiments: {refusal}\n")
         write_long_report(root, REPO / args.out, args.alpha)
         print(json.dumps({"bench": "experiments", "suite": "long", "report": args.out, "failed_runs": failures,
                           "alpha": long_suite.chosen_alpha(root, args.alpha)}))
@@ -287,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         root.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         failures = run_suite(root, [(e, s) for e, s in todo if status(root, e, s) != "done"][:args.max_runs], args.jobs)
+    refusal = refuse_empty_report(root)
+    if refusal:
+        ap.exit(2, f"experiments: {refusal}\n")
     write_report(root, REPO / args.out, REPO / args.notes)
     print(json.dumps({"bench": "experiments", "report": args.out, "failed_runs": failures,
                       "done": sum(status(root, e, s) == "done" for e in SUITE for s in e.seeds),

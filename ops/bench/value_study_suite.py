@@ -86,6 +86,7 @@ RUN_MIN = 8.0              # one VAPO long.yaml run of 40 steps on quiet cores (
 DAPO_SHARE = 0.55          # a DAPO run (no critic) against a VAPO one, before regenerated groups (measured at G = 8)
 BUCKETS = ("short", "medium", "long")
 PHASED = True              # experiments() reads root: experiments.run_actor_values runs a second pass for phase 2
+REPORT_FROM_RUNS = True    # report() reads run directories: re-made from none it would empty its section
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from common.config import load_config
+from ops.bench import long_suite, value_parts_report, value_study_report
 from tests.ops.bench_fixtures import ROOT, load_experiments, long_run, make_run
 
 
@@ -91,6 +92,40 @@ def test_report_tables_and_plots(exp: ModuleType, tmp_path: Path) -> None:
     assert "| max_staleness=1 | 1 | 3.2 | 2.00× | 0.600 |" in text
     for png in ("baselines_samples", "baselines_trained", "baselines_time", "ablations", "staleness_time"):
         assert (out.parent / "results" / f"{png}.png").stat().st_size > 5000
+
+
+def test_remade_default_report_keeps_the_other_suites_sections(exp: ModuleType, tmp_path: Path) -> None:
+    """The long suite, the value parts and the value study write their own sections of RESULTS.md; re-making the
+    default tables replaces only those tables and keeps the three sections, in their order."""
+    blocks = [f"{begin}\n{name} reading\n{end}\n" for name, begin, end in (
+        ("long", long_suite.BEGIN, long_suite.END), ("parts", value_parts_report.BEGIN, value_parts_report.END),
+        ("study", value_study_report.BEGIN, value_study_report.END))]
+    out = tmp_path / "RESULTS.md"
+    out.write_text("# Results\n\nold default tables\n\n" + "\n".join(blocks))
+    make_run(tmp_path / "runs" / "vapo-s0", {0: 0.45, 60: 0.8})
+    exp.write_report(tmp_path / "runs", out, tmp_path / "no-notes.md")
+    text = out.read_text()
+    where = [text.find(b) for b in blocks]
+    assert "old default tables" not in text and -1 not in where and where == sorted(where)
+
+
+def test_report_only_refuses_without_finished_runs(exp: ModuleType, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Runs are not in git: on another checkout (or with a mistyped --root) a report re-made from no finished run
+    would empty its tables. Each suite that reports from run directories refuses and leaves the report as it was."""
+    out = tmp_path / "RESULTS.md"
+    out.write_text("# Results\n\ntables made from runs on another checkout\n")
+    root = tmp_path / "runs"
+    (root / "vapo-s0").mkdir(parents=True)  # started, never finished: no summary.json
+    for suite in ("default", "long", "value_study"):
+        argv = ["--suite", suite, "--report-only", "--root", str(root), "--out", str(out)]
+        with pytest.raises(SystemExit) as stop:
+            sys.exit(exp.main(argv))
+        assert stop.value.code == 2, suite
+        assert "no finished run under" in capsys.readouterr().err, suite
+        assert out.read_text() == "# Results\n\ntables made from runs on another checkout\n", suite
+    make_run(root / "vapo-s1", {0: 0.45, 60: 0.8})
+    assert exp.refuse_empty_report(root) is None
 
 
 def test_cli_list(tmp_path: Path) -> None:
