@@ -46,11 +46,14 @@ def _ms(xs: list[float]) -> str:
     return f"{m:.3f} ± {sd:.3f} ({len(xs)})" if len(xs) > 1 else f"{m:.3f} (1)"
 
 
-def _diff(d: dict[str, Any] | None) -> str:
+def _diff(d: dict[str, Any] | None, mark: str = "") -> str:
     if d is None:
         return "—"
     z = f", {abs(d['diff']) / d['sigma']:.1f} σ" if d["sigma"] > 0 else ", σ unknown (one seed a side)"
-    return f"{d['diff']:+.3f} ± {d['sigma']:.3f}{z} (n {d['n'][0]}/{d['n'][1]})"
+    return f"{d['diff']:+.3f} ± {d['sigma']:.3f}{z} (n {d['n'][0]}/{d['n'][1]}){mark}"
+
+
+CPUS_DIFFER = "; CPUs differ"  # a wall-time difference whose runs ran on more than one CPU type
 
 
 def arm_table(summary: dict[str, Any], arms: list[str]) -> list[str]:
@@ -79,10 +82,13 @@ def critic_table(summary: dict[str, Any], arms: list[str]) -> list[str]:
 
 
 def difference_table(summary: dict[str, Any]) -> list[str]:
-    """Per regime and pair: the difference of means ± its σ, and how many σ that is."""
+    """Per regime and pair: the difference of means ± its σ, and how many σ that is; at equal wall time marked
+    when the two arms' runs ran on more than one CPU type (it measures the machines as well as the methods)."""
     lines = ["| regime: a − b | what it measures | " + " | ".join(READ) + " |", "|---|---|" + "---|" * len(READ)]
     for key, d in summary["differences"].items():
-        lines.append(f"| {key} | {d['what']} | " + " | ".join(_diff(d.get(k)) for k in READ) + " |")
+        mixed = len(d.get("cpus", [])) > 1
+        lines.append(f"| {key} | {d['what']} | " + " | ".join(
+            _diff(d.get(k), CPUS_DIFFER if mixed and k == "at_equal_wall_s" else "") for k in READ) + " |")
     if not summary["differences"]:
         lines.append("| none yet: no regime has runs of both arms of a pair | | " + " | ".join("" for _ in READ) + " |")
     return lines
@@ -158,7 +164,9 @@ def section(summary: dict[str, Any], study: Study, plots: list[Path], out: Path)
              "passes less the critic's: what the actor's updates cost, and all an oracle critic would cost (the "
              "oracle arm trains a critic only to measure it, so its learner passes and wall time overstate an "
              "oracle's). `m ± sd (n)`: mean and sd "
-             "over n seeds; a difference `d ± σ` has σ = sqrt(sd_a²/n_a + sd_b²/n_b), and how many σ it is.", "",
+             "over n seeds; a difference `d ± σ` has σ = sqrt(sd_a²/n_a + sd_b²/n_b), and how many σ it is. "
+             f"`{CPUS_DIFFER.lstrip('; ')}` on a wall-time difference: its runs ran on more than one CPU type, so it "
+             "measures the machines as well as the methods; read wall time only between runs of one type.", "",
              "### Arms", "", *arm_table(summary, study.arms), "", "### Differences", "", *difference_table(summary), "",
              "### The critic's explained variance", "",
              "Per token, of the return the critic is trained on (metrics `value_explained_variance`, "

@@ -42,7 +42,8 @@ the summary read every run so far. ``--max-runs N`` starts at most N runs, to fi
     .venv/bin/python -m ops.bench.experiments --suite value_parts --max-runs 6
 
 Runs recorded on different CPUs are comparable on every axis but wall time; the summary lists the CPUs
-(``machines``) so a wall-time reading across them is not taken for a method's.
+(``machines``), and each difference the CPUs its two arms' runs ran on (``cpus``), so that a wall-time
+difference across them (marked in the report) is not taken for a method's.
 
 The summary (one JSON line, ``summary``): per arm the final held-out avg@8 (each seed, mean, sd), the
 accuracy at equal budget on every compute axis of ``ops.bench.compute_axes`` (samples, generated tokens,
@@ -219,12 +220,12 @@ def on_run_done(root: Path, run: str, rc: int, seconds: float, log: Any) -> None
         log(f"{run}: recorded in {LEDGER.relative_to(REPO)}")
 
 
-def runs_by_arm(root: Path, ledger: Path | None = None) -> tuple[dict[str, list[AxisRun]], set[str]]:
+def runs_by_arm(root: Path, ledger: Path | None = None) -> tuple[dict[str, list[AxisRun]], dict[str, str]]:
     """Each arm's finished runs with evaluations beyond the base one (a run directory under ``root`` wins over
-    its ledger line; one without ``summary.json``, still running or killed, is left out), and their CPUs."""
+    its ledger line; one without ``summary.json``, still running or killed, is left out), and each run's CPU."""
     kept = read_ledger(ledger)
     runs: dict[str, list[AxisRun]] = {}
-    machines: set[str] = set()
+    machines: dict[str, str] = {}
     for arm in arms():
         for s in SEEDS:
             run = f"{name(arm)}-s{s}"
@@ -233,9 +234,9 @@ def runs_by_arm(root: Path, ledger: Path | None = None) -> tuple[dict[str, list[
                 points = kept[run]["points"]
                 r = AxisRun(run, points if kept[run].get("axes_version", 1) >= AXES_VERSION
                             else pretraining_counted_once(points))
-                machines.add(kept[run].get("cpu", "unknown"))
+                machines[run] = kept[run].get("cpu", "unknown")
             elif r is not None:
-                machines.add(((of_run(root / run) or {}).get("cpu") or {}).get("model", "unknown"))
+                machines[run] = ((of_run(root / run) or {}).get("cpu") or {}).get("model", "unknown")
             if r is not None and len(r.points) > 1:
                 runs.setdefault(arm, []).append(with_policy_passes(r))
     return runs, machines
@@ -280,8 +281,9 @@ def summary(root: Path, load_run: Any = None, ledger: Path | None = None) -> dic
     """Per arm: final accuracy per seed and at equal budget per axis; per regime the differences (docstring).
     Reads the runs under ``root`` and those the ledger holds."""
     runs, machines = runs_by_arm(root, ledger)
+    cpus = {arm: {machines[r.name] for r in rs} for arm, rs in runs.items()}
     out: dict[str, Any] = {"estimate_minutes": round(total_minutes()), "runs": sum(map(len, runs.values())),
-                           "machines": sorted(machines), "budgets": {}, "arms": {}, "differences": {},
+                           "machines": sorted(set(machines.values())), "budgets": {}, "arms": {}, "differences": {},
                            "critic": critic_by_arm(root, ledger)}
     for g in GROUPS:
         in_g = [r for arm, rs in runs.items() if arm.startswith(f"g{g}_") for r in rs]
@@ -309,7 +311,7 @@ def summary(root: Path, load_run: Any = None, ledger: Path | None = None) -> dic
                 ra, rb = out["arms"].get(an), out["arms"].get(bn)
                 if ra is not None and rb is not None:
                     out["differences"][f"g{g} {alpha}: {a} − {b}" if with_alpha else f"g{g}: {a} − {b}"] = {
-                        "what": what, "final": diff(ra["final"], rb["final"]),
+                        "what": what, "cpus": sorted(cpus[an] | cpus[bn]), "final": diff(ra["final"], rb["final"]),
                         **{f"at_equal_{ax}": diff(ra[f"at_equal_{ax}"], rb[f"at_equal_{ax}"]) for ax in READ_AXES}}
     return out
 

@@ -65,16 +65,17 @@ def long_run(d: Path, accs: dict[int, float], reward: float, advantage: str = "g
 
 
 def value_parts_run(root: Path, arm: str, seed: int, accs: list[float], finished: bool = True,
-                    pretrain_ev: list[float] = (), rl_ev: list[float] = (), oracle_ev: list[float] = ()) -> None:
-    """A value_parts run directory of ``arm``/``seed`` under ``root`` whose evaluations read ``accs``; without
-    summary.json unless ``finished``. Its critic: one value-pretraining record per ``pretrain_ev`` (the best
+                    pretrain_ev: list[float] = (), rl_ev: list[float] = (), oracle_ev: list[float] = (),
+                    cpu: str = "Test CPU") -> None:
+    """A value_parts run directory of ``arm``/``seed`` under ``root`` whose evaluations read ``accs``, run on
+    ``cpu``; without summary.json unless ``finished``. Its critic: one value-pretraining record per ``pretrain_ev`` (the best
     so far), and the RL steps' ``rl_ev`` / ``oracle_ev`` (step k's, where given)."""
     d = root / f"{vp.name(arm)}-s{seed}"
     d.mkdir(parents=True)
     if finished:
         (d / "summary.json").write_text("{}")
     (d / "config.yaml").write_text(yaml.safe_dump({"actors": {"group_size": 2}}))
-    recs = [{"kind": "header", "commit": {"sha": "c0ffee", "dirty": False}, "cpu": {"model": "Test CPU", "logical_cpus": 2},
+    recs = [{"kind": "header", "commit": {"sha": "c0ffee", "dirty": False}, "cpu": {"model": cpu, "logical_cpus": 2},
              "load_1m": 0.5},
             {"kind": "eval", "step": 0, "time": 0.0, "avg_at_k": accs[0]}]
     recs[1:1] = [{"kind": "value_pretrain", "step": k, "time": 0.0, "best_explained_variance": ev}

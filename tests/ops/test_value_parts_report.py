@@ -41,3 +41,22 @@ def test_the_section_is_spliced_in_once_with_its_tables_and_plots(tmp_path: Path
     assert not (out.parent / "results" / "value_parts_g16_a1.png").exists()
     vp.report(runs, summary, out)
     assert out.read_text() == text  # re-made in place, nothing added
+
+
+def test_a_wall_time_difference_across_cpu_types_is_marked(tmp_path: Path) -> None:
+    """Runs on different CPUs are comparable on every axis but wall time. VAPO ran on CPU A, DAPO and VAPO
+    without the NLL on CPU B, every step 10 s: VAPO − DAPO is marked on its wall-time column alone (0.6 − 0.5 at
+    the 20 s every run reached), VAPO-without-NLL − DAPO, one CPU type, nowhere."""
+    runs = tmp_path / "runs"
+    _run(runs, "g2_vapo_a1", 0, [0.4, 0.5, 0.6], cpu="CPU A")
+    _run(runs, "g2_dapo", 0, [0.4, 0.45, 0.5], cpu="CPU B")
+    _run(runs, "g2_vapo_nonll_a1", 0, [0.4, 0.5, 0.55], cpu="CPU B")
+    summary = vp.summary(runs, ledger=tmp_path / "none.jsonl")
+    assert summary["machines"] == ["CPU A", "CPU B"]
+    assert summary["differences"]["g2 a1: vapo − dapo"]["cpus"] == ["CPU A", "CPU B"]
+    assert summary["differences"]["g2 a1: vapo_nonll − dapo"]["cpus"] == ["CPU B"]
+    rows = {r.strip("| ").split(" | ")[0]: r.strip("| ").split(" | ")[2:] for r in report.difference_table(summary)}
+    assert report.READ[-1] == "at_equal_wall_s"
+    assert [c.endswith(report.CPUS_DIFFER) for c in rows["g2 a1: vapo − dapo"]] == [False] * 4 + [True]
+    assert rows["g2 a1: vapo − dapo"][-1] == "+0.100 ± 0.000, σ unknown (one seed a side) (n 1/1); CPUs differ"
+    assert not any(c.endswith(report.CPUS_DIFFER) for c in rows["g2 a1: vapo_nonll − dapo"])
