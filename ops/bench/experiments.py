@@ -163,13 +163,14 @@ def run_long(root: Path, args: argparse.Namespace) -> int:
     return failures
 
 
-def refuse_empty_report(root: Path) -> str | None:
-    """Why a report must not be re-made from ``root`` (None when it may): the runs are not in git, so on another
-    checkout (or with a mistyped ``--root``) a report re-made from no finished run would empty its tables."""
-    if root.is_dir() and any(root.glob("*/summary.json")):
+def refuse_empty_report(root: Path, runs: list[tuple[Experiment, int]]) -> str | None:
+    """Why a report must not be re-made from ``root`` (None when it may): runs are not in git, so on another
+    checkout (or with a ``--root`` that holds another suite's runs) a report re-made from none of the suite's
+    ``runs`` (experiment, seed) finished would empty its tables."""
+    if any(status(root, e, s) == "done" for e, s in runs):
         return None
-    return (f"no finished run under {root} (a run directory with summary.json): the report is left as it is; "
-            "run the suite first, or give --root where its runs are")
+    return (f"none of this suite's runs finished under {root}: the report is left as it is; run the suite "
+            "first, or give --root where its runs are")
 
 
 def run_actor_values(root: Path, args: argparse.Namespace, module: Any = actor_values_suite,
@@ -178,8 +179,8 @@ def run_actor_values(root: Path, args: argparse.Namespace, module: Any = actor_v
     run what is missing, print one JSON summary line. A phased module (``PHASED``: value_study) lists its runs
     from what is done under ``root``, so a second pass runs the phase-2 seeds phase 1 earned; its ``prepare``
     (if any: files its runs read) precedes the runs, its ``post`` follows them, its ``report`` writes its section
-    of the report (``--out``) from the summary (refused when ``REPORT_FROM_RUNS`` and no run under ``root``
-    finished). A module's ``OPT_IN`` arms run only when named with --only."""
+    of the report (``--out``) from the summary (refused when ``REPORT_FROM_RUNS`` and none of its runs under
+    ``root`` finished). A module's ``OPT_IN`` arms run only when named with --only."""
     phased = getattr(module, "PHASED", False)
     opt_in = getattr(module, "OPT_IN", frozenset())
     recorded = getattr(module, "recorded_names", set)()  # done on an earlier checkout (value_parts' ledger)
@@ -213,7 +214,9 @@ def run_actor_values(root: Path, args: argparse.Namespace, module: Any = actor_v
                 break
         if hasattr(module, "post"):
             module.post(root.resolve(), print)
-    refusal = refuse_empty_report(root) if getattr(module, "REPORT_FROM_RUNS", False) else None
+    every_run = [(e, s) for e in (module.experiments(Experiment, root) if phased else module.experiments(Experiment))
+                 for s in e.seeds]
+    refusal = refuse_empty_report(root, every_run) if getattr(module, "REPORT_FROM_RUNS", False) else None
     if refusal:
         print(f"experiments: {refusal}", file=sys.stderr)
         return 2
@@ -280,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         root.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         failures = run_long(root, args)
-        refusal = refuse_empty_report(root)
+        long_runs = long_suite.experiments(Experiment, long_suite.chosen_alpha(root, args.alpha))
+        refusal = refuse_empty_report(root, [(e, s) for e in long_runs for s in e.seeds])
         if refusal:
             ap.exit(2, f"experiments: {refusal}\n")
         write_long_report(root, REPO / args.out, args.alpha)
@@ -305,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         root.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         failures = run_suite(root, [(e, s) for e, s in todo if status(root, e, s) != "done"][:args.max_runs], args.jobs)
-    refusal = refuse_empty_report(root)
+    refusal = refuse_empty_report(root, [(e, s) for e in SUITE for s in e.seeds])
     if refusal:
         ap.exit(2, f"experiments: {refusal}\n")
     write_report(root, REPO / args.out, REPO / args.notes)

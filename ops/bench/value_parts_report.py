@@ -50,10 +50,10 @@ def _diff(d: dict[str, Any] | None, mark: str = "") -> str:
     if d is None:
         return "—"
     z = f", {abs(d['diff']) / d['sigma']:.1f} σ" if d["sigma"] > 0 else ", σ unknown (one seed a side)"
-    return f"{d['diff']:+.3f} ± {d['sigma']:.3f}{z} (n {d['n'][0]}/{d['n'][1]}){mark}"
+    return f"{d['diff']:+.3f} ± {d['sigma']:.3f}{z} (n {d['n'][0]}/{d['n'][1]}){f'; {mark}' if mark else ''}"
 
 
-CPUS_DIFFER = "; CPUs differ"  # a wall-time difference whose runs ran on more than one CPU type
+CPUS_DIFFER = "CPUs differ"  # marks a wall-time difference whose runs ran on more than one CPU type
 
 
 def arm_table(summary: dict[str, Any], arms: list[str]) -> list[str]:
@@ -165,7 +165,7 @@ def section(summary: dict[str, Any], study: Study, plots: list[Path], out: Path)
              "oracle arm trains a critic only to measure it, so its learner passes and wall time overstate an "
              "oracle's). `m ± sd (n)`: mean and sd "
              "over n seeds; a difference `d ± σ` has σ = sqrt(sd_a²/n_a + sd_b²/n_b), and how many σ it is. "
-             f"`{CPUS_DIFFER.lstrip('; ')}` on a wall-time difference: its runs ran on more than one CPU type, so it "
+             f"`{CPUS_DIFFER}` on a wall-time difference: its runs ran on more than one CPU type, so it "
              "measures the machines as well as the methods; read wall time only between runs of one type.", "",
              "### Arms", "", *arm_table(summary, study.arms), "", "### Differences", "", *difference_table(summary), "",
              "### The critic's explained variance", "",

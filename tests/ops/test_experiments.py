@@ -122,10 +122,15 @@ def test_report_only_refuses_without_finished_runs(exp: ModuleType, tmp_path: Pa
         with pytest.raises(SystemExit) as stop:
             sys.exit(exp.main(argv))
         assert stop.value.code == 2, suite
-        assert "no finished run under" in capsys.readouterr().err, suite
+        assert "none of this suite's runs finished under" in capsys.readouterr().err, suite
         assert out.read_text() == "# Results\n\ntables made from runs on another checkout\n", suite
+    # A finished default-suite run counts for the default report only, not for the other suites' sections.
     make_run(root / "vapo-s1", {0: 0.45, 60: 0.8})
-    assert exp.refuse_empty_report(root) is None
+    assert exp.refuse_empty_report(root, [(e, s) for e in exp.SUITE for s in e.seeds]) is None
+    for suite in ("long", "value_study"):
+        with pytest.raises(SystemExit) as stop:
+            sys.exit(exp.main(["--suite", suite, "--report-only", "--root", str(root), "--out", str(out)]))
+        assert stop.value.code == 2 and out.read_text().endswith("another checkout\n"), suite
 
 
 def test_cli_list(tmp_path: Path) -> None:
