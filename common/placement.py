@@ -88,6 +88,7 @@ class Plan:
     balance: dict[str, Any] = field(default_factory=dict)  # common.balance.estimate: time per step of each side
     files: dict[str, str] = field(default_factory=dict)  # run-dir relative name -> content the launcher writes
     notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # what a launch would refuse, shown by a dry run instead
 
     def proc(self, name: str) -> Proc:
         return next(p for p in self.procs if p.name == name)
@@ -111,8 +112,7 @@ class Plan:
         if self.memory:
             lines.append("  memory: " + json.dumps(self.memory, sort_keys=True))
         if self.balance:
-            line, warning = balance.describe(self.balance)
-            lines += [f"  {line}"] + ([f"  {warning}"] if warning else [])
+            lines += [f"  {ln}" for ln in balance.describe(self.balance)]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -134,6 +134,8 @@ class _Build:
     procs: list[Proc] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)
+    dry_run: bool = False
+    problems: list[str] = field(default_factory=list)
 
     @property
     def cpu(self) -> bool:
@@ -162,10 +164,11 @@ class _Build:
 
 def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, root: Path | None = None,
                run_dir: Path | None = None, hf_config: dict[str, Any] | None = None,
-               environ: Mapping[str, str] | None = None) -> Plan:
+               environ: Mapping[str, str] | None = None, dry_run: bool = False) -> Plan:
     """The processes of a run, validated. ``hf_config`` overrides reading ``model.path/config.json``;
     ``environ`` (default: this process's) gives PATH, ``VAPO_SSH_ARGS`` and the variables forwarded to
-    other hosts."""
+    other hosts. ``dry_run``: a missing launcher program (pdsh) goes into ``problems`` instead of refusing,
+    so that the plan and its estimates can be read on a machine that will not launch it."""
     py = python or sys.executable
     pl = cfg.placement
     if pl.min_engines > cfg.actors.num_actors:
@@ -178,7 +181,8 @@ def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, roo
     # Every process names its accelerator: an inherited DS_ACCELERATOR=cpu would build a CUDA learner on
     # DeepSpeed's CPU accelerator (and the reverse on CPU hosts).
     b = _Build(cfg, py, root or Path(__file__).resolve().parents[1], run_dir or cfg.run_dir, str(cfg_file),
-               os.environ if environ is None else environ, {"PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": cfg.run.device})
+               os.environ if environ is None else environ, {"PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": cfg.run.device},
+               dry_run=dry_run)
     eg, lg = _device_lists(cfg)
     lg = sorted(lg, key=lambda g: (g // pl.gpus_per_host, g))  # DeepSpeed numbers ranks host-major
     ranks = _ranks(b, lg)
@@ -187,7 +191,7 @@ def build_plan(cfg: Config, cfg_file: str | Path, python: str | None = None, roo
     _engines_and_actors(b, eg)
     check_push_addresses(cfg, remote_engines=any(p.host != pl.hosts[0] for p in b.procs if p.role in ("engine", "actor")))
     _check_eval_engine(b)
-    plan = Plan(cfg.run.device, b.procs, ranks, files=b.files, notes=b.notes)
+    plan = Plan(cfg.run.device, b.procs, ranks, files=b.files, notes=b.notes, problems=b.problems)
     if b.cpu:
         b.notes.append("run.device=cpu: placement.*_gpus name slots (no device is assigned); GPU memory not checked")
     else:
@@ -332,9 +336,12 @@ def _learner_pdsh(b: _Build, ranks: list[Rank], per_host: dict[str, list[int]], 
     """DeepSpeed's launcher with ``--hostfile`` and pdsh, under a guard that ends it with the launcher."""
     cfg, pl, hosts = b.cfg, b.cfg.placement, list(per_host)
     if shutil.which("pdsh", path=b.environ.get("PATH")) is None:
-        raise ConfigError(f"placement.remote: the learner spans {len(hosts)} hosts and placement.remote=ssh starts its "
-                          "ranks with DeepSpeed's pdsh launcher, but pdsh is not on PATH: install it (Debian/Ubuntu: "
-                          "apt-get install pdsh) or use placement.remote=srun inside a Slurm allocation")
+        why = (f"placement.remote: the learner spans {len(hosts)} hosts and placement.remote=ssh starts its ranks with "
+               "DeepSpeed's pdsh launcher, but pdsh is not on PATH: install it (Debian/Ubuntu: apt-get install pdsh) or "
+               "use placement.remote=srun inside a Slurm allocation")
+        if not b.dry_run:
+            raise ConfigError(why)
+        b.problems.append(why)
     include = "@".join(f"{h}:" + ",".join(str(g) for g in per_host[h]) for h in hosts)
     b.files["hostfile"] = "".join(f"{h} slots={pl.gpus_per_host}\n" for h in hosts)
     # DeepSpeed forwards only a few variables to other hosts; the rest travel in this file.

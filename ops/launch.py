@@ -336,12 +336,12 @@ def dry_run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         run_dir = abs_run_dir(cfg)
-        plan = build_plan(cfg, run_dir / "config.yaml", PY, ROOT, run_dir)
+        plan = build_plan(cfg, run_dir / "config.yaml", PY, ROOT, run_dir, dry_run=True)
     except ConfigError as e:
         print(f"ops/launch.sh: {e}", file=sys.stderr)
         return 2
     print(plan.render())
-    missing = missing_files(cfg, ROOT)
+    missing = missing_files(cfg, ROOT) + plan.problems
     for line in missing:
         print(f"ops/launch.sh: missing {line}", file=sys.stderr)
     return 2 if missing else 0

@@ -107,3 +107,37 @@ def test_paper_keys_are_what_the_documented_command_writes(tmp_path: Path, monke
     for role in ROLES:
         assert client_curve_keys(cfg.buffer.curve, role) is not None
     assert not [m for m in missing_files(cfg, tmp_path) if m.startswith("buffer.curve")]
+
+
+def test_paper_dry_run_with_the_shipped_shape_prints_both_estimates_and_the_flip(tmp_path: Path) -> None:
+    """paper.yaml's documented dry run on a machine without the model: the shipped Qwen2.5-32B shape
+    (ops/configs/shapes/qwen2.5-32b, a config.json without weights) gives the memory check, the learner's and
+    the engines' estimates and the mean response length at which the bound flips."""
+    (tmp_path / "train.jsonl").write_text('{"question": "1+1", "answer": "2"}\n')
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if shutil.which("pdsh") is None:
+        (bin_dir / "pdsh").write_text("#!/bin/sh\nexit 1\n")
+        (bin_dir / "pdsh").chmod(0o755)
+    p = _launch("ops/configs/paper.yaml", "model.path=ops/configs/shapes/qwen2.5-32b", f"run.root={tmp_path / 'runs'}",
+                f"task.name=jsonl:{tmp_path / 'train.jsonl'}", "--dry-run", path_dir=bin_dir)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert '"policy_params_b": 32.764' in out  # the shape read: 32,763,876,352 parameters
+    assert "balance at ~5000-token mean responses (8192 samples a step" in out
+    assert "learner ~" in out and "min/step on 48 GPU(s)" in out and "micro-batch plan" in out
+    assert "generation ~" in out and "min/step on 16 engine GPU(s), memory-bound" in out
+    assert "the run turns from learner-bound to generation-bound at a mean response length of ~" in out
+    assert not (tmp_path / "runs").exists()
+
+
+def test_dry_run_without_pdsh_shows_the_plan_and_says_a_launch_would_refuse(tmp_path: Path) -> None:
+    """Where pdsh is missing (this machine), a launch refuses an ssh plan over several hosts; the dry run still
+    prints the plan and its estimates, names the problem by its key and exits 2."""
+    if shutil.which("pdsh") is not None:
+        pytest.skip("pdsh is installed here")
+    p = _launch("ops/configs/paper.yaml", "model.path=ops/configs/shapes/qwen2.5-32b", f"run.root={tmp_path / 'runs'}",
+                "--dry-run")
+    assert p.returncode == 2
+    assert "process plan" in p.stdout and "generation ~" in p.stdout
+    assert "ops/launch.sh: missing placement.remote: the learner spans 7 hosts" in p.stderr and "pdsh" in p.stderr
