@@ -251,11 +251,11 @@ class Runner:
         stats.update(source_totals(self.learner.source))
         if self.cfg.metrics.jsonl:
             append_jsonl(self.run_dir / "metrics.jsonl", {"kind": "learner_step", **stats})
-        log.info("v%d reward %.3f critic %.4f EV %.3f policy %.4f nll %.3f len %.1f %.0f tok/s %.2fs",
+        log.info("v%d reward %.3f critic %.4f EV %.3f policy %.4f nll %.3f len %.1f %.0f tok/s MFU %.1f%% %.2fs",
                  self.learner.version, stats["reward_mean"], stats.get("critic_loss", float("nan")),
                  stats.get("value_explained_variance", float("nan")), stats["policy_loss"],
                  stats["nll_loss"], stats["response_length_mean"], stats["tokens_per_second"],
-                 stats["step_seconds"])
+                 100 * stats.get("mfu", float("nan")), stats["step_seconds"])
 
     def _finish(self) -> None:
         """The final checkpoint, the last evaluations, and the done file the launcher trusts (not exit 0)."""

@@ -1,6 +1,7 @@
 """The launcher's progress lines: one per learner step (with ``engines 1/2`` while fewer engines than planned
-are alive), value-pretraining step and evaluation, read from ``<run dir>/metrics.jsonl`` as the learner
-appends to it (``ops/launch.py``)."""
+are alive; ``MFU -`` when the learner reports none: an unknown GPU without ``learner.peak_tflops``),
+value-pretraining step and evaluation, read from ``<run dir>/metrics.jsonl`` as the learner appends to it
+(``ops/launch.py``)."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ class Progress:
                 f"step {step}/{self.total}  reward {_fmt(r.get('reward_mean'))}"
                 f"  ev {_fmt(r.get('value_explained_variance'))}  staleness {_fmt(r.get('staleness_mean'), 2)}"
                 f"  samples/s {_fmt(r.get('samples_per_second'), 1)}  len {_fmt(r.get('response_length_mean'), 1)}"
-                f"  ETA {int(eta // 60)}m{int(eta % 60):02d}s{self.degraded()}"
+                f"  MFU {_percent(r.get('mfu'))}  ETA {int(eta // 60)}m{int(eta % 60):02d}s{self.degraded()}"
             )
         if isinstance(ev, dict):
             acc = ev.get("avg_at_k")
@@ -90,4 +91,11 @@ class Progress:
 def _fmt(v: Any, digits: int = 3) -> str:
     if isinstance(v, int | float):
         return f"{v:.{digits}f}"
+    return "-"
+
+
+def _percent(v: Any) -> str:
+    """A fraction as a percentage with one decimal (``0.1234`` -> ``12.3%``); ``-`` when absent."""
+    if isinstance(v, int | float):
+        return f"{100 * v:.1f}%"
     return "-"

@@ -44,7 +44,9 @@ from common.protocol import Sample, SampleGroup  # noqa: E402
 from learner.dist import exit_process  # noqa: E402
 from learner.train import Learner  # noqa: E402
 
-VOLATILE_STATS = ("time", "tokens_per_second", "phase_seconds", "step_seconds")
+VOLATILE_STATS = ("time", "tokens_per_second", "phase_seconds", "step_seconds", "tokens_per_second_per_rank",
+                  "phase_tokens_per_second", "phase_tflops_per_rank", "tflops_per_rank", "phase_mfu", "mfu",
+                  "peak_tflops", "peak_tflops_measured")
 VOLATILE_FIELDS = ("e2e_latency",)
 LEARNER_OVERRIDES = ("learner.micro_batch_size=3", "learner.mini_batches=2", "learner.batch_groups=4",
                      "learner.actor_lr=1e-3", "learner.critic_lr=2e-3", "learner.grad_clip=1.0", "algo.alpha=0.5",

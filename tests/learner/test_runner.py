@@ -40,7 +40,8 @@ def test_runner_logs_metrics_and_evaluates(tiny_model_dir: Path, tmp_path: Path)
     recs = all_recs[1:]
     for key in ("critic_loss", "value_explained_variance", "policy_loss", "nll_loss", "clip_fraction_low",
                 "clip_fraction_high", "approx_kl", "entropy", "actor_grad_norm", "critic_grad_norm",
-                "lambda_actor_mean", "reward_mean", "positives_fraction", "response_length_mean", "tokens_per_second"):
+                "lambda_actor_mean", "reward_mean", "positives_fraction", "response_length_mean", "tokens_per_second",
+                "mfu", "phase_mfu", "peak_tflops_measured"):
         assert key in recs[0], key
     # Cumulative data accounting (generated-sample counts for experiments): what the source reports.
     assert [r["groups_consumed_total"] for r in recs] == [2, 4] and "filtered_total" not in recs[0]
@@ -54,7 +55,8 @@ def test_runner_logs_metrics_and_evaluates(tiny_model_dir: Path, tmp_path: Path)
     text = generate_latest(learner.metrics.registry).decode()
     for name in ("vapo_learner_step 2.0", "vapo_learner_weight_version 2.0", 'vapo_learner_phase_seconds{phase="actor_update"}',
                  'vapo_learner_eval_accuracy{metric="avg_at_k"}', "vapo_learner_staleness_bucket",
-                 'vapo_learner_grad_norm{model="critic"}', "vapo_learner_weights_published_total 3.0"):
+                 'vapo_learner_grad_norm{model="critic"}', "vapo_learner_weights_published_total 3.0",
+                 'vapo_learner_mfu{phase="step"}', 'vapo_learner_tflops_per_rank{phase="actor_update"}'):
         assert name in text, name
 
 

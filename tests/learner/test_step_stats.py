@@ -1,5 +1,5 @@
-"""learner.step_stats: per-token staleness of a batch, and the step's statistics exported as the learner's
-metrics (a step without rows of its own version keeps the last mismatch measurement)."""
+"""learner.step_stats: per-token staleness of a batch, throughput and MFU by hand, and the step's statistics
+exported as the learner's metrics (a step without rows of its own version keeps the last mismatch measurement)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.metrics import Metrics
-from learner.step_stats import Phases, export_step, token_staleness
+from learner.step_stats import Phases, export_step, throughput, token_staleness
 
 
 def test_token_staleness_counts_real_tokens_from_the_weights_being_updated() -> None:
@@ -51,3 +51,35 @@ def test_phases_add_up_the_time_of_a_name_entered_twice(monkeypatch: pytest.Monk
     with t("advantages"):
         pass
     assert t.seconds == {"values": 3.0, "advantages": 4.0}  # added, not overwritten by the second entry
+
+
+def test_throughput_per_phase_per_rank_and_mfu_by_hand() -> None:
+    """Two ranks. critic_update: 4 TFLOP of the batch in 2 s = 1 TFLOP/s per rank; actor_update: 9 TFLOP in
+    3 s = 1.5; the step: 13 TFLOP in 5 busy s = 1.3. Against a peak of 2: MFU 0.5, 0.75, 0.65."""
+    work = {"critic_update": (4e12, 100), "actor_update": (9e12, 300)}
+    seconds = {"fetch": 1.0, "critic_update": 2.0, "advantages": 0.5, "actor_update": 3.0}
+    out = throughput(work, seconds, busy_seconds=5.0, tokens_per_second=40.0, world=2, peak_tflops=2.0)
+    assert out["tokens_per_second_per_rank"] == 20.0  # the step's 40 tokens/s over 2 ranks
+    assert out["phase_tokens_per_second"] == {"critic_update": 50.0, "actor_update": 100.0}
+    assert out["phase_tflops_per_rank"] == pytest.approx({"critic_update": 1.0, "actor_update": 1.5})
+    assert out["tflops_per_rank"] == pytest.approx(1.3) and out["model_flops"] == 13e12
+    assert out["phase_mfu"] == pytest.approx({"critic_update": 0.5, "actor_update": 0.75})
+    assert out["mfu"] == pytest.approx(0.65) and out["peak_tflops"] == 2.0
+    unknown = throughput(work, seconds, 5.0, 40.0, 2, None)  # an unknown GPU: throughput, no MFU
+    assert "mfu" not in unknown and "phase_mfu" not in unknown and unknown["tflops_per_rank"] == pytest.approx(1.3)
+
+
+def test_export_sets_the_throughput_gauges_per_phase_and_for_the_step() -> None:
+    m = Metrics("learner")
+    get = m.registry.get_sample_value
+    work = {"critic_update": (4e12, 100), "actor_update": (9e12, 300)}
+    seconds = {"fetch": 1.0, "critic_update": 2.0, "actor_update": 3.0}
+    s = stats(1, **throughput(work, seconds, 5.0, 40.0, 2, 2.0))
+    export_step(m, s, torch.tensor([0]))
+    assert get("vapo_learner_mfu", {"phase": "step"}) == pytest.approx(0.65)
+    assert get("vapo_learner_mfu", {"phase": "actor_update"}) == pytest.approx(0.75)
+    assert get("vapo_learner_tflops_per_rank", {"phase": "step"}) == pytest.approx(1.3)
+    assert get("vapo_learner_tflops_per_rank", {"phase": "critic_update"}) == pytest.approx(1.0)
+    assert get("vapo_learner_phase_tokens_per_second", {"phase": "actor_update"}) == 100.0
+    assert get("vapo_learner_tokens_per_second_per_rank") == 20.0
+    assert get("vapo_learner_mfu", {"phase": "fetch"}) is None  # no model ran there
