@@ -3,9 +3,10 @@
 Not a CLI. ``common.placement.build_plan`` calls ``check_memory`` (its figures are the plan's ``memory``
 line of ``ops/launch.sh CONFIG --dry-run``); ``common.balance`` sizes the engines with ``count_parameters``.
 From the model's ``config.json`` it estimates each learner rank's model states (weights, gradients, Adam;
-divided by ZeRO stage) for policy and critic, and each engine GPU's weights, and refuses a placement that
-cannot hold them (``placement.gpu_memory_gib``, ``placement.learner_memory_fraction``,
-``engine.sglang_mem_fraction_static``).
+divided by ZeRO stage) for policy and critic, a training micro-batch's activations at its token budget (by how many
+layers recompute: ``learner.activation_checkpointing``, ``learner.activation_checkpointing_every``), and each engine
+GPU's weights, and refuses a placement that cannot hold them (``placement.gpu_memory_gib``,
+``placement.learner_memory_fraction``, ``engine.sglang_mem_fraction_static``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from common.config import Config, ConfigError
 from common.gpu_spec import engine_tp
 
 GIB = float(1 << 30)
+ACTIVATION_HEADROOM = 0.9  # of a learner GPU for states + activations: the CUDA context, allocator fragmentation
 
 
 def count_parameters(hf_config: dict[str, Any]) -> dict[str, int]:
@@ -75,6 +77,46 @@ def model_sizes(cfg: Config, hf: dict[str, Any], notes: list[str]) -> dict[str, 
     return n
 
 
+def layer_activation_elements(hf_config: dict[str, Any]) -> tuple[int, int]:
+    """(elements a token keeps for a decoder layer's backward, elements it keeps when the layer is checkpointed)
+    in a Llama/Qwen2 layer with flash-style attention (no score matrix): the two norms' inputs and outputs (4h), q
+    and the attention output (2·q_dim), k and v (2·kv_dim), the MLP's gate, its activation, up and their product
+    (4·intermediate); a checkpointed layer keeps its input alone (h)."""
+    c = hf_config.get("text_config", hf_config)
+    h, inter = int(c["hidden_size"]), int(c.get("intermediate_size", 4 * int(c["hidden_size"])))
+    heads = int(c.get("num_attention_heads", 1))
+    hd = int(c.get("head_dim") or h // heads)
+    kv = int(c.get("num_key_value_heads", heads)) * hd
+    return 4 * h + 2 * heads * hd + 2 * kv + 4 * inter, h
+
+
+def activation_bytes(hf_config: dict[str, Any], tokens: int, checkpointing: bool, every: int, precision: str,
+                     logit_elements: int) -> float:
+    """Peak bytes one training micro-batch of ``tokens`` tokens keeps for its backward: every layer's activations
+    (``layer_activation_elements``; with ``checkpointing`` every ``every``-th layer keeps its input alone, and one
+    layer's full activations are rebuilt at a time in the backward) plus the LM head's chunk of fp32 logits and its
+    softmax (``learner.logits_chunk_elements``)."""
+    c = hf_config.get("text_config", hf_config)
+    layers = int(c["num_hidden_layers"])
+    full, kept = layer_activation_elements(hf_config)
+    ckpt = len(range(0, layers, max(1, every))) if checkpointing else 0
+    per_token = (layers - ckpt) * full + ckpt * kept + (full if ckpt else 0)
+    width = 4 if precision == "fp32" else 2
+    return float(tokens * per_token * width + 2 * 4 * logit_elements)
+
+
+def activation_gib(cfg: Config, hf: dict[str, Any]) -> float:
+    """``activation_bytes`` of the run's training micro-batch at its token budget (``learner.micro_batch_tokens``, or
+    ``micro_batch_size`` × ``actors.max_new_tokens`` + a prompt when 0), in GiB; 0 when the shape is unreadable."""
+    lc = cfg.learner
+    tokens = lc.micro_batch_tokens or lc.micro_batch_size * (cfg.actors.max_new_tokens + cfg.placement.est_prompt_tokens)
+    try:
+        return activation_bytes(hf, tokens, lc.activation_checkpointing, lc.activation_checkpointing_every,
+                                lc.precision, lc.logits_chunk_elements) / GIB
+    except (KeyError, TypeError, ValueError):
+        return 0.0
+
+
 def estimate(cfg: Config, n: dict[str, int], engine_gpus: list[int], learner_gpus: list[int]) -> dict[str, Any]:
     """GiB per GPU of the learner's model states (steady and at the ZeRO-3 build's peak), its budget, and
     each engine GPU's weights, for the sizes ``n`` of ``model_sizes`` (unrounded; ``check_memory`` rounds)."""
@@ -93,7 +135,7 @@ def estimate(cfg: Config, n: dict[str, int], engine_gpus: list[int], learner_gpu
     return {"policy_params_b": n["policy"] / 1e9, "critic_params_b": n["critic"] / 1e9,
             "learner_states_gib_per_gpu": learner_states, "learner_build_peak_gib_per_gpu": build_peak,
             "learner_budget_gib_per_gpu": learner_budget, "engine_weights_gib_per_gpu": engine_weights,
-            "gpu_gib": pl.gpu_memory_gib}
+            "learner_activations_gib_per_gpu": n.get("activation_gib", 0.0), "gpu_gib": pl.gpu_memory_gib}
 
 
 def _engine_fraction(cfg: Config) -> float:
@@ -111,7 +153,7 @@ def check_memory(cfg: Config, notes: list[str], engine_gpus: list[int], learner_
     n = model_sizes(cfg, hf, notes)
     if n is None:
         return {}
-    mem = estimate(cfg, n, engine_gpus, learner_gpus)
+    mem = estimate(cfg, {**n, "activation_gib": activation_gib(cfg, hf)}, engine_gpus, learner_gpus)  # type: ignore[dict-item]
     pl, lc, gpu = cfg.placement, cfg.learner, cfg.placement.gpu_memory_gib
     shared = bool(set(engine_gpus) & set(learner_gpus))
     if mem["learner_build_peak_gib_per_gpu"] > mem["learner_budget_gib_per_gpu"]:
@@ -121,6 +163,13 @@ def check_memory(cfg: Config, notes: list[str], engine_gpus: list[int], learner_
             f"{len(learner_gpus)} rank(s)) but {mem['learner_budget_gib_per_gpu']:.1f} GiB is allowed "
             f"(placement.gpu_memory_gib={gpu:g} x placement.learner_memory_fraction={pl.learner_memory_fraction:g}"
             f"{' minus the engine share' if shared else ''}): add learner GPUs or raise learner.zero_stage")
+    room = gpu * (1.0 - (_engine_fraction(cfg) if shared else 0.0)) * ACTIVATION_HEADROOM
+    if learner_gpus and mem["learner_states_gib_per_gpu"] + mem["learner_activations_gib_per_gpu"] > room:
+        raise ConfigError(
+            f"learner.micro_batch_tokens: a training micro-batch's activations need ~{mem['learner_activations_gib_per_gpu']:.1f}"
+            f" GiB per learner GPU beside ~{mem['learner_states_gib_per_gpu']:.1f} GiB of model states, over the "
+            f"{room:.1f} GiB a {gpu:g} GiB GPU has room for: lower learner.micro_batch_tokens, set "
+            "learner.activation_checkpointing=true, or lower learner.activation_checkpointing_every")
     if cfg.engine.kind == "sglang" and mem["engine_weights_gib_per_gpu"] > gpu * _engine_fraction(cfg) * 0.9:
         raise ConfigError(
             f"engine.sglang_tp_size: the policy's weights need ~{mem['engine_weights_gib_per_gpu']:.1f} GiB per engine "

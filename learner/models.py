@@ -46,15 +46,18 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from common.config import Config, ConfigError
 from common.modeling import load_tokenizer, torch_dtype
+from learner.critic import Critic
 from learner.dist import rank, setup_distributed, world_size
 from learner.grow import inserted_layers, lr_groups
 from learner.host_tensors import is_partitioned, iter_host_tensors, unwrap
-from learner.losses import chunked_token_logprobs
+from learner.packing import use_packed_attention
 from learner.partitioned import build_empty, load_checkpoint, to_device
 from learner.weights import export_hf
+from learner.zero_trace import model_shape, trace_per_pass_kind, zero3_settings
 
 # False restores the old ZeRO-3 build (every rank loads the whole model; deepspeed.initialize partitions
 # it): ops/bench/zero_build.py measures both in one run.
@@ -84,15 +87,17 @@ def _hf_module(auto_cls: Any, src: str | Path, hf_cfg: Any, dtype: str, partitio
     return model
 
 
-def ds_config(cfg: Config, grad_clip: float) -> dict[str, Any]:
-    """DeepSpeed's config dict for one learner engine (policy or critic, each with its own ``grad_clip``)."""
+def ds_config(cfg: Config, grad_clip: float, hf_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """DeepSpeed's config dict for one learner engine (policy or critic, each with its own ``grad_clip``); ZeRO-3's
+    sizes from the model's shape, ``hf_config`` or model.path's (``learner.zero_trace.zero3_settings``)."""
     learner_cfg = cfg.learner
     conf: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": learner_cfg.micro_batch_size,
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,
         "gradient_clipping": grad_clip,
-        "zero_optimization": {"stage": learner_cfg.zero_stage},
+        "zero_optimization": {"stage": learner_cfg.zero_stage,
+                              **zero3_settings(learner_cfg.zero_stage, hf_config or cfg.model.path)},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
@@ -115,82 +120,9 @@ def _no_dropout(config: Any) -> None:
             setattr(config, name, 0.0)
 
 
-class Critic(nn.Module):
-    """V(s) for every position: an HF backbone (no LM head) + a fp32 ``Linear(hidden, 1)`` value head.
-
-    ``forward(input_ids, attention_mask, response_start=None) -> [B, S]`` fp32: values[b, s] is the value
-    of the state that ends with token s (the caller reads position prompt_len + t − 1 for V(s_t)).
-
-    With ``surprise`` (learner.value_head_surprise) a small fp32 MLP adds a term computed from two
-    features of each response prefix: the log-probability of its latest token and the running minimum of
-    its tokens' log-probabilities, both under the critic's own (tied) LM head and detached. On a
-    deterministic task a sampled mistake is an unlikely token, and the running minimum keeps the value low
-    after it; a linear head on the last hidden state has to re-derive that comparison (docs/CRITIC.md). The
-    MLP's last layer starts at zero, so the initial values are the plain head's. The LM head is the input
-    embedding matrix, so ``load_critic_module`` refuses a model with untied embeddings; the log-probs are
-    computed over the response tokens only, ``logit_chunk_elements`` (tokens × vocab) at a time."""
-
-    def __init__(self, backbone: nn.Module, hidden_size: int, init_std: float, init_bias: float,
-                 surprise: bool = False, logit_chunk_elements: int = 1 << 24) -> None:
-        super().__init__()
-        self.backbone = backbone
-        self.logit_chunk_elements = logit_chunk_elements
-        self.value_head = nn.Linear(hidden_size, 1, dtype=torch.float32)
-        with torch.no_grad():
-            if init_std > 0:
-                self.value_head.weight.normal_(0.0, init_std)
-            else:
-                self.value_head.weight.zero_()
-            self.value_head.bias.fill_(init_bias)
-        self.surprise_head: nn.Sequential | None = None
-        if surprise:
-            self.surprise_head = nn.Sequential(nn.Linear(2, 32, dtype=torch.float32), nn.SiLU(),
-                                               nn.Linear(32, 1, dtype=torch.float32))
-            with torch.no_grad():
-                self.surprise_head[2].weight.zero_()
-                self.surprise_head[2].bias.zero_()
-
-    def head_state_dict(self) -> dict[str, Tensor]:
-        """Everything above the backbone (saved as ``value_head.safetensors``)."""
-        out = dict(self.value_head.state_dict())
-        if self.surprise_head is not None:
-            out.update({f"surprise.{k}": v for k, v in self.surprise_head.state_dict().items()})
-        return out
-
-    def load_head_state_dict(self, state: dict[str, Tensor]) -> None:
-        self.value_head.load_state_dict({k: v for k, v in state.items() if not k.startswith("surprise.")})
-        extra = {k[len("surprise."):]: v for k, v in state.items() if k.startswith("surprise.")}
-        if self.surprise_head is not None and extra:
-            self.surprise_head.load_state_dict(extra)
-
-    @torch.no_grad()
-    def _surprise_features(self, h: Tensor, input_ids: Tensor, attention_mask: Tensor,
-                           response_start: Tensor) -> Tensor:
-        emb = self.backbone.get_input_embeddings().weight
-        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-        real = (pos[None, :] >= response_start.to(input_ids.device)[:, None]) & attention_mask.bool()
-        real[:, 0] = False  # token 0 has no predecessor
-        b, s = real.nonzero(as_tuple=True)  # log p(token s | < s) is read from the hidden state at s − 1
-        chunks = max(1, -(-len(b) * emb.shape[0] // max(1, self.logit_chunk_elements)))
-        lp, _ = chunked_token_logprobs(h[b, s - 1], lambda x: x @ emb.t().to(x.dtype), input_ids[b, s], chunks,
-                                       recompute=False, entropy=False)
-        tok = torch.zeros(input_ids.shape, dtype=torch.float32, device=h.device).index_put((b, s), lp)  # [B, S]
-        return torch.stack([torch.cummin(tok, dim=1).values, tok], dim=-1)
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, response_start: Tensor | None = None) -> Tensor:
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        h = out.last_hidden_state.float()
-        # The head computes in fp32 even when DeepSpeed keeps the parameters in bf16/fp16.
-        w, b = self.value_head.weight.float(), self.value_head.bias.float()
-        v = torch.nn.functional.linear(h, w, b).squeeze(-1)
-        if self.surprise_head is not None and response_start is not None:
-            feats = self._surprise_features(h.detach(), input_ids, attention_mask, response_start)
-            v = v + self.surprise_head(feats).squeeze(-1)
-        return v
-
-
-def enable_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each transformer layer in the backward (learner.activation_checkpointing).
+def enable_activation_checkpointing(model: nn.Module, every: int = 1) -> None:
+    """Recompute every ``every``-th transformer layer in the backward (learner.activation_checkpointing,
+    learner.activation_checkpointing_every; 1 = all of them), keeping the other layers' activations.
 
     Non-reentrant checkpointing: the reentrant variant needs an input that requires grad (token ids do
     not) and re-enters autograd in a way ZeRO-3's parameter hooks do not follow. The KV cache is off, as
@@ -201,17 +133,28 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = False
+    # Each decoder layer checks its own flag when called.
+    for i, layer in enumerate(m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)):
+        layer.gradient_checkpointing = i % max(1, every) == 0
+
+
+def checkpointed_layers(model: nn.Module) -> int:
+    """How many of ``model``'s transformer layers recompute in the backward."""
+    return sum(1 for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing)
 
 
 def load_policy_module(path: str | Path, dtype: str = "float32", activation_checkpointing: bool = False,
-                       partition: Config | None = None) -> nn.Module:
-    """The policy in ``path``; ``partition`` (a ZeRO-3 config) builds it partitioned (``partitioned_build``)."""
+                       partition: Config | None = None, checkpoint_every: int = 1, packing: bool = False) -> nn.Module:
+    """The policy in ``path``; ``partition`` (a ZeRO-3 config) builds it partitioned (``partitioned_build``);
+    ``packing``: its attention takes packed micro-batches (``learner.packing``)."""
     hf_cfg = AutoConfig.from_pretrained(str(path))
     _no_dropout(hf_cfg)
     model = _hf_module(AutoModelForCausalLM, path, hf_cfg, dtype, partition)
     model.config.use_cache = False
     if activation_checkpointing:
-        enable_activation_checkpointing(model)
+        enable_activation_checkpointing(model, checkpoint_every)
+    if packing:
+        use_packed_attention(model)
     return model
 
 
@@ -256,7 +199,9 @@ def load_critic_module(cfg: Config, path: str | Path | None = None, partitioned:
     _no_dropout(hf_cfg)
     backbone = _hf_module(AutoModel, src, hf_cfg, cfg.model.dtype, cfg if partitioned else None)
     if cfg.learner.activation_checkpointing:
-        enable_activation_checkpointing(backbone)
+        enable_activation_checkpointing(backbone, cfg.learner.activation_checkpointing_every)
+    if cfg.learner.packing:
+        use_packed_attention(backbone)
     critic = Critic(backbone, hf_cfg.hidden_size, cfg.learner.value_head_init_std, cfg.learner.value_head_init_bias,
                     surprise=cfg.learner.value_head_surprise,
                     logit_chunk_elements=cfg.learner.logits_chunk_elements or 1 << 24)
@@ -339,7 +284,7 @@ def build_deepspeed(cfg: Config, module: nn.Module, lr: float, warmup_steps: int
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup(warmup_steps)) if warmup_steps > 0 else None
     clip = cfg.learner.grad_clip if grad_clip is None else grad_clip
     model, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, lr_scheduler=sched,
-                                          config=ds_config(cfg, clip))
+                                          config=ds_config(cfg, clip, model_shape(module)))
     if not model.zero_optimization() and not model.bfloat16_enabled() and not model.fp16_enabled():
         # DeepSpeed's fp32 ZeRO-0 path clips but drops the norm it computed, with a per-tensor loop; the
         # gradients are already all-reduced here and there is no model parallelism, so torch's fused
@@ -352,12 +297,15 @@ def build_deepspeed(cfg: Config, module: nn.Module, lr: float, warmup_steps: int
     if world_size() == 1 and not model.zero_optimization():
         # One rank has nothing to reduce; DeepSpeed would still flatten and all-reduce every gradient.
         model.enable_backward_allreduce = False
+    trace_per_pass_kind(model)  # ZeRO-3: a prefetch trace per pass kind, no-grad and training (learner.zero_trace)
     return model
 
 
 def build_policy(cfg: Config, path: str | Path | None = None) -> Any:
-    module = load_policy_module(path or cfg.model.path, cfg.model.dtype, cfg.learner.activation_checkpointing,
-                                partition=cfg if partitioned_build(cfg) else None)
+    lc = cfg.learner
+    module = load_policy_module(path or cfg.model.path, cfg.model.dtype, lc.activation_checkpointing,
+                                partition=cfg if partitioned_build(cfg) else None,
+                                checkpoint_every=lc.activation_checkpointing_every, packing=lc.packing)
     return build_deepspeed(cfg, module, cfg.learner.actor_lr, cfg.learner.warmup_steps)
 
 

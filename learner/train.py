@@ -58,24 +58,17 @@ from learner.batch import (
     fetch_usable,
     row_limits,
 )
-from learner.compute import step_token_passes
+from learner.compute import PHASE_PASSES, step_token_passes
 from learner.data import DataSource, fetch
 from learner.dist import global_explained_variance, global_whiten, setup_distributed
+from learner.forwards import compute_logprobs, compute_values
 from learner.losses import behaviour_weight
 from learner.mismatch import proximal_mismatch
 from learner.models import build_critic, build_policy
 from learner.oracle import ChainOracle
-from learner.step_stats import Phases, export_step, step_summary
-from learner.update import (
-    ActorParams,
-    MicroLimits,
-    actor_update,
-    compute_logprobs,
-    compute_values,
-    critic_update,
-    minibatch_rows,
-    my_rows,
-)
+from learner.schedule import MicroLimits, minibatch_rows, my_rows, read_rows
+from learner.step_stats import Phases, Throughput, export_step, step_summary
+from learner.update import ActorParams, actor_update, critic_update
 
 log = logging.getLogger("learner")
 
@@ -116,6 +109,7 @@ class Learner:
         self.row_limits = row_limits(cfg)
         self.oracle = ChainOracle(self.tokenizer, cfg.algo.oracle_line_accuracy) if cfg.algo.critic == "oracle" else None
         self.last: dict[str, Any] = {}
+        self.throughput = Throughput(cfg, critic_path)  # model shapes and the device peak, for MFU
 
     # ------------------------------------------------------------------------------------------- step
 
@@ -164,8 +158,11 @@ class Learner:
         stats.update(step_summary(d.batch, staleness=d.staleness, version=self.version,
                                   positive_reward=self.cfg.buffer.positive_reward, policy=self.policy,
                                   critic=self.critic, phases=t, t_start=t_start))
-        stats.update(step_token_passes(d.batch, t.seconds, self.cfg.learner.ppo_epochs,
-                                       value_pass=self.critic is not None and self.value_pass))
+        ran = {m: read_rows(d.batch, torch.arange(d.batch.size), m) for m in ("policy", "critic")}
+        value_pass = self.critic is not None and self.value_pass
+        stats.update(step_token_passes(d.batch, t.seconds, self.cfg.learner.ppo_epochs, value_pass=value_pass, rows=ran))
+        stats.update(self.throughput.stats(d.batch, stats, value_pass=value_pass,
+                                           rows={p: ran[m] for p, (m, _) in PHASE_PASSES.items()}))
         self.samples_seen += stats["samples"]
         export_step(self.metrics, stats, d.staleness)
         self.last = stats
@@ -194,7 +191,7 @@ class Learner:
 
     def step_data(self, batch: Batch) -> StepData:
         cfg, ac = self.cfg, self.cfg.algo
-        limits = MicroLimits.from_config(cfg.learner, cfg.actors.temperature)
+        limits = MicroLimits.from_config(cfg, cfg.actors.temperature)
         minibatches = minibatch_rows(batch.size, cfg.learner.mini_batches, cfg.run.seed, self.version)
         lam = (length_adaptive_lambda(batch.lengths, ac.alpha) if ac.length_adaptive
                else torch.full((batch.size,), ac.lambda_actor))

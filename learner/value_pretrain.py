@@ -39,10 +39,12 @@ from learner.batch import collate_scored, fetch_usable, row_limits
 from learner.compute import batch_tokens
 from learner.data import BufferSource, DataSource, fetch
 from learner.dist import global_explained_variance, rank
+from learner.forwards import compute_values
 from learner.host_tensors import load_host_tensors
 from learner.models import build_critic, collect, full_state_dict, release, save_critic
 from learner.records import append_jsonl
-from learner.update import MicroLimits, compute_values, critic_update, minibatch_rows, my_rows
+from learner.schedule import MicroLimits, minibatch_rows, my_rows
+from learner.update import critic_update
 
 log = logging.getLogger("learner.value_pretrain")
 
@@ -182,7 +184,7 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
     metrics = metrics or Metrics("learner")
     pad = pad_token_id(load_tokenizer(cfg.model.path))
     critic = build_critic(cfg, lr=settings.lr)
-    micro = MicroLimits.from_config(cfg.learner)
+    micro = MicroLimits.from_config(cfg)
     usable = _usable_fetcher(cfg, source, metrics)
     held_batch = collate_scored(usable(settings.eval_groups), pad, cfg)
     initial_ev, _ = heldout_ev(critic, held_batch, cfg.algo.gamma, micro)

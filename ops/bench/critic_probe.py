@@ -43,8 +43,10 @@ from common.tasks.addition import teacher_response
 from learner.batch import collate
 from learner.dist import global_explained_variance, setup_distributed
 from learner.evaluate import generate
+from learner.forwards import compute_values
 from learner.models import build_critic, load_policy_module
-from learner.update import compute_values, critic_update, minibatch_rows
+from learner.schedule import minibatch_rows
+from learner.update import critic_update
 from learner.value_pretrain import heldout_ev, value_targets
 
 log = logging.getLogger("critic_probe")

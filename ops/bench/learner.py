@@ -117,7 +117,7 @@ def main() -> int:
         ds = Learner(cfg, None)
         lc = cfg.learner
         plain = Learner(cfg, None, models=(
-            PlainModel(load_policy_module(mdir), lc.actor_lr, lc.weight_decay, lc.grad_clip),
+            PlainModel(load_policy_module(mdir, packing=lc.packing), lc.actor_lr, lc.weight_decay, lc.grad_clip),
             PlainModel(load_critic_module(cfg), lc.critic_lr, lc.weight_decay, lc.grad_clip)))
         res: dict[str, list[dict[str, Any]]] = {"deepspeed": [], "plain": []}
         rounds: dict[str, list[Timed]] = {"deepspeed": [], "plain": []}

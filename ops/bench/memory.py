@@ -24,7 +24,7 @@ of a short step's peak; ``--embeddings frozen`` leaves them out to show activati
 GB here); ``new_over_old_at_16k`` is therefore measured at the smallest vocabulary, and the largest
 vocabulary's old peak at 16k is also given as a linear extrapolation from the T values it ran at.
 
-Padding: the scheduler (``learner.update.plan`` + ``equalize``) cuts a batch with the embedded task's lengths
+Padding: the scheduler's padded layout (``learner.schedule``, learner.packing=false) cuts a batch with the embedded task's lengths
 (default config, 256 rows, 2 mini-batches, learner.micro_batch_tokens=1024) and a long-tailed paper-like
 batch (8192 rows, lognormal responses capped at 20k tokens, 16 mini-batches, 8 ranks, 32768-token
 budget); waste = padded + filler tokens / all tokens the forwards process.
@@ -125,15 +125,19 @@ def padding_waste(prompt_lens: list[int], resp_lens: list[int], mini_batches: in
     configured (``sort=False``: the old cut, micro_batch_size rows in permutation order, no fillers)."""
     import torch  # noqa: PLC0415 - measured: loaded inside the figures' window
 
-    from learner.update import MicroLimits, equalize, minibatch_rows, plan  # noqa: PLC0415 - measured: loaded inside the figures' window
+    from common.microplan import Workload, cut_shares, deal  # noqa: PLC0415 - measured: loaded inside the figures' window
+    from learner.schedule import minibatch_rows  # noqa: PLC0415 - measured: loaded inside the figures' window
 
     b = SimpleNamespace(prompt_lengths=torch.tensor(prompt_lens), lengths=torch.tensor(resp_lens))
     seq = b.prompt_lengths + b.lengths
+    lengths = seq.tolist()
     real = processed = 0
     for mb in minibatch_rows(len(prompt_lens), mini_batches, seed, 0):
-        if sort:
-            per_rank = plan(mb, b, MicroLimits(rows, tokens), world)  # type: ignore[arg-type]
-            micro = [m.rows for r in range(world) for m in equalize(per_rank, b, r)]  # type: ignore[arg-type]
+        if sort:  # the padded layout as learner.schedule cuts it (fillers: a rank's empty slots, the shortest row)
+            plan = cut_shares(deal(lengths, mb.tolist(), world, Workload()), lengths, tokens, Workload(), packed=False,
+                              max_rows=rows)
+            shortest = mb[torch.argmin(seq[mb])].reshape(1)
+            micro = [torch.tensor(m) if m else shortest for p in plan for m in p]
         else:
             share = [mb[r::world] for r in range(world)]
             micro = [s[i: i + rows] for s in share for i in range(0, len(s), rows)]

@@ -7,7 +7,7 @@ The rollout server's own decode loop (``common.generation.scheduler.Scheduler``:
 cache, batched decode) samples ``samples`` responses to each of ``prompts`` training prompts of the config's
 task, once with the model loaded in bfloat16 and once in float32, and returns each token's log-prob as the
 engine would send it. An fp32 ``Learner`` of the same config then scores the same tokens with the same
-weights (version 0) exactly as in a step (``learner.update.compute_logprobs``), and
+weights (version 0) exactly as in a step (``learner.forwards.compute_logprobs``), and
 ``learner.losses.mismatch_stats`` gives the per-token KL(π_engine ‖ π_learner) (k3 estimate) and the largest
 ratio π_learner/π_engine. The fp32 engine's mismatch is the floor (different kernels, same precision).
 
@@ -39,9 +39,9 @@ from common.generation.scheduler import Scheduler, Sequence  # noqa: E402
 from common.modeling import load_model, load_tokenizer  # noqa: E402
 from common.protocol import Sample, SampleGroup  # noqa: E402
 from common.tasks import encode_prompt, get_task  # noqa: E402
+from learner.forwards import compute_logprobs  # noqa: E402
 from learner.losses import mismatch_stats  # noqa: E402
 from learner.train import Learner  # noqa: E402
-from learner.update import compute_logprobs  # noqa: E402
 
 
 def sample(model_path: str, dtype: str, prompts: list[list[int]], n: int, max_new: int, eos: set[int],

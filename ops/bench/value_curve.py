@@ -51,9 +51,9 @@ from common.tasks import Prompt, Task, decode_response, encode_prompt, get_task
 from learner.advantages import gae, length_adaptive_lambda, terminal_rewards
 from learner.batch import collate
 from learner.evaluate import generate
+from learner.forwards import compute_values
 from learner.losses import masked_whiten
 from learner.models import load_critic_module, load_policy_module
-from learner.update import compute_values
 
 BEFORE, AFTER = 18, 36  # tokens shown around the first mistake (2 and 4 lines of the chain task)
 

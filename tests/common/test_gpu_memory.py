@@ -1,5 +1,6 @@
 """The GPU memory estimate of a placement (``common.gpu_memory``): parameter counts of published models, model
-states by ZeRO stage, and a critic of its own shape in the check."""
+states by ZeRO stage, a critic of its own shape in the check, and a micro-batch's activations by how many layers
+recompute."""
 
 from __future__ import annotations
 
@@ -8,8 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from common.config import load_config
-from common.gpu_memory import GIB, check_memory, count_parameters, model_state_bytes
+from common.config import ConfigError, load_config
+from common.gpu_memory import (
+    GIB,
+    activation_bytes,
+    check_memory,
+    count_parameters,
+    layer_activation_elements,
+    model_state_bytes,
+)
 from tests.common.placement_fixtures import QWEN_05B, QWEN_7B, QWEN_32B
 
 
@@ -49,3 +57,27 @@ def test_a_critic_of_its_own_shape_is_counted_in_the_memory_check(tmp_path: Path
     transient = (152064 * 5120 - 152064 * 3584) * 2 / GIB  # the 32B embedding instead of the 7B one
     assert (big["learner_build_peak_gib_per_gpu"] - big["learner_states_gib_per_gpu"]
             - same["learner_build_peak_gib_per_gpu"] + same["learner_states_gib_per_gpu"]) == pytest.approx(transient, abs=0.02)
+
+
+def test_activations_follow_the_checkpointed_layers_and_refuse_what_cannot_fit() -> None:
+    """Qwen2.5-32B (h 5120, q 5120, kv 1024, intermediate 27648, 64 layers): a layer keeps 4·5120 + 2·5120 +
+    2·1024 + 4·27648 = 143,360 elements a token, a checkpointed one its input, 5120. At 24,576 tokens in bf16 with
+    every layer recomputed: (64 · 5120 + 143,360) · 2 bytes a token, plus a 2^26-element logit chunk and its softmax
+    (2 · 4 bytes each) = 22.06 GiB; recomputing every 2nd layer keeps 32 layers whole: 224 GiB, refused on 80 GiB."""
+    assert layer_activation_elements(QWEN_32B) == (143_360, 5120)
+    every1 = activation_bytes(QWEN_32B, 24_576, True, 1, "bf16", 1 << 26)
+    assert every1 == 24_576 * (64 * 5120 + 143_360) * 2 + 8 * (1 << 26)
+    assert every1 / GIB == pytest.approx(22.06, abs=0.01)
+    every2 = activation_bytes(QWEN_32B, 24_576, True, 2, "bf16", 1 << 26)
+    assert every2 == 24_576 * (32 * 143_360 + 32 * 5120 + 143_360) * 2 + 8 * (1 << 26)
+    assert activation_bytes(QWEN_32B, 24_576, False, 1, "bf16", 0) == 24_576 * 64 * 143_360 * 2
+
+    def check(*extra: str) -> dict:
+        cfg = load_config(None, ["learner.zero_stage=3", "learner.precision=bf16", "model.dtype=bfloat16",
+                                 "learner.micro_batch_tokens=24576", "learner.activation_checkpointing=true",
+                                 "learner.logits_chunk_elements=67108864", "placement.gpu_memory_gib=80", *extra])
+        return check_memory(cfg, [], [], list(range(48)), QWEN_32B)
+
+    assert check()["learner_activations_gib_per_gpu"] == pytest.approx(22.06, abs=0.01)
+    with pytest.raises(ConfigError, match="learner.micro_batch_tokens: a training micro-batch's activations"):
+        check("learner.activation_checkpointing_every=2")

@@ -61,7 +61,8 @@ def test_a_sampling_temperature_is_applied_to_the_learners_log_probs(tiny_model_
     (at temperature 1 it would compare two different distributions)."""
     import numpy as np
 
-    from learner.update import MicroLimits, compute_logprobs
+    from learner.forwards import compute_logprobs
+    from learner.schedule import MicroLimits
 
     extra = ("actors.temperature=0.5", "engine.logprobs=scaled", "learner.off_policy=rollout_correction")
     groups = synth_groups(4, 4, VOCAB, seed=8)

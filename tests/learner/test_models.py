@@ -92,7 +92,7 @@ def test_surprise_head_sees_unlikely_tokens_saves_and_gets_its_lr(tiny_model_dir
     assert torch.allclose(critic(x, torch.ones_like(x), start), torch.full((2, 9), 0.5))
     with torch.no_grad():
         h = critic.backbone(input_ids=x, attention_mask=torch.ones_like(x)).last_hidden_state
-        feats = critic._surprise_features(h, x, torch.ones_like(x), start)
+        feats = critic._padded_surprise_features(h, x, torch.ones_like(x), start)
     assert feats.shape == (2, 9, 2)
     assert torch.all(feats[0, :4] == 0) and torch.all(feats[1, :6] == 0)  # prompt tokens carry no surprise
     assert torch.all(feats[0, 4:, 1] < 0)  # log-probabilities of the response tokens
@@ -133,7 +133,7 @@ def test_surprise_head_refuses_untied_embeddings_and_chunks_its_logprobs(tiny_mo
     start = torch.tensor([4, 6, 2])
     with torch.no_grad():
         h = critic.backbone(input_ids=x, attention_mask=attn).last_hidden_state
-        feats = critic._surprise_features(h, x, attn, start)
+        feats = critic._padded_surprise_features(h, x, attn, start)
         # The whole [B, S, V] computation, as before the chunking.
         logp = torch.log_softmax(h[:, :-1] @ critic.backbone.get_input_embeddings().weight.t(), dim=-1)
         tok = torch.cat([torch.zeros(3, 1), logp.gather(-1, x[:, 1:, None]).squeeze(-1)], dim=1)

@@ -10,9 +10,9 @@ import torch
 
 from learner.batch import collate
 from learner.models import load_critic_module, load_policy_module
+from learner.schedule import minibatch_rows
 from learner.synthetic import synth_groups
 from learner.train import Learner
-from learner.update import minibatch_rows
 from tests.learner.synth import reference_gae
 from tests.learner.train_fixtures import VOCAB, make_cfg, max_diff
 
@@ -156,7 +156,7 @@ def test_decoupled_equals_behaviour_when_on_policy(tiny_model_dir: Path) -> None
     behaviour weight 1) must give exactly the behaviour-ratio update."""
     import numpy as np
 
-    from learner.update import compute_logprobs
+    from learner.forwards import compute_logprobs
 
     groups = synth_groups(4, 4, VOCAB, seed=5)
     probe = Learner(make_cfg(tiny_model_dir), None)
@@ -240,7 +240,7 @@ def _on_policy(groups, model: Path):
     """``groups`` with behaviour logprobs equal to the untrained policy's own (fp32, the same weights)."""
     import numpy as np
 
-    from learner.update import compute_logprobs
+    from learner.forwards import compute_logprobs
 
     probe = Learner(make_cfg(model), None)
     b = collate(groups, probe.pad_id)

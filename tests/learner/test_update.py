@@ -1,5 +1,5 @@
-"""learner.update scheduling: token-budget micro-batches, equal counts on every rank, and that the way a
-step is cut (rows or tokens, chunked or full logits, with or without a value pass) does not change it."""
+"""learner.update: the way a step is cut and run (packed or padded rows, rows or tokens, chunked or full logits,
+every or some layers recomputed, with or without a value pass) does not change the update it makes."""
 
 from __future__ import annotations
 
@@ -9,55 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.modeling import build_tiny_qwen2
 from learner.batch import collate
+from learner.models import checkpointed_layers, enable_activation_checkpointing
 from learner.synthetic import synth_groups
 from learner.train import Learner
-from learner.update import MicroLimits, cut, equalize, plan, seq_lengths
 from tests.learner.train_fixtures import VOCAB, make_cfg, max_diff
 
 
 def _batch(n_groups: int = 3, group_size: int = 5, seed: int = 0):
     return collate(synth_groups(n_groups, group_size, VOCAB, seed=seed, resp_len=(1, 40), max_new_tokens=40), pad_id=0)
-
-
-def test_cut_respects_rows_and_token_budget_longest_first() -> None:
-    seq = torch.tensor([10, 50, 20, 30, 5, 45])
-    rows = torch.arange(6)
-    # Budget 100: [50, 45] (2 x 50 = 100), [30, 20, 10] (3 x 30 = 90), then 5 alone would fit with them
-    # (4 x 30 = 120 > 100 does not): [5].
-    assert [c.tolist() for c in cut(rows, seq, 8, 100)] == [[1, 5], [3, 2, 0], [4]]
-    assert [c.tolist() for c in cut(rows, seq, 2)] == [[1, 5], [3, 2], [0, 4]]  # rows only
-    # A row longer than the budget goes alone; none is dropped.
-    assert [c.tolist() for c in cut(rows, seq, 8, 40)] == [[1], [5], [3], [2, 0], [4]]
-    assert cut(torch.zeros(0, dtype=torch.long), seq, 4, 10) == []
-
-
-def test_every_rank_runs_the_same_number_of_micro_batches() -> None:
-    b = _batch()
-    seq = seq_lengths(b)
-    rows = torch.arange(b.size)
-    lim = MicroLimits(rows=64, tokens=60)
-    per_rank = plan(rows, b, lim, 3)
-    # Each row in exactly one micro-batch; each within the budget (or alone); similar lengths together.
-    assert sorted(torch.cat([m for p in per_rank for m in p]).tolist()) == list(range(b.size))
-    assert all(len(m) == 1 or len(m) * int(seq[m].max()) <= 60 for p in per_rank for m in p)
-    # Padded tokens per rank are balanced to within one micro-batch.
-    load = [sum(len(m) * int(seq[m].max()) for m in p) for p in per_rank]
-    assert max(load) - min(load) <= max(len(m) * int(seq[m].max()) for p in per_rank for m in p)
-    # Rank 2 gets only the shortest rows here, so it needs fewer micro-batches and gets fillers.
-    order = torch.argsort(seq, descending=True)
-    lopsided = [cut(order[:7], seq, 64, 60), cut(order[7:13], seq, 64, 60), cut(order[13:], seq, 64, 60)]
-    plans = [equalize(lopsided, b, r) for r in range(3)]
-    assert len({len(p) for p in plans}) == 1 and len(plans[0]) > len(lopsided[2]) >= 1
-    shortest = int(seq.min())
-    for r, p in enumerate(plans):
-        assert [m.rows.tolist() for m in p if m.weight > 0] == [m.tolist() for m in lopsided[r]]
-        assert all(len(m.rows) == 1 and int(seq[m.rows[0]]) == shortest for m in p if m.weight == 0)
-    # The LM-head chunk count is derived from peak_tokens: it must be the same on every rank.
-    assert len({tuple(m.peak_tokens for m in p) for p in plans}) == 1
-    # Fewer rows than ranks: one row each, the rest fillers; at least `world` micro-batches when rows allow.
-    assert [len(p) for p in plan(rows[:2], b, lim, 3)] == [1, 1, 0]
-    assert min(len(p) for p in plan(rows, b, MicroLimits(rows=64), 3)) == 1
 
 
 def _run(model: Path, *extra: str) -> Learner:
@@ -78,9 +39,21 @@ def _same_gradients(a: Learner, b: Learner, rel: float = 1e-5) -> None:
         assert a.last[k] == pytest.approx(b.last[k], rel=rel), (k, a.last[k], b.last[k])
 
 
+def test_packed_update_equals_padded_update(tiny_model_dir: Path) -> None:
+    """Packed micro-batches (one token stream, block-diagonal attention) against right-padded rows, both cut
+    into several micro-batches: the same gradients and parameters (fp32), with the entropy bonus's gradient too."""
+    padded = _run(tiny_model_dir, "learner.packing=false", "algo.entropy_coef=0.01")
+    packed = _run(tiny_model_dir, "learner.packing=true", "algo.entropy_coef=0.01", "learner.micro_batch_tokens=90")
+    assert max_diff(_both(padded), _both(packed)) < 1e-5
+    _same_gradients(padded, packed)
+    for k in ("policy_loss", "nll_loss", "entropy", "approx_kl", "critic_loss", "value_explained_variance"):
+        assert padded.last[k] == pytest.approx(packed.last[k], abs=1e-5), k
+    assert max_diff(_both(padded), _both(Learner(make_cfg(tiny_model_dir), None))) > 1e-4  # the step did something
+
+
 def test_token_budget_update_equals_row_count_update(tiny_model_dir: Path) -> None:
-    rows = _run(tiny_model_dir, "learner.micro_batch_size=3")
-    tokens = _run(tiny_model_dir, "learner.micro_batch_size=64", "learner.micro_batch_tokens=60")
+    rows = _run(tiny_model_dir, "learner.packing=false", "learner.micro_batch_size=3")
+    tokens = _run(tiny_model_dir, "learner.packing=false", "learner.micro_batch_size=64", "learner.micro_batch_tokens=60")
     assert max_diff(_both(rows), _both(tokens)) < 1e-5
     _same_gradients(rows, tokens)
     assert max_diff(_both(rows), _both(Learner(make_cfg(tiny_model_dir), None))) > 1e-4  # the step did something
@@ -102,7 +75,31 @@ def test_activation_checkpointing_gives_the_same_update(tiny_model_dir: Path) ->
     ckpt = _run(tiny_model_dir, "learner.activation_checkpointing=true")
     assert all(getattr(m, "gradient_checkpointing", False) for m in (ckpt.policy.module.model, ckpt.critic.module.backbone))
     assert not getattr(plain.policy.module.model, "gradient_checkpointing", False)
+    assert [checkpointed_layers(m.module) for m in (plain.policy, ckpt.policy, ckpt.critic)] == [0, 1, 1]
     assert max_diff(_both(plain), _both(ckpt)) < 1e-5
+    _same_gradients(plain, ckpt)
+
+
+def test_every_kth_layer_recomputes_and_the_gradients_do_not_change() -> None:
+    """learner.activation_checkpointing_every=2 on a 3-layer model: layers 0 and 2 run their attention again in the
+    backward (2 calls each), layer 1 keeps its activations (1 call); the gradients equal no checkpointing's."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (2, 9))
+    grads, calls = [], []
+    for every in (0, 2):
+        torch.manual_seed(1)
+        model = build_tiny_qwen2(50, hidden_size=32, num_layers=3, num_heads=2, num_kv_heads=1)
+        model.train()
+        if every:
+            enable_activation_checkpointing(model, every)
+        n = [0, 0, 0]
+        for i, layer in enumerate(model.model.layers):  # the layer's own hooks stay outside the checkpoint
+            layer.self_attn.register_forward_pre_hook(lambda *_, i=i, n=n: n.__setitem__(i, n[i] + 1))
+        model(input_ids=ids).logits.square().mean().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        calls.append(n)
+    assert calls == [[1, 1, 1], [2, 1, 2]]
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
 
 def test_monte_carlo_targets_need_no_value_pass(tiny_model_dir: Path) -> None:
@@ -111,7 +108,7 @@ def test_monte_carlo_targets_need_no_value_pass(tiny_model_dir: Path) -> None:
     counts: dict[str, int] = {}
 
     def run(*extra: str) -> Learner:
-        learner = Learner(make_cfg(tiny_model_dir, "learner.mini_batches=1", *extra), None)
+        learner = Learner(make_cfg(tiny_model_dir, "learner.mini_batches=1", "learner.packing=false", *extra), None)
         n = [0]
         learner.critic.module.register_forward_pre_hook(lambda *_: n.__setitem__(0, n[0] + 1))
         learner.step(synth_groups(4, 4, VOCAB, seed=32))
@@ -120,7 +117,7 @@ def test_monte_carlo_targets_need_no_value_pass(tiny_model_dir: Path) -> None:
 
     fast, slow, pre = run(), run("algo.value_clip=1e6"), run("algo.actor_values=pre_update")
     assert max_diff(_both(fast), _both(slow)) < 1e-6
-    # 16 rows, micro_batch_size 3: 6 forwards per pass; the default runs update + fresh values only,
+    # 16 rows, padded, micro_batch_size 3: 6 forwards per pass; the default runs update + fresh values only,
     # pre_update a value pass + update (the advantages read the value pass: no fresh values).
     assert counts == {"default": 12, "algo.value_clip=1e6": 18, "algo.actor_values=pre_update": 12}
     # pre_update reports the EV of the value pass, values no update has seen: here the slow run's.
@@ -137,7 +134,8 @@ def test_actor_and_critic_update_take_keywords_and_actor_params(tiny_model_dir: 
     policy; the critic update reports its loss and moves the critic."""
 
     from learner.advantages import terminal_rewards
-    from learner.update import ActorParams, actor_update, critic_update, minibatch_rows
+    from learner.schedule import minibatch_rows
+    from learner.update import ActorParams, actor_update, critic_update
 
     cfg = make_cfg(tiny_model_dir, "algo.clip_low=0.1", "algo.clip_high=0.3", "nll.coef=0.5", "learner.ppo_epochs=2")
     params = ActorParams.from_config(cfg)

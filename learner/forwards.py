@@ -1,0 +1,153 @@
+"""The learner's forward passes over one micro-batch: the critic's V(s_t) and the policy's log π (not a CLI).
+
+    v = critic_values(critic, batch, micro)                            # [n, T] fp32
+    logp, ent, sub = policy_logprobs(policy, batch, micro, limits)     # [n, T] fp32
+    values = compute_values(critic, batch, minibatches, limits)        # [B, T], no grad, this rank's rows
+
+A micro-batch runs packed (``learner.packing``: one token stream, ``learner.packing``) or padded (rows right-padded
+to the longest, ``Batch.select``); both give the same numbers (tests/learner/test_forwards.py).
+
+The policy's LM head runs on the response positions only (``learner.logits_chunk_elements`` > 0) and as ONE call of
+the head module per micro-batch and pass, whatever the chunk count: the model is called with ``logits_to_keep`` = the
+response positions, and for that call the head's ``forward`` is the chunked log-prob computation itself
+(``learner.losses.chunked_token_logprobs``, each chunk's ``[n, vocab]`` logits recomputed in the backward from the
+head's weight). Under ZeRO-3 each module call gathers the module's weight, and a call order that changes between
+micro-batches invalidates DeepSpeed's prefetch trace: calling the head once per chunk re-gathered it per chunk (1.56 GB
+at Qwen2.5-32B) and, with a per-micro-batch chunk count, kept the trace from ever completing. Here the module order is
+the same in every micro-batch, the head is gathered once per forward (and once per backward), and ranks may run
+different chunk counts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from learner.batch import Batch, gather_positions
+from learner.losses import chunked_token_logprobs, entropy_from_logits, token_logprobs
+from learner.packing import pack, unpack
+from learner.schedule import Micro, MicroLimits, as_minibatches, micro_batches
+
+
+def model_device(model: Any) -> torch.device:
+    return next(model.module.parameters()).device
+
+
+def critic_values(critic: Any, batch: Batch, micro: Micro) -> Tensor:
+    """V(s_t) ``[len(rows), T_rows]`` fp32 with grad (T trimmed to those rows)."""
+    dev = model_device(critic)
+    if micro.packed:
+        p = pack(batch, micro.rows).to(dev)
+        v = critic(p.input_ids, None, None, packed=p)
+        return unpack(v, p).float()
+    sub = batch.select(micro.rows).to(dev)
+    v = critic(sub.input_ids, sub.attention_mask, sub.prompt_lengths)
+    return gather_positions(v, sub.positions).float()
+
+
+@contextmanager
+def head_replaced(head: torch.nn.Module, forward: Callable[[Tensor], Tensor]) -> Iterator[None]:
+    """For the duration, calling ``head`` runs ``forward`` (with the module's hooks: ZeRO-3's gather runs once)."""
+    own = head.__dict__.get("forward")
+    head.forward = forward  # type: ignore[method-assign]  # an instance attribute shadows the class's forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own  # type: ignore[method-assign]
+
+
+def _logprob_head(lm_head: torch.nn.Module, targets: Tensor, limits: MicroLimits, entropy: bool,
+                  entropy_grad: bool) -> Callable[[Tensor], Tensor]:
+    """The head's forward for one call: hidden ``[R, H]`` at the response positions → ``[2, R]`` (log π of
+    ``targets``, entropy or zeros), the logits computed ``logit_elements`` at a time from the head's own weight."""
+    weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+    temp = limits.temperature
+
+    def logits(x: Tensor) -> Tensor:
+        out = torch.nn.functional.linear(x, weight, bias)
+        return out if temp == 1.0 else out / temp
+
+    def forward(h: Tensor) -> Tensor:
+        chunks = max(1, math.ceil(h.shape[0] * weight.shape[0] / max(1, limits.logit_elements)))
+        lp, ent = chunked_token_logprobs(h, logits, targets, chunks, entropy=entropy, entropy_grad=entropy_grad)
+        return torch.stack([lp, ent])
+
+    return forward
+
+
+def policy_logprobs(policy: Any, batch: Batch, micro: Micro, limits: MicroLimits, entropy: bool = True,
+                    entropy_grad: bool = False) -> tuple[Tensor, Tensor | None, Batch]:
+    """log π of each response token ``[n, T_rows]`` fp32 (0 on padding), its entropy (or None) and the rows'
+    sub-batch. ``limits.logit_elements`` > 0: the LM head over the response tokens only (one head call, chunked
+    inside); 0: full logits. ``entropy_grad``: the entropy enters the loss (otherwise a detached metric). π is
+    softmax(logits / ``limits.temperature``), the distribution the engines sampled from."""
+    dev = model_device(policy)
+    sub = batch.select(micro.rows)
+    real = sub.mask > 0  # [n, T]
+    if micro.packed:
+        p = pack(batch, micro.rows).to(dev)
+        inputs: dict[str, Any] = {"input_ids": p.input_ids, **p.model_kwargs()}
+        where = torch.zeros(p.input_ids.shape, dtype=torch.bool, device=dev)  # [1, N]
+        where[0, p.positions[real.to(dev)]] = True
+    else:
+        sub_dev = sub.to(dev)
+        inputs = {"input_ids": sub_dev.input_ids, "attention_mask": sub_dev.attention_mask}
+        where = torch.zeros(sub.input_ids.shape, dtype=torch.bool, device=dev)  # [n, S]
+        r, t = real.nonzero(as_tuple=True)
+        where[r.to(dev), sub_dev.positions[r, t]] = True
+    if limits.logit_elements <= 0:
+        logits = policy(**inputs).logits
+        logits = (unpack(logits, p) if micro.packed else gather_positions(logits, sub_dev.positions)) / limits.temperature
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            ent = entropy_from_logits(logits) if entropy else None
+        return token_logprobs(logits, sub.response_ids.to(dev)), ent, sub
+    # Flattened in (row, position) order, which is (row, t) order: a row's response positions increase with t.
+    targets = sub.response_ids.to(dev)[real.to(dev)]
+    lm_head = policy.module.get_output_embeddings()
+    with head_replaced(lm_head, _logprob_head(lm_head, targets, limits, entropy, entropy_grad)):
+        out = policy(**inputs, logits_to_keep=where).logits  # [2, R]
+    idx = real.nonzero(as_tuple=True)
+    logp = out.new_zeros(real.shape, device=dev).index_put(tuple(i.to(dev) for i in idx), out[0])
+    ent = out.new_zeros(real.shape, device=dev).index_put(tuple(i.to(dev) for i in idx), out[1]) if entropy else None
+    return logp, ent, sub
+
+
+def put_rows(dst: Tensor, rows: Tensor, x: Tensor) -> None:
+    """``dst[rows, :T] = x`` (``x`` ``[len(rows), T]``, detached, on the host)."""
+    dst[rows, : x.shape[1]] = x.detach().to(dst.dtype).cpu()
+
+
+@torch.no_grad()
+def compute_values(critic: Any, batch: Batch, rows: Tensor | list[Tensor], limits: MicroLimits | int) -> Tensor:
+    """Full-size ``[B, T]`` fp32 values, filled on this rank's share of ``rows`` (a tensor, or the mini-batches,
+    dealt to the ranks as the updates deal them); 0 elsewhere."""
+    out = torch.zeros(batch.mask.shape, dtype=torch.float32)
+    critic.eval()
+    for mb in micro_batches(as_minibatches(rows), batch, limits, grad=False, model="critic"):
+        v = critic_values(critic, batch, mb)
+        if mb.weight > 0:
+            put_rows(out, mb.rows, v)
+    critic.train()
+    return out * batch.mask
+
+
+@torch.no_grad()
+def compute_logprobs(policy: Any, batch: Batch, rows: Tensor | list[Tensor], limits: MicroLimits | int) -> Tensor:
+    """Full-size ``[B, T]`` current-policy logprobs of the response tokens on this rank's share of ``rows``."""
+    out = torch.zeros(batch.mask.shape, dtype=torch.float32)
+    lim = MicroLimits.of(limits)
+    policy.eval()
+    for mb in micro_batches(as_minibatches(rows), batch, lim, grad=False, model="policy"):
+        logp, _, _ = policy_logprobs(policy, batch, mb, lim, entropy=False)
+        if mb.weight > 0:
+            put_rows(out, mb.rows, logp)
+    policy.train()
+    return out * batch.mask
