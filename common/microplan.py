@@ -164,17 +164,55 @@ def _water(shares: list[list[int]], lengths: Sequence[int], k: int, work: Worklo
     return caps
 
 
+def _sorted_cut(share: list[int], lengths: Sequence[int], budget: int, max_rows: int) -> list[list[int]]:
+    """The padded layout's cut of one share: rows longest first, a micro-batch grows while it has at most
+    ``max_rows`` rows (> 0) and rows × its longest ≤ ``budget`` (a longer row goes alone), so that neighbours in
+    length share a micro-batch and little of it is padding."""
+    out: list[list[int]] = []
+    for row in _longest_first(share, lengths):
+        cur = out[-1] if out else None
+        if cur and (max_rows <= 0 or len(cur) < max_rows) and (len(cur) + 1) * int(lengths[cur[0]]) <= budget:
+            cur.append(row)
+        else:
+            out.append([row])
+    return out
+
+
+def _padded_shares(shares: list[list[int]], lengths: Sequence[int], budget: int, work: Workload,
+                   max_rows: int) -> list[list[list[int]]]:
+    """``cut_shares`` of the padded layout: each share's ``_sorted_cut``, the ranks with fewer micro-batches than
+    the most splitting their costliest (halves of a sorted run stay sorted), empty slots only for a rank with fewer
+    rows than that; heaviest first on every rank."""
+    cuts = [_sorted_cut(share, lengths, budget, max_rows) for share in shares]
+    k = max((len(c) for c in cuts), default=0)
+
+    def cost(m: list[int]) -> float:
+        return work.micro([int(lengths[i]) for i in m], packed=False)
+
+    for c in cuts:
+        while len(c) < k and any(len(m) > 1 for m in c):
+            j = max((j for j in range(len(c)) if len(c[j]) > 1), key=lambda j: (cost(c[j]), -j))
+            m = c.pop(j)
+            c[j:j] = [m[: len(m) // 2], m[len(m) // 2:]]
+        c.sort(key=lambda m: (-cost(m), m[0]))
+        c.extend([] for _ in range(k - len(c)))
+    return cuts
+
+
 def cut_shares(shares: list[list[int]], lengths: Sequence[int], budget: int, work: Workload, packed: bool = True,
                max_rows: int = 0) -> list[list[list[int]]]:
     """Each rank's share cut into the same number k of micro-batches: the fewest (that the greedy cut finds)
     that keep every micro-batch within ``budget`` tokens (a row longer than it goes alone; ``max_rows`` > 0 caps rows, padded layout only),
-    ordered heaviest first on every rank; a rank with fewer rows than k ends with empty lists.
+    ordered heaviest first on every rank; a rank with fewer rows than k ends with empty lists. Padded
+    (``packed=False``): ``_padded_shares``.
 
     Index j runs in lockstep on every rank, so the cut aims at a common profile rather than at equal micro-
     batches within a rank: where one rank's longest row makes its first micro-batch heavy, the others fill
     their first micro-batch as far and lighten the rest. Of the LPT cut and the cut toward that profile
     (``_water``, then toward the profile it reached) the one with the lower lockstep cost is kept."""
-    max_rows = 0 if packed else max_rows
+    if not packed:  # padding is the padded layout's cost: neighbours in length together, as its old planner did
+        return _padded_shares(shares, lengths, budget, work, max_rows)
+    max_rows = 0
     need = 0
     for share in shares:
         k = _fewest(share, lengths, budget, packed, max_rows)

@@ -134,7 +134,8 @@ def padding_waste(prompt_lens: list[int], resp_lens: list[int], mini_batches: in
     real = processed = 0
     for mb in minibatch_rows(len(prompt_lens), mini_batches, seed, 0):
         if sort:  # the padded layout as learner.schedule cuts it (fillers: a rank's empty slots, the shortest row)
-            plan = cut_shares(deal(lengths, mb.tolist(), world, Workload()), lengths, tokens, Workload(), packed=False,
+            budget = tokens or rows * int(seq.max())  # learner.schedule's budget: 0 = rows x the batch's longest
+            plan = cut_shares(deal(lengths, mb.tolist(), world, Workload()), lengths, budget, Workload(), packed=False,
                               max_rows=rows)
             shortest = mb[torch.argmin(seq[mb])].reshape(1)
             micro = [torch.tensor(m) if m else shortest for p in plan for m in p]

@@ -16,17 +16,18 @@ BENCH = ("-m", "ops.bench.memory")
 
 
 def test_padding_waste_counts_padding_and_fillers() -> None:
-    # Rows of 10, 10, 2, 2 tokens (prompt 1 + response): one mini-batch, one rank, 2 rows per micro-batch.
-    # Sorted longest first: [10, 10] and [2, 2], no padding.
+    # Rows of 10, 10, 2, 2 tokens (prompt 1 + response): one mini-batch, one rank, 2 rows per micro-batch (budget
+    # 2 x 10): sorted longest first, [10, 10] and [2, 2], no padding.
     p, r = [1, 1, 1, 1], [9, 1, 9, 1]
     assert memory.padding_waste(p, r, 1, 1, 2, 0) == 0.0
-    # Two ranks, budget 10 tokens: micro-batches [10], [10], [2, 2] (2 × 10 > 10); dealt by padded tokens:
-    # rank 0 [10] then [2, 2], rank 1 [10] and a filler (the shortest row, 2 tokens) to match the count.
-    # Processed 26 for 24 real.
-    assert memory.padding_waste(p, r, 1, 2, 8, 10) == round(1 - 24 / 26, 4)
-    # Three rows [10, 2, 2] on two ranks, rows only (at most ceil(3 / 2) = 2 rows per micro-batch so that
-    # both ranks get work): [10, 2] → 2 × 10 = 20 on rank 0, [2] on rank 1. Processed 22 for 14: waste 8 / 22.
-    assert memory.padding_waste([1, 1, 1], [9, 1, 1], 1, 2, 8, 0) == round(1 - 14 / 22, 4)
+    # Two ranks, budget 10 tokens: the deal gives each rank a 10 and a 2 (longest first to the least loaded), each
+    # cut into [10] and [2]: the same count on both ranks, no filler, no padding.
+    assert memory.padding_waste(p, r, 1, 2, 8, 10) == 0.0
+    # Three rows [10, 2, 2] on two ranks, rows only (budget 8 x 10): rank 0 gets the 10, rank 1 both 2s, one
+    # micro-batch each: [10] and [2, 2], no padding.
+    assert memory.padding_waste([1, 1, 1], [9, 1, 1], 1, 2, 8, 0) == 0.0
+    # A 10 and a 2 on one rank in one micro-batch: padded to 2 x 10 = 20 for 12 real tokens.
+    assert memory.padding_waste([1, 1], [9, 1], 1, 1, 8, 0) == round(1 - 12 / 20, 4)
 
 
 @pytest.mark.slow
