@@ -64,6 +64,8 @@ def test_buffer_quick() -> None:
                                                       line["raw_groups_rounds"], line["raw_s_rounds"], strict=True)]
     assert line["ratio_rounds"] == pytest.approx(rates, rel=0.05)
     assert line["serve_groups"] > 0 and line["serve_latency_decoded_s"] >= line["serve_latency_bytes_s"] > 0
+    # the buffer held one call at most (it refuses more), drained before each call: 2 senders x 8 groups
+    assert line["capacity_groups"] == line["groups_per_call"] == 16 and 0 < line["disk_peak_mb"] < 64
 
 
 def test_the_ceiling_is_the_transport_and_the_lmdb_writes_sharing_the_cores() -> None:
