@@ -64,10 +64,11 @@ def head_replaced(head: torch.nn.Module, forward: Callable[[Tensor], Tensor]) ->
             head.forward = own  # type: ignore[method-assign]
 
 
-def _logprob_head(lm_head: torch.nn.Module, targets: Tensor, limits: MicroLimits, entropy: bool,
-                  entropy_grad: bool) -> Callable[[Tensor], Tensor]:
-    """The head's forward for one call: hidden ``[R, H]`` at the response positions → ``[2, R]`` (log π of
-    ``targets``, entropy or zeros), the logits computed ``logit_elements`` at a time from the head's own weight."""
+def _logprob_head(lm_head: torch.nn.Module, rows: Tensor, slots: Tensor, targets: Tensor, limits: MicroLimits,
+                  entropy: bool, entropy_grad: bool) -> Callable[[Tensor], Tensor]:
+    """The head's forward for one call: hidden states ``[B, M, H]`` at the kept positions → ``[2, R]`` (log π of
+    ``targets`` ``[R]``, entropy or zeros) for the R response tokens at ``[rows, slots]``, the logits computed
+    ``logit_elements`` at a time from the head's own weight."""
     weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
     temp = limits.temperature
 
@@ -75,7 +76,8 @@ def _logprob_head(lm_head: torch.nn.Module, targets: Tensor, limits: MicroLimits
         out = torch.nn.functional.linear(x, weight, bias)
         return out if temp == 1.0 else out / temp
 
-    def forward(h: Tensor) -> Tensor:
+    def forward(x: Tensor) -> Tensor:
+        h = x[rows, slots]
         chunks = max(1, math.ceil(h.shape[0] * weight.shape[0] / max(1, limits.logit_elements)))
         lp, ent = chunked_token_logprobs(h, logits, targets, chunks, entropy=entropy, entropy_grad=entropy_grad)
         return torch.stack([lp, ent])
@@ -91,32 +93,32 @@ def policy_logprobs(policy: Any, batch: Batch, micro: Micro, limits: MicroLimits
     softmax(logits / ``limits.temperature``), the distribution the engines sampled from."""
     dev = model_device(policy)
     sub = batch.select(micro.rows)
-    real = sub.mask > 0  # [n, T]
+    real = (sub.mask > 0).to(dev)  # [n, T]
+    r, t = real.nonzero(as_tuple=True)  # (row, t) order: a row's response positions increase with t
     if micro.packed:
         p = pack(batch, micro.rows).to(dev)
         inputs: dict[str, Any] = {"input_ids": p.input_ids, **p.model_kwargs()}
-        where = torch.zeros(p.input_ids.shape, dtype=torch.bool, device=dev)  # [1, N]
-        where[0, p.positions[real.to(dev)]] = True
+        keep = p.positions[r, t]  # [R] stream positions; the head sees [1, R, H]
+        rows, slots = torch.zeros_like(keep), torch.arange(len(keep), device=dev)
     else:
         sub_dev = sub.to(dev)
         inputs = {"input_ids": sub_dev.input_ids, "attention_mask": sub_dev.attention_mask}
-        where = torch.zeros(sub.input_ids.shape, dtype=torch.bool, device=dev)  # [n, S]
-        r, t = real.nonzero(as_tuple=True)
-        where[r.to(dev), sub_dev.positions[r, t]] = True
+        where = sub_dev.positions[r, t]
+        keep = torch.unique(where)  # [M] sorted: every row's forward keeps these positions; the head sees [n, M, H]
+        rows, slots = r, torch.searchsorted(keep, where)
     if limits.logit_elements <= 0:
         logits = policy(**inputs).logits
         logits = (unpack(logits, p) if micro.packed else gather_positions(logits, sub_dev.positions)) / limits.temperature
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             ent = entropy_from_logits(logits) if entropy else None
         return token_logprobs(logits, sub.response_ids.to(dev)), ent, sub
-    # Flattened in (row, position) order, which is (row, t) order: a row's response positions increase with t.
-    targets = sub.response_ids.to(dev)[real.to(dev)]
+    targets = sub.response_ids.to(dev)[r, t]
     lm_head = policy.module.get_output_embeddings()
-    with head_replaced(lm_head, _logprob_head(lm_head, targets, limits, entropy, entropy_grad)):
-        out = policy(**inputs, logits_to_keep=where).logits  # [2, R]
-    idx = real.nonzero(as_tuple=True)
-    logp = out.new_zeros(real.shape, device=dev).index_put(tuple(i.to(dev) for i in idx), out[0])
-    ent = out.new_zeros(real.shape, device=dev).index_put(tuple(i.to(dev) for i in idx), out[1]) if entropy else None
+    # A 1-D logits_to_keep (positions kept in every row) is what every transformers version since 4.45 takes.
+    with head_replaced(lm_head, _logprob_head(lm_head, rows, slots, targets, limits, entropy, entropy_grad)):
+        out = policy(**inputs, logits_to_keep=keep).logits  # [2, R]
+    logp = out.new_zeros(real.shape).index_put((r, t), out[0])
+    ent = out.new_zeros(real.shape).index_put((r, t), out[1]) if entropy else None
     return logp, ent, sub
 
 
