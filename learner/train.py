@@ -107,6 +107,8 @@ class Learner:
         self.samples_seen = 0
         self.metrics = metrics or Metrics("learner")
         self.row_limits = row_limits(cfg)
+        # How micro-batches are cut: the workload model reads model.path's config.json once, not every step.
+        self.limits = MicroLimits.from_config(cfg, cfg.actors.temperature)
         self.oracle = ChainOracle(self.tokenizer, cfg.algo.oracle_line_accuracy) if cfg.algo.critic == "oracle" else None
         self.last: dict[str, Any] = {}
         self.throughput = Throughput(cfg, critic_path)  # model shapes and the device peak, for MFU
@@ -191,7 +193,7 @@ class Learner:
 
     def step_data(self, batch: Batch) -> StepData:
         cfg, ac = self.cfg, self.cfg.algo
-        limits = MicroLimits.from_config(cfg, cfg.actors.temperature)
+        limits = self.limits
         minibatches = minibatch_rows(batch.size, cfg.learner.mini_batches, cfg.run.seed, self.version)
         lam = (length_adaptive_lambda(batch.lengths, ac.alpha) if ac.length_adaptive
                else torch.full((batch.size,), ac.lambda_actor))
