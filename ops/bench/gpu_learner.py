@@ -63,6 +63,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -198,7 +199,9 @@ class Check:
             torch.cuda.synchronize()
 
     def step(self, layout: str, groups: list[Any], measured: bool) -> dict[str, Any]:
-        self.learner.cfg.learner.packing = layout == "packed"  # read by every step's MicroLimits.from_config
+        # The learner builds its micro-batch limits once at start; the layout is switched there.
+        self.learner.cfg.learner.packing = layout == "packed"
+        self.learner.limits = replace(self.learner.limits, packed=layout == "packed")
         if self.traffic is not None:
             self.traffic.measuring = measured
         inval0 = sum(self.traffic.invalidations.values()) if self.traffic else 0
