@@ -29,6 +29,8 @@ class Prompt:
     split: str = "train"  # "train" | "eval"
     index: int = 0  # position in its split's stream (train) or list (eval)
     bucket: str = ""  # difficulty / length bucket label, e.g. "3d" for 3-column additions
+    data_source: str = ""  # the dataset the item came from: per-source figures and reward functions key on it
+    extra_info: str = ""  # the item's extra fields as JSON text, handed to a user's reward function
 
 
 @dataclass(frozen=True)
