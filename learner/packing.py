@@ -122,9 +122,20 @@ def attention_buckets(lengths: list[int]) -> list[list[int]]:
 _plan: dict[str, Any] = {}  # the last stream's buckets and gather indices: every layer of a forward reuses them
 
 
-def _gather_plan(cu: Tensor) -> list[tuple[Tensor, Tensor, int]]:
-    """Per bucket: stream index of every (row, slot) ``[n, L]`` (slots past a row's end read its first token),
-    the real slots ``[n, L]`` bool, and L."""
+@dataclass(frozen=True)
+class _Bucket:
+    """One attention call: a single row is a slice of the stream (``index`` None); several rows are gathered into
+    ``[n, L]`` slots (``index``: the stream index of each slot, slots past a row's end reading its first token) and
+    only the real slots (``real``, positions in the ``n·L`` slots) are written back to ``dst`` in the stream."""
+
+    start: int
+    L: int
+    index: Tensor | None = None  # [n·L] long
+    real: Tensor | None = None  # [r] long
+    dst: Tensor | None = None  # [r] long
+
+
+def _gather_plan(cu: Tensor) -> list[_Bucket]:
     if _plan.get("cu") is cu:
         return _plan["buckets"]
     bounds = cu.tolist()
@@ -132,10 +143,15 @@ def _gather_plan(cu: Tensor) -> list[tuple[Tensor, Tensor, int]]:
     plan = []
     for rows in attention_buckets(lengths):
         L = lengths[rows[0]]
+        if len(rows) == 1:
+            plan.append(_Bucket(bounds[rows[0]], L))
+            continue
         start = torch.tensor([bounds[i] for i in rows], device=cu.device)[:, None]
         slot = torch.arange(L, device=cu.device)[None, :]
         real = slot < torch.tensor([lengths[i] for i in rows], device=cu.device)[:, None]
-        plan.append((torch.where(real, start + slot, start), real, L))
+        index = torch.where(real, start + slot, start).flatten()
+        kept = real.flatten().nonzero().squeeze(1)
+        plan.append(_Bucket(0, L, index, kept, index[kept]))
     _plan.update(cu=cu, buckets=plan)
     return plan
 
@@ -147,19 +163,27 @@ def _packed_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, at
 
     Rows of similar length are gathered into one right-padded batch and run as one causal SDPA call
     (``attention_buckets``): a real query attends only to earlier slots of its own row, all real, so the padding
-    changes nothing; only the real slots are scattered back."""
+    changes nothing; only the real slots are written back. A row alone in its call is a slice of the stream: no
+    gather, and its backward no scatter."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
-    gqa = query.shape[1] != key.shape[1]
+    gqa, p = query.shape[1] != key.shape[1], dropout if module.training else 0.0
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, d]
     out = q.new_empty(q.shape)
-    for index, real, _ in _gather_plan(cu):
+    for b in _gather_plan(cu):
+        if b.index is None:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                *(x[b.start:b.start + b.L].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, scale=scaling,
+                dropout_p=p, enable_gqa=gqa)  # [1, heads, L, d]
+            out[b.start:b.start + b.L] = o[0].transpose(0, 1)
+            continue
+        n = b.index.numel() // b.L
         o = torch.nn.functional.scaled_dot_product_attention(
-            q[index].transpose(1, 2), k[index].transpose(1, 2), v[index].transpose(1, 2), is_causal=True,
-            scale=scaling, dropout_p=dropout if module.training else 0.0, enable_gqa=gqa)  # [n, heads, L, d]
-        out[index[real]] = o.transpose(1, 2)[real]
+            *(x.index_select(0, b.index).view(n, b.L, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)),
+            is_causal=True, scale=scaling, dropout_p=p, enable_gqa=gqa)  # [n, heads, L, d]
+        out.index_copy_(0, b.dst, o.transpose(1, 2).flatten(0, 1).index_select(0, b.real))
     return out[None], None
 
 

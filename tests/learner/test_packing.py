@@ -44,12 +44,13 @@ def test_segment_cummin_restarts_at_each_row() -> None:
 @pytest.mark.parametrize("lengths", [(7, 2, 11), (300, 2, 700, 640)])
 def test_packed_attention_keeps_rows_apart_and_unpacked_calls_are_sdpa(lengths: tuple[int, ...]) -> None:
     """Rows of different lengths through a model with grouped-query attention (4 query heads, 2 kv heads): the
-    packed stream's logits equal each row's own forward, whether the rows share one padded attention call (all
-    short) or three (700 with 640, 300 alone, 2 alone); an unpacked padded call equals plain SDPA's."""
+    packed stream's logits and parameter gradients equal each row's own forward's, whether the rows share one
+    padded attention call (all short) or three (700 with 640, 300 alone, 2 alone); an unpacked padded call equals
+    plain SDPA's."""
     torch.manual_seed(0)
     model = build_tiny_qwen2(40, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2).eval()
     rows = [torch.randint(3, 40, (1, n)) for n in lengths]
-    alone = [model(input_ids=r).logits for r in rows]
+    alone = [model(input_ids=r).logits for r in rows]  # kept with their graphs: the gradients are compared below
     n, longest = len(rows), max(lengths)
     padded = torch.zeros(n, longest, dtype=torch.long)
     mask = torch.zeros(n, longest, dtype=torch.long)
@@ -65,7 +66,15 @@ def test_packed_attention_keeps_rows_apart_and_unpacked_calls_are_sdpa(lengths: 
     starts = p.cu_seqlens.tolist()
     for i, ref in enumerate(alone):
         assert torch.allclose(out[starts[i]: starts[i + 1]], ref[0], atol=1e-5), i
-    again = model(input_ids=padded, attention_mask=mask).logits
+    weights = torch.randn(out.shape)  # a loss that reads every position differently
+    (out * weights).sum().backward()
+    packed_grads = [q.grad.clone() for q in model.parameters()]
+    model.zero_grad()
+    sum((ref[0] * weights[starts[i]: starts[i + 1]]).sum() for i, ref in enumerate(alone)).backward()
+    for got, want in zip(packed_grads, [q.grad for q in model.parameters()], strict=True):
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        again = model(input_ids=padded, attention_mask=mask).logits
     assert torch.allclose((again - sdpa) * mask[..., None], torch.zeros_like(sdpa), atol=1e-6)
     # Without the row boundaries the stream would attend across rows: the check above can fail.
     leaky = model(input_ids=p.input_ids, position_ids=p.position_ids).logits[0]
