@@ -11,9 +11,11 @@ counting rows x the longest). Response lengths are log-normal with a long tail (
 mean ``--mean`` after capping at ``--cap``, spread ``--sigma``; prompts log-normal around ``--prompt``, one per group),
 a scaled-down version of the paper's long chains of thought; the JSON line gives the parameters and what the draw gave.
 
-Rounds (``ops/bench/measure.py``): each round draws a fresh batch; the padded side, the packed side and a matmul
-ceiling run in an order rotated every round (a load change hits all three); each learner side repeats its step on the
-round's batch until it ran ``--min-round-s``. Judged: ``packed_over_padded`` = packed real tokens/s over padded real
+Rounds: each round draws a fresh batch; the two learner sides take one step each in turn (padded first in even
+rounds, packed first in odd ones) until each has run ``--min-round-s`` on the round's batch, and a matmul ceiling
+is timed after them. Steps alternate rather than each side running its whole share in one block: on a machine
+shared with other work the load changes within seconds, and one side's block of ~20 s could fall in a busy spell
+and the other's in a quiet one (per-round ratios of 0.96-2.0 in one run that way). Judged: ``packed_over_padded`` = packed real tokens/s over padded real
 tokens/s per round (real: the rows' prompt + response tokens, never padding), **goal >= 1.15**: median, range,
 interquartile range, verdict. Beside it, per side, "CPU MFU": model FLOPs of the real tokens
 (``learner.compute.step_model_flops``: no padding, no recompute) per second over the round's fp32 matmul ceiling at
@@ -55,7 +57,7 @@ from common.microplan import SIGMA, Rows, synthetic_lengths
 from common.modeling import build_char_tokenizer, build_tiny_qwen2, save_hf
 from common.protocol import Sample, SampleGroup
 from learner.train import Learner
-from ops.bench.measure import MIN_ROUNDS, Run, Timed, rotate, summarise
+from ops.bench.measure import MIN_ROUNDS, Run, Timed, summarise
 
 GOAL = 1.15  # packed real tokens/s over padded: no row cap, no padding, fewer calls
 PADDED_ROWS = 4  # the paper's micro-batch rows (the padded baseline's row cap)
@@ -130,16 +132,22 @@ class Side:
         return {"wall": wall, "cpu": cpu, "tokens": st["tokens"], "model_flops": st.get("model_flops", 0.0), "calls": calls,
                 "tokens_run": run, "real_run": real, "mfu_learner": st.get("mfu"), "phases": st["phase_seconds"]}
 
-    def round(self, groups: list[SampleGroup], min_s: float) -> Timed:
-        """Steps on the round's batch until they ran ``min_s`` (at least one); real tokens over their seconds."""
-        done, recs = Timed(0, 0.0), []
-        while not recs or done.seconds < min_s:
-            rec = self.step(groups)
-            recs.append(rec)
-            done = done + Timed(rec["tokens"], rec["wall"])
+    def record(self, recs: list[dict[str, Any]]) -> Timed:
+        """Keep one round's steps; their real tokens over their seconds."""
         self.steps.extend(recs)
+        done = Timed(sum(r["tokens"] for r in recs), sum(r["wall"] for r in recs))
         self.rounds.append({"timed": done, "flops": sum(r["model_flops"] for r in recs)})
         return done
+
+
+def paired_round(sides: list[Side], groups: list[SampleGroup], min_s: float) -> dict[str, Timed]:
+    """The sides step on ``groups`` one step each in turn, in the order given, until every side ran ``min_s``
+    (at least one step each): a change in the machine's load lands on both alike."""
+    recs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in sides}
+    while any(not recs[s.name] or sum(r["wall"] for r in recs[s.name]) < min_s for s in sides):
+        for side in sides:
+            recs[side.name].append(side.step(groups))
+    return {side.name: side.record(recs[side.name]) for side in sides}
 
 
 def ceiling(hidden: int, seconds: float) -> Timed:
@@ -181,6 +189,11 @@ def side_figures(side: Side, ceilings: list[float]) -> dict[str, Any]:
     }
 
 
+def order(r: int) -> tuple[str, ...]:
+    """Which side steps first in round ``r``: padded in even rounds, packed in odd ones."""
+    return SIDES if r % 2 == 0 else SIDES[::-1]
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m ops.bench.packing", description=__doc__.split("\n\n")[0])
     for key, val in DEFAULTS.items():
@@ -211,9 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         sides = build_sides(model, args)
         for side in sides.values():  # warm-up on batch 0 (allocator, DeepSpeed's first step), not counted
             side.step(batches[0])
-        rounds = rotate({"padded": lambda r: sides["padded"].round(batches[r + 1], args.min_round_s),
-                         "packed": lambda r: sides["packed"].round(batches[r + 1], args.min_round_s),
-                         "ceiling": lambda _r: ceiling(args.hidden, args.ceiling_s)}, args.rounds)
+        rounds = [{**paired_round([sides[n] for n in order(r)], batches[r + 1], args.min_round_s),
+                   "ceiling": ceiling(args.hidden, args.ceiling_s)} for r in range(args.rounds)]
     ceilings = [r["ceiling"].rate for r in rounds]
     ratios = [r["packed"].rate / r["padded"].rate for r in rounds]
     figs = {name: side_figures(sides[name], ceilings) for name in SIDES}
@@ -228,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         "matmul_ceiling_tflops_range": [round(min(ceilings), 4), round(max(ceilings), 4)],
         "ratio_cpu_time": round(figs["packed"]["real_tokens_per_cpu_s"] / max(figs["padded"]["real_tokens_per_cpu_s"], 1e-9), 4),
         "cpu_mfu_packed_over_padded": round(figs["packed"]["cpu_mfu"] / max(figs["padded"]["cpu_mfu"], 1e-12), 4),
-        "order": [[*SIDES, "ceiling"][r % 3:] + [*SIDES, "ceiling"][:r % 3] for r in range(args.rounds)], **figs,
+        "order": [[*order(r), "ceiling"] for r in range(args.rounds)], **figs,
     }
     print(json.dumps(out))
     return 0

@@ -33,8 +33,8 @@ def test_quick_line_is_well_formed_and_its_counts_agree() -> None:
     # CPU MFU: model FLOPs of real tokens over a matmul ceiling measured in each round.
     assert line["matmul_ceiling_tflops"] > 0 and all(0 < s["cpu_mfu"] for s in (packed, padded))
     assert math.isclose(line["cpu_mfu_packed_over_padded"], packed["cpu_mfu"] / padded["cpu_mfu"], rel_tol=1e-2)
-    # The draw: capped log-normal responses, their parameters printed; the rotation of the three sides.
+    # The draw: capped log-normal responses, their parameters printed; which side steps first alternates by round.
     lengths = line["lengths"]
     assert (lengths["mean"], lengths["cap"]) == (QUICK["mean"], QUICK["cap"]) and lengths["response_max"] <= QUICK["cap"]
     assert 0 <= lengths["truncated_fraction"] <= 1 and lengths["response_sigma"] == 1.0
-    assert line["order"] == [[*SIDES, "ceiling"], [SIDES[1], "ceiling", SIDES[0]]]
+    assert line["order"] == [[*SIDES, "ceiling"], [*SIDES[::-1], "ceiling"]]
