@@ -9,8 +9,8 @@ Only the newest ``learner.keep_weights`` published versions stay in ``<run dir>/
 number of ranks behind it: the checkpoint is verified against its ``COMPLETE`` digests first (a damaged one
 is refused, naming the file and the newest intact checkpoint; nothing is renamed), then the policy's tensors
 are read from DeepSpeed's files: the module states under ZeRO 0-2 (the weights the learner published, memory
-mapped), the fp32 partitions of every rank consolidated under ZeRO-3 (DeepSpeed's ``zero_to_fp32``, lazily,
-one tensor at a time). They are written by ``learner.weights.write_hf``, the writer of the published versions,
+mapped), the fp32 partitions of every rank consolidated under ZeRO-3, and under ZeRO-1/2 for ``--dtype
+float32`` of a bf16/fp16 learner (DeepSpeed's ``zero_to_fp32``; under ZeRO-3 lazily, one tensor at a time). They are written by ``learner.weights.write_hf``, the writer of the published versions,
 against a skeleton of the model on the meta device: safetensors shards, ``config.json`` (its ``dtype`` the
 export's), ``generation_config.json`` and the tokenizer, from the run's base model (``--model``, else the run's
 ``model.path``, else its newest published version). ``export.json`` records where it came from (run,
@@ -70,12 +70,16 @@ def _newest_intact_hint(root: Path) -> str:
 
 def _verified(path: Path) -> bool:
     """``checkpoint.verify``, damage refused with the intact alternative; False for a format-1 checkpoint."""
+    t0 = time.monotonic()
+    log.info("verifying %s against its %s digests", path, checkpoint.COMPLETE)
     try:
         ok = checkpoint.verify(path)
     except checkpoint.CheckpointDamaged as e:
         raise checkpoint.CheckpointDamaged(path, e.file, e.problem, f"not exported; {_newest_intact_hint(path.parent)}") from e
     if not ok:
         log.warning("%s has no digests (written before checkpoints carried them): exporting it unverified", path)
+    else:
+        log.info("%s intact (%.1f s)", path.name, time.monotonic() - t0)
     return ok
 
 
@@ -121,17 +125,19 @@ def _model_states(state: Path) -> dict[str, Any]:
     raise ExportRefused(f"{state} holds no DeepSpeed model states (mp_rank_00_model_states.pt)")
 
 
-def read_policy(ckpt: Path) -> PolicyState:
-    """The policy's tensors in checkpoint ``ckpt``, without its ranks or their devices."""
+def read_policy(ckpt: Path, fp32_master: bool = False) -> PolicyState:
+    """The policy's tensors in checkpoint ``ckpt``, without its ranks or their devices: the module's under
+    ZeRO 0-2 (what was published), the optimizer's fp32 master weights under ZeRO-3 (the only whole copy) and,
+    with ``fp32_master``, under ZeRO-1/2 (more precise than a bf16/fp16 module cast up)."""
     state = ckpt / "policy" / STATE_TAG
     first = _model_states(state)
     stage = int(first.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0))
     ranks = int(first.get("dp_world_size", 1))
     module = first["module"]
     dtype = next((t.dtype for t in module.values() if t.is_floating_point()), torch.float32)
-    if stage < 3:  # rank 0 saved the whole module: the weights as the learner held (and published) them
-        return PolicyState(module, dtype, stage, ranks)
-    log.info("ZeRO-3 checkpoint of %d rank%s: consolidating the fp32 partitions", ranks, "" if ranks == 1 else "s")
+    if stage == 0 or (stage < 3 and not (fp32_master and dtype != torch.float32)):
+        return PolicyState(module, dtype, stage, ranks)  # rank 0 saved the whole module, as it was published
+    log.info("ZeRO-%d checkpoint of %d rank%s: consolidating the fp32 partitions", stage, ranks, "" if ranks == 1 else "s")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read on the CPU, whatever the learner ran on
     from deepspeed.utils.zero_to_fp32 import (  # noqa: PLC0415 - DeepSpeed picks its accelerator at import: after DS_ACCELERATOR is set
         get_fp32_state_dict_from_zero_checkpoint,
@@ -254,7 +260,7 @@ def export(ckpt: Path, out: Path, dtype: str | None = None, model: Path | None =
     """Write checkpoint ``ckpt``'s policy (already verified: ``pick_checkpoint``) to ``out`` as an HF
     directory; returns its provenance (also in ``out/export.json``)."""
     _check_out(out, force)
-    state = read_policy(ckpt)
+    state = read_policy(ckpt, fp32_master=dtype == "float32")
     want = torch_dtype(dtype) if dtype else state.dtype
     source = model_source(ckpt, model)
     module = skeleton(source, want)

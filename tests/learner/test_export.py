@@ -374,3 +374,19 @@ def test_the_real_sglang_serves_an_export(tmp_path: Path) -> None:
         logits = model(ids).logits[0, len(prompt) - 1:-1]
     ours = torch.log_softmax(logits.float(), -1).gather(-1, ids[0, len(prompt):, None])[:, 0]
     assert torch.allclose(torch.tensor(out.output_logprobs), ours, atol=2e-3), (torch.tensor(out.output_logprobs) - ours)
+
+
+def test_zero2_bf16_exports_the_published_weights_and_with_float32_the_fp32_master(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg = load_config(None, [f"run.root={tmp_path}", f"model.path={tiny_model_dir}", *RUN, "learner.total_steps=2",
+                             "learner.zero_stage=2", "learner.precision=bf16",
+                             "learner.publish_addr=tcp://127.0.0.1:0", "learner.query_addr=tcp://127.0.0.1:0"])
+    Runner(cfg, ListSource(synth_groups(8, 2, 60, seed=4))).run()
+    ckpt = cfg.run_dir / "checkpoints" / "v2"
+    prov = export.export(ckpt, tmp_path / "out")
+    assert (prov["zero_stage"], prov["dtype"]) == (2, "bfloat16")
+    published = _assert_is_published(tmp_path / "out", cfg.run_dir, 2)
+    export.export(ckpt, tmp_path / "fp32", dtype="float32")
+    master = load_file(str(tmp_path / "fp32" / "model.safetensors"))
+    assert all(master[k].dtype == torch.float32 and torch.equal(master[k].bfloat16(), v) for k, v in published.items())
+    assert any(not torch.equal(master[k], v.float()) for k, v in published.items())
