@@ -120,7 +120,7 @@ def _model_states(state: Path) -> dict[str, Any]:
     """DeepSpeed's model-states file of (data-parallel) rank 0, memory-mapped: nothing is read until used."""
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
         if (state / name).is_file():
-            # Our own files, checked against COMPLETE's digests; DeepSpeed pickles its config in them.
+            # Our own files (verified against COMPLETE where it lists digests); DeepSpeed pickles its config in them.
             return torch.load(state / name, map_location="cpu", mmap=True, weights_only=False)
     raise ExportRefused(f"{state} holds no DeepSpeed model states (mp_rank_00_model_states.pt)")
 
