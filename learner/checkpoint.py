@@ -2,6 +2,7 @@
 
 Not a CLI; ``learner.runner`` calls ``save`` every ``learner.checkpoint_every`` versions and, on start,
 ``choose`` (rank 0) then ``load`` (every rank) when ``learner.resume`` is ``auto`` or a path.
+``learner.export`` reads a checkpoint's policy out, offline (``newest_intact``, ``verify``).
 
 Layout: ``<run dir>/checkpoints/v<N>/`` with ``policy/`` and ``critic/`` (DeepSpeed ``save_checkpoint``,
 tag ``state``: module, optimizer, lr scheduler), ``rng_rank<r>.pt`` (torch / numpy / python RNG of each
@@ -299,6 +300,18 @@ def set_aside(path: Path) -> Path:
     return dest
 
 
+def newest_intact(root: Path) -> tuple[tuple[int, Path] | None, list[CheckpointDamaged]]:
+    """``(version, path)`` of the newest intact checkpoint under ``root`` (None: none) and the damage of every
+    newer complete one, newest first; verifies, renames nothing."""
+    bad: list[CheckpointDamaged] = []
+    for v, p in reversed(complete_checkpoints(root)):
+        err = _check(p)
+        if err is None:
+            return (v, p), bad
+        bad.append(err)
+    return None, bad
+
+
 def choose(root: Path, damaged: str = "fallback") -> Path | None:
     """Rank 0: the newest intact checkpoint under ``root`` (None when there is no complete one).
 
@@ -308,14 +321,7 @@ def choose(root: Path, damaged: str = "fallback") -> Path | None:
     cps = complete_checkpoints(root)
     if not cps:
         return None
-    bad: list[CheckpointDamaged] = []
-    chosen: tuple[int, Path] | None = None
-    for v, p in reversed(cps):
-        err = _check(p)
-        if err is None:
-            chosen = (v, p)
-            break
-        bad.append(err)
+    chosen, bad = newest_intact(root)
     if not bad:
         return chosen[1] if chosen else None
     what = "; ".join(e.what for e in bad)

@@ -1,6 +1,7 @@
 """Weight push: the policy as HF safetensors in ``<run dir>/weights/v<N>/``, announced on ZeroMQ.
 
-Not a CLI; ``learner.runner`` calls ``publish_policy`` after every ``learner.weights_every`` updates.
+Not a CLI; ``learner.runner`` calls ``publish_policy`` after every ``learner.weights_every`` updates. ``write_hf``, the
+HF writer behind every export, also writes a checkpoint's policy out (``learner.export``).
 
 - Atomic versions: the HF files are written into ``v<N>.tmp``, then a ``STABLE`` marker
   (JSON: version, sha256, files, created_at) is written inside it, then the directory is renamed to
@@ -29,6 +30,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -170,11 +172,22 @@ def export_hf(model: Any, out: Path, tokenizer: Any = None) -> list[str]:
     if rank() != 0:
         _join_gathers(module)
         return []
+    return write_hf(module, iter_host_tensors(module), out, tokenizer)
+
+
+def write_hf(module: nn.Module, tensors: Iterable[tuple[str, Tensor | None]], out: Path, tokenizer: Any = None) -> list[str]:
+    """The HF directory of ``module`` in ``out`` (existing): its state dict from ``tensors`` (name, host tensor;
+    state-dict order, tied aliases left out) as safetensors shards, its config (dtype and architecture from
+    ``module``), generation config and ``tokenizer``; returns the weight file names.
+
+    ``module`` supplies everything but the values: ``export_hf`` passes the live model, ``learner.export`` a
+    skeleton on the meta device. ``tensors`` is drained to its end even after an error (the gathers behind it
+    may be collectives), and the error raised then."""
     error: BaseException | None = None
     writer = ShardWriter(out)
     convert = _needs_conversion(module)
     full: dict[str, Tensor] = {}
-    for name, t in iter_host_tensors(module):
+    for name, t in tensors:
         if error is not None or t is None:
             continue
         try:
