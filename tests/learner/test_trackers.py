@@ -126,6 +126,16 @@ def test_a_crash_keeps_every_record_and_the_restart_resumes_the_same_wandb_run(t
         [(1, 0.25)], [(2, 0.5)]]
 
 
+def test_trackers_get_the_records_without_metrics_jsonl_and_nothing_after_close(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, "metrics.trackers=[tensorboard]", "metrics.jsonl=false")
+    sink = RunRecords.open(cfg)
+    sink.append({"kind": "learner_step", "step": 1, "reward_mean": 0.5})
+    sink.close()
+    sink.append({"kind": "learner_step", "step": 2, "reward_mean": 0.75})  # after close: no tracker takes it
+    assert not (cfg.run_dir / "metrics.jsonl").exists()
+    assert _points(_tensorboard(cfg.run_dir), "reward_mean") == [(1, 0.5)]
+
+
 def test_without_trackers_nothing_is_imported_and_nothing_but_the_file_is_written(tmp_path: Path) -> None:
     code = ("import sys; from common.config import load_config; from learner.records import RunRecords\n"
             f"cfg = load_config(None, ['run.root={tmp_path}', 'run.name=r'])\n"
