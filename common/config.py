@@ -92,6 +92,11 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "algo.loss_agg": ("token_mean", "seq_mean"),
     "placement.remote": ("ssh", "srun"),
     "placement.store_protection": ("", "firewall", "private_network"),
+    "metrics.wandb_mode": ("offline", "online"),
+}
+# List-valued keys whose every item must be one of these.
+_ITEM_CHOICES: dict[str, tuple[str, ...]] = {
+    "metrics.trackers": ("tensorboard", "wandb"),
 }
 
 
@@ -105,6 +110,11 @@ def _validate(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+    for key, allowed in _ITEM_CHOICES.items():
+        section, name = key.split(".")
+        for item in getattr(getattr(cfg, section), name):
+            if item not in allowed:
+                raise ConfigError(f"{key}: {item!r} is not one of {', '.join(allowed)}")
     checks = [*_actor_engine_checks(cfg), *_buffer_checks(cfg), *_learner_algo_checks(cfg), *_placement_task_checks(cfg)]
     for key, ok, why in checks:
         if not ok:

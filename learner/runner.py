@@ -39,7 +39,7 @@ from learner.eval_worker import BackgroundEval
 from learner.evaluate import eval_target, evaluate
 from learner.models import full_state_dict, load_policy_module
 from learner.push_coordinator import pushed_version
-from learner.records import append_jsonl, write_header, write_json_atomic
+from learner.records import RunRecords, header_record, write_json_atomic
 from learner.step_stats import Phases
 from learner.train import Learner
 from learner.value_pretrain import pretrain_critic
@@ -92,9 +92,12 @@ class Runner:
     """The learner process: resume → (publish) → steps with checkpoint / weight push / eval → jsonl."""
 
     def __init__(self, cfg: Config, source: DataSource | None, critic_path: str | Path | None = None,
-                 metrics: Metrics | None = None, endpoints: Endpoints | None = None) -> None:
+                 metrics: Metrics | None = None, endpoints: Endpoints | None = None,
+                 records: RunRecords | None = None) -> None:
         self.cfg = cfg
         self.run_dir = cfg.run_dir
+        # main() opens the sink with the experiment trackers; a Runner made on its own writes the file only.
+        self.records = records if records is not None else RunRecords(cfg)
         self.weights_root = self.run_dir / "weights"
         self.ckpt_root = self.run_dir / "checkpoints"
         resolve_checkpoint(cfg)  # a learner.resume path that does not exist fails before the models are built
@@ -199,8 +202,7 @@ class Runner:
     def _record_eval(self, rec: dict[str, Any]) -> None:
         """The background evaluator's result (its thread): gauges and a metrics.jsonl ``eval`` record."""
         self._set_eval_gauges(rec)
-        if self.cfg.metrics.jsonl:
-            append_jsonl(self.run_dir / "metrics.jsonl", rec)
+        self.records.append(rec)
 
     def run(self) -> Learner:
         learner_cfg = self.cfg.learner
@@ -222,9 +224,7 @@ class Runner:
         rep = self.evaluate()
         if rep:  # in-process; an engine evaluation writes its own record when it completes
             log.info("base policy held-out: %s (%.1f s)", rep, time.perf_counter() - t0)
-            if self.cfg.metrics.jsonl:
-                append_jsonl(self.run_dir / "metrics.jsonl",
-                             {"kind": "eval", "weight_version": 0, "step": 0, "time": time.time(), **rep})
+            self.records.append({"kind": "eval", "weight_version": 0, "step": 0, "time": time.time(), **rep})
 
     def _train_step(self) -> None:
         """One learner step, then its checkpoint, weight push and evaluation when due, timed as phases."""
@@ -249,8 +249,7 @@ class Runner:
     def _record_step(self, stats: dict[str, Any]) -> None:
         """Rank 0: the step's metrics.jsonl record (with the source's running totals) and its log line."""
         stats.update(source_totals(self.learner.source))
-        if self.cfg.metrics.jsonl:
-            append_jsonl(self.run_dir / "metrics.jsonl", {"kind": "learner_step", **stats})
+        self.records.append({"kind": "learner_step", **stats})
         log.info("v%d reward %.3f critic %.4f EV %.3f policy %.4f nll %.3f len %.1f %.0f tok/s MFU %.1f%% %.2fs",
                  self.learner.version, stats["reward_mean"], stats.get("critic_loss", float("nan")),
                  stats.get("value_explained_variance", float("nan")), stats["policy_loss"],
@@ -297,21 +296,25 @@ def main(argv: list[str] | None = None) -> int:
     # One registry for the whole process, served from the start: value pretraining's metrics go to the
     # same /metrics as the RL steps', and Prometheus sees the learner during its slow startup too.
     metrics = Metrics("learner")
-    if rank() == 0:
-        save_config(cfg, cfg.run_dir / "learner_config.yaml")
-        if cfg.metrics.jsonl:
-            write_header(cfg)  # before value pretraining: every record below was produced by this
-        if cfg.metrics.prometheus:
-            metrics.serve(cfg.learner.metrics_port, cfg.metrics.host)
+    # Rank 0's metrics.jsonl and experiment trackers (metrics.trackers), opened once, closed on the way out.
+    records = RunRecords.open(cfg) if rank() == 0 else RunRecords(cfg)
     endpoints: Endpoints | None = None
+    finished = False
     try:
+        if rank() == 0:
+            save_config(cfg, cfg.run_dir / "learner_config.yaml")
+            records.append(header_record(cfg))  # before value pretraining: every record below was produced by this
+            if cfg.metrics.prometheus:
+                metrics.serve(cfg.learner.metrics_port, cfg.metrics.host)
         # Bound before value pretraining: a socket address this host lacks (a placeholder) fails now, not hours in.
         endpoints = Endpoints(cfg, metrics)
         critic_path = None
         if (cfg.value_pretrain.enabled and cfg.algo.advantage == "gae" and resolve_checkpoint(cfg) is None):
-            critic_path = pretrain_critic(cfg, source, metrics=metrics)
-        Runner(cfg, source, critic_path=critic_path, metrics=metrics, endpoints=endpoints).run()
+            critic_path = pretrain_critic(cfg, source, metrics=metrics, records=records)
+        Runner(cfg, source, critic_path=critic_path, metrics=metrics, endpoints=endpoints, records=records).run()
+        finished = True
     finally:
+        records.close(failed=not finished)  # a crash keeps every record so far; W&B marks the run failed
         if endpoints is not None:
             endpoints.close()  # a no-op after run(): it closed them
         shutdown_distributed()

@@ -42,7 +42,7 @@ from learner.dist import global_explained_variance, rank
 from learner.forwards import compute_values
 from learner.host_tensors import load_host_tensors
 from learner.models import build_critic, collect, full_state_dict, release, save_critic
-from learner.records import append_jsonl
+from learner.records import RunRecords
 from learner.schedule import MicroLimits, minibatch_rows, my_rows
 from learner.update import critic_update
 
@@ -116,21 +116,20 @@ def _train_on(critic: Any, cfg: Config, groups: list[SampleGroup], pad: int, mic
     return stats, train_ev
 
 
-def _report(cfg: Config, metrics: Metrics, rec: dict[str, Any]) -> None:
-    """One pretraining step's gauges, metrics.jsonl record and log line."""
+def _report(cfg: Config, metrics: Metrics, records: RunRecords, rec: dict[str, Any]) -> None:
+    """One pretraining step's gauges, metrics.jsonl record (and trackers) and log line."""
     metrics.value_pretrain_step.set(rec["step"])
     metrics.value_pretrain_loss.set(rec["loss"])
     metrics.value_pretrain_explained_variance.set(rec["explained_variance"])
     if rank() == 0:
-        if cfg.metrics.jsonl:
-            append_jsonl(cfg.run_dir / "metrics.jsonl", rec)
+        records.append(rec)
         log.info("value pretraining %d/%d: loss %.4f held-out EV %.4f (best %.4f) V̄ %.3f", rec["step"],
                  cfg.value_pretrain.steps, rec["loss"], rec["explained_variance"], rec["best_explained_variance"],
                  rec["value_mean"])
 
 
 def _train(critic: Any, cfg: Config, usable: Callable[[int], list[SampleGroup]], held_batch: Any, pad: int,
-           micro: MicroLimits, metrics: Metrics, best: _Best) -> int:
+           micro: MicroLimits, metrics: Metrics, records: RunRecords, best: _Best) -> int:
     """Steps until ``value_pretrain.steps`` or patience runs out, keeping ``best`` current; the steps taken."""
     settings, step = cfg.value_pretrain, 0
     while step < settings.steps and best.steps_since < settings.patience:
@@ -143,7 +142,7 @@ def _train(critic: Any, cfg: Config, usable: Callable[[int], list[SampleGroup]],
             best.state = _snapshot(critic)
         else:
             best.steps_since += 1
-        _report(cfg, metrics, {
+        _report(cfg, metrics, records, {
             "kind": "value_pretrain", "step": step, "loss": stats["critic_loss"], "explained_variance": ev,
             "train_explained_variance": train_ev, "value_mean": value_mean,
             "best_explained_variance": best.explained_variance,
@@ -174,8 +173,10 @@ def _save_best(critic: Any, best: _Best, out: Path, steps: int, initial_ev: floa
 
 
 def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = None,
-                    metrics: Metrics | None = None) -> Path:
-    """Run value pretraining and return the saved critic's directory (reused if it already exists)."""
+                    metrics: Metrics | None = None, records: RunRecords | None = None) -> Path:
+    """Run value pretraining and return the saved critic's directory (reused if it already exists).
+
+    Its records go to ``records`` (the learner's sink, trackers included); without one, to metrics.jsonl."""
     settings = cfg.value_pretrain
     out = out or cfg.run_dir / "critic_pretrained"
     if out.is_dir() and (out / "value_head.safetensors").is_file():
@@ -190,7 +191,7 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
     initial_ev, _ = heldout_ev(critic, held_batch, cfg.algo.gamma, micro)
     best = _Best(initial_ev, _snapshot(critic))
     log.info("value pretraining: held-out EV %.4f before training", initial_ev)
-    steps = _train(critic, cfg, usable, held_batch, pad, micro, metrics, best)
+    steps = _train(critic, cfg, usable, held_batch, pad, micro, metrics, records or RunRecords(cfg), best)
     if best.explained_variance < settings.min_explained_variance:
         log.warning("value pretraining ended with explained variance %.4f < %.4f", best.explained_variance,
                     settings.min_explained_variance)
@@ -211,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         return cfg
     setup_logging(cfg.run.log_level)
     source = BufferSource(cfg.buffer.serve_addr, cfg.buffer.max_staleness, curve=cfg.buffer.curve) if rank() == 0 else None
-    print(pretrain_critic(cfg, source))
+    with RunRecords.open(cfg) if rank() == 0 else RunRecords(cfg) as records:
+        print(pretrain_critic(cfg, source, records=records))
     return 0
 
 

@@ -116,3 +116,20 @@ def test_metrics_on_a_non_loopback_address_need_a_stated_protection() -> None:
     assert load_config(None, ["metrics.host=0.0.0.0", "metrics.prometheus=false"]).metrics.host == "0.0.0.0"
     with pytest.raises(ConfigError, match="metrics.bind_protection"):
         load_config(None, ["metrics.host=0.0.0.0", "metrics.bind_protection=hope"])
+
+
+def test_trackers_are_a_list_of_known_names_from_a_file_or_the_command_line(tmp_path: Path) -> None:
+    assert load_config(None, []).metrics.trackers == []  # none unless asked for
+    cfg = load_config(None, ["metrics.trackers=[tensorboard,wandb]"])
+    assert cfg.metrics.trackers == ["tensorboard", "wandb"] and cfg.metrics.wandb_mode == "offline"
+    p = tmp_path / "c.yaml"
+    p.write_text("metrics:\n  trackers: [wandb]\n  wandb_mode: online\n  wandb_project: mine\n")
+    cfg = load_config(p)
+    assert (cfg.metrics.trackers, cfg.metrics.wandb_mode, cfg.metrics.wandb_project) == (["wandb"], "online", "mine")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["metrics.trackers=[tensorboard,mlflow]"])
+    assert str(e.value) == "metrics.trackers: 'mlflow' is not one of tensorboard, wandb"
+    with pytest.raises(ConfigError, match="metrics.trackers: expected a list"):
+        load_config(None, ["metrics.trackers=tensorboard"])
+    with pytest.raises(ConfigError, match="metrics.wandb_mode: 'cloud' is not one of offline, online"):
+        load_config(None, ["metrics.wandb_mode=cloud"])

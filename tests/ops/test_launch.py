@@ -49,7 +49,9 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory):
     name = "smoke-e2e"
     # Two engines, one restart each: actor-0 is killed once (restarted), actor-1 twice (given up), and the
     # run finishes on actor-0 alone.
-    overrides = [*smoke_overrides(root, name), "actors.num_actors=2", "engine.max_restarts=1"]
+    # The learner also feeds TensorBoard (metrics.trackers), read back below against metrics.jsonl.
+    overrides = [*smoke_overrides(root, name), "actors.num_actors=2", "engine.max_restarts=1",
+                 "metrics.trackers=[tensorboard]"]
     run_dir = root / name
     prom = None
     prom_port = None
@@ -139,6 +141,29 @@ def test_smoke_run_completes_and_writes_the_run_dir(smoke_run) -> None:
     base = load_config(ROOT / "ops/configs/smoke.yaml").model.path
     assert summary["provenance"]["base"]["sha256"] == weights_sha256(ROOT / base)
     assert "held-out accuracy" in smoke_run["out"]
+
+
+def test_smoke_run_feeds_tensorboard_every_metrics_jsonl_record(smoke_run) -> None:
+    """``metrics.trackers=[tensorboard]`` through the real learner process: the event file holds the metric
+    names of metrics.jsonl's step records (and value pretraining's, evaluations'), each step at its version."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from learner.trackers import scalars
+
+    assert smoke_run["rc"] == 0, smoke_run["out"][-4000:]
+    run_dir: Path = smoke_run["run_dir"]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "learner_step"]
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    step_names = set().union(*(scalars(r) for r in steps))
+    assert {"reward_mean", "critic_loss", "policy_loss", "phase_seconds/actor_update"} <= step_names <= tags
+    assert tags == set().union(*(scalars(r) for r in records if r["kind"] != "header"))
+    assert any(t.startswith("value_pretrain/") for t in tags)  # value pretraining's records went there too
+    assert [(e.step, e.value) for e in acc.Scalars("reward_mean")] == [
+        (r["step"], pytest.approx(r["reward_mean"])) for r in steps]
+    assert {"config/text_summary", "header/text_summary"} <= set(acc.Tags()["tensors"])
 
 
 def test_smoke_run_leaves_no_process_behind(smoke_run) -> None:
