@@ -58,7 +58,7 @@ from common.config import Config
 from common.metrics import Metrics
 from common.security import ClientKeys, client_curve_keys
 from common.sglang_client import SGLangError
-from common.tasks import get_task
+from common.tasks import fit_task, get_task
 
 log = logging.getLogger("vapo.actors.worker")
 REPORT_EVERY_S = 10.0
@@ -227,7 +227,12 @@ class RolloutWorker:
         def tokenizer() -> Any:
             from common.modeling import load_tokenizer  # noqa: PLC0415 - torch and transformers load in this thread, while the engine boots
 
-            return load_tokenizer(model_path)
+            tok = load_tokenizer(model_path)
+            try:
+                fit_task(self.task, self.cfg, tok)  # prompts too long for the engine: skipped or refused, before any is drawn
+            except ValueError as e:
+                raise WorkerError(str(e)) from None
+            return tok
 
         # The engine boots (seconds) while this process imports transformers for the tokenizer.
         self.groups.tokenizer, _ = await asyncio.gather(asyncio.to_thread(tokenizer), link.connect())

@@ -71,6 +71,7 @@ class ConfigError(ValueError):
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "run.device": ("cpu", "cuda"),
+    "task.bad_rows": ("skip", "error"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "engine.kind": ("rollout_server", "sglang", "external"),
     "engine.logprobs": ("original", "scaled"),

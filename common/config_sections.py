@@ -35,14 +35,21 @@ class RunConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = f("addition", "task: addition | chain | reasoning_gym:<generator> | jsonl:<path>")
+    name: str = f("addition", "task: addition | chain | reasoning_gym:<generator> | jsonl:<path> | dataset:<path> (a .jsonl, a .parquet or a datasets.save_to_disk directory; docs/DATA.md)")
     min_digits: int = f(1, "addition: fewest digits per operand")
     max_digits: int = f(6, "addition: most digits per operand (response length grows with digits)")
     min_steps: int = f(5, "chain: fewest steps (a response has 9 tokens per step + 4)")
     max_steps: int = f(44, "chain: most steps (steps are drawn log-uniformly, so long responses are a tail)")
     eval_buckets: int = f(10, "held-out split = operands whose hash falls in bucket 0 of this many")
     eval_size: int = f(256, "number of held-out prompts used for evaluation")
-    train_size: int = f(0, "reasoning_gym/jsonl: number of training items (0 = generator/file default)")
+    train_size: int = f(0, "reasoning_gym/jsonl/dataset: number of training items (0 = generator/file default)")
+    prompt_key: str = f("", "dataset: the prompt column, a string or a list of chat messages (dotted for a nested field; empty = auto: prompt | question | problem)")
+    answer_key: str = f("", "dataset: the reference answer column (dotted for a nested field; empty = auto: reward_model.ground_truth | answer | solution)")
+    data_source_key: str = f("", "dataset: the column naming each row's source (empty = auto: data_source, else the file's stem)")
+    extra_info_key: str = f("", "dataset: the column of each row's extra fields, kept as JSON text for reward functions (empty = auto: extra_info, else none)")
+    instruction: str = f("", "text appended verbatim to every prompt (a chat prompt's last user turn); jsonl: empty keeps its \\boxed instruction")
+    shuffle: bool = f(True, "dataset: train in a shuffled order (a new permutation each pass over the rows, drawn from task.seed) instead of file order")
+    bad_rows: str = f("skip", "dataset: rows without an answer, with an empty or malformed prompt, or too long for the context: skip (counted and named at start) | error (refuse to start)")
     reward_min: float = f(0.0, "lowest reward the task's verifier gives: the buffer refuses a group below it, the learner drops such a row")
     reward_max: float = f(1.0, "highest reward the task's verifier gives: the buffer refuses a group above it, the learner drops such a row")
     seed: int = f(1234, "task seed (fixed so the held-out split is the same across runs)")

@@ -1,6 +1,7 @@
 """Files a config names, checked before a run starts (``ops/launch.sh CONFIG --dry-run`` and every launch).
 
     missing_files(cfg, root)   # ["model.path: /models/x has no config.json", ...]; [] when all are there
+    check_dataset(cfg, root)   # a dataset: task's rows loaded and fitted to the context: (problems, bad-row report)
 
 Relative paths are taken from ``root`` (the repository: every process of a run starts there). Paths the
 launcher itself creates are not required: the base model when it can bootstrap one (``learner.sft``), the
@@ -11,6 +12,7 @@ checks host 0.
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from pathlib import Path
 
@@ -71,6 +73,10 @@ def missing_files(cfg: Config, root: Path) -> list[str]:
         data = _path(root, cfg.task.name.split(":", 1)[1])
         if not data.is_file():
             problems.append(f"task.name: the jsonl file {data} does not exist")
+    if cfg.task.name.startswith("dataset:"):
+        data = _path(root, cfg.task.name.split(":", 1)[1])
+        if not data.exists():
+            problems.append(f"task.name: the data set {data} does not exist")
     checks = [*_curve_files(cfg), *_ssh_files(cfg)]
     if cfg.engine.admin_api_key_file:
         checks.append(("engine.admin_api_key_file", cfg.engine.admin_api_key_file, "file"))
@@ -82,3 +88,26 @@ def missing_files(cfg: Config, root: Path) -> list[str]:
             hint = " (python -m buffer.keys DIR writes a run's keys)" if key.startswith("buffer.curve") else ""
             problems.append(f"{key}: {'checkpoint' if kind == 'any' else kind} {q} does not exist{hint}")
     return problems
+
+
+def check_dataset(cfg: Config, root: Path) -> tuple[list[str], str]:
+    """A ``dataset:`` task loaded as a run will load it, with model.path's tokenizer when model.path is there:
+    (problems led by task.name, the bad-row report of ``task.bad_rows=skip``). Nothing for other tasks."""
+    if not cfg.task.name.startswith("dataset:"):
+        return [], ""
+    data = _path(root, cfg.task.name.split(":", 1)[1])
+    if not data.exists():
+        return [], ""  # missing_files names it
+    # Deliberate lazy imports: the launcher's other checks need neither pyarrow nor transformers.
+    from common.tasks import fit_task, get_task  # noqa: PLC0415 - pyarrow and math_verify, for dataset tasks only
+    try:
+        task = get_task(dataclasses.replace(cfg.task, name=f"dataset:{data}"))
+        model = _path(root, cfg.model.path)
+        if (model / "config.json").is_file():
+            from common.modeling import load_tokenizer  # noqa: PLC0415 - transformers takes seconds; only dataset tasks pay
+
+            fit_task(task, dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model))),
+                     load_tokenizer(model))
+    except ValueError as e:
+        return [f"task.name: {e}"], ""
+    return [], getattr(task, "report", "")

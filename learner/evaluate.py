@@ -35,7 +35,7 @@ from common.config import ConfigError, load_config
 from common.generation.passes import generate_passes
 from common.generation.sampling import SamplingParams
 from common.modeling import load_model, load_tokenizer
-from common.tasks import Prompt, Task, encode_prompt, get_task
+from common.tasks import Prompt, Task, encode_prompt, fit_task, get_task
 from learner.engine_eval import eval_engine_urls
 from learner.eval_score import score
 
@@ -142,7 +142,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--model", required=True, help="HF model directory (save_pretrained format)")
     ap.add_argument("--config", default=None, help="config YAML (task and sampling settings); default: built-in defaults")
-    ap.add_argument("--task", default=None, help="task name, overrides task.name (addition | reasoning_gym:<gen> | jsonl:<path>)")
+    ap.add_argument("--task", default=None, help="task name, overrides task.name (addition | reasoning_gym:<gen> | jsonl:<path> | dataset:<path>)")
     ap.add_argument("--k", type=int, default=8, help="samples per prompt for avg@k (default 8)")
     ap.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: actors.temperature)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="response limit (default: actors.max_new_tokens)")
@@ -167,9 +167,11 @@ def _load(args: argparse.Namespace) -> tuple[Any, Task, Any, torch.nn.Module]:
         raise ValueError("--k and --batch-size must be >= 1")
     torch.set_num_threads(args.threads or cfg.learner.threads)
     try:
-        return cfg, task, load_tokenizer(args.model), load_model(args.model, cfg.model.dtype, cfg.run.device)
+        tokenizer, model = load_tokenizer(args.model), load_model(args.model, cfg.model.dtype, cfg.run.device)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load model from {args.model}: {e}") from e
+    fit_task(task, cfg, tokenizer)
+    return cfg, task, tokenizer, model
 
 
 def main(argv: list[str] | None = None) -> int:

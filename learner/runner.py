@@ -30,7 +30,7 @@ from common.cli import config_from_argv, setup_logging
 from common.config import Config, save_config
 from common.metrics import Metrics
 from common.placement import LEARNER_DONE_FILE
-from common.tasks import get_task
+from common.tasks import fit_task, get_task
 from learner import checkpoint
 from learner.data import BufferSource, DataSource
 from learner.dist import all_reduce_sum, broadcast_ints, rank, rank0_wait, shutdown_distributed, world_size
@@ -169,6 +169,7 @@ class Runner:
             return {}
         if self.task is None:
             self.task = get_task(self.cfg.task)
+            fit_task(self.task, self.cfg, self.learner.tokenizer)  # the held-out rows the actors' engines could take
         mode, _ = eval_target(self.cfg, world_size())
         if mode == "engine":
             if self.evals is None:

@@ -41,7 +41,7 @@ from common import lifeline, provenance
 from common.config import Config, ConfigError, load_config, save_config
 from common.metrics import Metrics
 from common.placement import LEARNER_DONE_FILE, STORE_FILE_ENV, build_plan
-from common.preflight import missing_files
+from common.preflight import check_dataset, missing_files
 from common.security import apply_client_curve, client_curve_keys, generate_run_keys, url_host
 from common.sglang_args import private_tmp_env
 from ops import report
@@ -341,7 +341,10 @@ def dry_run(args: argparse.Namespace) -> int:
         print(f"ops/launch.sh: {e}", file=sys.stderr)
         return 2
     print(plan.render())
-    missing = missing_files(cfg, ROOT) + plan.problems
+    problems, skipped = check_dataset(cfg, ROOT)
+    if skipped:
+        print(f"ops/launch.sh: {cfg.task.name}: {skipped}; these rows are skipped (task.bad_rows=skip)", file=sys.stderr)
+    missing = missing_files(cfg, ROOT) + plan.problems + problems
     for line in missing:
         print(f"ops/launch.sh: missing {line}", file=sys.stderr)
     return 2 if missing else 0
@@ -376,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
         missing = missing_files(cfg, ROOT)
         if missing:
             raise ConfigError("files the config names do not exist:\n  " + "\n  ".join(missing))
+        problems, skipped = check_dataset(cfg, ROOT)
+        if problems:
+            raise ConfigError("\n  ".join(problems))
+        if skipped:
+            say(f"{cfg.task.name}: {skipped}; these rows are skipped (task.bad_rows=skip)")
         if not args.no_actors and (problem := sglang_install_problem(cfg, plan)):
             raise ConfigError(problem)
     except (ConfigError, LaunchError) as e:

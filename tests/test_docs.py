@@ -29,7 +29,7 @@ MAP_BUDGET = 250
 QUICK_START_BUDGET = 60
 # The pages this map links that hold reference material; BENCHMARKS/RESULTS/CRITIC are reports.
 TOPIC_PAGES = ("WIRE", "WEIGHT_SYNC", "SGLANG", "ALGORITHM", "METRICS", "OPERATIONS", "MULTIHOST", "CONFIG",
-               "TOOLS", "SCALE")
+               "TOOLS", "SCALE", "DATA")
 CHECKED = [README, MAP] + [DOCS / f"{name}.md" for name in TOPIC_PAGES]
 TOP_DIRS = ("common", "buffer", "actors", "learner", "ops", "tests", "docs")
 FILE_SUFFIXES = (".json", ".safetensors", ".yaml", ".py", ".md", ".mdb", ".pt", ".log", ".sh")

@@ -31,6 +31,8 @@ class Prompt:
     bucket: str = ""  # difficulty / length bucket label, e.g. "3d" for 3-column additions
     data_source: str = ""  # the dataset the item came from: per-source figures and reward functions key on it
     extra_info: str = ""  # the item's extra fields as JSON text, handed to a user's reward function
+    # A chat prompt's turns as (role, content) pairs; ``text`` is then their plain form (``plain_chat``).
+    messages: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,10 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def verify(self, prompt: Prompt, response: str) -> Verdict:
         """Score a decoded response to ``prompt``."""
+
+    def fit_context(self, tokenizer: Any, max_prompt_tokens: int) -> None:  # noqa: B027 - optional hook, a no-op
+        """Drop (or refuse, by the task's policy) prompts longer than ``max_prompt_tokens`` once encoded with
+        ``tokenizer``. The built-in tasks' prompts are short, so only user data sets act on it."""
 
     def teacher_response(self, prompt: Prompt, rng: random.Random | None = None, error_rate: float = 0.0) -> str:
         """A worked response for ``prompt`` with step mistakes at ``error_rate`` (the SFT bootstrap's data).
@@ -94,16 +100,26 @@ def _token_ids(x: Any) -> list[int]:
     return [int(i) for i in x]
 
 
+def plain_chat(messages: tuple[tuple[str, str], ...]) -> str:
+    """A chat prompt as plain text, for tokenizers without a chat template: a lone user turn is its content;
+    a longer conversation is one ``<role>: <content>`` block per turn, joined by newlines."""
+    if len(messages) == 1 and messages[0][0] == "user":
+        return messages[0][1]
+    return "\n".join(f"{role}: {content}" for role, content in messages)
+
+
 def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
     """The token ids the engine is given for ``prompt``.
 
-    Tokenizers with a chat template (instruct models on GPU) get the prompt as one user turn plus the
-    generation prompt; plain tokenizers (the embedded char tokenizer, base models) get BOS + text.
+    Tokenizers with a chat template (instruct models on GPU) get the prompt's messages (a string prompt as
+    one user turn) plus the generation prompt; plain tokenizers (the embedded char tokenizer, base models)
+    get BOS + text (a chat prompt's ``plain_chat`` form).
     """
     if getattr(tokenizer, "chat_template", None):
+        turns = prompt.messages or (("user", prompt.text),)
         ids = _token_ids(
             tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt.text}], add_generation_prompt=True, tokenize=True
+                [{"role": r, "content": c} for r, c in turns], add_generation_prompt=True, tokenize=True
             )
         )
     else:

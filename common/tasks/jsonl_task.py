@@ -1,7 +1,8 @@
 """``jsonl:<path>``: question/answer pairs from a JSON-lines file, checked with math-verify.
 
 Each line is an object with ``question`` and ``answer`` strings (``problem``/``solution`` are accepted as
-aliases). The prompt asks for the final answer in ``\\boxed{}``; the verifier takes the last ``\\boxed{...}``
+aliases). The prompt asks for the final answer in ``\\boxed{}`` (``task.instruction``, when set, replaces
+that request); the verifier takes the last ``\\boxed{...}``
 of the response (or, failing that, the text after a final ``Answer:``) and compares it with the reference
 using math-verify (``parse`` + ``verify``), so ``1/2``, ``0.5`` and ``\\frac{1}{2}`` all match.
 
@@ -75,6 +76,7 @@ class JsonlTask(Task):
         if cfg.eval_buckets < 2:
             raise ValueError(f"jsonl task: eval_buckets must be >= 2, got {cfg.eval_buckets}")
         self.name = f"jsonl:{path}"
+        self.instruction = cfg.instruction or INSTRUCTION
         train: list[tuple[str, str]] = []
         held: list[tuple[str, str]] = []
         for lineno, line in enumerate(p.read_text().splitlines(), 1):
@@ -96,7 +98,7 @@ class JsonlTask(Task):
             raise ValueError(f"{p}: no training lines (all {len(held)} fell into the held-out bucket)")
         self._train = train
         self._eval = [
-            Prompt(f"{self.name}:eval:{i}", q + INSTRUCTION, a, "eval", i, "all")
+            Prompt(f"{self.name}:eval:{i}", q + self.instruction, a, "eval", i, "all")
             for i, (q, a) in enumerate(held[: cfg.eval_size])
         ]
 
@@ -104,7 +106,7 @@ class JsonlTask(Task):
         if index < 0:
             raise ValueError(f"train_prompt: index must be >= 0, got {index}")
         q, a = self._train[index % len(self._train)]
-        return Prompt(f"{self.name}:train:{index}", q + INSTRUCTION, a, "train", index, "all")
+        return Prompt(f"{self.name}:train:{index}", q + self.instruction, a, "train", index, "all")
 
     def eval_prompts(self) -> list[Prompt]:
         return list(self._eval)

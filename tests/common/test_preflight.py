@@ -3,14 +3,16 @@ starts; every problem is one line led by its config key and naming the missing p
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from common.config import load_config
-from common.preflight import can_bootstrap, missing_files
+from common.preflight import can_bootstrap, check_dataset, missing_files
 from common.security import generate_run_keys
 
+ROOT = Path(__file__).resolve().parents[2]
 # A model the launcher cannot build itself (an SGLang engine on a jsonl task): it must be on disk.
 NO_BOOTSTRAP = ["engine.kind=sglang", "task.name=jsonl:data/train.jsonl", "model.path=models/base"]
 
@@ -98,3 +100,24 @@ def test_a_critic_path_without_a_model_is_named(tmp_path: Path) -> None:
     (tmp_path / "models" / "critic").mkdir(parents=True)
     (tmp_path / "models" / "critic" / "config.json").write_text("{}")
     assert missing_files(cfg, tmp_path) == []
+
+
+def test_a_dataset_task_is_loaded_and_fitted_before_the_run(tmp_path: Path) -> None:
+    """dataset:<path>: a missing path is named; its bad rows are reported (skip) or refused (error), the
+    too-long ones found with model.path's tokenizer (the shipped base: 256 positions)."""
+    cfg = load_config(None, ["task.name=dataset:data/own.jsonl", f"model.path={ROOT / 'ops/bases/addition-tiny'}",
+                             "actors.max_new_tokens=200"])
+    assert missing_files(cfg, tmp_path) == [f"task.name: the data set {tmp_path / 'data' / 'own.jsonl'} does not exist"]
+    assert check_dataset(cfg, tmp_path) == ([], "")
+    (tmp_path / "data").mkdir()
+    rows = [{"question": f"Q:{i}+1\n", "answer": str(i + 1)} for i in range(30)]
+    rows[3]["answer"] = ""
+    rows[8]["question"] = "Q:" + "1+" * 40 + "1\n"  # 84 tokens with BOS > 256 - 200
+    (tmp_path / "data" / "own.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert missing_files(cfg, tmp_path) == []
+    assert check_dataset(cfg, tmp_path) == (
+        [], "2 bad rows of 30: 1 without an answer (row 3), 1 too long for the context (row 8)")
+    strict = load_config(None, ["task.name=dataset:data/own.jsonl", f"model.path={cfg.model.path}",
+                                "actors.max_new_tokens=200", "task.bad_rows=error"])
+    problems, _ = check_dataset(strict, tmp_path)
+    assert len(problems) == 1 and problems[0].startswith("task.name: dataset:") and "1 without an answer (row 3)" in problems[0]
