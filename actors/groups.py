@@ -143,7 +143,7 @@ class GroupMaker:
         for name, values in extra.items():
             if name in self.extra_names or len(self.extra_names) < MAX_EXTRA_SERIES:
                 self.extra_names.add(name)
-                self.metric("reward_extra", name=name).set(sum(values) / len(values))
+                self.metric("reward_extra", figure=name).set(sum(values) / len(values))
         return verdicts
 
 

@@ -287,7 +287,7 @@ class RewardPool:
             raise ValueError(f"workers must be >= 1, got {workers}")
         for spec in specs:
             if spec.startswith("file:") and not Path(spec[5:].rpartition(":")[0]).is_file():
-                raise RewardPoolError(f"reward file not found: {spec[5:].rpartition(':')[0]}")
+                raise ValueError(f"reward file not found: {spec[5:].rpartition(':')[0]}")
         self.specs, self.timeout_s, self.memory_mb = list(specs), timeout_s, memory_mb
         self.errors = RateLimitedLog(log, log_every_s)
         self.error_counts = dict.fromkeys(ERROR_KINDS, 0)

@@ -138,7 +138,7 @@ def test_a_file_that_does_not_load_is_an_error_at_the_first_call(tmp_path: Path)
     with pytest.raises(RewardPoolError, match="no function 'compute_score'"):
         pool.score([RewardCall(f"file:{nofn}:compute_score", "", "x", "x")])
     pool.close()
-    with pytest.raises(RewardPoolError, match="not found"):
+    with pytest.raises(ValueError, match="not found"):
         RewardPool([f"file:{tmp_path / 'missing.py'}:f"])
 
 
