@@ -98,3 +98,16 @@ def test_a_critic_path_without_a_model_is_named(tmp_path: Path) -> None:
     (tmp_path / "models" / "critic").mkdir(parents=True)
     (tmp_path / "models" / "critic" / "config.json").write_text("{}")
     assert missing_files(cfg, tmp_path) == []
+
+
+def test_a_users_reward_file_must_exist(tmp_path: Path) -> None:
+    cfg = load_config(None, ["task.reward=file:rewards/r.py:compute_score",
+                             "task.reward_by_source={gsm8k: boxed, mine: 'file:rewards/mine.py:score'}"])
+    assert missing_files(cfg, tmp_path) == [
+        f"task.reward: file {tmp_path / 'rewards' / 'r.py'} does not exist",
+        f"task.reward_by_source['mine']: file {tmp_path / 'rewards' / 'mine.py'} does not exist",
+    ]
+    (tmp_path / "rewards").mkdir()
+    (tmp_path / "rewards" / "r.py").write_text("")
+    (tmp_path / "rewards" / "mine.py").write_text("")
+    assert missing_files(cfg, tmp_path) == []
