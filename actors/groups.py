@@ -5,8 +5,11 @@ groups the buffer acknowledged came to.
 gate it waits on) for ``n = actors.group_size`` samples of the task's train prompt ``index`` with
 ``return_logprob``; an engine error is resubmitted after a back-off (the link is told: the engine may be
 gone), a 4xx refusal skips the prompt, a group with an aborted sample (a weight update with
-``actors.weight_sync = abort``) is generated again whole. Each sample is verified by the task
-(``actors.samples``) and stamped with the oldest weight version among its tokens. ``record`` counts a group
+``actors.weight_sync = abort``) is generated again whole. The group's responses are scored together by the
+task (``Task.verify_batch``; on a thread when ``Task.verify_blocks``, i.e. a reward pool's round trip, so the
+loop keeps serving the engine, the buffer and the weights meanwhile); a failed reward call is counted
+(``reward_errors`` by kind) and its reward function's extra figures are shown (``reward_extra``). Each sample
+is stamped with the oldest weight version among its tokens (``actors.samples``). ``record`` counts a group
 the buffer acknowledged in the worker's ``GroupCounts`` and metrics.
 
 Not a CLI; used by ``actors.worker``.
@@ -24,14 +27,15 @@ from actors.cursor import group_id_for
 from actors.report import GroupCounts
 from actors.samples import engine_sample, has_behaviour_logprobs
 from common.config import Config
-from common.protocol import IngestAck, Sample, SampleGroup
+from common.protocol import IngestAck, SampleGroup
 from common.sglang_client import GenerateOutput, SGLangError
-from common.tasks import Prompt, Task, encode_prompt
+from common.tasks import Prompt, Task, Verdict, decode_response, encode_prompt
 
 if TYPE_CHECKING:
     from actors.engine_link import EngineLink
 
 log = logging.getLogger("vapo.actors.worker")
+MAX_EXTRA_SERIES = 32  # distinct reward_extra names shown: a function's keys become label values
 
 
 class WorkerError(RuntimeError):
@@ -50,6 +54,7 @@ class GroupMaker:
         self.generate_timeout_s = generate_timeout_s
         self.link: EngineLink | None = None
         self.tokenizer: Any = None
+        self.extra_names: set[str] = set()
 
     def record(self, group: SampleGroup, ack: IngestAck, resent: int) -> None:
         """Count a group the buffer acknowledged (``resent``: how many times it was sent again)."""
@@ -113,14 +118,33 @@ class GroupMaker:
                 continue  # aborted for a weight update: generate the whole group again on the new weights
             self.metric("generation_seconds").observe(time.monotonic() - t0)
             v_now = min(v_before, link.version)
-            samples = [self._sample(prompt, ids, o, v_now) for o in outs]
+            verdicts = await self._score(prompt, outs)
+            samples = [engine_sample(ids, o, v_now, vd.reward) for o, vd in zip(outs, verdicts, strict=True)]
             return SampleGroup(group_id=group_id_for(self.actor_id, index), prompt_id=prompt.prompt_id,
                                task=self.task.name, actor_id=self.actor_id, samples=samples, created_at=time.time())
 
-    def _sample(self, prompt: Prompt, prompt_ids: list[int], o: GenerateOutput, fallback_version: int) -> Sample:
-        if not has_behaviour_logprobs(o):
-            raise WorkerError(f"engine returned no or non-finite output logprobs (rid {o.rid}); behaviour logprobs are required")
-        return engine_sample(self.task, self.tokenizer, prompt, prompt_ids, o, fallback_version)
+    async def _score(self, prompt: Prompt, outs: list[GenerateOutput]) -> list[Verdict]:
+        """The task's verdicts on a group's responses, its reward errors and extra figures counted."""
+        for o in outs:
+            if not has_behaviour_logprobs(o):
+                raise WorkerError(f"engine returned no or non-finite output logprobs (rid {o.rid}); behaviour logprobs are required")
+        texts = [decode_response(self.tokenizer, o.output_ids) for o in outs]
+        if self.task.verify_blocks(prompt):
+            verdicts = await asyncio.to_thread(self.task.verify_batch, prompt, texts)
+        else:
+            verdicts = self.task.verify_batch(prompt, texts)
+        extra: dict[str, list[float]] = {}
+        for vd in verdicts:
+            if vd.error:
+                self.counts.reward_errors += 1
+                self.metric("reward_errors", kind=vd.error).inc()
+            for name, value in vd.extra.items():
+                extra.setdefault(name, []).append(value)
+        for name, values in extra.items():
+            if name in self.extra_names or len(self.extra_names) < MAX_EXTRA_SERIES:
+                self.extra_names.add(name)
+                self.metric("reward_extra", figure=name).set(sum(values) / len(values))
+        return verdicts
 
 
 __all__ = ["GroupMaker", "WorkerError"]

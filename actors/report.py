@@ -33,11 +33,13 @@ class GroupCounts:
     skipped: int = 0
     duplicates: int = 0
     not_served: int = 0
+    reward_errors: int = 0  # reward calls that failed (scored 0) or were out of range (clipped), every kind
 
 
 # The counters on the ACTOR DONE line in the order they always had (the link's between the worker's own).
 _DONE_ORDER = ("groups", "samples", "tokens", "positives", "resubmits", "engine_restarts", "weight_syncs",
-               "weight_sync_failures", "skipped", "duplicates", "not_served", "weight_pushes", "push_pause_ms")
+               "weight_sync_failures", "skipped", "duplicates", "not_served", "weight_pushes", "push_pause_ms",
+               "reward_errors")
 # Every series exists (zero) from the start, so dashboards show it before the first event.
 ZEROED_METRICS = ("samples", "tokens", "groups_sent", "groups_resent", "credit_wait_seconds", "weight_wait_seconds",
                   "engine_restarts", "prompts_skipped", "weight_sync_seconds", "generation_seconds", "weight_version",

@@ -12,8 +12,8 @@ Per worker, on one asyncio loop:
   away), wait until the engine serves the grant's learner version (the learner publishes a version before
   it asks for the batch the grant is for, but the grant can overtake the ``WeightUpdate``; a group started
   on older weights could be born stale), ask the engine for ``n = G`` samples of the prompt with
-  ``return_logprob`` (``actors.groups.GroupMaker``), verify every response (``Task.verify`` on
-  ``decode_response``), and send the
+  ``return_logprob`` (``actors.groups.GroupMaker``), score the group's responses (``Task.verify_batch`` on
+  ``decode_response``; a configured reward runs in a guarded process pool, off the loop), and send the
   ``SampleGroup`` (ack after the buffer's LMDB commit; ``group_id = a<actor>-p<index>``, so re-sends and
   re-generations are stored once).
 - **Version stamp**: each sample carries the oldest weight version among its tokens (``GenerateOutput.
@@ -58,7 +58,7 @@ from common.config import Config
 from common.metrics import Metrics
 from common.security import ClientKeys, client_curve_keys
 from common.sglang_client import SGLangError
-from common.tasks import fit_task, get_task
+from common.tasks import REWARD_ERROR_KINDS, fit_task, get_task
 
 log = logging.getLogger("vapo.actors.worker")
 REPORT_EVERY_S = 10.0
@@ -206,6 +206,8 @@ class RolloutWorker:
                 raise WorkerError(f"cannot serve /metrics on {cfg.metrics.host}:{port}: {e}") from e
         for name in ZEROED_METRICS:
             self.metric(name)
+        for kind in REWARD_ERROR_KINDS:
+            self.metric("reward_errors", kind=kind)
 
     def _make_clients(self, curve: ClientKeys | None) -> None:
         """The weight watcher, the buffer's sender and the engine link (nothing is reached yet)."""
@@ -290,6 +292,7 @@ class RolloutWorker:
                 await task
 
     async def _shutdown(self) -> None:
+        self.task.close()  # the reward pool's processes, if any
         if self.sender is not None:
             with contextlib.suppress(Exception):
                 await self.sender.close()

@@ -61,7 +61,7 @@ __all__ = [
     "TaskConfig",
     "ValuePretrainConfig",
     "ConfigError", "config_from_argv", "describe", "dump_yaml", "load_config", "load_config_args",
-    "save_config", "to_dict", "usage",
+    "save_config", "to_dict", "usage", "REWARD_BUILTINS", "named_rewards", "reward_name_problem",
 ]
 
 
@@ -229,7 +229,35 @@ def _placement_task_checks(cfg: Config) -> list[Check]:
          "must be >= 0 and below actors.max_new_tokens (a mean response length; 0 = half of it)"),
         ("task.min_digits", 1 <= cfg.task.min_digits <= cfg.task.max_digits, "must satisfy 1 <= min <= max_digits"),
         ("task.min_steps", 1 <= cfg.task.min_steps <= cfg.task.max_steps <= 99, "must satisfy 1 <= min <= max_steps <= 99"),
+        ("task.reward", reward_name_problem(cfg.task.reward) is None, reward_name_problem(cfg.task.reward) or ""),
+        *[(f"task.reward_by_source[{src!r}]", reward_name_problem(name) is None, reward_name_problem(name) or "")
+          for src, name in cfg.task.reward_by_source.items()],
+        ("task.reward_workers", cfg.task.reward_workers >= 1, "must be >= 1"),
+        ("task.reward_timeout_s", cfg.task.reward_timeout_s > 0, "must be > 0"),
+        ("task.reward_memory_mb", cfg.task.reward_memory_mb >= 64, "must be >= 64"),
+        ("task.reward_max", cfg.task.reward_min <= 0.0 <= cfg.task.reward_max or not named_rewards(cfg.task),
+         "a named task.reward scores a failed call 0: task.reward_min <= 0 <= task.reward_max"),
     ]
+
+
+REWARD_BUILTINS = ("boxed", "answer_line", "exact")
+
+
+def reward_name_problem(name: str) -> str | None:
+    """Why ``name`` is not a reward name (None when it is): '' | a built-in | ``file:<path>:<function>``."""
+    if name == "" or name in REWARD_BUILTINS:
+        return None
+    if name.startswith("file:"):
+        path, _, function = name[len("file:"):].rpartition(":")
+        if path and function.isidentifier():
+            return None
+        return f"{name!r}: expected file:<path>:<function> with a Python function name"
+    return f"{name!r} is not a reward: use '' (the task's verifier) | {' | '.join(REWARD_BUILTINS)} | file:<path>:<function>"
+
+
+def named_rewards(task: TaskConfig) -> set[str]:
+    """The rewards ``task`` names other than the task's own verifier ('')."""
+    return {n for n in (task.reward, *task.reward_by_source.values()) if n}
 
 
 # ------------------------------------------------------------------------------------- typed merging
@@ -242,6 +270,11 @@ def _type_name(tp: Any) -> str:
 def _coerce(key: str, tp: Any, value: Any) -> Any:
     """Check ``value`` against the annotation ``tp``; allow int -> float, nothing else implicit."""
     origin = typing.get_origin(tp)
+    if origin is dict:  # a mapping replaces the whole default (string keys only: they are YAML mapping keys)
+        key_tp, item_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
+        return {_coerce(f"{key} key", key_tp, k): _coerce(f"{key}[{k!r}]", item_tp, v) for k, v in value.items()}
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list | tuple):

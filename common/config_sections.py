@@ -53,6 +53,11 @@ class TaskConfig:
     reward_min: float = f(0.0, "lowest reward the task's verifier gives: the buffer refuses a group below it, the learner drops such a row")
     reward_max: float = f(1.0, "highest reward the task's verifier gives: the buffer refuses a group above it, the learner drops such a row")
     seed: int = f(1234, "task seed (fixed so the held-out split is the same across runs)")
+    reward: str = f("", "reward of every data_source not in reward_by_source: '' = the task's own verifier | boxed | answer_line | exact | file:<path>:<function> (verl's compute_score signature); named rewards run in a guarded process pool (docs/OPERATIONS.md, Rewards)")
+    reward_by_source: dict[str, str] = f({}, "data_source -> reward name (same choices as task.reward), e.g. {openai/gsm8k: boxed}; a source not listed gets task.reward")
+    reward_workers: int = f(2, "processes of the reward pool (each imports the reward files once)")
+    reward_timeout_s: float = f(10.0, "seconds one response's reward may take; past it the worker is killed and replaced and the reward is 0 (a counted timeout)")
+    reward_memory_mb: int = f(2048, "address space (MiB, RLIMIT_AS) a reward worker may add to what it holds after importing the reward files; past it the call fails (reward 0, a counted memory error) and the worker is replaced")
 
 
 @dataclass

@@ -118,6 +118,8 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("actor", "prompts_in_flight", "Prompts between buffer credit and buffer ack", ("actor",)),
     _c("actor", "resubmits", "Prompts generated again after an abort or an engine failure", ("actor", "reason")),
     _c("actor", "prompts_skipped", "Prompts the engine refused (4xx) and that were skipped", ("actor",)),
+    _c("actor", "reward_errors", "Reward calls that failed and scored 0 (timeout, exception, memory, crash, bad_value) or gave a value outside [task.reward_min, task.reward_max], clipped (out_of_range)", ("actor", "kind")),
+    _g("actor", "reward_extra", "Mean over the last group of a reward function's extra figure (the keys of its dict besides score; at most 32 names)", ("actor", "figure")),
     _c("actor", "groups_not_served", "Groups the buffer stored but will not serve (stale, filtered) or refused as unusable (invalid)", ("actor", "reason")),
     # ---- engine (actors.rollout_server)
     _c("engine", "requests", "Generate requests served", ("status",)),

@@ -60,6 +60,13 @@ def _ssh_files(cfg: Config) -> list[tuple[str, str, str]]:
             for i, w in enumerate(words) if w[:2] in ("-F", "-i")]
 
 
+def _reward_files(cfg: Config) -> list[tuple[str, str, str]]:
+    """The users' reward files ``task.reward`` and ``task.reward_by_source`` name (``file:<path>:<function>``)."""
+    named = [("task.reward", cfg.task.reward),
+             *((f"task.reward_by_source[{src!r}]", name) for src, name in cfg.task.reward_by_source.items())]
+    return [(key, name[len("file:"):].rpartition(":")[0], "file") for key, name in named if name.startswith("file:")]
+
+
 def missing_files(cfg: Config, root: Path) -> list[str]:
     """One line per file or directory the config names that does not exist, led by its config key."""
     problems: list[str] = []
@@ -77,7 +84,7 @@ def missing_files(cfg: Config, root: Path) -> list[str]:
         data = _path(root, cfg.task.name.split(":", 1)[1])
         if not data.exists():
             problems.append(f"task.name: the data set {data} does not exist")
-    checks = [*_curve_files(cfg), *_ssh_files(cfg)]
+    checks = [*_curve_files(cfg), *_ssh_files(cfg), *_reward_files(cfg)]
     if cfg.engine.admin_api_key_file:
         checks.append(("engine.admin_api_key_file", cfg.engine.admin_api_key_file, "file"))
     if cfg.learner.resume not in ("auto", "never"):

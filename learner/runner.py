@@ -217,6 +217,8 @@ class Runner:
             self._finish()
         finally:
             self.endpoints.close()  # the last durable version is written and announced first
+            if self.task is not None:
+                self.task.close()  # a reward pool's processes (evaluation scores through it)
         return self.learner
 
     def _evaluate_base_policy(self) -> None:

@@ -6,24 +6,35 @@ miniature: a modular sum repeated 8-66 times, one line per step), ``reasoning_gy
 with math-verify) and ``dataset:<path>`` (a user's own .jsonl, .parquet or ``datasets.save_to_disk`` rows,
 string or chat prompts; docs/DATA.md). See ``common.tasks.base`` for the interface and the prompt encoding
 every part shares; ``fit_task`` drops the prompts too long for the run's engines, with the run's tokenizer.
+
+When the config names a reward (``task.reward``, ``task.reward_by_source``) the task comes wrapped in
+``common.tasks.rewarded.RewardedTask``, which scores through those rewards (built-ins or a user's function in a
+guarded process pool); without one, the task verifies its responses itself, as it always has.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from common.config import Config, TaskConfig
+from common.config import Config, TaskConfig, named_rewards
 from common.limits import model_shape
 from common.tasks.addition import AdditionTask
 from common.tasks.base import Prompt, Task, Verdict, decode_response, encode_prompt, stable_hash
 from common.tasks.chain import ChainTask
+from common.tasks.rewarded import REWARD_ERROR_KINDS, RewardedTask
 
-__all__ = ["Prompt", "Task", "Verdict", "decode_response", "encode_prompt", "fit_task", "get_task",
-           "prompt_token_budget", "stable_hash"]
+__all__ = ["REWARD_ERROR_KINDS", "Prompt", "Task", "Verdict", "decode_response", "encode_prompt", "fit_task",
+           "get_task", "prompt_token_budget", "stable_hash"]
 
 
 def get_task(cfg: TaskConfig) -> Task:
-    """Build the task named by ``cfg.name`` (raises ValueError with the choices on a bad name)."""
+    """Build the task named by ``cfg.name`` (raises ValueError with the choices on a bad name), wrapped in
+    ``RewardedTask`` when the config names a reward."""
+    task = _named_task(cfg)
+    return RewardedTask(task, cfg) if named_rewards(cfg) else task
+
+
+def _named_task(cfg: TaskConfig) -> Task:
     name = cfg.name
     if name == "addition":
         return AdditionTask(cfg)

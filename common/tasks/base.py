@@ -15,7 +15,7 @@ import abc
 import hashlib
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -37,10 +37,15 @@ class Prompt:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The verifier's score (1.0 or 0.0 for the built-in tasks) and the answer it parsed (None = unparseable)."""
+    """The verifier's score (1.0 or 0.0 for the built-in tasks) and the answer it parsed (None = unparseable).
+
+    A reward function (``common.tasks.rewarded``) may add figures of its own (``extra``) and, when its call
+    failed or its value was out of range, the kind of failure (``error``, one of ``REWARD_ERROR_KINDS``)."""
 
     reward: float
     parsed: str | None
+    extra: dict[str, float] = field(default_factory=dict)
+    error: str = ""
 
 
 class Task(abc.ABC):
@@ -63,6 +68,19 @@ class Task(abc.ABC):
     def fit_context(self, tokenizer: Any, max_prompt_tokens: int) -> None:  # noqa: B027 - optional hook, a no-op
         """Drop (or refuse, by the task's policy) prompts longer than ``max_prompt_tokens`` once encoded with
         ``tokenizer``. The built-in tasks' prompts are short, so only user data sets act on it."""
+
+    def verify_batch(self, prompt: Prompt, responses: list[str]) -> list[Verdict]:
+        """Score several responses to ``prompt`` (a group), in order; a reward pool does it in one round trip."""
+        return [self.verify(prompt, r) for r in responses]
+
+    def verify_blocks(self, prompt: Prompt) -> bool:
+        """Whether scoring ``prompt``'s responses may block for long (a reward pool's round trip): an asyncio
+        caller then runs ``verify_batch`` on a thread so its loop keeps serving."""
+        return False
+
+    def close(self) -> None:
+        """Release what scoring holds (a reward pool's processes); the task's prompts stay usable."""
+        return None  # the built-in tasks hold nothing
 
     def teacher_response(self, prompt: Prompt, rng: random.Random | None = None, error_rate: float = 0.0) -> str:
         """A worked response for ``prompt`` with step mistakes at ``error_rate`` (the SFT bootstrap's data).

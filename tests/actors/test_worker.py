@@ -403,8 +403,8 @@ def test_actor_done_counters_keep_their_order_and_show_push_counters_after_a_pus
     link = LinkCounts(engine_restarts=1, weight_syncs=2)
     assert list(done_counters(GroupCounts(groups=3), link)) == [
         "groups", "samples", "tokens", "positives", "resubmits", "engine_restarts", "weight_syncs",
-        "weight_sync_failures", "skipped", "duplicates", "not_served"]
+        "weight_sync_failures", "skipped", "duplicates", "not_served", "reward_errors"]
     link.weight_pushes, link.push_pause_ms = 1, 40
     counters = done_counters(GroupCounts(groups=3), link)
-    assert list(counters)[-2:] == ["weight_pushes", "push_pause_ms"]
+    assert list(counters)[-3:] == ["weight_pushes", "push_pause_ms", "reward_errors"]
     assert counters["groups"] == 3 and counters["weight_syncs"] == 2 and counters["push_pause_ms"] == 40

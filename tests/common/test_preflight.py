@@ -121,3 +121,16 @@ def test_a_dataset_task_is_loaded_and_fitted_before_the_run(tmp_path: Path) -> N
                                 "actors.max_new_tokens=200", "task.bad_rows=error"])
     problems, _ = check_dataset(strict, tmp_path)
     assert len(problems) == 1 and problems[0].startswith("task.name: dataset:") and "1 without an answer (row 3)" in problems[0]
+
+
+def test_a_users_reward_file_must_exist(tmp_path: Path) -> None:
+    cfg = load_config(None, ["task.reward=file:rewards/r.py:compute_score",
+                             "task.reward_by_source={gsm8k: boxed, mine: 'file:rewards/mine.py:score'}"])
+    assert missing_files(cfg, tmp_path) == [
+        f"task.reward: file {tmp_path / 'rewards' / 'r.py'} does not exist",
+        f"task.reward_by_source['mine']: file {tmp_path / 'rewards' / 'mine.py'} does not exist",
+    ]
+    (tmp_path / "rewards").mkdir()
+    (tmp_path / "rewards" / "r.py").write_text("")
+    (tmp_path / "rewards" / "mine.py").write_text("")
+    assert missing_files(cfg, tmp_path) == []

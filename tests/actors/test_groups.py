@@ -1,0 +1,73 @@
+"""actors.groups: a group's responses are scored together by the task's reward (a real reward pool, off the
+event loop), and its errors and extra figures reach the actor's counters and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import textwrap
+import time
+from pathlib import Path
+
+from actors.groups import GroupMaker
+from actors.report import GroupCounts
+from common.config import load_config
+from common.metrics import Metrics
+from common.modeling import build_char_tokenizer
+from common.sglang_client import GenerateOutput
+from common.tasks import Prompt, get_task
+
+USER = textwrap.dedent('''
+    import time
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info):
+        if solution_str == "boom":
+            raise RuntimeError("boom")
+        if solution_str == "slow":
+            time.sleep(0.5)
+        return {"score": float(solution_str == ground_truth), "chars": len(solution_str)}
+''')
+
+
+def _output(tok, text: str) -> GenerateOutput:
+    ids = tok.encode(text, add_special_tokens=False)
+    return GenerateOutput(ids, [-0.5] * len(ids), "stop", None, "0", "0", 3, len(ids))
+
+
+def test_a_group_is_scored_off_the_loop_with_errors_and_extras_counted(tmp_path: Path) -> None:
+    (tmp_path / "r.py").write_text(USER)
+    cfg = load_config(None, [f"task.reward_by_source={json.dumps({'s': f'file:{tmp_path}/r.py:compute_score'})}"])
+    task, metrics, counts = get_task(cfg.task), Metrics("actor"), GroupCounts()
+    maker = GroupMaker(cfg, 0, task, counts, lambda name, **labels: getattr(metrics, name).labels(actor="0", **labels),
+                       generate_timeout_s=10.0)
+    maker.tokenizer = tok = build_char_tokenizer()
+    prompt = Prompt("p", "q", "12", data_source="s")
+    outs = [_output(tok, t) for t in ("12", "13", "boom", "slow")]
+
+    async def score_while_ticking() -> tuple[list, int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        try:
+            return await maker._score(prompt, outs), ticks
+        finally:
+            ticker.cancel()
+
+    try:
+        task.verify_batch(prompt, ["12"])  # the pool starts before the timed part
+        t0 = time.monotonic()
+        verdicts, ticks = asyncio.run(score_while_ticking())
+        took = time.monotonic() - t0
+    finally:
+        task.close()
+    assert [(v.reward, v.error) for v in verdicts] == [(1.0, ""), (0.0, ""), (0.0, "exception"), (0.0, "")]
+    assert took >= 0.5 and ticks >= 10, "the loop kept running while the pool scored the slow response"
+    assert counts.reward_errors == 1
+    assert metrics.reward_errors.labels(actor="0", kind="exception")._value.get() == 1
+    assert metrics.reward_extra.labels(actor="0", figure="chars")._value.get() == (2 + 2 + 4) / 3
