@@ -81,6 +81,23 @@ def test_the_prompts_are_the_tasks(rewarded: RewardedTask, files: Path) -> None:
     assert rewarded.name == plain.name
 
 
+def test_the_prompts_fitted_to_the_context_are_the_tasks(files: Path) -> None:
+    """A user's data set wrapped in a reward: fitting the context drops its too-long rows, as unwrapped."""
+    rows = [{"question": f"Q:{i}+1\n", "answer": str(i + 1)} for i in range(20)]
+    rows[6]["question"] = "Q:" + "1+" * 30 + "1\n"  # 64 tokens with BOS
+    (files / "own.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(None, [f"task.name=dataset:{files}/own.jsonl", "task.reward=exact"])
+    task, plain = get_task(cfg.task), get_task(dataclasses.replace(cfg.task, reward=""))
+    assert isinstance(task, RewardedTask) and not isinstance(plain, RewardedTask)
+    try:
+        for t in (task, plain):
+            t.fit_context(build_char_tokenizer(), 40)
+        assert [task.train_prompt(i) for i in range(40)] == [plain.train_prompt(i) for i in range(40)]
+        assert rows[6]["question"] not in {task.train_prompt(i).text for i in range(40)}
+    finally:
+        task.close()
+
+
 def test_out_of_range_is_clipped_and_counted_and_a_failure_is_zero(rewarded: RewardedTask) -> None:
     got = rewarded.verify_batch(_prompt("neg"), ["42", "41"])
     assert [(v.reward, v.error) for v in got] == [(1.0, ""), (0.0, "out_of_range")]
