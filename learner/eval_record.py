@@ -45,9 +45,9 @@ def eval_record(results: Sequence[tuple[_Set, dict[str, Any]]]) -> dict[str, Any
     for s, rep in results:
         if s.name == HELDOUT:
             rec.update(_flat(rep))
-    versions = [v for _, rep in results for v in (rep.get("weight_versions_evaluated") or [])]
-    if versions:
-        rec["weight_versions_evaluated"] = [min(versions), max(versions)]
+    if any("weight_versions_evaluated" in rep for _, rep in results):  # generated on engines
+        versions = [v for _, rep in results for v in (rep.get("weight_versions_evaluated") or [])]
+        rec["weight_versions_evaluated"] = [min(versions), max(versions)] if versions else None
     if [s.name for s, _ in results] != [HELDOUT]:
         rec["sets"] = {s.name: {k: v for k, v in {**rep, "max_new_tokens": s.max_new_tokens}.items() if k in SET_FIELDS}
                        for s, rep in results}

@@ -13,7 +13,8 @@ One evaluation runs at a time. A version submitted while another is running wait
 replaces it (it is recorded as ``{"kind": "eval", "weight_version": v, "skipped": true}``): evaluations never
 queue up behind training. Engines keep loading newer weights meanwhile, so each record says which versions
 its outputs came from (``weight_versions_evaluated``). Per-request and weight-wait limits come from the
-sizes of the work (each set's response limit; ``eval_timeout_s`` = 0: no overall limit), so an evaluation of any size completes.
+sizes of the work (each set's response limit; ``eval_timeout_s`` = 0: no overall limit), so an evaluation of
+any size completes.
 """
 
 from __future__ import annotations
