@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import sys
 import types
 import typing
@@ -32,6 +33,7 @@ from common.config_sections import (
     Config,
     CurveConfig,
     EngineConfig,
+    EvalSetConfig,
     LearnerConfig,
     MetricsConfig,
     ModelConfig,
@@ -52,6 +54,7 @@ __all__ = [
     "Config",
     "CurveConfig",
     "EngineConfig",
+    "EvalSetConfig",
     "LearnerConfig",
     "MetricsConfig",
     "ModelConfig",
@@ -116,7 +119,8 @@ def _validate(cfg: Config) -> None:
         for item in getattr(getattr(cfg, section), name):
             if item not in allowed:
                 raise ConfigError(f"{key}: {item!r} is not one of {', '.join(allowed)}")
-    checks = [*_actor_engine_checks(cfg), *_buffer_checks(cfg), *_learner_algo_checks(cfg), *_placement_task_checks(cfg)]
+    checks = [*_actor_engine_checks(cfg), *_buffer_checks(cfg), *_learner_algo_checks(cfg), *_placement_task_checks(cfg),
+              *_eval_set_checks(cfg)]
     for key, ok, why in checks:
         if not ok:
             raise ConfigError(f"{key}: {why}")
@@ -260,6 +264,21 @@ def named_rewards(task: TaskConfig) -> set[str]:
     return {n for n in (task.reward, *task.reward_by_source.values()) if n}
 
 
+def _eval_set_checks(cfg: Config) -> list[Check]:
+    """Each set's name is a metric label value and a key of the eval record: safe characters, unique."""
+    sets, out = cfg.task.eval_sets, []
+    for i, s in enumerate(sets):
+        key = f"task.eval_sets[{i}]"
+        out += [(f"{key}.name", bool(re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}", s.name)) and s.name != "heldout",
+                 f"{s.name!r}: needs 1-64 of A-Z a-z 0-9 _ . - (not heldout: the held-out slice's name)"),
+                (f"{key}.path", bool(s.path), "must name the set's jsonl file"),
+                (f"{key}.k", s.k >= 0, "must be >= 0 (0 = learner.eval_k)"),
+                (f"{key}.max_new_tokens", s.max_new_tokens >= 0, "must be >= 0 (0 = actors.max_new_tokens)")]
+    names = [s.name for s in sets]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    return [*out, ("task.eval_sets", not dup, f"set names must be unique; repeated: {', '.join(dup)}")]
+
+
 # ------------------------------------------------------------------------------------- typed merging
 
 
@@ -280,6 +299,16 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
         return [_coerce(f"{key}[{i}]", item_tp, v) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):  # an entry of a list of small records (task.eval_sets)
+        allowed = ", ".join(fl.name for fl in dataclasses.fields(tp))
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping with {allowed}, got {type(value).__name__} {value!r}")
+        for k in value:
+            if k not in {fl.name for fl in dataclasses.fields(tp)}:
+                raise ConfigError(f"{key}.{k}: unknown field; an entry takes {allowed}")
+        entry = tp()
+        _merge(entry, value, key + ".")
+        return entry
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -435,7 +464,9 @@ def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, Any, 
             rows.extend(describe(type(value), f"{prefix}{fl.name}."))
         else:
             tp = hints[fl.name]
-            rows.append((f"{prefix}{fl.name}", _type_name(tp) if not typing.get_origin(tp) else str(tp), value, fl.metadata.get("doc", "")))
+            args = ", ".join(_type_name(a) for a in typing.get_args(tp))  # list[EvalSetConfig], not its module path
+            tp_name = str(tp) if typing.get_origin(tp) is not list else f"list[{args}]"
+            rows.append((f"{prefix}{fl.name}", _type_name(tp) if not typing.get_origin(tp) else tp_name, value, fl.metadata.get("doc", "")))
     return rows
 
 

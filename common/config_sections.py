@@ -34,6 +34,16 @@ class RunConfig:
 
 
 @dataclass
+class EvalSetConfig:
+    """One entry of ``task.eval_sets`` (a list of these; an unknown field is an error naming these)."""
+
+    name: str = f("", "the set's name in reports, metrics.jsonl and the metrics' set label ([A-Za-z0-9_.-], unique, not heldout)")
+    path: str = f("", "jsonl file of question/answer lines (problem/solution accepted), each with an optional data_source")
+    k: int = f(0, "samples per prompt for avg@k and pass@k (0 = learner.eval_k)")
+    max_new_tokens: int = f(0, "response token limit of this set (0 = actors.max_new_tokens)")
+
+
+@dataclass
 class TaskConfig:
     name: str = f("addition", "task: addition | chain | reasoning_gym:<generator> | jsonl:<path> | dataset:<path> (a .jsonl, a .parquet or a datasets.save_to_disk directory; docs/DATA.md)")
     min_digits: int = f(1, "addition: fewest digits per operand")
@@ -42,6 +52,8 @@ class TaskConfig:
     max_steps: int = f(44, "chain: most steps (steps are drawn log-uniformly, so long responses are a tail)")
     eval_buckets: int = f(10, "held-out split = operands whose hash falls in bucket 0 of this many")
     eval_size: int = f(256, "number of held-out prompts used for evaluation")
+    eval_sets: list[EvalSetConfig] = f([], "named evaluation sets, each {name, path, k, max_new_tokens} (k 0 = learner.eval_k, max_new_tokens 0 = actors.max_new_tokens), evaluated with the held-out slice every learner.eval_every steps and reported per set and per data_source at avg@k and pass@k (docs/OPERATIONS.md Evaluation sets); empty = the held-out slice alone")
+    eval_heldout: bool = f(True, "with task.eval_sets: evaluate the held-out slice too, reported as the set named heldout")
     train_size: int = f(0, "reasoning_gym/jsonl/dataset: number of training items (0 = generator/file default)")
     prompt_key: str = f("", "dataset: the prompt column, a string or a list of chat messages (dotted for a nested field; empty = auto: prompt | question | problem)")
     answer_key: str = f("", "dataset: the reference answer column (dotted for a nested field; empty = auto: reward_model.ground_truth | answer | solution)")

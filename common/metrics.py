@@ -168,6 +168,8 @@ SPECS: tuple[MetricSpec, ...] = (
     _g("learner", "mfu", "Model FLOP utilisation per learner rank against learner.peak_tflops (CPU: a matmul ceiling measured at start), per model phase and phase=step", ("phase",)),
     _g("learner", "eval_accuracy", "Held-out accuracy", ("metric",)),
     _g("learner", "eval_response_length", "Held-out mean response length"),
+    _g("learner", "eval_avg_at_k", "Mean reward of the k samples per prompt of an evaluation set (task.eval_sets; heldout = the held-out slice), per data_source (all = the whole set)", ("set", "data_source")),
+    _g("learner", "eval_pass_at_k", "Fraction of an evaluation set's prompts with a fully rewarded sample among their k, per data_source (all = the whole set)", ("set", "data_source")),
     _c("learner", "samples", "Samples trained on"),
     _c("learner", "weights_published", "Weight versions published"),
     _h("learner", "weight_sync_phase_seconds", "Learner side of one weight publish by phase: gather (ZeRO-3 gathers + flatten + NaN check), broadcast (the learner's wait for its broadcasts to the engines' group; the final bucket's completes off its path, uncounted), host_copy (for the durable writer), group (building the weight-update group), disk_write (disk transport: the whole synchronous export; distributed: the background durable write)", labels=("phase", "transport")),

@@ -85,6 +85,7 @@ def missing_files(cfg: Config, root: Path) -> list[str]:
         if not data.exists():
             problems.append(f"task.name: the data set {data} does not exist")
     checks = [*_curve_files(cfg), *_ssh_files(cfg), *_reward_files(cfg)]
+    checks += [(f"task.eval_sets[{i}].path ({s.name})", s.path, "file") for i, s in enumerate(cfg.task.eval_sets)]
     if cfg.engine.admin_api_key_file:
         checks.append(("engine.admin_api_key_file", cfg.engine.admin_api_key_file, "file"))
     if cfg.learner.resume not in ("auto", "never"):

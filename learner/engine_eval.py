@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,8 @@ from common.config import ConfigError
 from common.gpu_spec import engine_tp, parse_gpus
 from common.sglang_client import SGLangClient, SGLangError, as_int
 from common.tasks import Prompt, Task, encode_prompt
+from common.tasks.eval_sets import EvalSet
+from learner.eval_record import eval_record
 from learner.eval_score import score
 
 
@@ -172,6 +174,25 @@ def _engine_report(task: Task, tokenizer: Any, prompts: list[Prompt], shards: li
     report["engine_weight_version"] = shards[0].served
     report["weight_versions_evaluated"] = [min(versions), max(versions)] if versions else None
     return report
+
+
+def evaluate_sets_on_engines(urls: Sequence[str], tokenizer: Any, task: Task, sets: Sequence[EvalSet], version: int,
+                             limits: Callable[[int], dict[str, float]], timeout_s: float = 0.0,
+                             **kw: Any) -> dict[str, Any]:
+    """:func:`evaluate_on_engines` of each set (``common.tasks.eval_sets``) with its own prompts, k and
+    response limit, as one metrics.jsonl ``eval`` record (``learner.eval_record.eval_record``).
+    ``limits(max_new_tokens)`` gives a set's per-request and weight-wait limits; ``timeout_s`` (0 = none)
+    bounds all the sets together."""
+    deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
+    results = []
+    for s in sets:
+        left = 0.0 if deadline is None else deadline - time.monotonic()
+        if deadline is not None and left <= 0:
+            raise EngineEvalError(f"evaluation did not finish within {timeout_s:.0f} s (before set {s.name!r})")
+        rep = evaluate_on_engines(urls, tokenizer, task, version, k=s.k, max_new_tokens=s.max_new_tokens,
+                                  prompts=s.prompts, timeout_s=left, **limits(s.max_new_tokens), **kw)
+        results.append((s, rep))
+    return eval_record(results)
 
 
 def evaluate_on_engine(url: str, tokenizer: Any, task: Task, version: int, **kw: Any) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""The held-out evaluation report of already generated responses: avg@k, pass@k, greedy accuracy, lengths,
-and the same by task bucket and by response length.
+"""The evaluation report of already generated responses: avg@k, pass@k, greedy accuracy, lengths, and the
+same by task bucket, by data_source (a prompt without one counts under the task's name) and by response length.
 
 Not a CLI. ``learner.evaluate`` (in-process generation) and ``learner.engine_eval`` (generation on rollout
 engines) both end with ``score``; it is apart from sampling so that it can be tested on scripted responses.
@@ -53,13 +53,15 @@ def _sampled_report(task: Task, tokenizer: Any, prompts: Sequence[Prompt],
     pass_k = 0
     by_bucket: dict[str, list[float]] = defaultdict(list)
     by_len: dict[str, list[float]] = defaultdict(list)
+    by_source: dict[str, list[list[float]]] = defaultdict(list)  # one list of k rewards per prompt
     for p, samples in zip(prompts, sampled, strict=True):
         rs = _rewards(task, tokenizer, p, samples)
         for ids, r in zip(samples, rs, strict=True):
             by_len[_length_bin(len(ids))].append(r)
         rewards.extend(rs)
         by_bucket[p.bucket].extend(rs)
-        pass_k += int(max(rs, default=0.0) >= 1.0)
+        by_source[p.data_source or task.name].append(rs)
+        pass_k += _passed(rs)
     report: dict[str, Any] = {
         "task": task.name,
         "n_prompts": len(prompts),
@@ -70,10 +72,17 @@ def _sampled_report(task: Task, tokenizer: Any, prompts: Sequence[Prompt],
         "min_response_length": min(lengths, default=0),
         "max_response_length": max(lengths, default=0),
         "truncated_fraction": truncated / max(len(lengths), 1),
+        "by_data_source": {ds: {"n_prompts": len(v), "avg_at_k": _mean([r for rs in v for r in rs]),
+                                "pass_at_k": sum(_passed(rs) for rs in v) / len(v)} for ds, v in sorted(by_source.items())},
         "by_response_length": {b: {"n_samples": len(v), "avg_at_k": _mean(v)}
                                for b, v in sorted(by_len.items(), key=lambda kv: _bucket_order(kv[0]))},
     }
     return report, by_bucket
+
+
+def _passed(rewards: Sequence[float]) -> int:
+    """pass@k of one prompt: 1 when any of its k samples earned the full reward."""
+    return int(max(rewards, default=0.0) >= 1.0)
 
 
 def score(

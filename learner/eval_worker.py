@@ -1,8 +1,9 @@
-"""Held-out evaluation on rollout engines off the training path: a background thread of learner rank 0.
+"""Evaluation on rollout engines off the training path: a background thread of learner rank 0.
 
 Not a CLI. ``learner.runner`` submits a version after publishing it; the thread evaluates it on every engine
-of ``learner.engine_eval.eval_engine_urls`` (prompts dealt round-robin, ``evaluate_on_engines``) while training
-goes on, and appends ``{"kind": "eval", "weight_version": v, "step": v, ...}`` to metrics.jsonl when done:
+of ``learner.engine_eval.eval_engine_urls`` (prompts dealt round-robin, ``evaluate_sets_on_engines``: the
+held-out slice and ``task.eval_sets``) while training goes on, and appends
+``{"kind": "eval", "weight_version": v, "step": v, ...}`` (``learner.eval_record``) to metrics.jsonl when done:
 
     evals = BackgroundEval(cfg, tokenizer, task, record)   # record(dict) appends and sets the gauges
     evals.submit(version)        # returns at once; a version still waiting is replaced by the newer one
@@ -12,7 +13,8 @@ One evaluation runs at a time. A version submitted while another is running wait
 replaces it (it is recorded as ``{"kind": "eval", "weight_version": v, "skipped": true}``): evaluations never
 queue up behind training. Engines keep loading newer weights meanwhile, so each record says which versions
 its outputs came from (``weight_versions_evaluated``). Per-request and weight-wait limits come from the
-sizes of the work (``eval_timeout_s`` = 0: no overall limit), so an evaluation of any size completes.
+sizes of the work (each set's response limit; ``eval_timeout_s`` = 0: no overall limit), so an evaluation of
+any size completes.
 """
 
 from __future__ import annotations
@@ -24,17 +26,20 @@ from collections.abc import Callable
 from typing import Any
 
 from common.config import Config
-from learner.engine_eval import EngineEvalError, eval_engine_urls, evaluate_on_engines
+from common.tasks.eval_sets import EvalSet, eval_sets
+from learner.engine_eval import EngineEvalError, eval_engine_urls, evaluate_sets_on_engines
+from learner.eval_record import eval_line
 
 log = logging.getLogger("learner.eval")
 
 
-def eval_limits(cfg: Config) -> dict[str, float]:
-    """``evaluate_on_engines`` limits: the config's overall one, the actors' generate timeout per request
-    (base + max_new_tokens / min_tokens_per_s unless set), and the actor's wait for a weight update."""
+def eval_limits(cfg: Config, max_new_tokens: int | None = None) -> dict[str, float]:
+    """``evaluate_on_engines`` limits: the actors' generate timeout per request (base + max_new_tokens /
+    min_tokens_per_s unless set; ``max_new_tokens`` default actors.max_new_tokens), and the actor's wait
+    for a weight update. The overall one is ``learner.eval_timeout_s``."""
     a, e = cfg.actors, cfg.engine
-    return {"timeout_s": cfg.learner.eval_timeout_s,
-            "request_timeout_s": a.generate_timeout_s or a.generate_timeout_base_s + a.max_new_tokens / a.min_tokens_per_s,
+    n = a.max_new_tokens if max_new_tokens is None else max_new_tokens
+    return {"request_timeout_s": a.generate_timeout_s or a.generate_timeout_base_s + n / a.min_tokens_per_s,
             "version_wait_s": e.weight_load_timeout_s + e.health_timeout_s}
 
 
@@ -42,17 +47,18 @@ class BackgroundEval:
     """Rank 0's evaluation thread (see the module docstring)."""
 
     def __init__(self, cfg: Config, tokenizer: Any, task: Any, record: Callable[[dict[str, Any]], None],
-                 urls: list[str] | None = None) -> None:
+                 urls: list[str] | None = None, sets: list[EvalSet] | None = None) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.task = task
         self.record = record
         self.urls = urls if urls is not None else eval_engine_urls(cfg)
+        self.sets = sets if sets is not None else eval_sets(cfg, task)
         self._cond = threading.Condition()
         self._pending: int | None = None
         self._running: int | None = None
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="heldout-eval", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="eval", daemon=True)
         self._thread.start()
 
     def submit(self, version: int) -> None:
@@ -101,17 +107,14 @@ class BackgroundEval:
         t0 = time.perf_counter()
         rec: dict[str, Any] = {"kind": "eval", "weight_version": version, "step": version}
         try:
-            rep = evaluate_on_engines(self.urls, self.tokenizer, self.task, version=version, k=self.cfg.learner.eval_k,
-                                      max_new_tokens=self.cfg.actors.max_new_tokens,
-                                      temperature=self.cfg.actors.temperature, **eval_limits(self.cfg))
+            rep = evaluate_sets_on_engines(self.urls, self.tokenizer, self.task, self.sets, version,
+                                           lambda n: eval_limits(self.cfg, n), timeout_s=self.cfg.learner.eval_timeout_s,
+                                           temperature=self.cfg.actors.temperature)
         except (EngineEvalError, OSError) as e:
-            log.error("held-out evaluation of v%d failed (training goes on): %s", version, e)
+            log.error("evaluation of v%d failed (training goes on): %s", version, e)
             return {**rec, "time": time.time(), "error": str(e)}
-        log.info("held-out v%d on %d engine(s): avg@k %.3f greedy %.3f (%.1f s)", version, len(self.urls),
-                 rep.get("avg_at_k", float("nan")), rep.get("greedy_accuracy", float("nan")), time.perf_counter() - t0)
-        scalars = {k: v for k, v in rep.items() if isinstance(v, int | float | str) or k in (
-            "by_bucket", "by_response_length", "engine_urls", "prompts_per_engine", "weight_versions_evaluated")}
-        return {**rec, "time": time.time(), "weight_version_evaluated": version, **scalars}
+        log.info("v%d on %d engine(s): %s (%.1f s)", version, len(self.urls), eval_line(rep), time.perf_counter() - t0)
+        return {**rec, "time": time.time(), "weight_version_evaluated": version, **rep}
 
     def _safe_record(self, rec: dict[str, Any]) -> None:
         try:

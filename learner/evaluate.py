@@ -1,10 +1,11 @@
-"""Held-out evaluation: avg@k sampled accuracy, greedy accuracy, accuracy by bucket and by length.
+"""Held-out and evaluation-set evaluation: avg@k, pass@k, greedy accuracy, by bucket, data_source and length.
 
 Library use (the learner calls it every ``learner.eval_every`` steps)::
 
-    from learner.evaluate import evaluate
+    from learner.evaluate import evaluate, evaluate_sets
     from learner.engine_eval import evaluate_on_engine
     stats = evaluate(model, tokenizer, task, k=8, max_new_tokens=96)          # in-process (one CPU learner)
+    record = evaluate_sets(model, tokenizer, task, eval_sets(cfg, task))        # every set of task.eval_sets
     stats = evaluate_on_engine("http://127.0.0.1:30000", tokenizer, task, version=10, k=8)   # on a rollout engine
 
 CLI::
@@ -36,7 +37,9 @@ from common.generation.passes import generate_passes
 from common.generation.sampling import SamplingParams
 from common.modeling import load_model, load_tokenizer
 from common.tasks import Prompt, Task, encode_prompt, fit_task, get_task
+from common.tasks.eval_sets import EvalSet
 from learner.engine_eval import eval_engine_urls
+from learner.eval_record import eval_record
 from learner.eval_score import score
 
 
@@ -114,6 +117,15 @@ def evaluate(
     report["temperature"] = temperature
     report["seconds"] = round(time.perf_counter() - t0, 3)
     return report
+
+
+def evaluate_sets(model: torch.nn.Module, tokenizer: Any, task: Task, sets: Sequence[EvalSet], temperature: float = 1.0,
+                  seed: int = 0, batch_size: int = 512) -> dict[str, Any]:
+    """:func:`evaluate` of each set (``common.tasks.eval_sets``) with its own prompts, k and response limit,
+    as one metrics.jsonl ``eval`` record (``learner.eval_record.eval_record``)."""
+    return eval_record([(s, evaluate(model, tokenizer, task, k=s.k, max_new_tokens=s.max_new_tokens,
+                                     temperature=temperature, batch_size=batch_size, seed=seed, prompts=s.prompts))
+                        for s in sets])
 
 
 def eval_target(cfg: Any, world: int) -> tuple[str, list[str]]:

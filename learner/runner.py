@@ -10,8 +10,8 @@ have fails at start; then value pretraining (``learner.value_pretrain``, when en
 or checkpoint yet), then ``Runner``: resume from the newest intact checkpoint (``learner.resume``, verified
 by rank 0) → publish the current weights if the actors lack them → ``learner.total_steps`` steps of
 ``learner.train.Learner``, each followed by a checkpoint (every ``learner.checkpoint_every``), a weight push
-(every ``learner.weights_every``, to ``<run dir>/weights``) and a held-out evaluation (every
-``learner.eval_every``), with one line per step in ``<run dir>/metrics.jsonl``. Rank 0 talks to the buffer,
+(every ``learner.weights_every``, to ``<run dir>/weights``) and an evaluation of the held-out slice and
+``task.eval_sets`` (every ``learner.eval_every``), with one line per step in ``<run dir>/metrics.jsonl``. Rank 0 talks to the buffer,
 publishes and evaluates.
 """
 
@@ -31,12 +31,14 @@ from common.config import Config, save_config
 from common.metrics import Metrics
 from common.placement import LEARNER_DONE_FILE
 from common.tasks import fit_task, get_task
+from common.tasks.eval_sets import EvalSet, eval_sets
 from learner import checkpoint
 from learner.data import BufferSource, DataSource
 from learner.dist import all_reduce_sum, broadcast_ints, rank, rank0_wait, shutdown_distributed, world_size
 from learner.endpoints import Endpoints
+from learner.eval_record import eval_line, set_eval_gauges
 from learner.eval_worker import BackgroundEval
-from learner.evaluate import eval_target, evaluate
+from learner.evaluate import eval_target, evaluate_sets
 from learner.models import full_state_dict, load_policy_module
 from learner.push_coordinator import pushed_version
 from learner.records import RunRecords, header_record, write_json_atomic
@@ -106,6 +108,7 @@ class Runner:
             critic_path = pretrained
         self.learner = Learner(cfg, source, critic_path=critic_path, metrics=metrics)
         self.task: Any = None
+        self.eval_sets: list[EvalSet] = []  # the sets each evaluation covers, loaded with the task
         self.evals: Any = None  # learner.eval_worker.BackgroundEval, rank 0's engine evaluations
         resume_from = choose_resume(cfg)
         if resume_from is not None:
@@ -160,20 +163,24 @@ class Runner:
             self.learner.metrics.weight_version.set(update.version)
 
     def evaluate(self) -> dict[str, Any]:
-        """Held-out evaluation of the current version, on rank 0 only (the other ranks return {} at once).
+        """Evaluation of the current version on the held-out slice and ``task.eval_sets``
+        (``common.tasks.eval_sets``), on rank 0 only (the other ranks return {} at once).
 
-        A one-process learner evaluates in-process, now, and returns the report. Otherwise the published
-        version goes to the background evaluator (``learner.eval_worker``: all engines, off the training
-        path) and {} is returned; its ``eval`` record is appended to metrics.jsonl when it completes."""
+        A one-process learner evaluates in-process, now, and returns the record (``learner.eval_record``).
+        Otherwise the published version goes to the background evaluator (``learner.eval_worker``: all
+        engines, off the training path) and {} is returned; its ``eval`` record is appended to metrics.jsonl
+        when it completes."""
         if rank() != 0:
             return {}
         if self.task is None:
             self.task = get_task(self.cfg.task)
             fit_task(self.task, self.cfg, self.learner.tokenizer)  # the held-out rows the actors' engines could take
+            self.eval_sets = eval_sets(self.cfg, self.task)
         mode, _ = eval_target(self.cfg, world_size())
         if mode == "engine":
             if self.evals is None:
-                self.evals = BackgroundEval(self.cfg, self.learner.tokenizer, self.task, self._record_eval)
+                self.evals = BackgroundEval(self.cfg, self.learner.tokenizer, self.task, self._record_eval,
+                                            sets=self.eval_sets)
             self.evals.submit(self.publisher.latest.version if self.publisher is not None and self.publisher.latest else 0)
             return {}
         model = self.learner.policy.module
@@ -184,25 +191,17 @@ class Runner:
             model = load_policy_module(self.cfg.model.path, self.cfg.model.dtype)
             model.load_state_dict(state)
             model.to(next(self.learner.policy.module.parameters()).device)
-        rep = evaluate(model, self.learner.tokenizer, self.task, k=self.cfg.learner.eval_k,
-                       max_new_tokens=self.cfg.actors.max_new_tokens, temperature=self.cfg.actors.temperature,
-                       seed=self.cfg.run.seed)
-        self._set_eval_gauges(rep)
-        # Scalars plus the per-bucket and per-length tables (a report reads accuracy by response length
-        # from the run record; the per-prompt lists stay out of metrics.jsonl).
-        return {k: v for k, v in rep.items() if isinstance(v, int | float | str) or k in ("by_bucket", "by_response_length")}
-
-    def _set_eval_gauges(self, rep: dict[str, Any]) -> None:
-        metrics = self.learner.metrics
-        for key in ("avg_at_k", "pass_at_k", "greedy_accuracy"):
-            if key in rep:
-                metrics.eval_accuracy.labels(metric=key).set(rep[key])
-        if "mean_response_length" in rep:
-            metrics.eval_response_length.set(rep["mean_response_length"])
+        # Scalars plus the per-bucket, per-data_source and per-length tables (a report reads accuracy by
+        # response length from the run record; the per-prompt lists stay out of metrics.jsonl).
+        rec = evaluate_sets(model, self.learner.tokenizer, self.task, self.eval_sets,
+                            temperature=self.cfg.actors.temperature, seed=self.cfg.run.seed)
+        set_eval_gauges(self.learner.metrics, rec)
+        log.info("v%d %s", self.learner.version, eval_line(rec))
+        return rec
 
     def _record_eval(self, rec: dict[str, Any]) -> None:
         """The background evaluator's result (its thread): gauges and a metrics.jsonl ``eval`` record."""
-        self._set_eval_gauges(rec)
+        set_eval_gauges(self.learner.metrics, rec)
         self.records.append(rec)
 
     def run(self) -> Learner:
@@ -222,11 +221,11 @@ class Runner:
         return self.learner
 
     def _evaluate_base_policy(self) -> None:
-        """The base policy's held-out accuracy: the reference every later evaluation is read against."""
+        """The base policy's accuracy on every set: the reference every later evaluation is read against."""
         t0 = time.perf_counter()
         rep = self.evaluate()
         if rep:  # in-process; an engine evaluation writes its own record when it completes
-            log.info("base policy held-out: %s (%.1f s)", rep, time.perf_counter() - t0)
+            log.info("base policy evaluated in %.1f s", time.perf_counter() - t0)
             self.records.append({"kind": "eval", "weight_version": 0, "step": 0, "time": time.time(), **rep})
 
     def _train_step(self) -> None:

@@ -1,6 +1,6 @@
 """The launcher's progress lines: one per learner step (with ``engines 1/2`` while fewer engines than planned
 are alive; ``MFU -`` when the learner reports none: an unknown GPU without ``learner.peak_tflops``),
-value-pretraining step and evaluation, read from ``<run dir>/metrics.jsonl`` as the learner appends to it
+value-pretraining step and evaluation (one part per set with ``task.eval_sets``), read from ``<run dir>/metrics.jsonl`` as the learner appends to it
 (``ops/launch.py``)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from common.provenance import describe
+from learner.eval_record import eval_line
 
 
 def say(msg: str) -> None:
@@ -78,8 +79,12 @@ class Progress:
                 if self.base_eval is None:
                     self.base_eval = float(acc)
                 self.last_eval = float(acc)
-            say(f"eval  v{r.get('weight_version', r.get('version', '?'))}: held-out avg@k {_fmt(acc)}"
-                f"  greedy {_fmt(ev.get('greedy_accuracy'))}  length {_fmt(ev.get('mean_response_length'), 1)}")
+            v = r.get('weight_version', r.get('version', '?'))
+            if isinstance(ev.get("sets"), dict):  # task.eval_sets: one short part per set
+                say(f"eval  v{v}: {eval_line(ev)}")
+            else:
+                say(f"eval  v{v}: held-out avg@k {_fmt(acc)}"
+                    f"  greedy {_fmt(ev.get('greedy_accuracy'))}  length {_fmt(ev.get('mean_response_length'), 1)}")
 
     def degraded(self) -> str:
         """``  engines 1/2`` while fewer engines than planned are alive (a lost host, one given up)."""

@@ -3,7 +3,9 @@
     .venv/bin/python -m ops.report runs/<name>        # re-make the summary and plots of any run
 
 Called by ``ops/launch.py`` when a run finishes. Plots (``runs/<name>/plots/``): reward, held-out
-accuracy, value explained variance, response length, staleness, throughput; ``summary.json`` beside them,
+accuracy, value explained variance, response length, staleness, throughput, and with ``task.eval_sets``
+avg@k per set (``eval_sets.png``; the summary then has ``eval_sets`` and a table per set and data_source);
+``summary.json`` beside them,
 with ``provenance`` (commit, base checksum, CPU, versions, threads) from the metrics.jsonl ``header`` record.
 """
 
@@ -18,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from common.provenance import describe, for_config
+from learner.eval_record import record_sets
 
 
 def read_records(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
@@ -106,11 +109,30 @@ def summarize(run_dir: Path, wall_s: float | None = None) -> dict[str, Any]:
         "evals": evals,
         "wall_seconds": round(wall_s, 1) if wall_s is not None else None,
     }
+    sets = eval_sets_summary(records)
+    if sets:
+        out["eval_sets"] = sets
     out.update(provenance_of(records))
     vp = [r for r in records if r.get("kind") == "value_pretrain"]
     if vp:
         # The critic RL starts from is the best on the held-out groups (learner.value_pretrain).
         out["value_pretrain_explained_variance"] = vp[-1].get("best_explained_variance", vp[-1].get("explained_variance"))
+    return out
+
+
+def eval_sets_summary(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per evaluation set (``task.eval_sets``; empty for a run of the held-out slice alone): its k, prompts,
+    base (step 0) and final avg@k, final pass@k and the final per-data_source figures."""
+    pts = [(s, e) for s, e in eval_points(records) if isinstance(e.get("sets"), dict)]
+    out: dict[str, dict[str, Any]] = {}
+    for step, e in pts:
+        for name, fig in record_sets(e).items():
+            row = out.setdefault(name, {"base_avg_at_k": None})
+            if step == 0:
+                row["base_avg_at_k"] = fig.get("avg_at_k")
+            row.update({"k": fig.get("k"), "n_prompts": fig.get("n_prompts"), "final_step": step,
+                        "final_avg_at_k": fig.get("avg_at_k"), "final_pass_at_k": fig.get("pass_at_k"),
+                        "final_by_data_source": fig.get("by_data_source", {})})
     return out
 
 
@@ -166,6 +188,21 @@ def plot(run_dir: Path) -> list[Path]:
     pts = [(s, eval_acc(e)) for s, e in eval_points(records)]
     pts = [(s, a) for s, a in pts if a is not None]
     save("heldout_accuracy", [s for s, _ in pts], [a for _, a in pts], "held-out avg@k accuracy")
+    sets = [(s, e) for s, e in eval_points(records) if isinstance(e.get("sets"), dict)]
+    if sets:  # task.eval_sets: avg@k of every set, one line each
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for name in dict.fromkeys(n for _, e in sets for n in e["sets"]):
+            xy = [(s, e["sets"][name].get("avg_at_k")) for s, e in sets if name in e["sets"]]
+            ax.plot([x for x, y in xy if y is not None], [y for _, y in xy if y is not None], marker=".", label=name)
+        ax.set_xlabel("learner step (weight version)")
+        ax.set_ylabel("avg@k")
+        ax.set_title(f"{run_dir.name}: evaluation sets")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / "eval_sets.png", dpi=100)
+        plt.close(fig)
+        written.append(out_dir / "eval_sets.png")
     return written
 
 
@@ -189,8 +226,25 @@ def print_table(summary: dict[str, Any]) -> None:
     t.add_row("samples trained on", fmt(summary["samples"]))
     t.add_row("wall time (s)", fmt(summary.get("wall_seconds")))
     Console().print(t)
+    if summary.get("eval_sets"):
+        Console().print(_sets_table(summary["eval_sets"], fmt))
 
     Console().print(f"produced by: {describe(summary.get('provenance'))}", soft_wrap=True)
+
+
+def _sets_table(sets: dict[str, dict[str, Any]], fmt: Any) -> Table:
+    """One row per evaluation set, and one per data_source of a set that has several."""
+    t = Table(title="evaluation sets")
+    for col in ("set", "data_source", "k", "prompts", "base avg@k", "final avg@k", "final pass@k"):
+        t.add_column(col, justify="left" if col in ("set", "data_source") else "right")
+    for name, row in sets.items():
+        t.add_row(name, "all", fmt(row.get("k")), fmt(row.get("n_prompts")), fmt(row.get("base_avg_at_k")),
+                  fmt(row.get("final_avg_at_k")), fmt(row.get("final_pass_at_k")))
+        by_source = row.get("final_by_data_source") or {}
+        for source, fig in by_source.items() if len(by_source) > 1 else ():
+            t.add_row(name, source, fmt(row.get("k")), fmt(fig.get("n_prompts")), "",
+                      fmt(fig.get("avg_at_k")), fmt(fig.get("pass_at_k")))
+    return t
 
 
 def finish(cfg: Any, run_dir: Path, wall_s: float) -> dict[str, Any]:

@@ -18,6 +18,10 @@ PANELS: dict[str, list[tuple[str, str, list[tuple[str, str]]]]] = {
     "Learning": [
         ("Batch reward", "percentunit", [("vapo_learner_reward_mean", "reward mean"), ("vapo_learner_positives_fraction", "positives fraction")]),
         ("Held-out accuracy", "percentunit", [("vapo_learner_eval_accuracy", "{{metric}}")]),
+        ("Evaluation sets: avg@k", "percentunit", [('vapo_learner_eval_avg_at_k{data_source="all"}', "{{set}}")]),
+        ("Evaluation sets: pass@k", "percentunit", [('vapo_learner_eval_pass_at_k{data_source="all"}', "{{set}}")]),
+        ("Evaluation sets by data_source: avg@k", "percentunit", [('vapo_learner_eval_avg_at_k{data_source!="all"}', "{{set}} {{data_source}}")]),
+        ("Evaluation sets by data_source: pass@k", "percentunit", [('vapo_learner_eval_pass_at_k{data_source!="all"}', "{{set}} {{data_source}}")]),
         ("Response length", "short", [("vapo_learner_response_length_mean", "train"), ("vapo_learner_eval_response_length", "held-out")]),
         ("Policy entropy", "short", [("vapo_learner_entropy", "entropy")]),
         ("Approx KL", "short", [("vapo_learner_approx_kl", "approx KL")]),

@@ -106,3 +106,29 @@ def test_background_evaluation_returns_at_once_skips_stale_versions_and_records(
     assert done["kind"] == "eval" and done["n_prompts"] == 4 and done["weight_versions_evaluated"] == [0, 0]
     assert done["prompts_per_engine"] == [2, 2] and 0.0 <= done["avg_at_k"] <= 1.0
     json.dumps(records)  # every record is a metrics.jsonl line
+
+
+def test_background_evaluation_covers_every_set_with_its_own_k(tiny_model_dir: Path, engines: list[str],
+                                                               tmp_path: Path) -> None:
+    from learner.eval_worker import BackgroundEval
+
+    f = tmp_path / "two.jsonl"
+    f.write_text('{"question": "Q:1+2\\n", "answer": "3", "data_source": "a"}\n'
+                 '{"question": "Q:4+4\\n", "answer": "8", "data_source": "b"}\n'
+                 '{"question": "Q:5+1\\n", "answer": "6", "data_source": "b"}\n')
+    cfg, tok, task = _parts(tiny_model_dir)
+    cfg.task.eval_sets = load_config(None, [f"task.eval_sets=[{{name: two, path: {f}, k: 3, max_new_tokens: 4}}]"]).task.eval_sets
+    records: list[dict] = []
+    evals = BackgroundEval(cfg, tok, task, records.append, urls=engines)
+    evals.submit(0)
+    assert evals.finish(120.0)
+    (rec,) = records
+    assert "error" not in rec, rec
+    assert rec["n_prompts"] == 4 and rec["k"] == 2  # the held-out slice at the top level, as before
+    two = rec["sets"]["two"]
+    assert (two["n_prompts"], two["k"], two["max_new_tokens"]) == (3, 3, 4)
+    assert set(two["by_data_source"]) == {"a", "b"} and two["by_data_source"]["b"]["n_prompts"] == 2
+    assert 0.0 <= two["avg_at_k"] <= two["pass_at_k"] <= 1.0
+    assert two["mean_response_length"] <= 4  # this set's response limit, not actors.max_new_tokens
+    assert rec["weight_versions_evaluated"] == [0, 0]
+    json.dumps(rec)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from common.config import load_config
 from learner.records import append_jsonl, write_header
 from ops import report  # ops/report.py
@@ -47,3 +49,37 @@ def test_finish_records_this_machine_when_the_run_wrote_no_header(tiny_model_dir
     saved = json.loads((cfg.run_dir / "summary.json").read_text())
     assert saved["provenance"]["source"] == "launcher at the end of the run"
     assert saved["provenance"]["base"]["sha256"] == out["provenance"]["base"]["sha256"] is not None
+
+
+def test_the_summary_has_a_row_per_evaluation_set_and_data_source(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "r"
+
+    def sets(heldout: float, aime: float) -> dict:
+        return {"heldout": {"avg_at_k": heldout, "pass_at_k": 0.9, "k": 2, "n_prompts": 8},
+                "aime": {"avg_at_k": aime, "pass_at_k": 0.5, "k": 4, "n_prompts": 3,
+                         "by_data_source": {"aime24": {"n_prompts": 2, "avg_at_k": 0.125, "pass_at_k": 0.5},
+                                            "aime25": {"n_prompts": 1, "avg_at_k": 0.75, "pass_at_k": 1.0}}}}
+
+    append_jsonl(run / "metrics.jsonl", {"kind": "eval", "step": 0, "weight_version": 0, "avg_at_k": 0.25,
+                                         "sets": sets(0.25, 0.0)})
+    _steps(run / "metrics.jsonl", 1, 2)
+    append_jsonl(run / "metrics.jsonl", {"kind": "learner_step", "step": 3, "weight_version": 3, "samples": 8,
+                                         "time": 104.0, "eval": {"avg_at_k": 0.5, "sets": sets(0.5, 0.3333)}})
+    s = report.summarize(run)
+    assert s["base_accuracy"] == 0.25 and s["final_accuracy"] == 0.5  # the held-out slice, as before
+    assert s["eval_sets"]["aime"] == {"base_avg_at_k": 0.0, "k": 4, "n_prompts": 3, "final_step": 3,
+                                      "final_avg_at_k": 0.3333, "final_pass_at_k": 0.5,
+                                      "final_by_data_source": sets(0, 0)["aime"]["by_data_source"]}
+    assert s["eval_sets"]["heldout"]["base_avg_at_k"] == 0.25 and s["eval_sets"]["heldout"]["final_avg_at_k"] == 0.5
+    report.print_table(s)
+    out = capsys.readouterr().out
+    assert "evaluation sets" in out
+    rows = [ln for ln in out.splitlines() if "aime" in ln]
+    assert len(rows) == 3 and "0.333" in rows[0] and "aime25" in rows[2] and "0.750" in rows[2]
+    assert "eval_sets.png" in [p.name for p in report.plot(run)]
+
+
+def test_a_run_without_evaluation_sets_has_no_sets_in_its_summary(tmp_path: Path) -> None:
+    append_jsonl(tmp_path / "r" / "metrics.jsonl", {"kind": "eval", "step": 0, "avg_at_k": 0.25})
+    assert "eval_sets" not in report.summarize(tmp_path / "r")
