@@ -271,7 +271,7 @@ def _eval_set_checks(cfg: Config) -> list[Check]:
         key = f"task.eval_sets[{i}]"
         out += [(f"{key}.name", bool(re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}", s.name)) and s.name != "heldout",
                  f"{s.name!r}: needs 1-64 of A-Z a-z 0-9 _ . - (not heldout: the held-out slice's name)"),
-                (f"{key}.path", bool(s.path), "must name the set's jsonl file"),
+                (f"{key}.path", bool(s.path), "must name the set's file (.jsonl, .parquet or a datasets.save_to_disk directory)"),
                 (f"{key}.k", s.k >= 0, "must be >= 0 (0 = learner.eval_k)"),
                 (f"{key}.max_new_tokens", s.max_new_tokens >= 0, "must be >= 0 (0 = actors.max_new_tokens)")]
     names = [s.name for s in sets]

@@ -38,7 +38,7 @@ class EvalSetConfig:
     """One entry of ``task.eval_sets`` (a list of these; an unknown field is an error naming these)."""
 
     name: str = f("", "the set's name in reports, metrics.jsonl and the metrics' set label ([A-Za-z0-9_.-], unique, not heldout)")
-    path: str = f("", "jsonl file of question/answer lines (problem/solution accepted), each with an optional data_source")
+    path: str = f("", "the set's prompts: a .jsonl, a .parquet or a datasets.save_to_disk directory, read as dataset:<path> is (docs/DATA.md); a row's data_source defaults to the set's name")
     k: int = f(0, "samples per prompt for avg@k and pass@k (0 = learner.eval_k)")
     max_new_tokens: int = f(0, "response token limit of this set (0 = actors.max_new_tokens)")
 

@@ -67,6 +67,9 @@ def _reward_files(cfg: Config) -> list[tuple[str, str, str]]:
     return [(key, name[len("file:"):].rpartition(":")[0], "file") for key, name in named if name.startswith("file:")]
 
 
+ANY_PATH = {"any": "checkpoint", "data": "file"}  # how a kind that may be a file or a directory is named
+
+
 def missing_files(cfg: Config, root: Path) -> list[str]:
     """One line per file or directory the config names that does not exist, led by its config key."""
     problems: list[str] = []
@@ -85,16 +88,17 @@ def missing_files(cfg: Config, root: Path) -> list[str]:
         if not data.exists():
             problems.append(f"task.name: the data set {data} does not exist")
     checks = [*_curve_files(cfg), *_ssh_files(cfg), *_reward_files(cfg)]
-    checks += [(f"task.eval_sets[{i}].path ({s.name})", s.path, "file") for i, s in enumerate(cfg.task.eval_sets)]
+    # A set is a file or a datasets.save_to_disk directory.
+    checks += [(f"task.eval_sets[{i}].path ({s.name})", s.path, "data") for i, s in enumerate(cfg.task.eval_sets)]
     if cfg.engine.admin_api_key_file:
         checks.append(("engine.admin_api_key_file", cfg.engine.admin_api_key_file, "file"))
     if cfg.learner.resume not in ("auto", "never"):
         checks.append(("learner.resume", cfg.learner.resume, "any"))
     for key, p, kind in checks:
         q = _path(root, p)
-        if not {"file": q.is_file, "dir": q.is_dir, "any": q.exists}[kind]():
+        if not {"file": q.is_file, "dir": q.is_dir, "any": q.exists, "data": q.exists}[kind]():
             hint = " (python -m buffer.keys DIR writes a run's keys)" if key.startswith("buffer.curve") else ""
-            problems.append(f"{key}: {'checkpoint' if kind == 'any' else kind} {q} does not exist{hint}")
+            problems.append(f"{key}: {ANY_PATH.get(kind, kind)} {q} does not exist{hint}")
     return problems
 
 

@@ -11,7 +11,7 @@ its cache machinery in every actor and the learner) and through the same arrow-t
 parquet file, so the same rows give the same values in every format. A ``DatasetDict`` directory
 (``dataset_dict.json``) is read through its ``train`` split.
 
-Not a CLI; used by ``common.tasks.dataset_task``.
+Not a CLI; used by ``common.tasks.dataset_task`` and ``common.tasks.eval_sets``.
 """
 
 from __future__ import annotations
@@ -66,12 +66,12 @@ def read_rows(path: Path) -> list[Row]:
     if path.is_dir():
         return _arrow_dir_table(path).to_pylist()
     if not path.is_file():
-        raise ValueError(f"dataset task: no file or directory {path}")
+        raise ValueError(f"no file or directory {path}")
     if path.suffix == ".parquet":
         return pq.read_table(path).to_pylist()
     if path.suffix == ".jsonl":
         return _jsonl_rows(path)
-    raise ValueError(f"dataset task: {path}: unknown format {path.suffix!r}; use .jsonl, .parquet or a "
+    raise ValueError(f"{path}: unknown format {path.suffix!r}; use .jsonl, .parquet or a "
                      "datasets.save_to_disk directory")
 
 

@@ -77,18 +77,19 @@ class ColumnMap:
     extra_info: str  # "" = none
 
 
-def resolve_columns(cfg: TaskConfig, names: list[str]) -> ColumnMap:
-    """The columns to read: the keys the config names (each must exist) or the recognised ones."""
+def resolve_columns(cfg: TaskConfig, names: list[str], strict: bool = True) -> ColumnMap:
+    """The columns to read: the keys the config names (each must exist; unless ``strict``, a named key the file
+    lacks falls back to the recognised ones) or the recognised ones."""
     top = set(names)
 
     def pick(key: str, auto: tuple[str, ...], what: str, required: bool) -> str:
-        if key:
+        if key and (strict or key.split(".")[0] in top):
             if key.split(".")[0] not in top:
-                raise ValueError(f"dataset task: task.{what}_key={key!r} is not a column; columns: {names}")
+                raise ValueError(f"task.{what}_key={key!r} is not a column; columns: {names}")
             return key
         found = next((k for k in auto if k.split(".")[0] in top), "")
         if required and not found:
-            raise ValueError(f"dataset task: no {what} column (looked for {' | '.join(auto)}); columns: {names}; "
+            raise ValueError(f"no {what} column (looked for {' | '.join(auto)}); columns: {names}; "
                              f"name it with task.{what}_key")
         return found
 
@@ -155,6 +156,38 @@ def bad_rows_report(bad: dict[str, list[int]], total: int) -> str:
     return f"{n} bad row{'s' if n != 1 else ''} of {total}: " + ", ".join(parts)
 
 
+def item_prompt(item: Item, instruction: str, prompt_id: str, split: str, index: int, bucket: str = "all") -> Prompt:
+    """The Prompt of a good row, ``instruction`` appended to its text (a chat's last user turn; the last turn when
+    none is the user's)."""
+    messages = item.messages
+    if messages and instruction:
+        last = next((i for i in reversed(range(len(messages))) if messages[i][0] == "user"), len(messages) - 1)
+        role, content = messages[last]
+        messages = (*messages[:last], (role, content + instruction), *messages[last + 1:])
+    text = plain_chat(messages) if messages else item.text + instruction
+    return Prompt(prompt_id=prompt_id, text=text, answer=item.answer, split=split, index=index, bucket=bucket,
+                  data_source=item.data_source, extra_info=item.extra_info, messages=messages)
+
+
+def read_items(path: Path, cfg: TaskConfig, stem: str, strict: bool = True) -> tuple[list[Item], dict[str, list[int]], int]:
+    """A prompt file's good rows, its bad rows' numbers by reason, and its row count (``stem``: the data_source
+    of a row without one; ``strict``: see ``resolve_columns``); ValueError when it has no rows or lacks a prompt
+    or answer column."""
+    rows = read_rows(path)
+    if not rows:
+        raise ValueError(f"{path} has no rows")
+    cols = resolve_columns(cfg, columns(rows), strict)
+    items: list[Item] = []
+    bad: dict[str, list[int]] = {}
+    for number, row in enumerate(rows):
+        item = parse_row(row, number, cols, stem)
+        if isinstance(item, Item):
+            items.append(item)
+        else:
+            bad.setdefault(item, []).append(number)
+    return items, bad, len(rows)
+
+
 @dataclass
 class _Split:
     train: list[Item] = field(default_factory=list)
@@ -167,20 +200,11 @@ class DatasetTask(Task):
             raise ValueError(f"dataset task: eval_buckets must be >= 2, got {cfg.eval_buckets}")
         self.name = f"dataset:{path}"
         self.cfg = cfg
-        rows = read_rows(Path(path))
-        if not rows:
-            raise ValueError(f"dataset task: {path} has no rows")
-        self.total = len(rows)
-        self.columns = resolve_columns(cfg, columns(rows))
         stem = Path(path).stem if Path(path).is_file() else Path(path).name
-        self._items: list[Item] = []
-        self.bad: dict[str, list[int]] = {}
-        for number, row in enumerate(rows):
-            item = parse_row(row, number, self.columns, stem)
-            if isinstance(item, Item):
-                self._items.append(item)
-            else:
-                self.bad.setdefault(item, []).append(number)
+        try:
+            self._items, self.bad, self.total = read_items(Path(path), cfg, stem)
+        except ValueError as e:
+            raise ValueError(f"dataset task: {e}") from e
         self._build()
 
     def _build(self) -> None:
@@ -217,14 +241,7 @@ class DatasetTask(Task):
             self._build()
 
     def _prompt(self, item: Item, split: str, index: int) -> Prompt:
-        instruction, messages = self.cfg.instruction, item.messages
-        if messages and instruction:  # onto the last user turn (the last turn when none is the user's)
-            last = next((i for i in reversed(range(len(messages))) if messages[i][0] == "user"), len(messages) - 1)
-            role, content = messages[last]
-            messages = (*messages[:last], (role, content + instruction), *messages[last + 1:])
-        text = plain_chat(messages) if messages else item.text + instruction
-        return Prompt(prompt_id=f"{self.name}:{split}:{index}", text=text, answer=item.answer, split=split, index=index,
-                      bucket="all", data_source=item.data_source, extra_info=item.extra_info, messages=messages)
+        return item_prompt(item, self.cfg.instruction, f"{self.name}:{split}:{index}", split, index)
 
     def _order(self, epoch: int) -> list[int]:
         order = self._orders.get(epoch)
@@ -259,4 +276,4 @@ class DatasetTask(Task):
         return Verdict(1.0 if math_equal(prompt.answer, parsed) else 0.0, parsed)
 
 
-__all__ = ["DatasetTask", "bad_rows_report", "parse_row", "resolve_columns"]
+__all__ = ["DatasetTask", "bad_rows_report", "item_prompt", "parse_row", "read_items", "resolve_columns"]

@@ -5,10 +5,15 @@ Not a CLI. The learner evaluates every set of ``eval_sets`` each ``learner.eval_
     sets = eval_sets(cfg, task)        # [EvalSet("heldout", ...), EvalSet("aime", ...)]
     prompts = load_eval_set("data/aime24.jsonl", "aime", cfg.task)
 
-A set file holds JSON lines of ``question`` and ``answer`` (``problem``/``solution`` accepted) with an optional
-``data_source`` (default: the set's name; reports give avg@k and pass@k per data_source) and ``extra_info``.
-Each prompt carries the instruction the jsonl task appends, ``split="eval"`` and the set's name as its bucket.
-Responses are checked by the training task's own ``verify``: the training task decides how answers are read.
+A set file is any prompt file ``dataset:`` reads (``common.tasks.dataset_task``: .jsonl, .parquet or a
+``datasets.save_to_disk`` directory; verl's layout or question/answer lines; string or chat prompts), its columns
+found as the training data's are (``task.*_key`` where the set has that column, else recognised), its bad rows
+counted and skipped or refused by ``task.bad_rows``. A row's ``data_source`` defaults to the set's name (reports
+give avg@k and pass@k per data_source). Each prompt carries the training prompts' instruction
+(``task.instruction``; for a ``jsonl:`` task without one, its ``\\boxed{}`` instruction), ``split="eval"`` and the
+set's name as its bucket. Responses are checked by the training task's ``verify`` (and the rewards the config
+names): the training task decides how answers are read.
+
 With no sets configured the held-out slice alone is evaluated, as the set named ``heldout``; with sets, the
 held-out slice comes first unless ``task.eval_heldout`` is false. Relative paths are taken from the working
 directory (the repository root, where every process of a run starts).
@@ -16,13 +21,16 @@ directory (the repository root, where every process of a run starts).
 
 from __future__ import annotations
 
-import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import Config, TaskConfig
 from common.tasks.base import Prompt, Task
+from common.tasks.dataset_task import bad_rows_report, item_prompt, read_items
 from common.tasks.jsonl_task import INSTRUCTION
+
+log = logging.getLogger("vapo.tasks")
 
 HELDOUT = "heldout"  # the held-out slice's set name (config validation keeps it for that slice)
 
@@ -37,32 +45,29 @@ class EvalSet:
     max_new_tokens: int
 
 
-def load_eval_set(path: str, name: str, cfg: TaskConfig) -> list[Prompt]:
-    """The prompts of the set file ``path`` (see the module docstring); ValueError naming the file and line.
+def set_instruction(cfg: TaskConfig) -> str:
+    """What the training task appends to its prompts, so a set's prompts ask the same way."""
+    return cfg.instruction or (INSTRUCTION if cfg.name.startswith("jsonl:") else "")
 
-    ``cfg`` is the task's settings: unused by this jsonl reader, the general dataset loader reads its options
-    there."""
+
+def load_eval_set(path: str, name: str, cfg: TaskConfig) -> list[Prompt]:
+    """The prompts of the set file ``path`` (see the module docstring); ValueError naming the set and the file."""
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ValueError(f"eval set {name!r}: file not found: {p}")
-    out: list[Prompt] = []
-    for lineno, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p}:{lineno}: invalid JSON: {e}") from e
-        q = obj.get("question", obj.get("problem")) if isinstance(obj, dict) else None
-        a = obj.get("answer", obj.get("solution")) if isinstance(obj, dict) else None
-        if not isinstance(q, str) or a is None:
-            raise ValueError(f"{p}:{lineno}: need an object with 'question' (string) and 'answer'")
-        source = obj.get("data_source") or name
-        extra = json.dumps(obj["extra_info"], sort_keys=True) if "extra_info" in obj else ""
-        out.append(Prompt(f"{name}:eval:{len(out)}", q + INSTRUCTION, str(a), "eval", len(out), name, str(source), extra))
-    if not out:
-        raise ValueError(f"eval set {name!r}: {p} has no items")
-    return out
+    try:
+        items, bad, total = read_items(p, cfg, name, strict=False)
+    except ValueError as e:
+        raise ValueError(f"eval set {name!r}: {e}") from e
+    report = bad_rows_report(bad, total)
+    if report and cfg.bad_rows == "error":
+        raise ValueError(f"eval set {name!r} ({p}): {report} (task.bad_rows=error; fix the rows or use skip)")
+    if report:
+        log.warning("eval set %r (%s): %s; skipped (task.bad_rows=skip)", name, p, report)
+    if not items:
+        raise ValueError(f"eval set {name!r}: {p} has no usable rows ({report or 'none'})")
+    instruction = set_instruction(cfg)
+    return [item_prompt(item, instruction, f"{name}:eval:{i}", "eval", i, bucket=name) for i, item in enumerate(items)]
 
 
 def eval_sets(cfg: Config, task: Task) -> list[EvalSet]:
