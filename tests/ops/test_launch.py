@@ -50,8 +50,14 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory):
     # Two engines, one restart each: actor-0 is killed once (restarted), actor-1 twice (given up), and the
     # run finishes on actor-0 alone.
     # The learner also feeds TensorBoard (metrics.trackers), read back below against metrics.jsonl.
+    # Two named evaluation sets (addition questions), scraped apart below: set and data_source labels.
+    for set_name, questions in (("sums", ["3+4", "12+30", "5+5"]), ("more", ["101+22", "7+7"])):
+        (root / f"{set_name}.jsonl").write_text("".join(
+            json.dumps({"question": f"Q:{q}\n", "answer": str(sum(map(int, q.split("+")))), "data_source": f"{set_name}_src"}) + "\n"
+            for q in questions))
     overrides = [*smoke_overrides(root, name), "actors.num_actors=2", "engine.max_restarts=1",
-                 "metrics.trackers=[tensorboard]"]
+                 "metrics.trackers=[tensorboard]",
+                 f"task.eval_sets=[{{name: sums, path: {root / 'sums.jsonl'}}}, {{name: more, path: {root / 'more.jsonl'}}}]"]
     run_dir = root / name
     prom = None
     prom_port = None
@@ -133,6 +139,8 @@ def test_smoke_run_completes_and_writes_the_run_dir(smoke_run) -> None:
         assert expected in pngs
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] >= 3
+    assert list(summary["eval_sets"]) == ["heldout", "sums", "more"]  # the named sets, apart
+    assert list(next(r["eval"] for r in records if isinstance(r.get("eval"), dict))["sets"]) == ["heldout", "sums", "more"]
     # What produced the run: the learner's header first, copied into the summary with the base's checksum.
     from common.checksum import weights_sha256
     from common.config import load_config
@@ -199,7 +207,11 @@ def test_every_grafana_panel_query_returns_data(smoke_run) -> None:
                 empty.append(f"{panel['title']}: {target['expr']}")
     # Value pretraining runs before the RL steps, in the same process: its gauges must carry real values
     # (a registry nobody serves would leave the served gauge at its initial 0).
-    for expr in ("vapo_learner_value_pretrain_loss > 0", "vapo_learner_weight_version >= 3"):
+    # The named evaluation sets reach Prometheus apart, each in total and by its data_source.
+    for expr in ("vapo_learner_value_pretrain_loss > 0", "vapo_learner_weight_version >= 3",
+                 'vapo_learner_eval_avg_at_k{set="sums",data_source="all"}',
+                 'vapo_learner_eval_pass_at_k{set="more",data_source="more_src"}',
+                 'vapo_learner_eval_avg_at_k{set="heldout",data_source="all"}'):
         if not promql_range(smoke_run["prom_port"], expr, start, end):
             empty.append(expr)
     if empty:
