@@ -38,6 +38,10 @@ log = logging.getLogger("vapo.actors.worker")
 MAX_EXTRA_SERIES = 32  # distinct reward_extra names shown: a function's keys become label values
 
 
+MAX_SOURCES = 32  # data_source label values an actor gives; later sources count as OTHER_SOURCE
+OTHER_SOURCE = "other"
+
+
 class WorkerError(RuntimeError):
     """A condition the worker cannot recover from (engine restarts exhausted, bad engine output)."""
 
@@ -55,6 +59,7 @@ class GroupMaker:
         self.link: EngineLink | None = None
         self.tokenizer: Any = None
         self.extra_names: set[str] = set()
+        self.sources: set[str] = set()  # data_source labels given so far
 
     def record(self, group: SampleGroup, ack: IngestAck, resent: int) -> None:
         """Count a group the buffer acknowledged (``resent``: how many times it was sent again)."""
@@ -120,8 +125,20 @@ class GroupMaker:
             v_now = min(v_before, link.version)
             verdicts = await self._score(prompt, outs)
             samples = [engine_sample(ids, o, v_now, vd.reward) for o, vd in zip(outs, verdicts, strict=True)]
+            self._by_source(prompt, [vd.reward for vd in verdicts])
             return SampleGroup(group_id=group_id_for(self.actor_id, index), prompt_id=prompt.prompt_id,
                                task=self.task.name, actor_id=self.actor_id, samples=samples, created_at=time.time())
+
+    def _by_source(self, prompt: Prompt, rewards: list[float]) -> None:
+        """A scored group's figures under its data_source (a dataset mixing sources is judged per source)."""
+        source = prompt.data_source or self.task.name
+        if source not in self.sources:
+            if len(self.sources) >= MAX_SOURCES:
+                source = OTHER_SOURCE  # a label per row-level value would grow Prometheus without bound
+            self.sources.add(source)
+        self.metric("source_samples", data_source=source).inc(len(rewards))
+        self.metric("source_positives", data_source=source).inc(sum(r >= self.positive_reward for r in rewards))
+        self.metric("source_reward_mean", data_source=source).set(sum(rewards) / len(rewards))
 
     async def _score(self, prompt: Prompt, outs: list[GenerateOutput]) -> list[Verdict]:
         """The task's verdicts on a group's responses, its reward errors and extra figures counted."""

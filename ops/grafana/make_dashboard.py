@@ -37,6 +37,7 @@ PANELS: dict[str, list[tuple[str, str, list[tuple[str, str]]]]] = {
         ("Grad norms", "short", [("vapo_learner_grad_norm", "{{model}}")]),
     ],
     "Pipeline": [
+        ("Actors' reward by data_source (last group)", "percentunit", [("avg by (data_source) (vapo_actor_source_reward_mean)", "{{data_source}}")]),
         ("Samples/s per actor", "short", [("sum by (actor) (rate(vapo_actor_samples_total[1m])) or sum by (actor) (vapo_actor_samples_total)", "actor {{actor}}")]),
         ("Learner tokens/s", "short", [("vapo_learner_tokens_per_second", "tokens/s"), ("vapo_learner_tokens_per_second_per_rank", "per rank"), ("vapo_learner_phase_tokens_per_second", "{{phase}}")]),
         ("Buffer depth", "short", [("vapo_buffer_depth_groups", "groups"), ("vapo_buffer_credit_outstanding", "credit outstanding")]),

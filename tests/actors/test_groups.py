@@ -71,3 +71,24 @@ def test_a_group_is_scored_off_the_loop_with_errors_and_extras_counted(tmp_path:
     assert counts.reward_errors == 1
     assert metrics.reward_errors.labels(actor="0", kind="exception")._value.get() == 1
     assert metrics.reward_extra.labels(actor="0", figure="chars")._value.get() == (2 + 2 + 4) / 3
+
+
+def test_scored_groups_are_counted_per_data_source_with_a_bounded_label_set() -> None:
+    cfg = load_config(None, ["buffer.positive_reward=1.0"])
+    task, metrics = get_task(cfg.task), Metrics("actor")
+    maker = GroupMaker(cfg, 0, task, GroupCounts(), lambda name, **labels: getattr(metrics, name).labels(actor="0", **labels),
+                       generate_timeout_s=10.0)
+
+    def value(name: str, source: str) -> float:
+        return getattr(metrics, name).labels(actor="0", data_source=source)._value.get()
+
+    maker._by_source(Prompt("a", "q", "1", data_source="gsm8k"), [1.0, 0.0, 1.0, 1.0])
+    maker._by_source(Prompt("b", "q", "1", data_source="gsm8k"), [0.0, 0.0, 0.0, 1.0])
+    maker._by_source(Prompt("c", "q", "1"), [0.5, 0.5])  # no data_source: the task's name
+    assert (value("source_samples", "gsm8k"), value("source_positives", "gsm8k")) == (8, 4)
+    assert value("source_reward_mean", "gsm8k") == 0.25  # the last group's
+    assert (value("source_samples", "addition"), value("source_positives", "addition")) == (2, 0)
+    for i in range(40):  # a label per source up to 32, then "other"
+        maker._by_source(Prompt(f"s{i}", "q", "1", data_source=f"src{i}"), [1.0])
+    assert maker.sources == {"gsm8k", "addition", *(f"src{i}" for i in range(30)), "other"}
+    assert value("source_samples", "other") == 10 and value("source_samples", "src29") == 1
