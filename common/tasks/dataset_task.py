@@ -14,7 +14,8 @@ task loads: ``task.bad_rows=skip`` leaves them out and logs the report, ``error`
 
 Split: a row whose prompt (without the instruction) hashes into bucket 0 of ``task.eval_buckets`` is held
 out, so duplicate prompts share a split. Training cycles over the other rows (the first ``task.train_size``
-when > 0): with ``task.shuffle`` each pass over them is a fresh permutation drawn from ``task.seed`` and the
+when > 0): with ``task.shuffle`` each pass over them is a fresh permutation drawn from ``task.shuffle_seed`` (the run's
+seed unless set) and the
 pass number, so ``train_prompt(index)`` is the same in every process and a resumed actor cursor (an index)
 continues where it stopped.
 
@@ -247,7 +248,7 @@ class DatasetTask(Task):
         order = self._orders.get(epoch)
         if order is None:
             order = list(range(len(self._train)))
-            random.Random(stable_hash(self.cfg.seed, "order", epoch)).shuffle(order)
+            random.Random(stable_hash(self.cfg.shuffle_seed, "order", epoch)).shuffle(order)
             self._orders[epoch] = order
             while len(self._orders) > 4:  # actors stay within a pass or two of each other
                 self._orders.popitem(last=False)

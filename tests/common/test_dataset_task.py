@@ -153,7 +153,7 @@ def test_bad_rows_are_counted_named_and_skipped_or_refused(tmp_path: Path, caplo
 
 def test_shuffled_order_is_a_permutation_per_pass_fixed_by_the_seed(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "toy.jsonl", verl_rows(40))
-    a, b = load(path, seed=7), load(path, seed=7)
+    a, b = load(path, shuffle_seed=7), load(path, shuffle_seed=7)
     n = len(a._train)
     order = [a.train_row(i) for i in range(3 * n)]
     assert order == [b.train_row(i) for i in range(3 * n)]  # another process, the same order
@@ -161,10 +161,14 @@ def test_shuffled_order_is_a_permutation_per_pass_fixed_by_the_seed(tmp_path: Pa
     assert all(sorted(p) == sorted(passes[0]) and len(set(p)) == n for p in passes)  # each pass: every row once
     assert passes[0] != passes[1]  # a fresh permutation each pass
     assert passes[0] != sorted(passes[0])
-    other = load(path, seed=8)
+    other = load(path, shuffle_seed=8)
     assert [other.train_row(i) for i in range(len(other._train))] != passes[0]
-    in_file_order = load(path, seed=7, shuffle=False)
+    assert other.eval_prompts() == a.eval_prompts()  # the order's seed leaves the held-out split alone
+    in_file_order = load(path, shuffle_seed=7, shuffle=False)
     assert [in_file_order.train_row(i) for i in range(2 * n)] == sorted(passes[0]) * 2
+    # The run's seed orders the data unless task.shuffle_seed says otherwise; the resolved config keeps it.
+    assert load_config(None, ["run.seed=7"]).task.shuffle_seed == 7
+    assert load_config(None, ["run.seed=7", "task.shuffle_seed=3"]).task.shuffle_seed == 3
 
 
 def test_a_resumed_cursor_continues_the_same_prompt_stream(tmp_path: Path) -> None:
