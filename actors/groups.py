@@ -35,11 +35,18 @@ if TYPE_CHECKING:
     from actors.engine_link import EngineLink
 
 log = logging.getLogger("vapo.actors.worker")
-MAX_EXTRA_SERIES = 32  # distinct reward_extra names shown: a function's keys become label values
+# Label values an actor gives a series whose values come from users' data (reward_extra's figure names,
+# data_source): a value per row would grow Prometheus without bound.
+MAX_LABEL_VALUES = 32
+OTHER_SOURCE = "other"  # data_source sources past the first MAX_LABEL_VALUES count under this
 
 
-MAX_SOURCES = 32  # data_source label values an actor gives; later sources count as OTHER_SOURCE
-OTHER_SOURCE = "other"
+def bounded_label(seen: set[str], value: str) -> str | None:
+    """``value`` if it is among ``seen`` or fits under ``MAX_LABEL_VALUES`` (then kept in ``seen``); else None."""
+    if value in seen or len(seen) < MAX_LABEL_VALUES:
+        seen.add(value)
+        return value
+    return None
 
 
 class WorkerError(RuntimeError):
@@ -131,11 +138,8 @@ class GroupMaker:
 
     def _by_source(self, prompt: Prompt, rewards: list[float]) -> None:
         """A scored group's figures under its data_source (a dataset mixing sources is judged per source)."""
-        source = prompt.data_source or self.task.name
-        if source not in self.sources:
-            if len(self.sources) >= MAX_SOURCES:
-                source = OTHER_SOURCE  # a label per row-level value would grow Prometheus without bound
-            self.sources.add(source)
+        source = bounded_label(self.sources, prompt.data_source or self.task.name) or OTHER_SOURCE
+        self.sources.add(source)
         self.metric("source_samples", data_source=source).inc(len(rewards))
         self.metric("source_positives", data_source=source).inc(sum(r >= self.positive_reward for r in rewards))
         self.metric("source_reward_mean", data_source=source).set(sum(rewards) / len(rewards))
@@ -158,8 +162,7 @@ class GroupMaker:
             for name, value in vd.extra.items():
                 extra.setdefault(name, []).append(value)
         for name, values in extra.items():
-            if name in self.extra_names or len(self.extra_names) < MAX_EXTRA_SERIES:
-                self.extra_names.add(name)
+            if bounded_label(self.extra_names, name) is not None:  # names past the bound are not shown
                 self.metric("reward_extra", figure=name).set(sum(values) / len(values))
         return verdicts
 

@@ -42,6 +42,7 @@ class RunRecords:
     ``RunRecords(cfg)`` has none). The training loop and the background evaluator's thread both append."""
 
     def __init__(self, cfg: Any, trackers: Trackers | None = None) -> None:
+        self.cfg = cfg
         self.path: Path = cfg.run_dir / "metrics.jsonl"
         self.jsonl: bool = cfg.metrics.jsonl
         self.trackers = trackers
@@ -58,6 +59,13 @@ class RunRecords:
                 _write_line(self.path, record)
             if self.trackers is not None:
                 self.trackers.log(record)
+
+    def append_header(self) -> dict[str, Any]:
+        """Append the run's header record (``header_record``; a resumed run gets one per start: the machine
+        may have changed); returns it."""
+        rec = header_record(self.cfg)
+        self.append(rec)
+        return rec
 
     def close(self, failed: bool = False) -> None:
         """Close the trackers (a failed run's W&B run is marked so); appending afterwards writes the file only."""
@@ -80,14 +88,6 @@ def header_record(cfg: Any) -> dict[str, Any]:
     resumed = path.exists() and path.stat().st_size > 0
     return {"kind": "header", "time": time.time(), "run": cfg.run.name, "resumed": resumed,
             **provenance.for_config(cfg)}
-
-
-def write_header(cfg: Any) -> dict[str, Any]:
-    """Append the header record to the run's metrics.jsonl (a resumed run gets one per start: the machine
-    may have changed); returns it."""
-    rec = header_record(cfg)
-    append_jsonl(cfg.run_dir / "metrics.jsonl", rec)
-    return rec
 
 
 def write_json_atomic(path: Path, record: dict[str, Any]) -> None:

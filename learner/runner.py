@@ -41,7 +41,7 @@ from learner.eval_worker import BackgroundEval
 from learner.evaluate import eval_target, evaluate_sets
 from learner.models import full_state_dict, load_policy_module
 from learner.push_coordinator import pushed_version
-from learner.records import RunRecords, header_record, write_json_atomic
+from learner.records import RunRecords, write_json_atomic
 from learner.step_stats import Phases
 from learner.train import Learner
 from learner.value_pretrain import pretrain_critic
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if rank() == 0:
             save_config(cfg, cfg.run_dir / "learner_config.yaml")
-            records.append(header_record(cfg))  # before value pretraining: every record below was produced by this
+            records.append_header()  # before value pretraining: every record below was produced by this
             if cfg.metrics.prometheus:
                 metrics.serve(cfg.learner.metrics_port, cfg.metrics.host)
         # Bound before value pretraining: a socket address this host lacks (a placeholder) fails now, not hours in.

@@ -79,13 +79,13 @@ def test_verify_base_accepts_the_described_weights_and_names_a_changed_one(tiny_
 
 def test_machines_line_names_each_machine_and_the_runs_without_a_header(tiny_model_dir: Path, tmp_path: Path) -> None:
     from common.config import load_config
-    from learner.records import append_jsonl, write_header
+    from learner.records import RunRecords, append_jsonl
 
     dirs = []
     for name in ("a", "b", "old"):
         cfg = load_config(None, [f"run.root={tmp_path}", f"run.name={name}", f"model.path={tiny_model_dir}"])
         if name != "old":
-            write_header(cfg)
+            RunRecords(cfg).append_header()
         append_jsonl(cfg.run_dir / "metrics.jsonl", {"kind": "learner_step", "step": 1})
         dirs.append(cfg.run_dir)
     assert provenance.of_run(dirs[2]) is None and provenance.of_run(dirs[0])["kind"] == "header"

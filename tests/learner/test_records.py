@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common.config import load_config
-from learner.records import append_jsonl, header_record, write_header, write_json_atomic
+from learner.records import RunRecords, append_jsonl, header_record, write_json_atomic
 
 
 def test_append_jsonl_makes_the_directory_and_writes_numpy_and_tensor_numbers_as_floats(tmp_path: Path) -> None:
@@ -45,11 +45,11 @@ def test_appends_from_several_threads_stay_whole_lines(tmp_path: Path) -> None:
 
 def test_the_header_says_whether_the_run_is_resumed(tiny_model_dir: Path, tmp_path: Path) -> None:
     cfg = load_config(None, [f"run.root={tmp_path}", "run.name=r", f"model.path={tiny_model_dir}"])
-    first = write_header(cfg)
+    first = RunRecords(cfg).append_header()
     assert first["kind"] == "header" and first["run"] == "r" and first["resumed"] is False
     assert {"cpu", "versions", "base"} <= set(first)  # common.provenance's fields
     append_jsonl(cfg.run_dir / "metrics.jsonl", {"kind": "learner_step", "step": 1})
-    again = write_header(cfg)
+    again = RunRecords(cfg).append_header()
     assert again["resumed"] is True and again["time"] >= first["time"]
     kinds = [json.loads(line)["kind"] for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert kinds == ["header", "learner_step", "header"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from common.config import load_config
-from learner.records import append_jsonl, write_header
+from learner.records import RunRecords, append_jsonl
 from ops import report  # ops/report.py
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ def _steps(path: Path, first: int, last: int) -> None:
 def test_header_comes_first_and_the_summary_carries_it(tiny_model_dir: Path, tmp_path: Path) -> None:
     cfg = load_config(None, [f"run.root={tmp_path}", "run.name=r", f"model.path={tiny_model_dir}", "learner.threads=1"])
     path = cfg.run_dir / "metrics.jsonl"
-    first = write_header(cfg)
+    first = RunRecords(cfg).append_header()
     append_jsonl(path, {"kind": "eval", "step": 0, "avg_at_k": 0.25, "greedy_accuracy": 0.5})
     _steps(path, 1, 2)
     lines = [json.loads(x) for x in path.read_text().splitlines()]
@@ -34,7 +34,7 @@ def test_header_comes_first_and_the_summary_carries_it(tiny_model_dir: Path, tmp
     assert s["steps"] == 2 and s["samples"] == 16 and s["base_accuracy"] == 0.25
     assert s["provenance"]["commit"] == first["commit"] and s["provenance"]["cpu"] == first["cpu"]
     assert "provenance_resumes" not in s
-    again = write_header(cfg)  # a resumed start: another header, marked as such
+    again = RunRecords(cfg).append_header()  # a resumed start: another header, marked as such
     _steps(path, 3, 3)
     s = report.summarize(cfg.run_dir)
     assert again["resumed"] is True and s["steps"] == 3 and len(s["provenance_resumes"]) == 1
