@@ -8,7 +8,7 @@
   ``begin_weight_update``, ``update_weights_from_distributed``, ``end_weight_update``,
   ``destroy_weights_update_group``; ``get_weight_version`` (the version the last successful update set)
   and ``served_weight_version`` (the version generation runs with now);
-- **pause/continue**: ``pause_generation(mode)``, ``continue_generation``;
+- **pause/continue**: ``pause_generation(mode)``, ``continue_generation``, ``flush_cache``;
 - **health**: ``health`` (a liveness verdict), ``probe(updating)`` (one health-watch probe, valid while
   the caller updates the engine's weights), ``wait_healthy``.
 
@@ -87,6 +87,10 @@ class Engine(Protocol):
 
     async def continue_generation(self) -> None:
         """Resume generation after ``pause_generation``."""
+        ...
+
+    async def flush_cache(self) -> bool:
+        """Drop the prefix cache; False when the engine refused because requests run or wait."""
         ...
 
     async def health(self, timeout_s: float = 30.0) -> bool:

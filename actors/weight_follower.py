@@ -9,7 +9,10 @@
 - a refused version (failed verification, or a load the engine refused) is counted in
   ``vapo_actor_weight_sync_failures{reason}`` and never tried again; the old weights keep serving;
 - an update answered with an error whose version the engine generates with anyway (SGLang: 400 after a
-  completed load whose cache flush was refused) is accepted;
+  completed load whose cache flush was refused) is accepted, and where SGLang keeps its radix cache the
+  flush is done again (paused ``retract`` if it is refused once more): SGLang counts a request that has
+  just finished as running until its scheduler's next step, so even a drained engine can refuse, and an
+  unflushed cache serves old weights' KV to every prompt sharing a cached prefix;
 - a distributed push (``actors.weight_push_client``) that landed is recorded through ``pushed``;
 - ``await_version`` holds a granted prompt until the engine serves the grant's learner version.
 """
@@ -28,7 +31,8 @@ from actors.link_state import LinkState
 from actors.weight_sync import verify_tensors, verify_update
 from common.checksum import checkpoint_shapes
 from common.protocol import WeightUpdate
-from common.sglang_client import SGLangError
+from common.sglang_args import radix_cache_kept
+from common.sglang_client import SGLangError, cache_flush_refused
 
 if TYPE_CHECKING:
     from actors.engine import Engine
@@ -122,6 +126,8 @@ class WeightFollower:
             if not await self._served_anyway(client, upd, e):
                 self.refuse(upd, "load_error", e.message)
                 return False
+            if cache_flush_refused(e) and radix_cache_kept(link.cfg):
+                await self._flush(client, upd.version)
         finally:
             self.syncing = False
         latency = max(0.0, time.time() - upd.created_at)
@@ -148,6 +154,31 @@ class WeightFollower:
             with contextlib.suppress(SGLangError):
                 await self._call(client.continue_generation())
             link.gate.set()
+
+    async def _flush(self, client: Engine, version: int) -> None:
+        """The radix cache flush a load's answer said was refused: again, and if refused again (requests
+        running) with generation paused ``retract`` around it, which a paused SGLang flushes through."""
+        link = self.link
+        try:
+            if await self._call(client.flush_cache()):
+                return
+            was_open = link.gate.is_set()  # closed at startup and after a restart: leave it so
+            link.gate.clear()
+            try:
+                await self._call(client.pause_generation("retract"))
+                flushed = await self._call(client.flush_cache())
+            finally:
+                with contextlib.suppress(SGLangError):
+                    await self._call(client.continue_generation())
+                if was_open:
+                    link.gate.set()
+        except SGLangError as e:
+            flushed, why = False, str(e)
+        else:
+            why = "refused while paused"
+        if not flushed:
+            log.warning("actor %d: the prefix cache was not flushed after v%d (%s): prompts sharing a cached "
+                        "prefix may reuse KV of older weights", link.actor_id, version, why)
 
     async def _call(self, coro: Coroutine[Any, Any, Result]) -> Result:
         """Await one of the sync's requests as a task the health watcher can cancel when it finds the

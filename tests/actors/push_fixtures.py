@@ -1,6 +1,6 @@
 """A worker's side of the distributed weight push, for tests: an ``EngineLink`` to a real rollout_server
 reached as an external engine (as a worker holds it), the weights a push should leave an engine serving,
-and an asynchronous poll with a deadline (no tests here)."""
+an asynchronous poll with a deadline, and a disk load that survives SGLang's refused flush (no tests here)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from common.config import Config, load_config
 from common.generation.weights import read_state_dict
 from common.metrics import Metrics
 from common.modeling import load_model
-from common.sglang_client import SGLangClient
+from common.sglang_client import SGLangClient, SGLangError, cache_flush_refused
 from learner.weights import write_version
 from tests.sockdirs import socket_dir
 
@@ -59,6 +59,20 @@ async def until(cond: Callable[[], Any], timeout_s: float = 60.0, what: str = "c
         assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
         await asyncio.sleep(0.02)  # the poll interval, not synchronisation: cond() decides
     return v
+
+
+async def load_from_disk(c: SGLangClient, path: str | Path, version: int, timeout_s: float = 60.0) -> None:
+    """``update_weights_from_disk``, flushed. SGLang counts a request that has just answered as running until
+    its scheduler's next step, so a load posted right after a generation can answer 400 "cache was not
+    flushed" with the weights installed; the flush is then asked for again until the engine takes it."""
+    try:
+        await c.update_weights_from_disk(str(path), weight_version=version)
+    except SGLangError as e:
+        if not cache_flush_refused(e):
+            raise
+        deadline = time.monotonic() + timeout_s
+        while not await c.flush_cache():
+            assert time.monotonic() < deadline, f"{c.base_url}: cache flush refused for {timeout_s} s after a load"
 
 
 def perturbed(model_dir: Path, delta: float) -> torch.nn.Module:

@@ -116,7 +116,7 @@ def _without_one_tensor(base: Path, out: Path, version: int) -> protocol.WeightU
 
 
 def test_worker_against_sglang_imitation(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """The worker: accepts a version the engine serves after a 400, refuses NaN and incomplete weight sets
+    """The worker: accepts a version the engine serves after a 400 and flushes the cache the 400 left, refuses NaN and incomplete weight sets
     before the engine sees them, never calls a slow or paused /health an unreachable engine."""
     port, M = free_port(), 8
     engine, url = start_imitation(tiny_model_dir, tmp_path / "engine.log", "--enable-metrics", "--refuse-flush",
@@ -147,6 +147,8 @@ def test_worker_against_sglang_imitation(tmp_path: Path, tiny_model_dir: Path) -
             assert failures("load_error") == 0
             status, text = get(url + "/metrics")  # --enable-metrics: Prometheus' engine job has a target
             assert status == 200 and "vapo_engine_generated_tokens_total" in text
+            # the load's flush was refused: the worker flushed the radix cache itself (SGLang keeps one here)
+            assert (metric(text, "vapo_engine_control_requests_total", endpoint="flush_cache", status="ok") or 0) >= 1
             assert json.loads(get(url + "/get_server_info")[1])["weight_version"] == "1"  # never loaded v2/v3
             groups = s.drain_until(lambda: p.poll() is not None, 150)
             done = read_tagged(p, "ACTOR DONE", 30, s.tmp / "actors.log")

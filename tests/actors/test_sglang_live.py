@@ -27,6 +27,7 @@ from learner.losses import token_logprobs
 from ops.sglang_cpu.contract import FIXTURE, conversation, violations
 from ops.sglang_cpu.live import LiveSGLang
 from tests.actors.actor_harness import REPO, make_weights
+from tests.actors.push_fixtures import load_from_disk
 
 pytestmark = pytest.mark.sglang
 
@@ -103,7 +104,7 @@ def test_float32_logprobs_are_the_learners_recomputation_before_temperature(serv
     log_softmax(logits), what the learner's ratio uses, not log_softmax(logits / 0.7)."""
     async def go() -> list[GenerateOutput]:
         async with client(server) as c:
-            await c.update_weights_from_disk(str(BASE), weight_version=0)  # the base, whatever earlier tests loaded
+            await load_from_disk(c, BASE, 0)  # the base, whatever earlier tests loaded
             return await c.generate(PROMPTS[0], {"temperature": 0.7, "max_new_tokens": 12, "ignore_eos": True})
 
     (out,) = run(go())
@@ -148,7 +149,7 @@ def test_request_spanning_an_in_place_update_reports_one_span_per_version(server
 
     async def go() -> tuple[GenerateOutput, str]:
         async with client(server) as c:
-            await c.update_weights_from_disk(str(BASE), weight_version=1)
+            await load_from_disk(c, BASE, 1)
             req = await _paused_while_running(server, c, "in_place")
             # paused in place, the request still holds its KV cache: the load completes, the cache flush after it
             # is refused, and SGLang answers 400 although the weights are live (vapo accepts that case)

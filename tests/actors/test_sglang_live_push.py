@@ -34,7 +34,7 @@ from learner.weight_push import WeightPusher, bucket_plan
 from learner.weights import write_version
 from ops.sglang_cpu.live import LiveSGLang
 from tests.actors.actor_harness import REPO
-from tests.actors.push_fixtures import connected_link, member_config, perturbed, until
+from tests.actors.push_fixtures import connected_link, load_from_disk, member_config, perturbed, until
 from tests.learner.synth import child_env
 from tests.ports import free_port
 
@@ -70,7 +70,7 @@ async def greedy(c: SGLangClient, prompt: list[int] = PROBE, n_tokens: int = 24)
 async def served_and_reloaded(c: SGLangClient, path: str, version: int) -> tuple[GenerateOutput, GenerateOutput]:
     """The engine's greedy answer now, then after loading ``path`` from disk as the same version."""
     now = await greedy(c)
-    await c.update_weights_from_disk(path, weight_version=version)
+    await load_from_disk(c, path, version)
     return now, await greedy(c)
 
 
@@ -151,7 +151,7 @@ def test_two_rank_zero3_push_into_two_live_engines_is_bitwise_the_disk_export(
                 pushed, reloaded = await served_and_reloaded(c, r["path"], 1)
                 got.append((pushed, reloaded, version))
             async with client(e) as c:
-                await c.update_weights_from_disk(str(BASE), weight_version=0)  # as the next test expects
+                await load_from_disk(c, str(BASE), 0)  # as the next test expects
         return got
 
     got = asyncio.run(main())
@@ -196,11 +196,11 @@ def test_after_an_in_place_push_a_cached_prefix_is_served_with_the_new_weights(
             spanning = await running
             assert [v for v, _ in spanning.version_spans or []] == [0, 2], spanning.version_spans
             after = await greedy(ca)
-            await cb.update_weights_from_disk(disk.path, weight_version=2)
+            await load_from_disk(cb, disk.path, 2)
             fresh = await greedy(cb)
             await asyncio.to_thread(pusher.close)
             for c in (ca, cb):
-                await c.update_weights_from_disk(str(BASE), weight_version=0)
+                await load_from_disk(c, str(BASE), 0)
             return before, after, fresh
 
     before, after, fresh = asyncio.run(main())
@@ -329,10 +329,10 @@ def test_an_engine_hung_then_killed_mid_push_fails_the_push_boundedly_and_the_su
         await asyncio.to_thread(b.kill)
         errors = await asyncio.gather(*receivers, return_exceptions=True)
         survivor_error = errors[0] if isinstance(errors[0], BaseException) else None
-        await ca.update_weights_from_disk(disk.path, weight_version=3)  # paused: applies at once
+        await load_from_disk(ca, disk.path, 3)  # paused: applies at once
         await ca.continue_generation()
         served = await ca.served_weight_version()
-        await ca.update_weights_from_disk(str(BASE), weight_version=0)
+        await load_from_disk(ca, str(BASE), 0)
         await asyncio.to_thread(pusher.close)
         await ca.close()
         await cb.close()
