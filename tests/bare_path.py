@@ -3,11 +3,13 @@ installs (openssh-server, pdsh, Slurm, munge, Prometheus), so a test sees what a
 without uninstalling anything.
 
     env = {**os.environ, "PATH": bare_path(tmp_path)}
+    PATH="$(python -m tests.bare_path DIR)" ops/test.sh ...   # .ci/run's bare-machine step
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 # The programs of Debian's pdsh, openssh-server, slurm-wlm / slurm-client, munge and prometheus packages.
@@ -35,3 +37,7 @@ def bare_path(tmp: Path, path: str | None = None) -> str:
             if not hidden(prog.name) and not link.exists() and not link.is_symlink():
                 link.symlink_to(prog)
     return str(d)
+
+
+if __name__ == "__main__":
+    print(bare_path(Path(sys.argv[1])))
