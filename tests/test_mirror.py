@@ -10,7 +10,7 @@ and ``ops/`` (its top-level files, and ``ops/bench/`` at any depth):
 - for ``ops/bench/``, a ``test_<m>.py`` anywhere under ``tests/ops/`` (the benchmarks are grouped by kind);
 - ``__init__.py`` and ``__main__.py`` only when they define a function or class: a package's ``__init__.py``
   is the module named for the package (``common/tasks/__init__.py`` -> ``tests/common/test_tasks.py``), a
-  ``__main__.py`` is ``main`` (``actors/__main__.py`` -> ``tests/actors/test_main.py``);
+  ``__main__.py`` is ``main``, mirrored only (``actors/__main__.py`` -> ``tests/actors/test_main.py``);
 - or an exception: a ``module -> test file`` entry in the map's *Tests that cover another module* paragraph
   (docs/ARCHITECTURE.md), whose module exists without a mirrored test and whose test file exists.
 """
@@ -51,7 +51,9 @@ def mirrored_tests(module: Path) -> list[Path]:
     """The test files that mirror ``module`` (existing ones only), relative to the repository root."""
     name = f"test_{_stem(module)}.py"
     parent = module.parent.parent if module.name == "__init__.py" else module.parent
-    candidates = {ROOT / "tests" / parent / name, ROOT / "tests" / module.parts[0] / name}
+    candidates = {ROOT / "tests" / parent / name}
+    if module.name != "__main__.py":  # a subpackage's test_main.py flat would be its package's
+        candidates.add(ROOT / "tests" / module.parts[0] / name)
     if module.parts[:2] == ("ops", "bench"):
         candidates |= set((ROOT / "tests" / "ops").rglob(name))
     return sorted(p.relative_to(ROOT) for p in candidates if p.is_file())
@@ -97,6 +99,7 @@ def test_the_rule_finds_mirrored_flat_and_benchmark_tests() -> None:
     assert mirrored_tests(Path("common/tasks/chain.py")) == [Path("tests/common/test_chain.py")]
     assert mirrored_tests(Path("common/tasks/__init__.py")) == [Path("tests/common/test_tasks.py")]
     assert mirrored_tests(Path("actors/__main__.py")) == [Path("tests/actors/test_main.py")]
+    assert mirrored_tests(Path("actors/rollout_server/__main__.py")) == []  # not actors/__main__.py's test
     assert mirrored_tests(Path("common/no_such_module.py")) == []
     assert Path("learner/__init__.py") not in product_modules()  # an empty package file is out of the rule
     assert Path("ops/launch.py") in product_modules() and Path("ops/rehearsal/main.py") not in product_modules()
