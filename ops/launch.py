@@ -26,7 +26,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -41,12 +40,13 @@ from common import lifeline, provenance
 from common.config import Config, ConfigError, load_config, save_config
 from common.metrics import Metrics
 from common.placement import LEARNER_DONE_FILE, STORE_FILE_ENV, build_plan
-from common.preflight import check_dataset, missing_files
+from common.preflight import missing_files
 from common.security import apply_client_curve, client_curve_keys, generate_run_keys, url_host
 from common.sglang_args import private_tmp_env
 from ops import report
+from ops.launch_checks import launch_problems
 from ops.launch_child import Child, LaunchError
-from ops.launch_engines import engine_targets, sglang_install_problem, write_prometheus_config  # noqa: F401
+from ops.launch_engines import engine_targets, engine_tmp_dir, write_prometheus_config  # noqa: F401
 from ops.launch_failure import failure_notes
 from ops.launch_progress import say
 from ops.launch_supervise import Supervision
@@ -194,8 +194,11 @@ class Launcher(Supervision):
         p = self.plan.proc(name)
         env = dict(p.env)
         if p.role == "engine" and not p.via:  # an SGLang server on this host: its temporary files kept apart
-            self.private_tmps.append(Path(tempfile.mkdtemp(prefix=f"vapo-{name}-")))
-            env.update(private_tmp_env(self.private_tmps[-1]))
+            tmp, note = engine_tmp_dir(self.run_dir, name)
+            if note:
+                say(note)
+            self.private_tmps.append(tmp)
+            env.update(private_tmp_env(tmp))
         c = Child(name, p.argv, self.logs / f"{name}.log", p.max_restarts, env=env, via=p.via, host=p.host,
                   stop_signal=p.stop_signal)
         self.children[name] = c
@@ -298,6 +301,8 @@ class Launcher(Supervision):
             self.metrics.components_up.labels(component=c.name).set(0)
         for d in self.private_tmps:  # after the stop: a live engine could still write there
             shutil.rmtree(d, ignore_errors=True)
+        if self.private_tmps and (self.run_dir / "tmp").is_dir() and not any((self.run_dir / "tmp").iterdir()):
+            (self.run_dir / "tmp").rmdir()
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -332,19 +337,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def dry_run(args: argparse.Namespace) -> int:
-    """Print the plan of this launch; starts nothing and writes nothing."""
+    """Print the plan of this launch and every problem a launch would refuse for; starts and writes nothing."""
     try:
         cfg = load_config(args.config, args.overrides)
         run_dir = abs_run_dir(cfg)
-        plan = build_plan(cfg, run_dir / "config.yaml", PY, ROOT, run_dir, dry_run=True)
     except ConfigError as e:
         print(f"ops/launch.sh: {e}", file=sys.stderr)
         return 2
+    try:
+        plan = build_plan(cfg, run_dir / "config.yaml", PY, ROOT, run_dir, dry_run=True)
+    except ConfigError as e:  # no plan to show; the files the config names are still checked
+        print(f"ops/launch.sh: {e}", file=sys.stderr)
+        for line in missing_files(cfg, ROOT):
+            print(f"ops/launch.sh: missing {line}", file=sys.stderr)
+        return 2
     print(plan.render())
-    problems, skipped = check_dataset(cfg, ROOT)
+    # SGLang's install is not a dry run's business: a plan is read on machines that will not run it.
+    missing, skipped = launch_problems(cfg, plan, ROOT, sglang=False)
     if skipped:
         print(f"ops/launch.sh: {cfg.task.name}: {skipped}; these rows are skipped (task.bad_rows=skip)", file=sys.stderr)
-    missing = missing_files(cfg, ROOT) + plan.problems + problems
     for line in missing:
         print(f"ops/launch.sh: missing {line}", file=sys.stderr)
     return 2 if missing else 0
@@ -375,17 +386,13 @@ def main(argv: list[str] | None = None) -> int:
         return dry_run(args)
     try:
         cfg, overrides = resolve_run(args.config, args.overrides, args.resume)
-        plan = build_plan(cfg, abs_run_dir(cfg) / "config.yaml", PY, ROOT)  # a bad placement: refused before any write
-        missing = missing_files(cfg, ROOT)
-        if missing:
-            raise ConfigError("files the config names do not exist:\n  " + "\n  ".join(missing))
-        problems, skipped = check_dataset(cfg, ROOT)
-        if problems:
-            raise ConfigError("\n  ".join(problems))
+        # A bad placement is refused before any write; then every other problem at once.
+        plan = build_plan(cfg, abs_run_dir(cfg) / "config.yaml", PY, ROOT, dry_run=True)
+        problems, skipped = launch_problems(cfg, plan, ROOT, sglang=not args.no_actors)
+        if problems:  # one on its line; several under a heading, one a line
+            raise ConfigError(problems[0] if len(problems) == 1 else "the run cannot start:\n  " + "\n  ".join(problems))
         if skipped:
             say(f"{cfg.task.name}: {skipped}; these rows are skipped (task.bad_rows=skip)")
-        if not args.no_actors and (problem := sglang_install_problem(cfg, plan)):
-            raise ConfigError(problem)
     except (ConfigError, LaunchError) as e:
         print(f"ops/launch.sh: {e}", file=sys.stderr)
         return 2

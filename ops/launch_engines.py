@@ -2,12 +2,17 @@
 starts SGLang engines, before anything starts or is written, and every engine's Prometheus target.
 
 SGLang engines (``engine.kind = sglang``, on GPUs or on CPU) are the launcher's children; ``rollout_server``
-engines are their actors' children; external ones are given.
+engines are their actors' children; external ones are given. Each SGLang engine started here keeps its
+temporary files (ZeroMQ ipc sockets, the Prometheus multiprocess directory: ``common.sglang_args``) in
+``<run dir>/tmp/vapo-engine-<i>/`` (``engine_tmp_dir``), which the launcher removes after the engines stop; a
+killed launcher leaves them in the run directory, not in the machine's temporary directory.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +25,25 @@ _FIND = ("import importlib.util, sys\n"
          "missing = [m for m in sys.argv[1:] if importlib.util.find_spec(m) is None]\n"
          "print(' '.join(missing))\n"
          "sys.exit(3 if missing else 0)\n")
+
+
+# A Unix socket's path holds at most 107 bytes; SGLang names each one TMPDIR + "/tmp" + 8 random characters.
+UNIX_SOCKET_PATH_MAX = 107
+SGLANG_SOCKET_NAME_LEN = len("/tmpXXXXXXXX")
+
+
+def engine_tmp_dir(run_dir: Path, name: str) -> tuple[Path, str]:
+    """(the directory for engine ``name``'s temporary files, made empty; a note when it is not in the run
+    directory). ``<run dir>/tmp/vapo-<name>``, unless that path is too long for SGLang's socket paths: then a
+    directory of its own in the system's temporary directory, which the launcher removes all the same."""
+    d = run_dir / "tmp" / f"vapo-{name}"  # the prefix every engine TMPDIR has (ops/rehearsal checks it)
+    if len(str(d.resolve())) + SGLANG_SOCKET_NAME_LEN > UNIX_SOCKET_PATH_MAX:
+        tmp = Path(tempfile.mkdtemp(prefix=f"vapo-{name}-"))
+        return tmp, (f"{name}: temporary files in {tmp}: {d} is too long a directory for SGLang's socket paths "
+                     f"({UNIX_SOCKET_PATH_MAX} bytes)")
+    shutil.rmtree(d, ignore_errors=True)  # a killed launcher's leftovers of the same run
+    d.mkdir(parents=True)
+    return d, ""
 
 
 def missing_modules(python: str, modules: tuple[str, ...] = SGLANG_MODULES) -> list[str]:

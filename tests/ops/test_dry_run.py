@@ -13,13 +13,17 @@ import pytest
 
 from common.config import load_config
 from common.preflight import missing_files
+from tests.bare_path import bare_path
 from tests.common.placement_fixtures import QWEN_05B, QWEN_7B, QWEN_32B
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _launch(*args: str, path_dir: Path | None = None) -> subprocess.CompletedProcess[str]:
+def _launch(*args: str, path_dir: Path | None = None, path: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``path``: the whole PATH (a bare machine's: tests/bare_path.py); ``path_dir``: a directory put first."""
     env = dict(os.environ)
+    if path is not None:
+        env["PATH"] = path
     if path_dir is not None:  # multi-host ssh plans need pdsh at plan time: a stand-in where it is missing
         env["PATH"] = f"{path_dir}{os.pathsep}{env.get('PATH', '')}"
     return subprocess.run([str(ROOT / "ops" / "launch.sh"), *args], cwd=ROOT, capture_output=True, text=True,
@@ -77,21 +81,41 @@ def test_resume_flag_after_the_overrides_is_accepted(tmp_path: Path) -> None:
     assert " -m learner " in p.stdout and "DS_ACCELERATOR=cpu" in p.stdout  # the CPU plan: one learner process
 
 
-def test_dry_run_names_every_missing_file_by_its_key(tmp_path: Path) -> None:
+@pytest.mark.parametrize("machine", ["bare", "with_pdsh"])
+def test_dry_run_names_every_missing_file_by_its_key(tmp_path: Path, machine: str) -> None:
     """Every file a config names is checked before anything starts: each missing one is named by its key,
-    and the exit code says the run would fail."""
+    and the exit code says the run would fail. On a bare machine (no pdsh, sshd, Slurm) the missing pdsh is
+    named too, beside the files, not instead of them."""
     nokeys = tmp_path / "nokeys"
+    stand_in = tmp_path / "bin"
+    stand_in.mkdir()
+    (stand_in / "pdsh").write_text("#!/bin/sh\nexit 1\n")
+    (stand_in / "pdsh").chmod(0o755)
+    where = {"path": bare_path(tmp_path)} if machine == "bare" else {"path_dir": stand_in}
     p = _launch("ops/configs/paper.yaml", f"run.root={tmp_path / 'runs'}", f"model.path={tmp_path / 'nomodel'}",
                 f"task.name=jsonl:{tmp_path / 'no.jsonl'}", f"buffer.curve.server_secret_key={nokeys}/server.key_secret",
                 f"buffer.curve.client_secret_key={nokeys}/actor.key_secret", f"buffer.curve.keys_dir={nokeys}",
                 f"engine.admin_api_key_file={tmp_path / 'no.key'}", f"placement.ssh_args=-F {tmp_path / 'no_ssh_config'}",
-                "--dry-run", path_dir=tmp_path)
+                "--dry-run", **where)
     assert p.returncode == 2, p.stdout[-2000:]
     for key in ("model.path", "task.name", "buffer.curve.server_secret_key", "buffer.curve.client_secret_key",
                 "buffer.curve.keys_dir (server_public_key)", "engine.admin_api_key_file", "placement.ssh_args"):
         assert f"missing {key}: " in p.stderr, (key, p.stderr)
+    pdsh = "missing placement.remote: the learner spans 7 hosts and placement.remote=ssh starts its ranks with " \
+           "DeepSpeed's pdsh launcher, but pdsh is not on PATH"
+    assert (pdsh in p.stderr) == (machine == "bare"), p.stderr
     assert "process plan" in p.stdout  # the plan is still shown
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_placement_that_cannot_be_planned_still_names_every_missing_file(tmp_path: Path) -> None:
+    p = _launch("ops/configs/gpu-node8.yaml", "--dry-run", "placement.learner_gpus=1-7", f"run.root={tmp_path}",
+                f"model.path={tmp_path / 'nomodel'}", f"task.name=jsonl:{tmp_path / 'no.jsonl'}",
+                path=bare_path(tmp_path))
+    assert p.returncode == 2 and p.stdout == ""  # no plan to show
+    lines = p.stderr.splitlines()
+    assert lines[0].startswith("ops/launch.sh: placement.engine_gpus/learner_gpus: GPU(s) [1] are given to both")
+    assert [ln.split(":")[1].strip() for ln in lines[1:]] == ["missing model.path", "missing task.name"]
 
 
 def test_paper_keys_are_what_the_documented_command_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -132,12 +156,10 @@ def test_paper_dry_run_with_the_shipped_shape_prints_both_estimates_and_the_flip
 
 
 def test_dry_run_without_pdsh_shows_the_plan_and_says_a_launch_would_refuse(tmp_path: Path) -> None:
-    """Where pdsh is missing (this machine), a launch refuses an ssh plan over several hosts; the dry run still
+    """Where pdsh is missing (a bare machine's PATH), a launch refuses an ssh plan over several hosts; the dry run still
     prints the plan and its estimates, names the problem by its key and exits 2."""
-    if shutil.which("pdsh") is not None:
-        pytest.skip("pdsh is installed here")
     p = _launch("ops/configs/paper.yaml", "model.path=ops/configs/shapes/qwen2.5-32b", f"run.root={tmp_path / 'runs'}",
-                "--dry-run")
+                "--dry-run", path=bare_path(tmp_path))
     assert p.returncode == 2
     assert "process plan" in p.stdout and "generation ~" in p.stdout
     assert "ops/launch.sh: missing placement.remote: the learner spans 7 hosts" in p.stderr and "pdsh" in p.stderr
