@@ -9,14 +9,14 @@ from types import ModuleType
 
 import yaml
 
-from ops.bench import experiments
-from ops.bench import value_parts_suite as vp
+from ops.bench.suites import experiments
+from ops.bench.suites import value_parts_suite as vp
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_experiments() -> ModuleType:
-    """``ops.bench.experiments``, the module every suite's test reads runs and reports through."""
+    """``ops.bench.suites.experiments``, the module every suite's test reads runs and reports through."""
     return experiments
 
 

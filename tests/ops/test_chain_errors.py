@@ -1,10 +1,10 @@
-"""ops/bench/chain_errors.py: the kind of a chain response's first mistake."""
+"""ops/bench/probes/chain_errors.py: the kind of a chain response's first mistake."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ops.bench import chain_errors
+from ops.bench.probes import chain_errors
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""ops.bench.compute_axes on hand-made run records: each evaluation's place on every axis, the crossing with
+"""ops.bench.reports.compute_axes on hand-made run records: each evaluation's place on every axis, the crossing with
 its bracket, the accuracy at a budget, arms over seeds, and the CLI's tables and plots."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ops.bench.compute_axes import accuracy_at, crossing, load_axis_run, readings, tables
+from ops.bench.reports.compute_axes import accuracy_at, crossing, load_axis_run, readings, tables
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,13 +85,13 @@ def test_arms_group_seeds_and_the_cli_writes_tables_and_plots(tmp_path: Path) ->
     assert res["runs"]["vapo-s0"]["samples"]["at_budget"]["acc"] == pytest.approx(0.5)
     text = tables(res)
     assert "| vapo | " in text and "(n=2)" in text and "### learner_passes" in text
-    done = subprocess.run([sys.executable, "-m", "ops.bench.compute_axes", *map(str, dirs), "--plots",
+    done = subprocess.run([sys.executable, "-m", "ops.bench.reports.compute_axes", *map(str, dirs), "--plots",
                            str(tmp_path / "plots"), "--budget-axis", "samples=18"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "### wall_s" in done.stdout
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(
         f"acc_vs_{a}.png" for a in ("samples", "gen_tokens", "learner_passes", "critic_passes", "wall_s"))
-    bad = subprocess.run([sys.executable, "-m", "ops.bench.compute_axes", str(dirs[0]), "--budget-axis", "flops=3"],
+    bad = subprocess.run([sys.executable, "-m", "ops.bench.reports.compute_axes", str(dirs[0]), "--budget-axis", "flops=3"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "AXIS=X" in bad.stderr

@@ -1,4 +1,4 @@
-"""ops.bench.critic_ceiling: the oracle's EV on hand-made chain groups, the variants it trains, and the
+"""ops.bench.probes.critic_ceiling: the oracle's EV on hand-made chain groups, the variants it trains, and the
 refusal of a task the oracle cannot read."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from common.config import load_config
 from common.modeling import load_tokenizer
 from common.tasks import Prompt, encode_prompt
 from learner.batch import collate
-from ops.bench.critic_ceiling import oracle_evs, variants
+from ops.bench.probes.critic_ceiling import oracle_evs, variants
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "ops" / "bases" / "chain-tiny"
@@ -65,6 +65,6 @@ def test_variants_train_at_the_actors_lr_and_the_grown_one_is_optional() -> None
 
 
 def test_a_task_without_an_oracle_is_refused() -> None:
-    done = subprocess.run([sys.executable, "-m", "ops.bench.critic_ceiling", "--config",
+    done = subprocess.run([sys.executable, "-m", "ops.bench.probes.critic_ceiling", "--config",
                            str(ROOT / "ops/configs/default.yaml")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "chain task" in done.stderr

@@ -1,4 +1,4 @@
-"""ops/bench/critic_probe.py: the first-wrong-digit locator, and both CLI modes end to end on a tiny model."""
+"""ops/bench/probes/critic_probe.py: the first-wrong-digit locator, and both CLI modes end to end on a tiny model."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from pathlib import Path
 from common.config import load_config
 from common.tasks import get_task
 from common.tasks.addition import teacher_response
-from ops.bench import critic_probe
+from ops.bench.probes import critic_probe
 from tests.learner.synth import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
-PROBE = ("-m", "ops.bench.critic_probe")
+PROBE = ("-m", "ops.bench.probes.critic_probe")
 
 SMALL = ["actors.group_size=2", "actors.max_new_tokens=12", "value_pretrain.batch_groups=2", "learner.micro_batch_size=4",
          "task.max_digits=2"]

@@ -1,4 +1,4 @@
-"""ops/bench/experiments.py: run bookkeeping, generated-sample accounting, interpolated samples-to-accuracy,
+"""ops/bench/suites/experiments.py: run bookkeeping, generated-sample accounting, interpolated samples-to-accuracy,
 wall time net of evaluation, per-slot ports, and the report it writes (from hand-made run directories)."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from common.config import load_config
-from ops.bench import long_suite, value_parts_report, value_study_report
+from ops.bench.reports import value_parts_report, value_study_report
+from ops.bench.suites import long_suite
 from tests.ops.bench_fixtures import ROOT, load_experiments, long_run, make_run
 
 
@@ -135,12 +136,12 @@ def test_report_only_refuses_without_finished_runs(exp: ModuleType, tmp_path: Pa
 
 def test_cli_list(tmp_path: Path) -> None:
     make_run(tmp_path / "vapo-s0", {0: 0.45, 60: 0.8})
-    out = subprocess.run([sys.executable, "-m", "ops.bench.experiments", "--root", str(tmp_path), "--list",
+    out = subprocess.run([sys.executable, "-m", "ops.bench.suites.experiments", "--root", str(tmp_path), "--list",
                           "--only", "vapo"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
     assert [ln.split()[:2] for ln in out[::2]] == [["vapo-s0", "done"], ["vapo-s1", "todo"], ["vapo-s2", "todo"]]
     # Every run is a plain launch a user can repeat.
     assert out[3].split() == ["ops/launch.sh", "ops/configs/default.yaml", "run.seed=1", "learner.total_steps=60"]
-    bad = subprocess.run([sys.executable, "-m", "ops.bench.experiments", "--only", "nope", "--list"],
+    bad = subprocess.run([sys.executable, "-m", "ops.bench.suites.experiments", "--only", "nope", "--list"],
                          cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown experiment" in bad.stderr
 
@@ -188,7 +189,7 @@ def test_long_suite_with_a_fixed_alpha_skips_the_sweep(exp: ModuleType, tmp_path
     long_run(root / "long_vapo_a0.2-s0", {0: 0.45, 40: 0.6}, 0.5)
     block = exp.write_long_report(root, out, fixed_alpha=1.0)
     assert "| 1 (fixed) |" in block and "| 0.05 | 0.60 / 0.87 / 0.95 | not run yet |" in block
-    listed = subprocess.run([sys.executable, "-m", "ops.bench.experiments", "--suite", "long", "--root",
+    listed = subprocess.run([sys.executable, "-m", "ops.bench.suites.experiments", "--suite", "long", "--root",
                              str(root), "--alpha", "1", "--list"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert listed.splitlines()[0] == "α given by --alpha: 1" and "long_vapo_a1-s2" in listed and "long_vapo_plain-s0" in listed
 
@@ -302,10 +303,10 @@ def test_weight_sync_suite_engine_bound_arms_resolve_and_are_opt_in(exp: ModuleT
         assert (plain.buffer.max_staleness, plain.learner.off_policy) == (base.buffer.max_staleness, base.learner.off_policy)
         # 32 prompts x 8 samples fit the engine's batch: it decodes every sequence the credit allows at once
         assert bound.actors.prompts_in_flight * bound.actors.group_size <= bound.engine.max_batch_size
-    out = subprocess.run([sys.executable, "-m", "ops.bench.experiments", "--suite", "weight_sync", "--root",
+    out = subprocess.run([sys.executable, "-m", "ops.bench.suites.experiments", "--suite", "weight_sync", "--root",
                           str(tmp_path), "--list"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "ws_long_in_place-s1" in out and "engine_bound" not in out
-    out = subprocess.run([sys.executable, "-m", "ops.bench.experiments", "--suite", "weight_sync", "--root",
+    out = subprocess.run([sys.executable, "-m", "ops.bench.suites.experiments", "--suite", "weight_sync", "--root",
                           str(tmp_path), "--list", "--only", "ws_long_in_place_engine_bound"],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.split() and all(line.startswith("ws_long_in_place_engine_bound-s") for line in out.splitlines())

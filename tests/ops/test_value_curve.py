@@ -1,4 +1,4 @@
-"""ops/bench/value_curve.py: locating the first mistake of a response, picking the newest version, CLI errors."""
+"""ops/bench/probes/value_curve.py: locating the first mistake of a response, picking the newest version, CLI errors."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def vc() -> ModuleType:
-    from ops.bench import value_curve as mod
+    from ops.bench.probes import value_curve as mod
     return mod
 
 
@@ -45,11 +45,11 @@ def test_newest_version_is_numeric_not_lexical(vc: ModuleType, tmp_path: Path) -
 
 
 def test_cli_refuses_what_it_cannot_probe(tmp_path: Path) -> None:
-    bad = subprocess.run([sys.executable, "-m", "ops.bench.value_curve", str(tmp_path)],
+    bad = subprocess.run([sys.executable, "-m", "ops.bench.probes.value_curve", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "has no config.yaml" in bad.stderr
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({"algo": {"advantage": "grpo"}}))
-    bad = subprocess.run([sys.executable, "-m", "ops.bench.value_curve", str(tmp_path)],
+    bad = subprocess.run([sys.executable, "-m", "ops.bench.probes.value_curve", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "without a critic" in bad.stderr
 

@@ -1,4 +1,4 @@
-"""ops.bench.value_parts_report: the suite's section of RESULTS.md from hand-made runs, spliced in once (before
+"""ops.bench.reports.value_parts_report: the suite's section of RESULTS.md from hand-made runs, spliced in once (before
 the value study's section the first time, in place after) with its plots, and marked partial."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ops.bench import value_parts_report as report
-from ops.bench import value_parts_suite as vp
+from ops.bench.reports import value_parts_report as report
+from ops.bench.suites import value_parts_suite as vp
 from tests.ops.bench_fixtures import value_parts_run as _run
 
 

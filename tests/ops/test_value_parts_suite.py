@@ -1,4 +1,4 @@
-"""ops.bench.value_parts_suite: every arm is a valid config, the estimate adds up, and the summary's
+"""ops.bench.suites.value_parts_suite: every arm is a valid config, the estimate adds up, and the summary's
 differences carry the σ of a difference of means (hand-made run records)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from common.config import load_config
-from ops.bench import value_parts_suite as vp
+from ops.bench.suites import value_parts_suite as vp
 from tests.ops.bench_fixtures import value_parts_run as _run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,7 +168,7 @@ def test_the_driver_skips_recorded_runs_starts_at_most_max_runs_and_records_each
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """``--max-runs 2`` with one of four runs recorded: the first two missing runs start, in order, and each
     is handed to the suite's ``on_run_done`` as it ends; ``--list`` calls the recorded one recorded."""
-    from ops.bench import experiments as exp
+    from ops.bench.suites import experiments as exp
 
     started, done = [], []
     suite = types.SimpleNamespace(

@@ -1,4 +1,4 @@
-"""The value study suite (``ops/bench/value_study_suite.py``, run through ``ops/bench/experiments.py``): its
+"""The value study suite (``ops/bench/suites/value_study_suite.py``, run through ``ops/bench/suites/experiments.py``): its
 cells' configs, the two phases and their budget, the summary and its section of the report."""
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_value_study_phase2_follows_phase1(exp: ModuleType, tmp_path: Path, monk
     summary = tmp_path / "vs_g8_vapo-s0" / "summary.json"
     summary.write_text(json.dumps({**json.loads(summary.read_text()), "wall_seconds": 300 * 60}))
     assert vs.phase2_budget(tmp_path) < 0 and vs.pick_phase2(tmp_path) == ["g2"]
-    out = subprocess.run([sys.executable, "-m", "ops.bench.experiments", "--suite", "value_study", "--list",
+    out = subprocess.run([sys.executable, "-m", "ops.bench.suites.experiments", "--suite", "value_study", "--list",
                           "--root", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
     assert "phase 2 picked g2 " in out[0] and len(out) == 1 + 18 + 2 * 2  # g2's 2 runs with seeds 1 and 2
     assert f"{vs.spent_minutes(tmp_path):.0f} min of runs spent" in out[0]
@@ -172,7 +172,7 @@ def test_value_study_summary(exp: ModuleType, tmp_path: Path) -> None:
 def test_value_study_report_section_survives_a_remade_report(exp: ModuleType, tmp_path: Path) -> None:
     """The study's section of RESULTS.md: one row per cell from the summary, the critic's credit where probed;
     written twice it is the same, and re-making the default report keeps it."""
-    from ops.bench import value_study_report as vr
+    from ops.bench.reports import value_study_report as vr
 
     vs = exp.value_study_suite
     _value_study_phase1(tmp_path, {"vs_g2_vapo": 0.70})

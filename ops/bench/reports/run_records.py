@@ -1,7 +1,7 @@
 """What a finished suite run recorded, read back from its run directory (``summary.json``, ``metrics.jsonl``,
 ``config.yaml``): the evaluation curve against samples and wall time, the learner steps, value pretraining's
 cost, and the base's bootstrap time; and the small formatters and the curve plot the reports share.
-``ops/bench/experiments.py`` and its suites build their reports from it.
+``ops/bench/suites/experiments.py`` and its suites build their reports from it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import yaml
 
 from ops.report import read_records  # the one metrics.jsonl reader; the suites take it from here
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 TARGET = 0.70  # the stated held-out avg@8 for samples-to-accuracy (base 0.451)
 

@@ -6,9 +6,9 @@
 # beside it), to compare with the published figures; --publish writes them into docs/RESULTS.md instead, with
 # the hand-written readings (docs/results/notes.md, long_notes.md), which then need re-reading against the
 # new figures. The long task's α sweep and plain-critic follow-ups: experiments.py --suite long without --alpha.
-#     ops/bench/remeasure.sh [--publish] [--jobs N]
+#     ops/bench/suites/remeasure.sh [--publish] [--jobs N]
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 out=runs/remeasure/RESULTS.md notes=/dev/null
 if [ "${1:-}" = --publish ]; then
   out=docs/RESULTS.md notes=docs/results/notes.md
@@ -17,7 +17,7 @@ fi
 ops/setup.sh
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 mkdir -p runs/remeasure
-.venv/bin/python -m ops.bench.experiments --root runs/remeasure/default --only vapo dapo grpo ppo \
+.venv/bin/python -m ops.bench.suites.experiments --root runs/remeasure/default --only vapo dapo grpo ppo \
   --out "$out" --notes "$notes" "$@"
-.venv/bin/python -m ops.bench.experiments --suite long --root runs/remeasure/long --alpha 1 \
+.venv/bin/python -m ops.bench.suites.experiments --suite long --root runs/remeasure/long --alpha 1 \
   --only long_vapo_a1 long_dapo long_grpo --out "$out" "$@"

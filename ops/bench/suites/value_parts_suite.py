@@ -1,10 +1,10 @@
 """Separate the parts of VAPO's gain, at equal total compute: the critic, the positive NLL, DAPO's filter, and
-the ceiling a perfect critic would reach. Run by ``python -m ops.bench.experiments --suite value_parts``:
+the ceiling a perfect critic would reach. Run by ``python -m ops.bench.suites.experiments --suite value_parts``:
 
-    .venv/bin/python -m ops.bench.experiments --suite value_parts --list           # runs, states, minutes each
-    .venv/bin/python -m ops.bench.experiments --suite value_parts                  # run what is missing, summarise
-    .venv/bin/python -m ops.bench.experiments --suite value_parts --report-only
-    .venv/bin/python -m ops.bench.value_parts_suite --pilot g16_oracle_a1 --steps 4   # one arm, one seed, few steps
+    .venv/bin/python -m ops.bench.suites.experiments --suite value_parts --list           # runs, states, minutes each
+    .venv/bin/python -m ops.bench.suites.experiments --suite value_parts                  # run what is missing, summarise
+    .venv/bin/python -m ops.bench.suites.experiments --suite value_parts --report-only
+    .venv/bin/python -m ops.bench.suites.value_parts_suite --pilot g16_oracle_a1 --steps 4   # one arm, one seed, few steps
 
 Root ``runs/exp-value-parts``; every run is a plain ``ops/launch.sh ops/configs/long.yaml ...`` (resumable as in
 the other suites), 40 steps x 256 samples, evaluated every 5 steps (``learner.eval_every=5``: a crossing is
@@ -29,7 +29,7 @@ value_parts_runs.jsonl``): a run that trains or reads a critic ~11 min (10.6-13.
 Pilot (``--pilot g16_oracle_a1 --steps 4``, seed 0, 2 cores under load ~6 from other jobs): 511 s end to end
 (10 value-pretraining steps, 4 RL steps of 256 samples, 3 evaluations); held-out avg@8 0.213 -> 0.303; the
 oracle's EV on the RL batches 0.41 / 0.26 / 0.45 against the trained critic's 0.27 / 0.10 / 0.21 (steps
-1-3); ``python -m ops.bench.compute_axes`` reads its five axes.
+1-3); ``python -m ops.bench.reports.compute_axes`` reads its five axes.
 
 **A study longer than a machine's lease.** Run directories stay on the machine that made them, so each run
 that finishes is also kept, as one line of its readings (every evaluation on every axis, the final accuracy,
@@ -39,14 +39,14 @@ its seconds, the commit and CPU it ran on, the load at its start and end, its cr
 lets the next checkout, on this machine or another, go on from there (a recorded run counts as done) and
 the summary read every run so far. ``--max-runs N`` starts at most N runs, to fit a session:
 
-    .venv/bin/python -m ops.bench.experiments --suite value_parts --max-runs 6
+    .venv/bin/python -m ops.bench.suites.experiments --suite value_parts --max-runs 6
 
 Runs recorded on different CPUs are comparable on every axis but wall time; the summary lists the CPUs
 (``machines``), and each difference the CPUs its two arms' runs ran on (``cpus``), so that a wall-time
 difference across them (marked in the report) is not taken for a method's.
 
 The summary (one JSON line, ``summary``): per arm the final held-out avg@8 (each seed, mean, sd), the
-accuracy at equal budget on every compute axis of ``ops.bench.compute_axes`` (samples, generated tokens,
+accuracy at equal budget on every compute axis of ``ops.bench.reports.compute_axes`` (samples, generated tokens,
 learner and critic token passes, wall time; the budget is the largest every run of the regime reached, critic
 passes among the runs that train a critic, and only those runs are read on that axis) and on policy passes
 (learner passes less the critic's: what the actor's updates cost, and all an oracle critic would cost, since
@@ -72,13 +72,14 @@ from pathlib import Path
 from typing import Any
 
 from common.provenance import of_run
-from ops.bench import measure, value_parts_report
-from ops.bench.compute_axes import AXES, AxisRun, accuracy_at, load_axis_run
-from ops.bench.long_suite import DAPO
-from ops.bench.run_records import port_overrides
-from ops.bench.value_study_suite import group_overrides
+from ops.bench import measure
+from ops.bench.reports import value_parts_report
+from ops.bench.reports.compute_axes import AXES, AxisRun, accuracy_at, load_axis_run
+from ops.bench.reports.run_records import port_overrides
+from ops.bench.suites.long_suite import DAPO
+from ops.bench.suites.value_study_suite import group_overrides
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 LEDGER = REPO / "docs" / "results" / "value_parts_runs.jsonl"  # every finished run's readings, committed
 NOTES = REPO / "docs" / "results" / "value_parts_notes.md"  # the section's hand-written reading
 CONFIG = "ops/configs/long.yaml"
@@ -339,7 +340,7 @@ def pilot(arm: str, steps: int, seed: int, root: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ops.bench.value_parts_suite", description=(__doc__ or "").split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ops.bench.suites.value_parts_suite", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--pilot", metavar="ARM", help=f"run one arm briefly: {', '.join(arms())}")
     ap.add_argument("--steps", type=int, default=4, help="--pilot: learner steps (default 4)")
     ap.add_argument("--seed", type=int, default=0)

@@ -1,6 +1,6 @@
 """Does a trained critic's value fall at the first mistake of a long failed response?
 
-    .venv/bin/python -m ops.bench.value_curve RUN_DIR [--bucket long] [--k 8] [--plot PNG]
+    .venv/bin/python -m ops.bench.probes.value_curve RUN_DIR [--bucket long] [--k 8] [--plot PNG]
 
 Loads a finished run's final policy (its newest published weights, ``RUN_DIR/weights/v*``) and critic (its
 newest checkpoint, ``RUN_DIR/checkpoints/v*/critic``), samples ``--k`` responses at temperature

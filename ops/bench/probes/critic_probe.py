@@ -1,6 +1,6 @@
 """Research probe: how much reward variance can the critic explain on fresh groups of the base policy?
 
-    .venv/bin/python -m ops.bench.critic_probe [--model DIR] [--train-groups 256] [--fresh-groups 64]
+    .venv/bin/python -m ops.bench.probes.critic_probe [--model DIR] [--train-groups 256] [--fresh-groups 64]
         [--variant name:key=value,key=value ...] [--plot docs/critic_values.png] [key=value ...]
 
 Samples G responses per training prompt from the frozen base policy (learner.evaluate's batched KV-cache

@@ -1,10 +1,10 @@
 """How far is a trainable critic from the oracle? Held-out explained variance of critic variants against the
 chain task's oracle on the same fresh groups.
 
-    .venv/bin/python -m ops.bench.critic_ceiling [--config ops/configs/long.yaml] [--train-groups 128]
+    .venv/bin/python -m ops.bench.probes.critic_ceiling [--config ops/configs/long.yaml] [--train-groups 128]
         [--fresh-groups 32] [--steps 20] [--grown DIR] [--cache FILE] [--only NAME ...] [key=value ...]
 
-Samples G responses per prompt from the frozen base (``ops.bench.critic_probe.sample_groups``), keeps a
+Samples G responses per prompt from the frozen base (``ops.bench.probes.critic_probe.sample_groups``), keeps a
 training pool and a disjoint fresh set, and reads on the fresh set:
 
 - ``oracle``: ``learner.oracle.ChainOracle`` (V = p^(step lines left), 0 after a mistake; p estimated on the
@@ -42,10 +42,10 @@ from learner.dist import setup_distributed
 from learner.losses import explained_variance
 from learner.oracle import ChainOracle
 from learner.value_pretrain import value_targets
-from ops.bench.critic_probe import sample_groups, train_variant
+from ops.bench.probes.critic_probe import sample_groups, train_variant
 
 log = logging.getLogger("critic_ceiling")
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def variants(cfg: Config, grown: str | None) -> dict[str, list[str]]:
@@ -86,7 +86,7 @@ def load_or_sample(cfg: Config, n: int, cache: str | None) -> list[protocol.Samp
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ops.bench.critic_ceiling", description=(__doc__ or "").split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ops.bench.probes.critic_ceiling", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--config", default=str(REPO / "ops/configs/long.yaml"), help="a chain-task config")
     ap.add_argument("--train-groups", type=int, default=128, help="groups in the training pool")
     ap.add_argument("--fresh-groups", type=int, default=32, help="fresh (unseen-prompt) groups for EV")

@@ -1,18 +1,18 @@
 """The experiment suite of the embedded default task: VAPO against vanilla PPO, GRPO and DAPO at the same sample budget, VAPO with
 each component removed, async against synchronous training, the staleness sweep and an α sweep, all on
 the embedded default task (addition, the 0.6M-parameter base). Writes ``docs/RESULTS.md`` and
-``docs/results/*.png`` (the report itself: ``ops/bench/default_report.py``).
+``docs/results/*.png`` (the report itself: ``ops/bench/reports/default_report.py``).
 
-    .venv/bin/python -m ops.bench.experiments                    # run what is missing, then write the report
-    .venv/bin/python -m ops.bench.experiments --list             # the suite and what is done
-    .venv/bin/python -m ops.bench.experiments --only vapo grpo   # some experiments (all their seeds)
-    .venv/bin/python -m ops.bench.experiments --report-only      # re-make docs/RESULTS.md from finished runs
-    .venv/bin/python -m ops.bench.experiments --jobs 2           # runs in parallel, each on its own ports
-    .venv/bin/python -m ops.bench.experiments --suite long       # the long-horizon task (long_suite.py)
-    .venv/bin/python -m ops.bench.experiments --suite actor_values   # pre- vs post-update critic (actor_values_suite.py)
-    .venv/bin/python -m ops.bench.experiments --suite weight_sync    # drain vs in-place updates (weight_sync_suite.py)
-    .venv/bin/python -m ops.bench.experiments --suite value_study    # where VAPO beats DAPO (value_study_suite.py)
-    .venv/bin/python -m ops.bench.experiments --suite value_parts    # the critic, NLL, filter, oracle (value_parts_suite.py)
+    .venv/bin/python -m ops.bench.suites.experiments                    # run what is missing, then write the report
+    .venv/bin/python -m ops.bench.suites.experiments --list             # the suite and what is done
+    .venv/bin/python -m ops.bench.suites.experiments --only vapo grpo   # some experiments (all their seeds)
+    .venv/bin/python -m ops.bench.suites.experiments --report-only      # re-make docs/RESULTS.md from finished runs
+    .venv/bin/python -m ops.bench.suites.experiments --jobs 2           # runs in parallel, each on its own ports
+    .venv/bin/python -m ops.bench.suites.experiments --suite long       # the long-horizon task (long_suite.py)
+    .venv/bin/python -m ops.bench.suites.experiments --suite actor_values   # pre- vs post-update critic (actor_values_suite.py)
+    .venv/bin/python -m ops.bench.suites.experiments --suite weight_sync    # drain vs in-place updates (weight_sync_suite.py)
+    .venv/bin/python -m ops.bench.suites.experiments --suite value_study    # where VAPO beats DAPO (value_study_suite.py)
+    .venv/bin/python -m ops.bench.suites.experiments --suite value_parts    # the critic, NLL, filter, oracle (value_parts_suite.py)
 
 Every run is a plain ``ops/launch.sh <config> run.root=runs/exp run.name=<exp>-s<seed> ...``; its
 directory is the record. Resumable: a run with ``summary.json`` is done and skipped, a run with a checkpoint
@@ -39,10 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ops.bench import actor_values_suite, long_suite, value_parts_suite, value_study_suite, weight_sync_suite
-from ops.bench.default_report import write_report
-from ops.bench.default_suite import BY_NAME, SUITE, Experiment, run_name
-from ops.bench.run_records import (  # noqa: F401 (the suites read runs through this module)
+from ops.bench.reports.default_report import write_report
+from ops.bench.reports.run_records import (  # noqa: F401 (the suites read runs through this module)
     TARGET,
     Run,
     bootstrap_seconds,
@@ -54,8 +52,16 @@ from ops.bench.run_records import (  # noqa: F401 (the suites read runs through 
     plot_curves,
     port_overrides,
 )
+from ops.bench.suites import (
+    actor_values_suite,
+    long_suite,
+    value_parts_suite,
+    value_study_suite,
+    weight_sync_suite,
+)
+from ops.bench.suites.default_suite import BY_NAME, SUITE, Experiment, run_name
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 # --------------------------------------------------------------------------------------------- running

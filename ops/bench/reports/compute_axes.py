@@ -1,6 +1,6 @@
 """Held-out accuracy against each compute axis, for any set of runs: comparisons at equal total compute.
 
-    .venv/bin/python -m ops.bench.compute_axes RUN_DIR [RUN_DIR ...] [--target 0.7] [--budget-axis AXIS=X ...]
+    .venv/bin/python -m ops.bench.reports.compute_axes RUN_DIR [RUN_DIR ...] [--target 0.7] [--budget-axis AXIS=X ...]
         [--plots DIR] [--json]
 
 Every evaluation of a run is placed on five cumulative axes, read from its ``metrics.jsonl``:
@@ -38,7 +38,7 @@ from typing import Any
 
 import yaml
 
-from ops.bench.run_records import mean_std
+from ops.bench.reports.run_records import mean_std
 from ops.report import read_records
 
 AXES = ("samples", "gen_tokens", "learner_passes", "critic_passes", "wall_s")
@@ -205,7 +205,7 @@ def plot(runs: list[AxisRun], out_dir: Path, target: float) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ops.bench.compute_axes", description=(__doc__ or "").split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ops.bench.reports.compute_axes", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path, help="run directories (each with metrics.jsonl, config.yaml)")
     ap.add_argument("--target", type=float, default=0.7, help="held-out accuracy whose crossing is read (default 0.7)")
     ap.add_argument("--budget-axis", action="append", default=[], metavar="AXIS=X",

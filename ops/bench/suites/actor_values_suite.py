@@ -3,9 +3,9 @@ batch, the current default) against ``pre_update`` (the values from before the c
 on the default task and on the long-horizon one, 2 seeds each at equal samples (40 steps x 32 prompts x
 G = 8 = 10,240 trained samples per run; value pretraining is the same in both arms). Run by
 
-    .venv/bin/python -m ops.bench.experiments --suite actor_values           # run what is missing, then summarise
-    .venv/bin/python -m ops.bench.experiments --suite actor_values --list
-    .venv/bin/python -m ops.bench.experiments --suite actor_values --report-only
+    .venv/bin/python -m ops.bench.suites.experiments --suite actor_values           # run what is missing, then summarise
+    .venv/bin/python -m ops.bench.suites.experiments --suite actor_values --list
+    .venv/bin/python -m ops.bench.suites.experiments --suite actor_values --report-only
 
 Root ``runs/exp-actor-values``; every run is a plain ``ops/launch.sh`` as in the other suites (resumable the
 same way). Both arms are run here, on the same code, rather than compared with older runs of the default.
@@ -27,7 +27,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ops.bench.run_records import read_records
+from ops.bench.reports.run_records import read_records
 
 STEPS = 40
 SEEDS = (0, 1)

@@ -1,4 +1,4 @@
-"""The default task's experiment suite, run by ``ops/bench/experiments.py``: VAPO against vanilla PPO, GRPO
+"""The default task's experiment suite, run by ``ops/bench/suites/experiments.py``: VAPO against vanilla PPO, GRPO
 and DAPO at the same sample budget, VAPO with each component removed, async against synchronous training,
 the staleness sweep and an α sweep (the other suites, ``*_suite.py``, list their runs with this
 ``Experiment``)."""

@@ -3,9 +3,9 @@ on the old weights before the engine loads: a drain) against ``in_place`` (the d
 requests paused with their KV cache and continued on the new weights) on ``ops/configs/long.yaml``
 (responses 49-400 tokens), 2 seeds each at equal samples. Run by
 
-    .venv/bin/python -m ops.bench.experiments --suite weight_sync           # run what is missing, then summarise
-    .venv/bin/python -m ops.bench.experiments --suite weight_sync --list
-    .venv/bin/python -m ops.bench.experiments --suite weight_sync --report-only
+    .venv/bin/python -m ops.bench.suites.experiments --suite weight_sync           # run what is missing, then summarise
+    .venv/bin/python -m ops.bench.suites.experiments --suite weight_sync --list
+    .venv/bin/python -m ops.bench.suites.experiments --suite weight_sync --report-only
 
 Root ``runs/exp-weight-sync``; every run is a plain ``ops/launch.sh`` as in the other suites (resumable the
 same way). Hours of compute on 2 cores (4 runs of ``STEPS`` steps). The summary is one JSON line, per arm:
@@ -27,8 +27,8 @@ engine-bound pair (``ENGINE_BOUND``, opt-in: not run unless named) makes generat
 - ``actors.prompts_in_flight=32`` (credit per actor then up to 64): 256 sequences at the engine at once
   (``engine.max_batch_size`` 256), so the engine has work whenever credit allows.
 
-    .venv/bin/python -m ops.bench.experiments --suite weight_sync --only ws_long_wait_engine_bound ws_long_in_place_engine_bound
-    .venv/bin/python -m ops.bench.experiments --suite weight_sync --only ws_long_wait_engine_bound ws_long_in_place_engine_bound --list
+    .venv/bin/python -m ops.bench.suites.experiments --suite weight_sync --only ws_long_wait_engine_bound ws_long_in_place_engine_bound
+    .venv/bin/python -m ops.bench.suites.experiments --suite weight_sync --only ws_long_wait_engine_bound ws_long_in_place_engine_bound --list
 
 Measured (4 runs, 8-9.5 min each on 2 lightly loaded cores): the pair did not make the engines the
 bottleneck here either. Each actor's prompts still waited for credit ~22x the wall time (summed over its 64
@@ -44,7 +44,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ops.bench.run_records import read_records
+from ops.bench.reports.run_records import read_records
 
 STEPS = 40
 SEEDS = (0, 1)

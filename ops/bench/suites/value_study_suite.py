@@ -1,10 +1,10 @@
 """Where does the value model pay? VAPO against DAPO in the regimes where a group baseline should be weak,
 both arms training the same samples per step and compared at equal paid (generated) samples too, run by
-``python -m ops.bench.experiments --suite value_study``:
+``python -m ops.bench.suites.experiments --suite value_study``:
 
-    .venv/bin/python -m ops.bench.experiments --suite value_study           # run what is missing, then summarise
-    .venv/bin/python -m ops.bench.experiments --suite value_study --list    # the cells, runs, states, phase-2 pick
-    .venv/bin/python -m ops.bench.experiments --suite value_study --report-only
+    .venv/bin/python -m ops.bench.suites.experiments --suite value_study           # run what is missing, then summarise
+    .venv/bin/python -m ops.bench.suites.experiments --suite value_study --list    # the cells, runs, states, phase-2 pick
+    .venv/bin/python -m ops.bench.suites.experiments --suite value_study --report-only
 
 Root ``runs/exp-value-study``; every run is a plain ``ops/launch.sh ops/configs/long.yaml ...`` (resumable as
 in the other suites). Both arms are ``long.yaml`` (VAPO: α = 1, surprise critic, 10 value-pretraining steps)
@@ -42,7 +42,7 @@ samples for (a)-(c), the issue's measure (DAPO pays for the uniform groups it dr
 pretraining), and at step 40 (equal trained samples) for (d), whose question is what a better critic buys
 (its pretraining's cost is in the table apart). The summary reports the seed-1/2 difference apart
 ("confirm"), since seed 0 chose the cell. After the runs (``post``) every finished VAPO run's critic is probed
-along long failed responses (``ops/bench/value_curve.py``, ``value_curve.json``, as the long suite does).
+along long failed responses (``ops/bench/probes/value_curve.py``, ``value_curve.json``, as the long suite does).
 
 Estimated compute on 2 quiet cores (``estimate_minutes``: 8 min per VAPO long.yaml run, scaled by the mean
 response length; DAPO, with no critic, 0.55 of that plus its extra generation for dropped uniform groups;
@@ -71,9 +71,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ops.bench import value_study_report
-from ops.bench.long_suite import DAPO, last_eval, pretrain_seconds, probe_values
-from ops.bench.run_records import load_run
+from ops.bench.reports import value_study_report
+from ops.bench.reports.run_records import load_run
+from ops.bench.suites.long_suite import DAPO, last_eval, pretrain_seconds, probe_values
 
 CONFIG = "ops/configs/long.yaml"
 STEPS = 40
@@ -267,7 +267,7 @@ def pick_phase2(root: Path, budget_min: float | None = None) -> list[str] | None
 
 def prepare(log: Any) -> None:
     """The files the runs read that no run makes: the grown critic base (seconds; kept across sittings)."""
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     if not (repo / CRITIC_X2 / "config.json").is_file():
         log(f"value_study: building the 2x critic base {CRITIC_X2} from {CRITIC_X2_SOURCE}")
         subprocess.run([sys.executable, "-m", "learner.grow", CRITIC_X2_SOURCE, CRITIC_X2, "--layers",

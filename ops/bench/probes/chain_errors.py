@@ -1,6 +1,6 @@
 """What kind of mistake ends a chain-task response? Counts the first mistake of each held-out response by kind.
 
-    .venv/bin/python -m ops.bench.chain_errors MODEL_DIR [MODEL_DIR ...] [--temperature 1.0] [--k 4]
+    .venv/bin/python -m ops.bench.probes.chain_errors MODEL_DIR [MODEL_DIR ...] [--temperature 1.0] [--k 4]
 
 For every held-out prompt of ``ops/configs/long.yaml`` it samples ``--k`` responses (``--temperature 0``:
 one greedy response) and compares each with the correct trace. The first differing character decides the
@@ -25,7 +25,7 @@ from common.tasks import decode_response, encode_prompt, get_task
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def first_mistake_kind(response: str, want: str) -> str:
