@@ -313,3 +313,23 @@ def test_weight_sync_suite_engine_bound_arms_resolve_and_are_opt_in(exp: ModuleT
     summary = ws.summary(tmp_path, exp.load_run)
     assert set(summary) == {"wait", "in_place", "wait_engine_bound", "in_place_engine_bound"}
     assert all(v["seeds_done"] == 0 for v in summary.values())
+
+
+def test_main_dispatches_each_suite_to_its_runner_with_its_own_root(exp: ModuleType, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """One table, one dispatch: each --suite reaches its own runner, at its default root unless --root is given."""
+    calls: list[tuple[str, Path, bool]] = []
+    for name, suite in list(exp.SUITES.items()):
+        monkeypatch.setitem(exp.SUITES, name, exp.Suite(suite.root, lambda root, args, n=name: calls.append(
+            (n, root, args.list)) or 7, suite.doc))
+    for name in ("default", "long", "actor_values", "weight_sync", "value_study", "value_parts"):
+        assert exp.main(["--suite", name, "--list"]) == 7
+    assert exp.main(["--suite", "long", "--root", str(tmp_path)]) == 7
+    rel = [(n, root.relative_to(ROOT).as_posix(), listed) for n, root, listed in calls[:-1]]
+    assert rel == [("default", "runs/exp", True), ("long", "runs/exp-long", True),
+                   ("actor_values", "runs/exp-actor-values", True), ("weight_sync", "runs/exp-weight-sync", True),
+                   ("value_study", "runs/exp-value-study", True), ("value_parts", "runs/exp-value-parts", True)]
+    assert calls[-1] == ("long", tmp_path.resolve(), False)
+    with pytest.raises(SystemExit):
+        exp.main(["--suite", "long", "--jobs", "0"])
+    assert len(calls) == 7  # refused before any runner

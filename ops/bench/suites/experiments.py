@@ -36,6 +36,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -233,76 +234,12 @@ def run_actor_values(root: Path, args: argparse.Namespace, module: Any = actor_v
     return 1 if failures else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--root", default="runs/exp", help="parent directory of the experiment runs (default runs/exp)")
-    ap.add_argument("--only", nargs="+", metavar="NAME", help=f"experiments to run: {', '.join(BY_NAME)}")
-    ap.add_argument("--group", nargs="+", choices=["baselines", "ablations", "staleness", "alpha"],
-                    help="run only these groups of the suite")
-    ap.add_argument("--seeds", nargs="+", type=int, help="override the seeds of the selected experiments")
-    ap.add_argument("--jobs", type=int, default=1, help="runs at once (default 1: on 2 cores more skews wall times)")
-    ap.add_argument("--list", action="store_true", help="print the suite and each run's state, then exit")
-    ap.add_argument("--max-runs", type=int, metavar="N",
-                    help="start at most N of the missing runs, then summarise: a long suite over several sessions "
-                    "(every suite but long)")
-    ap.add_argument("--report-only", action="store_true",
-                    help="only (re)write the report from finished runs (refused when there are none: runs are not "
-                    "in git, and a report made from none would empty its tables)")
-    ap.add_argument("--out", default="docs/RESULTS.md", help="report path (plots go to <its dir>/results/)")
-    ap.add_argument("--notes", default="docs/results/notes.md", help="hand-written reading included in the report")
-    ap.add_argument("--alpha", type=float, help="long suite: VAPO's α for seeds 1-2 and the follow-ups, instead of "
-                    "the sweep's pick (with --only, the sweep can be skipped)")
-    ap.add_argument("--suite", choices=["default", "long", "actor_values", "weight_sync", "value_study", "value_parts"],
-                    default="default",
-                    help="default: baselines, ablations, staleness and α on the embedded default task (root runs/exp); long: the long-horizon "
-                    "task (root runs/exp-long, its own section of the report); actor_values: pre- vs post-update "
-                    "critic values for the actor, default and long tasks, 2 seeds (root runs/exp-actor-values, a "
-                    "JSON summary, no report); weight_sync: weight updates that drain (wait, disk) against in-place "
-                    "pauses (distributed push) on the long task, 2 seeds (root runs/exp-weight-sync, a JSON summary); "
-                    "value_study: VAPO vs DAPO where a group baseline is weak, two phases (root runs/exp-value-study); "
-                    "value_parts: the critic, the NLL, DAPO's filter and an oracle critic separated at G = 2 and 16, "
-                    "3 seeds, equal-compute readings (root runs/exp-value-parts, ~13.5 h)")
-    args = ap.parse_args(argv)
-    if args.max_runs is not None and args.max_runs < 1:
-        ap.error("--max-runs must be at least 1")
-    if args.suite == "value_parts":
-        return run_actor_values(REPO / (args.root if args.root != "runs/exp" else "runs/exp-value-parts"), args,
-                                value_parts_suite, "value_parts")
-    if args.suite == "value_study":
-        return run_actor_values(REPO / (args.root if args.root != "runs/exp" else "runs/exp-value-study"), args,
-                                value_study_suite, "value_study")
-    if args.suite == "weight_sync":
-        return run_actor_values(REPO / (args.root if args.root != "runs/exp" else "runs/exp-weight-sync"), args,
-                                weight_sync_suite, "weight_sync")
-    if args.suite == "actor_values":
-        return run_actor_values(REPO / (args.root if args.root != "runs/exp" else "runs/exp-actor-values"), args)
-    if args.suite == "long":
-        root = (REPO / (args.root if args.root != "runs/exp" else "runs/exp-long")).resolve()
-        if args.list:
-            best = long_suite.chosen_alpha(root, args.alpha)
-            print(f"α given by --alpha: {best:g}" if args.alpha is not None else
-                  f"α picked by the sweep: {'not yet (sweep unfinished)' if best is None else f'{best:g}'}")
-            for e in long_suite.experiments(Experiment, best):
-                for s in e.seeds:
-                    print(f"{run_name(e, s):24s} {status(root, e, s):10s} {e.steps:3d} steps  {e.label}")
-            return 0
-        root.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        failures = run_long(root, args)
-        long_runs = long_suite.experiments(Experiment, long_suite.chosen_alpha(root, args.alpha))
-        refusal = refuse_empty_report(root, [(e, s) for e in long_runs for s in e.seeds])
-        if refusal:
-            ap.exit(2, f"experiments: {refusal}\n")
-        write_long_report(root, REPO / args.out, args.alpha)
-        print(json.dumps({"bench": "experiments", "suite": "long", "report": args.out, "failed_runs": failures,
-                          "alpha": long_suite.chosen_alpha(root, args.alpha)}))
-        return 1 if failures else 0
-    root = (REPO / args.root).resolve()
-    if args.jobs < 1:
-        ap.error("--jobs must be at least 1")
+def run_default(root: Path, args: argparse.Namespace) -> int:
+    """The default suite: list it, or run what is missing, then write the report (``default_report``)."""
     unknown = [n for n in args.only or [] if n not in BY_NAME]
     if unknown:
-        ap.error(f"unknown experiment(s) {unknown}; choose from {list(BY_NAME)}")
+        print(f"experiments: unknown experiment(s) {unknown}; choose from {list(BY_NAME)}", file=sys.stderr)
+        return 2
     chosen = [e for e in SUITE if (not args.only or e.name in args.only) and (not args.group or e.group in args.group)]
     todo = [(e, s) for e in chosen for s in (args.seeds or e.seeds)]
     if args.list:
@@ -317,12 +254,96 @@ def main(argv: list[str] | None = None) -> int:
         failures = run_suite(root, [(e, s) for e, s in todo if status(root, e, s) != "done"][:args.max_runs], args.jobs)
     refusal = refuse_empty_report(root, [(e, s) for e in SUITE for s in e.seeds])
     if refusal:
-        ap.exit(2, f"experiments: {refusal}\n")
+        print(f"experiments: {refusal}", file=sys.stderr)
+        return 2
     write_report(root, REPO / args.out, REPO / args.notes)
     print(json.dumps({"bench": "experiments", "report": args.out, "failed_runs": failures,
                       "done": sum(status(root, e, s) == "done" for e in SUITE for s in e.seeds),
                       "total": sum(len(e.seeds) for e in SUITE)}))
     return 1 if failures else 0
+
+
+def run_long_suite(root: Path, args: argparse.Namespace) -> int:
+    """The long suite: list it, or run its two phases (``run_long``), then write its section of the report."""
+    if args.list:
+        best = long_suite.chosen_alpha(root, args.alpha)
+        print(f"α given by --alpha: {best:g}" if args.alpha is not None else
+              f"α picked by the sweep: {'not yet (sweep unfinished)' if best is None else f'{best:g}'}")
+        for e in long_suite.experiments(Experiment, best):
+            for s in e.seeds:
+                print(f"{run_name(e, s):24s} {status(root, e, s):10s} {e.steps:3d} steps  {e.label}")
+        return 0
+    root.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    failures = run_long(root, args)
+    long_runs = long_suite.experiments(Experiment, long_suite.chosen_alpha(root, args.alpha))
+    refusal = refuse_empty_report(root, [(e, s) for e in long_runs for s in e.seeds])
+    if refusal:
+        print(f"experiments: {refusal}", file=sys.stderr)
+        return 2
+    write_long_report(root, REPO / args.out, args.alpha)
+    print(json.dumps({"bench": "experiments", "suite": "long", "report": args.out, "failed_runs": failures,
+                      "alpha": long_suite.chosen_alpha(root, args.alpha)}))
+    return 1 if failures else 0
+
+
+def arms(module: Any, label: str) -> Callable[[Path, argparse.Namespace], int]:
+    """A suite of arms with a JSON summary, run by ``run_actor_values``."""
+    return lambda root, args: run_actor_values(root, args, module, label)
+
+
+@dataclass(frozen=True)
+class Suite:
+    root: str  # where its runs live unless --root says otherwise
+    run: Callable[[Path, argparse.Namespace], int]  # (resolved root, arguments) -> exit status
+    doc: str  # one clause of --suite's help
+
+
+SUITES: dict[str, Suite] = {
+    "default": Suite("runs/exp", run_default, "baselines, ablations, staleness and α on the embedded default task"),
+    "long": Suite("runs/exp-long", run_long_suite, "the long-horizon task, its own section of the report"),
+    "actor_values": Suite("runs/exp-actor-values", arms(actor_values_suite, "actor_values"),
+                          "pre- vs post-update critic values for the actor, default and long tasks, 2 seeds (a JSON "
+                          "summary, no report)"),
+    "weight_sync": Suite("runs/exp-weight-sync", arms(weight_sync_suite, "weight_sync"),
+                         "weight updates that drain (wait, disk) against in-place pauses (distributed push) on the "
+                         "long task, 2 seeds (a JSON summary)"),
+    "value_study": Suite("runs/exp-value-study", arms(value_study_suite, "value_study"),
+                         "VAPO vs DAPO where a group baseline is weak, two phases"),
+    "value_parts": Suite("runs/exp-value-parts", arms(value_parts_suite, "value_parts"),
+                         "the critic, the NLL, DAPO's filter and an oracle critic separated at G = 2 and 16, 3 seeds, "
+                         "equal-compute readings (~13.5 h)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", choices=list(SUITES), default="default",
+                    help="; ".join(f"{k}: {s.doc} (root {s.root})" for k, s in SUITES.items()))
+    ap.add_argument("--root", help="parent directory of the suite's runs (default: the suite's, in --suite's help)")
+    ap.add_argument("--only", nargs="+", metavar="NAME", help=f"experiments to run: {', '.join(BY_NAME)}")
+    ap.add_argument("--group", nargs="+", choices=["baselines", "ablations", "staleness", "alpha"],
+                    help="default suite: run only these groups")
+    ap.add_argument("--seeds", nargs="+", type=int, help="override the seeds of the selected experiments")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (default 1: on 2 cores more skews wall times)")
+    ap.add_argument("--list", action="store_true", help="print the suite and each run's state, then exit")
+    ap.add_argument("--max-runs", type=int, metavar="N",
+                    help="start at most N of the missing runs, then summarise: a long suite over several sessions "
+                    "(every suite but long)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="only (re)write the report from finished runs (refused when there are none: runs are not "
+                    "in git, and a report made from none would empty its tables)")
+    ap.add_argument("--out", default="docs/RESULTS.md", help="report path (plots go to <its dir>/results/)")
+    ap.add_argument("--notes", default="docs/results/notes.md", help="hand-written reading included in the report")
+    ap.add_argument("--alpha", type=float, help="long suite: VAPO's α for seeds 1-2 and the follow-ups, instead of "
+                    "the sweep's pick (with --only, the sweep can be skipped)")
+    args = ap.parse_args(argv)
+    if args.max_runs is not None and args.max_runs < 1:
+        ap.error("--max-runs must be at least 1")
+    if args.jobs < 1:
+        ap.error("--jobs must be at least 1")
+    suite = SUITES[args.suite]
+    return suite.run((REPO / (args.root or suite.root)).resolve(), args)
 
 
 if __name__ == "__main__":
