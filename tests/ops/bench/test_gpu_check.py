@@ -12,7 +12,7 @@ import torch
 
 from tests.ports import port_overrides
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CHECK = ("-m", "ops.bench.gpu_check")
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from ops.bench import update_stall
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BATCH = 4
 
 

@@ -13,7 +13,7 @@ from common.tasks.addition import teacher_response
 from ops.bench.probes import critic_probe
 from tests.learner.synth import child_env
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 PROBE = ("-m", "ops.bench.probes.critic_probe")
 
 SMALL = ["actors.group_size=2", "actors.max_new_tokens=12", "value_pretrain.batch_groups=2", "learner.micro_batch_size=4",

@@ -16,7 +16,7 @@ import torch
 from common.gpu_memory import count_parameters
 from ops.bench.gpu_learner import DRY_ROWS, FIT, GPU_ROWS, SIZES, make_rows, model_states_gib
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _run(*args: str, timeout: float = 300) -> tuple[int, dict[str, Any]]:

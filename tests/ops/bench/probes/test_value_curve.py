@@ -14,7 +14,7 @@ import yaml
 from common.config import TaskConfig
 from common.tasks import Prompt, get_task
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 @pytest.fixture(scope="module")

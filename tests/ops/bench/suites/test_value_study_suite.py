@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 
 from common.config import load_config
-from tests.ops.bench_fixtures import ROOT, load_experiments, long_run, make_run
+from tests.ops.bench.bench_fixtures import ROOT, load_experiments, long_run, make_run
 
 
 @pytest.fixture(scope="module")

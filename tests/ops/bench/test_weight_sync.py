@@ -14,7 +14,7 @@ import pytest
 
 from ops.bench.weight_sync_parts import GOAL_OVER_RAW, summarise
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BENCH = ("-m", "ops.bench.weight_sync")
 TIMED = ("disk_blocked_s", "distributed_blocked_s", "raw_broadcast_s", "push_over_raw_broadcast", "blocked_ratio",
          "final_broadcast_background_s", "durable_write_s", "engine_pause_s", "engine_receive_s")

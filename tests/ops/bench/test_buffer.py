@@ -1,6 +1,6 @@
 """The buffer benchmark (ops/bench/buffer.py) is bounded on any disk: the raw side's LMDB holds one call and keeps
 its size, a send the buffer refuses ends the run with the refusal named and exit 1 (it used to be re-sent without
-end), and so does ``--max-wall-s``. Its ``--quick`` line is checked in test_bench_quick.py."""
+end), and so does ``--max-wall-s``. Its ``--quick`` line: ``test_buffer_quick``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ops.bench.buffer import RawLMDB
+import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from ops.bench.buffer import RawLMDB, ceiling_rate
+from tests.ops.bench.quick_fixtures import check_common, run_quick
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
@@ -50,3 +53,25 @@ def test_the_raw_side_holds_one_call_and_keeps_its_size(tmp_path: Path) -> None:
     # growing, the file would end ~8 x its first size (8 calls of ~2 MB); reusing its freed pages, it keeps it
     assert sizes[-1] <= 1.5 * sizes[1], sizes
     assert not (tmp_path / "raw").exists()
+
+
+def test_buffer_quick() -> None:
+    line = run_quick(["-m", "ops.bench.buffer"], 180)
+    check_common(line, "buffer", "ingest_over_raw_lmdb", ">= 0.6")
+    assert line["curve"] is True and line["resent"] == 0
+    # every round ingested, put and sank at least one call's groups, and the ratio is their rates'
+    assert all(n >= line["groups_per_call"]
+               for n in line["ingest_groups_rounds"] + line["raw_groups_rounds"] + line["sink_groups_rounds"])
+    assert line["sink_groups_per_s"] > 0 and line["raw_cpu_ms_per_group"] > 0 and line["ceiling_over_raw_lmdb"] > 0
+    rates = [(n / s) / (m / t) for n, s, m, t in zip(line["ingest_groups_rounds"], line["ingest_s_rounds"],
+                                                      line["raw_groups_rounds"], line["raw_s_rounds"], strict=True)]
+    assert line["ratio_rounds"] == pytest.approx(rates, rel=0.05)
+    assert line["serve_groups"] > 0 and line["serve_latency_decoded_s"] >= line["serve_latency_bytes_s"] > 0
+    # the buffer held one call at most (it refuses more), drained before each call: 2 senders x 8 groups
+    assert line["capacity_groups"] == line["groups_per_call"] == 16 and 0 < line["disk_peak_mb"] < 64
+
+
+def test_the_ceiling_is_the_transport_and_the_lmdb_writes_sharing_the_cores() -> None:
+    # a sink at 1,000 groups/s on 2 cores costs 2 ms of CPU a group; 0.5 ms of writes more: 2 / 2.5 ms = 800/s
+    assert ceiling_rate(1000.0, 0.0005, 2) == pytest.approx(800.0)
+    assert ceiling_rate(1000.0, 0.0, 2) == pytest.approx(1000.0)  # no writes: the sink's own rate

@@ -15,7 +15,7 @@ import pytest
 from ops.bench.measure import Run
 from ops.bench.zero3_traffic import summary
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_quick_line_adds_up_and_meets_both_goals() -> None:

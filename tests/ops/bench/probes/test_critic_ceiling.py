@@ -17,7 +17,7 @@ from common.tasks import Prompt, encode_prompt
 from learner.batch import collate
 from ops.bench.probes.critic_ceiling import oracle_evs, variants
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 BASE = ROOT / "ops" / "bases" / "chain-tiny"
 PROMPT = Prompt(prompt_id="p", text="Q:3+7x02\n", answer="7", split="train", index=0)
 RIGHT, SLIP = "01:3+7=0\n00:0+7=7\nA:7", "01:3+7=1\n00:1+7=8\nA:8"

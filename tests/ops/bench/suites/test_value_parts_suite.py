@@ -12,9 +12,9 @@ import pytest
 
 from common.config import load_config
 from ops.bench.suites import value_parts_suite as vp
-from tests.ops.bench_fixtures import value_parts_run as _run
+from tests.ops.bench.bench_fixtures import value_parts_run as _run
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def test_every_arm_loads_and_the_estimate_adds_up() -> None:

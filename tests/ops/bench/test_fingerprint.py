@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ops.bench import fingerprint
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_learner_step_fingerprint_repeats_and_follows_the_data(tiny_model_dir: Path) -> None:

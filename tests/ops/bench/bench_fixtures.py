@@ -12,7 +12,7 @@ import yaml
 from ops.bench.suites import experiments
 from ops.bench.suites import value_parts_suite as vp
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def load_experiments() -> ModuleType:

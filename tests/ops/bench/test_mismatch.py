@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_bf16_engine_mismatches_an_fp32_learner_and_an_fp32_engine_does_not(tiny_model_dir: Path) -> None:

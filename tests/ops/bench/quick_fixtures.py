@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 COMMON = ("bench", "ratio_name", "ratio", "ratio_rounds", "ratio_range", "ratio_iqr", "goal", "goal_value",
           "higher_is_better", "verdict", "rounds", "quick", "machine", "load_at_start", "load_at_end")
 

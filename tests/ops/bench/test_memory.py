@@ -11,7 +11,7 @@ import pytest
 
 from ops.bench import memory
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BENCH = ("-m", "ops.bench.memory")
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ops.bench.probes import chain_errors
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def test_chain_error_kinds() -> None:

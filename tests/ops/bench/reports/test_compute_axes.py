@@ -13,7 +13,7 @@ import yaml
 
 from ops.bench.reports.compute_axes import accuracy_at, crossing, load_axis_run, readings, tables
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def _run(root: Path, name: str, accs: list[float], *, critic: bool, filtered: int = 0) -> Path:

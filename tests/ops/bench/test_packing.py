@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from ops.bench.packing import QUICK, SIDES
-from tests.ops.quick_fixtures import check_common, run_quick
+from tests.ops.bench.quick_fixtures import check_common, run_quick
 
 PASSES = 3  # the default algorithm: critic update, fresh values (post-update critic), actor update; no value pass
 

@@ -9,7 +9,7 @@ import pytest
 
 from ops.bench.reports import value_parts_report as report
 from ops.bench.suites import value_parts_suite as vp
-from tests.ops.bench_fixtures import value_parts_run as _run
+from tests.ops.bench.bench_fixtures import value_parts_run as _run
 
 
 def test_the_section_is_spliced_in_once_with_its_tables_and_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

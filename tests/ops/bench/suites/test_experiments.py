@@ -15,7 +15,7 @@ import yaml
 from common.config import load_config
 from ops.bench.reports import value_parts_report, value_study_report
 from ops.bench.suites import long_suite
-from tests.ops.bench_fixtures import ROOT, load_experiments, long_run, make_run
+from tests.ops.bench.bench_fixtures import ROOT, load_experiments, long_run, make_run
 
 
 @pytest.fixture(scope="module")
