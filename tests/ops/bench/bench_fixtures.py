@@ -1,4 +1,4 @@
-"""Shared by the tests of ``ops/bench``'s suites: the experiments module, and a fake
+"""Shared by the tests of ``ops/bench/suites`` and ``ops/bench/reports``: the experiments module, and a fake
 finished run directory (config, metrics records, summary) for the suites to read."""
 
 from __future__ import annotations
