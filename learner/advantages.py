@@ -213,3 +213,6 @@ def grpo_advantages(scores: Tensor, group_index: Tensor, mask: Tensor, std_norma
         a = group_normalized_advantages(scores[rows], len(rows), std_normalize)
         adv[rows] = a.unsqueeze(-1)
     return adv * mask
+
+
+__all__ = ["decoupled_gae", "gae", "length_adaptive_lambda", "terminal_rewards"]

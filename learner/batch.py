@@ -240,3 +240,6 @@ def fetch_usable(fetch_n: Callable[[int], tuple[list[SampleGroup], list[Sample]]
         groups += got
         extra += pos
     return groups, extra
+
+
+__all__ = ["collate"]

@@ -1,7 +1,7 @@
 """What one learner step cost in token passes, for comparisons at equal total compute (not a CLI).
 
 A token pass is one token through one model, forward or backward; a backward costs about twice a forward,
-so ``ops.bench.compute_axes`` weighs them 1 and 2. Counted over the rows each model's passes ran (every rank's
+so ``ops.bench.reports.compute_axes`` weighs them 1 and 2. Counted over the rows each model's passes ran (every rank's
 together; rows no loss reads are skipped, ``learner.schedule.read_rows``), prompt and response tokens alike, padding
 not: what the step's phases ran, read from the phases that were timed. Activation-checkpointing recomputation (one more forward per backward) is not counted,
 the same for every method of a comparison.

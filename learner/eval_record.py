@@ -88,3 +88,6 @@ def set_eval_gauges(metrics: Any, rec: dict[str, Any]) -> None:
                 metrics.eval_avg_at_k.labels(set=name, data_source=source).set(row["avg_at_k"])
             if isinstance(row.get("pass_at_k"), int | float):
                 metrics.eval_pass_at_k.labels(set=name, data_source=source).set(row["pass_at_k"])
+
+
+__all__ = ["eval_line", "record_sets"]

@@ -213,5 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+__all__ = ["generate"]
+
+
 if __name__ == "__main__":
     sys.exit(main())

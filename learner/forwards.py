@@ -153,3 +153,6 @@ def compute_logprobs(policy: Any, batch: Batch, rows: Tensor | list[Tensor], lim
             put_rows(out, mb.rows, logp)
     policy.train()
     return out * batch.mask
+
+
+__all__ = ["compute_logprobs", "compute_values"]

@@ -287,3 +287,6 @@ def chunked_token_logprobs(hidden: Tensor, head: Callable[[Tensor], Tensor], tok
         lps.append(lp)
         ents.append(ent)
     return torch.cat(lps), torch.cat(ents)
+
+
+__all__ = ["explained_variance", "masked_whiten", "mismatch_stats"]

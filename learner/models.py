@@ -361,3 +361,6 @@ def full_state_dict(model: Any, copy: bool = False) -> dict[str, Tensor]:
     and only rank 0 keeps host copies, so no other rank ever holds the whole model. Without ZeRO-3 the
     tensors are rank 0's own (copied only with ``copy`` or when on an accelerator)."""
     return {k: v for k, v in iter_host_tensors(model, copy=copy, aliases=True) if v is not None}
+
+
+__all__ = ["PARTITIONED_BUILD", "build_critic", "collect", "ds_config", "load_critic_module", "load_policy_module", "release"]

@@ -81,3 +81,6 @@ class ChainOracle:
         """``Learner.value_stats`` of the oracle's values renamed, with the line accuracy they used."""
         return {"oracle_explained_variance": value_stats["value_explained_variance"],
                 "oracle_value_mean": value_stats["value_mean"], "oracle_line_accuracy": self.last_line_accuracy}
+
+
+__all__ = ["ChainOracle"]

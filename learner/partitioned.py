@@ -189,3 +189,6 @@ def to_device(module: nn.Module, device: torch.device, dtype: torch.dtype | None
             if b is not None:
                 m._buffers[k] = b.to(device)
     return module
+
+
+__all__ = ["checkpoint_index"]

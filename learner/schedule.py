@@ -141,3 +141,6 @@ def my_rows(minibatches: list[Tensor], batch: Batch, limits: MicroLimits | int) 
 
 def as_minibatches(rows: Tensor | list[Tensor]) -> list[Tensor]:
     return [rows] if isinstance(rows, Tensor) else list(rows)
+
+
+__all__ = ["minibatch_rows"]

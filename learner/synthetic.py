@@ -29,3 +29,6 @@ def synth_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0, prom
         groups.append(SampleGroup(group_id=f"g{seed}-{g}", prompt_id=f"p{g}", task="synthetic", actor_id=0,
                                   samples=samples, created_at=0.0))
     return groups
+
+
+__all__ = ["synth_groups"]

@@ -267,3 +267,6 @@ class Learner:
             return prox, behaviour_weight(prox, b.behaviour_logprobs, b.mask, learner_cfg.decoupled_weight_cap, mode="mask")
         return prox, behaviour_weight(prox, b.behaviour_logprobs, b.mask, learner_cfg.rollout_correction_cap,
                                       mode="truncate", level=learner_cfg.rollout_correction_level)
+
+
+__all__ = ["Learner", "Phases"]  # Phases: the step's phase timer, which ops/bench/zero3_traffic.py wraps to count traffic per phase

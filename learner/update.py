@@ -171,3 +171,6 @@ def _measure_mismatch(acc: Accum, logp: Tensor, sub: Batch, version: int) -> Non
     acc.add("mismatch_kl", kl_sum / n if n else 0.0, n)
     acc.total("mismatch_tokens", n)
     acc.peak("mismatch_ratio_max", top)
+
+
+__all__ = ["critic_update"]

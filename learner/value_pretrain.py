@@ -217,5 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+__all__ = ["heldout_ev", "value_targets"]
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -281,3 +281,6 @@ def publish_policy(policy: Any, tokenizer: Any, root: Path, version: int, keep: 
         publisher.publish(update)
     prune(root, keep)
     return update
+
+
+__all__ = ["version_dir", "write_version"]

@@ -107,7 +107,7 @@ def _raw_imports(module: str, is_package: bool, tree: ast.AST,
 def imports_of(module: str, path: str, text: str, modules: set[str],
                packages: frozenset[str] = frozenset()) -> list[Import]:
     """Every import of one module, wherever it is in the file, restricted to our own modules. A name that
-    is none of ours but names a sibling module file (``import long_suite`` next to ops/bench/long_suite.py,
+    is none of ours but names a sibling module file (``import long_suite`` next to ops/bench/suites/long_suite.py,
     the way a script run by path finds it) is resolved to that module and kept with ``bare`` set. A sibling
     package is the source of a distribution installed under its own name (ops/sglang_cpu/sgl_kernel)."""
     is_package = path.endswith("__init__.py")
@@ -281,7 +281,7 @@ def test_the_scan_sees_our_own_imports() -> None:
     assert len(imports) > 200
     assert any(imp.source.startswith("learner") and imp.target.startswith("common") for imp in imports)
     assert any(imp.source == "ops.launch" and imp.target == "ops.launch_supervise" for imp in imports)
-    assert any(imp.source == "ops.bench.experiments" and imp.target == "ops.bench.long_suite" for imp in imports)
+    assert any(imp.source == "ops.bench.suites.experiments" and imp.target == "ops.bench.suites.long_suite" for imp in imports)
 
 
 def _write_tree(root: Path, files: dict[str, str]) -> None:

@@ -9,6 +9,7 @@ Prometheus): counters that may not have a labelled child yet are written as ``..
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 DS = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
@@ -98,7 +99,12 @@ def build() -> dict:
     }
 
 
-if __name__ == "__main__":
+def main() -> int:
     out = Path(__file__).with_name("vapo.json")
     out.write_text(json.dumps(build(), indent=2) + "\n")
     print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

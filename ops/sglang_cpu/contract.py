@@ -218,8 +218,13 @@ def capture(out: Path = FIXTURE) -> dict[str, Any]:
     return records
 
 
-if __name__ == "__main__":
-    if sys.argv[1:] != ["capture"]:
+def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv) != ["capture"]:
         raise SystemExit(__doc__)
     capture()
     print(f"wrote {FIXTURE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

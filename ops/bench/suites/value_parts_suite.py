@@ -1,0 +1,360 @@
+"""Separate the parts of VAPO's gain, at equal total compute: the critic, the positive NLL, DAPO's filter, and
+the ceiling a perfect critic would reach. Run by ``python -m ops.bench.suites.experiments --suite value_parts``:
+
+    .venv/bin/python -m ops.bench.suites.experiments --suite value_parts --list           # runs, states, minutes each
+    .venv/bin/python -m ops.bench.suites.experiments --suite value_parts                  # run what is missing, summarise
+    .venv/bin/python -m ops.bench.suites.experiments --suite value_parts --report-only
+    .venv/bin/python -m ops.bench.suites.value_parts_suite --pilot g16_oracle_a1 --steps 4   # one arm, one seed, few steps
+
+Root ``runs/exp-value-parts``; every run is a plain ``ops/launch.sh ops/configs/long.yaml ...`` (resumable as in
+the other suites), 40 steps x 256 samples, evaluated every 5 steps (``learner.eval_every=5``: a crossing is
+read between two evaluations, so they are close). At G = 2 and G = 16 (prompts per step scaled to keep 256
+samples, as ``value_study_suite.group_overrides``), the arms are:
+
+- ``vapo`` (long.yaml: surprise critic, 10 value-pretraining steps, μ = 0.1 NLL) and ``vapo_nonll`` (μ = 0);
+- ``oracle`` (``algo.critic=oracle``: the task's own values, the ceiling of a critic that cannot foresee a
+  slip; ``pre_update`` values, so no value pass is spent on the critic the actor does not read),
+  ``trainable`` (the critic at the actor's lr, 1e-4, in RL and value pretraining; its surprise MLP, at
+  ``learner.value_head_lr_scale`` = 1000 times that, then trains at 0.1) and ``backbone`` (the backbone at
+  1e-4 with the surprise MLP at its shipped 1e-2: which of the two a faster critic's result comes from);
+- each of those five at α = 1 and α = 0.05 (``_a1``, ``_a0.05``);
+- ``dapo`` (``long_suite.DAPO``: dynamic sampling, no NLL), ``dapo_nofilter`` and ``dapo_nll`` (μ = 0.1).
+
+Three seeds per arm (``SEEDS``), each arm its own. 26 arms x 3 seeds = 78 runs. Wall time on this machine
+(2 cores, quiet; ``estimate_run_minutes``), the medians of the first 22 runs (G = 2, ``docs/results/
+value_parts_runs.jsonl``): a run that trains or reads a critic ~11 min (10.6-13.0), a DAPO one 0.87 of that
+(9.4-9.9 min: the groups its filter drops are regenerated), DAPO without the filter 0.58 (6.2-6.4 min);
+~271 min per seed, **~13.5 h** in all, if G = 16 costs what G = 2 does; loaded cores make every run slower.
+
+Pilot (``--pilot g16_oracle_a1 --steps 4``, seed 0, 2 cores under load ~6 from other jobs): 511 s end to end
+(10 value-pretraining steps, 4 RL steps of 256 samples, 3 evaluations); held-out avg@8 0.213 -> 0.303; the
+oracle's EV on the RL batches 0.41 / 0.26 / 0.45 against the trained critic's 0.27 / 0.10 / 0.21 (steps
+1-3); ``python -m ops.bench.reports.compute_axes`` reads its five axes.
+
+**A study longer than a machine's lease.** Run directories stay on the machine that made them, so each run
+that finishes is also kept, as one line of its readings (every evaluation on every axis, the final accuracy,
+its seconds, the commit and CPU it ran on, the load at its start and end, its critic's explained variance:
+``critic_readings``; lines written before that was kept have none), in
+``docs/results/value_parts_runs.jsonl``: committed, it
+lets the next checkout, on this machine or another, go on from there (a recorded run counts as done) and
+the summary read every run so far. ``--max-runs N`` starts at most N runs, to fit a session:
+
+    .venv/bin/python -m ops.bench.suites.experiments --suite value_parts --max-runs 6
+
+Runs recorded on different CPUs are comparable on every axis but wall time; the summary lists the CPUs
+(``machines``), and each difference the CPUs its two arms' runs ran on (``cpus``), so that a wall-time
+difference across them (marked in the report) is not taken for a method's.
+
+The summary (one JSON line, ``summary``): per arm the final held-out avg@8 (each seed, mean, sd), the
+accuracy at equal budget on every compute axis of ``ops.bench.reports.compute_axes`` (samples, generated tokens,
+learner and critic token passes, wall time; the budget is the largest every run of the regime reached, critic
+passes among the runs that train a critic, and only those runs are read on that axis) and on policy passes
+(learner passes less the critic's: what the actor's updates cost, and all an oracle critic would cost, since
+the oracle arm trains a critic only to measure it), and per regime (G, α)
+the differences that separate the parts (a pair of DAPO arms, which have no α, once per G), each with the σ
+of the difference of two means (sqrt(sd_a²/n_a + sd_b²/n_b)): ``vapo − dapo`` (as shipped), ``vapo_nonll − dapo`` (the critic alone),
+``vapo − dapo_nll`` (both with the NLL), ``dapo − dapo_nofilter`` (the filter), ``oracle − vapo`` (what a
+perfect critic would add), ``oracle − dapo`` (a perfect critic against no critic), ``trainable − vapo`` (a
+critic that can learn); and per arm its critic's
+explained variance (``critic``: after value pretraining, on the RL batches, and the oracle's beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from common.provenance import of_run
+from ops.bench import measure
+from ops.bench.reports import value_parts_report
+from ops.bench.reports.compute_axes import AXES, AxisRun, accuracy_at, load_axis_run
+from ops.bench.reports.run_records import port_overrides
+from ops.bench.suites.long_suite import DAPO
+from ops.bench.suites.value_study_suite import group_overrides
+
+REPO = Path(__file__).resolve().parents[3]
+LEDGER = REPO / "docs" / "results" / "value_parts_runs.jsonl"  # every finished run's readings, committed
+NOTES = REPO / "docs" / "results" / "value_parts_notes.md"  # the section's hand-written reading
+CONFIG = "ops/configs/long.yaml"
+STEPS = 40
+SEEDS = (0, 1, 2)
+GROUPS = (2, 16)
+ALPHAS = (1.0, 0.05)
+SHARED = ("learner.eval_every=5",)
+RUN_MIN = 11.0             # a critic arm on long.yaml, 40 steps, evaluated every 5: median of 13 G = 2 runs
+DAPO_SHARE = 0.87          # DAPO against that: the median of 6 (its filter's dropped groups are regenerated)
+NOFILTER_SHARE = 0.58      # DAPO without the filter against that: the median of 3
+CRITIC_READINGS = ("pretrain_ev", "rl_ev", "oracle_ev")  # what a run's ledger line keeps of its critic
+AXES_VERSION = 2           # ledger lines since gen_tokens counts value pretraining's groups once (compute_axes)
+CRITIC_ARMS: dict[str, tuple[str, ...]] = {
+    "vapo": (),
+    "vapo_nonll": ("nll.coef=0",),
+    "oracle": ("algo.critic=oracle", "algo.actor_values=pre_update"),
+    "trainable": ("learner.critic_lr=1e-4", "value_pretrain.lr=1e-4"),
+    "backbone": ("learner.critic_lr=1e-4", "value_pretrain.lr=1e-4", "learner.value_head_lr_scale=100"),
+}
+DAPO_ARMS: dict[str, tuple[str, ...]] = {
+    "dapo": DAPO,
+    "dapo_nofilter": (*DAPO, "buffer.filter_uniform_groups=false"),
+    "dapo_nll": (*DAPO, "nll.coef=0.1"),
+}
+# (a, b, what a − b measures); a critic arm and "dapo*" are matched within the regime (G, α).
+DIFFERENCES = (("vapo", "dapo", "as shipped"), ("vapo_nonll", "dapo", "the critic alone (no NLL in either)"),
+               ("vapo", "dapo_nll", "both with the NLL"), ("dapo", "dapo_nofilter", "DAPO's filter"),
+               ("oracle", "vapo", "what a perfect critic adds"), ("oracle", "dapo", "a perfect critic against none"),
+               ("trainable", "vapo", "a critic that can learn"),
+               ("backbone", "vapo", "the backbone at the actor's lr, its head's as shipped"))
+# Every axis a run is read on: compute_axes' and policy passes (learner passes less the critic's).
+READ_AXES = (*AXES, "policy_passes")
+
+
+def arms() -> dict[str, tuple[str, ...]]:
+    """Every arm's name (``g<G>_<arm>[_a<α>]``) and its overrides on top of long.yaml, in the order they run:
+    one regime (G, α) whole before the next, shipped VAPO and DAPO first, so that a suite run a session at a
+    time has complete comparisons to read early (G = 2 at α = 1 after its first 21 runs)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for g in GROUPS:
+        for i, a in enumerate(ALPHAS):
+            critic = {f"g{g}_{arm}_a{a:g}": (*SHARED, *group_overrides(g), f"algo.alpha={a}", *ov)
+                      for arm, ov in CRITIC_ARMS.items()}
+            dapo = {f"g{g}_{arm}": (*SHARED, *group_overrides(g), *ov) for arm, ov in DAPO_ARMS.items()} if i == 0 else {}
+            first, *others = critic.items()
+            out.update([first, *dapo.items(), *others])
+    return out
+
+
+def name(arm: str) -> str:
+    return f"vp_{arm}"
+
+
+def experiments(Experiment: Any) -> list[Any]:
+    return [Experiment(name(a), "value_parts", f"{a} on long.yaml", CONFIG, ov, seeds=SEEDS, steps=STEPS)
+            for a, ov in arms().items()]
+
+
+def estimate_run_minutes(run: str) -> float:
+    """Minutes one run of ``run`` (an experiment name) takes on 2 quiet cores."""
+    if "_dapo" not in run:
+        return RUN_MIN
+    return RUN_MIN * (NOFILTER_SHARE if run.endswith("_nofilter") else DAPO_SHARE)
+
+
+def total_minutes() -> float:
+    return sum(estimate_run_minutes(name(a)) for a in arms()) * len(SEEDS)
+
+
+def diff(a: list[float], b: list[float]) -> dict[str, float] | None:
+    """mean(a) − mean(b) and the σ of that difference, sqrt(sd_a²/n_a + sd_b²/n_b) (sd 0 for one seed)."""
+    if not a or not b:
+        return None
+    sd = [statistics.stdev(x) if len(x) > 1 else 0.0 for x in (a, b)]
+    return {"diff": statistics.fmean(a) - statistics.fmean(b),
+            "sigma": math.sqrt(sd[0] ** 2 / len(a) + sd[1] ** 2 / len(b)), "n": [len(a), len(b)]}
+
+
+def read_ledger(ledger: Path | None = None) -> dict[str, dict[str, Any]]:
+    """The recorded runs by name (a later line of the same run replaces an earlier one). ``None``: ``LEDGER``,
+    looked up on each call (a default bound at import would ignore a test's or a tool's own ledger)."""
+    ledger = LEDGER if ledger is None else ledger
+    if not ledger.exists():
+        return {}
+    rows = (json.loads(line) for line in ledger.read_text().splitlines() if line.strip())
+    return {row["run"]: row for row in rows}
+
+
+def recorded_names(ledger: Path | None = None) -> set[str]:
+    """Runs the ledger holds: done, wherever they ran."""
+    return set(read_ledger(ledger))
+
+
+def critic_readings(d: Path) -> dict[str, float | None]:
+    """Run directory ``d``'s critic (``CRITIC_READINGS``): the held-out EV value pretraining ended with (the
+    best, which it keeps), and the mean over the RL steps of the critic's EV on the trained batches and, under
+    ``algo.critic=oracle``, of the oracle's on the same batches. None where the run has none (DAPO)."""
+    pretrain, rl, oracle = None, [], []
+    for line in (d / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line) if line.strip() else {}
+        if rec.get("kind") == "value_pretrain":
+            pretrain = rec.get("best_explained_variance", pretrain)
+        elif rec.get("kind") == "learner_step":
+            rl += [rec["value_explained_variance"]] if "value_explained_variance" in rec else []
+            oracle += [rec["oracle_explained_variance"]] if "oracle_explained_variance" in rec else []
+    return {"pretrain_ev": pretrain, "rl_ev": statistics.fmean(rl) if rl else None,
+            "oracle_ev": statistics.fmean(oracle) if oracle else None}
+
+
+def record(root: Path, run: str, seconds: float, ledger: Path | None = None) -> dict[str, Any] | None:
+    """Keep finished run ``run``'s readings in the ledger (its line replaced if it was there); None, and
+    nothing written, for a run without ``summary.json`` or without evaluations beyond the base one."""
+    d = root / run
+    axis_run = load_axis_run(d) if (d / "summary.json").exists() else None
+    if axis_run is None or len(axis_run.points) < 2:
+        return None
+    made_by = of_run(d) or {}  # the run's own header: the commit and machine it ran on, its starting load
+    cpu = made_by.get("cpu") or {}
+    row = {"run": run, "final_accuracy": axis_run.points[-1]["acc"],
+           "points": [{k: round(v, 6) for k, v in p.items()} for p in axis_run.points], "seconds": round(seconds, 1),
+           "commit": (made_by.get("commit") or {}).get("sha"), "dirty": (made_by.get("commit") or {}).get("dirty"),
+           "cpu": cpu.get("model", "unknown"), "simd": cpu.get("torch_capability"), "cpus": cpu.get("logical_cpus"),
+           "load_at_start": made_by.get("load_1m"), "load_at_end": measure.load()[0], "date": time.strftime("%Y-%m-%d"),
+           "critic": critic_readings(d), "axes_version": AXES_VERSION}
+    ledger = LEDGER if ledger is None else ledger
+    rows = read_ledger(ledger)
+    rows[run] = row
+    ledger.parent.mkdir(parents=True, exist_ok=True)
+    tmp = ledger.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in sorted(rows.values(), key=lambda r: r["run"])))
+    tmp.replace(ledger)  # a crash mid-write leaves the old ledger, never half of one
+    return row
+
+
+def on_run_done(root: Path, run: str, rc: int, seconds: float, log: Any) -> None:
+    """After each run of the suite: a finished one goes into the ledger at once (a killed driver loses none)."""
+    if rc == 0 and record(root, run, seconds) is not None:
+        log(f"{run}: recorded in {LEDGER.relative_to(REPO)}")
+
+
+def runs_by_arm(root: Path, ledger: Path | None = None) -> tuple[dict[str, list[AxisRun]], dict[str, str]]:
+    """Each arm's finished runs with evaluations beyond the base one (a run directory under ``root`` wins over
+    its ledger line; one without ``summary.json``, still running or killed, is left out), and each run's CPU."""
+    kept = read_ledger(ledger)
+    runs: dict[str, list[AxisRun]] = {}
+    machines: dict[str, str] = {}
+    for arm in arms():
+        for s in SEEDS:
+            run = f"{name(arm)}-s{s}"
+            r = load_axis_run(root / run) if (root / run / "summary.json").exists() else None  # finished only
+            if r is None and run in kept:
+                points = kept[run]["points"]
+                r = AxisRun(run, points if kept[run].get("axes_version", 1) >= AXES_VERSION
+                            else pretraining_counted_once(points))
+                machines[run] = kept[run].get("cpu", "unknown")
+            elif r is not None:
+                machines[run] = ((of_run(root / run) or {}).get("cpu") or {}).get("model", "unknown")
+            if r is not None and len(r.points) > 1:
+                runs.setdefault(arm, []).append(with_policy_passes(r))
+    return runs, machines
+
+
+def pretraining_counted_once(points: list[dict[str, float]]) -> list[dict[str, float]]:
+    """The points of a ledger line recorded before ``AXES_VERSION`` 2, whose generated tokens counted value
+    pretraining's ``vp`` samples twice: once at the first step's length (``gen_tokens`` at step 0) and again
+    among the generated samples scaled to the trained ones' length. With ``s`` the samples axis (``vp`` +
+    trained + filtered) the recorded ``gen = gen_0 + L·s`` (L: tokens per trained sample), so the right one is
+    ``gen_0 + L·(s − vp)``; exact when no group was dropped stale (otherwise short by stale · vp / s samples'
+    tokens). A run without value pretraining (``vp`` = 0) is unchanged."""
+    vp, gen_0 = points[0]["samples"], points[0]["gen_tokens"]
+    if vp <= 0:
+        return points
+    return [points[0]] + [{**p, "gen_tokens": gen_0 + (p["gen_tokens"] - gen_0) * (p["samples"] - vp) / p["samples"]}
+                          for p in points[1:]]
+
+
+def with_policy_passes(run: AxisRun) -> AxisRun:
+    """``run`` with each evaluation's policy passes: its learner passes less the critic's."""
+    return AxisRun(run.name, [{**p, "policy_passes": p["learner_passes"] - p["critic_passes"]} for p in run.points])
+
+
+def critic_by_arm(root: Path, ledger: Path | None = None) -> dict[str, dict[str, list[float]]]:
+    """Each arm's ``CRITIC_READINGS`` over its finished runs that have them (a run directory under ``root``
+    wins over its ledger line; ledger lines from before the readings were kept have none)."""
+    kept = read_ledger(ledger)
+    out: dict[str, dict[str, list[float]]] = {}
+    for arm in arms():
+        for s in SEEDS:
+            run = f"{name(arm)}-s{s}"
+            d = root / run
+            got = critic_readings(d) if (d / "summary.json").exists() else kept.get(run, {}).get("critic") or {}
+            for k in CRITIC_READINGS:
+                if got.get(k) is not None:
+                    out.setdefault(arm, {}).setdefault(k, []).append(got[k])
+    return out
+
+
+def summary(root: Path, load_run: Any = None, ledger: Path | None = None) -> dict[str, Any]:
+    """Per arm: final accuracy per seed and at equal budget per axis; per regime the differences (docstring).
+    Reads the runs under ``root`` and those the ledger holds."""
+    runs, machines = runs_by_arm(root, ledger)
+    cpus = {arm: {machines[r.name] for r in rs} for arm, rs in runs.items()}
+    out: dict[str, Any] = {"estimate_minutes": round(total_minutes()), "runs": sum(map(len, runs.values())),
+                           "machines": sorted(set(machines.values())), "budgets": {}, "arms": {}, "differences": {},
+                           "critic": critic_by_arm(root, ledger)}
+    for g in GROUPS:
+        in_g = [r for arm, rs in runs.items() if arm.startswith(f"g{g}_") for r in rs]
+        # an axis a run has none of (DAPO's critic passes) is not a budget: it is read only for runs that have it
+        budgets = {axis: min((r.points[-1][axis] for r in in_g if r.points[-1][axis] > 0), default=0.0)
+                   for axis in READ_AXES}
+        if in_g:
+            out["budgets"][g] = budgets
+        for arm, rs in runs.items():
+            if not arm.startswith(f"g{g}_"):
+                continue
+            row = {"final": [r.points[-1]["acc"] for r in rs]}
+            for axis in READ_AXES:
+                accs = [a["acc"] for r in rs if r.points[-1][axis] > 0
+                        and (a := accuracy_at(r.points, axis, budgets[axis])) is not None]
+                row[f"at_equal_{axis}"] = accs
+            out["arms"][arm] = row
+    for g in GROUPS:
+        for i, alpha in enumerate(f"a{x:g}" for x in ALPHAS):
+            for a, b, what in DIFFERENCES:
+                with_alpha = a in CRITIC_ARMS or b in CRITIC_ARMS
+                if not with_alpha and i > 0:
+                    continue  # a pair of DAPO arms has no α: once per G
+                an, bn = (f"g{g}_{x}_{alpha}" if x in CRITIC_ARMS else f"g{g}_{x}" for x in (a, b))
+                ra, rb = out["arms"].get(an), out["arms"].get(bn)
+                if ra is not None and rb is not None:
+                    out["differences"][f"g{g} {alpha}: {a} − {b}" if with_alpha else f"g{g}: {a} − {b}"] = {
+                        "what": what, "cpus": sorted(cpus[an] | cpus[bn]), "final": diff(ra["final"], rb["final"]),
+                        **{f"at_equal_{ax}": diff(ra[f"at_equal_{ax}"], rb[f"at_equal_{ax}"]) for ax in READ_AXES}}
+    return out
+
+
+def report(root: Path, summary: dict[str, Any], out: Path) -> None:
+    """The suite's section of ``out`` (docs/RESULTS.md) and its plots: value_parts_report."""
+    kept = read_ledger(LEDGER)
+    value_parts_report.write(out, summary, value_parts_report.Study(
+        arms=list(arms()), groups=GROUPS, alphas=ALPHAS, total_runs=len(arms()) * len(SEEDS),
+        hours=sum(r.get("seconds", 0.0) for r in kept.values()) / 3600, source=str(LEDGER.relative_to(REPO) if LEDGER.is_relative_to(REPO) else LEDGER),
+        task=CONFIG, steps=STEPS, runs=runs_by_arm(root, LEDGER)[0], notes=NOTES))
+
+
+def pilot(arm: str, steps: int, seed: int, root: Path) -> int:
+    """One arm, one seed, ``steps`` learner steps (evaluated every other step) under ``root``: the suite's own
+    command line, short. Prints the run directory."""
+    overrides = arms()[arm]
+    cmd = [str(REPO / "ops" / "launch.sh"), str(REPO / CONFIG), f"run.root={root}", f"run.name={name(arm)}-s{seed}",
+           f"run.seed={seed}", f"learner.total_steps={steps}", *overrides, f"learner.eval_every={max(1, steps // 2)}",
+           *port_overrides(0)]
+    print("$ " + " ".join(cmd), flush=True)
+    rc = subprocess.call(cmd, cwd=REPO)
+    print(root / f"{name(arm)}-s{seed}")
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ops.bench.suites.value_parts_suite", description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--pilot", metavar="ARM", help=f"run one arm briefly: {', '.join(arms())}")
+    ap.add_argument("--steps", type=int, default=4, help="--pilot: learner steps (default 4)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--root", type=Path, default=REPO / "runs" / "exp-value-parts-pilot")
+    ap.add_argument("--estimate", action="store_true", help="print the suite's runs and estimated minutes")
+    args = ap.parse_args(argv)
+    if args.estimate or not args.pilot:
+        print(f"{len(arms())} arms x {len(SEEDS)} seeds = {len(arms()) * len(SEEDS)} runs, "
+              f"~{total_minutes():.0f} min (~{total_minutes() / 60:.1f} h) on 2 quiet cores")
+        return 0
+    if args.pilot not in arms():
+        ap.error(f"unknown arm {args.pilot!r}; choose from {', '.join(arms())}")
+    return pilot(args.pilot, args.steps, args.seed, args.root.resolve())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""ops/bench/suites/default_suite.py: every experiment of the default suite is a valid config, and parallel slots
+get distinct ports (``run_records.port_overrides``)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+
+from common.config import load_config
+from tests.ops.bench.bench_fixtures import ROOT, load_experiments
+
+
+@pytest.fixture(scope="module")
+def exp() -> ModuleType:
+    return load_experiments()
+
+
+def test_every_experiment_resolves_and_slots_have_distinct_ports(exp: ModuleType) -> None:
+    def ports(cfg) -> set[int]:
+        return {cfg.engine.base_port, cfg.actors.metrics_base_port, cfg.buffer.metrics_port, cfg.learner.metrics_port,
+                cfg.metrics.launcher_port, *(int(a.rsplit(":", 1)[1]) for a in (
+                    cfg.buffer.ingest_addr, cfg.buffer.serve_addr, cfg.learner.publish_addr, cfg.learner.query_addr))}
+
+    seen: set[int] = set()
+    for slot in range(3):
+        p = ports(load_config(ROOT / "ops/configs/default.yaml", exp.port_overrides(slot)))
+        assert len(p) == 9 and not p & seen
+        seen |= p
+    for e in exp.SUITE:  # every override is a real, valid config key
+        cfg = load_config(ROOT / e.config, [*e.overrides, f"learner.total_steps={e.steps}"])
+        assert cfg.learner.total_steps == e.steps
+    assert load_config(ROOT / "ops/configs/default.yaml", list(exp.BY_NAME["no_group_sampling"].overrides)).actors.group_size == 1
