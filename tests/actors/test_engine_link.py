@@ -18,7 +18,7 @@ import pytest
 from actors.engine import RolloutServerEngine, SGLangEngine
 from actors.engine_link import EngineLink, EngineLost
 from actors.engine_supervisor import LocalSupervisor, RemoteSupervisor
-from actors.weight_sync import WeightWatcher
+from actors.weight_watcher import WeightWatcher
 from common.checksum import weights_sha256
 from common.config import Config, load_config
 from common.metrics import Metrics
@@ -121,7 +121,7 @@ def test_disk_sync_moves_the_served_version_and_refusals_are_counted(tiny_model_
             watcher.offer(v1)
             await _until(lambda: link.version == 1, link, 60)
             assert await link.client.get_weight_version() == "1"  # type: ignore[union-attr]
-            assert link.model_path == v1.path and link.counts.weight_syncs == 1 and owner.changes == 2
+            assert link.model_path == v1.path and link.counts.weight_loads == 1 and owner.changes == 2
             assert _sample(link, "weight_version") == 1 and _sample(link, "weight_sync_seconds_count") == 1
             watcher.offer(bad_sum)  # refused before the engine hears of it
             await _until(lambda: 2 in link.refused, link, 30)
@@ -129,10 +129,10 @@ def test_disk_sync_moves_the_served_version_and_refusals_are_counted(tiny_model_
             await _until(lambda: 3 in link.refused, link, 60)
             assert link.refused == {2: "checksum", 3: "load_error"} and link.version == 1
             assert await link.client.get_weight_version() == "1"  # type: ignore[union-attr]
-            assert dataclasses.asdict(link.counts) == {"engine_restarts": 0, "weight_syncs": 1,
+            assert dataclasses.asdict(link.counts) == {"engine_restarts": 0, "weight_loads": 1,
                                                        "weight_sync_failures": 2, "weight_pushes": 0,
                                                        "push_pause_ms": 0}
-            assert link.counts.as_dict() == {"engine_restarts": 0, "weight_syncs": 1, "weight_sync_failures": 2}
+            assert link.counts.as_dict() == {"engine_restarts": 0, "weight_loads": 1, "weight_sync_failures": 2}
             assert _sample(link, "weight_sync_failures_total", reason="checksum") == 1
             assert _sample(link, "weight_sync_failures_total", reason="load_error") == 1
             assert owner.changes == 4  # each refusal wakes the prompts held for that version
@@ -190,7 +190,7 @@ def test_a_distributed_push_moves_the_version_and_counts_its_pause(tiny_model_di
             link.pushed(4, 0.0125)
             link.pushed(5, 0.02)
             assert link.version == 5 and owner.changes == 2 and _sample(link, "weight_version") == 5
-            assert link.counts.as_dict() == {"engine_restarts": 0, "weight_syncs": 2, "weight_sync_failures": 0,
+            assert link.counts.as_dict() == {"engine_restarts": 0, "weight_loads": 0, "weight_sync_failures": 0,
                                              "weight_pushes": 2, "push_pause_ms": 32}
         finally:
             watcher.close()

@@ -29,6 +29,15 @@ USER = textwrap.dedent('''
 ''')
 
 
+class _Unused:
+    """The engine link of a maker whose scoring alone is tested: nothing is generated, so nothing is asked."""
+
+    gate, client, version, owned = asyncio.Event(), None, 0, True
+
+    def report_trouble(self) -> None:
+        raise AssertionError("scoring does not talk to the engine")
+
+
 def _output(tok, text: str) -> GenerateOutput:
     ids = tok.encode(text, add_special_tokens=False)
     return GenerateOutput(ids, [-0.5] * len(ids), "stop", None, "0", "0", 3, len(ids))
@@ -38,9 +47,9 @@ def test_a_group_is_scored_off_the_loop_with_errors_and_extras_counted(tmp_path:
     (tmp_path / "r.py").write_text(USER)
     cfg = load_config(None, [f"task.reward_by_source={json.dumps({'s': f'file:{tmp_path}/r.py:compute_score'})}"])
     task, metrics, counts = get_task(cfg.task), Metrics("actor"), GroupCounts()
-    maker = GroupMaker(cfg, 0, task, counts, lambda name, **labels: getattr(metrics, name).labels(actor="0", **labels),
-                       generate_timeout_s=10.0)
-    maker.tokenizer = tok = build_char_tokenizer()
+    tok = build_char_tokenizer()
+    maker = GroupMaker(cfg, 0, task, _Unused(), tok, counts,
+                       lambda name, **labels: getattr(metrics, name).labels(actor="0", **labels), generate_timeout_s=10.0)
     prompt = Prompt("p", "q", "12", data_source="s")
     outs = [_output(tok, t) for t in ("12", "13", "boom", "slow")]
 
@@ -76,8 +85,8 @@ def test_a_group_is_scored_off_the_loop_with_errors_and_extras_counted(tmp_path:
 def test_scored_groups_are_counted_per_data_source_with_a_bounded_label_set() -> None:
     cfg = load_config(None, ["buffer.positive_reward=1.0"])
     task, metrics = get_task(cfg.task), Metrics("actor")
-    maker = GroupMaker(cfg, 0, task, GroupCounts(), lambda name, **labels: getattr(metrics, name).labels(actor="0", **labels),
-                       generate_timeout_s=10.0)
+    maker = GroupMaker(cfg, 0, task, _Unused(), build_char_tokenizer(), GroupCounts(),
+                       lambda name, **labels: getattr(metrics, name).labels(actor="0", **labels), generate_timeout_s=10.0)
 
     def value(name: str, source: str) -> float:
         return getattr(metrics, name).labels(actor="0", data_source=source)._value.get()

@@ -1,4 +1,4 @@
-"""actors.weight_sync: WeightUpdate delivery (PUB and the WeightQuery safety net) and checksum checks."""
+"""actors.weight_watcher: WeightUpdate delivery (PUB and the WeightQuery safety net) and checksum checks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 from contextlib import closing
 from pathlib import Path
 
-from actors.weight_sync import WeightWatcher, verify_update
+from actors.weight_watcher import WeightWatcher, verify_update
 from common import protocol
 from learner.publisher import WeightPublisher
 from tests.actors.actor_harness import make_weights
