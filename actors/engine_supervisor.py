@@ -127,7 +127,7 @@ class LocalSupervisor(Supervisor):
                     except (EngineStartError, SGLangError) as ex:
                         log.warning("actor %d: engine restart failed: %s", self.actor_id, ex)
                 state.gate.set()
-            self.watcher.changed.set()
+            self.watcher.nudge()
 
     def declare_dead(self, during_sync: bool) -> None:
         """Failed probes: kill the child (``run`` restarts it; a weight sync waiting on it fails at once)."""
@@ -168,7 +168,7 @@ class RemoteSupervisor(Supervisor):
                 checked = await self._recheck()
                 state.gate.set()
             if checked:
-                self.watcher.changed.set()
+                self.watcher.nudge()
 
     async def _recheck(self) -> bool:
         """One trouble report, under ``state.control``: False after a blip (the engine answered its health

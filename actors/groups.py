@@ -10,7 +10,8 @@ task (``Task.verify_batch``; on a thread when ``Task.verify_blocks``, i.e. a rew
 loop keeps serving the engine, the buffer and the weights meanwhile); a failed reward call is counted
 (``reward_errors`` by kind) and its reward function's extra figures are shown (``reward_extra``). Each sample
 is stamped with the oldest weight version among its tokens (``actors.samples``). ``record`` counts a group
-the buffer acknowledged in the worker's ``GroupCounts`` and metrics.
+the buffer acknowledged in the maker's ``counts`` (``GroupCounts``, which the worker reads for its
+``ACTOR DONE`` line) and metrics.
 
 Not a CLI; used by ``actors.worker``.
 """
@@ -76,14 +77,14 @@ class ServedEngine(Protocol):
 class GroupMaker:
     """One worker's prompts into groups (see the module docstring): ``link`` is the worker's engine link,
     ``tokenizer`` the model's (``common.modeling.load_tokenizer``); ``metric(name, **labels)`` this actor's
-    series of ``vapo_actor_<name>``."""
+    series of ``vapo_actor_<name>``. It owns ``counts``, what its groups came to."""
 
     def __init__(self, cfg: Config, actor_id: int, task: Task, link: ServedEngine, tokenizer: Any,
-                 counts: GroupCounts, metric: Callable[..., Any], *, generate_timeout_s: float) -> None:
+                 metric: Callable[..., Any], *, generate_timeout_s: float) -> None:
         self.actors_cfg, self.actor_id, self.task = cfg.actors, actor_id, task
         self.link, self.tokenizer = link, tokenizer
         self.positive_reward = cfg.buffer.positive_reward
-        self.counts, self.metric = counts, metric
+        self.counts, self.metric = GroupCounts(), metric
         self.generate_timeout_s = generate_timeout_s
         self.extra_names: set[str] = set()
         self.sources: set[str] = set()  # data_source labels given so far

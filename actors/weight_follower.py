@@ -173,8 +173,7 @@ class WeightFollower:
         """Runs for the worker's life: load each newer announced version once the engine is up."""
         watcher, state = self.watcher, self.state
         while True:
-            await watcher.changed.wait()
-            watcher.changed.clear()
+            await watcher.next_change()
             async with state.control:
                 if state.gate.is_set():  # else the engine is down and its restart loads the newest weights
                     await self.sync_locked(idle=False)

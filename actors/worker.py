@@ -98,7 +98,6 @@ class RolloutWorker:
                                    self.actors_cfg.num_actors, limit=self.actors_cfg.max_prompts)
         self.fatal: str | None = None
         self.metrics_port: int | None = None
-        self.counts = GroupCounts()
         self.credit_wait_s = 0.0
         self.weight_wait_s = 0.0
         self.generate_timeout_s = generate_timeout_s(cfg)
@@ -121,6 +120,11 @@ class RolloutWorker:
     def metric(self, name: str, **labels: str) -> Any:
         """This actor's series of the metric ``vapo_actor_<name>``."""
         return getattr(self.metrics, name).labels(actor=self.label, **labels)
+
+    @property
+    def counts(self) -> GroupCounts:
+        """What this worker's prompts came to (the group maker's; all zero before the engine is up)."""
+        return self.groups.counts if self.groups is not None else GroupCounts()
 
     @property
     def version(self) -> int:
@@ -239,7 +243,7 @@ class RolloutWorker:
 
         # The engine boots (seconds) while this process imports transformers for the tokenizer.
         tok, _ = await asyncio.gather(asyncio.to_thread(tokenizer), link.connect())
-        self.groups = GroupMaker(self.cfg, self.actor_id, self.task, link, tok, self.counts, self.metric,
+        self.groups = GroupMaker(self.cfg, self.actor_id, self.task, link, tok, self.metric,
                                  generate_timeout_s=self.generate_timeout_s)
         link.gate.set()
         emit_tagged("ACTOR READY", {"actor_id": self.actor_id, "pid": os.getpid(), "engine_url": link.url,
@@ -258,7 +262,7 @@ class RolloutWorker:
         if member is not None:
             services["push"] = member.run()
         self.services = {name: loop.create_task(coro, name=name) for name, coro in services.items()}
-        self.watcher.changed.set()  # apply anything newer than what the engine started with
+        self.watcher.nudge()  # apply anything newer than what the engine started with
 
     async def _until_done(self) -> None:
         """Wait until stopped or every prompt is done; a failed task, or a service that ended, is fatal."""

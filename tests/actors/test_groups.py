@@ -10,10 +10,11 @@ import time
 from pathlib import Path
 
 from actors.groups import GroupMaker
-from actors.report import GroupCounts
+from actors.samples import engine_sample
 from common.config import load_config
 from common.metrics import Metrics
 from common.modeling import build_char_tokenizer
+from common.protocol import IngestAck, SampleGroup
 from common.sglang_client import GenerateOutput
 from common.tasks import Prompt, get_task
 
@@ -46,9 +47,9 @@ def _output(tok, text: str) -> GenerateOutput:
 def test_a_group_is_scored_off_the_loop_with_errors_and_extras_counted(tmp_path: Path) -> None:
     (tmp_path / "r.py").write_text(USER)
     cfg = load_config(None, [f"task.reward_by_source={json.dumps({'s': f'file:{tmp_path}/r.py:compute_score'})}"])
-    task, metrics, counts = get_task(cfg.task), Metrics("actor"), GroupCounts()
+    task, metrics = get_task(cfg.task), Metrics("actor")
     tok = build_char_tokenizer()
-    maker = GroupMaker(cfg, 0, task, _Unused(), tok, counts,
+    maker = GroupMaker(cfg, 0, task, _Unused(), tok,
                        lambda name, **labels: getattr(metrics, name).labels(actor="0", **labels), generate_timeout_s=10.0)
     prompt = Prompt("p", "q", "12", data_source="s")
     outs = [_output(tok, t) for t in ("12", "13", "boom", "slow")]
@@ -77,7 +78,7 @@ def test_a_group_is_scored_off_the_loop_with_errors_and_extras_counted(tmp_path:
         task.close()
     assert [(v.reward, v.error) for v in verdicts] == [(1.0, ""), (0.0, ""), (0.0, "exception"), (0.0, "")]
     assert took >= 0.5 and ticks >= 10, "the loop kept running while the pool scored the slow response"
-    assert counts.reward_errors == 1
+    assert maker.counts.reward_errors == 1
     assert metrics.reward_errors.labels(actor="0", kind="exception")._value.get() == 1
     assert metrics.reward_extra.labels(actor="0", figure="chars")._value.get() == (2 + 2 + 4) / 3
 
@@ -85,7 +86,7 @@ def test_a_group_is_scored_off_the_loop_with_errors_and_extras_counted(tmp_path:
 def test_scored_groups_are_counted_per_data_source_with_a_bounded_label_set() -> None:
     cfg = load_config(None, ["buffer.positive_reward=1.0"])
     task, metrics = get_task(cfg.task), Metrics("actor")
-    maker = GroupMaker(cfg, 0, task, _Unused(), build_char_tokenizer(), GroupCounts(),
+    maker = GroupMaker(cfg, 0, task, _Unused(), build_char_tokenizer(),
                        lambda name, **labels: getattr(metrics, name).labels(actor="0", **labels), generate_timeout_s=10.0)
 
     def value(name: str, source: str) -> float:
@@ -101,3 +102,24 @@ def test_scored_groups_are_counted_per_data_source_with_a_bounded_label_set() ->
         maker._by_source(Prompt(f"s{i}", "q", "1", data_source=f"src{i}"), [1.0])
     assert maker.sources == {"gsm8k", "addition", *(f"src{i}" for i in range(30)), "other"}
     assert value("source_samples", "other") == 10 and value("source_samples", "src29") == 1
+
+
+def test_an_acknowledged_group_is_counted_in_the_makers_counts_and_metrics() -> None:
+    cfg = load_config(None, ["buffer.positive_reward=1.0"])
+    metrics, tok = Metrics("actor"), build_char_tokenizer()
+    maker = GroupMaker(cfg, 0, get_task(cfg.task), _Unused(), tok,
+                       lambda name, **labels: getattr(metrics, name).labels(actor="0", **labels), generate_timeout_s=10.0)
+    samples = [engine_sample([1, 2], _output(tok, text), 0, reward)
+               for text, reward in (("12", 1.0), ("3", 0.0), ("456", 1.0))]
+    group = SampleGroup(group_id="a0-p0", prompt_id="p", task="addition", actor_id=0, samples=samples, created_at=0.0)
+    maker.record(group, IngestAck(group_id="a0-p0", committed=True, duplicate=True, error="stale"), resent=2)
+    c = maker.counts
+    assert (c.groups, c.samples, c.tokens, c.positives, c.duplicates, c.not_served) == (1, 3, 2 + 1 + 3, 2, 1, 1)
+
+    def value(name: str, **labels: str) -> float:
+        return metrics.registry.get_sample_value(f"vapo_actor_{name}", {"actor": "0", **labels})
+
+    assert value("groups_not_served_total", reason="stale") == 1 and value("groups_resent_total") == 2
+    assert value("reward_mean") == value("positives_rate") == 2 / 3 and value("tokens_total") == 6
+    maker.record(group, IngestAck(group_id="a0-p1", committed=True, duplicate=False, error=""), resent=0)
+    assert (c.groups, c.duplicates, c.not_served, value("groups_resent_total")) == (2, 1, 1, 2)
