@@ -9,6 +9,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from actors.groups import GroupMaker
 from actors.samples import engine_sample
 from common.config import load_config
@@ -123,3 +125,18 @@ def test_an_acknowledged_group_is_counted_in_the_makers_counts_and_metrics() -> 
     assert value("reward_mean") == value("positives_rate") == 2 / 3 and value("tokens_total") == 6
     maker.record(group, IngestAck(group_id="a0-p1", committed=True, duplicate=False, error=""), resent=0)
     assert (c.groups, c.duplicates, c.not_served, value("groups_resent_total")) == (2, 1, 1, 2)
+
+
+@pytest.mark.parametrize(("threshold", "expected"), [(0.5, 3), (1.0, 1)])
+def test_positives_are_counted_at_buffer_positive_reward(threshold: float, expected: int) -> None:
+    """One setting decides what a positive is: the actor's positives count and rate follow
+    buffer.positive_reward, as the buffer's positives store, the learner's NLL mask and its replay count do."""
+    cfg = load_config(None, [f"buffer.positive_reward={threshold}"])
+    metrics, tok = Metrics("actor"), build_char_tokenizer()
+    maker = GroupMaker(cfg, 0, get_task(cfg.task), _Unused(), tok,
+                       lambda name, **labels: getattr(metrics, name).labels(actor="0", **labels), generate_timeout_s=10.0)
+    samples = [engine_sample([1], _output(tok, "7"), 0, r) for r in (0.0, 0.5, 0.75, 1.0)]
+    group = SampleGroup(group_id="a0-p0", prompt_id="p", task="addition", actor_id=0, samples=samples, created_at=0.0)
+    maker.record(group, IngestAck(group_id="a0-p0", committed=True, duplicate=False, error=""), resent=0)
+    assert maker.counts.positives == expected
+    assert metrics.positives_rate.labels(actor="0")._value.get() == expected / 4
