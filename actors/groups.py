@@ -10,7 +10,8 @@ task (``Task.verify_batch``; on a thread when ``Task.verify_blocks``, i.e. a rew
 loop keeps serving the engine, the buffer and the weights meanwhile); a failed reward call is counted
 (``reward_errors`` by kind) and its reward function's extra figures are shown (``reward_extra``). Each sample
 is stamped with the oldest weight version among its tokens (``actors.samples``). ``record`` counts a group
-the buffer acknowledged in the worker's ``GroupCounts`` and metrics.
+the buffer acknowledged in the maker's ``counts`` (``GroupCounts``, which the worker reads for its
+``ACTOR DONE`` line) and metrics.
 
 Not a CLI; used by ``actors.worker``.
 """
@@ -21,18 +22,16 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from actors.cursor import group_id_for
+from actors.engine import Engine
 from actors.report import GroupCounts
 from actors.samples import engine_sample, has_behaviour_logprobs
 from common.config import Config
 from common.protocol import IngestAck, SampleGroup
 from common.sglang_client import GenerateOutput, SGLangError
 from common.tasks import Prompt, Task, Verdict, decode_response, encode_prompt
-
-if TYPE_CHECKING:
-    from actors.engine_link import EngineLink
 
 log = logging.getLogger("vapo.actors.worker")
 # Label values an actor gives a series whose values come from users' data (reward_extra's figure names,
@@ -53,18 +52,40 @@ class WorkerError(RuntimeError):
     """A condition the worker cannot recover from (engine restarts exhausted, bad engine output)."""
 
 
-class GroupMaker:
-    """One worker's prompts into groups (see the module docstring); ``link`` and ``tokenizer`` are set by the
-    worker once it has them."""
+class ServedEngine(Protocol):
+    """What a group maker needs of the engine link (``actors.engine_link.EngineLink`` is one)."""
 
-    def __init__(self, cfg: Config, actor_id: int, task: Task, counts: GroupCounts, metric: Callable[..., Any], *,
-                 generate_timeout_s: float) -> None:
+    @property
+    def gate(self) -> asyncio.Event:
+        """Set while the engine accepts requests."""
+
+    @property
+    def client(self) -> Engine | None: ...
+
+    @property
+    def version(self) -> int:
+        """The weight version the engine serves."""
+
+    @property
+    def owned(self) -> bool:
+        """The engine is the worker's own child (it cannot lose our weights without our noticing)."""
+
+    def report_trouble(self) -> None:
+        """A request failed or came back on older weights: the link checks the engine."""
+
+
+class GroupMaker:
+    """One worker's prompts into groups (see the module docstring): ``link`` is the worker's engine link,
+    ``tokenizer`` the model's (``common.modeling.load_tokenizer``); ``metric(name, **labels)`` this actor's
+    series of ``vapo_actor_<name>``. It owns ``counts``, what its groups came to."""
+
+    def __init__(self, cfg: Config, actor_id: int, task: Task, link: ServedEngine, tokenizer: Any,
+                 metric: Callable[..., Any], *, generate_timeout_s: float) -> None:
         self.actors_cfg, self.actor_id, self.task = cfg.actors, actor_id, task
+        self.link, self.tokenizer = link, tokenizer
         self.positive_reward = cfg.buffer.positive_reward
-        self.counts, self.metric = counts, metric
+        self.counts, self.metric = GroupCounts(), metric
         self.generate_timeout_s = generate_timeout_s
-        self.link: EngineLink | None = None
-        self.tokenizer: Any = None
         self.extra_names: set[str] = set()
         self.sources: set[str] = set()  # data_source labels given so far
 
@@ -97,7 +118,6 @@ class GroupMaker:
                               "top_k": self.actors_cfg.top_k, "max_new_tokens": self.actors_cfg.max_new_tokens}
         failures = 0
         link = self.link
-        assert link is not None
         while True:
             await link.gate.wait()
             client, v_before = link.client, link.version
@@ -167,4 +187,4 @@ class GroupMaker:
         return verdicts
 
 
-__all__ = ["GroupMaker", "WorkerError"]
+__all__ = ["GroupMaker", "ServedEngine", "WorkerError"]

@@ -1,73 +1,69 @@
-"""What an engine link's parts share, as a protocol: the state ``actors.engine_link.EngineLink`` holds.
+"""What every part of a worker's engine link uses and none owns alone: the engine's client, the gate, the
+control lock and the trouble flag.
 
-The supervisor (``actors.engine_supervisor``) and the weight follower (``actors.weight_follower``) read and
-move that state; they name it through ``LinkState`` rather than through ``EngineLink``, which builds them, so
-that the link's modules import in one direction (engine_link -> its parts -> this module) and draw no circle.
-``LinkCounts`` lives here for the same reason: every part counts into it.
+``actors.engine_link.EngineLink`` builds one ``LinkState`` and passes it to each of its parts
+(``actors.weight_follower.WeightFollower``, the supervisors and ``HealthWatch`` of
+``actors.engine_supervisor``), which share it and nothing else: the served version belongs to the weight
+follower, the engine's process and its start and restart counts to the supervisor, the probe hold to the
+health watch. The client is replaced only through ``use_engine`` (a supervisor's (re)start); the gate, the
+lock and the trouble flag are asyncio primitives every part may wait on, set or clear.
+
+Not a CLI; used by ``actors.engine_link``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-from typing import Any, Protocol
+import contextlib
 
-from actors.engine import Engine
-from actors.weight_sync import WeightWatcher
+from actors.engine import Engine, engine_class
 from common.config import Config
 
 
-@dataclasses.dataclass
-class LinkCounts:
-    """What the link did, for the worker's ``ACTOR DONE`` line."""
+class LinkState:
+    """The engine a link talks to and the primitives its parts coordinate with (see the module docstring).
 
-    engine_restarts: int = 0
-    weight_syncs: int = 0  # from disk and by distributed push
-    weight_sync_failures: int = 0
-    weight_pushes: int = 0
-    push_pause_ms: int = 0
+    ``api_key``: the engine's admin API key (``actors.engine_address.engine_api_key``), sent with every
+    request; ``generate_timeout_s``: the deadline of a ``/generate`` call (control calls get a probe's).
+    """
 
-    def as_dict(self) -> dict[str, int]:
-        """The counters by name; the push counters only once a push arrived (as they always appeared)."""
-        out = dataclasses.asdict(self)
-        if not self.weight_pushes:
-            del out["weight_pushes"], out["push_pause_ms"]
-        return out
-
-
-class LinkState(Protocol):
-    """The link's shared state and the moves every part may make on it (``EngineLink`` implements it)."""
-
-    cfg: Config
-    actor_id: int
-    watcher: WeightWatcher
-    generate_timeout_s: float
-    counts: LinkCounts
-    version: int
-    model_path: str
-    client: Engine | None
-    gate: asyncio.Event  # set while the engine accepts requests
-    control: asyncio.Lock  # weight syncs and engine restarts, one at a time
-    trouble: asyncio.Event  # a request failed: the engine may be gone
-    engine_starts: int
-    api_key: str
+    def __init__(self, cfg: Config, api_key: str, generate_timeout_s: float) -> None:
+        self._engine_cfg = cfg.engine
+        self.api_key = api_key
+        self.generate_timeout_s = generate_timeout_s
+        self._client: Engine | None = None
+        self.gate = asyncio.Event()  # set while the engine accepts requests
+        self.control = asyncio.Lock()  # weight syncs, pushes and engine restarts, one at a time
+        self.trouble = asyncio.Event()  # a request failed or came back on older weights: check the engine
 
     @property
-    def url(self) -> str | None: ...
+    def client(self) -> Engine | None:
+        """The engine's client (None before the first start)."""
+        return self._client
 
     @property
-    def pushing_now(self) -> bool: ...
+    def url(self) -> str | None:
+        return self._client.base_url if self._client is not None else None
 
-    def metric(self, name: str, **labels: str) -> Any: ...
+    async def use_engine(self, url: str) -> Engine:
+        """Talk to the engine at ``url`` from now on (the previous client closed)."""
+        if self._client is not None:
+            await self._client.close()
+        e = self._engine_cfg
+        # Control requests (pause, continue, model info) get a probe's deadline.
+        self._client = engine_class(e.kind, e.imitate_sglang)(
+            url, timeout_s=self.generate_timeout_s, control_timeout_s=e.health_timeout_s,
+            api_key=self.api_key or None)
+        return self._client
 
-    def stopping(self) -> bool: ...
+    def report_trouble(self) -> None:
+        """A request failed or came back on older weights: the supervisor checks the engine."""
+        self.trouble.set()
 
-    def notify_change(self) -> None: ...
+    async def close(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                await self._client.close()
 
-    def set_version(self, version: int, path: str) -> None: ...
 
-    def count_restart(self) -> int: ...
-
-    async def use_engine(self, url: str) -> Engine: ...
-
-    async def wait_changed(self, timeout_s: float) -> None: ...
+__all__ = ["LinkState"]

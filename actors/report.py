@@ -11,8 +11,6 @@ import json
 import sys
 from typing import Any
 
-from actors.engine_link import LinkCounts
-
 
 def emit_tagged(tag: str, obj: dict[str, Any]) -> None:
     """Print ``TAG {json}`` as one write: sibling workers share their parent's stdout pipe, unbuffered under
@@ -36,8 +34,27 @@ class GroupCounts:
     reward_errors: int = 0  # reward calls that failed (scored 0) or were out of range (clipped), every kind
 
 
+@dataclasses.dataclass
+class LinkCounts:
+    """What the engine link did, for the ``ACTOR DONE`` line (``EngineLink.counts`` gathers it from the
+    parts that count: the supervisor its restarts, the weight follower its loads, refusals and pushes)."""
+
+    engine_restarts: int = 0
+    weight_loads: int = 0  # versions loaded from disk
+    weight_sync_failures: int = 0  # versions refused (verification or the engine's load)
+    weight_pushes: int = 0  # versions received by distributed push
+    push_pause_ms: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """The counters by name; the push counters only once a push arrived (as they always appeared)."""
+        out = dataclasses.asdict(self)
+        if not self.weight_pushes:
+            del out["weight_pushes"], out["push_pause_ms"]
+        return out
+
+
 # The counters on the ACTOR DONE line in the order they always had (the link's between the worker's own).
-_DONE_ORDER = ("groups", "samples", "tokens", "positives", "resubmits", "engine_restarts", "weight_syncs",
+_DONE_ORDER = ("groups", "samples", "tokens", "positives", "resubmits", "engine_restarts", "weight_loads",
                "weight_sync_failures", "skipped", "duplicates", "not_served", "weight_pushes", "push_pause_ms",
                "reward_errors")
 # Every series exists (zero) from the start, so dashboards show it before the first event.
@@ -52,4 +69,4 @@ def done_counters(counts: GroupCounts, link_counts: LinkCounts) -> dict[str, int
     return {name: merged[name] for name in _DONE_ORDER if name in merged}
 
 
-__all__ = ["ZEROED_METRICS", "GroupCounts", "done_counters", "emit_tagged"]
+__all__ = ["ZEROED_METRICS", "GroupCounts", "LinkCounts", "done_counters", "emit_tagged"]

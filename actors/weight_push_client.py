@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
+from actors.engine import Engine
 from common import protocol
 from common.protocol import PushDone, PushGroup, PushVersion
 from common.security import ClientKeys, apply_client_curve
@@ -81,14 +82,14 @@ class PushReport:
     receive_s: float = 0.0  # the bucket posts, first sent to last answered
 
 
-async def join_group(client: SGLangClient, body: dict[str, Any], timeout_s: float | None = None) -> str:
+async def join_group(client: Engine | SGLangClient, body: dict[str, Any], timeout_s: float | None = None) -> str:
     return await client.init_weights_update_group(
         body["master_address"], body["master_port"], body["rank_offset"], body["world_size"],
         group_name=body.get("group_name", "weight_update_group"), backend=body.get("backend", "nccl"),
         timeout_s=timeout_s)
 
 
-async def open_session(client: SGLangClient, timeout_s: float | None = None) -> None:
+async def open_session(client: Engine | SGLangClient, timeout_s: float | None = None) -> None:
     """``/begin_weight_update``; a session found open is ended and begun again once. Only vapo's own push
     opens sessions on its engines, so an open one was left by a push of ours that was cut short (a crash,
     a lost connection) and nothing else is using it."""
@@ -102,7 +103,7 @@ async def open_session(client: SGLangClient, timeout_s: float | None = None) -> 
         await client.begin_weight_update(timeout_s)
 
 
-async def _prepare(client: SGLangClient, pause: str, timeout_s: float | None) -> None:
+async def _prepare(client: Engine | SGLangClient, pause: str, timeout_s: float | None) -> None:
     """Pause (unless ``none``) and open the session; NotReady with generation continued on failure."""
     try:
         if pause != "none":
@@ -115,7 +116,7 @@ async def _prepare(client: SGLangClient, pause: str, timeout_s: float | None) ->
         raise NotReady(e.endpoint, e.status, e.message, e.body) from e
 
 
-async def _abandon(client: SGLangClient, pause: str, timeout_s: float | None) -> None:
+async def _abandon(client: Engine | SGLangClient, pause: str, timeout_s: float | None) -> None:
     """Nothing will be received: end the session and let generation go on (both best effort)."""
     with contextlib.suppress(SGLangError):
         await client.end_weight_update(timeout_s)
@@ -124,7 +125,7 @@ async def _abandon(client: SGLangClient, pause: str, timeout_s: float | None) ->
             await client.continue_generation()
 
 
-async def _post_buckets(client: SGLangClient, buckets: list[dict[str, Any]], version: int | str, flush: bool,
+async def _post_buckets(client: Engine | SGLangClient, buckets: list[dict[str, Any]], version: int | str, flush: bool,
                         group_name: str, timeout_s: float | None) -> None:
     for i, b in enumerate(buckets):
         last = i == len(buckets) - 1
@@ -140,7 +141,7 @@ async def _post_buckets(client: SGLangClient, buckets: list[dict[str, Any]], ver
             log.info("%s: v%s loaded; its cache flush was refused (%s)", client.base_url, version, e.message[:200])
 
 
-async def receive_push(client: SGLangClient, buckets: list[dict[str, Any]], version: int | str,
+async def receive_push(client: Engine | SGLangClient, buckets: list[dict[str, Any]], version: int | str,
                        pause: str = "in_place", group_name: str = "weight_update_group",
                        timeout_s: float | None = None,
                        ready: Callable[[], Awaitable[bool]] | None = None) -> PushReport:

@@ -21,7 +21,8 @@ Per worker, on one asyncio loop:
   otherwise); the group's version is the minimum over its samples.
 - **Engine and weights** (``actors.engine_link.EngineLink``): starting or reaching the engine
   (``engine.kind``), restarting it (at most ``engine.max_restarts`` times, then the worker exits 1) or
-  waiting for it, and loading each newer verified ``WeightUpdate`` (``actors.weight_sync``). Prompts wait
+  waiting for it, and loading each newer verified ``WeightUpdate`` (``actors.weight_follower``; announced
+  versions are heard by ``actors.weight_watcher``, in-flight requests wait or abort per ``actors.weight_sync``). Prompts wait
   while the link's gate is closed; those in flight when an engine died are generated again.
   ``/generate`` calls time out after ``actors.generate_timeout_s`` (0 = derived from
   ``actors.max_new_tokens``).
@@ -47,12 +48,12 @@ from typing import Any
 
 from actors.cursor import PromptCursor
 from actors.engine_address import EngineLinkError, engine_url
-from actors.engine_link import EngineLink, EngineLost, LinkCounts
+from actors.engine_link import EngineLink, EngineLost
 from actors.groups import GroupMaker, WorkerError
-from actors.report import ZEROED_METRICS, GroupCounts, done_counters, emit_tagged
+from actors.report import ZEROED_METRICS, GroupCounts, LinkCounts, done_counters, emit_tagged
 from actors.rollout_server.process import EngineStartError
 from actors.weight_push_client import PushMember
-from actors.weight_sync import WeightWatcher
+from actors.weight_watcher import WeightWatcher
 from buffer.client import AsyncGroupSender
 from common.config import Config
 from common.metrics import Metrics
@@ -97,20 +98,19 @@ class RolloutWorker:
                                    self.actors_cfg.num_actors, limit=self.actors_cfg.max_prompts)
         self.fatal: str | None = None
         self.metrics_port: int | None = None
-        self.counts = GroupCounts()
         self.credit_wait_s = 0.0
         self.weight_wait_s = 0.0
         self.generate_timeout_s = generate_timeout_s(cfg)
-        self.groups = GroupMaker(cfg, actor_id, self.task, self.counts, self.metric,
-                                 generate_timeout_s=self.generate_timeout_s)
         self.in_flight = 0
         self._started = time.monotonic()
         self._stop = asyncio.Event()
         self._all_done = asyncio.Event()  # actors.max_prompts prompts are done
-        # Made by run(): the learner's weight announcements, the buffer's sender, the engine.
+        # Made by run(): the learner's weight announcements, the buffer's sender, the engine, and (once the
+        # engine and the tokenizer are there) the group maker.
         self.watcher: WeightWatcher | None = None
         self.sender: AsyncGroupSender | None = None
         self.link: EngineLink | None = None
+        self.groups: GroupMaker | None = None
         # Tasks that run for the worker's life, by name (one that ends is fatal), and the prompt loops.
         self.services: dict[str, asyncio.Task[None]] = {}
         self.prompt_tasks: list[asyncio.Task[None]] = []
@@ -120,6 +120,11 @@ class RolloutWorker:
     def metric(self, name: str, **labels: str) -> Any:
         """This actor's series of the metric ``vapo_actor_<name>``."""
         return getattr(self.metrics, name).labels(actor=self.label, **labels)
+
+    @property
+    def counts(self) -> GroupCounts:
+        """What this worker's prompts came to (the group maker's; all zero before the engine is up)."""
+        return self.groups.counts if self.groups is not None else GroupCounts()
 
     @property
     def version(self) -> int:
@@ -218,10 +223,10 @@ class RolloutWorker:
                                        ack_timeout_s=actors_cfg.send_timeout_s)
         self.link = EngineLink(cfg, self.actor_id, self.watcher, self, self.metrics,
                                generate_timeout_s=self.generate_timeout_s)
-        self.groups.link = self.link
 
     async def _reach_engine(self) -> None:
-        """The newest announced weights, the tokenizer and the engine; then ``ACTOR READY``."""
+        """The newest announced weights, the tokenizer and the engine, then the group maker that uses both;
+        then ``ACTOR READY``."""
         assert self.watcher is not None and self.link is not None
         link, model_path = self.link, self.cfg.model.path
         await self.watcher.query()
@@ -237,7 +242,9 @@ class RolloutWorker:
             return tok
 
         # The engine boots (seconds) while this process imports transformers for the tokenizer.
-        self.groups.tokenizer, _ = await asyncio.gather(asyncio.to_thread(tokenizer), link.connect())
+        tok, _ = await asyncio.gather(asyncio.to_thread(tokenizer), link.connect())
+        self.groups = GroupMaker(self.cfg, self.actor_id, self.task, link, tok, self.metric,
+                                 generate_timeout_s=self.generate_timeout_s)
         link.gate.set()
         emit_tagged("ACTOR READY", {"actor_id": self.actor_id, "pid": os.getpid(), "engine_url": link.url,
                                     "engine_pid": link.pid, "metrics_port": self.metrics_port, "weight_version": self.version,
@@ -255,13 +262,13 @@ class RolloutWorker:
         if member is not None:
             services["push"] = member.run()
         self.services = {name: loop.create_task(coro, name=name) for name, coro in services.items()}
-        self.watcher.changed.set()  # apply anything newer than what the engine started with
+        self.watcher.nudge()  # apply anything newer than what the engine started with
 
     async def _until_done(self) -> None:
         """Wait until stopped or every prompt is done; a failed task, or a service that ended, is fatal."""
         loop = asyncio.get_running_loop()
         waiters = {loop.create_task(self._stop.wait()), loop.create_task(self._all_done.wait())}
-        pending = {*self.services.values(), *self.prompt_tasks}
+        pending: set[asyncio.Task[Any]] = {*self.services.values(), *self.prompt_tasks}
         try:
             while not (self._stop.is_set() or self._all_done.is_set()):
                 done, pending = await asyncio.wait(pending | waiters, return_when=asyncio.FIRST_COMPLETED)
@@ -305,7 +312,7 @@ class RolloutWorker:
     # ------------------------------------------------------------------ prompts
 
     async def _prompt_loop(self) -> None:
-        assert self.sender is not None
+        assert self.sender is not None and self.groups is not None
         while not self._stop.is_set():
             if self.cursor.exhausted():
                 return
@@ -342,10 +349,10 @@ class RolloutWorker:
         return
 
     async def _await_weights(self, needed: int) -> None:
-        """Hold a granted prompt until the engine serves the grant's learner version (``WeightFollower.
+        """Hold a granted prompt until the engine serves the grant's learner version (``EngineLink.
         await_version``, at most ``actors.weight_wait_s``); the wait is counted."""
         assert self.link is not None
-        waited = await self.link.weights.await_version(needed, self.actors_cfg.weight_wait_s)
+        waited = await self.link.await_version(needed, self.actors_cfg.weight_wait_s)
         if waited:
             self.weight_wait_s += waited
             self.metric("weight_wait_seconds").inc(waited)

@@ -5,7 +5,7 @@ broadcast) to ``DurableWriter``: a background thread writes them as one safetens
 (``model-0000i-of-0000n.safetensors`` + the index), hashing each file as it is written
 (``common.checksum.weights_sha256``'s digest, without reading anything back), then the ``STABLE`` marker (with
 each file's size and ``finite: true``: actors then verify sizes instead of re-reading the version,
-``actors.weight_sync.verify_update``) and the rename, as ``learner.weights.write_version``.
+``actors.weight_watcher.verify_update``) and the rename, as ``learner.weights.write_version``.
 """
 
 from __future__ import annotations

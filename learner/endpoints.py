@@ -82,10 +82,12 @@ class Endpoints:
         if rank() == 0:
             check_push_store(cfg)
         try:
-            return PushCoordinator(cfg, cfg.run_dir / "weights", self.publisher, metrics, self.tokenizer,
+            push = PushCoordinator(cfg, cfg.run_dir / "weights", self.publisher, metrics, self.tokenizer,
                                    self.model_config)
         except zmq.ZMQError as e:
             raise ConfigError(f"learner.push_addr: cannot bind {cfg.learner.push_addr} on learner rank 0's host: {e}") from e
+        push.start()
+        return push
 
     def attach(self, learner: Learner) -> None:
         """The built learner's tokenizer and model config go beside every version the push writes."""

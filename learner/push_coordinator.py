@@ -26,6 +26,9 @@ Wire (ZeroMQ ROUTER at ``learner.push_addr``, each actor a DEALER; ``common.prot
   the base checkpoint at ``model.path`` (``plan_mismatch``; SGLang would accept unknown names silently):
   if not, the distributed transport is refused for the run with that error and every version goes by disk.
 
+Lifecycle: the constructor binds the socket (so a bad ``learner.push_addr`` fails at once, before value
+pretraining); ``start()`` starts the socket's thread (nothing is received before it); ``close()`` stops it.
+
 Disk: the pushed bytes are written as the durable version by ``DurableWriter`` in the background, and the
 ``WeightUpdate`` is published (PUB + REP, ``learner.publisher.WeightPublisher``) once that version is on
 disk: actors whose engine missed the push (or restarted) load it from there. ``<weights root>/PUSHED``
@@ -41,12 +44,13 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
 from common import protocol, security
 from common.config import Config, CurveConfig
+from common.metrics import Metrics
 from learner.dist import rank
 from learner.durable_push import DurableWriter
 from learner.weight_push import PushResult, WeightPusher, bucket_plan, plan_mismatch
@@ -56,6 +60,18 @@ log = logging.getLogger(__name__)
 
 
 PUSHED = "PUSHED"  # <weights root>/PUSHED: the newest version a push was started for
+
+
+class Announcer(Protocol):
+    """Where a complete durable version is announced (``learner.publisher.WeightPublisher``)."""
+
+    def publish(self, update: protocol.WeightUpdate) -> None: ...
+
+
+class Saveable(Protocol):
+    """What is saved beside each durable version (a tokenizer, a model config)."""
+
+    def save_pretrained(self, save_directory: Path, /) -> object: ...
 
 
 def pushed_version(root: Path) -> int:
@@ -75,10 +91,15 @@ def _mark_pushed(root: Path, version: int) -> None:
 
 
 class PushCoordinator:
-    """Membership and pushes (rank 0 holds the socket and the group; every rank calls ``publish``)."""
+    """Membership and pushes (rank 0 holds the socket and the group; every rank calls ``publish``).
 
-    def __init__(self, cfg: Config, weights_root: Path, publisher: Any, metrics: Any = None, tokenizer: Any = None,
-                 model_config: Any = None) -> None:
+    ``publisher``: where each complete durable version is announced (None on ranks other than 0);
+    ``tokenizer`` and ``model_config``: saved beside each durable version when given. Call ``start()``
+    before the first ``publish``.
+    """
+
+    def __init__(self, cfg: Config, weights_root: Path, publisher: Announcer | None, metrics: Metrics | None = None,
+                 tokenizer: Saveable | None = None, model_config: Saveable | None = None) -> None:
         learner_cfg = cfg.learner
         backend = learner_cfg.push_backend
         if backend == "auto":
@@ -107,6 +128,7 @@ class PushCoordinator:
         self.writer: DurableWriter | None = None
         self.last: PushResult | None = None
         self._settled_upto = -1  # the newest version whose push is over (broadcast done, failed or no group)
+        self._thread: threading.Thread | None = None  # the socket's, once started (rank 0)
         if rank() != 0:
             return
 
@@ -119,7 +141,7 @@ class PushCoordinator:
         self.writer = DurableWriter(weights_root, self._announce, extra, recycle=self.pusher.recycle)
         # A context of its own: one ZAP authenticator per context, and the weight publisher's has one.
         self.ctx = ctx = zmq.Context()
-        self._curve = None
+        self._curve: security.ServerCurve | None = None
         try:
             self._curve = security.server_curve(ctx, [learner_cfg.push_addr],
                                                 cfg.buffer.curve if cfg.buffer.curve else CurveConfig())
@@ -137,7 +159,12 @@ class PushCoordinator:
                 self._curve.stop()
             ctx.term()
             raise
-        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def start(self) -> None:
+        """Start receiving the members' messages (rank 0's socket thread); nothing to start on other ranks."""
+        if rank() != 0 or self._thread is not None:
+            return
         self._thread = threading.Thread(target=self._serve, name="weight-push", daemon=True)
         self._thread.start()
 
@@ -168,8 +195,14 @@ class PushCoordinator:
                 elif isinstance(msg, protocol.PushReady):
                     self.ready.setdefault((msg.epoch, msg.version), {})[msg.actor_id] = msg
                     self._cv.notify_all()
+        self._release()
+
+    def _release(self) -> None:
+        """Rank 0's socket, CurveZMQ authenticator and context: by the socket's thread as it ends, or by
+        ``close`` when it never started."""
         self.sock.close(linger=0)
-        self._curve.stop()
+        if self._curve is not None:
+            self._curve.stop()
         self.ctx.term()
 
     def _send(self, actor_id: int, msg: protocol.Message) -> None:
@@ -369,8 +402,10 @@ class PushCoordinator:
         if self.writer is not None:
             self.writer.close(timeout_s)
         self._stop.set()
-        if rank() == 0 and self._thread.is_alive():
+        if self._thread is not None:
             self._thread.join(5)
+        elif rank() == 0 and not self.sock.closed:
+            self._release()
         self.pusher.close()
 
 

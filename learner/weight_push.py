@@ -23,7 +23,7 @@ weight-update group; the durable disk version is written from the same bytes in 
   safetensors file per bucket (``model-0000i-of-0000n.safetensors`` + the index), hashing each file as it
   is written (``common.checksum.weights_sha256``'s digest, without reading anything back), then the
   ``STABLE`` marker (with each file's size and ``finite: true``: actors then verify sizes instead of
-  re-reading the version, ``actors.weight_sync.verify_update``) and the rename, as
+  re-reading the version, ``actors.weight_watcher.verify_update``) and the rename, as
   ``learner.weights.write_version``; ``on_done(WeightUpdate)`` announces it. Rank 0 holds each version's
   host copy until it is written, at most two versions (a learner that publishes faster than its disk
   writes then waits for the writer), then its buffers go back to the pusher for the next push.

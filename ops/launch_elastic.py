@@ -13,7 +13,7 @@ which starts a ``rollout_server`` engine itself); both run on one host. The deci
 ``HostWatch`` probes a lost host with a cheap ``ssh HOST true`` under exponential backoff (``PROBE_FIRST_S`` to
 ``PROBE_MAX_S``); when it answers, the launcher starts the host's engines and actors again (not counted
 against their restarts: the host failed, not they). A restarted actor asks the learner for the newest version
-and loads its disk copy (``actors.weight_sync``); with the distributed push it announces itself and joins
+and loads its disk copy (``actors.weight_follower``); with the distributed push it announces itself and joins
 the next push. ``ReleasedCredit`` counts the groups the lost host's actors had been granted and never
 delivered: the buffer releases a closed connection's unused credit (``credit_released`` of its stats), and
 the release is seen before or after the launcher sees the loss, so releases of the last ``lost_after_s``

@@ -90,7 +90,7 @@ def sync_figures(run_dir: Path, transport: str, seen: dict[str, dict[int, str]] 
         "engine_pause_s_mean": round(pause_ms / 1000 / pushes, 4) if pushes else None, "engine_pushes": pushes,
         "disk_syncs": len(latencies), "disk_sync_latency_s_mean": _mean(latencies),
         "bytes_per_version": version_bytes(run_dir / "weights" / f"v{versions[-1]}") if versions else None,
-        "actors": [{k: a.get(k) for k in ("actor_id", "weight_version", "weight_syncs", "weight_pushes",
+        "actors": [{k: a.get(k) for k in ("actor_id", "weight_version", "weight_loads", "weight_pushes",
                                           "weight_sync_failures", "push_pause_ms", "fatal")} for a in actors]}
     if seen is not None and digest is not None:
         out["bitwise"] = bitwise(run_dir, seen, digest)

@@ -15,7 +15,7 @@ import torch
 
 from actors.engine_link import EngineLink
 from actors.rollout_server.dist_update import param_digest
-from actors.weight_sync import WeightWatcher
+from actors.weight_watcher import WeightWatcher
 from common.config import Config, load_config
 from common.generation.weights import read_state_dict
 from common.metrics import Metrics

@@ -9,11 +9,14 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from actors.groups import GroupMaker
-from actors.report import GroupCounts
+from actors.samples import engine_sample
 from common.config import load_config
 from common.metrics import Metrics
 from common.modeling import build_char_tokenizer
+from common.protocol import IngestAck, SampleGroup
 from common.sglang_client import GenerateOutput
 from common.tasks import Prompt, get_task
 
@@ -29,6 +32,15 @@ USER = textwrap.dedent('''
 ''')
 
 
+class _Unused:
+    """The engine link of a maker whose scoring alone is tested: nothing is generated, so nothing is asked."""
+
+    gate, client, version, owned = asyncio.Event(), None, 0, True
+
+    def report_trouble(self) -> None:
+        raise AssertionError("scoring does not talk to the engine")
+
+
 def _output(tok, text: str) -> GenerateOutput:
     ids = tok.encode(text, add_special_tokens=False)
     return GenerateOutput(ids, [-0.5] * len(ids), "stop", None, "0", "0", 3, len(ids))
@@ -37,10 +49,10 @@ def _output(tok, text: str) -> GenerateOutput:
 def test_a_group_is_scored_off_the_loop_with_errors_and_extras_counted(tmp_path: Path) -> None:
     (tmp_path / "r.py").write_text(USER)
     cfg = load_config(None, [f"task.reward_by_source={json.dumps({'s': f'file:{tmp_path}/r.py:compute_score'})}"])
-    task, metrics, counts = get_task(cfg.task), Metrics("actor"), GroupCounts()
-    maker = GroupMaker(cfg, 0, task, counts, lambda name, **labels: getattr(metrics, name).labels(actor="0", **labels),
-                       generate_timeout_s=10.0)
-    maker.tokenizer = tok = build_char_tokenizer()
+    task, metrics = get_task(cfg.task), Metrics("actor")
+    tok = build_char_tokenizer()
+    maker = GroupMaker(cfg, 0, task, _Unused(), tok,
+                       lambda name, **labels: getattr(metrics, name).labels(actor="0", **labels), generate_timeout_s=10.0)
     prompt = Prompt("p", "q", "12", data_source="s")
     outs = [_output(tok, t) for t in ("12", "13", "boom", "slow")]
 
@@ -68,7 +80,7 @@ def test_a_group_is_scored_off_the_loop_with_errors_and_extras_counted(tmp_path:
         task.close()
     assert [(v.reward, v.error) for v in verdicts] == [(1.0, ""), (0.0, ""), (0.0, "exception"), (0.0, "")]
     assert took >= 0.5 and ticks >= 10, "the loop kept running while the pool scored the slow response"
-    assert counts.reward_errors == 1
+    assert maker.counts.reward_errors == 1
     assert metrics.reward_errors.labels(actor="0", kind="exception")._value.get() == 1
     assert metrics.reward_extra.labels(actor="0", figure="chars")._value.get() == (2 + 2 + 4) / 3
 
@@ -76,8 +88,8 @@ def test_a_group_is_scored_off_the_loop_with_errors_and_extras_counted(tmp_path:
 def test_scored_groups_are_counted_per_data_source_with_a_bounded_label_set() -> None:
     cfg = load_config(None, ["buffer.positive_reward=1.0"])
     task, metrics = get_task(cfg.task), Metrics("actor")
-    maker = GroupMaker(cfg, 0, task, GroupCounts(), lambda name, **labels: getattr(metrics, name).labels(actor="0", **labels),
-                       generate_timeout_s=10.0)
+    maker = GroupMaker(cfg, 0, task, _Unused(), build_char_tokenizer(),
+                       lambda name, **labels: getattr(metrics, name).labels(actor="0", **labels), generate_timeout_s=10.0)
 
     def value(name: str, source: str) -> float:
         return getattr(metrics, name).labels(actor="0", data_source=source)._value.get()
@@ -92,3 +104,39 @@ def test_scored_groups_are_counted_per_data_source_with_a_bounded_label_set() ->
         maker._by_source(Prompt(f"s{i}", "q", "1", data_source=f"src{i}"), [1.0])
     assert maker.sources == {"gsm8k", "addition", *(f"src{i}" for i in range(30)), "other"}
     assert value("source_samples", "other") == 10 and value("source_samples", "src29") == 1
+
+
+def test_an_acknowledged_group_is_counted_in_the_makers_counts_and_metrics() -> None:
+    cfg = load_config(None, ["buffer.positive_reward=1.0"])
+    metrics, tok = Metrics("actor"), build_char_tokenizer()
+    maker = GroupMaker(cfg, 0, get_task(cfg.task), _Unused(), tok,
+                       lambda name, **labels: getattr(metrics, name).labels(actor="0", **labels), generate_timeout_s=10.0)
+    samples = [engine_sample([1, 2], _output(tok, text), 0, reward)
+               for text, reward in (("12", 1.0), ("3", 0.0), ("456", 1.0))]
+    group = SampleGroup(group_id="a0-p0", prompt_id="p", task="addition", actor_id=0, samples=samples, created_at=0.0)
+    maker.record(group, IngestAck(group_id="a0-p0", committed=True, duplicate=True, error="stale"), resent=2)
+    c = maker.counts
+    assert (c.groups, c.samples, c.tokens, c.positives, c.duplicates, c.not_served) == (1, 3, 2 + 1 + 3, 2, 1, 1)
+
+    def value(name: str, **labels: str) -> float:
+        return metrics.registry.get_sample_value(f"vapo_actor_{name}", {"actor": "0", **labels})
+
+    assert value("groups_not_served_total", reason="stale") == 1 and value("groups_resent_total") == 2
+    assert value("reward_mean") == value("positives_rate") == 2 / 3 and value("tokens_total") == 6
+    maker.record(group, IngestAck(group_id="a0-p1", committed=True, duplicate=False, error=""), resent=0)
+    assert (c.groups, c.duplicates, c.not_served, value("groups_resent_total")) == (2, 1, 1, 2)
+
+
+@pytest.mark.parametrize(("threshold", "expected"), [(0.5, 3), (1.0, 1)])
+def test_positives_are_counted_at_buffer_positive_reward(threshold: float, expected: int) -> None:
+    """One setting decides what a positive is: the actor's positives count and rate follow
+    buffer.positive_reward, as the buffer's positives store, the learner's NLL mask and its replay count do."""
+    cfg = load_config(None, [f"buffer.positive_reward={threshold}"])
+    metrics, tok = Metrics("actor"), build_char_tokenizer()
+    maker = GroupMaker(cfg, 0, get_task(cfg.task), _Unused(), tok,
+                       lambda name, **labels: getattr(metrics, name).labels(actor="0", **labels), generate_timeout_s=10.0)
+    samples = [engine_sample([1], _output(tok, "7"), 0, r) for r in (0.0, 0.5, 0.75, 1.0)]
+    group = SampleGroup(group_id="a0-p0", prompt_id="p", task="addition", actor_id=0, samples=samples, created_at=0.0)
+    maker.record(group, IngestAck(group_id="a0-p0", committed=True, duplicate=False, error=""), resent=0)
+    assert maker.counts.positives == expected
+    assert metrics.positives_rate.labels(actor="0")._value.get() == expected / 4

@@ -235,7 +235,7 @@ def test_actor_verifies_a_learner_checked_version_by_sizes(tiny_model_dir: Path,
     """A durable version of the push carries the learner's own check (sizes, finite): the actor verifies
     it by file sizes without reading it again; a short file fails, and a version without that record is
     still re-hashed whole."""
-    from actors.weight_sync import verify_tensors, verify_update
+    from actors.weight_watcher import verify_tensors, verify_update
     from common.checksum import checkpoint_shapes
     from common.weight_bucket import flatten
     from learner.weight_push import write_buckets

@@ -279,7 +279,7 @@ def test_a_member_is_paused_in_a_session_before_the_broadcast_and_receives_only_
             await _send(router, ident, protocol.PushVersion(epoch=1, version=1))
             _, ready = await _recv(router)
             assert isinstance(ready, protocol.PushReady) and (ready.version, ready.ok) == (1, True), ready
-            assert await _paused(c) == "in_place" and await _session_open(c) and link._pushing == 1
+            assert await _paused(c) == "in_place" and await _session_open(c) and link.pushing_now
             assert link.version == 0
             await _send(router, ident, protocol.PushGo(epoch=1, version=1, go=True))
             res = await asyncio.to_thread(pusher.push, model, 1)
@@ -288,7 +288,7 @@ def test_a_member_is_paused_in_a_session_before_the_broadcast_and_receives_only_
             assert isinstance(done, protocol.PushDone) and (done.version, done.ok) == (1, True), done
             assert res.broadcast and link.version == 1
             assert await engine_digest(c) == (served_digest(model, tmp_path / "disk", 1), "1")
-            assert await _paused(c) is None and not await _session_open(c) and link._pushing == 0
+            assert await _paused(c) is None and not await _session_open(c) and not link.pushing_now
             # v2 without go: nothing is received, the session is ended, generation goes on, and the member
             # announces itself again (the learner rebuilds the group, and may have left it out).
             await _send(router, ident, protocol.PushVersion(epoch=1, version=2))
@@ -338,7 +338,7 @@ def test_a_member_announces_itself_again_whenever_its_link_counts_an_engine_star
             _, done = await _recv(router)
             assert isinstance(done, protocol.PushDone) and done.ok
             client = link.client
-            link.engine_starts += 1  # what the link does when its remote engine comes back (or restarts)
+            link.supervisor.count_start()  # what the supervisor does when its remote engine comes back (or restarts)
             _, again = await _recv(router, 10)
             assert isinstance(again, protocol.PushJoin) and again.engine_start != first.engine_start
             assert link.client is client

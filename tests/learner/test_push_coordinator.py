@@ -57,6 +57,7 @@ def test_a_written_version_is_announced_after_its_push_settles(tiny_model_dir: P
                              "learner.push_timeout_s=30"])
     pub = _Publisher()
     coord = PushCoordinator(cfg, tmp_path / "weights", pub)
+    coord.start()
     try:
         update = protocol.WeightUpdate(version=1, path=str(tmp_path / "weights" / "v1"), sha256="0" * 64,
                                        created_at=time.time())
@@ -103,6 +104,7 @@ def test_plan_names_that_differ_from_the_base_checkpoint_refuse_the_push(tiny_mo
     cfg = _cfg(tmp_path, tmp_path / "base", "learner.push_timeout_s=5")
     pub = _Publisher()
     coord = PushCoordinator(cfg, tmp_path / "weights", pub)
+    coord.start()
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
     dealer.linger = 0
@@ -152,6 +154,7 @@ async def _group(tmp_path: Path, model_dir: Path, n: int, push_timeout_s: float)
     links = [await connected_link(cfg, i) for i in range(n)]
     (tmp_path / "weights").mkdir()  # the runner makes it before the first publish
     coord = PushCoordinator(cfg, tmp_path / "weights", _Relay(asyncio.get_running_loop(), links))
+    coord.start()
     ctx = zmq.asyncio.Context()
     tasks = {i: asyncio.ensure_future(PushMember(link, coord.endpoint, "in_place", ctx=ctx).run())
              for i, link in enumerate(links)}
@@ -278,6 +281,7 @@ def test_a_group_that_cannot_listen_sends_that_version_by_disk_and_is_tried_agai
                                  "learner.push_timeout_s=5", "learner.push_master_address=127.0.0.1",
                                  f"learner.push_master_port={port}"])
         coord = PushCoordinator(cfg, tmp_path / "weights", _Publisher())
+        coord.start()
         try:
             coord.members[0] = (b"actor-0", 1)
             assert coord._rebuild() is False

@@ -33,7 +33,7 @@ def _run_dir(tmp_path: Path, transport: str) -> Path:
                                 "phase_seconds": {"fetch": 0.01, "publish": s}}) + "\n")
         f.write("not json\n")
     for aid in (0, 1):
-        done = {"actor_id": aid, "weight_version": 2, "weight_syncs": 2, "weight_sync_failures": 0, "fatal": None,
+        done = {"actor_id": aid, "weight_version": 2, "weight_loads": 2 if transport == "disk" else 0, "weight_sync_failures": 0, "fatal": None,
                 "weight_sync_latency_s": [1.0, 2.0] if transport == "disk" else []}
         if transport == "distributed":
             done.update(weight_pushes=2, push_pause_ms=400 + 200 * aid)

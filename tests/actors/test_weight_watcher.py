@@ -1,4 +1,4 @@
-"""actors.weight_sync: WeightUpdate delivery (PUB and the WeightQuery safety net) and checksum checks."""
+"""actors.weight_watcher: WeightUpdate delivery (PUB and the WeightQuery safety net) and checksum checks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 from contextlib import closing
 from pathlib import Path
 
-from actors.weight_sync import WeightWatcher, verify_update
+from actors.weight_watcher import WeightWatcher, verify_update
 from common import protocol
 from learner.publisher import WeightPublisher
 from tests.actors.actor_harness import make_weights
@@ -84,3 +84,27 @@ def test_verify_update_reasons(tmp_path: Path, tiny_model_dir: Path) -> None:
     f = next(Path(good.path).glob("*.safetensors"))
     f.write_bytes(f.read_bytes()[:-10])
     assert verify_update(good)[0] == "checksum"
+
+
+def test_next_change_wakes_on_a_newer_offer_or_a_nudge_once_each() -> None:
+    pub, query = _addrs()
+    w = WeightWatcher(pub, query, query_timeout_s=0.2)
+
+    async def main() -> None:
+        first = protocol.WeightUpdate(version=1, path="/w/v1", sha256="0" * 64, created_at=time.time())
+        assert w.offer(first)
+        await asyncio.wait_for(w.next_change(), 5)  # the offer is seen...
+        waiting = asyncio.get_running_loop().create_task(w.next_change())
+        await asyncio.sleep(0)
+        assert not waiting.done()  # ...once: the next wait is for the next change
+        assert not w.offer(first)  # not newer: no change
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        w.nudge()  # an engine restarted: look again as if announced
+        await asyncio.wait_for(waiting, 5)
+        assert w.latest is first
+
+    try:
+        asyncio.run(main())
+    finally:
+        w.close()

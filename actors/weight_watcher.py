@@ -151,6 +151,16 @@ class WeightWatcher:
         self.changed.set()
         return True
 
+    def nudge(self) -> None:
+        """Wake ``next_change`` as if a version had been announced: an engine (re)started or re-synced may
+        be behind the newest one, which the weight follower then loads."""
+        self.changed.set()
+
+    async def next_change(self) -> None:
+        """Until a newer version is announced (or ``nudge``), then ready for the next one."""
+        await self.changed.wait()
+        self.changed.clear()
+
     # ------------------------------------------------------------------ sockets
 
     def _new_req(self) -> zmq.asyncio.Socket:
