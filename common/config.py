@@ -97,7 +97,7 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
         return [_coerce(f"{key}[{i}]", item_tp, v) for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):  # an entry of a list of small records (task.eval_sets)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # an entry of a list of small records (task.eval_sets)
         allowed = ", ".join(fl.name for fl in dataclasses.fields(tp))
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping with {allowed}, got {type(value).__name__} {value!r}")
@@ -235,7 +235,7 @@ def load_config_args(argv: list[str]) -> Config:
     return load_config(path, argv[1:] if path else argv)
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
+def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 

@@ -127,6 +127,18 @@ def as_int(v: Any) -> int | None:
         return None
 
 
+def _int_spans(pairs: list[tuple[Any, Any]], n_tokens: int) -> list[tuple[int, int]] | None:
+    """``(version, n_tokens)`` spans as ints when every version is a number, every span is non-empty and
+    they cover ``n_tokens`` exactly; else None."""
+    spans: list[tuple[int, int]] = []
+    for v, k in pairs:
+        version, count = as_int(v), as_int(k)
+        if version is None or not count:
+            return None
+        spans.append((version, count))
+    return spans if spans and sum(k for _, k in spans) == n_tokens else None
+
+
 def _min_version(versions: list[Any], fallback: Any) -> str | None:
     vals = [str(v) for v in versions if v is not None]
     if not vals:
@@ -185,13 +197,11 @@ def parse_output(item: dict[str, Any]) -> GenerateOutput:
         pairs = [(v, k) for v, k in spans]
     elif sg_spans:
         min_version = _min_version([s.get("version") for s in sg_spans if isinstance(s, dict)], version)
-        pairs = [(s.get("version"), as_int(s.get("end", 0)) - as_int(s.get("start", 0)))  # type: ignore[operator]
-                 for s in sg_spans if isinstance(s, dict) and as_int(s.get("end")) is not None and as_int(s.get("start")) is not None]
+        pairs = [(s.get("version"), end - start) for s in sg_spans if isinstance(s, dict)
+                 and (end := as_int(s.get("end"))) is not None and (start := as_int(s.get("start"))) is not None]
     else:
         min_version = None if version is None else str(version)
-    numeric = [(as_int(v), as_int(k)) for v, k in pairs]
-    version_spans = ([(int(v), int(k)) for v, k in numeric] if numeric and all(v is not None and k for v, k in numeric)
-                     and sum(int(k) for _, k in numeric) == len(out_ids) else None)  # type: ignore[arg-type]
+    version_spans = _int_spans(pairs, len(out_ids))
     # Keep the scalar metadata only: per-token lists stay out of long-lived objects.
     small_meta = {k: v for k, v in meta.items() if not isinstance(v, list)}
     return GenerateOutput(
