@@ -121,10 +121,18 @@ def gc_paused() -> Iterator[None]:
 
 
 def as_int(v: Any) -> int | None:
+    """``v`` as an int, None when it is not one (SGLang's 'default' version, a missing field)."""
     try:
         return int(v)
     except (TypeError, ValueError):
         return None
+
+
+def as_version(v: Any) -> int:
+    """SGLang's weight_version is a string ('default' when never set): vapo's versions are its integers,
+    0 for one that is not a number (or is negative)."""
+    n = as_int(v)
+    return 0 if n is None else max(0, n)
 
 
 def _int_spans(pairs: list[tuple[Any, Any]], n_tokens: int) -> list[tuple[int, int]] | None:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import signal
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +23,18 @@ from common.sglang_client import (
     SESSION_ALREADY_OPEN,
     SGLangClient,
     SGLangError,
+    as_int,
+    as_version,
     cache_flush_refused,
     error_message,
     parse_generate_response,
     session_already_open,
 )
 from learner.losses import token_logprobs
+from tests.actors.servers import ServerProc, start_rollout_server
 
-FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "sglang_api.json").read_text())
+# Captured by ops/sglang_cpu/contract.py beside the actors' contract test, which holds rollout_server to it.
+FIXTURE = json.loads((Path(__file__).parents[1] / "actors" / "fixtures" / "sglang_api.json").read_text())
 
 
 # --------------------------------------------------------------------------- shapes
@@ -37,6 +45,12 @@ FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "sglang_api.json").re
 def _body(name: str) -> Any:
     """A copy of a recorded answer's JSON body."""
     return json.loads(json.dumps(FIXTURE[name]["body"]))
+
+
+def test_weight_versions_read_as_vapos_integers() -> None:
+    """SGLang's weight_version is a string, 'default' until set: vapo's versions are its integers."""
+    assert [as_int(v) for v in ("7", 7, "default", None, "3.5")] == [7, 7, None, None, None]
+    assert [as_version(v) for v in ("7", 0, "default", None, "-2", "")] == [7, 0, 0, 0, 0, 0]
 
 
 def test_parse_batched_fixture_response() -> None:
@@ -237,8 +251,14 @@ def test_unreachable_server_is_a_clear_error() -> None:
 # --------------------------------------------------------------------------- live rollout_server
 
 
-def test_client_against_live_rollout_server(server_factory, tiny_model_dir: Path, tmp_path: Path) -> None:
-    srv = server_factory(tiny_model_dir, "--max-batch-size", "32", "--weight-version", "3")
+@pytest.fixture
+def srv(tiny_model_dir: Path, tmp_path: Path) -> Iterator[ServerProc]:
+    server = start_rollout_server(tiny_model_dir, tmp_path, "--max-batch-size", "32", "--weight-version", "3")
+    yield server
+    server.stop()
+
+
+def test_client_against_live_rollout_server(srv: ServerProc, tiny_model_dir: Path, tmp_path: Path) -> None:
     torch.set_num_threads(1)
     model = load_model(tiny_model_dir).eval()
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
@@ -306,12 +326,6 @@ async def _session_round(c: SGLangClient) -> None:
 def test_every_request_to_a_stopped_engine_ends_at_its_deadline(tiny_model_dir: Path, tmp_path: Path) -> None:
     """A SIGSTOPped engine accepts connections (the kernel does) and never answers: each call fails at the
     client's deadline (control calls used to pass timeout=None to aiohttp, which waits for ever)."""
-    import os
-    import signal
-    import time
-
-    from tests.actors.servers import start_rollout_server
-
     srv = start_rollout_server(tiny_model_dir, tmp_path, "--weight-version", "0")
 
     async def main() -> list[float]:
