@@ -20,7 +20,7 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -43,6 +43,9 @@ from common.config_sections import (
     TaskConfig,
     ValuePretrainConfig,
 )
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 # The sections are re-exported: every importer takes them from here, with the loader.
 __all__ = [
@@ -235,7 +238,8 @@ def load_config_args(argv: list[str]) -> Config:
     return load_config(path, argv[1:] if path else argv)
 
 
-def to_dict(cfg: Config) -> dict[str, Any]:
+def to_dict(cfg: DataclassInstance) -> dict[str, Any]:
+    """The config, or any section of it, as plain dicts and lists."""
     return dataclasses.asdict(cfg)
 
 
