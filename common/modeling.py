@@ -153,8 +153,8 @@ def save_hf(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, path: st
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    # AutoTokenizer may give a sentencepiece backend for a model without tokenizer.json; everything here uses
-    # the API the two share (PreTrainedTokenizerBase), so the fast type names what callers may rely on.
+    # A cast, not a check: for a model without tokenizer.json AutoTokenizer may give the sentencepiece backend,
+    # and that works too, since callers use only what both backends share (encode, decode, the chat template).
     return cast(PreTrainedTokenizerFast, AutoTokenizer.from_pretrained(str(path)))
 
 
