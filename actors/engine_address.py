@@ -1,5 +1,5 @@
 """Where a worker's engine is (``engine_url``), the key its control endpoints take (``engine_api_key``),
-and how SGLang's weight versions read as vapo's (``as_version``, defined in ``common.sglang_client``); used
+and how SGLang's weight versions read as vapo's (``as_version``, defined in ``common.sglang_output``); used
 by ``actors.engine_link`` and its parts (``actors.engine_supervisor``, ``actors.weight_follower``) and by the
 worker before any startup work (a missing engine address fails at once)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from common.config import Config
 from common.security import url_host
-from common.sglang_client import as_version  # re-exported: the link's parts read versions through here
+from common.sglang_output import as_version  # re-exported: the link's parts read versions through here
 
 
 class EngineLinkError(RuntimeError):
