@@ -1,16 +1,16 @@
 """Where a worker's engine is (``engine_url``), the key its control endpoints take (``engine_api_key``),
-and how SGLang's weight versions read as vapo's (``as_version``); used by ``actors.engine_link`` and its parts
-(``actors.engine_supervisor``, ``actors.weight_follower``) and by the worker before any startup work (a
-missing engine address fails at once)."""
+and how SGLang's weight versions read as vapo's (``as_version``, defined in ``common.sglang_output``); used
+by ``actors.engine_link`` and its parts (``actors.engine_supervisor``, ``actors.weight_follower``) and by the
+worker before any startup work (a missing engine address fails at once)."""
 
 from __future__ import annotations
 
 import secrets
 from pathlib import Path
-from typing import Any
 
 from common.config import Config
 from common.security import url_host
+from common.sglang_output import as_version  # re-exported: the link's parts read versions through here
 
 
 class EngineLinkError(RuntimeError):
@@ -42,14 +42,6 @@ def engine_api_key(cfg: Config) -> str:
         return Path(cfg.engine.admin_api_key_file).read_text().strip()
     except OSError as e:
         raise EngineLinkError(f"engine.admin_api_key_file: cannot read {cfg.engine.admin_api_key_file}: {e}") from e
-
-
-def as_version(v: Any) -> int:
-    """SGLang's weight_version is a string ('default' when never set): vapo's versions are its integers."""
-    try:
-        return max(0, int(v))
-    except (TypeError, ValueError):
-        return 0
 
 
 __all__ = ["EngineLinkError", "as_version", "engine_api_key", "engine_url"]

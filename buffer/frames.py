@@ -37,6 +37,7 @@ def client_key(curve: ServerCurve, frame: zmq.Frame) -> str | None:
     if not curve.enabled:
         return None
     try:
-        return frame.get("User-Id") or None
+        user = frame.get("User-Id")  # a str for this property (pyzmq types every property's value as int | str)
+        return user if isinstance(user, str) and user else None
     except zmq.ZMQError:
         return None

@@ -223,7 +223,7 @@ class BufferServer:
         first = self.serving.waits.first_deadline()
         if first is not None:
             timeout_ms = max(0.0, min(timeout_ms, (first - time.monotonic()) * 1000))
-        events = dict(poller.poll(timeout_ms))
+        events = dict(poller.poll(int(timeout_ms)))  # whole ms: pyzmq truncates a float the same way
         self._drop_gone()  # before reading data: see Peers
         if self.writer.notify in events:
             self.ingest.collect()

@@ -20,7 +20,7 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -43,6 +43,9 @@ from common.config_sections import (
     TaskConfig,
     ValuePretrainConfig,
 )
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 # The sections are re-exported: every importer takes them from here, with the loader.
 __all__ = [
@@ -97,7 +100,7 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
         return [_coerce(f"{key}[{i}]", item_tp, v) for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):  # an entry of a list of small records (task.eval_sets)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # an entry of a list of small records (task.eval_sets)
         allowed = ", ".join(fl.name for fl in dataclasses.fields(tp))
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping with {allowed}, got {type(value).__name__} {value!r}")
@@ -235,7 +238,8 @@ def load_config_args(argv: list[str]) -> Config:
     return load_config(path, argv[1:] if path else argv)
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
+def to_dict(cfg: DataclassInstance) -> dict[str, Any]:
+    """The config, or any section of it, as plain dicts and lists."""
     return dataclasses.asdict(cfg)
 
 

@@ -11,7 +11,10 @@ from typing import Any
 def f(default: Any, doc: str) -> Any:
     """A documented dataclass field (the doc shows in ``--help`` and error messages)."""
     if isinstance(default, list | dict):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc})
+        def fresh() -> Any:  # each instance gets its own copy of a mutable default
+            return type(default)(default)
+
+        return field(default_factory=fresh, metadata={"doc": doc})
     return field(default=default, metadata={"doc": doc})
 
 

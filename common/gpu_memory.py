@@ -116,9 +116,11 @@ def activation_gib(cfg: Config, hf: dict[str, Any]) -> float:
         return 0.0
 
 
-def estimate(cfg: Config, n: dict[str, int], engine_gpus: list[int], learner_gpus: list[int]) -> dict[str, Any]:
+def estimate(cfg: Config, n: dict[str, int], engine_gpus: list[int], learner_gpus: list[int],
+             activations_gib: float = 0.0) -> dict[str, Any]:
     """GiB per GPU of the learner's model states (steady and at the ZeRO-3 build's peak), its budget, and
-    each engine GPU's weights, for the sizes ``n`` of ``model_sizes`` (unrounded; ``check_memory`` rounds)."""
+    each engine GPU's weights, for the sizes ``n`` of ``model_sizes`` (unrounded; ``check_memory`` rounds);
+    ``activations_gib`` (``activation_gib``) is passed through."""
     pl, lc = cfg.placement, cfg.learner
     world = len(learner_gpus)
     policy = model_state_bytes(n["policy"], lc.zero_stage, world, lc.precision) / GIB
@@ -134,7 +136,7 @@ def estimate(cfg: Config, n: dict[str, int], engine_gpus: list[int], learner_gpu
     return {"policy_params_b": n["policy"] / 1e9, "critic_params_b": n["critic"] / 1e9,
             "learner_states_gib_per_gpu": learner_states, "learner_build_peak_gib_per_gpu": build_peak,
             "learner_budget_gib_per_gpu": learner_budget, "engine_weights_gib_per_gpu": engine_weights,
-            "learner_activations_gib_per_gpu": n.get("activation_gib", 0.0), "gpu_gib": pl.gpu_memory_gib}
+            "learner_activations_gib_per_gpu": activations_gib, "gpu_gib": pl.gpu_memory_gib}
 
 
 def _engine_fraction(cfg: Config) -> float:
@@ -152,7 +154,7 @@ def check_memory(cfg: Config, notes: list[str], engine_gpus: list[int], learner_
     n = model_sizes(cfg, hf, notes)
     if n is None:
         return {}
-    mem = estimate(cfg, {**n, "activation_gib": activation_gib(cfg, hf)}, engine_gpus, learner_gpus)  # type: ignore[dict-item]
+    mem = estimate(cfg, n, engine_gpus, learner_gpus, activation_gib(cfg, hf))
     pl, lc, gpu = cfg.placement, cfg.learner, cfg.placement.gpu_memory_gib
     shared = bool(set(engine_gpus) & set(learner_gpus))
     if mem["learner_build_peak_gib_per_gpu"] > mem["learner_budget_gib_per_gpu"]:

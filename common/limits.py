@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from common.config import Config
 from common.protocol import Sample, SampleGroup
 
 log = logging.getLogger("vapo.limits")
@@ -63,7 +64,7 @@ def model_shape(model_path: str | Path) -> tuple[int, int]:
     return num("vocab_size"), num("max_position_embeddings")
 
 
-def limits_from_config(cfg: Any) -> SampleLimits:
+def limits_from_config(cfg: Config) -> SampleLimits:
     """The run's bounds: vocabulary and context from ``model.path`` (``buffer.vocab_size`` overrides the
     vocabulary, ``engine.context_length`` the context), response length and reward range from the config."""
     vocab, positions = model_shape(cfg.model.path)

@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import cast
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -93,7 +95,10 @@ def build_char_tokenizer(charset: list[str] | None = None) -> PreTrainedTokenize
 
 def decode_chars(tokenizer: PreTrainedTokenizerFast, ids: list[int]) -> str:
     """Decode ids to text with special tokens dropped (kept for callers; same as ``tokenizer.decode``)."""
-    return tokenizer.decode([int(i) for i in ids], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    text = tokenizer.decode([int(i) for i in ids], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    if not isinstance(text, str):  # decode gives a list only for a batch of id lists
+        raise TypeError(f"decode of one id list gave {type(text).__name__}")
+    return text
 
 
 def build_tiny_qwen2(
@@ -130,6 +135,8 @@ def build_tiny_qwen2(
 
 def save_hf(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, path: str | Path, extra: dict | None = None) -> Path:
     """save_pretrained (safetensors) of model and tokenizer into ``path`` atomically (tmp dir + rename)."""
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"save_hf saves HF models (save_pretrained); got {type(model).__name__}")
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
@@ -146,7 +153,9 @@ def save_hf(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, path: st
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    return AutoTokenizer.from_pretrained(str(path))
+    # A cast, not a check: for a model without tokenizer.json AutoTokenizer may give the sentencepiece backend,
+    # and that works too, since callers use only what both backends share (encode, decode, the chat template).
+    return cast(PreTrainedTokenizerFast, AutoTokenizer.from_pretrained(str(path)))
 
 
 def pad_token_id(tokenizer: PreTrainedTokenizerFast) -> int:
@@ -156,4 +165,6 @@ def pad_token_id(tokenizer: PreTrainedTokenizerFast) -> int:
 
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype))
-    return model.to(device)
+    # transformers wraps PreTrainedModel.to in a decorator typed as a plain function of the model, so mypy
+    # reads the device as the model argument.
+    return model.to(device)  # type: ignore[arg-type]

@@ -1,4 +1,5 @@
-"""Wire protocol shared by actors, buffer and learner (the one place messages are defined).
+"""Wire protocol shared by actors, buffer and learner: the messages (the weight path's in ``common.weight_messages``,
+re-exported here), ``encode`` and ``decode``.
 
 Every frame is one msgpack map ``{"v": PROTOCOL_VERSION, "type": <message name>, ...fields}``. Arrays
 travel as ``{"dtype": "<i4", "n": N, "data": <N * itemsize raw little-endian bytes>}``; nothing is ever
@@ -22,13 +23,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, get_args
+from typing import Any, get_args
 
 import msgpack
 import numpy as np
 
+from common.weight_messages import (
+    PushDone,
+    PushGo,
+    PushGroup,
+    PushJoin,
+    PushReady,
+    PushVersion,
+    WeightQuery,
+    WeightUpdate,
+)
 from common.wire import (
-    _SHA256,
     DEFAULT_MAX_FRAME_BYTES,
     FINISH_REASONS,
     MAX_ARRAY_LEN,
@@ -47,7 +57,6 @@ from common.wire import (
     pack,
     wire_array,
     wire_bool,
-    wire_buckets,
     wire_float,
     wire_int,
     wire_message,
@@ -148,8 +157,6 @@ class Sample(Message):
     # place mid-generation gives several). min(v) == weight_version.
     version_spans: np.ndarray | None = wire_array("<i8", optional=True)
 
-    TYPE: ClassVar[str] = "Sample"
-
     def _check(self) -> None:
         n_tokens = self.output_ids.shape[0]
         if self.output_logprobs.shape != self.output_ids.shape:
@@ -188,8 +195,6 @@ class SampleGroup(Message):
     samples: list[Sample] = wire_samples(1, MAX_GROUP_SIZE)
     created_at: float = wire_float()
 
-    TYPE: ClassVar[str] = "SampleGroup"
-
     @property
     def weight_version(self) -> int:
         """The group's version: the oldest weights any of its samples was generated with."""
@@ -210,8 +215,6 @@ class IngestAck(Message):
     duplicate: bool = wire_bool()
     error: str = wire_str(MAX_LONG_STR_LEN)
 
-    TYPE: ClassVar[str] = "IngestAck"
-
 
 @wire_message
 @dataclass(frozen=True, eq=False)
@@ -221,8 +224,6 @@ class CreditRequest(Message):
     actor_id: int = wire_int(lo=0)
     n: int = wire_int(lo=0)
 
-    TYPE: ClassVar[str] = "CreditRequest"
-
 
 @wire_message
 @dataclass(frozen=True, eq=False)
@@ -231,8 +232,6 @@ class CreditGrant(Message):
 
     n: int = wire_int(lo=0)
     learner_version: int = wire_int(lo=0)
-
-    TYPE: ClassVar[str] = "CreditGrant"
 
 
 @wire_message
@@ -244,8 +243,6 @@ class BatchRequest(Message):
     n_groups: int = wire_int(lo=0)
     timeout_ms: int = wire_int(lo=0)
 
-    TYPE: ClassVar[str] = "BatchRequest"
-
 
 @wire_message
 @dataclass(frozen=True, eq=False)
@@ -254,124 +251,11 @@ class PositivesRequest(Message):
 
     n: int = wire_int(lo=0)
 
-    TYPE: ClassVar[str] = "PositivesRequest"
-
 
 @wire_message
 @dataclass(frozen=True, eq=False)
 class StatsRequest(Message):
     """Anyone -> buffer: its counters, answered by ``StatsReply``."""
-
-    TYPE: ClassVar[str] = "StatsRequest"
-
-
-@wire_message
-@dataclass(frozen=True, eq=False)
-class WeightUpdate(Message):
-    """Learner -> actors: weights ``version`` are at ``path`` (digest ``sha256``), written at ``created_at``."""
-
-    version: int = wire_int(lo=0)
-    path: str = wire_str(MAX_LONG_STR_LEN)
-    sha256: str = wire_str(pattern=_SHA256, pattern_text="a lowercase hex sha256")
-    created_at: float = wire_float()
-
-    TYPE: ClassVar[str] = "WeightUpdate"
-
-
-@wire_message
-@dataclass(frozen=True, eq=False)
-class WeightQuery(Message):
-    """Actor -> learner: the latest ``WeightUpdate`` please (late subscribers, missed publications)."""
-
-    TYPE: ClassVar[str] = "WeightQuery"
-
-
-@wire_message
-@dataclass(frozen=True, eq=False)
-class PushJoin(Message):
-    """Actor -> learner (push socket): engine ``actor_id`` is up; include it in the next weight-update group.
-    ``engine_start`` takes a new value at each announcement (every engine (re)start, every rejoin after a
-    failure), so the learner tells a new announcement from a repeated one."""
-
-    actor_id: int = wire_int(lo=0)
-    engine_start: int = wire_int()
-
-    TYPE: ClassVar[str] = "PushJoin"
-
-
-@wire_message
-@dataclass(frozen=True, eq=False)
-class PushGroup(Message):
-    """Learner -> actor: join group ``epoch`` (SGLang's ``/init_weights_update_group`` fields) and expect
-    every pushed version as ``buckets`` (each one ``/update_weights_from_distributed``'s names, dtypes, shapes)."""
-
-    epoch: int = wire_int(lo=0)
-    master_address: str = wire_str()
-    master_port: int = wire_int(1, 65535)
-    rank_offset: int = wire_int(lo=1)
-    world_size: int = wire_int(lo=2)
-    group_name: str = wire_str()
-    backend: str = wire_str()
-    buckets: list[dict[str, Any]] = wire_buckets()
-
-    TYPE: ClassVar[str] = "PushGroup"
-
-
-@wire_message
-@dataclass(frozen=True, eq=False)
-class PushVersion(Message):
-    """Learner -> actor: version ``version`` is next on group ``epoch``: pause generation, open the engine's
-    weight-update session and answer ``PushReady``; nothing is broadcast before ``PushGo``."""
-
-    epoch: int = wire_int(lo=0)
-    version: int = wire_int(lo=0)
-
-    TYPE: ClassVar[str] = "PushVersion"
-
-
-@wire_message
-@dataclass(frozen=True, eq=False)
-class PushReady(Message):
-    """Actor -> learner: for ``version`` on group ``epoch`` its engine is paused with its weight-update
-    session open (``ok``), so it can post the buckets' receives; or why not (``message``)."""
-
-    actor_id: int = wire_int(lo=0)
-    epoch: int = wire_int(lo=0)
-    version: int = wire_int(lo=0)
-    ok: bool = wire_bool()
-    message: str = wire_str(MAX_LONG_STR_LEN)
-
-    TYPE: ClassVar[str] = "PushReady"
-
-
-@wire_message
-@dataclass(frozen=True, eq=False)
-class PushGo(Message):
-    """Learner -> actor: ``go``: every member is ready, ``version`` is broadcast on group ``epoch`` now, post
-    its buckets; not ``go``: nothing is broadcast for it (a member was not ready), end the session and
-    continue (the version comes from disk; the group is rebuilt at the next version)."""
-
-    epoch: int = wire_int(lo=0)
-    version: int = wire_int(lo=0)
-    go: bool = wire_bool()
-
-    TYPE: ClassVar[str] = "PushGo"
-
-
-@wire_message
-@dataclass(frozen=True, eq=False)
-class PushDone(Message):
-    """Actor -> learner: its engine joined group ``epoch`` (``version`` -1) or loaded ``version`` (``ok``),
-    with generation paused ``pause_s``; ``message`` says why not."""
-
-    actor_id: int = wire_int(lo=0)
-    epoch: int = wire_int(lo=0)
-    version: int = wire_int(lo=-1)
-    ok: bool = wire_bool()
-    pause_s: float = wire_float()
-    message: str = wire_str(MAX_LONG_STR_LEN)
-
-    TYPE: ClassVar[str] = "PushDone"
 
 
 @wire_message
@@ -381,8 +265,6 @@ class ErrorReply(Message):
 
     reason: str = wire_str()
     message: str = wire_str(MAX_LONG_STR_LEN)
-
-    TYPE: ClassVar[str] = "ErrorReply"
 
 
 @wire_message
@@ -394,8 +276,6 @@ class BatchReply(Message):
     stale_dropped: int = wire_int(lo=0)
     filtered: int = wire_int(lo=0)
 
-    TYPE: ClassVar[str] = "BatchReply"
-
 
 @wire_message
 @dataclass(eq=False)
@@ -404,8 +284,6 @@ class PositivesReply(Message):
 
     samples: list[Sample] = wire_samples(0, MAX_LIST_LEN)
 
-    TYPE: ClassVar[str] = "PositivesReply"
-
 
 @wire_message
 @dataclass(eq=False)
@@ -413,8 +291,6 @@ class StatsReply(Message):
     """Named numeric counters of a server (buffer depth, drops, ...)."""
 
     stats: dict[str, float] = wire_stats()
-
-    TYPE: ClassVar[str] = "StatsReply"
 
 
 AnyMessage = (

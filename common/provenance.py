@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from common.checksum import weights_sha256
+from common.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,7 +140,7 @@ def collect(model_path: str | Path | None = None, configured_threads: dict[str, 
     return out
 
 
-def for_config(cfg: Any) -> dict[str, Any]:
+def for_config(cfg: Config) -> dict[str, Any]:
     """``collect`` for a run's config: its base model (and the critic's, when it has its own), and the thread
     settings of each role."""
     out = collect(cfg.model.path, {"learner": cfg.learner.threads, "engine": cfg.engine.threads,

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from common import lifeline
+from common.config import Config
 from common.sglang_args import private_tmp_env
 
 SSH_ARGS_ENV = "VAPO_SSH_ARGS"  # extra ssh options from the environment, after placement.ssh_args
@@ -70,25 +71,25 @@ def forwarded_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     return {k: v for k, v in sorted(environ.items()) if k.startswith(FORWARD_PREFIXES)}
 
 
-def user_ssh_args(cfg: Any, environ: Mapping[str, str] | None = None) -> list[str]:
+def user_ssh_args(cfg: Config, environ: Mapping[str, str] | None = None) -> list[str]:
     """``placement.ssh_args`` then ``$VAPO_SSH_ARGS`` (e.g. ``-F cluster_ssh_config``), split like a shell."""
     environ = os.environ if environ is None else environ
     return shlex.split(cfg.placement.ssh_args) + shlex.split(environ.get(SSH_ARGS_ENV, ""))
 
 
-def ssh_options(cfg: Any, environ: Mapping[str, str] | None = None) -> list[str]:
+def ssh_options(cfg: Config, environ: Mapping[str, str] | None = None) -> list[str]:
     """Options of every ssh to another host. The user's come first: ssh keeps the first value of an option."""
     pl = cfg.placement
     return [*user_ssh_args(cfg, environ), "-o", "BatchMode=yes", "-o", f"ConnectTimeout={pl.ssh_connect_timeout_s}",
             "-o", f"ServerAliveInterval={pl.ssh_alive_interval_s}", "-o", f"ServerAliveCountMax={pl.ssh_alive_count_max}"]
 
 
-def lost_after_s(cfg: Any) -> int:
+def lost_after_s(cfg: Config) -> int:
     """Seconds after which a silent ssh link counts as lost, on both ends."""
     return cfg.placement.ssh_alive_interval_s * cfg.placement.ssh_alive_count_max
 
 
-def pdsh_ssh_args(cfg: Any, environ: Mapping[str, str] | None = None) -> str:
+def pdsh_ssh_args(cfg: Config, environ: Mapping[str, str] | None = None) -> str:
     """``PDSH_SSH_ARGS_APPEND`` for DeepSpeed's pdsh launcher: one already in the environment first, then
     ours (pdsh splits it on blanks, so no quoting)."""
     environ = os.environ if environ is None else environ
@@ -96,7 +97,7 @@ def pdsh_ssh_args(cfg: Any, environ: Mapping[str, str] | None = None) -> str:
     return " ".join([*inherited, *ssh_options(cfg, environ), "-tt"])
 
 
-def srun_cpus(cfg: Any, environ: Mapping[str, str] | None = None) -> int:
+def srun_cpus(cfg: Config, environ: Mapping[str, str] | None = None) -> int:
     """CPUs of an srun'd engine/actor step: ``placement.srun_cpus_per_task``, or when 0 the CPUs Slurm gave
     this (host 0's) allocation, ``$SLURM_CPUS_ON_NODE``; 0 = leave srun's default."""
     environ = os.environ if environ is None else environ
@@ -108,7 +109,7 @@ def srun_cpus(cfg: Any, environ: Mapping[str, str] | None = None) -> int:
         return 0
 
 
-def wrap_remote(cfg: Any, host: str, argv: list[str], env: dict[str, str], root: Path, py: str,
+def wrap_remote(cfg: Config, host: str, argv: list[str], env: dict[str, str], root: Path, py: str,
                 environ: Mapping[str, str] | None = None, private_tmp: str = "") -> list[str]:
     """``argv`` with ``env`` run on ``host`` from the same repository path (a shared filesystem); with
     ``private_tmp`` (a name prefix) in a temporary directory of its own on that host (module docstring)."""

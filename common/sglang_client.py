@@ -11,10 +11,8 @@ Field names follow SGLang's ``io_struct.py`` / ``http_server.py`` (shapes in
 ``tests/actors/fixtures/sglang_api.json``). Errors raise ``SGLangError`` carrying the HTTP status and the
 server's own message, whichever of SGLang's two error shapes it used.
 
-Weight versions: SGLang's ``weight_version`` is a string; vapo sends ``str(int)`` and parses it back.
-``GenerateOutput.min_weight_version`` is the oldest version among the output tokens when the server reports
-them (SGLang 0.5.23's ``meta_info.weight_versions``: ``[{"version", "start", "end"}, ...]``; rollout_server's
-``output_weight_version_spans``: ``[[version, n_tokens], ...]``), else the response's ``weight_version``.
+Weight versions: SGLang's ``weight_version`` is a string; vapo sends ``str(int)`` and parses it back
+(``common.sglang_output``, which reads a /generate answer into ``GenerateOutput``; re-exported here).
 
 Real SGLang 0.5.23 behaviours this client allows for (read in its ``entrypoints/http_server.py``,
 ``managers/tokenizer_manager.py`` and ``scheduler_components/weight_updater.py``):
@@ -47,10 +45,11 @@ import gc
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+
+from common.sglang_output import GenerateOutput, as_int, as_version, parse_generate_response, parse_output
 
 # SGLang 0.5.23's own answers (scheduler_components/weight_updater.py), matched by these prefixes.
 SESSION_ALREADY_OPEN = "a weight-update session is already open"
@@ -82,31 +81,6 @@ def session_already_open(e: SGLangError) -> bool:
     return e.status == 400 and SESSION_ALREADY_OPEN in e.message
 
 
-@dataclass
-class GenerateOutput:
-    """One sample of a /generate answer."""
-
-    output_ids: list[int]
-    output_logprobs: list[float] | None
-    finish_reason: str  # stop | length | abort
-    finish_info: dict[str, Any] | None
-    weight_version: str | None
-    min_weight_version: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    text: str | None = None
-    rid: str | None = None
-    meta_info: dict[str, Any] = field(default_factory=dict, repr=False)
-    # [(version, n_tokens), ...] in token order when the server reports per-token versions and every one is
-    # numeric (an update in place mid-generation gives several); else None.
-    version_spans: list[tuple[int, int]] | None = None
-
-    @property
-    def weight_version_int(self) -> int | None:
-        """``min_weight_version`` as an int (None when the server's version is not numeric, e.g. 'default')."""
-        return as_int(self.min_weight_version)
-
-
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic GC while building/parsing large JSON: json allocates no cycles, and with many live
@@ -118,23 +92,6 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
-
-
-def as_int(v: Any) -> int | None:
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return None
-
-
-def _min_version(versions: list[Any], fallback: Any) -> str | None:
-    vals = [str(v) for v in versions if v is not None]
-    if not vals:
-        return None if fallback is None else str(fallback)
-    ints = [as_int(v) for v in vals]
-    if all(i is not None for i in ints):
-        return str(min(i for i in ints if i is not None))
-    return vals[0]  # non-numeric versions: the first token's
 
 
 def error_message(body: Any, text: str = "") -> str:
@@ -150,62 +107,6 @@ def error_message(body: Any, text: str = "") -> str:
         if "detail" in body:
             return str(body["detail"])
     return text.strip() or "(empty response)"
-
-
-def parse_output(item: dict[str, Any]) -> GenerateOutput:
-    """One /generate result dict → GenerateOutput; raises ValueError on a shape it does not understand."""
-    if not isinstance(item, dict) or "meta_info" not in item or "output_ids" not in item:
-        raise ValueError(f"not a /generate result: {str(item)[:200]}")
-    meta = item["meta_info"]
-    out_ids = item["output_ids"]
-    if not isinstance(out_ids, list):
-        raise ValueError("output_ids is not a list")
-    fr = meta.get("finish_reason")
-    if isinstance(fr, dict):
-        reason = str(fr.get("type"))
-    elif isinstance(fr, str):  # some versions/paths give a bare string
-        reason, fr = fr, {"type": fr}
-    else:
-        reason = "abort"  # an unfinished request only reaches us when it was cut off
-    lps = None
-    triples = meta.get("output_token_logprobs")
-    if triples is not None:
-        lps = [t[0] if t[0] is not None else float("nan") for t in triples]
-        ids = [t[1] for t in triples]
-        if len(ids) != len(out_ids):
-            raise ValueError(f"{len(ids)} output logprobs for {len(out_ids)} output tokens")
-        if ids != out_ids:
-            raise ValueError("output_token_logprobs token ids do not match output_ids")
-    version = meta.get("weight_version")
-    spans = meta.get("output_weight_version_spans")  # rollout_server extension: [[version, n_tokens], ...]
-    sg_spans = meta.get("weight_versions")  # SGLang: [{"version", "start", "end"}, ...]
-    pairs: list[tuple[Any, Any]] = []
-    if spans:
-        min_version = _min_version([v for v, _ in spans], version)
-        pairs = [(v, k) for v, k in spans]
-    elif sg_spans:
-        min_version = _min_version([s.get("version") for s in sg_spans if isinstance(s, dict)], version)
-        pairs = [(s.get("version"), as_int(s.get("end", 0)) - as_int(s.get("start", 0)))  # type: ignore[operator]
-                 for s in sg_spans if isinstance(s, dict) and as_int(s.get("end")) is not None and as_int(s.get("start")) is not None]
-    else:
-        min_version = None if version is None else str(version)
-    numeric = [(as_int(v), as_int(k)) for v, k in pairs]
-    version_spans = ([(int(v), int(k)) for v, k in numeric] if numeric and all(v is not None and k for v, k in numeric)
-                     and sum(int(k) for _, k in numeric) == len(out_ids) else None)  # type: ignore[arg-type]
-    # Keep the scalar metadata only: per-token lists stay out of long-lived objects.
-    small_meta = {k: v for k, v in meta.items() if not isinstance(v, list)}
-    return GenerateOutput(
-        output_ids=out_ids, output_logprobs=lps, finish_reason=reason, finish_info=fr,
-        weight_version=None if version is None else str(version), min_weight_version=min_version,
-        prompt_tokens=int(meta.get("prompt_tokens", 0)),
-        completion_tokens=int(meta.get("completion_tokens", len(out_ids))),
-        text=item.get("text"), rid=meta.get("id"), meta_info=small_meta, version_spans=version_spans)
-
-
-def parse_generate_response(body: Any) -> list[GenerateOutput]:
-    """A /generate body (one dict or a list of dicts) → outputs in SGLang's order (prompt-major with n)."""
-    items = body if isinstance(body, list) else [body]
-    return [parse_output(x) for x in items]
 
 
 class SGLangClient:
@@ -433,3 +334,10 @@ class SGLangClient:
             if time.monotonic() >= deadline:
                 raise SGLangError("health", None, f"{self.base_url} not healthy after {timeout_s} s")
             await asyncio.sleep(poll_s)
+
+
+__all__ = [
+    "FLUSH_REFUSED", "KEEPALIVE_S", "NOT_IN_SESSION", "NO_SESSION", "SESSION_ALREADY_OPEN", "GenerateOutput",
+    "SGLangClient", "SGLangError", "as_int", "as_version", "cache_flush_refused", "error_message", "gc_paused",
+    "parse_generate_response", "parse_output", "session_already_open",
+]

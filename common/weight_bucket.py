@@ -288,13 +288,13 @@ def _own_communicator(backend: str) -> Iterator[None]:
         return
     with _CREATE:
         bound = default.bound_device_id if default is not None else None
-        if bound is not None:
+        if default is not None and bound is not None:
             default.bound_device_id = None
         try:
             with _env({BLOCKING_WAIT: "1"} if backend == "nccl" else {}):
                 yield
         finally:
-            if bound is not None:
+            if default is not None and bound is not None:
                 default.bound_device_id = bound
 
 
@@ -364,7 +364,7 @@ def new_group(backend: str, master_address: str, master_port: int, rank: int, wo
                  torch.distributed.TCPStore(master_address, master_port, world_size, False, td, wait_for_workers=False))
     with _own_communicator(backend):
         pg, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend),
-                                               c10d.PrefixStore(group_name, store), group_name=group_name,
+                                               c10d.PrefixStore(group_name, store), group_name=c10d.GroupName(group_name),
                                                backend_options=None, timeout=td)
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     group = Group(pg, store, rank, world_size, group_name, timeout_s, backend)

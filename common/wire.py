@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Self, TypeVar
 
@@ -314,8 +314,8 @@ def _expect_fields(name: str, d: Any, required: tuple[str, ...], allowed: frozen
 
 
 class Message:
-    """Base of every top-level frame: ``TYPE`` names it on the wire; its ``SCHEMA`` (built by ``@wire_message``
-    from the dataclass fields) drives ``to_wire``/``from_wire``.
+    """Base of every top-level frame: ``TYPE`` (the class's name, set by ``@wire_message``) names it on the
+    wire; its ``SCHEMA`` (built by ``@wire_message`` from the dataclass fields) drives ``to_wire``/``from_wire``.
 
     Equality compares wire values (arrays by content), so a decoded message equals the one encoded.
     """
@@ -370,7 +370,7 @@ def _wire_equal(a: Any, b: Any) -> bool:
 M = TypeVar("M", bound=Message)
 
 
-def check_values(msgs: list[Message]) -> None:
+def check_values(msgs: Sequence[Message]) -> None:
     """Run the array fields' value rules (``wire_array``'s ``nonneg``, ``finite``) over a list of messages of
     one type: once over each field's arrays joined, and only when that fails, message by message to name
     the first bad one (a group's ``[3].output_ids has negative token ids``)."""
@@ -393,9 +393,13 @@ def check_values(msgs: list[Message]) -> None:
 
 
 def wire_message(cls: type[M]) -> type[M]:
-    """Class decorator after ``@dataclass``: build the schema, and give the class its own ``to_wire`` and
-    ``from_wire`` entries (so one message type's codec can be wrapped without touching the others')."""
+    """Class decorator after ``@dataclass``: name the type on the wire after the class (``TYPE``), build the
+    schema, and give the class its own ``to_wire`` and ``from_wire`` entries (so one message type's codec can
+    be wrapped without touching the others')."""
+    cls.TYPE = cls.__name__
     cls.SCHEMA = Schema.of(cls)
+    # Rebinding a method on purpose (a per-class entry to wrap), which mypy forbids for methods.
     cls.to_wire = Message.to_wire  # type: ignore[method-assign]
+    # The same for the classmethod: re-wrap its function; typeshed has no __func__ on a bound classmethod.
     cls.from_wire = classmethod(Message.from_wire.__func__)  # type: ignore[assignment, attr-defined]
     return cls

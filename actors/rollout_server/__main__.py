@@ -142,7 +142,7 @@ async def _serve(args: argparse.Namespace) -> None:
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = runner.addresses[0][1]  # the bound port when --port is 0 (the one site's first socket)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"rollout_server ready on http://{url_host(args.host)}:{port} model={args.model_path} params={n_params} "
           f"device={args.device} slots={args.max_batch_size} context={scheduler.context_length} "

@@ -199,7 +199,7 @@ class Server(ControlEndpoints):
         else:
             meta["output_weight_version_spans"] = spans
         if return_logprob:
-            texts = ([self._decode([t]) for t in s.output_ids] if text_in_lp and self.tokenizer is not None
+            texts: list[str | None] = ([self._decode([t]) for t in s.output_ids] if text_in_lp and self.tokenizer is not None
                      else [None] * len(s.output_ids))
             meta["input_token_logprobs"] = [(None, s.prompt_ids[-1], None)]
             meta["output_token_logprobs"] = list(zip(s.logprobs, s.output_ids, texts, strict=True))
@@ -238,8 +238,11 @@ class Server(ControlEndpoints):
         fut = loop.create_future()
         rid = f"HEALTH_CHECK_{time.time()}"
         params = SamplingParams(max_new_tokens=1, top_k=1)
-        self.scheduler.submit([Sequence(rid=rid, prompt_ids=[0], params=params,
-                                     on_done=lambda s: loop.call_soon_threadsafe(_resolve, fut, s))])
+
+        def on_done(s: Sequence) -> None:  # the scheduler's thread: hand the answer to this loop
+            loop.call_soon_threadsafe(_resolve, fut, s)
+
+        self.scheduler.submit([Sequence(rid=rid, prompt_ids=[0], params=params, on_done=on_done)])
         try:
             await asyncio.wait_for(fut, HEALTH_CHECK_TIMEOUT_S)
             return web.Response(status=200)

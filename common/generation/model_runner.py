@@ -23,8 +23,17 @@ import mmap
 
 import torch
 import torch.nn.functional as F
+from transformers import PretrainedConfig
 
 log = logging.getLogger("vapo.engine")
+
+
+def hf_config(model: torch.nn.Module) -> PretrainedConfig:
+    """The HF config of ``model``; ``RuntimeError`` for a module that is not an HF model."""
+    cfg = getattr(model, "config", None)
+    if not isinstance(cfg, PretrainedConfig):
+        raise RuntimeError(f"rollout_server serves HF models (with a PretrainedConfig); got {type(model).__name__}")
+    return cfg
 
 
 class ModelRunner:
@@ -41,7 +50,8 @@ class ModelRunner:
                  reseat: bool = True) -> None:
         base = getattr(model, "model", None)
         layers = getattr(base, "layers", None)
-        if base is None or layers is None or not hasattr(model, "lm_head") or not hasattr(base, "rotary_emb"):
+        lm_head = getattr(model, "lm_head", None)
+        if base is None or layers is None or lm_head is None or not hasattr(base, "rotary_emb"):
             raise RuntimeError(f"rollout_server supports Llama-style decoders (Qwen2/Qwen3/Llama); got "
                                f"{type(model).__name__}. Serve other architectures with SGLang.")
         for layer in layers:
@@ -50,13 +60,14 @@ class ModelRunner:
                 raise RuntimeError(f"unsupported attention module {type(attn).__name__}")
             if getattr(attn, "sliding_window", None):
                 raise RuntimeError("sliding-window attention is not supported by rollout_server")
-        cfg = model.config
+        cfg = hf_config(model)
         self.model = model
+        self.lm_head: torch.nn.Module = lm_head
         self.base = base
         self.layers = list(layers)
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.n_heads: int = cfg.num_attention_heads
+        self.n_kv: int = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.group = self.n_heads // self.n_kv
         self.scale = self.head_dim ** -0.5
         self.max_slots = max_slots
@@ -118,8 +129,9 @@ class ModelRunner:
 
     def _norm(self, mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         eps = getattr(mod, "variance_epsilon", None)
-        if self.fp32 and eps is not None and type(mod).__name__.endswith("RMSNorm"):
-            return F.rms_norm(x, (x.shape[-1],), mod.weight, eps)
+        weight = getattr(mod, "weight", None)
+        if self.fp32 and eps is not None and isinstance(weight, torch.Tensor) and type(mod).__name__.endswith("RMSNorm"):
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
         return mod(x)
 
     def _qkv(self, li: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -148,7 +160,7 @@ class ModelRunner:
         return x + layer.mlp.down_proj(layer.mlp.act_fn(g) * u)
 
     def _logits(self, x_last: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self._norm(self.base.norm, x_last)).float()
+        return self.lm_head(self._norm(self.base.norm, x_last)).float()
 
     def prefill(self, slot0: int, contexts: list[list[int]]) -> torch.Tensor:
         """Fill slots slot0.. with ``contexts``; logits of each context's last position ``[n, V]``.

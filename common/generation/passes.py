@@ -74,9 +74,9 @@ def _run_pass(scheduler: Scheduler, jobs: Seq[Job], seed: int,
             if progress is not None and len(finished) - reported >= scheduler.max_batch_size:
                 reported = len(finished)
                 progress(reported, len(seqs))
-    failed = next((s for s in seqs if s.finish is not None and s.finish.get("type") == "abort"), None)
+    failed = next((s.finish for s in seqs if s.finish is not None and s.finish.get("type") == "abort"), None)
     if failed is not None:
-        raise RuntimeError(f"generation failed: {failed.finish['message']}") from scheduler.error
+        raise RuntimeError(f"generation failed: {failed['message']}") from scheduler.error
     if progress is not None and reported < len(seqs):
         progress(len(seqs), len(seqs))
     return [s.output_ids for s in seqs]

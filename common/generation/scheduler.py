@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from common.generation.model_runner import ModelRunner
+from common.generation.model_runner import ModelRunner, hf_config
 from common.generation.sampling import RequestError, SamplingParams, sample, validate_prompt
 from common.generation.waiting import Commands, SchedulerBusy, Sequence, WaitQueue, aborted
 from common.generation.weights import LiveWeights, WeightUpdates
@@ -61,7 +61,7 @@ class Scheduler:
         ``reseat_weights``: see ``ModelRunner`` (False leaves the model's parameters where they are)."""
         self.model = model.eval()
         self.device = next(model.parameters()).device
-        cfg = model.config
+        cfg = hf_config(model)
         self.vocab_size = int(cfg.vocab_size)
         model_ctx = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
         self.context_length = min(context_length, model_ctx) if context_length > 0 else model_ctx

@@ -14,7 +14,7 @@ user's ``compute_score``:
   inside the default ``task.reward_min``/``reward_max`` of [0, 1].
 - ``exact``: the stripped response equals the stripped reference.
 
-Not a CLI; ``python -m pytest tests/common/test_reward_rules.py`` checks each rule on hand-worked cases.
+Not a CLI; ``python -m pytest tests/common/tasks/test_reward_rules.py`` checks each rule on hand-worked cases.
 """
 
 from __future__ import annotations

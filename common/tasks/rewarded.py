@@ -14,7 +14,7 @@ which the config requires inside [``task.reward_min``, ``task.reward_max``]; a v
 clipped into it and counted as ``out_of_range`` (the buffer would refuse the whole group otherwise, and a
 function's -1 for a wrong answer still ranks below a right one). Each ends up in the ``Verdict``'s ``error``.
 
-Not a CLI; ``python -m pytest tests/common/test_tasks_rewarded.py``.
+Not a CLI; ``python -m pytest tests/common/tasks/test_rewarded.py``.
 """
 
 from __future__ import annotations

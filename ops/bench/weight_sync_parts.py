@@ -24,6 +24,7 @@ import aiohttp
 import torch
 
 from actors.rollout_server.dist_update import param_digest
+from actors.rollout_server.process import ADMIN_KEY_ENV
 from common.generation.weights import read_state_dict
 from common.sglang_client import GenerateOutput, SGLangClient
 from common.weight_bucket import Group, master_store, new_group
@@ -44,7 +45,7 @@ T = TypeVar("T")
 
 def start_rollout_server(model_dir: Path, log_dir: Path, key: str, timeout_s: float = 600.0) -> tuple[Any, str]:
     """``python -m actors.rollout_server`` on a free port; (process, url) once it prints its ready line."""
-    env = {**os.environ, "VAPO_ENGINE_ADMIN_API_KEY": key, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, ADMIN_KEY_ENV: key, "PYTHONUNBUFFERED": "1"}
     err = open(log_dir / f"engine_{time.monotonic_ns()}.log", "w")  # lives with the process
     proc = subprocess.Popen([sys.executable, "-m", "actors.rollout_server", "--model-path", str(model_dir), "--port", "0",
                              "--threads", "1", "--log-level", "warning", "--max-batch-size", "4"],

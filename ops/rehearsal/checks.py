@@ -19,10 +19,11 @@ from typing import Any
 
 import yaml
 
+from actors.rollout_server.process import ADMIN_KEY_ENV
 from buffer.directory import inspect
 from ops.rehearsal import elastic, sglang
 from ops.rehearsal.cluster import ENGINE_TMP_PREFIX, Cluster, proc_environ
-from ops.rehearsal.push import ADMIN_KEY_ENV, DigestPoller, param_digest_of, sync_figures
+from ops.rehearsal.push import DigestPoller, param_digest_of, sync_figures
 from ops.rehearsal.runs import CONFIG, ROOT, Run, describe, finish, launch, leftovers
 
 DIST_TIMEOUT_S = 4.0  # learner.dist_timeout_s of the rehearsal's runs

@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ops.rehearsal.cluster import Cluster
 
-ADMIN_KEY_ENV = "VAPO_ENGINE_ADMIN_API_KEY"  # as actors.rollout_server.process passes it to the engine
-
 
 def actor_summaries(run_dir: Path) -> list[dict[str, Any]]:
     """Each actor's ``ACTOR DONE`` json (its last one) from the run's actor logs."""

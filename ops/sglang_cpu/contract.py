@@ -10,7 +10,7 @@ reference)`` lists where an engine's records break the contract of the reference
 the same status for every step; every field vapo reads (``READ_FIELDS``) present with the same JSON type;
 the same message where vapo or an operator acts on the message (``SAME_MESSAGE``). ``tests/actors/
 test_sglang_contract.py`` runs it against rollout_server and, where SGLang is installed, the live server;
-``tests/actors/test_sglang_client.py`` replays the captured fixture to vapo's client.
+``tests/common/test_sglang_client.py`` replays the captured fixture to vapo's client.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from actors.rollout_server.process import ADMIN_KEY_ENV
 from tests.actors.http_fixtures import call, message
 from tests.actors.servers import start_rollout_server
 from tests.polling import wait_for
@@ -26,11 +27,11 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def _admin_server(model_dir: Path, log_dir: Path, *extra: str):
-    os.environ["VAPO_ENGINE_ADMIN_API_KEY"] = KEY  # how a worker passes it: never on the command line
+    os.environ[ADMIN_KEY_ENV] = KEY  # how a worker passes it: never on the command line
     try:
         return start_rollout_server(model_dir, log_dir, "--weight-version", "0", *extra)
     finally:
-        del os.environ["VAPO_ENGINE_ADMIN_API_KEY"]
+        del os.environ[ADMIN_KEY_ENV]
 
 
 def test_control_endpoints_need_the_admin_key_and_a_pause_shows_in_health(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from common.sglang_client import GenerateOutput, SGLangClient, SGLangError
 from learner.losses import token_logprobs
 from ops.sglang_cpu.contract import FIXTURE, conversation, violations
 from ops.sglang_cpu.live import LiveSGLang
-from tests.actors.actor_harness import REPO, make_weights
+from tests.actors.actor_harness import REPO, make_weights, metric
 from tests.actors.push_fixtures import load_from_disk
 
 pytestmark = pytest.mark.sglang
@@ -69,8 +68,7 @@ def served_version(server: LiveSGLang) -> str:
 def running_requests(server: LiveSGLang) -> float:
     """SGLang's own gauge (``--enable-metrics``, which vapo always passes)."""
     _, text = server.request("GET", "/metrics", key=None)
-    m = re.search(r"^sglang:num_running_reqs\{[^}]*\} ([0-9.e+]+)$", str(text), re.M)
-    return float(m.group(1)) if m else 0.0
+    return metric(str(text), "sglang:num_running_reqs") or 0.0
 
 
 def test_the_servers_temporary_files_are_in_a_directory_of_its_own(server: LiveSGLang) -> None:

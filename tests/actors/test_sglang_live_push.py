@@ -33,7 +33,7 @@ from common.sglang_client import GenerateOutput, SGLangClient
 from learner.weight_push import WeightPusher, bucket_plan
 from learner.weights import write_version
 from ops.sglang_cpu.live import LiveSGLang
-from tests.actors.actor_harness import REPO
+from tests.actors.actor_harness import REPO, metric
 from tests.actors.push_fixtures import connected_link, load_from_disk, member_config, perturbed, until
 from tests.learner.synth import child_env
 from tests.ports import free_port
@@ -210,10 +210,7 @@ def test_after_an_in_place_push_a_cached_prefix_is_served_with_the_new_weights(
 
 def _running(e: LiveSGLang) -> float:
     _, text = e.request("GET", "/metrics", key=None)
-    for line in str(text).splitlines():
-        if line.startswith("sglang:num_running_reqs{"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return metric(str(text), "sglang:num_running_reqs") or 0.0
 
 
 async def _recv(router: zmq.asyncio.Socket, timeout_s: float = 120.0) -> tuple[bytes, protocol.Message]:

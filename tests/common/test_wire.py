@@ -3,6 +3,7 @@ failed pack retires."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import msgpack
@@ -52,3 +53,15 @@ def test_each_thread_packs_with_its_own_packer() -> None:
     for t in threads:
         t.join()
     assert len({id(p) for p in seen}) == 3
+
+
+def test_a_message_travels_under_its_class_name() -> None:
+    """``@wire_message`` names the type on the wire after the class: nothing to spell by hand or keep in step."""
+
+    @wire.wire_message
+    @dataclasses.dataclass(frozen=True, eq=False)
+    class Probe(wire.Message):
+        n: int = wire.wire_int(lo=0)
+
+    assert Probe.TYPE == "Probe" and wire.Message.TYPE == ""
+    assert Probe(n=3).to_wire() == {"n": 3}  # the type and version are the frame's, added by encode

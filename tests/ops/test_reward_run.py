@@ -46,7 +46,7 @@ REWARD = textwrap.dedent('''
 
 
 # A whole launched run, about 45 s on 2 cores (not slow: under 90 s); the pool's guards are tested in
-# tests/common/test_reward_pool.py, the wrapper in tests/common/test_tasks_rewarded.py.
+# tests/common/test_reward_pool.py, the wrapper in tests/common/tasks/test_rewarded.py.
 def test_a_smoke_run_survives_a_users_reward_that_hangs_raises_and_eats_memory(tmp_path: Path) -> None:
     reward = tmp_path / "r.py"
     reward.write_text(REWARD)

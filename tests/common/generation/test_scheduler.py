@@ -1,5 +1,5 @@
 """common.generation.scheduler in-process: batching invariants against the HF model, prompt checks, weight
-updates, failure handling, and ``generate_batch``."""
+updates, failure handling."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.generation.passes import generate_batch
 from common.generation.sampling import RequestError, SamplingParams
 from common.generation.scheduler import Scheduler, Sequence
 from common.modeling import load_model
@@ -108,27 +107,3 @@ def test_scheduler_failure_answers_every_caller(model: torch.nn.Module) -> None:
             scheduler.submit([seq([5], max_new_tokens=1)])
     finally:
         scheduler.shutdown()
-
-
-def test_generate_batch_repeats_with_its_seed_matches_hf_greedy_and_leaves_the_model_alone(tiny_model_dir: Path) -> None:
-    """In-process generation (what learner.evaluate runs): more jobs than slots, greedy and sampled rows mixed;
-    the same jobs and seed give the same outputs, greedy rows equal HF argmax decoding, and the model's
-    parameters neither move (no fused views) nor change."""
-    model = load_model(tiny_model_dir).eval()
-    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
-    vocab = model.config.vocab_size
-    greedy = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 10}, vocab)
-    sampled = SamplingParams.from_dict({"temperature": 1.0, "max_new_tokens": 10}, vocab)
-    jobs = [([5, 6, 7], greedy), ([5, 6, 7], sampled), ([8, 9], sampled), ([3] * 20, greedy), ([4, 11], sampled)]
-    first = generate_batch(model, jobs, eos_token_ids={EOS}, seed=3, max_batch_size=2)
-    assert generate_batch(model, jobs, eos_token_ids={EOS}, seed=3, max_batch_size=2) == first
-    for (prompt, params), out in zip(jobs, first, strict=True):
-        assert 1 <= len(out) <= 10 and (out[-1] == EOS or len(out) == 10) and EOS not in out[:-1]
-        if params.greedy:
-            ctx = list(prompt)
-            with torch.no_grad():
-                for tok in out:
-                    assert tok == int(model(input_ids=torch.tensor([ctx])).logits[0, -1].argmax())
-                    ctx.append(tok)
-    for n, p in model.named_parameters():
-        assert p.data_ptr() == before[n][0] and torch.equal(p, before[n][1]), n
