@@ -96,7 +96,7 @@ def test_the_rule_finds_mirrored_flat_and_benchmark_tests() -> None:
     """The rule itself, on modules whose tests are known: a mirrored file, a subpackage's flat file, a package's
     ``__init__``, a ``__main__``, and a module that has none."""
     assert mirrored_tests(Path("buffer/store.py")) == [Path("tests/buffer/test_store.py")]
-    assert mirrored_tests(Path("common/tasks/chain.py")) == [Path("tests/common/test_chain.py")]
+    assert mirrored_tests(Path("common/tasks/chain.py")) == [Path("tests/common/tasks/test_chain.py")]
     assert mirrored_tests(Path("common/tasks/__init__.py")) == [Path("tests/common/test_tasks.py")]
     assert mirrored_tests(Path("actors/__main__.py")) == [Path("tests/actors/test_main.py")]
     assert mirrored_tests(Path("actors/rollout_server/__main__.py")) == []  # not actors/__main__.py's test
