@@ -1,7 +1,7 @@
 """The buffer benchmark (ops/bench/buffer.py) is bounded on any disk: the raw side's LMDB holds one call and keeps
 its size, a send the buffer refuses ends the run with the refusal named and exit 1 (it used to be re-sent without
-end), and so does ``--max-wall-s``; over dozens of calls of full-size groups the temp dir holds about a call a store. Its ``--quick`` line:
-``test_buffer_quick``."""
+end), and so does ``--max-wall-s``; over dozens of calls of full-size groups the temp dir holds about a call a
+store. Its ``--quick`` line: ``test_buffer_quick``."""
 
 from __future__ import annotations
 
