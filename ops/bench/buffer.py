@@ -49,7 +49,7 @@ an actor whose learner drains the buffer, endless here), a sender's error or exi
 The line carries ``disk_peak_mb``, the most the temp dir held on disk (sampled after every call). On an Intel
 Xeon with a disk syncing fast, 2 cores of which another benchmark held one: 0.10 and 0.12, fail twice (raw
 7,900-8,400 groups/s, ingest 830-920, sink 1,500-1,600: the transport alone reaches 0.2 of raw there), ~590 MB
-on disk, 124-133 s a run (docs/BENCHMARKS.md).
+on disk, 124-133 s a run; two more under a load of 3-7, 0.14 and 0.20, fail, 135-157 s (docs/BENCHMARKS.md).
 
 Requirement figure: the paper's setting trains on 512 prompts x 16 = 8,192 samples per learner step; we
 assume a 60 s step (long-CoT 32B steps take minutes), i.e. 137 samples/s from one buffer; the target is

@@ -1,9 +1,11 @@
 """The buffer benchmark (ops/bench/buffer.py) is bounded on any disk: the raw side's LMDB holds one call and keeps
 its size, a send the buffer refuses ends the run with the refusal named and exit 1 (it used to be re-sent without
-end), and so does ``--max-wall-s``. Its ``--quick`` line: ``test_buffer_quick``."""
+end), and so does ``--max-wall-s``; over dozens of calls of full-size groups the temp dir holds about a call a
+store. Its ``--quick`` line: ``test_buffer_quick``."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -53,6 +55,23 @@ def test_the_raw_side_holds_one_call_and_keeps_its_size(tmp_path: Path) -> None:
     # growing, the file would end ~8 x its first size (8 calls of ~2 MB); reusing its freed pages, it keeps it
     assert sizes[-1] <= 1.5 * sizes[1], sizes
     assert not (tmp_path / "raw").exists()
+
+
+def test_both_stores_stay_one_call_deep_over_many_calls() -> None:
+    # full-size groups (16 x 1,000 tokens, ~137 KB), calls of 16: three rounds of 0.3 s a side are dozens of calls
+    p = subprocess.run([sys.executable, "-m", "ops.bench.buffer", "--groups-per-sender", "8", "--groups-per-call", "8",
+                        "--serve-groups", "8", "--rounds", "3", "--min-round-s", "0.3"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = json.loads(p.stdout)
+    call_bytes = line["groups_per_call"] * line["group_bytes"]
+    # the capacity is one call, from the run's settings: its groups, its frames with room for the longer ids
+    assert line["capacity_groups"] == line["groups_per_call"] == 16
+    assert call_bytes < line["capacity_bytes"] < 1.1 * call_bytes
+    stored = min(sum(line["ingest_groups_rounds"]), sum(line["raw_groups_rounds"])) * line["group_bytes"]
+    assert stored > 10 * call_bytes, line  # enough calls that a store that grew would show it
+    # the temp dir at its most: about a call in each store (LMDB's copy-on-write pages), not what passed through
+    assert line["disk_peak_mb"] * 1e6 < 6 * call_bytes, (line["disk_peak_mb"], call_bytes, stored)
 
 
 def test_buffer_quick() -> None:
