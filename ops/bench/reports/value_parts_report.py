@@ -175,6 +175,10 @@ def _complete_arms(summary: dict[str, Any], study: Study) -> str:
             "rests on it.")
 
 
+def _with_ev_per_eval(made: list[dict[str, Any]]) -> int:
+    return sum(bool(r.get("critic_at_eval")) for r in made)
+
+
 def _notes(summary: dict[str, Any], study: Study) -> list[str]:
     """The hand-written reading, its ``{{...}}`` claims filled from the summary (``value_parts_claims``)."""
     if study.notes is None or not study.notes.is_file():
@@ -224,8 +228,9 @@ def section(summary: dict[str, Any], study: Study, plots: list[Path], out: Path)
              "`oracle_explained_variance`). The oracle arm trains its critic as the others do while the actor reads "
              "the oracle's values (a hand-made, task-aware reference critic), so its two RL columns are a trained "
              "critic and the reference on the same batches. The ledger keeps per run the best held-out EV of value "
-             "pretraining and the means over the RL steps, not the EV at each evaluation; lines written before "
-             "these readings were kept have none: n counts the runs that have them.", "",
+             "pretraining and the means over the RL steps; lines written before these readings were kept have "
+             f"none: n counts the runs that have them. The EV at each evaluation's step (`critic_at_eval`) is kept "
+             f"by lines recorded since it was added: {_with_ev_per_eval(study.made)} of {len(study.made)} here.", "",
              *critic_table(summary, study.arms), "",
              "### Provenance", "", "The commits the runs ran from (`commit` and `dirty` of each ledger line).", "",
              *provenance(study.made), ""]

@@ -34,7 +34,8 @@ oracle's EV on the RL batches 0.41 / 0.26 / 0.45 against the trained critic's 0.
 **A study longer than a machine's lease.** Run directories stay on the machine that made them, so each run
 that finishes is also kept, as one line of its readings (every evaluation on every axis, the final accuracy,
 its seconds, the commit and CPU it ran on, the load at its start and end, its critic's explained variance:
-``critic_readings``; lines written before that was kept have none), in
+``critic_readings``, and at each evaluation's step: ``critic_at_evaluations``; lines written before those were
+kept have none), in
 ``docs/results/value_parts_runs.jsonl``: committed, it
 lets the next checkout, on this machine or another, go on from there (a recorded run counts as done) and
 the summary read every run so far. ``--max-runs N`` starts at most N runs, to fit a session:
@@ -194,6 +195,19 @@ def critic_readings(d: Path) -> dict[str, float | None]:
             "oracle_ev": statistics.fmean(oracle) if oracle else None}
 
 
+def critic_at_evaluations(d: Path, steps: list[int]) -> list[dict[str, Any]]:
+    """Run directory ``d``'s critic EV and reference (oracle) EV on the RL batch of each step in ``steps`` (its
+    evaluations' steps), None where that step reported none: how the critic's fit moves with training, which
+    the means of ``critic_readings`` hide."""
+    at: dict[int, dict[str, Any]] = {}
+    for line in (d / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line) if line.strip() else {}
+        if rec.get("kind") == "learner_step" and rec.get("step") in steps:
+            at[rec["step"]] = {"rl_ev": rec.get("value_explained_variance"),
+                               "oracle_ev": rec.get("oracle_explained_variance")}
+    return [{"step": s, **at.get(s, {"rl_ev": None, "oracle_ev": None})} for s in steps]
+
+
 def record(root: Path, run: str, seconds: float, ledger: Path | None = None) -> dict[str, Any] | None:
     """Keep finished run ``run``'s readings in the ledger (its line replaced if it was there); None, and
     nothing written, for a run without ``summary.json`` or without evaluations beyond the base one."""
@@ -208,7 +222,9 @@ def record(root: Path, run: str, seconds: float, ledger: Path | None = None) -> 
            "commit": (made_by.get("commit") or {}).get("sha"), "dirty": (made_by.get("commit") or {}).get("dirty"),
            "cpu": cpu.get("model", "unknown"), "simd": cpu.get("torch_capability"), "cpus": cpu.get("logical_cpus"),
            "load_at_start": made_by.get("load_1m"), "load_at_end": measure.load()[0], "date": time.strftime("%Y-%m-%d"),
-           "critic": critic_readings(d), "axes_version": AXES_VERSION}
+           "critic": critic_readings(d),
+           "critic_at_eval": critic_at_evaluations(d, [int(p["step"]) for p in axis_run.points[1:]]),
+           "axes_version": AXES_VERSION}
     ledger = LEDGER if ledger is None else ledger
     rows = read_ledger(ledger)
     rows[run] = row
@@ -363,7 +379,7 @@ def report(root: Path, summary: dict[str, Any], out: Path) -> None:
         arms=list(arms()), groups=GROUPS, alphas=ALPHAS, total_runs=len(arms()) * len(SEEDS),
         hours=sum(r.get("seconds", 0.0) for r in kept.values()) / 3600, source=str(LEDGER.relative_to(REPO) if LEDGER.is_relative_to(REPO) else LEDGER),
         task=CONFIG, steps=STEPS, runs=runs_by_arm(root, LEDGER)[0], notes=NOTES,
-        made=[{k: r.get(k) for k in ("run", "commit", "dirty")} for r in kept.values()]))
+        made=[{k: r.get(k) for k in ("run", "commit", "dirty", "critic_at_eval")} for r in kept.values()]))
 
 
 def pilot(arm: str, steps: int, seed: int, root: Path) -> int:
