@@ -276,7 +276,7 @@ class AlgoConfig:
     truncated: str = f("zero_reward", "responses cut at actors.max_new_tokens: keep (verifier reward) | mask (no policy or value loss, DAPO overlong filtering) | zero_reward (reward 0); never NLL positives")
     clip_ratio_c: float = f(3.0, "dual clip: for A < 0 the policy objective is at least c·A, bounding a huge ratio's gradient (0 = off; else > 1)")
     actor_values: str = f("post_update", "values for the actor's advantages: post_update (critic after its update) | pre_update (one value pass before the critic update, verl's order)")
-    critic: str = f("learned", "what gives the actor's advantages their values: learned (the critic) | oracle (chain task only: the task's own state, p^(step lines left) and 0 after a mistake, VAPO's ceiling; the critic still trains and reports its EV beside oracle_explained_variance)")
+    critic: str = f("learned", "what gives the actor's advantages their values: learned (the critic) | oracle (chain task only: a hand-made, task-aware reference critic from the task's own state, p^(step lines left) and 0 after a mistake, one slip rate p for every line, so not a ceiling; the critic still trains and reports its EV beside oracle_explained_variance)")
     oracle_line_accuracy: float = f(0.0, "critic=oracle: p, the chance of writing a step line right (0 = each batch's own rate: 1 - first mistakes / (lines right before them + first mistakes))")
 
 

@@ -1,18 +1,21 @@
 """The value_parts suite's section of docs/RESULTS.md: every arm's final and equal-compute accuracy, the
-differences that separate the critic, the NLL and DAPO's filter (each with the σ of a difference), and one
-plot per regime of accuracy against the compute axes. Written by the suite after its runs
-(``python -m ops.bench.suites.experiments --suite value_parts``, ``--report-only`` to re-make it) from every run kept
-so far (``value_parts_suite.LEDGER``), so it is partial until all its runs are in, and says so. The reading
-on top is hand-written (``Study.notes``: ``docs/results/value_parts_notes.md``) and kept as it is. The suite
+seed-blocked differences that separate the critic, the NLL and DAPO's filter (``paired``: each with its standard
+error, df and p), read at each G's equal budget and at the pair's own, every arm across group sizes at equal
+generated tokens, the critics' explained variance, the runs' commits, and one plot per regime of accuracy
+against the compute axes. Written by the suite after its runs (``python -m ops.bench.suites.experiments
+--suite value_parts``, ``--report-only`` to re-make it) from every run kept so far (``value_parts_suite.LEDGER``),
+so it is partial until all its runs are in, and says so. The reading on top is hand-written (``Study.notes``:
+``docs/results/value_parts_notes.md``), its numbers filled from the summary (``value_parts_claims``). The suite
 hands it everything (``Study``); this module knows no suite.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ops.bench.reports import paired, value_parts_claims
 from ops.bench.reports.compute_axes import AxisRun
 from ops.bench.reports.run_records import mean_std, splice
 
@@ -37,6 +40,7 @@ class Study:
     steps: int
     runs: dict[str, list[AxisRun]]  # each arm's runs with evaluations
     notes: Path | None = None  # the hand-written reading, put above the tables when the file is there
+    made: list[dict[str, Any]] = field(default_factory=list)  # per ledger line: run, commit, dirty
 
 
 def _ms(xs: list[float]) -> str:
@@ -47,10 +51,7 @@ def _ms(xs: list[float]) -> str:
 
 
 def _diff(d: dict[str, Any] | None, mark: str = "") -> str:
-    if d is None:
-        return "—"
-    z = f", {abs(d['diff']) / d['sigma']:.1f} σ" if d["sigma"] > 0 else ", σ unknown (one seed a side)"
-    return f"{d['diff']:+.3f} ± {d['sigma']:.3f}{z} (n {d['n'][0]}/{d['n'][1]}){f'; {mark}' if mark else ''}"
+    return paired.fmt(d) + (f"; {mark}" if mark and d is not None else "")
 
 
 CPUS_DIFFER = "CPUs differ"  # marks a wall-time difference whose runs ran on more than one CPU type
@@ -66,9 +67,9 @@ def arm_table(summary: dict[str, Any], arms: list[str]) -> list[str]:
     return lines
 
 
-CRITIC_COLUMNS = {"pretrain_ev": "held-out EV after value pretraining",
+CRITIC_COLUMNS = {"pretrain_ev": "best held-out EV of value pretraining",
                   "rl_ev": "critic EV on the RL batches (mean over steps)",
-                  "oracle_ev": "oracle EV on the same batches"}
+                  "oracle_ev": "reference (oracle) EV on the same batches (mean over steps)"}
 
 
 def critic_table(summary: dict[str, Any], arms: list[str]) -> list[str]:
@@ -81,17 +82,44 @@ def critic_table(summary: dict[str, Any], arms: list[str]) -> list[str]:
     return lines
 
 
-def difference_table(summary: dict[str, Any]) -> list[str]:
-    """Per regime and pair: the difference of means ± its σ, and how many σ that is; at equal wall time marked
-    when the two arms' runs ran on more than one CPU type (it measures the machines as well as the methods)."""
+def difference_table(summary: dict[str, Any], budget: str = "paired") -> list[str]:
+    """Per regime and pair: the seed-blocked difference ± its standard error, df and p (``budget`` "paired":
+    read at the regime's equal budgets; "own": at the pair's own); at equal wall time marked when the two arms'
+    runs ran on more than one CPU type (it measures the machines as well as the methods)."""
     lines = ["| regime: a − b | what it measures | " + " | ".join(READ) + " |", "|---|---|" + "---|" * len(READ)]
     for key, d in summary["differences"].items():
         mixed = len(d.get("cpus", [])) > 1
         lines.append(f"| {key} | {d['what']} | " + " | ".join(
-            _diff(d.get(k), CPUS_DIFFER if mixed and k == "at_equal_wall_s" else "") for k in READ) + " |")
+            _diff(d[budget].get(k), CPUS_DIFFER if mixed and k == "at_equal_wall_s" else "") for k in READ) + " |")
     if not summary["differences"]:
         lines.append("| none yet: no regime has runs of both arms of a pair | | " + " | ".join("" for _ in READ) + " |")
     return lines
+
+
+def cross_g_table(summary: dict[str, Any], groups: tuple[int, ...]) -> list[str]:
+    """Per arm (without its G): held-out avg@8 at each G at the study's common generated-token budget, mean ±
+    sd (seeds), and the seed-blocked difference between the last G and the first."""
+    xg = summary.get("cross_g", {"arms": {}})
+    lo, hi = groups[0], groups[-1]
+    lines = [f"| arm | G = {lo} | G = {hi} | G = {hi} − G = {lo} |", "|---|---|---|---|"]
+    for arm, by_g in xg["arms"].items():
+        cells = [_ms(list(by_g.get(g, {}).values())) for g in (lo, hi)]
+        d = paired.paired(by_g[hi], by_g[lo]) if lo in by_g and hi in by_g else None
+        lines.append(f"| {arm} | {cells[0]} | {cells[1]} | {paired.fmt(d)} |")
+    return lines
+
+
+def provenance(made: list[dict[str, Any]]) -> list[str]:
+    """The commits the runs ran from (runs each) and the runs that started with uncommitted changes."""
+    by_commit: dict[str, list[dict[str, Any]]] = {}
+    for row in made:
+        by_commit.setdefault(str(row.get("commit"))[:10], []).append(row)
+    lines = ["| commit | runs | of which started with uncommitted changes |", "|---|---|---|"]
+    for sha, rows in sorted(by_commit.items(), key=lambda kv: -len(kv[1])):
+        dirty = sorted(r["run"] for r in rows if r.get("dirty"))
+        lines.append(f"| `{sha}` | {len(rows)} | {len(dirty)}{': ' + ', '.join(dirty) if dirty else ''} |")
+    unknown = sum(r.get("dirty") is None for r in made)
+    return lines + (["", f"{unknown} ledger lines do not say whether their tree was clean."] if unknown else [])
 
 
 def plot(study: Study, out_dir: Path) -> list[Path]:
@@ -147,9 +175,34 @@ def _complete_arms(summary: dict[str, Any], study: Study) -> str:
             "rests on it.")
 
 
+def _with_ev_per_eval(made: list[dict[str, Any]]) -> int:
+    return sum(bool(r.get("critic_at_eval")) for r in made)
+
+
+def _notes(summary: dict[str, Any], study: Study) -> list[str]:
+    """The hand-written reading, its ``{{...}}`` claims filled from the summary (``value_parts_claims``)."""
+    if study.notes is None or not study.notes.is_file():
+        return []
+    return [value_parts_claims.fill(study.notes.read_text(), summary).rstrip("\n"), ""]
+
+
+HOW_TO_READ = (
+    "the accuracy there is interpolated between the evaluations either side. Policy passes are learner "
+    "passes less the critic's: what the actor's updates cost, and all an oracle critic would cost (the "
+    "oracle arm trains a critic only to measure it, so its learner passes and wall time overstate an "
+    "oracle's). `m ± sd (n)`: mean and sd over n seeds. Every arm runs the same seeds, and a seed fixes the "
+    "base evaluation every arm starts from, so a difference a − b is seed-blocked: `d ± se (df k, p x)` is the "
+    "mean over seeds of a's accuracy less b's on the same seed, the standard error of that mean (sd of the "
+    "per-seed differences / √n), its degrees of freedom (n − 1) and the two-sided p of a paired t test. With "
+    "3 seeds (df 2) a difference needs about 4.3 standard errors for p < 0.05: a ratio d / se is not a z-score "
+    f"and is not quoted as one. `{CPUS_DIFFER}` on a wall-time difference: its runs ran on more than one CPU "
+    "type, so it measures the machines as well as the methods; read wall time only between runs of one type.")
+
+
 def section(summary: dict[str, Any], study: Study, plots: list[Path], out: Path) -> str:
     """The markdown between ``BEGIN`` and ``END``, both included."""
     complete = summary["runs"] == study.total_runs
+    xg = summary.get("cross_g", {}).get("budget", 0.0)
     lines = [BEGIN, "", "## The value model's parts at equal compute (value_parts suite)", "",
              f"Generated by `.venv/bin/python -m ops.bench.suites.experiments --suite value_parts` from the runs kept in "
              f"`{study.source}` (cells and costs: `ops/bench/suites/value_parts_suite.py`). Long task (`{study.task}`), "
@@ -157,23 +210,30 @@ def section(summary: dict[str, Any], study: Study, plots: list[Path], out: Path)
              f"**Runs so far: {summary['runs']} of {study.total_runs}** ({study.hours:.1f} h of runs; CPUs: "
              f"{', '.join(summary['machines']) or 'none'}). "
              + ("Every cell has its seeds." if complete else f"Partial: {_complete_arms(summary, study)}"), "",
-             *([study.notes.read_text().rstrip("\n"), ""] if study.notes is not None and study.notes.is_file() else []),
+             *_notes(summary, study),
              f"Equal budget: per G, the largest amount of each axis every run of that G reached, critic passes among "
-             f"the runs that train a critic ({_budgets(summary)}); "
-             "the accuracy there is interpolated between the evaluations either side. Policy passes are learner "
-             "passes less the critic's: what the actor's updates cost, and all an oracle critic would cost (the "
-             "oracle arm trains a critic only to measure it, so its learner passes and wall time overstate an "
-             "oracle's). `m ± sd (n)`: mean and sd "
-             "over n seeds; a difference `d ± σ` has σ = sqrt(sd_a²/n_a + sd_b²/n_b), and how many σ it is. "
-             f"`{CPUS_DIFFER}` on a wall-time difference: its runs ran on more than one CPU type, so it "
-             "measures the machines as well as the methods; read wall time only between runs of one type.", "",
-             "### Arms", "", *arm_table(summary, study.arms), "", "### Differences", "", *difference_table(summary), "",
+             f"the runs that train a critic ({_budgets(summary)}); " + HOW_TO_READ, "",
+             "### Arms", "", *arm_table(summary, study.arms), "",
+             "### Differences (seed-blocked), at each G's equal budget", "", *difference_table(summary), "",
+             "### The same differences at the pair's own budget", "",
+             "Read where both arms of the pair reached (the largest amount of each axis every run of the two arms "
+             "reached), so that no third arm sets where a pair is compared.", "",
+             *difference_table(summary, "own"), "",
+             "### Across group sizes at equal generated tokens", "",
+             f"Every arm at both G read at {xg / 1e6:.2f}M generated tokens, the most every run of the study "
+             "generated; the last column is seed-blocked.", "",
+             *cross_g_table(summary, study.groups), "",
              "### The critic's explained variance", "",
              "Per token, of the return the critic is trained on (metrics `value_explained_variance`, "
              "`oracle_explained_variance`). The oracle arm trains its critic as the others do while the actor reads "
-             "the oracle's values, so its two RL columns are a trained critic and the ceiling on the same batches. "
-             "Ledger lines written before these readings were kept have none: n counts the runs that have them.", "",
-             *critic_table(summary, study.arms), ""]
+             "the oracle's values (a hand-made, task-aware reference critic), so its two RL columns are a trained "
+             "critic and the reference on the same batches. The ledger keeps per run the best held-out EV of value "
+             "pretraining and the means over the RL steps; lines written before these readings were kept have "
+             f"none: n counts the runs that have them. The EV at each evaluation's step (`critic_at_eval`) is kept "
+             f"by lines recorded since it was added: {_with_ev_per_eval(study.made)} of {len(study.made)} here.", "",
+             *critic_table(summary, study.arms), "",
+             "### Provenance", "", "The commits the runs ran from (`commit` and `dirty` of each ledger line).", "",
+             *provenance(study.made), ""]
     lines += [f"![{p.stem}]({p.relative_to(out.parent).as_posix()})" for p in plots]
     return "\n".join([*lines, "", END])
 

@@ -1,5 +1,5 @@
 """Separate the parts of VAPO's gain, at equal total compute: the critic, the positive NLL, DAPO's filter, and
-the ceiling a perfect critic would reach. Run by ``python -m ops.bench.suites.experiments --suite value_parts``:
+a hand-made, task-aware reference critic. Run by ``python -m ops.bench.suites.experiments --suite value_parts``:
 
     .venv/bin/python -m ops.bench.suites.experiments --suite value_parts --list           # runs, states, minutes each
     .venv/bin/python -m ops.bench.suites.experiments --suite value_parts                  # run what is missing, summarise
@@ -12,8 +12,8 @@ read between two evaluations, so they are close). At G = 2 and G = 16 (prompts p
 samples, as ``value_study_suite.group_overrides``), the arms are:
 
 - ``vapo`` (long.yaml: surprise critic, 10 value-pretraining steps, μ = 0.1 NLL) and ``vapo_nonll`` (μ = 0);
-- ``oracle`` (``algo.critic=oracle``: the task's own values, the ceiling of a critic that cannot foresee a
-  slip; ``pre_update`` values, so no value pass is spent on the critic the actor does not read),
+- ``oracle`` (``algo.critic=oracle``: the task's own values, a hand-made reference critic that cannot foresee
+  a slip and assumes one slip rate for every line, not a ceiling; ``pre_update`` values, so no value pass is spent on the critic the actor does not read),
   ``trainable`` (the critic at the actor's lr, 1e-4, in RL and value pretraining; its surprise MLP, at
   ``learner.value_head_lr_scale`` = 1000 times that, then trains at 0.1) and ``backbone`` (the backbone at
   1e-4 with the surprise MLP at its shipped 1e-2: which of the two a faster critic's result comes from);
@@ -34,7 +34,8 @@ oracle's EV on the RL batches 0.41 / 0.26 / 0.45 against the trained critic's 0.
 **A study longer than a machine's lease.** Run directories stay on the machine that made them, so each run
 that finishes is also kept, as one line of its readings (every evaluation on every axis, the final accuracy,
 its seconds, the commit and CPU it ran on, the load at its start and end, its critic's explained variance:
-``critic_readings``; lines written before that was kept have none), in
+``critic_readings``, and at each evaluation's step: ``critic_at_evaluations``; lines written before those were
+kept have none), in
 ``docs/results/value_parts_runs.jsonl``: committed, it
 lets the next checkout, on this machine or another, go on from there (a recorded run counts as done) and
 the summary read every run so far. ``--max-runs N`` starts at most N runs, to fit a session:
@@ -51,12 +52,13 @@ learner and critic token passes, wall time; the budget is the largest every run 
 passes among the runs that train a critic, and only those runs are read on that axis) and on policy passes
 (learner passes less the critic's: what the actor's updates cost, and all an oracle critic would cost, since
 the oracle arm trains a critic only to measure it), and per regime (G, α)
-the differences that separate the parts (a pair of DAPO arms, which have no α, once per G), each with the σ
-of the difference of two means (sqrt(sd_a²/n_a + sd_b²/n_b)): ``vapo − dapo`` (as shipped), ``vapo_nonll − dapo`` (the critic alone),
-``vapo − dapo_nll`` (both with the NLL), ``dapo − dapo_nofilter`` (the filter), ``oracle − vapo`` (what a
-perfect critic would add), ``oracle − dapo`` (a perfect critic against no critic), ``trainable − vapo`` (a
-critic that can learn); and per arm its critic's
-explained variance (``critic``: after value pretraining, on the RL batches, and the oracle's beside it).
+the differences that separate the parts (a pair of DAPO arms, which have no α, once per G): ``DIFFERENCES``,
+each with the Welch σ of the difference of two means (sqrt(sd_a²/n_a + sd_b²/n_b)) and, since every arm runs the
+same seeds, seed-blocked (``paired``: the per-seed differences' mean, standard error, df and paired-t p) at the
+regime's equal budgets and at the pair's own (``own``, the largest both arms' runs reached: ``own_budgets``);
+every arm across G at one budget of generated tokens (``cross_g``); and per arm its critic's explained variance
+(``critic``: the best held-out EV of value pretraining, and the means over the RL steps of the critic's and the
+reference critic's on the RL batches; the ledger keeps no EV per evaluation).
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ from typing import Any
 
 from common.provenance import of_run
 from ops.bench import measure
-from ops.bench.reports import value_parts_report
+from ops.bench.reports import paired, value_parts_report
 from ops.bench.reports.compute_axes import AXES, AxisRun, accuracy_at, load_axis_run
 from ops.bench.reports.run_records import port_overrides
 from ops.bench.suites.long_suite import DAPO
@@ -108,7 +110,10 @@ DAPO_ARMS: dict[str, tuple[str, ...]] = {
 # (a, b, what a − b measures); a critic arm and "dapo*" are matched within the regime (G, α).
 DIFFERENCES = (("vapo", "dapo", "as shipped"), ("vapo_nonll", "dapo", "the critic alone (no NLL in either)"),
                ("vapo", "dapo_nll", "both with the NLL"), ("dapo", "dapo_nofilter", "DAPO's filter"),
-               ("oracle", "vapo", "what a perfect critic adds"), ("oracle", "dapo", "a perfect critic against none"),
+               ("vapo", "dapo_nofilter", "as shipped, against DAPO without its filter"),
+               ("vapo_nonll", "dapo_nofilter", "the critic alone, against DAPO without its filter"),
+               ("oracle", "vapo", "what the reference critic adds"), ("oracle", "dapo", "the reference critic against none"),
+               ("oracle", "dapo_nll", "the reference critic against none, both with the NLL"),
                ("trainable", "vapo", "a critic that can learn"),
                ("backbone", "vapo", "the backbone at the actor's lr, its head's as shipped"))
 # Every axis a run is read on: compute_axes' and policy passes (learner passes less the critic's).
@@ -190,6 +195,19 @@ def critic_readings(d: Path) -> dict[str, float | None]:
             "oracle_ev": statistics.fmean(oracle) if oracle else None}
 
 
+def critic_at_evaluations(d: Path, steps: list[int]) -> list[dict[str, Any]]:
+    """Run directory ``d``'s critic EV and reference (oracle) EV on the RL batch of each step in ``steps`` (its
+    evaluations' steps), None where that step reported none: how the critic's fit moves with training, which
+    the means of ``critic_readings`` hide."""
+    at: dict[int, dict[str, Any]] = {}
+    for line in (d / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line) if line.strip() else {}
+        if rec.get("kind") == "learner_step" and rec.get("step") in steps:
+            at[rec["step"]] = {"rl_ev": rec.get("value_explained_variance"),
+                               "oracle_ev": rec.get("oracle_explained_variance")}
+    return [{"step": s, **at.get(s, {"rl_ev": None, "oracle_ev": None})} for s in steps]
+
+
 def record(root: Path, run: str, seconds: float, ledger: Path | None = None) -> dict[str, Any] | None:
     """Keep finished run ``run``'s readings in the ledger (its line replaced if it was there); None, and
     nothing written, for a run without ``summary.json`` or without evaluations beyond the base one."""
@@ -204,7 +222,9 @@ def record(root: Path, run: str, seconds: float, ledger: Path | None = None) -> 
            "commit": (made_by.get("commit") or {}).get("sha"), "dirty": (made_by.get("commit") or {}).get("dirty"),
            "cpu": cpu.get("model", "unknown"), "simd": cpu.get("torch_capability"), "cpus": cpu.get("logical_cpus"),
            "load_at_start": made_by.get("load_1m"), "load_at_end": measure.load()[0], "date": time.strftime("%Y-%m-%d"),
-           "critic": critic_readings(d), "axes_version": AXES_VERSION}
+           "critic": critic_readings(d),
+           "critic_at_eval": critic_at_evaluations(d, [int(p["step"]) for p in axis_run.points[1:]]),
+           "axes_version": AXES_VERSION}
     ledger = LEDGER if ledger is None else ledger
     rows = read_ledger(ledger)
     rows[run] = row
@@ -296,11 +316,9 @@ def summary(root: Path, load_run: Any = None, ledger: Path | None = None) -> dic
         for arm, rs in runs.items():
             if not arm.startswith(f"g{g}_"):
                 continue
-            row = {"final": [r.points[-1]["acc"] for r in rs]}
+            row: dict[str, Any] = {"final": [r.points[-1]["acc"] for r in rs]}
             for axis in READ_AXES:
-                accs = [a["acc"] for r in rs if r.points[-1][axis] > 0
-                        and (a := accuracy_at(r.points, axis, budgets[axis])) is not None]
-                row[f"at_equal_{axis}"] = accs
+                row[f"at_equal_{axis}"] = list(at_budget(rs, axis, budgets[axis]).values())
             out["arms"][arm] = row
     for g in GROUPS:
         for i, alpha in enumerate(f"a{x:g}" for x in ALPHAS):
@@ -313,8 +331,45 @@ def summary(root: Path, load_run: Any = None, ledger: Path | None = None) -> dic
                 if ra is not None and rb is not None:
                     out["differences"][f"g{g} {alpha}: {a} − {b}" if with_alpha else f"g{g}: {a} − {b}"] = {
                         "what": what, "cpus": sorted(cpus[an] | cpus[bn]), "final": diff(ra["final"], rb["final"]),
-                        **{f"at_equal_{ax}": diff(ra[f"at_equal_{ax}"], rb[f"at_equal_{ax}"]) for ax in READ_AXES}}
+                        **{f"at_equal_{ax}": diff(ra[f"at_equal_{ax}"], rb[f"at_equal_{ax}"]) for ax in READ_AXES},
+                        **seed_blocked(runs[an], runs[bn], out["budgets"][g])}
+    out["cross_g"] = cross_g(runs)
     return out
+
+
+def at_budget(rs: list[AxisRun], axis: str, budget: float) -> dict[int, float]:
+    """Each run's accuracy at ``budget`` on ``axis`` by seed, for the runs that have the axis and reach it."""
+    return {paired.seed_of(r.name): a["acc"] for r in rs if r.points[-1][axis] > 0
+            and (a := accuracy_at(r.points, axis, budget)) is not None}
+
+
+def seed_blocked(ra: list[AxisRun], rb: list[AxisRun], budgets: dict[str, float]) -> dict[str, Any]:
+    """Two arms' seed-blocked differences (``paired.paired``): ``paired`` at the end and at the regime's equal
+    budgets (the columns beside it), ``own`` at the pair's own budgets, the largest both arms' runs reached
+    (so that no third arm sets where the pair is read), and ``own_budgets`` those budgets."""
+    final_a = {paired.seed_of(r.name): r.points[-1]["acc"] for r in ra}
+    final_b = {paired.seed_of(r.name): r.points[-1]["acc"] for r in rb}
+    both = [*ra, *rb]
+    own = {ax: min((r.points[-1][ax] for r in both if r.points[-1][ax] > 0), default=0.0) for ax in READ_AXES}
+    return {"paired": {"final": paired.paired(final_a, final_b),
+                       **{f"at_equal_{ax}": paired.paired(at_budget(ra, ax, budgets[ax]), at_budget(rb, ax, budgets[ax]))
+                          for ax in READ_AXES}},
+            "own": {"final": paired.paired(final_a, final_b),
+                    **{f"at_equal_{ax}": paired.paired(at_budget(ra, ax, own[ax]), at_budget(rb, ax, own[ax]))
+                       for ax in READ_AXES}},
+            "own_budgets": own}
+
+
+def cross_g(runs: dict[str, list[AxisRun]]) -> dict[str, Any]:
+    """Every arm at each G read at one budget of generated tokens, the largest every run of the study reached:
+    ``budget`` and per arm (its name without ``g<G>_``) and G its accuracy by seed."""
+    every = [r for rs in runs.values() for r in rs]
+    budget = min((r.points[-1]["gen_tokens"] for r in every), default=0.0)
+    arms_: dict[str, dict[int, dict[int, float]]] = {}
+    for arm, rs in runs.items():
+        g, rest = arm[1:].split("_", 1)
+        arms_.setdefault(rest, {})[int(g)] = at_budget(rs, "gen_tokens", budget)
+    return {"budget": budget, "arms": arms_}
 
 
 def report(root: Path, summary: dict[str, Any], out: Path) -> None:
@@ -323,7 +378,8 @@ def report(root: Path, summary: dict[str, Any], out: Path) -> None:
     value_parts_report.write(out, summary, value_parts_report.Study(
         arms=list(arms()), groups=GROUPS, alphas=ALPHAS, total_runs=len(arms()) * len(SEEDS),
         hours=sum(r.get("seconds", 0.0) for r in kept.values()) / 3600, source=str(LEDGER.relative_to(REPO) if LEDGER.is_relative_to(REPO) else LEDGER),
-        task=CONFIG, steps=STEPS, runs=runs_by_arm(root, LEDGER)[0], notes=NOTES))
+        task=CONFIG, steps=STEPS, runs=runs_by_arm(root, LEDGER)[0], notes=NOTES,
+        made=[{k: r.get(k) for k in ("run", "commit", "dirty", "critic_at_eval")} for r in kept.values()]))
 
 
 def pilot(arm: str, steps: int, seed: int, root: Path) -> int:

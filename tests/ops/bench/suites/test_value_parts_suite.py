@@ -146,8 +146,11 @@ def test_the_critics_explained_variance_is_kept_per_run_and_summarised_per_arm(t
     _run(runs, "g2_dapo", 0, [0.4, 0.45, 0.5])
     row = vp.record(runs, "vp_g2_oracle_a1-s0", 600.0, ledger)
     assert row is not None and row["critic"] == pytest.approx({"pretrain_ev": 0.2, "rl_ev": 0.4, "oracle_ev": 0.7})
-    assert vp.record(runs, "vp_g2_dapo-s0", 500.0, ledger)["critic"] == {
-        "pretrain_ev": None, "rl_ev": None, "oracle_ev": None}
+    # and at each evaluation's step (the fixture evaluates at steps 1 and 2): the readings themselves, not a mean
+    assert row["critic_at_eval"] == [{"step": 1, "rl_ev": 0.3, "oracle_ev": 0.6}, {"step": 2, "rl_ev": 0.5, "oracle_ev": 0.8}]
+    dapo = vp.record(runs, "vp_g2_dapo-s0", 500.0, ledger)
+    assert dapo["critic"] == {"pretrain_ev": None, "rl_ev": None, "oracle_ev": None}
+    assert dapo["critic_at_eval"] == [{"step": s, "rl_ev": None, "oracle_ev": None} for s in (1, 2)]
     old = vp.read_ledger(ledger)
     vp.record(runs, "vp_g2_vapo_a1-s0", 600.0, ledger)
     lines = [json.loads(x) for x in ledger.read_text().splitlines()]
