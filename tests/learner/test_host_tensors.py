@@ -8,7 +8,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner.host_tensors import _groups, is_partitioned, iter_host_tensors, load_host_tensors, tied_aliases, unwrap
+from learner.host_tensors import (
+    _groups,
+    is_partitioned,
+    iter_host_tensors,
+    load_host_tensors,
+    tied_aliases,
+    unwrap,
+)
 
 
 def _model(model_dir: Path) -> torch.nn.Module:

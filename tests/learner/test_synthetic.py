@@ -25,7 +25,7 @@ def test_groups_follow_their_rules_and_repeat_per_seed() -> None:
     assert all(np.array_equal(a.output_ids, b.output_ids) and a.reward == b.reward
                for g, h in zip(groups, again, strict=True) for a, b in zip(g.samples, h.samples, strict=True))
     other = synth_groups(5, 4, 20, seed=4)
-    assert any(not np.array_equal(a.output_ids, b.output_ids) for a, b in zip(groups[0].samples, other[0].samples))
+    assert any(not np.array_equal(a.output_ids, b.output_ids) for a, b in zip(groups[0].samples, other[0].samples, strict=True))
 
 
 def test_p_correct_sets_the_rewards_at_its_ends() -> None:
