@@ -99,6 +99,9 @@ MAIN_HARNESS = textwrap.dedent("""
         def __init__(self, *args, **kwargs):
             pass
 
+        def start(self):
+            return self
+
         def run(self):
             assert torch.distributed.is_initialized()
             raise RuntimeError("step failed")
