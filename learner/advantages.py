@@ -146,11 +146,11 @@ def decoupled_gae(
         rb, vb, mb = r[i:j], values[i:j], m[i:j]
         d = _td_errors_into(rb, vb, mb, gamma, delta[:n])
         _scan_into(d, c_actor[i:j], adv[i:j], buf[:n])  # zero on padding because δ is
-        if monte_carlo:
+        if c_critic is None:  # monte_carlo
             # γ = λ = 1: the critic target is the reward-to-go (δ telescopes), whatever λ_actor is.
             _reverse_cumsum_into(torch.mul(rb, mb, out=tmp[:n]), ret[i:j]).mul_(mb)
         else:
-            _scan_into(d, c_critic[i:j], tmp[:n], buf[:n])  # type: ignore[index]
+            _scan_into(d, c_critic[i:j], tmp[:n], buf[:n])
             torch.add(tmp[:n], vb, out=ret[i:j]).mul_(mb)
     return adv, ret
 

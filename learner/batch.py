@@ -18,15 +18,13 @@ RL return); ``rewards`` keeps the verifier's reward, which alone decides what is
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from common.limits import SampleLimits, group_problem, limits_from_config, model_shape, sample_problem
+from common.config import Config
 from common.protocol import Sample, SampleGroup
 
 
@@ -159,21 +157,24 @@ def apply_truncation_policy(batch: Batch, policy: str) -> Batch:
     return batch
 
 
-def collate_scored(groups: list[SampleGroup], pad_id: int, cfg: Any) -> Batch:
+def collate_scored(groups: list[SampleGroup], pad_id: int, cfg: Config) -> Batch:
     """``collate`` as the RL step and value pretraining both train on it: DAPO's overlong shaping
     (``algo.overlong_*``) and the truncation policy (``algo.truncated``) applied, so the critic's pretraining
     targets are the returns RL will ask it for."""
     ac = cfg.algo
-    kw = {"max_new_tokens": ac.overlong_max_length or cfg.actors.max_new_tokens,
-          "overlong_buffer": ac.overlong_buffer, "overlong_penalty_value": ac.overlong_penalty}
-    return apply_truncation_policy(collate(groups, pad_id, **kw), ac.truncated)
+    batch = collate(groups, pad_id, max_new_tokens=ac.overlong_max_length or cfg.actors.max_new_tokens,
+                    overlong_buffer=ac.overlong_buffer, overlong_penalty_value=ac.overlong_penalty)
+    return apply_truncation_policy(batch, ac.truncated)
 
 
-def collate(groups: list[SampleGroup], pad_id: int, **kw: int | float) -> Batch:
-    """All samples of ``groups`` in order (group g's samples are consecutive rows)."""
+def collate(groups: list[SampleGroup], pad_id: int, max_new_tokens: int = 0, overlong_buffer: int = 0,
+            overlong_penalty_value: float = 1.0) -> Batch:
+    """All samples of ``groups`` in order (group g's samples are consecutive rows); the overlong shaping as
+    ``collate_samples``."""
     samples = [s for g in groups for s in g.samples]
     gidx = [i for i, g in enumerate(groups) for _ in g.samples]
-    return collate_samples(samples, pad_id, group_index=gidx, **kw)  # type: ignore[arg-type]
+    return collate_samples(samples, pad_id, group_index=gidx, max_new_tokens=max_new_tokens,
+                           overlong_buffer=overlong_buffer, overlong_penalty_value=overlong_penalty_value)
 
 
 def concat(a: Batch, b: Batch, pad_id: int) -> Batch:
@@ -195,51 +196,6 @@ def gather_positions(x: Tensor, positions: Tensor) -> Tensor:
     """``x[b, positions[b, t]]`` for x ``[B, S]`` or ``[B, S, V]`` → ``[B, T]`` or ``[B, T, V]``."""
     rows = torch.arange(x.shape[0], device=x.device).unsqueeze(-1)
     return x[rows, positions.to(x.device)]
-
-
-def row_limits(cfg: Any) -> SampleLimits:
-    """What a usable row is for this learner: the run's bounds (``common.limits``), with the vocabulary of the
-    model it trains (``buffer.vocab_size`` may only narrow it: an id past the embedding table is an index error)."""
-    lim = limits_from_config(cfg)
-    vocab = model_shape(cfg.model.path)[0]
-    if vocab and (lim.vocab_size == 0 or lim.vocab_size > vocab):
-        lim = replace(lim, vocab_size=vocab)
-    return lim
-
-
-def drop_unusable(groups: list[SampleGroup], extra: list[Sample], lim: SampleLimits
-                  ) -> tuple[list[SampleGroup], list[Sample], dict[str, int]]:
-    """The groups and replayed positives the learner can train on, and how many samples were dropped per reason.
-
-    The buffer refuses such groups at ingest; this is the learner's own guard (a buffer directory filled before
-    the check, a changed config on resume): a bad sample drops its whole group (group statistics need all of
-    it), a bad positive only itself. Never raises on what a row holds."""
-    dropped: dict[str, int] = {}
-
-    def usable(problem: tuple[str, str] | None, n_samples: int) -> bool:
-        if problem is not None:
-            dropped[problem[0]] = dropped.get(problem[0], 0) + n_samples
-        return problem is None
-
-    kept = [g for g in groups if usable(group_problem(g, lim), len(g.samples))]
-    pos = [s for s in extra if usable(sample_problem(s, lim), 1)]
-    return kept, pos, dropped
-
-
-def fetch_usable(fetch_n: Callable[[int], tuple[list[SampleGroup], list[Sample]]], n_groups: int, lim: SampleLimits,
-                 count: Callable[[str, int], None]) -> tuple[list[SampleGroup], list[Sample]]:
-    """``n_groups`` usable groups (and the replayed positives that came with them) from ``fetch_n(k)``, which
-    returns k groups: unusable ones are dropped, counted with ``count(reason, samples)`` and asked for again.
-    Every rank of a learner sees the same groups, so every rank asks alike."""
-    groups: list[SampleGroup] = []
-    extra: list[Sample] = []
-    while len(groups) < n_groups:
-        got, pos, dropped = drop_unusable(*fetch_n(n_groups - len(groups)), lim)
-        for reason, n in dropped.items():
-            count(reason, n)
-        groups += got
-        extra += pos
-    return groups, extra
 
 
 __all__ = ["collate"]

@@ -11,9 +11,11 @@ Deviation from the paper: none in the model; the value head is a fp32 ``Linear(h
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import Tensor, nn
+from transformers import PreTrainedModel
 
 from learner.losses import chunked_token_logprobs
 from learner.packing import Packed, segment_cummin
@@ -34,7 +36,7 @@ class Critic(nn.Module):
     embedding matrix, so ``load_critic_module`` refuses a model with untied embeddings; the log-probs are
     computed over the response tokens only, ``logit_chunk_elements`` (tokens × vocab) at a time."""
 
-    def __init__(self, backbone: nn.Module, hidden_size: int, init_std: float, init_bias: float,
+    def __init__(self, backbone: PreTrainedModel, hidden_size: int, init_std: float, init_bias: float,
                  surprise: bool = False, logit_chunk_elements: int = 1 << 24) -> None:
         super().__init__()
         self.backbone = backbone
@@ -48,11 +50,11 @@ class Critic(nn.Module):
             self.value_head.bias.fill_(init_bias)
         self.surprise_head: nn.Sequential | None = None
         if surprise:
-            self.surprise_head = nn.Sequential(nn.Linear(2, 32, dtype=torch.float32), nn.SiLU(),
-                                               nn.Linear(32, 1, dtype=torch.float32))
+            first, last = nn.Linear(2, 32, dtype=torch.float32), nn.Linear(32, 1, dtype=torch.float32)
+            self.surprise_head = nn.Sequential(first, nn.SiLU(), last)
             with torch.no_grad():
-                self.surprise_head[2].weight.zero_()
-                self.surprise_head[2].bias.zero_()
+                last.weight.zero_()
+                last.bias.zero_()
 
     def head_state_dict(self) -> dict[str, Tensor]:
         """Everything above the backbone (saved as ``value_head.safetensors``)."""
@@ -72,7 +74,7 @@ class Critic(nn.Module):
                            running_min: Callable[[Tensor], Tensor]) -> Tensor:
         """``[B, S, 2]`` (running minimum, latest) token log-probs at the response tokens ``real`` ``[B, S]`` (each
         with a predecessor in its row), 0 elsewhere; ``running_min`` of ``[B, S]`` along each row."""
-        emb = self.backbone.get_input_embeddings().weight
+        emb = cast(Tensor, self.backbone.get_input_embeddings().weight)
         b, s = real.nonzero(as_tuple=True)  # log p(token s | < s) is read from the hidden state at s − 1
         chunks = max(1, -(-len(b) * emb.shape[0] // max(1, self.logit_chunk_elements)))
         lp, _ = chunked_token_logprobs(h[b, s - 1], lambda x: x @ emb.t().to(x.dtype), input_ids[b, s], chunks,

@@ -100,7 +100,7 @@ def _write_safetensors(path: Path, meta: BucketMeta, buf: Tensor, h: Any) -> int
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
     head = struct.pack("<Q", len(raw)) + raw
-    data = memoryview(buf.numpy())
+    data = buf.numpy().data
     size = len(head) + len(data)
     h.update(path.name.encode())
     h.update(b"\0")

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.config import ConfigError
+from common.config import Config, ConfigError
 from common.gpu_spec import engine_tp, parse_gpus
 from common.sglang_client import SGLangClient, SGLangError, as_int
 from common.tasks import Prompt, Task, encode_prompt
@@ -24,7 +24,7 @@ from learner.eval_record import eval_record
 from learner.eval_score import score
 
 
-def eval_engine_urls(cfg: Any) -> list[str]:
+def eval_engine_urls(cfg: Config) -> list[str]:
     """The engines an engine evaluation is spread over: ``learner.eval_engine_urls``, else
     ``learner.eval_engine_url`` alone, else every external engine (``engine.urls``), else every engine of a
     one-host run (engine i at ``engine.host:engine.base_port + i``), else engine 0 (the only one a loopback
@@ -56,7 +56,7 @@ class _Shard:
     """One engine's part of an engine evaluation and what came back."""
 
     url: str
-    ids: list[Sequence[int]]
+    ids: Sequence[Sequence[int]]
     sampled: list[list[list[int]]] = field(default_factory=list)
     greedy: list[list[int]] = field(default_factory=list)
     served: str = ""
@@ -177,7 +177,7 @@ def _engine_report(task: Task, tokenizer: Any, prompts: list[Prompt], shards: li
 
 
 def evaluate_sets_on_engines(urls: Sequence[str], tokenizer: Any, task: Task, sets: Sequence[EvalSet], version: int,
-                             limits: Callable[[int], dict[str, float]], timeout_s: float = 0.0,
+                             limits: Callable[[int], dict[str, Any]], timeout_s: float = 0.0,
                              **kw: Any) -> dict[str, Any]:
     """:func:`evaluate_on_engines` of each set (``common.tasks.eval_sets``) with its own prompts, k and
     response limit, as one metrics.jsonl ``eval`` record (``learner.eval_record.eval_record``).

@@ -26,8 +26,11 @@ SET_FIELDS = ("avg_at_k", "pass_at_k", "greedy_accuracy", "n_prompts", "k", "max
 
 
 class _Set(Protocol):
-    name: str
-    max_new_tokens: int
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def max_new_tokens(self) -> int: ...
 
 
 def _flat(rep: dict[str, Any]) -> dict[str, Any]:

@@ -41,7 +41,7 @@ def _mean(xs: Sequence[float]) -> float:
 
 def _rewards(task: Task, tokenizer: Any, p: Prompt, samples: Sequence[Sequence[int]]) -> list[float]:
     # A prompt's samples together, as an actor scores its group: a configured reward scores them the same way.
-    return [v.reward for v in task.verify_batch(p, [decode_response(tokenizer, ids) for ids in samples])]
+    return [v.reward for v in task.verify_batch(p, [decode_response(tokenizer, list(ids)) for ids in samples])]
 
 
 def _sampled_report(task: Task, tokenizer: Any, prompts: Sequence[Prompt],

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from common.config import ConfigError, load_config
+from common.config import Config, ConfigError, load_config
 from common.generation.passes import generate_passes
 from common.generation.sampling import SamplingParams
 from common.modeling import load_model, load_tokenizer
@@ -68,12 +68,13 @@ def _generate(
     batch_size: int,
     seed: int,
     progress: Callable[[int, int], None] | None = None,
-) -> list[list[list[int]]]:
+) -> list[list[list[list[int]]]]:
     """One result per ``(n, temperature)`` pass, as :func:`generate` returns it, decoded by the rollout
     server's scheduler (``common.generation.passes.generate_passes``: the same KV-cache decode loop the
     actors sample with, on this process's model; one scheduler for all passes). Each pass starts from
     ``seed``, so a pass's samples do not depend on the others; ``progress`` follows the first."""
-    vocab = int(model.config.vocab_size)
+    hf_config: Any = model.config  # nn.Module's __getattr__ types an HF model's config as Tensor | Module
+    vocab = int(hf_config.vocab_size)
     jobs = []
     for n, temperature in passes:
         sp = SamplingParams.from_dict({"temperature": temperature, "max_new_tokens": max_new_tokens}, vocab)
@@ -128,7 +129,7 @@ def evaluate_sets(model: torch.nn.Module, tokenizer: Any, task: Task, sets: Sequ
                         for s in sets])
 
 
-def eval_target(cfg: Any, world: int) -> tuple[str, list[str]]:
+def eval_target(cfg: Config, world: int) -> tuple[str, list[str]]:
     """(``local`` | ``engine``, engine URLs) for ``learner.eval_via`` with ``world`` learner ranks.
 
     Generating through the training model is right only for one process: under ZeRO-3 every forward is a

@@ -202,7 +202,8 @@ def _plan(module: nn.Module, state: PolicyState) -> list[tuple[str, torch.Size]]
     wrong = [f"{n} {tuple(state.tensors[n].shape)} != {tuple(s)}" for n, s in want
              if n in state.tensors and tuple(state.tensors[n].shape) != tuple(s)]
     if missing or extra or wrong:
-        raise ExportRefused(f"the checkpoint's policy is not the model of {module.config.name_or_path or 'the config'}: "
+        hf_config: Any = module.config  # nn.Module's __getattr__ types an HF model's config as Tensor | Module
+        raise ExportRefused(f"the checkpoint's policy is not the model of {hf_config.name_or_path or 'the config'}: "
                             f"missing {missing[:3]}, unexpected {extra[:3]}, shapes {wrong[:3]} "
                             f"(name the run's base model with --model DIR)")
     return want

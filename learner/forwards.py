@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -54,14 +54,14 @@ def critic_values(critic: Any, batch: Batch, micro: Micro) -> Tensor:
 def head_replaced(head: torch.nn.Module, forward: Callable[[Tensor], Tensor]) -> Iterator[None]:
     """For the duration, calling ``head`` runs ``forward`` (with the module's hooks: ZeRO-3's gather runs once)."""
     own = head.__dict__.get("forward")
-    head.forward = forward  # type: ignore[method-assign]  # an instance attribute shadows the class's forward
+    head.forward = forward  # an instance attribute shadows the class's forward
     try:
         yield
     finally:
         if own is None:
             del head.forward
         else:
-            head.forward = own  # type: ignore[method-assign]
+            head.forward = own
 
 
 def _logprob_head(lm_head: torch.nn.Module, rows: Tensor, slots: Tensor, targets: Tensor, limits: MicroLimits,
@@ -69,7 +69,7 @@ def _logprob_head(lm_head: torch.nn.Module, rows: Tensor, slots: Tensor, targets
     """The head's forward for one call: hidden states ``[B, M, H]`` at the kept positions → ``[2, R]`` (log π of
     ``targets`` ``[R]``, entropy or zeros) for the R response tokens at ``[rows, slots]``, the logits computed
     ``logit_elements`` at a time from the head's own weight."""
-    weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+    weight, bias = cast(Tensor, lm_head.weight), getattr(lm_head, "bias", None)
     temp = limits.temperature
 
     def logits(x: Tensor) -> Tensor:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from common.checksum import weights_sha256
 from common.modeling import load_tokenizer
@@ -50,13 +50,14 @@ def expansion_plan(n_src: int, n_out: int) -> list[tuple[int, bool]]:
     return plan
 
 
-def grow_model(model: torch.nn.Module, n_layers: int) -> torch.nn.Module:
+def grow_model(model: PreTrainedModel, n_layers: int) -> PreTrainedModel:
     """A new ``n_layers``-layer model of ``model``'s class computing the same function (see the module doc)."""
-    cfg = model.config.__class__.from_dict(model.config.to_dict())
+    src_config: Any = model.config  # the model's own config class (PretrainedConfig's type names none of its fields)
+    cfg = src_config.__class__.from_dict(src_config.to_dict())
     plan = expansion_plan(cfg.num_hidden_layers, n_layers)
     cfg.num_hidden_layers = n_layers
     if getattr(cfg, "layer_types", None):
-        cfg.layer_types = [model.config.layer_types[i] for i, _ in plan]
+        cfg.layer_types = [src_config.layer_types[i] for i, _ in plan]
     grown = model.__class__(cfg)
     src = model.state_dict()
     state = {k: v for k, v in src.items() if not k.startswith("model.layers.")}

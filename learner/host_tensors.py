@@ -23,7 +23,8 @@ from learner.dist import rank
 try:
     from transformers.modeling_utils import _get_tied_weight_keys
 except ImportError:  # other transformers layouts: keep the first name of each tied group
-    _get_tied_weight_keys = None
+    # The ignore: None marks the helper absent (checked before each use), not a callable.
+    _get_tied_weight_keys = None  # type: ignore[assignment]
 
 GATHER_BYTES = 256 << 20  # bound on one ZeRO-3 gather group (a larger single parameter is its own group)
 

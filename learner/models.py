@@ -40,12 +40,12 @@ import os
 import shutil
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from common.config import Config, ConfigError
@@ -75,7 +75,7 @@ def device_for(cfg: Config) -> torch.device:
     return torch.device("cpu")
 
 
-def _hf_module(auto_cls: Any, src: str | Path, hf_cfg: Any, dtype: str, partition: Config | None) -> nn.Module:
+def _hf_module(auto_cls: Any, src: str | Path, hf_cfg: PretrainedConfig, dtype: str, partition: Config | None) -> nn.Module:
     """``auto_cls`` with the weights in ``src``: ``from_pretrained``, or under ZeRO-3 (``partition`` given)
     built partitioned, each rank reading only its own slices of the files."""
     if partition is None:
@@ -128,11 +128,12 @@ def enable_activation_checkpointing(model: nn.Module, every: int = 1) -> None:
     not) and re-enters autograd in a way ZeRO-3's parameter hooks do not follow. The KV cache is off, as
     it must be for recomputation (and is useless in training)."""
     kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name is deprecated
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    hf: Any = model  # an HF PreTrainedModel (its checkpointing methods and config; nn.Module's type names neither)
+    if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name is deprecated
+        hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    model.config.use_cache = False
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    hf.config.use_cache = False
     # Each decoder layer checks its own flag when called.
     for i, layer in enumerate(m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)):
         layer.gradient_checkpointing = i % max(1, every) == 0
@@ -150,7 +151,8 @@ def load_policy_module(path: str | Path, dtype: str = "float32", activation_chec
     hf_cfg = AutoConfig.from_pretrained(str(path))
     _no_dropout(hf_cfg)
     model = _hf_module(AutoModelForCausalLM, path, hf_cfg, dtype, partition)
-    model.config.use_cache = False
+    config: Any = model.config  # nn.Module's __getattr__ types an HF model's config as Tensor | Module
+    config.use_cache = False
     if activation_checkpointing:
         enable_activation_checkpointing(model, checkpoint_every)
     if packing:
@@ -202,7 +204,8 @@ def load_critic_module(cfg: Config, path: str | Path | None = None, partitioned:
         enable_activation_checkpointing(backbone, cfg.learner.activation_checkpointing_every)
     if cfg.learner.packing:
         use_packed_attention(backbone)
-    critic = Critic(backbone, hf_cfg.hidden_size, cfg.learner.value_head_init_std, cfg.learner.value_head_init_bias,
+    critic = Critic(cast(PreTrainedModel, backbone), hf_cfg.hidden_size, cfg.learner.value_head_init_std,
+                    cfg.learner.value_head_init_bias,
                     surprise=cfg.learner.value_head_surprise,
                     logit_chunk_elements=cfg.learner.logits_chunk_elements or 1 << 24)
     head = src / "value_head.safetensors"
@@ -231,7 +234,7 @@ def save_critic(critic: Any, path: str | Path) -> Path:
 
     Every rank calls it under ZeRO-3: the backbone is gathered a bounded group at a time and only rank 0
     copies it to host and writes. Without ZeRO-3 rank 0 alone writes and the other ranks return at once."""
-    module = unwrap(critic)
+    module = cast(Critic, unwrap(critic))
     out = Path(path)
     if rank() != 0 and not is_partitioned(module):
         return out

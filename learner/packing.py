@@ -172,18 +172,18 @@ def _packed_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, at
     gqa, p = query.shape[1] != key.shape[1], dropout if module.training else 0.0
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, d]
     out = q.new_empty(q.shape)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     for b in _gather_plan(cu):
-        if b.index is None:
-            o = torch.nn.functional.scaled_dot_product_attention(
-                *(x[b.start:b.start + b.L].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, scale=scaling,
-                dropout_p=p, enable_gqa=gqa)  # [1, heads, L, d]
+        index, real, dst = b.index, b.real, b.dst
+        if index is None or real is None or dst is None:  # one row: all three are None
+            qs, ks, vs = (x[b.start:b.start + b.L].transpose(0, 1)[None] for x in (q, k, v))
+            o = sdpa(qs, ks, vs, is_causal=True, scale=scaling, dropout_p=p, enable_gqa=gqa)  # [1, heads, L, d]
             out[b.start:b.start + b.L] = o[0].transpose(0, 1)
             continue
-        n = b.index.numel() // b.L
-        o = torch.nn.functional.scaled_dot_product_attention(
-            *(x.index_select(0, b.index).view(n, b.L, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)),
-            is_causal=True, scale=scaling, dropout_p=p, enable_gqa=gqa)  # [n, heads, L, d]
-        out.index_copy_(0, b.dst, o.transpose(1, 2).flatten(0, 1).index_select(0, b.real))
+        n = index.numel() // b.L
+        qg, kg, vg = (x.index_select(0, index).view(n, b.L, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+        o = sdpa(qg, kg, vg, is_causal=True, scale=scaling, dropout_p=p, enable_gqa=gqa)  # [n, heads, L, d]
+        out.index_copy_(0, dst, o.transpose(1, 2).flatten(0, 1).index_select(0, real))
     return out[None], None
 
 
@@ -193,7 +193,8 @@ AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # unpacked calls get SDPA
 
 def use_packed_attention(model: torch.nn.Module) -> None:
     """Switch an HF model (and its sub-configs) to ``vapo_packed``: exact for packed calls, SDPA otherwise."""
-    model.config._attn_implementation = ATTENTION
+    config: Any = model.config  # nn.Module's __getattr__ types an HF model's config as Tensor | Module
+    config._attn_implementation = ATTENTION
     for sub in model.modules():
         cfg = getattr(sub, "config", None)
         if cfg is not None and getattr(cfg, "_attn_implementation", None) not in (None, ATTENTION):

@@ -28,7 +28,8 @@ from learner.host_tensors import is_partitioned, tied_aliases
 try:
     from transformers.initialization import no_init_weights
 except ImportError:  # older transformers: the random init runs (on each submodule, before it is partitioned)
-    no_init_weights = None
+    # The ignore: None marks it absent (checked before use), not a context manager.
+    no_init_weights = None  # type: ignore[assignment]
 
 
 @contextmanager
@@ -46,7 +47,7 @@ def build_empty(auto_cls: Any, hf_config: Any, dtype: torch.dtype, ds_config: di
     would also index partitions that are empty). The process group must exist (``setup_distributed``)."""
     import deepspeed  # noqa: PLC0415 - DeepSpeed picks its accelerator at import: after setup_distributed set DS_ACCELERATOR
 
-    class InitUnsynced(deepspeed.zero.Init):  # type: ignore[misc]
+    class InitUnsynced(deepspeed.zero.Init):
         """zero.Init without its broadcast of each new parameter from rank 0: every value is loaded from
         the files next, and receiving the broadcast would make each other rank write (make resident) every
         submodule's whole parameters on the way."""
@@ -123,7 +124,7 @@ def _read_range(e: _Entry, start: int, count: int, dst: torch.Tensor) -> None:
     if count:
         with e.path.open("rb") as f:
             f.seek(e.offset + start * buf.element_size())
-            view = memoryview(buf.view(torch.uint8).numpy()).cast("B")
+            view = buf.view(torch.uint8).numpy().data.cast("B")
             if f.readinto(view) != count * buf.element_size():
                 raise OSError(f"{e.path}: truncated tensor data")
     if not direct:
@@ -136,9 +137,10 @@ def _load_one(t: torch.Tensor, e: _Entry) -> None:
     if not hasattr(t, "ds_id"):
         _read_range(e, 0, e.numel, t.data.view(-1))
         return
-    part = t.ds_tensor
+    zero: Any = t  # ZeRO-3 adds ds_tensor and ds_process_group to the parameters it partitions
+    part = zero.ds_tensor
     size = int(part.ds_numel)
-    me = torch.distributed.get_rank(group=t.ds_process_group)
+    me = torch.distributed.get_rank(group=zero.ds_process_group)
     start = min(me * size, e.numel)
     count = max(0, min(size, e.numel - start))
     _read_range(e, start, count, part.data)

@@ -48,7 +48,7 @@ class WeightPublisher:
         if self._curve is not None:
             self._curve.apply(self.pub)
         self.pub.bind(publish_addr)
-        self.publish_endpoint = self.pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.publish_endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         # Handed to the REP thread, which alone reads it from here on.
         self._pub_monitor = security.open_monitor(self.pub, security.HANDSHAKE_FAILED)
         self._rep_ready = threading.Event()
@@ -68,7 +68,7 @@ class WeightPublisher:
             if self._curve is not None:
                 self._curve.apply(rep)
             rep.bind(addr)
-            self.query_endpoint = rep.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self.query_endpoint = rep.getsockopt_string(zmq.LAST_ENDPOINT)
             rep_monitor = security.open_monitor(rep, security.HANDSHAKE_FAILED)
         except BaseException as e:  # surfaced to the constructor
             self._rep_error = e

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from common import provenance
+from common.config import Config
 from learner.trackers import Trackers
 
 _lock = threading.Lock()  # rank 0's background evaluation appends beside the training loop
@@ -41,14 +42,14 @@ class RunRecords:
     experiment trackers (``trackers``: ``RunRecords.open`` opens what ``metrics.trackers`` names; a plain
     ``RunRecords(cfg)`` has none). The training loop and the background evaluator's thread both append."""
 
-    def __init__(self, cfg: Any, trackers: Trackers | None = None) -> None:
+    def __init__(self, cfg: Config, trackers: Trackers | None = None) -> None:
         self.cfg = cfg
         self.path: Path = cfg.run_dir / "metrics.jsonl"
         self.jsonl: bool = cfg.metrics.jsonl
         self.trackers = trackers
 
     @classmethod
-    def open(cls, cfg: Any) -> RunRecords:
+    def open(cls, cfg: Config) -> RunRecords:
         """The run's sink with its experiment trackers open (close it: ``close`` or ``with``)."""
         return cls(cfg, Trackers.open(cfg))
 
@@ -81,7 +82,7 @@ class RunRecords:
         self.close(failed=exc_type is not None)
 
 
-def header_record(cfg: Any) -> dict[str, Any]:
+def header_record(cfg: Config) -> dict[str, Any]:
     """``{"kind": "header", "time", "run", "resumed", **common.provenance.for_config(cfg)}``: commit, base
     checksum, CPU model and SIMD flags, torch/DeepSpeed versions, thread settings, load."""
     path = cfg.run_dir / "metrics.jsonl"

@@ -7,8 +7,8 @@
 The learner's listening sockets first (``learner.endpoints.Endpoints``: rank 0's weight publisher and, with the distributed
 transport, the push coordinator's socket and its store's address), so that an address this host does not
 have fails at start; then value pretraining (``learner.value_pretrain``, when enabled and there is no critic
-or checkpoint yet), then ``Runner``: resume from the newest intact checkpoint (``learner.resume``, verified
-by rank 0) → publish the current weights if the actors lack them → ``learner.total_steps`` steps of
+or checkpoint yet), then ``Runner``: its ``start()`` resumes from the newest intact checkpoint (``learner.resume``,
+verified by rank 0) → publishes the current weights if the actors lack them; its ``run()`` → ``learner.total_steps`` steps of
 ``learner.train.Learner``, each followed by a checkpoint (every ``learner.checkpoint_every``), a weight push
 (every ``learner.weights_every``, to ``<run dir>/weights``) and an evaluation of the held-out slice and
 ``task.eval_sets`` (every ``learner.eval_every``), with one line per step in ``<run dir>/metrics.jsonl``. Rank 0 talks to the buffer,
@@ -40,7 +40,8 @@ from learner.eval_record import eval_line, set_eval_gauges
 from learner.eval_worker import BackgroundEval
 from learner.evaluate import eval_target, evaluate_sets
 from learner.models import full_state_dict, load_policy_module
-from learner.push_coordinator import pushed_version
+from learner.publisher import WeightPublisher
+from learner.push_coordinator import PushCoordinator, pushed_version
 from learner.records import RunRecords, write_json_atomic
 from learner.step_stats import Phases
 from learner.train import Learner
@@ -91,7 +92,9 @@ def source_totals(source: DataSource | None) -> dict[str, int]:
 
 
 class Runner:
-    """The learner process: resume → (publish) → steps with checkpoint / weight push / eval → jsonl."""
+    """The learner process: ``start()`` (resume → renumber → publish), then ``run()``: steps with checkpoint /
+    weight push / eval → jsonl. Constructing one builds the learner and nothing else: no checkpoint is loaded,
+    no socket bound, nothing written or published until ``start()``."""
 
     def __init__(self, cfg: Config, source: DataSource | None, critic_path: str | Path | None = None,
                  metrics: Metrics | None = None, endpoints: Endpoints | None = None,
@@ -102,7 +105,7 @@ class Runner:
         self.records = records if records is not None else RunRecords(cfg)
         self.weights_root = self.run_dir / "weights"
         self.ckpt_root = self.run_dir / "checkpoints"
-        resolve_checkpoint(cfg)  # a learner.resume path that does not exist fails before the models are built
+        resolve_checkpoint(cfg)  # a check only: a learner.resume path that does not exist fails before the models are built
         pretrained = self.run_dir / "critic_pretrained"
         if critic_path is None and pretrained.is_dir():
             critic_path = pretrained
@@ -110,12 +113,22 @@ class Runner:
         self.task: Any = None
         self.eval_sets: list[EvalSet] = []  # the sets each evaluation covers, loaded with the task
         self.evals: Any = None  # learner.eval_worker.BackgroundEval, rank 0's engine evaluations
-        resume_from = choose_resume(cfg)
+        # main() opens them before value pretraining; a Runner made on its own (tests, tools) opens them in start().
+        self.endpoints = endpoints
+        self.publisher: WeightPublisher | None = None
+        self.push: PushCoordinator | None = None
+        self.started = False
+
+    def start(self) -> Runner:
+        """Resume from the chosen checkpoint, open the endpoints (unless given), and make the published weights
+        agree with the learner's version: renumber past weights a lost update published, publish what the
+        actors lack. Every rank calls it; returns the runner, ready to ``run()``."""
+        resume_from = choose_resume(self.cfg)
         if resume_from is not None:
             checkpoint.load(resume_from, self.learner)
             log.info("resumed from %s at version %d", resume_from, self.learner.version)
-        # main() opens them before value pretraining; a Runner made on its own (tests, tools) opens them here.
-        self.endpoints = endpoints if endpoints is not None else Endpoints(cfg, self.learner.metrics)
+        if self.endpoints is None:
+            self.endpoints = Endpoints(self.cfg, self.learner.metrics)
         self.endpoints.attach(self.learner)
         self.publisher, self.push = self.endpoints.publisher, self.endpoints.push
         published = self._published_version()
@@ -124,6 +137,8 @@ class Runner:
         if published < self.learner.version:
             self.publish()
         self.learner.metrics.weight_version.set(self.learner.version)
+        self.started = True
+        return self
 
     def _published_version(self) -> int:
         """The newest published version (-1: none), read by rank 0: every rank decides alike from it."""
@@ -205,7 +220,11 @@ class Runner:
         self.records.append(rec)
 
     def run(self) -> Learner:
-        learner_cfg = self.cfg.learner
+        """``learner.total_steps`` steps (or until ``run.max_wall_seconds``), then the final checkpoint and
+        evaluations; the endpoints are closed on the way out."""
+        if not self.started or self.endpoints is None:
+            raise RuntimeError("Runner.run() needs Runner.start() first (resume, renumber, publish)")
+        endpoints, learner_cfg = self.endpoints, self.cfg.learner
         max_wall = self.cfg.run.max_wall_seconds
         deadline = time.monotonic() + max_wall if max_wall > 0 else float("inf")
         try:
@@ -215,7 +234,7 @@ class Runner:
                 self._train_step()
             self._finish()
         finally:
-            self.endpoints.close()  # the last durable version is written and announced first
+            endpoints.close()  # the last durable version is written and announced first
             if self.task is not None:
                 self.task.close()  # a reward pool's processes (evaluation scores through it)
         return self.learner
@@ -229,22 +248,25 @@ class Runner:
             self.records.append({"kind": "eval", "weight_version": 0, "step": 0, "time": time.time(), **rep})
 
     def _train_step(self) -> None:
-        """One learner step, then its checkpoint, weight push and evaluation when due, timed as phases."""
+        """One learner step, then whichever of its checkpoint, weight push and evaluation is due: each is a named
+        phase of the step's record and gauges only when it ran (a step that saved nothing reports no checkpoint)."""
         learner_cfg, learner = self.cfg.learner, self.learner
         stats = learner.step()
-        phases = Phases()
-        with phases("checkpoint"):
-            if learner_cfg.checkpoint_every > 0 and learner.version % learner_cfg.checkpoint_every == 0:
+        version, phases = learner.version, Phases()
+        if learner_cfg.checkpoint_every > 0 and version % learner_cfg.checkpoint_every == 0:
+            with phases("checkpoint"):
                 checkpoint.save(self.ckpt_root, learner, learner_cfg.keep_checkpoints)
-        with phases("publish"):
-            if learner.version % max(learner_cfg.weights_every, 1) == 0 or learner.version >= learner_cfg.total_steps:
+        if version % max(learner_cfg.weights_every, 1) == 0 or version >= learner_cfg.total_steps:
+            with phases("publish"):
                 self.publish()
-        if learner_cfg.eval_every > 0 and learner.version % learner_cfg.eval_every == 0 and rank() == 0:
+        if learner_cfg.eval_every > 0 and version % learner_cfg.eval_every == 0 and rank() == 0:
             with phases("eval"):
                 rep = self.evaluate()
             if rep:
                 stats["eval"] = rep
         stats["phase_seconds"].update(phases.seconds)
+        for name, seconds in phases.seconds.items():
+            learner.metrics.phase_seconds.labels(phase=name).set(seconds)
         if rank() == 0:
             self._record_step(stats)
 
@@ -313,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         critic_path = None
         if (cfg.value_pretrain.enabled and cfg.algo.advantage == "gae" and resolve_checkpoint(cfg) is None):
             critic_path = pretrain_critic(cfg, source, metrics=metrics, records=records)
-        Runner(cfg, source, critic_path=critic_path, metrics=metrics, endpoints=endpoints, records=records).run()
+        Runner(cfg, source, critic_path=critic_path, metrics=metrics, endpoints=endpoints, records=records).start().run()
         finished = True
     finally:
         records.close(failed=not finished)  # a crash keeps every record so far; W&B marks the run failed

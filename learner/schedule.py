@@ -25,11 +25,11 @@ under ZeRO is a collective.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
 
+from common.config import Config
 from common.gpu_memory import read_model_config
 from common.microplan import Workload, cut_shares, deal
 from learner.batch import Batch
@@ -61,7 +61,7 @@ class MicroLimits:
         return limits if isinstance(limits, MicroLimits) else cls(rows=int(limits))
 
     @classmethod
-    def from_config(cls, cfg: Any, temperature: float = 1.0) -> MicroLimits:
+    def from_config(cls, cfg: Config, temperature: float = 1.0) -> MicroLimits:
         """The run's limits (``cfg`` the whole config: the workload model reads ``model.path``'s shape)."""
         lc = cfg.learner
         hf = read_model_config(cfg.model.path)

@@ -124,7 +124,9 @@ def _base_model(cfg: Config, tokenizer: Any) -> torch.nn.Module:
     if cfg.run.device == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("run.device=cuda but torch sees no CUDA device")
-        model = model.to("cuda")  # the base differs from a CPU-built one (other kernels): record, do not mix
+        # The base differs from a CPU-built one (other kernels): record, do not mix. The ignore: transformers'
+        # wrapper of PreTrainedModel.to types its first argument as the model.
+        model = model.to("cuda")  # type: ignore[arg-type]
     return model
 
 

@@ -115,7 +115,9 @@ class _WandB:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
             project=cfg.metrics.wandb_project, name=cfg.run.name, id=_run_id(self.dir / "run_id"),
-            resume="allow", dir=str(cfg.run_dir), mode=cfg.metrics.wandb_mode, config=to_dict(cfg),
+            # The ignore: wandb types mode as a Literal of its modes; the config's str is checked to be one of them.
+            resume="allow", dir=str(cfg.run_dir), mode=cfg.metrics.wandb_mode,  # type: ignore[arg-type]
+            config=to_dict(cfg),
             settings=wandb.Settings(console="off", silent=True))
         self.defined: set[str] = set()
 

@@ -7,8 +7,8 @@ weight pushes, evaluation), which calls ``Learner.step()`` once per version. Tes
 Step (VAPO arXiv 2504.05118 §3):
 
     fetch            groups with weight_version >= version - max_staleness (rank 0 asks the buffer, the
-                     other ranks decode the frames it broadcasts; learner.data.fetch), + stored positives
-                     for NLL replay (optional)
+                     other ranks decode the frames it broadcasts; rows the learner cannot use dropped and
+                     asked for again: learner.data.fetch), + stored positives for NLL replay (optional)
     collate          padded prompt+response tensors, response mask, behaviour logprobs (learner.batch);
                      truncated responses treated as ``algo.truncated`` says (keep | mask | zero_reward)
     values           V(s_t) of the batch from the critic before its update (skipped when the targets are
@@ -50,16 +50,9 @@ from common.config import Config
 from common.metrics import Metrics
 from common.modeling import load_tokenizer, pad_token_id
 from learner.advantages import decoupled_gae, gae, grpo_advantages, length_adaptive_lambda, terminal_rewards
-from learner.batch import (
-    Batch,
-    collate_samples,
-    collate_scored,
-    concat,
-    fetch_usable,
-    row_limits,
-)
+from learner.batch import Batch, collate_samples, collate_scored, concat
 from learner.compute import PHASE_PASSES, step_token_passes
-from learner.data import DataSource, fetch
+from learner.data import DataSource, fetch, row_limits
 from learner.dist import global_explained_variance, global_whiten, setup_distributed
 from learner.forwards import compute_logprobs, compute_values
 from learner.losses import behaviour_weight
@@ -175,11 +168,10 @@ class Learner:
     def fetch(self) -> tuple[list[protocol.SampleGroup], list[protocol.Sample]]:
         """The step's groups and replayed positives, without rows the learner cannot use (dropped, counted,
         and made up for by asking the buffer again)."""
-        learner_cfg = self.cfg.learner
-        return fetch_usable(
-            lambda n: fetch(self.source, self.version, n, learner_cfg.batch_timeout_s, self.cfg.nll.replay_fraction,
-                            self.cfg.buffer.positive_reward),
-            learner_cfg.batch_groups, self.row_limits, self.count_unusable)
+        cfg = self.cfg
+        return fetch(self.source, self.version, cfg.learner.batch_groups, cfg.learner.batch_timeout_s,
+                     limits=self.row_limits, count=self.count_unusable, replay_fraction=cfg.nll.replay_fraction,
+                     positive_reward=cfg.buffer.positive_reward)
 
     def count_unusable(self, reason: str, n: int) -> None:
         self.metrics.unusable_samples.labels(reason=reason).inc(n)

@@ -18,6 +18,7 @@ from typing import Any
 
 from torch import Tensor
 
+from common.config import Config
 from learner.accum import Accum
 from learner.batch import Batch
 from learner.dist import loss_scale_for_dp, rank, world_size
@@ -85,7 +86,7 @@ class ActorParams:
     clip_ratio_c: float = 3.0  # dual clip: for A < 0 the objective is at least c·A (0 = off)
 
     @classmethod
-    def from_config(cls, cfg: Any) -> ActorParams:
+    def from_config(cls, cfg: Config) -> ActorParams:
         ac = cfg.algo
         return cls(epochs=cfg.learner.ppo_epochs, clip_low=ac.clip_low, clip_high=ac.clip_high, loss_agg=ac.loss_agg,
                    nll_coef=cfg.nll.coef, entropy_coef=ac.entropy_coef, positive_reward=cfg.buffer.positive_reward,

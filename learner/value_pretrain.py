@@ -35,9 +35,9 @@ from common.metrics import Metrics
 from common.modeling import load_tokenizer, pad_token_id
 from common.protocol import SampleGroup
 from learner.advantages import gae, terminal_rewards
-from learner.batch import collate_scored, fetch_usable, row_limits
+from learner.batch import collate_scored
 from learner.compute import batch_tokens
-from learner.data import BufferSource, DataSource, fetch
+from learner.data import BufferSource, DataSource, fetch, row_limits
 from learner.dist import global_explained_variance, rank
 from learner.forwards import compute_values
 from learner.host_tensors import load_host_tensors
@@ -93,7 +93,7 @@ def _usable_fetcher(cfg: Config, source: DataSource | None, metrics: Metrics) ->
         log.warning("value pretraining: dropped %d batch samples the learner cannot use: %s", count, reason)
 
     def usable(n: int) -> list[SampleGroup]:
-        return fetch_usable(lambda k: fetch(source, 0, k, cfg.learner.batch_timeout_s), n, limits, dropped)[0]
+        return fetch(source, 0, n, cfg.learner.batch_timeout_s, limits=limits, count=dropped)[0]
 
     return usable
 

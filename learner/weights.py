@@ -32,11 +32,12 @@ import shutil
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
+from transformers import PreTrainedModel
 
 from common import protocol
 from common.checksum import weights_sha256
@@ -47,7 +48,8 @@ try:
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import PrefixChange
 except ImportError:  # transformers before its weight conversions: nothing to convert
-    get_model_conversion_mapping = None
+    # The ignore: None marks the mapping absent (checked before use), not a callable.
+    get_model_conversion_mapping = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
 STABLE = "STABLE"
@@ -153,7 +155,7 @@ def _needs_conversion(module: nn.Module) -> bool:
     if conversions is None:
         if get_model_conversion_mapping is None:
             return False
-        conversions = [c for c in get_model_conversion_mapping(module, add_legacy=False)
+        conversions = [c for c in get_model_conversion_mapping(cast(PreTrainedModel, module), add_legacy=False)
                        if not isinstance(c, PrefixChange)]
     return bool(conversions)
 
@@ -201,7 +203,7 @@ def write_hf(module: nn.Module, tensors: Iterable[tuple[str, Tensor | None]], ou
         raise error
     if convert:
         # The converted layout needs the whole dict at once: rank 0 holds it, the other ranks still do not.
-        module.save_pretrained(out, state_dict=full, safe_serialization=True)
+        cast(PreTrainedModel, module).save_pretrained(out, state_dict=full, safe_serialization=True)
         files = sorted(p.name for p in out.glob("*.safetensors"))
     else:
         files = writer.close(_num_parameters(module))
@@ -212,8 +214,9 @@ def write_hf(module: nn.Module, tensors: Iterable[tuple[str, Tensor | None]], ou
                 config.dtype = str(dtype).split(".")[1]
             config.architectures = [type(module).__name__]
             config.save_pretrained(out)
-            if getattr(module, "can_generate", lambda: False)() and getattr(module, "generation_config", None):
-                module.generation_config.save_pretrained(out)
+            generation: Any = getattr(module, "generation_config", None)
+            if getattr(module, "can_generate", lambda: False)() and generation:
+                generation.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     return files

@@ -49,7 +49,7 @@ HARNESS = textwrap.dedent("""
                              "learner.total_steps=3", "learner.batch_groups=4", "learner.micro_batch_size=8",
                              "learner.checkpoint_every=1", "learner.eval_every=0", "metrics.prometheus=false",
                              "learner.publish_addr=tcp://127.0.0.1:0", "learner.query_addr=tcp://127.0.0.1:0"])
-    Runner(cfg, KillingSource(synth_groups(16, 4, 60, seed=11))).run()
+    Runner(cfg, KillingSource(synth_groups(16, 4, 60, seed=11))).start().run()
 """)
 
 
@@ -90,12 +90,12 @@ def test_versions_published_past_the_checkpoint_are_skipped(tiny_model_dir: Path
                              "learner.eval_every=0", "metrics.prometheus=false",
                              "learner.publish_addr=tcp://127.0.0.1:0", "learner.query_addr=tcp://127.0.0.1:0"])
     groups = synth_groups(8, 2, 60, seed=4)
-    Runner(cfg, ListSource(groups)).run()  # checkpoints v2 and (final) v3, publishes v1..v3
+    Runner(cfg, ListSource(groups)).start().run()  # checkpoints v2 and (final) v3, publishes v1..v3
     # Simulate a crash after v3 was published but before its checkpoint became visible.
     ck = tmp_path / "r" / "checkpoints"
     (ck / "v3" / "COMPLETE").unlink()
     cfg.learner.total_steps = 4
-    r = Runner(cfg, ListSource(groups))
+    r = Runner(cfg, ListSource(groups)).start()
     # Restored v2's state; v3 (published, lost with its checkpoint) is not reused: v2's weights become v4.
     assert r.learner.version == 4
     r.run()
@@ -122,7 +122,7 @@ def trained(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(os, "fsync", recording)
-        Runner(_cfg(root, tiny_model_dir), ListSource(synth_groups(8, 2, 60, seed=4))).run()
+        Runner(_cfg(root, tiny_model_dir), ListSource(synth_groups(8, 2, 60, seed=4))).start().run()
     return {"root": root, "synced": synced}
 
 
@@ -148,7 +148,7 @@ def test_truncated_model_state_resumes_from_previous_with_its_version_and_cursor
     stable_v3 = (run_dir / "weights" / "v3" / "STABLE").read_text()
     cfg = _cfg(run_dir.parent, tiny_model_dir, "learner.total_steps=5")
     with caplog.at_level(logging.WARNING, logger="learner.checkpoint"):
-        r = Runner(cfg, ListSource(synth_groups(8, 2, 60, seed=4)))
+        r = Runner(cfg, ListSource(synth_groups(8, 2, 60, seed=4))).start()
     rel = victim.relative_to(ck / "v3")
     assert f"v3 damaged ({rel}: size {size // 3} != {size}); resuming from v2, 1 version back" in caplog.text
     # v2's data cursor and sample count; v2's weights republished past the published v3 (never reused).
@@ -281,7 +281,7 @@ TWO_RANKS = textwrap.dedent("""
                              "learner.batch_groups=2", "learner.checkpoint_every=1", "learner.eval_every=0",
                              "metrics.prometheus=false", "learner.publish_addr=tcp://127.0.0.1:0",
                              "learner.query_addr=tcp://127.0.0.1:0", *extra])
-    r = Runner(cfg, ListSource(synth_groups(8, 2, 60, seed=4)) if rank() == 0 else None)
+    r = Runner(cfg, ListSource(synth_groups(8, 2, 60, seed=4)) if rank() == 0 else None).start()
     print(f"rank {{rank()}} resumed at {{r.learner.version}}", flush=True)
     r.run()
     exit_process(0)

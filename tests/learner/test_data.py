@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from learner.data import BufferSource
 from learner.synthetic import synth_groups
 from learner.train import Learner
@@ -25,30 +27,64 @@ def test_learner_step_on_batch_from_real_buffer(tiny_model_dir: Path, tmp_path: 
         assert src.groups_consumed == 4 and src.state_dict()["groups_consumed"] == 4
         assert src.client.stats()["depth_groups"] == 2
         # Remaining groups are version 0: still within max_staleness=1 of learner version 1.
-        got = src.get_batch(1, 2, 10)
+        got = src.get_batch(1, 2, 10).groups
         assert {g.group_id for g in got} <= {g.group_id for g in groups[4:]} and len(got) == 2
     finally:
         srv.cleanup()
 
 
-def test_one_rank_fetch_decodes_nothing_and_encodes_nothing() -> None:
-    """With one rank ``fetch`` takes the source's decoded groups as they are: no frame is asked for."""
+def test_one_rank_fetch_decodes_nothing_and_encodes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one rank ``fetch`` takes the source's decoded groups as they are: no frame is built or read."""
+    from common import protocol
     from learner.data import ListSource, fetch
 
-    class NoFrames(ListSource):
-        def get_batch_frames(self, *a, **kw):
-            raise AssertionError("one rank must not ask for frames")
+    def no_frames(*a: object, **kw: object) -> bytes:
+        raise AssertionError("one rank must not encode frames")
 
-        def positives_frame(self, n):
-            raise AssertionError("one rank must not ask for frames")
-
+    monkeypatch.setattr(protocol, "encode_batch_reply", no_frames)
+    monkeypatch.setattr(protocol, "encode", no_frames)
     groups = synth_groups(3, 2, 40, seed=1, p_correct=1.0)
     positives = [s for g in synth_groups(1, 4, 40, seed=2) for s in g.samples]
-    got, extra = fetch(NoFrames(groups, positives), 0, 2, 1.0, replay_fraction=0.25)  # 4 positives -> 1
+    got, extra = fetch(ListSource(groups, positives), 0, 2, 1.0, replay_fraction=0.25)  # 4 positives -> 1
     assert all(a is b for a, b in zip(got, groups[:2], strict=True)) and extra == positives[:1]
     # Positives are counted at the buffer's threshold: above every reward there are none to replay.
-    _, none = fetch(NoFrames(groups, positives), 0, 2, 1.0, replay_fraction=0.25, positive_reward=2.0)
+    _, none = fetch(ListSource(groups, positives), 0, 2, 1.0, replay_fraction=0.25, positive_reward=2.0)
     assert none == []
+
+
+def test_fetch_drops_unusable_groups_counts_them_and_asks_again() -> None:
+    """A group with a token past the vocabulary is dropped whole (2 samples counted under ``token_id``) and the
+    next group in the list is asked for in its place: the first two usable groups, in order, in two asks."""
+    from common.limits import SampleLimits
+    from learner.data import ListSource, fetch
+
+    groups = synth_groups(4, 2, 40, seed=5)
+    bad = groups[1].samples[0]
+    bad.output_ids = bad.output_ids.copy()
+    bad.output_ids[0] = 40  # == vocab_size: one past the table
+    counted: list[tuple[str, int]] = []
+    src = ListSource(groups)
+    got, _ = fetch(src, 0, 2, 1.0, limits=SampleLimits(vocab_size=40), count=lambda r, n: counted.append((r, n)))
+    assert [g.group_id for g in got] == [groups[0].group_id, groups[2].group_id]
+    assert counted == [("token_id", 2)] and src.cursor == 3  # asked for 2, then for the 1 it lacked
+
+
+def test_list_source_encodes_its_batch_and_positives_only_when_asked() -> None:
+    """A list's batch and positives carry no frames; their wire forms decode back to the same rows (and no
+    positives asked for is the empty frame)."""
+    from learner.data import BatchFrames, ListSource, Positives
+
+    groups = synth_groups(3, 2, 40, seed=6)
+    positives = [s for g in synth_groups(1, 3, 40, seed=7) for s in g.samples]
+    src = ListSource(groups, positives)
+    batch = src.get_batch(0, 2)
+    assert batch.frames is None and [g.group_id for g in batch.groups] == [g.group_id for g in groups[:2]]
+    again = BatchFrames.decode(batch.wire_frames(), batch.min_version)
+    assert [g.group_id for g in again.groups] == [g.group_id for g in groups[:2]]
+    pos = src.positives(4)  # wraps around the 3 stored positives
+    assert [s.reward for s in Positives.decode(pos.wire_frame())] == [s.reward for s in [*positives, positives[0]]]
+    assert src.positives(0) == Positives([]) and Positives([]).wire_frame() == b"" and Positives.decode(b"") == []
+    assert src.state_dict() == {"cursor": 2, "pos_cursor": 4}
 
 
 class FrameClient:
@@ -76,7 +112,7 @@ def test_buffer_source_hands_out_the_frames_it_received_and_drops_stale_groups_a
     from those frames (``BatchFrames.decode`` with the same floor) are the same non-stale groups; the
     counters count what the buffer and the floor dropped."""
     from common import protocol
-    from learner.data import BatchFrames
+    from learner.data import BatchFrames, Positives
 
     old = synth_groups(1, 2, 40, seed=3, version=2)  # learner version 5, max_staleness 2: floor 3
     fresh = synth_groups(3, 2, 40, seed=4, version=4)
@@ -84,12 +120,12 @@ def test_buffer_source_hands_out_the_frames_it_received_and_drops_stale_groups_a
                protocol.encode_batch_reply([protocol.encode(g) for g in fresh[1:]], 0, 1)]
     positives = [s for g in fresh for s in g.samples]
     src = BufferSource("ipc://unused", max_staleness=2, client=FrameClient(replies, positives))
-    batch = src.get_batch_frames(5, 3, 10.0)
+    batch = src.get_batch(5, 3, 10.0)
     assert batch.frames == replies and batch.min_version == 3
     assert [g.group_id for g in batch.groups] == [g.group_id for g in fresh]
     again = BatchFrames.decode(batch.frames, batch.min_version)
     assert [g.group_id for g in again.groups] == [g.group_id for g in fresh]
     assert (src.stale_dropped, src.filtered, src.groups_consumed) == (1 + 1, 2 + 1, 3)
-    samples, frame = src.positives_frame(2)
-    assert [s.response_length for s in samples] == [s.response_length for s in positives[:2]] and frame
-    assert src.positives_frame(0) == ([], b"")
+    pos = src.positives(2)
+    assert [s.response_length for s in pos.samples] == [s.response_length for s in positives[:2]] and pos.frame
+    assert pos.wire_frame() is pos.frame and src.positives(0) == Positives([], b"")

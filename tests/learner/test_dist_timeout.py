@@ -34,11 +34,11 @@ HARNESS = textwrap.dedent("""
 
     class SlowSource(ListSource):
         # Stands in for a buffer that has no groups yet: the wait under test, not synchronisation.
-        def get_batch_frames(self, learner_version, n_groups, timeout_s=0.0):
+        def get_batch(self, learner_version, n_groups, timeout_s=0.0):
             time.sleep({wait})
             if mode == "fail":
                 raise TimeoutError("no batch (the buffer stands in)")
-            return super().get_batch_frames(learner_version, n_groups, timeout_s)
+            return super().get_batch(learner_version, n_groups, timeout_s)
 
     src = SlowSource(synth_groups(3, 2, 20, seed=1)) if dist.rank() == 0 else None
     groups, _ = fetch(src, 0, 3, 600.0)

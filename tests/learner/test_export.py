@@ -221,7 +221,7 @@ ZERO3_HARNESS = textwrap.dedent("""
     from learner.synthetic import synth_groups
 
     cfg = load_config(None, sys.argv[1:])
-    Runner(cfg, ListSource(synth_groups(8, 2, 60, seed=4)) if rank() == 0 else None).run()
+    Runner(cfg, ListSource(synth_groups(8, 2, 60, seed=4)) if rank() == 0 else None).start().run()
     exit_process(0)  # no interpreter finalisation: gloo's threads can abort it
 """)
 
@@ -237,7 +237,7 @@ def zero0_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     cfg = load_config(None, [f"run.root={tmp_path_factory.mktemp('export')}", f"model.path={tiny_model_dir}", *RUN,
                              "learner.publish_addr=tcp://127.0.0.1:0", "learner.query_addr=tcp://127.0.0.1:0"])
     save_config(cfg, cfg.run_dir / "learner_config.yaml")
-    Runner(cfg, ListSource(synth_groups(8, 2, 60, seed=4))).run()
+    Runner(cfg, ListSource(synth_groups(8, 2, 60, seed=4))).start().run()
     return cfg.run_dir
 
 
@@ -355,7 +355,7 @@ def test_the_real_sglang_serves_an_export(tmp_path: Path) -> None:
     base = REPO / "ops" / "bases" / "addition-tiny"
     cfg = load_config(None, [f"run.root={tmp_path}", f"model.path={base}", *RUN, "learner.total_steps=1",
                              "learner.publish_addr=tcp://127.0.0.1:0", "learner.query_addr=tcp://127.0.0.1:0"])
-    Runner(cfg, ListSource(synth_groups(4, 2, 60, seed=4))).run()
+    Runner(cfg, ListSource(synth_groups(4, 2, 60, seed=4))).start().run()
     assert export.main([str(cfg.run_dir), "--version", "1", "--out", str(tmp_path / "out"), "--model", str(base)]) == 0
     prompt = [5, 6, 7, 8]
     server = LiveSGLang.start(tmp_path / "out", tmp_path)
@@ -381,7 +381,7 @@ def test_zero2_bf16_exports_the_published_weights_and_with_float32_the_fp32_mast
     cfg = load_config(None, [f"run.root={tmp_path}", f"model.path={tiny_model_dir}", *RUN, "learner.total_steps=2",
                              "learner.zero_stage=2", "learner.precision=bf16",
                              "learner.publish_addr=tcp://127.0.0.1:0", "learner.query_addr=tcp://127.0.0.1:0"])
-    Runner(cfg, ListSource(synth_groups(8, 2, 60, seed=4))).run()
+    Runner(cfg, ListSource(synth_groups(8, 2, 60, seed=4))).start().run()
     ckpt = cfg.run_dir / "checkpoints" / "v2"
     prov = export.export(ckpt, tmp_path / "out")
     assert (prov["zero_stage"], prov["dtype"]) == (2, "bfloat16")

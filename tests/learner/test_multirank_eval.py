@@ -42,7 +42,7 @@ HARNESS = textwrap.dedent("""
     groups = synth_groups(3, 3, 60, seed=31)              # 9 rows: the ranks get 5 and 4
     positives = [s for g in synth_groups(4, 2, 60, seed=32, p_correct=1.0) for s in g.samples]
     src = ListSource(groups, positives) if rank() == 0 else None
-    Runner(cfg, src).run()
+    Runner(cfg, src).start().run()
     from learner.dist import exit_process  # no interpreter finalisation: gloo's threads can abort it
     exit_process(0)
 """)

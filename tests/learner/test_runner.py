@@ -28,7 +28,7 @@ def test_runner_logs_metrics_and_evaluates(tiny_model_dir: Path, tmp_path: Path)
                              "learner.eval_k=1", "task.eval_size=4", "task.max_digits=2", "actors.max_new_tokens=12",
                              "metrics.prometheus=false", "learner.checkpoint_every=0",
                              "learner.publish_addr=tcp://127.0.0.1:0", "learner.query_addr=tcp://127.0.0.1:0"])
-    runner = Runner(cfg, ListSource(synth_groups(4, 3, 60, seed=6)))
+    runner = Runner(cfg, ListSource(synth_groups(4, 3, 60, seed=6))).start()
     learner = runner.run()
     assert learner.version == 2  # v0 (the base policy), v1 and v2 were published
     done = json.loads((tmp_path / "r" / "learner_done.json").read_text())  # what the launcher trusts, not exit 0
@@ -71,7 +71,12 @@ def test_resume_republishes_the_checkpoint_weights_when_newer_ones_were_publishe
                              "learner.eval_every=0", "learner.keep_weights=10", "metrics.prometheus=false",
                              "learner.publish_addr=tcp://127.0.0.1:0", "learner.query_addr=tcp://127.0.0.1:0"])
     groups = synth_groups(10, 2, 60, seed=4)
-    Runner(cfg, ListSource(groups)).run()  # publishes v0..v3, checkpoints v2 and (final) v3
+    Runner(cfg, ListSource(groups)).start().run()  # publishes v0..v3, checkpoints v2 and (final) v3
+    # A phase is timed only in a step it ran in: the checkpoint at v2 (checkpoint_every=2), not at v1 or v3
+    # (the final v3 checkpoint comes after the last step's record); a publish every step (weights_every=1).
+    recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [("checkpoint" in r["phase_seconds"], "publish" in r["phase_seconds"], "eval" in r["phase_seconds"])
+            for r in recs] == [(False, True, False), (True, True, False), (False, True, False)]
     # A crash after v3 was published but before its checkpoint was complete: resume finds checkpoint v2.
     (tmp_path / "r" / "checkpoints" / "v3" / "COMPLETE").unlink()
     weights = tmp_path / "r" / "weights"
@@ -82,6 +87,12 @@ def test_resume_republishes_the_checkpoint_weights_when_newer_ones_were_publishe
 
     cfg.learner.total_steps = 5
     r = Runner(cfg, ListSource(groups))
+    # Constructing loads nothing, binds nothing, publishes nothing; run() without start() refuses.
+    assert r.learner.version == 0 and r.publisher is None and r.endpoints is None
+    assert latest_update(weights).version == 3 and complete_versions(weights) == [0, 1, 2, 3]
+    with pytest.raises(RuntimeError, match="start"):
+        r.run()
+    assert r.start() is r
     # The actors serve v3 (trained past the checkpoint): the learner must not continue as v3 with v2's
     # weights. It publishes what it holds, v2's weights, under the fresh number v4.
     assert r.learner.version == 4
@@ -95,7 +106,7 @@ def test_resume_republishes_the_checkpoint_weights_when_newer_ones_were_publishe
     # A second crash before any update: v4 was checkpointed, so the next resume continues at v4 and
     # does not skip yet another number (each skip moves the version further past the buffer's batches).
     r.publisher.close()
-    r = Runner(cfg, ListSource(groups))
+    r = Runner(cfg, ListSource(groups)).start()
     assert r.learner.version == 4 and complete_versions(weights) == [0, 1, 2, 3, 4]
     learner = r.run()
     assert learner.version == 5 and complete_versions(weights)[-1] == 5
@@ -116,7 +127,7 @@ def test_distributed_transport_writes_in_background_and_never_reuses_a_pushed_ve
                              "learner.weight_transport=distributed", "learner.push_addr=tcp://127.0.0.1:0",
                              "learner.publish_addr=tcp://127.0.0.1:0", "learner.query_addr=tcp://127.0.0.1:0"])
     groups = synth_groups(10, 2, 60, seed=4)
-    learner = Runner(cfg, ListSource(groups)).run()
+    learner = Runner(cfg, ListSource(groups)).start().run()
     weights = tmp_path / "r" / "weights"
     assert learner.version == 2 and complete_versions(weights) == [0, 1, 2]
     text = generate_latest(learner.metrics.registry).decode()
@@ -124,7 +135,7 @@ def test_distributed_transport_writes_in_background_and_never_reuses_a_pushed_ve
     assert "vapo_learner_weights_published_total 3.0" in text
     (weights / "PUSHED").write_text(json.dumps({"version": 3}))  # v3 reached engines; its disk copy did not
     cfg.learner.total_steps = 5
-    r = Runner(cfg, ListSource(groups))
+    r = Runner(cfg, ListSource(groups)).start()
     assert r.learner.version == 4  # v2's weights (the checkpoint) republished under a fresh number
     r.push.close()
     r.publisher.close()

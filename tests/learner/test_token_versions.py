@@ -47,7 +47,7 @@ def test_per_token_versions_through_buffer_and_learner(tiny_model_dir: Path, tmp
             for g in groups:
                 snd.send(g, timeout_s=10)
         src = BufferSource(srv.serve_addr, max_staleness=2)
-        got = src.get_batch(2, 4, 10)
+        got = src.get_batch(2, 4, 10).groups
         sent = {g.group_id: g for g in groups}
         for g in got:
             for a, b in zip(g.samples, sent[g.group_id].samples, strict=True):

@@ -157,7 +157,7 @@ def test_a_learner_run_sends_its_step_records_to_tensorboard(tiny_model_dir: Pat
                   "metrics.trackers=[tensorboard]")
     t0 = time.time()
     with RunRecords.open(cfg) as sink:
-        Runner(cfg, ListSource(synth_groups(4, 3, 60, seed=6)), records=sink).run()
+        Runner(cfg, ListSource(synth_groups(4, 3, 60, seed=6)), records=sink).start().run()
     recs = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if r["kind"] == "learner_step"]
     assert [r["step"] for r in steps] == [1, 2]

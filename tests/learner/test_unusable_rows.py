@@ -12,8 +12,7 @@ import pytest
 from common.config import load_config
 from common.limits import SampleLimits
 from common.protocol import SampleGroup
-from learner.batch import drop_unusable
-from learner.data import ListSource
+from learner.data import ListSource, drop_unusable
 from learner.synthetic import synth_groups
 from learner.train import Learner
 
