@@ -21,7 +21,8 @@ included. Open the results with ``tensorboard --logdir runs/<name>/tensorboard``
   event file there (steps redone after the last checkpoint appear twice). W&B writes ``<run dir>/wandb/``,
   in ``metrics.wandb_mode`` (``offline`` by default: no network, no API key), its console capture off and
   ``WANDB_SILENT`` set; the run id is kept in ``<run dir>/wandb/run_id`` so that a resumed start resumes
-  the same W&B run (each start is its own ``offline-run-*`` directory; sync them in order).
+  the same W&B run (each start is its own ``offline-run-*`` directory; sync them in order); closing waits
+  until W&B's service has written the run's file.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class _WandB:
             config=to_dict(cfg),
             settings=wandb.Settings(console="off", silent=True))
         self.defined: set[str] = set()
+        self._wandb = wandb
 
     def _axis(self, kind: str, names: list[str]) -> str:
         """The x axis of ``kind``'s metrics, declared with every name not yet declared."""
@@ -142,6 +144,10 @@ class _WandB:
 
     def close(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
+        # finish() can return before W&B's service has written the run's file (seen for a second run in one
+        # process), and the learner leaves through os._exit, past the atexit hook that would wait for it:
+        # teardown waits until the service has written everything, then stops it.
+        self._wandb.teardown()
 
 
 def _run_id(path: Path) -> str:
