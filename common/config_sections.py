@@ -214,6 +214,7 @@ class LearnerConfig:
     critic_lr: float = f(2e-4, "critic learning rate")
     warmup_steps: int = f(0, "linear lr warmup (optimizer steps) for the policy")
     critic_warmup_steps: int = f(0, "linear lr warmup (optimizer steps) for the critic")
+    critic_updates: int = f(0, "K_v: critic optimizer steps (mini-batches) per epoch of a step, set apart from the actor's (0 = learner.mini_batches; the paper: 16; one-rank learner only)")
     weight_decay: float = f(0.0, "AdamW weight decay")
     grad_clip: float = f(1.0, "gradient norm clip (0 = off)")
     zero_stage: int = f(0, "DeepSpeed ZeRO stage 0-3")
@@ -226,6 +227,7 @@ class LearnerConfig:
     value_head_init_bias: float = f(0.5, "initial value head bias (prior mean reward)")
     value_head_lr_scale: float = f(1.0, "the critic's surprise MLP (value_head_surprise) trains at this multiple of the critic lr")
     value_head_surprise: bool = f(False, "critic adds an MLP over the response's token logprobs under its own LM head (latest and running minimum): sees the first unlikely token")
+    value_head_surprise_source: str = f("critic_head", "whose token logprobs the surprise features are: critic_head (the critic's own tied LM head and backbone, moved by its training) | behaviour (each sample's behaviour logprobs) | frozen_base (a frozen copy of the base model, backbone and LM head; not with ZeRO-3)")
     critic_grown_lr_scale: float = f(1.0, "layers learner.grow inserted into the critic's backbone (grow.json in model.critic_path) train at this multiple of the critic lr: their output projections start at zero, and at a near-frozen backbone lr they barely move")
     publish_addr: str = f("tcp://127.0.0.1:5557", "PUB address for WeightUpdate")
     query_addr: str = f("tcp://127.0.0.1:5558", "REP address where late subscribers ask for the latest weights")
@@ -277,6 +279,7 @@ class AlgoConfig:
     clip_ratio_c: float = f(3.0, "dual clip: for A < 0 the policy objective is at least c·A, bounding a huge ratio's gradient (0 = off; else > 1)")
     actor_values: str = f("post_update", "values for the actor's advantages: post_update (critic after its update) | pre_update (one value pass before the critic update, verl's order)")
     critic: str = f("learned", "what gives the actor's advantages their values: learned (the critic) | oracle (chain task only: a hand-made, task-aware reference critic from the task's own state, p^(step lines left) and 0 after a mistake, one slip rate p for every line, so not a ceiling; the critic still trains and reports its EV beside oracle_explained_variance)")
+    baseline: str = f("critic", "the actor's prompt-level baseline: critic (GAE over the critic's values) | group_loo (for G >= 8: each response's leave-one-out group mean reward, the critic's values only for credit within the response)")
     oracle_line_accuracy: float = f(0.0, "critic=oracle: p, the chance of writing a step line right (0 = each batch's own rate: 1 - first mistakes / (lines right before them + first mistakes))")
 
 
@@ -287,6 +290,8 @@ class ValuePretrainConfig:
     batch_groups: int = f(32, "groups per value-pretraining step")
     lr: float = f(5e-4, "critic lr during value pretraining")
     patience: int = f(10, "stop when explained variance has not improved for this many steps")
+    pool_groups: int = f(0, "groups drawn once and trained on in epochs (each epoch a fresh shuffle cut into batch_groups-group batches) until patience or steps ends (0 = a fresh batch from the buffer every step)")
+    allow_untrained_critic: bool = f(True, "RL may start from a critic whose best held-out explained variance is <= 0; false: the learner refuses to start")
     min_explained_variance: float = f(0.0, "warn (and record) when the final explained variance is below this")
     eval_groups: int = f(32, "fresh groups held out to measure explained variance")
 

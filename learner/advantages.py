@@ -215,4 +215,36 @@ def grpo_advantages(scores: Tensor, group_index: Tensor, mask: Tensor, std_norma
     return adv * mask
 
 
-__all__ = ["decoupled_gae", "gae", "length_adaptive_lambda", "terminal_rewards"]
+def leave_one_out_means(scores: Tensor, group_index: Tensor) -> Tensor:
+    """Each row's group mean reward without the row itself: (Σ_group r − r_i) / (n − 1).
+
+    scores ``[B]``; group_index ``[B]`` (rows of one group share an index, in any order; < 0: outside every
+    group). Returns ``[B]`` float32, NaN for a row outside every group or alone in its group (no others)."""
+    s = scores.to(torch.float32)
+    out = torch.full(s.shape, float("nan"))
+    grouped = group_index >= 0
+    if not bool(grouped.any()):
+        return out
+    ids, inverse = torch.unique(group_index[grouped], return_inverse=True)
+    totals = torch.zeros(len(ids)).index_add_(0, inverse, s[grouped])
+    counts = torch.zeros(len(ids)).index_add_(0, inverse, torch.ones(len(inverse)))
+    n = counts[inverse]
+    loo = (totals[inverse] - s[grouped]) / (n - 1).clamp(min=1.0)
+    out[grouped] = torch.where(n > 1, loo, torch.full_like(loo, float("nan")))
+    return out
+
+
+def group_baseline_values(values: Tensor, mask: Tensor, scores: Tensor, group_index: Tensor) -> Tensor:
+    """The critic's values shifted per response so that its first state's value is the group's leave-one-out mean
+    reward: V'(s_t) = V(s_t) − V(s_0) + mean_{j≠i} r_j (algo.baseline=group_loo).
+
+    GAE over V' keeps the critic's TD errors inside the response (the shift cancels in r_t + γV'(s_{t+1}) − V'(s_t)
+    when γ = 1) and replaces its prompt-level baseline: with λ = 1, A_0 = r_i − mean_{j≠i} r_j, the group's
+    leave-one-out advantage. values, mask ``[B, T]``; scores, group_index ``[B]`` (``leave_one_out_means``). A row
+    without others in its group keeps its values. Returns ``[B, T]``, 0 on padding."""
+    loo = leave_one_out_means(scores, group_index).to(device=values.device, dtype=values.dtype)
+    shift = torch.where(torch.isnan(loo), torch.zeros_like(loo), loo - values[:, 0]) if values.shape[1] else loo[:0]
+    return (values + shift[:, None]) * mask.to(values.dtype)
+
+
+__all__ = ["decoupled_gae", "group_baseline_values", "leave_one_out_means", "gae", "length_adaptive_lambda", "terminal_rewards"]

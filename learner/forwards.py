@@ -41,13 +41,31 @@ def model_device(model: Any) -> torch.device:
 def critic_values(critic: Any, batch: Batch, micro: Micro) -> Tensor:
     """V(s_t) ``[len(rows), T_rows]`` fp32 with grad (T trimmed to those rows)."""
     dev = model_device(critic)
+    behaviour = getattr(critic.module, "surprise_source", "") == "behaviour"
     if micro.packed:
         p = pack(batch, micro.rows).to(dev)
-        v = critic(p.input_ids, None, None, packed=p)
+        lp = _at_own_positions(batch.select(micro.rows), p.positions, (1, p.tokens)) if behaviour else None
+        v = critic(p.input_ids, None, None, packed=p, token_logprobs=lp)
         return unpack(v, p).float()
     sub = batch.select(micro.rows).to(dev)
-    v = critic(sub.input_ids, sub.attention_mask, sub.prompt_lengths)
+    lp = _at_own_positions(sub, sub.positions, tuple(sub.input_ids.shape)) if behaviour else None
+    v = critic(sub.input_ids, sub.attention_mask, sub.prompt_lengths, token_logprobs=lp)
     return gather_positions(v, sub.positions).float()
+
+
+def _at_own_positions(sub: Batch, positions: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """The rows' behaviour log-probs ``[n, T]`` placed at their tokens' own sequence (or stream) indices: response
+    token t is scored at ``positions[:, t]`` and sits one further; ``shape`` ``[n, S]`` or ``[1, N]``, 0 elsewhere."""
+    T = positions.shape[1]
+    real = sub.mask[:, :T].to(positions.device) > 0
+    rows = torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(positions)
+    out = torch.zeros(shape, dtype=torch.float32, device=positions.device)
+    lp = sub.behaviour_logprobs[:, :T].to(device=positions.device, dtype=torch.float32)
+    if shape[0] == 1 and positions.shape[0] != 1:  # packed: one stream
+        out[0, positions[real] + 1] = lp[real]
+    else:
+        out[rows[real], positions[real] + 1] = lp[real]
+    return out
 
 
 @contextmanager

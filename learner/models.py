@@ -207,11 +207,33 @@ def load_critic_module(cfg: Config, path: str | Path | None = None, partitioned:
     critic = Critic(cast(PreTrainedModel, backbone), hf_cfg.hidden_size, cfg.learner.value_head_init_std,
                     cfg.learner.value_head_init_bias,
                     surprise=cfg.learner.value_head_surprise,
-                    logit_chunk_elements=cfg.learner.logits_chunk_elements or 1 << 24)
+                    logit_chunk_elements=cfg.learner.logits_chunk_elements or 1 << 24,
+                    surprise_source=cfg.learner.value_head_surprise_source,
+                    frozen_base=_frozen_base(cfg, src, partitioned))
     head = src / "value_head.safetensors"
     if head.is_file():
         critic.load_head_state_dict(load_file(str(head)))
     return critic
+
+
+def _frozen_base(cfg: Config, src: Path, partitioned: bool) -> PreTrainedModel | None:
+    """The surprise features' frozen base model (learner.value_head_surprise_source=frozen_base) when the critic
+    is loaded from a trained critic (``src`` not the base); None otherwise (the Critic copies its fresh backbone)."""
+    lc = cfg.learner
+    if not (lc.value_head_surprise and lc.value_head_surprise_source == "frozen_base"):
+        return None
+    if partitioned or lc.zero_stage == 3:
+        raise ConfigError("learner.value_head_surprise_source=frozen_base keeps a whole frozen copy of the base model "
+                          "on every rank: not with ZeRO-3 (learner.zero_stage=3)")
+    base = critic_base(cfg)
+    if src.resolve() == base.resolve():
+        return None
+    hf_cfg = AutoConfig.from_pretrained(str(base))
+    _no_dropout(hf_cfg)
+    frozen = _hf_module(AutoModel, base, hf_cfg, cfg.model.dtype, None)
+    if lc.packing:
+        use_packed_attention(frozen)
+    return cast(PreTrainedModel, frozen)
 
 
 def _host_head_state(module: Critic) -> dict[str, Tensor]:

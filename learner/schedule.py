@@ -43,6 +43,20 @@ def minibatch_rows(n_rows: int, mini_batches: int, seed: int, version: int) -> l
     return [c for c in torch.tensor_split(perm, mini_batches) if len(c)]
 
 
+def critic_minibatch_rows(actor: list[Tensor], n_rows: int, critic_updates: int, seed: int,
+                          version: int) -> list[Tensor]:
+    """The critic's mini-batches (learner.critic_updates, K_v): the actor's own list when ``critic_updates`` is 0,
+    else the step's permutation cut into ``critic_updates`` chunks, one critic optimizer step each per epoch.
+
+    One rank only: the deal of rows to ranks follows the mini-batches, and the value pass and the EV read the
+    actor's deal (``learner.train``)."""
+    if critic_updates <= 0:
+        return actor
+    if world_size() > 1:
+        raise ValueError("learner.critic_updates > 0 is implemented for a one-rank learner only")
+    return minibatch_rows(n_rows, critic_updates, seed, version)
+
+
 @dataclass(frozen=True)
 class MicroLimits:
     """How micro-batches are cut (learner.packing, micro_batch_tokens, no_grad_micro_batch_tokens, micro_batch_size,
@@ -143,4 +157,4 @@ def as_minibatches(rows: Tensor | list[Tensor]) -> list[Tensor]:
     return [rows] if isinstance(rows, Tensor) else list(rows)
 
 
-__all__ = ["minibatch_rows"]
+__all__ = ["critic_minibatch_rows", "minibatch_rows"]

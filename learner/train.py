@@ -49,7 +49,14 @@ from common import protocol
 from common.config import Config
 from common.metrics import Metrics
 from common.modeling import load_tokenizer, pad_token_id
-from learner.advantages import decoupled_gae, gae, grpo_advantages, length_adaptive_lambda, terminal_rewards
+from learner.advantages import (
+    decoupled_gae,
+    gae,
+    group_baseline_values,
+    grpo_advantages,
+    length_adaptive_lambda,
+    terminal_rewards,
+)
 from learner.batch import Batch, collate_samples, collate_scored, concat
 from learner.compute import PHASE_PASSES, step_token_passes
 from learner.data import DataSource, fetch, row_limits
@@ -59,7 +66,7 @@ from learner.losses import behaviour_weight
 from learner.mismatch import proximal_mismatch
 from learner.models import build_critic, build_policy
 from learner.oracle import ChainOracle
-from learner.schedule import MicroLimits, minibatch_rows, my_rows, read_rows
+from learner.schedule import MicroLimits, critic_minibatch_rows, minibatch_rows, my_rows, read_rows
 from learner.step_stats import Phases, Throughput, export_step, step_summary
 from learner.update import ActorParams, actor_update, critic_update
 
@@ -219,7 +226,9 @@ class Learner:
 
     def update_critic(self, d: StepData, *, returns: Tensor, old_values: Tensor) -> dict[str, float]:
         seen = None if self.value_pass else torch.zeros(d.batch.mask.shape)
-        stats = critic_update(self.critic, d.batch, minibatches=d.minibatches, returns=returns, old_values=old_values,
+        mbs = critic_minibatch_rows(d.minibatches, d.batch.size, self.cfg.learner.critic_updates, self.cfg.run.seed,
+                                    self.version)
+        stats = critic_update(self.critic, d.batch, minibatches=mbs, returns=returns, old_values=old_values,
                               epochs=self.cfg.learner.ppo_epochs, limits=d.limits, value_clip=self.cfg.algo.value_clip,
                               record=seen)
         if seen is not None:
@@ -232,6 +241,8 @@ class Learner:
 
     def gae_advantages(self, d: StepData, *, values: Tensor) -> Tensor:
         ac = self.cfg.algo
+        if ac.baseline == "group_loo":
+            values = group_baseline_values(values, d.batch.ppo_mask, d.batch.scores, d.batch.group_index)
         advantages, _ = decoupled_gae(d.rewards, values, d.batch.ppo_mask, ac.gamma, d.lam, ac.lambda_critic)
         return self.whiten(d, advantages)
 

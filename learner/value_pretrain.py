@@ -5,12 +5,15 @@
 
 The actors sample from the initial policy (nothing new is published while this runs, so every group is
 version 0) and the buffer serves their groups. ``value_pretrain.eval_groups`` groups are held out first;
-each step trains the critic on a fresh batch of ``value_pretrain.batch_groups`` groups (mini-batches
-from learner.mini_batches, one epoch) and measures the explained variance of its values on the held-out
-groups. It stops after ``value_pretrain.steps`` or when that explained variance has not improved for
-``value_pretrain.patience`` steps, then saves the critic to ``<run dir>/critic_pretrained`` (HF backbone +
-``value_head.safetensors``), where the RL learner picks it up. EV and loss go to metrics
-(``vapo_learner_value_pretrain_*``) and ``metrics.jsonl``.
+each step trains the critic on a fresh batch of ``value_pretrain.batch_groups`` groups (mini-batches from
+learner.critic_updates, else learner.mini_batches; one epoch) and measures the explained variance of its values
+on the held-out groups. With ``value_pretrain.pool_groups`` a pool of groups is drawn once instead and the critic
+trains on it in epochs (each a fresh shuffle cut into batches). It stops after ``value_pretrain.steps`` or when
+that explained variance has not improved for ``value_pretrain.patience`` steps, then saves the critic to
+``<run dir>/critic_pretrained`` (HF backbone + ``value_head.safetensors``), where the RL learner picks it up. A
+critic whose best held-out explained variance is <= 0 is refused (saved, then an error) when
+``value_pretrain.allow_untrained_critic`` is false. EV and loss go to metrics (``vapo_learner_value_pretrain_*``)
+and ``metrics.jsonl``.
 
 Deviation: the critic's own learning rate here is ``value_pretrain.lr``; with γ = 1 and λ = 1 the target
 at every real token is the sample's final reward (never the actor's λ-return: that would feed the
@@ -98,11 +101,44 @@ def _usable_fetcher(cfg: Config, source: DataSource | None, metrics: Metrics) ->
     return usable
 
 
+def pooled_batches(groups: list[SampleGroup], batch_groups: int, seed: int) -> Callable[[], list[SampleGroup]]:
+    """``() -> the next batch`` of ``batch_groups`` groups from ``groups``, epoch after epoch: each epoch a seeded
+    permutation cut into ``len(groups) // batch_groups`` batches (the remainder sits that epoch out)."""
+    per_epoch = max(1, len(groups) // batch_groups)
+    state = {"epoch": 0, "k": per_epoch}
+    order: list[int] = []
+
+    def next_batch() -> list[SampleGroup]:
+        if state["k"] >= per_epoch:
+            g = torch.Generator().manual_seed(int(seed) * 1_000_003 + state["epoch"])
+            order[:] = torch.randperm(len(groups), generator=g).tolist()
+            state["epoch"] += 1
+            state["k"] = 0
+        k = state["k"]
+        state["k"] += 1
+        return [groups[i] for i in order[k * batch_groups:(k + 1) * batch_groups]]
+
+    return next_batch
+
+
+def check_trained(cfg: Config, critic_dir: Path) -> None:
+    """Refuse a pretrained critic whose best held-out explained variance is <= 0 (it predicts the returns no
+    better than their mean) unless ``value_pretrain.allow_untrained_critic``; ``critic_dir`` as saved here."""
+    info = critic_dir / "value_pretrain.json"
+    if cfg.value_pretrain.allow_untrained_critic or not info.is_file():
+        return
+    ev = float(json.loads(info.read_text())["explained_variance"])
+    if ev <= 0.0:
+        raise RuntimeError(f"value pretraining: the critic in {critic_dir} has best held-out explained variance "
+                           f"{ev:.4f} <= 0; RL will not start from it (train longer: value_pretrain.steps, "
+                           f"value_pretrain.pool_groups; or set value_pretrain.allow_untrained_critic=true)")
+
+
 def _train_on(critic: Any, cfg: Config, groups: list[SampleGroup], pad: int, micro: MicroLimits,
               step: int) -> tuple[dict[str, Any], float]:
     """One critic update on ``groups``: (its stats, the explained variance on its own rows)."""
     batch = collate_scored(groups, pad, cfg)
-    minibatches = minibatch_rows(batch.size, cfg.learner.mini_batches, cfg.run.seed + 7919, step)
+    minibatches = minibatch_rows(batch.size, cfg.learner.critic_updates or cfg.learner.mini_batches, cfg.run.seed + 7919, step)
     mine = my_rows(minibatches, batch, micro)
     # λ = 1 targets do not depend on V: no value pass before the update; the training-batch explained
     # variance is read from the update's own forwards (each mini-batch before its own step).
@@ -128,13 +164,13 @@ def _report(cfg: Config, metrics: Metrics, records: RunRecords, rec: dict[str, A
                  rec["value_mean"])
 
 
-def _train(critic: Any, cfg: Config, usable: Callable[[int], list[SampleGroup]], held_batch: Any, pad: int,
+def _train(critic: Any, cfg: Config, next_batch: Callable[[], list[SampleGroup]], held_batch: Any, pad: int,
            micro: MicroLimits, metrics: Metrics, records: RunRecords, best: _Best) -> int:
     """Steps until ``value_pretrain.steps`` or patience runs out, keeping ``best`` current; the steps taken."""
     settings, step = cfg.value_pretrain, 0
     while step < settings.steps and best.steps_since < settings.patience:
         t0 = time.perf_counter()
-        stats, train_ev = _train_on(critic, cfg, usable(settings.batch_groups), pad, micro, step)
+        stats, train_ev = _train_on(critic, cfg, next_batch(), pad, micro, step)
         step += 1
         ev, value_mean = heldout_ev(critic, held_batch, cfg.algo.gamma, micro)
         if ev > best.explained_variance + 1e-4:
@@ -181,6 +217,7 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
     out = out or cfg.run_dir / "critic_pretrained"
     if out.is_dir() and (out / "value_head.safetensors").is_file():
         log.info("value pretraining: reusing %s", out)
+        check_trained(cfg, out)
         return out
     metrics = metrics or Metrics("learner")
     pad = pad_token_id(load_tokenizer(cfg.model.path))
@@ -188,10 +225,12 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
     micro = MicroLimits.from_config(cfg)
     usable = _usable_fetcher(cfg, source, metrics)
     held_batch = collate_scored(usable(settings.eval_groups), pad, cfg)
+    next_batch = (pooled_batches(usable(settings.pool_groups), settings.batch_groups, cfg.run.seed + 104729)
+                  if settings.pool_groups > 0 else lambda: usable(settings.batch_groups))
     initial_ev, _ = heldout_ev(critic, held_batch, cfg.algo.gamma, micro)
     best = _Best(initial_ev, _snapshot(critic))
     log.info("value pretraining: held-out EV %.4f before training", initial_ev)
-    steps = _train(critic, cfg, usable, held_batch, pad, micro, metrics, records or RunRecords(cfg), best)
+    steps = _train(critic, cfg, next_batch, held_batch, pad, micro, metrics, records or RunRecords(cfg), best)
     if best.explained_variance < settings.min_explained_variance:
         log.warning("value pretraining ended with explained variance %.4f < %.4f", best.explained_variance,
                     settings.min_explained_variance)
@@ -203,6 +242,7 @@ def pretrain_critic(cfg: Config, source: DataSource | None, out: Path | None = N
     release(critic)
     del critic
     collect()
+    check_trained(cfg, out)
     return out
 
 
@@ -217,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["heldout_ev", "value_targets"]
+__all__ = ["check_trained", "heldout_ev", "pooled_batches", "value_targets"]
 
 
 if __name__ == "__main__":

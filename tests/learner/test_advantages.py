@@ -9,8 +9,10 @@ from learner.advantages import (
     decoupled_gae,
     discounted_reverse_cumsum,
     gae,
+    group_baseline_values,
     group_normalized_advantages,
     grpo_advantages,
+    leave_one_out_means,
     length_adaptive_lambda,
     terminal_rewards,
 )
@@ -191,3 +193,30 @@ def test_cuda_matches_cpu_without_host_copies() -> None:
     gpu = gae(dev[0], dev[1], dev[2], 1.0, dev[3])
     torch.testing.assert_close(gpu[0].cpu(), cpu[0], atol=1e-5, rtol=0)
     assert gpu[0].device.type == "cuda"
+
+
+def test_leave_one_out_means_hand_derived() -> None:
+    # Group 7 = rows 0, 2, 3 (rewards 1, 0, 1; sum 2), group 4 = rows 1, 4 (0, 1), row 5 alone, row 6 outside.
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    index = torch.tensor([7, 4, 7, 7, 4, 9, -1])
+    got = leave_one_out_means(scores, index)
+    # row 0: (2 − 1)/2 = .5; row 2: (2 − 0)/2 = 1; row 3: .5; row 1: 1/1 = 1; row 4: 0/1 = 0
+    torch.testing.assert_close(got[:5], torch.tensor([0.5, 1.0, 1.0, 0.5, 0.0]))
+    assert torch.isnan(got[5:]).all()
+
+
+def test_group_baseline_values_give_the_loo_advantage_and_keep_the_critics_td_errors() -> None:
+    """V' = V − V(s_0) + loo. Row 0 (reward 1, others 0 and 1: loo .5), V = [.2, .4, .3, .6] → V' = [.5, .7, .6, .9];
+    with λ = γ = 1, A_t = R − V'_t = [.5, .3, .4, .1]: A_0 = r − loo. Row 1 (reward 0, 3 tokens, V = [.5, .1, 0],
+    loo (1 + 1)/2 = 1) → V' = [1, .6, .5], A = [−1, −.6, −.5]. Row 2: reward 1, loo (1 + 0)/2 = .5, one token,
+    V = [.9] → V' = [.5], A = [.5]. Inside a response δ_t is the critic's (the shift cancels), except at the end."""
+    values = torch.tensor([[0.2, 0.4, 0.3, 0.6], [0.5, 0.1, 0.0, 0.0], [0.9, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 1, 0], [1, 0, 0, 0]])
+    scores = torch.tensor([1.0, 0.0, 1.0])
+    shifted = group_baseline_values(values, mask, scores, torch.tensor([0, 0, 0]))
+    torch.testing.assert_close(shifted, torch.tensor([[0.5, 0.7, 0.6, 0.9], [1.0, 0.6, 0.5, 0.0], [0.5, 0, 0, 0]]))
+    adv, _ = gae(terminal_rewards(scores, mask), shifted, mask, 1.0, 1.0)
+    torch.testing.assert_close(adv, torch.tensor([[0.5, 0.3, 0.4, 0.1], [-1.0, -0.6, -0.5, 0.0], [0.5, 0, 0, 0]]))
+    # A row outside every group (a replayed positive) keeps the critic's values.
+    kept = group_baseline_values(values, mask, scores, torch.tensor([0, 0, -1]))
+    torch.testing.assert_close(kept[2], values[2])

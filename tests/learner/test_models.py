@@ -141,3 +141,23 @@ def test_surprise_head_refuses_untied_embeddings_and_chunks_its_logprobs(tiny_mo
         tok = tok * real
     torch.testing.assert_close(feats[..., 1], tok, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(feats[..., 0], torch.cummin(tok, dim=1).values, atol=1e-6, rtol=1e-6)
+
+
+def test_critic_warmup_ramps_its_lr_linearly_then_holds(tiny_model_dir: Path) -> None:
+    """learner.critic_warmup_steps=4: the critic's k-th optimizer step (0-based) runs at min(1, (k+1)/4) × its lr,
+    in every parameter group (the surprise MLP's at value_head_lr_scale × that); the policy's lr is not touched."""
+    from learner.models import build_critic, build_policy
+
+    cfg = make_cfg(tiny_model_dir, "learner.critic_lr=1e-2", "learner.critic_warmup_steps=4",
+                   "learner.value_head_surprise=true", "learner.value_head_lr_scale=10")
+    critic = build_critic(cfg)
+    full = sorted({1e-2, 1e-1})
+    seen: list[list[float]] = []
+    for _ in range(6):
+        seen.append(sorted({round(g["lr"], 12) for g in critic.optimizer.param_groups}))
+        for p in critic.module.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        critic.step()
+    assert seen == [[round(f * x, 12) for x in full] for f in (0.25, 0.5, 0.75, 1.0, 1.0, 1.0)]
+    assert {g["lr"] for g in build_policy(cfg).optimizer.param_groups} == {cfg.learner.actor_lr}

@@ -288,3 +288,28 @@ def test_behaviour_weight_with_an_active_cap(tiny_model_dir: Path, off_policy: s
     assert torch.equal(w[over], torch.full((int(over.sum()),), 0.0 if off_policy == "decoupled" else cap))
     torch.testing.assert_close(w[~over], raw[~over])
     assert math.isfinite(learner.step(groups)["policy_loss"])
+
+
+def test_group_loo_baseline_sets_each_responses_first_advantage(tiny_model_dir: Path, monkeypatch) -> None:
+    """algo.baseline=group_loo with λ = 1 and no whitening: the first token's advantage is the response's reward
+    minus its group's leave-one-out mean reward, whatever the critic says; algo.baseline=critic: R − V(s_0)."""
+    import learner.train as train
+
+    seen: list[torch.Tensor] = []
+    real = train.actor_update
+
+    def recording(policy, batch, **kw):
+        seen.append(kw["advantages"].clone())
+        return real(policy, batch, **kw)
+
+    monkeypatch.setattr(train, "actor_update", recording)
+    groups = synth_groups(2, 4, VOCAB, seed=8)
+    common = ("algo.length_adaptive=false", "algo.lambda_actor=1.0", "algo.whiten_advantages=false")
+    for baseline in ("group_loo", "critic"):
+        learner = Learner(make_cfg(tiny_model_dir, f"algo.baseline={baseline}", *common), None)
+        learner.step(groups)
+    b = collate(groups, pad_id=0)
+    r = b.scores.reshape(2, 4)
+    loo = ((r.sum(1, keepdim=True) - r) / 3).reshape(-1)
+    torch.testing.assert_close(seen[0][:, 0], b.scores - loo)
+    assert float((seen[1][:, 0] - (b.scores - loo)).abs().max()) > 1e-3  # the critic's own baseline differs

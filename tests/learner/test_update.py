@@ -161,3 +161,26 @@ def test_actor_and_critic_update_take_keywords_and_actor_params(tiny_model_dir: 
     assert st["policy_loss"] == 0.0 and st["nll_loss"] > 0
     assert {"clip_fraction_low", "clip_fraction_high", "approx_kl", "entropy", "actor_grad_norm"} <= set(st)
     assert max_diff(p0, learner.policy.module.state_dict()) > 1e-6
+
+
+def test_critic_updates_set_apart_from_the_actors(tiny_model_dir: Path) -> None:
+    """learner.critic_updates=K_v: K_v critic optimizer steps per epoch of a step, the actor's count
+    (learner.mini_batches per epoch) unchanged; 0 keeps the actor's mini-batches for both."""
+
+    def steps(*extra: str) -> tuple[int, int]:
+        learner = Learner(make_cfg(tiny_model_dir, "learner.mini_batches=2", "learner.ppo_epochs=2", *extra), None)
+        n = {"policy": 0, "critic": 0}
+        for name in n:
+            engine = getattr(learner, name)
+            real = engine.step
+
+            def counted(*a, _name=name, _real=real, **k):
+                n[_name] += 1
+                return _real(*a, **k)
+
+            engine.step = counted
+        learner.step(synth_groups(4, 4, VOCAB, seed=33))
+        return n["critic"], n["policy"]
+
+    assert steps() == (4, 4)
+    assert steps("learner.critic_updates=5") == (10, 4)

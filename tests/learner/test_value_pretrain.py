@@ -116,3 +116,42 @@ def test_pretraining_records_its_critic_token_passes(tiny_model_dir: Path, tmp_p
     held = {r["critic_forward_tokens"] - r["critic_backward_tokens"] for r in recs}
     assert len(held) == 1 and held.pop() > 0
     assert all(r["critic_backward_tokens"] > 0 for r in recs)
+
+
+def test_pretraining_in_epochs_over_a_pool_stops_on_its_plateau(tiny_model_dir: Path, tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """value_pretrain.pool_groups: 16 groups drawn once (after the 8 held out) and trained on in epochs of two
+    8-group batches; the held-out EV is scripted to rise for 3 steps, then plateau: with patience 4 the run stops
+    after step 3 + 4 = 7 of at most 50, having asked the source for 24 groups only."""
+    from learner import value_pretrain
+
+    scripted = iter([0.0, 0.1, 0.2, 0.3] + [0.3] * 100)
+    real_heldout_ev = value_pretrain.heldout_ev
+    monkeypatch.setattr(value_pretrain, "heldout_ev",
+                        lambda *a: (next(scripted), real_heldout_ev(*a)[1]))
+    cfg = vp_config(tiny_model_dir, tmp_path, 50, 8, "value_pretrain.patience=4", "value_pretrain.pool_groups=16")
+    source = ListSource(learnable_groups(24, seed=5))
+    out = pretrain_critic(cfg, source)
+    info = json.loads((out / "value_pretrain.json").read_text())
+    assert (info["steps"], info["best_step"]) == (7, 3)
+
+
+def test_rl_refuses_a_critic_that_never_explained_anything(tiny_model_dir: Path, tmp_path: Path,
+                                                           monkeypatch) -> None:
+    """Best held-out EV <= 0: with value_pretrain.allow_untrained_critic=false the pretraining (and a reuse of
+    its saved critic) ends in an error naming the key; with true it goes on."""
+    import pytest
+
+    from learner import value_pretrain
+
+    real_heldout_ev = value_pretrain.heldout_ev
+    monkeypatch.setattr(value_pretrain, "heldout_ev", lambda *a: (-0.05, real_heldout_ev(*a)[1]))
+    cfg = vp_config(tiny_model_dir, tmp_path, 2, 8, "value_pretrain.allow_untrained_critic=false")
+    with pytest.raises(RuntimeError, match="value_pretrain.allow_untrained_critic=true"):
+        pretrain_critic(cfg, ListSource(learnable_groups(24, seed=6)))
+    saved = tmp_path / "vp" / "critic_pretrained"
+    assert (saved / "value_head.safetensors").is_file()  # kept for a look
+    with pytest.raises(RuntimeError, match="-0.0500 <= 0"):
+        pretrain_critic(cfg, None)
+    allowed = vp_config(tiny_model_dir, tmp_path, 2, 8, "value_pretrain.allow_untrained_critic=true")
+    assert pretrain_critic(allowed, None) == saved

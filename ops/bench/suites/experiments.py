@@ -215,8 +215,13 @@ def run_actor_values(root: Path, args: argparse.Namespace, module: Any = actor_v
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         getattr(module, "prepare", lambda log: None)(print)  # files the runs read that no run makes
         for _ in range(2 if phased else 1):  # phase 2 only after a phase 1 without failures (no retry loop)
-            missing = [(e, s) for e, s in todo_now() if state(e, s) not in ("done", "recorded")]
-            failures += run_suite(root.resolve(), missing[:args.max_runs], args.jobs, getattr(module, "on_run_done", None))
+            missing = [(e, s) for e, s in todo_now() if state(e, s) not in ("done", "recorded")][:args.max_runs]
+            est = getattr(module, "estimate_run_minutes", None)
+            if est and missing:  # stated before the first run starts
+                minutes = sum(est(e.name) for e, _ in missing)
+                print(f"experiments: {len(missing)} runs to start, ~{minutes:.0f} min (~{minutes / 60:.1f} h) by the "
+                      f"suite's estimate", flush=True)
+            failures += run_suite(root.resolve(), missing, args.jobs, getattr(module, "on_run_done", None))
             if failures:
                 break
         if hasattr(module, "post"):

@@ -20,6 +20,11 @@ samples, as ``value_study_suite.group_overrides``), the arms are:
 - each of those five at α = 1 and α = 0.05 (``_a1``, ``_a0.05``);
 - ``dapo`` (``long_suite.DAPO``: dynamic sampling, no NLL), ``dapo_nofilter`` and ``dapo_nll`` (μ = 0.1).
 
+Opt-in (run only when named: ``--only vp_g2_paper_behaviour_a1 ...``; ``--estimate`` states their minutes): a critic
+trained as the paper trains one (``PAPER_CRITIC``) with its surprise features from the behaviour log-probs
+(``paper_behaviour``) or a frozen base model (``paper_frozen``) at G = 2 and 16, and the group's leave-one-out
+baseline (``loo``, ``algo.baseline=group_loo``) at G = 16; each at α = 1 and α = 0.05 (``critic_training_arms``).
+
 Three seeds per arm (``SEEDS``), each arm its own. 26 arms x 3 seeds = 78 runs. Wall time on this machine
 (2 cores, quiet; ``estimate_run_minutes``), the medians of the first 22 runs (G = 2, ``docs/results/
 value_parts_runs.jsonl``): a run that trains or reads a critic ~11 min (10.6-13.0), a DAPO one 0.87 of that
@@ -107,6 +112,19 @@ DAPO_ARMS: dict[str, tuple[str, ...]] = {
     "dapo_nofilter": (*DAPO, "buffer.filter_uniform_groups=false"),
     "dapo_nll": (*DAPO, "nll.coef=0.1"),
 }
+# The critic trained as the paper trains one (lr 2 x the actor's, warmup, K_v = 16, value pretraining in epochs to
+# its plateau, refused at EV <= 0) and the leave-one-out baseline: opt-in arms (the module docstring).
+PAPER_CRITIC = ("learner.critic_lr=2e-4",  # 2 x long.yaml's actor lr (paper.yaml: 2e-6 : 1e-6)
+                "learner.critic_warmup_steps=160",  # optimizer steps: 10 learner steps of K_v = 16
+                "learner.critic_updates=16", "learner.value_head_lr_scale=50",  # the surprise MLP stays at 1e-2
+                "value_pretrain.lr=2e-4", "value_pretrain.steps=50", "value_pretrain.patience=5",
+                "value_pretrain.pool_groups=128", "value_pretrain.allow_untrained_critic=false")
+CRITIC_TRAINING_ARMS: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {  # arm: (group sizes, overrides)
+    "paper_behaviour": (GROUPS, (*PAPER_CRITIC, "learner.value_head_surprise_source=behaviour")),
+    "paper_frozen": (GROUPS, (*PAPER_CRITIC, "learner.value_head_surprise_source=frozen_base")),
+    "loo": ((16,), ("algo.baseline=group_loo",)),
+}
+PAPER_SHARE = 1.3          # a guess until measured: value pretraining up to 50 steps, 8x the critic's optimizer steps
 # (a, b, what a − b measures); a critic arm and "dapo*" are matched within the regime (G, α).
 DIFFERENCES = (("vapo", "dapo", "as shipped"), ("vapo_nonll", "dapo", "the critic alone (no NLL in either)"),
                ("vapo", "dapo_nll", "both with the NLL"), ("dapo", "dapo_nofilter", "DAPO's filter"),
@@ -135,17 +153,29 @@ def arms() -> dict[str, tuple[str, ...]]:
     return out
 
 
+def critic_training_arms() -> dict[str, tuple[str, ...]]:
+    """``CRITIC_TRAINING_ARMS`` by regime (``g<G>_<arm>_a<α>``), α = 1 first: the arms item 4 of the study's
+    follow-up runs (α = 0.05 only for the best of them)."""
+    return {f"g{g}_{arm}_a{a:g}": (*SHARED, *group_overrides(g), f"algo.alpha={a}", *ov)
+            for a in ALPHAS for arm, (gs, ov) in CRITIC_TRAINING_ARMS.items() for g in gs}
+
+
 def name(arm: str) -> str:
     return f"vp_{arm}"
 
 
+OPT_IN = frozenset(name(a) for a in critic_training_arms())
+
+
 def experiments(Experiment: Any) -> list[Any]:
     return [Experiment(name(a), "value_parts", f"{a} on long.yaml", CONFIG, ov, seeds=SEEDS, steps=STEPS)
-            for a, ov in arms().items()]
+            for a, ov in {**arms(), **critic_training_arms()}.items()]
 
 
 def estimate_run_minutes(run: str) -> float:
     """Minutes one run of ``run`` (an experiment name) takes on 2 quiet cores."""
+    if "_paper_" in run:
+        return RUN_MIN * PAPER_SHARE
     if "_dapo" not in run:
         return RUN_MIN
     return RUN_MIN * (NOFILTER_SHARE if run.endswith("_nofilter") else DAPO_SHARE)
@@ -385,7 +415,7 @@ def report(root: Path, summary: dict[str, Any], out: Path) -> None:
 def pilot(arm: str, steps: int, seed: int, root: Path) -> int:
     """One arm, one seed, ``steps`` learner steps (evaluated every other step) under ``root``: the suite's own
     command line, short. Prints the run directory."""
-    overrides = arms()[arm]
+    overrides = {**arms(), **critic_training_arms()}[arm]
     cmd = [str(REPO / "ops" / "launch.sh"), str(REPO / CONFIG), f"run.root={root}", f"run.name={name(arm)}-s{seed}",
            f"run.seed={seed}", f"learner.total_steps={steps}", *overrides, f"learner.eval_every={max(1, steps // 2)}",
            *port_overrides(0)]
@@ -404,11 +434,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--estimate", action="store_true", help="print the suite's runs and estimated minutes")
     args = ap.parse_args(argv)
     if args.estimate or not args.pilot:
+        extra = critic_training_arms()
+        extra_min = sum(estimate_run_minutes(name(a)) for a in extra) * len(SEEDS)
         print(f"{len(arms())} arms x {len(SEEDS)} seeds = {len(arms()) * len(SEEDS)} runs, "
-              f"~{total_minutes():.0f} min (~{total_minutes() / 60:.1f} h) on 2 quiet cores")
+              f"~{total_minutes():.0f} min (~{total_minutes() / 60:.1f} h) on 2 quiet cores; opt-in (--only): "
+              f"{len(extra)} critic-training arms x {len(SEEDS)} seeds, ~{extra_min:.0f} min")
         return 0
-    if args.pilot not in arms():
-        ap.error(f"unknown arm {args.pilot!r}; choose from {', '.join(arms())}")
+    if args.pilot not in {**arms(), **critic_training_arms()}:
+        ap.error(f"unknown arm {args.pilot!r}; choose from {', '.join({**arms(), **critic_training_arms()})}")
     return pilot(args.pilot, args.steps, args.seed, args.root.resolve())
 
 

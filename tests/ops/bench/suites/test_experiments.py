@@ -84,3 +84,28 @@ def test_main_dispatches_each_suite_to_its_runner_with_its_own_root(exp: ModuleT
     with pytest.raises(SystemExit):
         exp.main(["--suite", "long", "--jobs", "0"])
     assert len(calls) == 7  # refused before any runner
+
+
+def test_a_suite_states_its_estimate_before_its_first_run(exp: ModuleType, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """value_parts with --only two opt-in arms and --max-runs 4: the line giving 4 runs and the suite's minutes
+    for them is printed before run_suite starts any."""
+    import argparse
+
+    from ops.bench.suites import value_parts_suite as vp
+
+    printed_before: list[str] = []
+
+    def fake_run_suite(root, todo, jobs, on_done=None) -> int:
+        printed_before.append(capsys.readouterr().out)
+        return 1  # a failure: the runner stops there
+
+    monkeypatch.setattr(exp, "run_suite", fake_run_suite)
+    only = [vp.name("g2_paper_behaviour_a1"), vp.name("g16_loo_a1")]
+    args = argparse.Namespace(only=only, seeds=None, list=False, report_only=False, max_runs=4, jobs=1,
+                              out="unused.md")
+    monkeypatch.setattr(vp, "summary", lambda root, load_run: {})
+    monkeypatch.setattr(vp, "report", lambda root, summary, out: None)
+    exp.run_actor_values(tmp_path, args, vp, "value_parts")
+    minutes = 3 * vp.RUN_MIN * vp.PAPER_SHARE + vp.RUN_MIN
+    assert f"experiments: 4 runs to start, ~{minutes:.0f} min" in printed_before[0]
