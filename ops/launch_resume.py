@@ -45,7 +45,7 @@ class Resume:
 
     @property
     def lost_s(self) -> float:
-        return (self.down_s or 0.0) + self.redo_s
+        return round((self.down_s or 0.0) + self.redo_s, 1)
 
 
 def _steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

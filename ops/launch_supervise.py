@@ -124,6 +124,13 @@ class Supervision:
         if learner.returncode == 0 and (self.run_dir / LEARNER_DONE_FILE).exists():
             say("learner finished")
             return True
+        if learner.via == "pdsh":
+            # A lost rank's host is named by pdsh; the runner may exit (rank 0's collective failing, code 1)
+            # before the supervision tick read that report: read the rest of the log first, so the stop is
+            # told, and resumed, as the lost host it is.
+            if learner.output is not None:
+                learner.output.wait(2.0)
+            self.check_links()
         if learner.returncode == 0:
             raise LaunchError("learner", f"exited with code 0 but never wrote {LEARNER_DONE_FILE}: a rank, or the "
                               f"pdsh/srun that carried it, was killed part-way ({self.resume_note()})\n"

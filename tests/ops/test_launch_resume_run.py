@@ -2,7 +2,7 @@
 ``--auto-resume 2`` the run resumes by itself and finishes with rc 0, its summary counting one resume and the
 time it lost; under ``--auto-resume 1`` a second kill stops it at once, naming the spent resumes; under
 ``--auto-resume 0`` it stops as before, printing the ``--resume`` hint. Real launcher, buffer, learner, actor
-and engine processes; the two that run on after a resume are ``slow`` (about a minute each on two cores). The launcher runs as ``ops/launch.sh`` execs it
+and engine processes, 30-60 s each on two cores; the one that runs to the end is ``slow``. The launcher runs as ``ops/launch.sh`` execs it
 (``python -m ops.launch``), in the test's interpreter: the script's venv set-up is not what is tested here."""
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _descendants(root: int) -> list[int]:
     return out
 
 
-@pytest.mark.slow  # ~60 s here
+@pytest.mark.slow  # 35-60 s here, the whole run to its end
 def test_a_killed_learner_is_resumed_and_the_run_finishes(tmp_path: Path) -> None:
     launch = Launch(tmp_path, "--auto-resume", "2", "learner.total_steps=6")
     try:
@@ -119,7 +119,6 @@ def test_a_killed_learner_is_resumed_and_the_run_finishes(tmp_path: Path) -> Non
         launch.kill_now()
 
 
-@pytest.mark.slow  # ~50 s here
 def test_a_second_kill_past_the_resumes_stops_at_once(tmp_path: Path) -> None:
     launch = Launch(tmp_path, "--auto-resume", "1", "learner.total_steps=40")
     try:
