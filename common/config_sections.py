@@ -33,6 +33,8 @@ class RunConfig:
     seed: int = f(0, "global seed (task sampling, model init, sampling RNGs)")
     device: str = f("cpu", "compute device for rollout engines and learner: cpu | cuda")
     max_wall_seconds: float = f(0.0, "stop the run after this many seconds of RL (0 = no limit)")
+    max_resumes: int = f(0, "the launcher resumes a run stopped by a lost learner, buffer or host by itself (newest intact checkpoint), at most this many times per launch (ops/launch.sh --auto-resume N sets it; 0 = stop and print the --resume hint)")
+    resume_wait_s: float = f(900.0, "run.max_resumes: how long an automatic resume waits for a lost host to answer an ssh probe (backoff) before the run stops")
     log_level: str = f("INFO", "Python logging level for every process")
 
 

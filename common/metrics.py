@@ -191,6 +191,8 @@ SPECS: tuple[MetricSpec, ...] = (
     _c("launcher", "components_given_up", "Engine/actor children that exited past their restarts and were left down (the run goes on on the others while placement.min_engines hold)", ("component",)),
     _c("launcher", "hosts_lost", "Engine hosts lost (ssh exit 255 of a child there); their engines and actors wait for the host to answer a probe again", ("host",)),
     _c("launcher", "hosts_rejoined", "Lost engine hosts that answered a probe again and had their engines and actors restarted", ("host",)),
+    _c("launcher", "auto_resumes", "Automatic resumes of a run stopped by a lost learner, buffer or host (run.max_resumes)"),
+    _c("launcher", "resume_lost_seconds", "Seconds lost to automatic resumes: each stop to the resumed learner's first step, plus the redone steps at the run's pace"),
     _c("launcher", "groups_dropped_lost_host", "Groups granted to the actors of a lost host and never delivered: the credit the buffer released over the loss (their prompts are generated again by the restarted actor)"),
 )
 

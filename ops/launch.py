@@ -1,6 +1,6 @@
 """Run a whole vapo pipeline: bootstrap → buffer → engines/actors → learner → summary and plots.
 
-    ops/launch.sh [config.yaml] [key=value ...] [--resume] [--dry-run] [--no-actors]
+    ops/launch.sh [config.yaml] [key=value ...] [--resume] [--auto-resume N] [--dry-run] [--no-actors]
 
 (``ops/launch.sh`` runs ``ops/setup.sh`` and then this file with the project's venv.) With no arguments it
 runs the embedded CPU default, ``ops/configs/default.yaml``. What runs where is the process plan of
@@ -14,7 +14,8 @@ for each stage to be healthy before the next, prints one progress line per learn
 actor or the buffer a bounded number of times (``vapo_launcher_component_restarts``), gives up an engine or
 actor past that and waits for a lost engine host to return while ``placement.min_engines`` hold
 (``launch_supervise``, ``launch_elastic``), stops every child on Ctrl-C or when the learner finishes, and
-exits non-zero naming the component that failed for good. At the
+exits non-zero naming the component that failed for good, unless ``--auto-resume N`` (``run.max_resumes``)
+resumes a lost learner, buffer or host by itself (``launch_resume``). At the
 end it prints a summary table and writes PNG plots to ``runs/<name>/plots/``.
 """
 
@@ -47,8 +48,8 @@ from ops import report
 from ops.launch_checks import launch_problems
 from ops.launch_child import Child, LaunchError
 from ops.launch_engines import engine_targets, engine_tmp_dir, write_prometheus_config  # noqa: F401
-from ops.launch_failure import failure_notes
 from ops.launch_progress import say
+from ops.launch_resume import RESUME, AutoResume, run_once
 from ops.launch_supervise import Supervision
 
 if TYPE_CHECKING:
@@ -162,7 +163,8 @@ def ensure_run_keys(cfg: Config) -> Path | None:
 
 
 class Launcher(Supervision):
-    def __init__(self, cfg: Config, cfg_file: Path, resume: bool) -> None:
+    def __init__(self, cfg: Config, cfg_file: Path, resume: bool, metrics: Metrics | None = None,
+                 t0: float | None = None) -> None:
         self.cfg = cfg
         self.cfg_file = cfg_file
         self.resume = resume
@@ -170,9 +172,9 @@ class Launcher(Supervision):
         self.logs = self.run_dir / "logs"
         self.children: dict[str, Child] = {}
         self.private_tmps: list[Path] = []  # engines' TMPDIRs, removed when every child has stopped
-        self.metrics = Metrics("launcher")
+        self.metrics = metrics or Metrics("launcher")  # one for every automatic resume of the launch
         self.stopping = False
-        self.t0 = time.time()
+        self.t0 = time.time() if t0 is None else t0
         self.plan = build_plan(cfg, self.cfg_file, PY, ROOT, self.run_dir)
         for name, text in self.plan.files.items():  # hostfile / deepspeed_env for multi-host learners
             (self.run_dir / name).write_text(text)
@@ -321,6 +323,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("config", nargs="?", help="YAML config (default: ops/configs/default.yaml)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. learner.total_steps=20")
     ap.add_argument("--resume", action="store_true", help="continue the run named by run.name from its newest checkpoint")
+    ap.add_argument("--auto-resume", type=int, metavar="N", default=None,
+                    help="after a stop --resume recovers from (a lost learner, buffer or host), wait for the host and "
+                    "resume by itself, at most N times (sets run.max_resumes=N)")
     ap.add_argument("--no-actors", action="store_true",
                     help="start only the buffer and learner here (actors run on other hosts: see docs/MULTIHOST.md)")
     ap.add_argument("--dry-run", action="store_true",
@@ -333,6 +338,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.config = None
     if args.config is None:
         args.config = str(ROOT / "ops/configs/default.yaml")
+    if args.auto_resume is not None:  # the flag is a spelling of the key, which the saved config keeps
+        args.overrides.append(f"run.max_resumes={args.auto_resume}")
     return args
 
 
@@ -403,29 +410,18 @@ def main(argv: list[str] | None = None) -> int:
 
     install_stop_handlers()
     say(f"run '{cfg.run.name}' in {cfg.run_dir} (config {args.config}; resolved {cfg_file})")
-    try:
-        if cfg.metrics.prometheus:
-            launcher.metrics.serve(cfg.metrics.launcher_port, cfg.metrics.host)
-        launcher.bootstrap()
-        launcher.start_buffer()
-        launcher.start_learner()
-        if not args.no_actors:
-            launcher.start_engines()
-            launcher.start_actors()
-        launcher.supervise()
-    except KeyboardInterrupt:
-        say("interrupted: stopping every component")
-        launcher.stop_all()
-        return 130
-    except LaunchError as e:
-        say(f"FAILED — {e}")
-        for note in failure_notes(launcher.run_dir, cfg.buffer_path if cfg.buffer_path.is_absolute() else ROOT / cfg.buffer_path):
-            say(note)
-        launcher.stop_all()
-        return 1
+    auto = AutoResume(cfg, launcher.run_dir, launcher.metrics)
+    if cfg.metrics.prometheus:
+        launcher.metrics.serve(cfg.metrics.launcher_port, cfg.metrics.host)
+    while (rc := run_once(launcher, auto, args.no_actors, ROOT)) == RESUME:
+        old, launcher = launcher, Launcher(cfg, cfg_file.resolve(), True, launcher.metrics, launcher.t0)
+        launcher.progress = old.progress  # the steps already printed are not printed again
+    if rc:
+        return rc
     launcher.stop_all()
-    report.finish(cfg, launcher.run_dir, time.time() - launcher.t0)
+    report.finish(cfg, launcher.run_dir, time.time() - launcher.t0, auto.summary() if auto.limit else None)
     return 0
+
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run vapo end to end: `ops/launch.sh [config.yaml] [key=value ...] [--resume] [--dry-run]`.
+# Run vapo end to end: `ops/launch.sh [config.yaml] [key=value ...] [--resume] [--auto-resume N] [--dry-run]`.
 # No arguments: the embedded CPU default (ops/configs/default.yaml). `ops/launch.sh --help` for more.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -118,6 +118,11 @@ class Child:
 
 
 class LaunchError(RuntimeError):
-    def __init__(self, component: str, message: str) -> None:
+    """A stop of the run. ``lost``: the stop of a lost process or host, which ``--resume`` (and the automatic
+    resume, ``ops.launch_resume``) recovers from; ``hosts``: the hosts to wait for before that."""
+
+    def __init__(self, component: str, message: str, *, lost: bool = False, hosts: tuple[str, ...] = ()) -> None:
         super().__init__(f"{component}: {message}")
         self.component = component
+        self.lost = lost
+        self.hosts = hosts

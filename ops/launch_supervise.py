@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -60,6 +61,7 @@ class Supervision:
         self.released = ReleasedCredit(remote.lost_after_s(self.cfg) + 2 * STATS_EVERY_S)
         self._released_lock = threading.Lock()
         self._pdsh_offset = 0  # learner log bytes already read for pdsh's reports
+        self.after_poll: Callable[[list[dict[str, Any]]], None] | None = None  # the auto-resume's lost-time clock
         self.metrics.engines_planned.set(len(self.units.members))
         self.metrics.engines_alive.set(len(self.units.members))
 
@@ -75,7 +77,7 @@ class Supervision:
             if c.via == "ssh" and c.returncode == remote.SSH_LOST and self.roles.get(c.name) not in UNIT_ROLES:
                 raise LaunchError(c.name, f"lost host {c.host}: ssh exited with code 255 (no answer for "
                                   f"{remote.lost_after_s(self.cfg)} s, or no connection); stopping the run "
-                                  f"({self.resume_note()})\n{c.tail()}")
+                                  f"({self.resume_note()})\n{c.tail()}", lost=True, hosts=(c.host,))
         learner = self.children.get("learner")
         if learner is None or learner.via != "pdsh":
             return
@@ -88,18 +90,24 @@ class Supervision:
         cut = data.rfind(b"\n") + 1  # whole lines only
         self._pdsh_offset += cut
         for host, code in remote.pdsh_failures(data[:cut].decode(errors="replace")).items():
-            why = "host lost (ssh exit 255)" if code == remote.SSH_LOST else f"its ssh exited with code {code}"
+            gone = code == remote.SSH_LOST
+            why = "host lost (ssh exit 255)" if gone else f"its ssh exited with code {code}"
+            # ssh passes on 128 + N for a remote rank killed by signal N: lost like its host, not its own error
             raise LaunchError("learner", f"learner ranks on {host} ended: {why}; stopping the run "
-                              f"({self.resume_note()})\n{learner.tail()}")
+                              f"({self.resume_note()})\n{learner.tail()}", lost=gone or code > 128,
+                              hosts=(host,) if gone else ())
 
     # --- one tick
     def supervise(self) -> None:
-        progress = Progress(self.run_dir / "metrics.jsonl", self.cfg.learner.total_steps)
+        # A resumed launch keeps the stopped one's Progress: the steps already printed are not printed again.
+        progress = getattr(self, "progress", None) or Progress(self.run_dir / "metrics.jsonl", self.cfg.learner.total_steps)
         self.progress = progress
         if self.units.members and any(c.name in self.roles and self.roles[c.name] in UNIT_ROLES for c in self.children.values()):
             threading.Thread(target=self._watch_released, name="released-credit", daemon=True).start()
         while True:
             progress.poll()
+            if self.after_poll is not None:
+                self.after_poll(progress.records)
             if self._learner_done():
                 return
             self.check_links()
@@ -116,9 +124,20 @@ class Supervision:
         if learner.returncode == 0 and (self.run_dir / LEARNER_DONE_FILE).exists():
             say("learner finished")
             return True
+        if learner.via == "pdsh":
+            # A lost rank's host is named by pdsh; the runner may exit (rank 0's collective failing, code 1)
+            # before the supervision tick read that report: read the rest of the log first, so the stop is
+            # told, and resumed, as the lost host it is.
+            if learner.output is not None:
+                learner.output.wait(2.0)
+            self.check_links()
         if learner.returncode == 0:
             raise LaunchError("learner", f"exited with code 0 but never wrote {LEARNER_DONE_FILE}: a rank, or the "
-                              f"pdsh/srun that carried it, was killed part-way\n{learner.tail()}")
+                              f"pdsh/srun that carried it, was killed part-way ({self.resume_note()})\n"
+                              f"{learner.tail()}", lost=True)
+        if (learner.returncode or 0) < 0:  # killed by a signal (SIGKILL: the OOM killer, an operator, a lost host's stand-in)
+            raise LaunchError("learner", f"exited with code {learner.returncode} (killed by a signal); stopping the "
+                              f"run ({self.resume_note()})\n{learner.tail()}", lost=True)
         raise LaunchError("learner", f"exited with code {learner.returncode}\n{learner.tail()}")
 
     def tend_children(self, now: float | None = None) -> None:
@@ -131,8 +150,10 @@ class Supervision:
             action = decide(role, c.returncode, c.via, c.restarts, c.max_restarts)
             if action == STOP:
                 why = "and was restarted" if c.returncode != remote.SSH_LOST else "(its host is lost); restarted"
+                gone = c.returncode == remote.SSH_LOST and c.via == "ssh"
                 raise LaunchError(c.name, f"exited with code {c.returncode} {why} {c.restarts} times; stopping the "
-                                  f"run ({self.resume_note()})\n{c.tail()}")
+                                  f"run ({self.resume_note()})\n{c.tail()}", lost=gone or (c.returncode or 0) < 0,
+                                  hosts=(c.host,) if gone else ())
             if action == HOST_LOST:
                 self.lose_host(c, now)
             elif action == GIVE_UP:
@@ -217,7 +238,7 @@ class Supervision:
             raise LaunchError("engines", f"{alive} of {len(self.units.members)} engine(s) alive, below "
                               f"placement.min_engines={pl.min_engines} for {now - (self.below_since or now):.0f} s "
                               f"(placement.min_engines_grace_s={pl.min_engines_grace_s:g}){lost}; stopping the run "
-                              f"({self.resume_note()})")
+                              f"({self.resume_note()})", lost=True, hosts=tuple(sorted(self.lost)))
 
     def _watch_released(self) -> None:
         """Samples the buffer's released credit (a thread: a slow answer never delays supervision)."""

@@ -225,6 +225,9 @@ def print_table(summary: dict[str, Any]) -> None:
     t.add_row("learner steps", fmt(summary["steps"]))
     t.add_row("samples trained on", fmt(summary["samples"]))
     t.add_row("wall time (s)", fmt(summary.get("wall_seconds")))
+    if "auto_resumes" in summary:
+        t.add_row("automatic resumes", fmt(summary["auto_resumes"]))
+        t.add_row("time lost to them (s)", fmt(summary["resume_lost_seconds"]))
     Console().print(t)
     if summary.get("eval_sets"):
         Console().print(_sets_table(summary["eval_sets"], fmt))
@@ -247,8 +250,10 @@ def _sets_table(sets: dict[str, dict[str, Any]], fmt: Any) -> Table:
     return t
 
 
-def finish(cfg: Any, run_dir: Path, wall_s: float) -> dict[str, Any]:
+def finish(cfg: Any, run_dir: Path, wall_s: float, resumes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """summary.json and the table; ``resumes``: the launch's automatic resumes (``ops.launch_resume``)."""
     summary = summarize(run_dir, wall_s)
+    summary.update(resumes or {})
     if summary["provenance"] is None:  # metrics.jsonl=false, or a learner that never started: this machine
 
         summary["provenance"] = {"source": "launcher at the end of the run", **for_config(cfg)}

@@ -58,6 +58,7 @@ PANELS: dict[str, list[tuple[str, str, list[tuple[str, str]]]]] = {
         ("Weight version", "short", [("vapo_learner_weight_version", "learner"), ("vapo_actor_weight_version", "actor {{actor}}")]),
         ("Engine restarts", "short", [("sum(vapo_actor_engine_restarts_total) or vector(0)", "engine restarts"), ("sum(vapo_launcher_component_restarts_total) or vector(0)", "component restarts")]),
         ("Engines (elastic)", "short", [("vapo_launcher_engines_alive", "alive"), ("vapo_launcher_engines_planned", "planned"), ("sum(vapo_launcher_hosts_lost_total) or vector(0)", "hosts lost"), ("sum(vapo_launcher_hosts_rejoined_total) or vector(0)", "hosts rejoined"), ("sum(vapo_launcher_components_given_up_total) or vector(0)", "given up"), ("vapo_launcher_groups_dropped_lost_host_total", "groups dropped with a lost host")]),
+        ("Automatic resumes", "short", [("vapo_launcher_auto_resumes_total", "resumes"), ("vapo_launcher_resume_lost_seconds_total", "seconds lost")]),
         ("Rejected frames", "short", [("sum by (reason) (vapo_buffer_rejected_frames_total) or vector(0)", "{{reason}}")]),
     ],
 }

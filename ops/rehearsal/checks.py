@@ -352,6 +352,55 @@ def kill_host(c: Cluster, stamp: str, logs: Path, extra: list[str], victim: str 
         "procs_left": leftovers(c)}
 
 
+def auto_resume(c: Cluster, stamp: str, logs: Path, extra: list[str], victim: str = "h1") -> dict[str, Any]:
+    """Check 6: the learner host of check 5 killed under ``run.max_resumes=1``: the launcher stops the run,
+    probes the host until it is back, resumes by itself and ends with exit 0, one resume in its summary."""
+    name = f"rehearsal-resume-{stamp}"
+    over = [f"learner.dist_timeout_s={DIST_TIMEOUT_S:g}", "learner.total_steps=6", "learner.checkpoint_every=2",
+            "learner.eval_every=0", "run.max_resumes=1", f"run.resume_wait_s={RUN_TIMEOUT_S:g}", *extra]
+    run = launch(c, name, over, logs)
+    back = False
+    try:
+        _wait("a checkpoint and a step after it", lambda: run.steps() >= 3 and any((run.dir / "checkpoints").glob("*")),
+              run, RUN_TIMEOUT_S)
+        t_kill = time.time()
+        c.kill_host(victim)
+        _wait(f"the launcher probing {victim}", lambda: f"auto-resume: waiting for host(s) {victim}" in run.tail(400),
+              run, STOP_BOUND_S)
+        waited_s = round(time.time() - t_kill, 1)
+        c.restart_host(victim)
+        back, t_back = True, time.time()
+        finish(run, time.time() - run.t0 + RUN_TIMEOUT_S)
+    finally:
+        if run.proc.poll() is None:  # a failed wait: the launcher stopped in order, the host back for what follows
+            finish(run, 0)
+        if not back:
+            c.restart_host(victim)
+    summary = json.loads((run.dir / "summary.json").read_text()) if (run.dir / "summary.json").exists() else {}
+    events = summary.get("auto_resume_events", [])
+    said = [ln for ln in run.tail(400).splitlines() if "AUTO-RESUME" in ln or "answers again" in ln]
+    return {"check_auto_resume": {
+        "ok": run.rc == 0 and summary.get("auto_resumes") == 1 and run.steps() >= _total_steps(run)
+        and bool(events) and events[0].get("down_s") is not None,
+        "host": victim, "rc": run.rc, "probing_after_s": waited_s, "finished_after_return_s": round(time.time() - t_back, 1),
+        "auto_resumes": summary.get("auto_resumes"), "lost_s": summary.get("resume_lost_seconds"),
+        "resume": events[0] if events else None, "said": [ln[:240] for ln in said], "run": name},
+        "procs_left": leftovers(c)}
+
+
+def kill_and_resume(c: Cluster, stamp: str, logs: Path, extra: list[str]) -> dict[str, Any]:
+    """Checks 5 and 6, the "kill" stage: a learner host killed, resumed by hand, then resumed by the launcher."""
+    out = kill_host(c, stamp, logs, extra)
+    left = out.pop("procs_left")
+    try:
+        out.update(auto_resume(c, stamp, logs, extra))
+    except Exception as e:  # reported as this check's failure; check 5's figures stay
+        out.update({"check_auto_resume": {"ok": False, "error": f"{type(e).__name__}: {e}"[-1500:]},
+                    "procs_left": leftovers(c)})
+    out["procs_left"] = {k: left.get(k, []) + out["procs_left"].get(k, []) for k in {*left, *out["procs_left"]}}
+    return out
+
+
 def run_all(c: Cluster, stamp: str, logs: Path, skip: set[str], extra: list[str], push: bool = False,
             engine: str = "rollout_server") -> dict[str, Any]:
     """The stages not in ``skip``; with ``push`` also the distributed push's run and both transports' figures
@@ -361,7 +410,7 @@ def run_all(c: Cluster, stamp: str, logs: Path, skip: set[str], extra: list[str]
     out: dict[str, Any] = {}
     left = 0
     stages = {"ssh": functools.partial(ssh_route, digests=push, engine=engine), "plan": plan_checks,
-              "slurm": slurm_route, "kill": kill_host, **({"push": functools.partial(push_route, engine=engine)} if push else {})}
+              "slurm": slurm_route, "kill": kill_and_resume, **({"push": functools.partial(push_route, engine=engine)} if push else {})}
     for stage, fn in stages.items():
         if stage in skip:
             continue

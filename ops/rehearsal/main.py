@@ -9,7 +9,8 @@ learner rank 0 there, a ZeRO-3 learner over h0+h1 via DeepSpeed's hostfile and p
 h2 and h3 over ssh) with a process-group timeout of a few seconds and a longer rank-0 wait, then engine
 host h3 killed and brought back in the same run (``rehearsal.elastic``: the run goes on without it, its
 actor delivers again), the plan-time checks (a missing key file, no pdsh), the Slurm route (``sbatch
-ops/slurm/vapo.sbatch``), a learner host killed during a run then ``--resume``, and cluster down. Every process of every host is counted at the end.
+ops/slurm/vapo.sbatch``), a learner host killed during a run then ``--resume``, the same under
+``run.max_resumes=1`` (the launcher waits for the host and resumes by itself), and cluster down. Every process of every host is counted at the end.
 ``--link`` shapes every host's link with tc before the stages; ``--push`` adds a run with the distributed
 weight push and both transports' figures (``weight_sync`` in the JSON line; ``rehearsal.push``).
 ``--engine sglang`` runs every stage on live SGLang engines (``ops/setup.sh --sglang``) instead of

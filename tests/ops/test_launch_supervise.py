@@ -1,6 +1,6 @@
 """The launcher's supervision (``ops/launch_supervise.py``) on stand-in children: a lost engine host is
 waited for and its actor restarted when a probe answers, an actor past its restarts is given up, and the run
-stops only below ``placement.min_engines``. Real processes (``sh``), no run: ~2 s of calls."""
+stops only below ``placement.min_engines``; which stops are marked lost (resumable). Real processes (``sh``), no run: ~2 s of calls."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ops import launch_supervise
+from ops.launch_progress import Progress
 from tests.polling import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,3 +100,34 @@ def test_a_lost_buffer_host_still_stops_the_run(tmp_path: Path) -> None:
     wait_for(lambda: not lost.alive(), 10, "the ssh stand-in to exit")
     with pytest.raises(mod.LaunchError, match="lost host h9: ssh exited with code 255.*--resume continues it"):
         launcher.check_links()
+
+
+def test_which_stops_are_marked_lost_for_a_resume(tmp_path: Path) -> None:
+    """A lost host or a learner killed by a signal is marked ``lost`` (resumable), naming the host to wait
+    for; a learner's own error is not; a pdsh runner that exits 1 (rank 0's collective failing) after
+    pdsh reported the lost host is told as that host, even before a supervision tick read the report."""
+    mod, launcher = _launcher(tmp_path)
+    launcher.progress = Progress(tmp_path / "metrics.jsonl", 3)
+    buffer = mod.Child("buffer", ["sh", "-c", "exit 255"], tmp_path / "buffer.log", 3, via="ssh", host="h9")
+    launcher.children = {"buffer": buffer}
+    buffer.start()
+    wait_for(lambda: not buffer.alive(), 10, "the ssh stand-in to exit")
+    with pytest.raises(mod.LaunchError) as lost_host:
+        launcher.check_links()
+    assert lost_host.value.lost and lost_host.value.hosts == ("h9",)
+
+    def learner_exits(cmd: str, via: str = "") -> mod.LaunchError:
+        c = mod.Child("learner", ["sh", "-c", cmd], tmp_path / f"learner-{len(cmd)}.log", 0, via=via, host="h0")
+        launcher.children = {"learner": c}
+        c.start()
+        wait_for(lambda: not c.alive(), 10, "the learner stand-in to exit")
+        with pytest.raises(mod.LaunchError) as e:
+            launcher._learner_done()
+        return e.value
+
+    killed = learner_exits("kill -9 $$")
+    assert killed.lost and "killed by a signal" in str(killed) and "--resume continues it" in str(killed)
+    assert not learner_exits("exit 1").lost  # its own error: a resume would repeat it
+    launcher._pdsh_offset = 0
+    pdsh = learner_exits("echo 'pdsh@h0: h1: ssh exited with exit code 255'; exit 1", via="pdsh")
+    assert pdsh.lost and pdsh.hosts == ("h1",) and "learner ranks on h1 ended: host lost" in str(pdsh)

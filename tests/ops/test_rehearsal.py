@@ -60,7 +60,7 @@ def test_rehearsal_multi_host_path() -> None:
     out = rehearse()
     assert out["steps"] == out["ssh_route"]["total_steps"]
     assert {"check_pg_timeout", "check_missing_key_dry_run", "check_no_pdsh_plan_time", "check_slurm_route",
-            "check_kill_host", "check_engine_host_lost"} <= set(out)
+            "check_kill_host", "check_auto_resume", "check_engine_host_lost"} <= set(out)
     assert out["check_pg_timeout"]["rank0_wait_s"] > out["check_pg_timeout"]["dist_timeout_s"]
     # Engine host h3 killed mid-run: the run went on without it, its actor delivered again after its return.
     lost = out["check_engine_host_lost"]

@@ -11,9 +11,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _sbatch(tmp_path: Path, node_addr: str, getent: str, gpus: str | None, *args: str) -> subprocess.CompletedProcess:
+def _sbatch(tmp_path: Path, node_addr: str, getent: str, gpus: str | None, *args: str,
+            restarts: str | None = None) -> subprocess.CompletedProcess:
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(parents=True)
     (bin_dir / "scontrol").write_text(
         "#!/bin/sh\n"
         'if [ "$1 $2" = "show hostnames" ]; then printf "n0\\nn1\\nn2\\n"; exit 0; fi\n'
@@ -31,6 +32,9 @@ def _sbatch(tmp_path: Path, node_addr: str, getent: str, gpus: str | None, *args
     env.pop("SLURM_GPUS_ON_NODE", None)
     if gpus is not None:
         env["SLURM_GPUS_ON_NODE"] = gpus
+    env.pop("SLURM_RESTART_COUNT", None)
+    if restarts is not None:
+        env["SLURM_RESTART_COUNT"] = restarts
     return subprocess.run(["bash", str(ROOT / "ops" / "slurm" / "vapo.sbatch"), "cfg.yaml", *args], env=env,
                           capture_output=True, text=True, timeout=30)
 
@@ -59,3 +63,13 @@ def test_host_0_address_falls_back_to_getent_without_loopback(tmp_path: Path) ->
 def test_no_routable_address_of_host_0_is_an_error(tmp_path: Path) -> None:
     p = _sbatch(tmp_path, "n0", "127.0.1.1 STREAM n0\\n", "8")
     assert p.returncode == 1 and "non-loopback IPv4 address of host 0 (n0)" in p.stderr
+
+
+def test_a_requeued_job_resumes_its_run(tmp_path: Path) -> None:
+    first = _sbatch(tmp_path / "first", "10.1.0.7", "", "8", "run.name=r", "run.max_resumes=2", restarts="0")
+    assert first.returncode == 0, first.stderr
+    assert "--resume" not in first.stdout.splitlines()
+    again = _sbatch(tmp_path / "again", "10.1.0.7", "", "8", "run.name=r", "run.max_resumes=2", restarts="1")
+    assert again.returncode == 0, again.stderr
+    args = again.stdout.splitlines()
+    assert args[0] == "cfg.yaml" and "--resume" in args and args[-2:] == ["run.name=r", "run.max_resumes=2"]
