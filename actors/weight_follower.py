@@ -267,6 +267,7 @@ class WeightFollower:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
+            # The ignore: current_task() is None only outside a task, and this coroutine always runs in one.
             if task.cancelled() and not asyncio.current_task().cancelling():  # type: ignore[union-attr]
                 raise SGLangError("engine", None, "declared dead by its health probes") from None
             task.cancel()

@@ -1,4 +1,5 @@
-"""The buffer server as a real subprocess: crash safety, hostile input, staleness, positives, storage."""
+"""The buffer server as a real subprocess: crash safety, hostile input, staleness, storage (positives through the
+server: test_positives.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ import pytest
 import zmq
 
 from buffer.client import BatchClient
-from buffer.layout import positive_hash
 from buffer.store import BufferStore
 from common.protocol import (
     PROTOCOL_VERSION,
@@ -29,7 +29,7 @@ from common.protocol import (
     decode,
     encode,
 )
-from tests.buffer.fixtures import REPO, BufferProc, SyncSender, make_group, make_sample
+from tests.buffer.fixtures import REPO, BufferProc, SyncSender, make_group
 from tests.polling import wait_for
 
 
@@ -280,49 +280,6 @@ def test_without_admission_stale_groups_are_dropped_not_served(buffer_proc: Any)
     for v, versions in served:
         assert min(versions) >= v - k, (v, versions)
     assert stats["stale_dropped"] > 0  # flooding actors outpace the learner: the bound is enforced
-
-
-# ------------------------------------------------------------------------------------------ positives
-
-
-def test_positives_dedup_eviction_and_restart(buffer_proc: Any) -> None:
-    srv = buffer_proc(["buffer.positives_capacity=6"])
-    base = [make_sample(reward=1.0, seed=i) for i in range(4)]
-    g1 = SampleGroup(group_id="g1", prompt_id="p", task="t", actor_id=0,
-                     samples=base + [make_sample(reward=0.0, seed=99)], created_at=0.0)
-    g2 = SampleGroup(group_id="g2", prompt_id="p", task="t", actor_id=0, samples=base[:2], created_at=0.0)
-    with SyncSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr) as c:
-        s.send_many([g1, g2], timeout_s=10)
-        st = c.stats()
-        assert st["positives"] == 4 and st["positives_duplicates"] == 2
-        more = [make_sample(reward=1.0, seed=100 + i) for i in range(4)]
-        s.send(SampleGroup(group_id="g3", prompt_id="q", task="t", actor_id=0, samples=more, created_at=0.0),
-               timeout_s=10)
-        st = c.stats()
-        assert st["positives"] == 6 and st["positives_evicted"] == 2
-        before = {positive_hash(x.prompt_ids, x.output_ids) for x in c.positives(100)}
-        assert len(before) == 6
-        assert {positive_hash(x.prompt_ids, x.output_ids) for x in base[:2]}.isdisjoint(before)  # oldest went
-        assert all(x.reward == 1.0 for x in c.positives(3)) and len(c.positives(3)) == 3
-    srv.kill()
-    srv.start()
-    with BatchClient(srv.serve_addr) as c:
-        after = {positive_hash(x.prompt_ids, x.output_ids) for x in c.positives(100)}
-        assert after == before
-
-
-def test_truncated_responses_are_never_stored_as_positives(buffer_proc: Any) -> None:
-    """A reward-1 response cut at the length limit (finish_reason "length") is not harvested: imitating it
-    would teach the policy not to stop."""
-    srv = buffer_proc()
-    done, cut = make_sample(reward=1.0, seed=1), make_sample(reward=1.0, seed=2)
-    cut.finish_reason = "length"
-    g = SampleGroup(group_id="t1", prompt_id="p", task="t", actor_id=0, samples=[done, cut], created_at=0.0)
-    with SyncSender(srv.ingest_addr, 0) as s, BatchClient(srv.serve_addr) as c:
-        assert s.send(g, timeout_s=10).committed
-        assert c.stats()["positives"] == 1
-        assert [positive_hash(x.prompt_ids, x.output_ids) for x in c.positives(10)] == [
-            positive_hash(done.prompt_ids, done.output_ids)]
 
 
 # -------------------------------------------------------------------------------- filters and capacity
