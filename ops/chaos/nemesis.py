@@ -99,9 +99,12 @@ class Nemesis:
             return bool(complete_checkpoints(t.run_dir / "checkpoints"))
         return True
 
-    def record(self, kind: str, **detail: Any) -> None:
+    def record(self, kind: str, **detail: Any) -> dict[str, Any]:
+        """Append a fault to the log; returns its entry (a fault's undo may add what it saw)."""
+        entry = {"t": round(time.time() - self.t0, 1), "kind": kind, **detail}
         with self._lock:
-            self.faults.append({"t": round(time.time() - self.t0, 1), "kind": kind, **detail})
+            self.faults.append(entry)
+        return entry
 
     def _apply(self, fault: str, t: Target, rng: random.Random) -> None:
         comps = components(t.launcher)
@@ -118,10 +121,16 @@ class Nemesis:
             self._later(fault, duration, lambda: _signal(pid, signal.SIGCONT))
             self.record(fault, pid=pid, duration_s=duration)
         elif fault == "disk_full":
-            pid = rng.choice(sorted(comps["buffer"]))
-            old = _limit_fsize(pid, FSIZE_FULL)
-            self._later(fault, duration, lambda: _limit_fsize(pid, old))
-            self.record(fault, pid=pid, duration_s=duration, fsize_bytes=FSIZE_FULL)
+            pid, duration = rng.choice(sorted(comps["buffer"])), round(duration * 2.5, 1)  # long enough for writes
+            old, log = _limit_fsize(pid, FSIZE_FULL), t.run_dir / "logs" / "buffer.log"
+            before = _storage_errors(log)
+            entry = self.record(fault, pid=pid, duration_s=duration, fsize_bytes=FSIZE_FULL)
+
+            def undo() -> None:
+                _limit_fsize(pid, old)
+                # Whether writes came while it was full (the buffer logs each refused batch).
+                entry["storage_errors_logged"] = _storage_errors(log) - before
+            self._later(fault, duration, undo)
         elif fault == "slow_metrics":
             done = threading.Event()
             for port in t.metrics_ports:
@@ -163,6 +172,13 @@ def _limit_fsize(pid: int, soft: int) -> int:
         return old
     except (ProcessLookupError, PermissionError):  # gone (killed or restarted): its successor has no limit
         return resource.RLIM_INFINITY
+
+
+def _storage_errors(buffer_log: Path) -> int:
+    try:
+        return buffer_log.read_text(errors="replace").count("storage error")
+    except OSError:
+        return 0
 
 
 def _slow_client(port: int, done: threading.Event) -> None:
