@@ -19,11 +19,12 @@ ranks apply the same floor (``BatchFrames.min_version``) to the same frames.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from buffer.client import BatchClient
+from buffer.client import BatchClient, BufferStorageFailed
 from common import protocol
 from common.limits import is_positive
 from common.protocol import Sample, SampleGroup
@@ -34,6 +35,8 @@ from learner.dist import broadcast_frames, broadcast_ints, rank, rank0_wait, wor
 # a request the buffer never answers (it was killed and restarted meanwhile) costs this much plus the
 # client's reply timeout before the learner asks the new buffer; a turn is one small message.
 MAX_REQUEST_WAIT_S = 5.0
+
+log = logging.getLogger(__name__)
 
 
 NO_FLOOR = -(1 << 62)  # BatchFrames.min_version that keeps every group
@@ -200,6 +203,10 @@ class BufferSource:
             try:
                 reply, frame = self.client.get_batch_frame(learner_version, n_groups - len(out),
                                                            min(left, MAX_REQUEST_WAIT_S))
+            except BufferStorageFailed as e:  # a full disk answers at once: ask again a second later
+                log.warning("batch not served, asking again: %s", e)
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+                continue
             except TimeoutError:
                 continue  # the buffer had too few groups in time; the deadline check above decides
             frames.append(frame)

@@ -11,7 +11,7 @@ can do without root:
   it unhealthy and restart it meanwhile);
 - ``slow_metrics``: for a while, clients that open every ``/metrics`` port and send their request one byte
   a second, and a scraper that reads the answer one byte a second;
-- ``disk_full``: the buffer process's soft ``RLIMIT_FSIZE`` lowered to 64 KiB for a while (``prlimit``, no
+- ``disk_full``: the buffer process's soft ``RLIMIT_FSIZE`` lowered to 8 KiB for a while (``prlimit``, no
   root): LMDB's writes past it fail with EFBIG as on a full disk (the buffer reports ``file_too_large``
   storage errors and refuses groups; Python ignores SIGXFSZ), then restored.
 
@@ -27,6 +27,7 @@ import signal
 import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +42,7 @@ KINDS = ("kill_buffer", "kill_actor", "kill_engine", "kill_learner", "stop_engin
 WEIGHTS = {"kill_buffer": 2, "kill_actor": 2, "kill_engine": 2, "kill_learner": 1, "stop_engine": 2,
            "slow_metrics": 2, "disk_full": 2}
 BUFFER_KILLS_PER_START = 3  # the launcher restarts a dead buffer 3 times per start (common/placement.py)
-FSIZE_FULL = 64 << 10
+FSIZE_FULL = 8 << 10  # LMDB's two meta pages: every data page written past them fails
 
 
 @dataclass
@@ -122,14 +123,14 @@ class Nemesis:
             self.record(fault, pid=pid, duration_s=duration)
         elif fault == "disk_full":
             pid, duration = rng.choice(sorted(comps["buffer"])), round(duration * 2.5, 1)  # long enough for writes
-            old, log = _limit_fsize(pid, FSIZE_FULL), t.run_dir / "logs" / "buffer.log"
-            before = _storage_errors(log)
+            port = t.metrics_ports[0]  # the buffer's
+            old, before = _limit_fsize(pid, FSIZE_FULL), _storage_errors(port)
             entry = self.record(fault, pid=pid, duration_s=duration, fsize_bytes=FSIZE_FULL)
 
             def undo() -> None:
                 _limit_fsize(pid, old)
-                # Whether writes came while it was full (the buffer logs each refused batch).
-                entry["storage_errors_logged"] = _storage_errors(log) - before
+                # Whether writes came while it was full (ingest and serve count each failed commit).
+                entry["storage_errors"] = max(0, _storage_errors(port) - before)
             self._later(fault, duration, undo)
         elif fault == "slow_metrics":
             done = threading.Event()
@@ -174,11 +175,15 @@ def _limit_fsize(pid: int, soft: int) -> int:
         return resource.RLIM_INFINITY
 
 
-def _storage_errors(buffer_log: Path) -> int:
+def _storage_errors(port: int) -> int:
+    """The buffer's ``vapo_buffer_storage_errors_total`` over every reason (0 when it does not answer)."""
     try:
-        return buffer_log.read_text(errors="replace").count("storage error")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:  # loopback only
+            text = r.read().decode()
     except OSError:
         return 0
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vapo_buffer_storage_errors_total")))
 
 
 def _slow_client(port: int, done: threading.Event) -> None:
