@@ -109,6 +109,9 @@ class Nemesis:
 
     def _apply(self, fault: str, t: Target, rng: random.Random) -> None:
         comps = components(t.launcher)
+        need = "engine" if fault == "stop_engine" else "buffer" if fault == "disk_full" else fault.removeprefix("kill_")
+        if fault != "slow_metrics" and not comps.get(need):
+            return  # gone since it was picked (a restart in progress): pick again next turn
         if fault.startswith("kill_"):
             pid = rng.choice(sorted(comps[fault.removeprefix("kill_")]))
             t.buffer_kills += fault == "kill_buffer"

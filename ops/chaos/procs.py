@@ -25,6 +25,12 @@ def _stat(pid: int) -> tuple[str, int] | None:
     return fields[0], int(fields[1])
 
 
+def state(pid: int) -> str | None:
+    """The process's state letter (R, S, T stopped, Z zombie, ...), None when it is gone."""
+    s = _stat(pid)
+    return None if s is None else s[0]
+
+
 def alive(pid: int) -> bool:
     """Running or stopped (a zombie nobody has reaped yet holds no port and runs nothing)."""
     s = _stat(pid)
