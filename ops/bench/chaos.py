@@ -194,8 +194,8 @@ def chaos(a: argparse.Namespace) -> dict[str, Any]:
     wall = time.time() - t_chaos
     left = leftovers(run_dir, ports)
     history = read_history(run_dir, run_dir / "buffer", max_staleness=_staleness(run_dir), total_steps=a.steps)
-    if reference is not None:
-        history.reference_accuracy = reference
+    if a.reference_accuracy is not None or a.baseline == "run":
+        history.reference_accuracy = reference  # None when the baseline run failed: the check fails
     history.tolerance = a.tolerance
     lost = step_gaps_lost(run_dir)
     if not a.keep:
@@ -212,7 +212,8 @@ def chaos(a: argparse.Namespace) -> dict[str, Any]:
         "resumes": resumes, "pass": all(v["pass"] for v in verdicts.values()),
         "invariants": {k: v["pass"] for k, v in verdicts.items()},
         "accuracy": history.accuracy, "reference_accuracy": history.reference_accuracy,
-        "reference": "fault-free run" if a.baseline == "run" or a.reference_accuracy is not None else "base",
+        "reference": ("given" if a.reference_accuracy is not None else "fault-free run" if a.baseline == "run"
+                      else "base"),
         "tolerance": a.tolerance, "lost_s": lost,
         "groups": {"acked_stored": len(history.stored), "served": sum(len(t["served"]) for t in takes),
                    "dropped_stale": sum(len(t["dropped"]) for t in takes), "waiting": len(history.waiting)},
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--short", action="store_true", help="the slow test's mode: ≤ 5 minutes")
     ap.add_argument("--config", default="ops/configs/default.yaml")
     ap.add_argument("--steps", type=int, default=0, help="learner.total_steps (default: minutes × 60 / --step-s)")
-    ap.add_argument("--step-s", type=float, default=6.0, help="expected seconds per learner step, to size --steps")
+    ap.add_argument("--step-s", type=float, default=4.0, help="expected seconds per learner step, to size --steps")
     ap.add_argument("--interval-s", type=float, default=0.0, help="mean seconds between faults (default: ~50 in the window)")
     ap.add_argument("--baseline", choices=("run", "base"), default=None, help="the reference accuracy's source")
     ap.add_argument("--reference-accuracy", type=float, default=None, help="a known fault-free final accuracy")

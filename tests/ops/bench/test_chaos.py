@@ -15,7 +15,7 @@ from ops.bench.chaos import ROOT, settings, step_gaps_lost
 
 
 def _args(**kw: object) -> argparse.Namespace:
-    base = {"short": False, "minutes": None, "steps": 0, "step_s": 6.0, "interval_s": 0.0, "baseline": None}
+    base = {"short": False, "minutes": None, "steps": 0, "step_s": 4.0, "interval_s": 0.0, "baseline": None}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -23,7 +23,7 @@ def test_short_mode_fits_five_minutes_of_faults_and_the_full_mode_about_fifty() 
     a = settings(_args(short=True))
     assert (a.minutes, a.steps, a.interval_s, a.baseline) == (4.0, 24, 15.0, "base")
     a = settings(_args())
-    assert (a.minutes, a.steps, a.interval_s, a.baseline) == (60.0, 600, 72.0, "run")
+    assert (a.minutes, a.steps, a.interval_s, a.baseline) == (60.0, 900, 72.0, "run")
 
 
 def test_time_lost_is_the_step_gaps_beyond_twice_the_median(tmp_path: Path) -> None:
