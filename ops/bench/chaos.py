@@ -1,15 +1,15 @@
 """Chaos run: the default workload under a seeded nemesis of random faults, then invariants on its history.
 
     .venv/bin/python -m ops.bench.chaos [--minutes 60] [--seed 0] [--short] [--config ops/configs/default.yaml]
-        [--steps N] [--interval-s S] [--baseline run|base] [--reference-accuracy A] [--tolerance T]
+        [--steps N] [--interval-s S] [--faults KIND,...] [--baseline run|base] [--reference-accuracy A] [--tolerance T]
         [--out FILE] [--keep] [key=value ...]
 
 Runs ``python -m ops.launch`` (the launcher ``ops/launch.sh`` execs, with its environment, without
 ``ops/setup.sh``) on ``--config`` under a temporary ``run.root``, with fresh ports, ``buffer.record_served=true``
 (the history of every take), ``engine.max_restarts=1000`` (an engine or actor is killed many times) and
 ``learner.total_steps`` scaled to outlast ``--minutes`` (``--steps``, else minutes × 60 / ``--step-s``).
-Meanwhile the nemesis (``ops.chaos.nemesis``: SIGKILL of the buffer, an actor, an engine, the learner;
-SIGSTOP/SIGCONT of an engine; slow /metrics clients; the buffer's file size limit as a full disk) picks a
+Meanwhile the nemesis (``ops.chaos.nemesis``; ``--faults`` narrows the kinds: SIGKILL of the buffer, an
+actor, an engine, the learner; SIGSTOP/SIGCONT of an engine; slow /metrics clients; the buffer's file size limit as a full disk) picks a
 fault every ``--interval-s`` (± half) for ``--minutes``; weight pushes, checkpoints (every 5 steps) and
 evaluations go on. A stopped run (a learner kill) is resumed with ``--resume`` (at most ``--max-resumes``).
 Then ``ops.chaos.history`` checks the history: no acknowledged group lost or served twice, every served group
@@ -181,7 +181,8 @@ def chaos(a: argparse.Namespace) -> dict[str, Any]:
         reference = baseline_accuracy(common_args, root, hard_deadline)
     t_chaos = time.time()
     overrides, ports, metrics_ports = port_args()
-    nemesis = Nemesis(seed=a.seed, interval_s=a.interval_s, t0=t_chaos, until=t_chaos + a.minutes * 60)
+    nemesis = Nemesis(seed=a.seed, interval_s=a.interval_s, t0=t_chaos, until=t_chaos + a.minutes * 60,
+                      kinds=tuple(a.faults.split(",")) if a.faults else KINDS)
     thread = threading.Thread(target=nemesis.run, daemon=True)
     thread.start()
     try:
@@ -236,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=0, help="learner.total_steps (default: minutes × 60 / --step-s)")
     ap.add_argument("--step-s", type=float, default=4.0, help="expected seconds per learner step, to size --steps")
     ap.add_argument("--interval-s", type=float, default=0.0, help="mean seconds between faults (default: ~50 in the window)")
+    ap.add_argument("--faults", default="", help=f"comma-separated fault kinds to pick from (default all: {','.join(KINDS)})")
     ap.add_argument("--baseline", choices=("run", "base"), default=None, help="the reference accuracy's source")
     ap.add_argument("--reference-accuracy", type=float, default=None, help="a known fault-free final accuracy")
     ap.add_argument("--tolerance", type=float, default=0.05, help="accuracy may be this far below the reference")
@@ -245,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="write the full record (every fault, every invariant's counts) here")
     ap.add_argument("overrides", nargs="*", help="config overrides key=value for both runs")
     a = settings(ap.parse_args(argv))
+    if unknown := sorted(set(filter(None, a.faults.split(","))) - set(KINDS)):
+        ap.error(f"unknown fault kind(s) {unknown}; choose from {list(KINDS)}")
     record = chaos(a)
     if a.out:
         Path(a.out).write_text(json.dumps(record, indent=1) + "\n")

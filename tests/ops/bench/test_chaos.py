@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.bench.chaos import ROOT, settings, step_gaps_lost
+from ops.bench.chaos import ROOT, main, settings, step_gaps_lost
 
 
 def _args(**kw: object) -> argparse.Namespace:
@@ -31,6 +31,12 @@ def test_time_lost_is_the_step_gaps_beyond_twice_the_median(tmp_path: Path) -> N
     (tmp_path / "metrics.jsonl").write_text("".join(
         json.dumps({"kind": "learner_step", "weight_version": i + 1, "time": t}) + "\n" for i, t in enumerate(times)))
     assert step_gaps_lost(tmp_path) == 9.0
+
+
+def test_an_unknown_fault_kind_is_refused_naming_the_kinds(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--faults", "kill_buffer,flood"])
+    assert e.value.code == 2 and "unknown fault kind(s) ['flood']" in capsys.readouterr().err
 
 
 @pytest.mark.slow
