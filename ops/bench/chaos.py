@@ -10,7 +10,8 @@ Runs ``python -m ops.launch`` (the launcher ``ops/launch.sh`` execs, with its en
 ``learner.total_steps`` scaled to outlast ``--minutes`` (``--steps``, else minutes × 60 / ``--step-s``).
 Meanwhile the nemesis (``ops.chaos.nemesis``; ``--faults`` narrows the kinds: SIGKILL of the buffer, an
 actor, an engine, the learner; SIGSTOP/SIGCONT of an engine; slow /metrics clients; the buffer's file size limit as a full disk) picks a
-fault every ``--interval-s`` (± half) for ``--minutes``; weight pushes, checkpoints (every 5 steps) and
+fault every ``--interval-s`` (± half) for ``--minutes`` or until 5 versions before the last (the final
+heal: faults in force are undone, so every engine can converge on the final version); weight pushes, checkpoints (every 5 steps) and
 evaluations go on. A stopped run (a learner kill) is resumed with ``--resume`` (at most ``--max-resumes``).
 Then ``ops.chaos.history`` checks the history: no acknowledged group lost or served twice, every served group
 within the staleness bound, published versions strictly increasing, every engine on the final version, the
@@ -55,6 +56,7 @@ from ops.report import load_records
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "chaos"
 GONE_WAIT_S = 20.0
+HEAL_STEPS = 5  # no fault in the last versions (~20-50 s: an actor restart fits): the final heal
 
 
 class Launch:
@@ -182,7 +184,7 @@ def chaos(a: argparse.Namespace) -> dict[str, Any]:
     t_chaos = time.time()
     overrides, ports, metrics_ports = port_args()
     nemesis = Nemesis(seed=a.seed, interval_s=a.interval_s, t0=t_chaos, until=t_chaos + a.minutes * 60,
-                      kinds=tuple(a.faults.split(",")) if a.faults else KINDS)
+                      kinds=tuple(a.faults.split(",")) if a.faults else KINDS, heal_at=a.steps - HEAL_STEPS)
     thread = threading.Thread(target=nemesis.run, daemon=True)
     thread.start()
     try:

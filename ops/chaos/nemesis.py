@@ -15,7 +15,9 @@ can do without root:
   root): LMDB's writes past it fail with EFBIG as on a full disk (the buffer reports ``file_too_large``
   storage errors and refuses groups; Python ignores SIGXFSZ), then restored.
 
-Faults with a duration overlap the faults picked after them (one of each kind at a time).
+Faults with a duration overlap the faults picked after them (one of each kind at a time). With ``heal_at``
+the faults end once that version is published (a final heal: those in force are undone at once), so that
+"every engine ends on the final version" tests convergence, not a fault that happened to hit the last push.
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ class Nemesis:
     faults: list[dict[str, Any]] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
     target: Target | None = None  # None while no launcher runs (between a stop and its resume)
+    # The final heal (as Jepsen heals before its final reads): once this version is published no fault is
+    # picked and those in force are undone, so every engine can take the last versions (None: never).
+    heal_at: int | None = None
     _busy: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -78,6 +83,9 @@ class Nemesis:
             target = self.target
             if target is None:
                 continue
+            if self.heal_at is not None and max(complete_versions(target.run_dir / "weights"), default=0) >= self.heal_at:
+                self.record("heal", version=self.heal_at)
+                break
             options = [k for k in self.kinds if k not in self._busy and self._possible(k, target)]
             if options:
                 fault = rng.choices(options, weights=[WEIGHTS[k] for k in options])[0]

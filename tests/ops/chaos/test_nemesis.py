@@ -82,3 +82,20 @@ def test_a_stopped_engine_is_continued_when_the_nemesis_stops(fake_run: tuple[su
     thread.join(10)
     n.wait_undone(10)
     wait_for(lambda: state(engine) != "T", 10, "the engine continued")
+
+
+def test_the_final_heal_ends_the_faults_and_undoes_those_in_force(fake_run: tuple[subprocess.Popen[bytes], Path]) -> None:
+    launcher, run_dir = fake_run
+    (engine,) = components(launcher.pid)["engine"]
+    now = time.time()
+    n = Nemesis(seed=0, interval_s=0.05, t0=now, until=now + 60, kinds=("stop_engine",), heal_at=3)
+    n.target = Target(launcher.pid, run_dir, [])
+    thread = threading.Thread(target=n.run, daemon=True)
+    thread.start()
+    wait_for(lambda: state(engine) == "T", 20, "the engine stopped")
+    (run_dir / "weights" / "v3").mkdir()
+    (run_dir / "weights" / "v3" / "STABLE").write_text("")  # the heal version published
+    thread.join(20)
+    assert not thread.is_alive() and n.faults[-1]["kind"] == "heal"
+    n.wait_undone(10)
+    wait_for(lambda: state(engine) != "T", 10, "the engine continued at the heal")
