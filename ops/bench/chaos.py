@@ -196,6 +196,11 @@ def chaos(a: argparse.Namespace) -> dict[str, Any]:
         nemesis.wait_undone()
     wall = time.time() - t_chaos
     left = leftovers(run_dir, ports)
+    if not (run_dir / "buffer" / "data.mdb").is_file():  # the launch failed before the run began
+        log = (root / f"{NAME}-launcher.log").read_text(errors="replace")[-3000:]
+        if not a.keep:
+            shutil.rmtree(root, ignore_errors=True)
+        raise SystemExit(f"the chaos run never started (launcher exit {rc}):\n{log}")
     history = read_history(run_dir, run_dir / "buffer", max_staleness=_staleness(run_dir), total_steps=a.steps)
     if a.reference_accuracy is not None or a.baseline == "run":
         history.reference_accuracy = reference  # None when the baseline run failed: the check fails
