@@ -294,6 +294,14 @@ class BufferConnectionLost(TimeoutError):
     """The connection dropped while a request waited: its reply can never come; ask again."""
 
 
+class BufferStorageFailed(TimeoutError):
+    """The buffer could not commit the take (a full disk, a file size limit): nothing was served, ask again.
+
+    A ``TimeoutError`` so that a learner waiting for a batch keeps asking until its own deadline, as for a
+    batch not ready yet, instead of stopping the run on a disk that is full for a while.
+    """
+
+
 class BatchClient:
     """The learner's REQ client of the buffer's serve socket (lazy pirate)."""
 
@@ -385,6 +393,8 @@ class BatchClient:
         if isinstance(msg, ErrorReply):
             if msg.reason == "timeout":
                 raise TimeoutError(f"buffer: {msg.message}")
+            if msg.reason == "storage":  # the take's transaction aborted: no group left the buffer
+                raise BufferStorageFailed(f"buffer: {msg.message}")
             raise ProtocolError("remote", f"{msg.reason}: {msg.message}")
         if not isinstance(msg, BatchReply):
             raise ProtocolError("unexpected_type", f"expected BatchReply, got {msg.TYPE}")

@@ -3,7 +3,8 @@
 Not a CLI (``buffer.inspect`` is); used by ``buffer.server`` (the lock), ``buffer.inspect`` and the launcher's
 checks. A running server holds an exclusive ``flock`` on ``server.lock`` in the directory (:func:`lock_server`),
 so a second server, or an offline repair (:func:`repair_learner_version`), cannot write under it;
-:func:`inspect` reads one snapshot and is safe while the server writes.
+:func:`inspect` reads one snapshot and is safe while the server writes; :func:`ledger` reads every acknowledged
+group and, with ``buffer.record_served``, every take (``ops.chaos.history`` checks them).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import lmdb
 
-from buffer.layout import DATABASES, key_version, read_counters
+from buffer.layout import DATABASES, GROUP_KEY, SERVED_HEAD, SERVED_KEY, key_version, read_counters
 from buffer.store import BufferStore
 
 LOCK_FILE = "server.lock"
@@ -105,3 +106,34 @@ def inspect(path: str | Path) -> dict[str, Any]:
         "map_size": int(info["map_size"]),
         "counters": counters,
     }
+
+
+def ledger(path: str | Path) -> dict[str, Any]:
+    """Every acknowledged group and its fate, the groups waiting, and each recorded take, from one snapshot.
+
+    ``acked``: group_id -> (outcome byte, ``groups`` key or b""); ``waiting``: the ``groups`` keys still
+    stored; ``takes`` (empty without ``buffer.record_served``): per take in commit order, ``learner_version``,
+    ``min_version`` and the ``(weight_version, seq)`` of the groups ``served`` and ``dropped`` as stale.
+    """
+    env = lmdb.open(str(path), readonly=True, lock=True, max_dbs=8, subdir=True, readahead=False, map_size=0)
+    try:
+        with env.begin() as txn:
+            gindex = env.open_db(b"gindex", txn=txn, create=False)
+            groups = env.open_db(b"groups", txn=txn, create=False)
+            acked = {k.decode(): (v[:1], bytes(v[1:])) for k, v in txn.cursor(db=gindex)}
+            waiting = {bytes(k) for k in txn.cursor(db=groups).iternext(keys=True, values=False)}
+            counters = read_counters(txn, env.open_db(b"meta", txn=txn, create=False))
+            takes = []
+            try:
+                served = env.open_db(b"served", txn=txn, create=False)
+            except lmdb.NotFoundError:
+                served = None
+            for k, v in txn.cursor(db=served) if served is not None else ():
+                lv, mv, n_served, n_dropped = SERVED_HEAD.unpack(v[:SERVED_HEAD.size])
+                keys = [GROUP_KEY.unpack(v[i:i + GROUP_KEY.size])[:2]
+                        for i in range(SERVED_HEAD.size, len(v), GROUP_KEY.size)]
+                takes.append({"at": SERVED_KEY.unpack(k), "learner_version": lv, "min_version": mv,
+                              "served": keys[:n_served], "dropped": keys[n_served:n_served + n_dropped]})
+    finally:
+        env.close()
+    return {"acked": acked, "waiting": waiting, "takes": takes, "counters": counters}

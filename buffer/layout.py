@@ -15,6 +15,10 @@ Databases:
 - ``positives``: key = big-endian seq; value = 16-byte hash + encoded ``Sample`` frame. Keys are contiguous
   from ``pos_head`` to ``pos_next - 1``; eviction removes the oldest (head) first.
 - ``pindex``: blake2b-128(len(prompt) | prompt ids | output ids) -> positives key (deduplication).
+- ``served`` (only with ``buffer.record_served``): key = big-endian ``(served_batches, stale_dropped)`` after
+  a take; value = ``SERVED_HEAD`` (learner version, the staleness floor ``min_version``, groups served,
+  groups dropped as stale) then the ``groups`` keys served, then those dropped. Written in the take's
+  transaction, so it is exact after any crash (``ops.chaos.history`` reads it).
 - ``meta``: named signed 64-bit counters (depth, totals, learner version, sequence numbers) written in the
   same transaction as the data they describe, so they are exact after any crash; the server re-seeds its
   admission control from them on start. ``served_version`` is the learner version that the last full
@@ -36,6 +40,8 @@ DATABASES = ("groups", "gindex", "positives", "pindex", "meta")
 GROUP_KEY = struct.Struct(">QQI")  # weight_version, seq, n_samples (never affects order: seq is unique)
 POSITIVE_KEY = struct.Struct(">Q")  # positives seq; also the first 8 bytes of a group key (its weight version)
 COUNTER_VALUE = struct.Struct(">q")
+SERVED_KEY = struct.Struct(">QQ")  # served_batches, stale_dropped after the take
+SERVED_HEAD = struct.Struct(">qqII")  # learner_version, min_version, n served, n dropped stale
 _PROMPT_LEN = struct.Struct(">I")
 HASH_BYTES = 16
 

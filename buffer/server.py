@@ -120,6 +120,7 @@ class BufferServer:
             self.store = BufferStore(
                 cfg.buffer_path, map_size=b.map_size_bytes, max_map_size=b.max_map_size_bytes,
                 positives_capacity=b.positives_capacity, on_commit=self.metrics.commit_latency_seconds.observe,
+                record_served=b.record_served,
             )
         except BaseException:
             unlock_server(self._lock_fd)

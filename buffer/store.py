@@ -34,6 +34,8 @@ from buffer.layout import (
     HASH_BYTES,
     OUTCOMES,
     POSITIVE_KEY,
+    SERVED_HEAD,
+    SERVED_KEY,
     STORED,
     read_counters,
     version_bound,
@@ -93,8 +95,10 @@ class BufferStore:
         max_map_size: int = 0,
         positives_capacity: int = 20000,
         on_commit: Callable[[float], None] | None = None,
+        record_served: bool = False,
     ) -> None:
         self.path = Path(path)
+        self.record_served = record_served
         self.path.mkdir(parents=True, exist_ok=True)
         self.max_map_size = max_map_size
         self.positives_capacity = positives_capacity
@@ -118,6 +122,8 @@ class BufferStore:
         self.positives = self.env.open_db(b"positives")
         self.pindex = self.env.open_db(b"pindex")
         self.meta = self.env.open_db(b"meta")
+        # Only asked for (the chaos run's history): it grows by 20 bytes per group served, never trimmed.
+        self.served = self.env.open_db(b"served") if self.record_served else None
 
     def close(self) -> None:
         self.env.close()
@@ -216,7 +222,8 @@ class BufferStore:
 
         return self._write(fn)
 
-    def _drop_stale_in(self, txn: lmdb.Transaction, c: dict[str, int], min_version: int) -> int:
+    def _drop_stale_in(self, txn: lmdb.Transaction, c: dict[str, int], min_version: int,
+                       keys: list[bytes] | None = None) -> int:
         dropped = 0
         cur = txn.cursor(db=self.groups)
         while cur.first():
@@ -227,6 +234,8 @@ class BufferStore:
             c["depth_samples"] -= n_samples
             c["depth_bytes"] -= len(cur.value())
             c["stale_dropped"] += 1
+            if keys is not None:
+                keys.append(cur.key())
             cur.delete()
             dropped += 1
         return dropped
@@ -245,14 +254,18 @@ class BufferStore:
         """
 
         def fn(txn: lmdb.Transaction, c: dict[str, int]) -> tuple[list[bytes], int]:
-            dropped = self._drop_stale_in(txn, c, min_version) if min_version > 0 else 0
+            dropped_keys: list[bytes] | None = [] if self.served is not None else None
+            dropped = self._drop_stale_in(txn, c, min_version, dropped_keys) if min_version > 0 else 0
+            taken: list[bytes] = []
             if c["depth_groups"] < n and not partial:
+                self._record_served(txn, c, min_version, taken, dropped_keys)
                 return [], dropped
             frames: list[bytes] = []
             cur = txn.cursor(db=self.groups)
             while len(frames) < n and cur.first():
                 v = cur.value()
                 frames.append(v)
+                taken.append(cur.key())
                 c["depth_groups"] -= 1
                 c["depth_samples"] -= GROUP_KEY.unpack(cur.key())[2]
                 c["depth_bytes"] -= len(v)
@@ -262,6 +275,7 @@ class BufferStore:
                 c["served_batches"] += 1
                 if served_version is not None:
                     c["served_version"] = served_version
+            self._record_served(txn, c, min_version, taken, dropped_keys)
             return frames, dropped
 
         if self.counters["depth_groups"] < n and not partial and (
@@ -269,6 +283,16 @@ class BufferStore:
         ):
             return [], 0  # nothing to do: skip an empty write transaction
         return self._write(fn)
+
+    def _record_served(self, txn: lmdb.Transaction, c: dict[str, int], min_version: int, taken: list[bytes],
+                       dropped: list[bytes] | None) -> None:
+        """With ``record_served``: the group keys this take served and dropped as stale, in its transaction."""
+        if self.served is None or not (taken or dropped):
+            return
+        dropped = dropped or []
+        head = SERVED_HEAD.pack(c["learner_version"], min_version, len(taken), len(dropped))
+        txn.put(SERVED_KEY.pack(c["served_batches"], c["stale_dropped"]), head + b"".join(taken + dropped),
+                db=self.served)
 
     def set_learner_version(self, version: int) -> None:
         """Raise the durable learner version (never lowers it: the server's admission rule is monotonic)."""

@@ -185,6 +185,7 @@ class BufferConfig:
     map_size_bytes: int = f(1 << 30, "initial LMDB map size (grows automatically)")
     commit_batch: int = f(64, "most groups written in one LMDB transaction")
     max_map_size_bytes: int = f(0, "LMDB map size ceiling; past it writes fail as storage errors (0 = free disk)")
+    record_served: bool = f(False, "keep a durable record of every take: the group keys served and dropped as stale, with the learner version and staleness floor (LMDB db served, 20 bytes per group, never trimmed; for ops.bench.chaos's history)")
     positive_reward: float = f(1.0, "samples with reward >= this are verified-correct positives, for every role: the buffer's positives store, the learner's NLL mask, replay count and positives_fraction, the actors' positives_rate")
     credit_ttl_s: float = f(600.0, "seconds after which a granted, unused credit stops counting as in flight")
     peer_timeout_s: float = f(15.0, "an ingest connection that answers no ZMTP heartbeat (sent every third of this) for this long is closed and its unused credit released: an actor host that vanished without closing TCP (0 = never; credit_ttl_s still applies)")

@@ -368,3 +368,6 @@ def load(path: Path, learner: Any) -> int:
         np.random.set_state(st["numpy"])
         random.setstate(st["python"])
     return learner.version
+
+
+__all__ = ["complete_checkpoints"]

@@ -19,12 +19,13 @@ ranks apply the same floor (``BatchFrames.min_version``) to the same frames.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from buffer.client import BatchClient
+from buffer.client import BatchClient, BufferStorageFailed
 from common import protocol
 from common.config import Config
 from common.limits import (
@@ -43,6 +44,8 @@ from learner.dist import broadcast_frames, broadcast_ints, rank, rank0_wait, wor
 # a request the buffer never answers (it was killed and restarted meanwhile) costs this much plus the
 # client's reply timeout before the learner asks the new buffer; a turn is one small message.
 MAX_REQUEST_WAIT_S = 5.0
+
+log = logging.getLogger(__name__)
 
 
 NO_FLOOR = -(1 << 62)  # BatchFrames.min_version that keeps every group
@@ -258,6 +261,10 @@ class BufferSource:
             try:
                 reply, frame = self.client.get_batch_frame(learner_version, n_groups - len(out),
                                                            min(left, MAX_REQUEST_WAIT_S))
+            except BufferStorageFailed as e:  # a full disk answers at once: ask again a second later
+                log.warning("batch not served, asking again: %s", e)
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+                continue
             except TimeoutError:
                 continue  # the buffer had too few groups in time; the deadline check above decides
             frames.append(frame)

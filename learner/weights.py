@@ -286,4 +286,4 @@ def publish_policy(policy: Any, tokenizer: Any, root: Path, version: int, keep: 
     return update
 
 
-__all__ = ["version_dir", "write_version"]
+__all__ = ["complete_versions", "version_dir", "write_version"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import resource
 import signal
 import threading
 import time
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from buffer.client import AsyncGroupSender, BatchClient
+from buffer.client import AsyncGroupSender, BatchClient, BufferStorageFailed
 from common.protocol import PositivesReply, decode
 from tests.buffer.fixtures import SyncSender, make_group
 from tests.polling import wait_for
@@ -176,3 +177,25 @@ def test_a_learner_waiting_on_a_sigkilled_buffer_asks_the_restarted_one_within_s
         assert learner.connections_lost >= 1
     finally:
         learner.close()
+
+
+def test_a_take_that_cannot_commit_is_a_retryable_wait_not_a_protocol_error(buffer_proc: Any) -> None:
+    """A full disk under the buffer (its file size limit at 8 KiB, the two meta pages: LMDB's writes fail with EFBIG) makes the
+    take fail before anything leaves the buffer; the client says so as a wait, and the group is served once
+    the disk has room again."""
+    srv = buffer_proc(["learner.batch_groups=1"])
+    c = BatchClient(srv.serve_addr, request_timeout_s=2.0)
+    try:
+        with SyncSender(srv.ingest_addr, 0) as s:
+            s.send(make_group("full"), timeout_s=10)
+        assert srv.proc is not None
+        pid, (soft, hard) = srv.proc.pid, resource.prlimit(srv.proc.pid, resource.RLIMIT_FSIZE)
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (8 << 10, hard))
+        try:
+            with pytest.raises(BufferStorageFailed, match="file_too_large"):
+                c.get_batch(1, 1, 5)
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_FSIZE, (soft, hard))
+        assert c.get_batch(1, 1, 5).groups[0].group_id == "full"
+    finally:
+        c.close()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from buffer.directory import inspect
+from buffer.directory import inspect, ledger
 from buffer.layout import FILTERED, STALE, positive_hash
 from buffer.store import BufferStore, GroupRecord, StorageError
 from common.protocol import SampleGroup, decode, encode
@@ -137,3 +137,25 @@ def test_inspect_summary(tmp_path: Path) -> None:
     assert info["bytes_on_disk"] > 0
     with pytest.raises(FileNotFoundError):
         inspect(tmp_path / "nope")
+
+
+def test_record_served_keeps_every_take_in_its_transaction(tmp_path: Path) -> None:
+    st = BufferStore(tmp_path, record_served=True)
+    st.put_groups([record(make_group(f"g{i}", version=v)) for i, v in enumerate([0, 1, 2, 2])])
+    frames, dropped = st.take_groups(2, min_version=1)
+    assert dropped == 1 and ids(frames) == ["g1", "g2"]
+    assert st.take_groups(5) == ([], 0)  # nothing taken: no record
+    st.close()
+    led = ledger(tmp_path)
+    assert len(led["acked"]) == 4 and len(led["waiting"]) == 1
+    (take,) = led["takes"]
+    assert take["min_version"] == 1 and take["dropped"] == [(0, 0)]
+    assert take["served"] == [(1, 1), (2, 2)]  # (weight_version, seq), in the order served
+
+
+def test_no_served_record_unless_asked(tmp_path: Path) -> None:
+    st = BufferStore(tmp_path)
+    st.put_groups([record(make_group(f"g{i}")) for i in range(2)])
+    assert len(st.take_groups(2)[0]) == 2
+    st.close()
+    assert ledger(tmp_path)["takes"] == []

@@ -129,3 +129,33 @@ def test_buffer_source_hands_out_the_frames_it_received_and_drops_stale_groups_a
     pos = src.positives(2)
     assert [s.response_length for s in pos.samples] == [s.response_length for s in positives[:2]] and pos.frame
     assert pos.wire_frame() is pos.frame and src.positives(0) == Positives([], b"")
+
+
+def test_a_batch_the_buffer_could_not_commit_is_asked_for_again() -> None:
+    """A full disk under the buffer answers the take with ``storage``: the learner waits and asks again
+    (the chaos run's disk fault stopped the run here before), until its own deadline."""
+    from buffer.client import BufferStorageFailed
+    from common import protocol
+
+    groups = synth_groups(2, 2, 40, seed=5, version=1)
+    reply = protocol.encode_batch_reply([protocol.encode(g) for g in groups], 0, 0)
+
+    class FullOnce(FrameClient):
+        calls = 0
+
+        def get_batch_frame(self, learner_version: int, n_groups: int, timeout_s: float):
+            FullOnce.calls += 1
+            if FullOnce.calls == 1:
+                raise BufferStorageFailed("buffer: file_too_large: LMDB write failed")
+            return super().get_batch_frame(learner_version, n_groups, timeout_s)
+
+    src = BufferSource("ipc://unused", max_staleness=1, client=FullOnce([reply], []))
+    assert [g.group_id for g in src.get_batch(1, 2, 10.0).groups] == [g.group_id for g in groups]
+    assert FullOnce.calls == 2
+
+    class AlwaysFull(FrameClient):
+        def get_batch_frame(self, learner_version: int, n_groups: int, timeout_s: float):
+            raise BufferStorageFailed("buffer: file_too_large")
+
+    with pytest.raises(TimeoutError, match="got 0/2 groups"):
+        BufferSource("ipc://unused", max_staleness=1, client=AlwaysFull([], [])).get_batch(1, 2, 1.5)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -26,6 +25,7 @@ from typing import Any
 import pytest
 
 from common import lifeline
+from ops.chaos.procs import alive, components, mentioning, port_free
 from ops.report import load_records  # metrics.jsonl, a line being written skipped
 from tests.polling import wait_for
 from tests.ports import port_overrides
@@ -36,76 +36,6 @@ LAUNCH = ROOT / "ops" / "launch.sh"
 STEP_WAIT_S = 600.0  # one learner step, or a component's restart, on two cores shared with other work
 GONE_WAIT_S = 15.0  # the bound for every process of a run to be gone after its launcher was SIGKILLed
 TOTAL_STEPS = 30  # run 1 must outlast three kills and their recoveries (steps queue up behind a stall)
-
-KINDS = (("actors.rollout_server", "engine"), ("-m buffer ", "buffer"), ("learner.sft", "bootstrap"),
-         ("-m learner", "learner"), ("-m actors ", "actor"), ("deepspeed", "learner"))
-
-
-# ------------------------------------------------------------------------------------------ processes
-
-
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, parent pid) of a live process, None when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2:].split()
-    return fields[0], int(fields[1])
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie nobody has reaped yet holds no port and runs nothing)."""
-    s = _stat(pid)
-    return s is not None and s[0] not in "ZX"
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit() and (s := _stat(int(name))) is not None and s[0] not in "ZX":
-            children.setdefault(s[1], []).append(int(name))
-    out, todo = [], [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def kind(pid: int) -> str:
-    cmd = cmdline(pid) + " "
-    return next((k for needle, k in KINDS if needle in cmd), "other")
-
-
-def components(launcher: int) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for pid in descendants(launcher):
-        out.setdefault(kind(pid), []).append(pid)
-    return out
-
-
-def mentioning(text: str) -> list[str]:
-    return [f"{p}: {cmdline(int(p))}" for p in os.listdir("/proc")
-            if p.isdigit() and int(p) != os.getpid() and alive(int(p)) and text in cmdline(int(p))]
-
-
-def port_free(port: int) -> bool:
-    """Bindable the way the servers bind (SO_REUSEADDR, as ZeroMQ and the HTTP servers set it)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def ports_of(overrides: list[str]) -> list[int]:

@@ -1,0 +1,268 @@
+"""Chaos run: the default workload under a seeded nemesis of random faults, then invariants on its history.
+
+    .venv/bin/python -m ops.bench.chaos [--minutes 60] [--seed 0] [--short] [--config ops/configs/default.yaml]
+        [--steps N] [--interval-s S] [--faults KIND,...] [--baseline run|base] [--reference-accuracy A] [--tolerance T]
+        [--out FILE] [--keep] [key=value ...]
+
+Runs ``python -m ops.launch`` (the launcher ``ops/launch.sh`` execs, with its environment, without
+``ops/setup.sh``) on ``--config`` under a temporary ``run.root``, with fresh ports, ``buffer.record_served=true``
+(the history of every take), ``engine.max_restarts=1000`` (an engine or actor is killed many times) and
+``learner.total_steps`` scaled to outlast ``--minutes`` (``--steps``, else minutes × 60 / ``--step-s``).
+Meanwhile the nemesis (``ops.chaos.nemesis``; ``--faults`` narrows the kinds: SIGKILL of the buffer, an
+actor, an engine, the learner; SIGSTOP/SIGCONT of an engine; slow /metrics clients; the buffer's file size limit as a full disk) picks a
+fault every ``--interval-s`` (± half) for ``--minutes`` or until 5 versions before the last (the final
+heal: faults in force are undone, so every engine can converge on the final version); weight pushes, checkpoints (every 5 steps) and
+evaluations go on. A stopped run (a learner kill) is resumed with ``--resume`` (at most ``--max-resumes``).
+Then ``ops.chaos.history`` checks the history: no acknowledged group lost or served twice, every served group
+within the staleness bound, published versions strictly increasing, every engine on the final version, the
+run at ``learner.total_steps``, held-out accuracy at least the reference minus ``--tolerance``, nothing left
+behind (no process naming the run directory, every port free, the temporary root removed).
+
+The reference accuracy: ``--baseline run`` (the default without ``--short``) runs the same config and seed
+without faults first; ``--baseline base`` (the default with ``--short``) uses the run's own base accuracy
+(no collapse: a looser check); ``--reference-accuracy`` gives a known fault-free figure. ``--short`` is the
+≤ 5 minute mode of the slow test: 4 minutes of faults every 15 s on 24 steps of the default config.
+
+Prints one JSON line (``kind: chaos``): faults by kind, every invariant's pass/fail, accuracy, the time lost
+to faults (learner step gaps beyond the median gap, summed) and the resumes; ``--out`` writes the full
+record (every fault with its time, every invariant's counts). Exit 0 when every invariant passes, 1 if not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from common import lifeline
+from common.ports import free_port
+from ops.chaos.history import check, read_history
+from ops.chaos.nemesis import KINDS, Nemesis, Target
+from ops.chaos.procs import mentioning, port_free
+from ops.report import load_records
+
+ROOT = Path(__file__).resolve().parents[2]
+NAME = "chaos"
+GONE_WAIT_S = 20.0
+HEAL_STEPS = 5  # no fault in the last versions (~20-50 s: an actor restart fits): the final heal
+
+
+class Launch:
+    """One launcher process; its output goes to a file and is kept for the record."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+                   OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+                   TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                       str(Path.home() / ".cache/vapo/torch_extensions")))
+        self.log = log.open("ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "ops.launch", *args], cwd=ROOT, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     **lifeline.popen_kwargs(env))
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        finally:
+            self.log.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def port_args() -> tuple[list[str], list[int], list[int]]:
+    """Overrides giving every socket its own free port; all ports; the /metrics ports (one actor each)."""
+    p = [free_port() for _ in range(10)]
+    overrides = [
+        f"buffer.ingest_addr=tcp://127.0.0.1:{p[0]}", f"buffer.serve_addr=tcp://127.0.0.1:{p[1]}",
+        f"learner.publish_addr=tcp://127.0.0.1:{p[2]}", f"learner.query_addr=tcp://127.0.0.1:{p[3]}",
+        f"buffer.metrics_port={p[4]}", f"learner.metrics_port={p[5]}", f"actors.metrics_base_port={p[6]}",
+        f"metrics.launcher_port={p[7]}", f"engine.base_port={p[8]}", f"learner.push_addr=tcp://127.0.0.1:{p[9]}",
+    ]
+    return overrides, p, [p[4], p[5], p[6], p[7]]
+
+
+def run_once(args: list[str], run_dir: Path, deadline: float, nemesis: Nemesis | None,
+             metrics_ports: list[int], max_resumes: int) -> tuple[int, int]:
+    """Launch, and resume after every stop, until the run finishes, resumes run out or the deadline.
+
+    Returns (last exit code, resumes). The nemesis, if any, is pointed at each launcher while it runs.
+    """
+    resumes, rc = 0, 1
+    while True:
+        launch = Launch((["--resume"] if resumes else []) + args, run_dir.parent / f"{run_dir.name}-launcher.log")
+        if nemesis is not None:
+            nemesis.target = Target(launch.proc.pid, run_dir, metrics_ports)
+        try:
+            rc = launch.wait(max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            rc = 124
+        finally:
+            if nemesis is not None:
+                nemesis.target = None
+            launch.kill()
+        if rc == 0 or rc == 124 or resumes >= max_resumes or not (run_dir / "config.yaml").is_file():
+            return rc, resumes
+        resumes += 1
+        if nemesis is not None:
+            nemesis.record("resume", after_rc=rc)
+
+
+def step_gaps_lost(run_dir: Path) -> float:
+    """Seconds of learner step gaps beyond the median gap: what the faults cost the learner."""
+    times = sorted(float(r["time"]) for r in load_records(run_dir) if r.get("kind") == "learner_step")
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    if len(gaps) < 2:
+        return 0.0
+    median = statistics.median(gaps)
+    return round(sum(g - median for g in gaps if g > median * 2), 1)
+
+
+def leftovers(run_dir: Path, ports: list[int]) -> list[str]:
+    """Processes naming the run directory and ports still bound, after a bounded wait for them to go."""
+    deadline = time.time() + GONE_WAIT_S
+    while True:
+        procs = mentioning(str(run_dir))
+        busy = [p for p in ports if not port_free(p)]
+        if (not procs and not busy) or time.time() > deadline:
+            return [f"process {p}" for p in procs] + [f"port {p} bound" for p in busy]
+        time.sleep(0.5)
+
+
+def baseline_accuracy(common_args: list[str], root: Path, deadline: float) -> float | None:
+    """The same config and seed without faults: its final held-out accuracy."""
+    overrides, _, _ = port_args()
+    run_dir = root / "baseline"
+    rc, _ = run_once([*common_args, f"run.name={run_dir.name}", *overrides], run_dir, deadline, None, [], 0)
+    summary = run_dir / "summary.json"
+    if rc != 0 or not summary.is_file():
+        return None
+    return json.loads(summary.read_text()).get("final_accuracy")
+
+
+def settings(a: argparse.Namespace) -> argparse.Namespace:
+    """Fill the defaults that depend on --short."""
+    if a.short:
+        a.minutes = 4.0 if a.minutes is None else a.minutes
+        a.steps = a.steps or 24
+        a.interval_s = a.interval_s or 15.0
+        a.baseline = a.baseline or "base"
+    a.minutes = 60.0 if a.minutes is None else a.minutes
+    a.steps = a.steps or max(10, int(a.minutes * 60 / a.step_s))
+    a.interval_s = a.interval_s or max(5.0, a.minutes * 60 / 50)  # ~50 faults in the window
+    a.baseline = a.baseline or "run"
+    return a
+
+
+def chaos(a: argparse.Namespace) -> dict[str, Any]:
+    """The whole chaos run; returns its full record (the JSON line's fields and the details)."""
+    root = Path(a.root) if a.root else Path(tempfile.mkdtemp(prefix="vapo-chaos-"))
+    root.mkdir(parents=True, exist_ok=True)
+    run_dir = root / NAME
+    common_args = [a.config, f"run.root={root}", f"run.seed={a.seed}", f"learner.total_steps={a.steps}",
+                   "buffer.record_served=true", "engine.max_restarts=1000", "learner.checkpoint_every=5",
+                   *a.overrides]
+    t0 = time.time()
+    hard_deadline = t0 + a.minutes * 60 * 4 + 900  # a wedged run ends as a failure, not a hang
+    reference = a.reference_accuracy
+    if reference is None and a.baseline == "run":
+        reference = baseline_accuracy(common_args, root, hard_deadline)
+    t_chaos = time.time()
+    overrides, ports, metrics_ports = port_args()
+    nemesis = Nemesis(seed=a.seed, interval_s=a.interval_s, t0=t_chaos, until=t_chaos + a.minutes * 60,
+                      kinds=tuple(a.faults.split(",")) if a.faults else KINDS, heal_at=a.steps - HEAL_STEPS)
+    thread = threading.Thread(target=nemesis.run, daemon=True)
+    thread.start()
+    try:
+        rc, resumes = run_once([*common_args, f"run.name={NAME}", *overrides], run_dir, hard_deadline, nemesis,
+                               metrics_ports, a.max_resumes)
+    finally:
+        nemesis.stop.set()
+        thread.join(30)
+        nemesis.wait_undone()
+    wall = time.time() - t_chaos
+    left = leftovers(run_dir, ports)
+    if not (run_dir / "buffer" / "data.mdb").is_file():  # the launch failed before the run began
+        log = (root / f"{NAME}-launcher.log").read_text(errors="replace")[-3000:]
+        if not a.keep:
+            shutil.rmtree(root, ignore_errors=True)
+        raise SystemExit(f"the chaos run never started (launcher exit {rc}):\n{log}")
+    history = read_history(run_dir, run_dir / "buffer", max_staleness=_staleness(run_dir), total_steps=a.steps)
+    if a.reference_accuracy is not None or a.baseline == "run":
+        history.reference_accuracy = reference  # None when the baseline run failed: the check fails
+    history.tolerance = a.tolerance
+    lost = step_gaps_lost(run_dir)
+    if not a.keep:
+        shutil.rmtree(root, ignore_errors=True)
+        if root.exists():
+            left.append(f"temporary root {root} not removed")
+    history.leftovers = left
+    verdicts = check(history)
+    faults = Counter(f["kind"] for f in nemesis.faults if f["kind"] in KINDS)
+    takes = history.takes
+    return {
+        "kind": "chaos", "seed": a.seed, "minutes": a.minutes, "config": a.config, "total_steps": a.steps,
+        "rc": rc, "wall_s": round(wall, 1), "faults_total": sum(faults.values()), "faults": dict(sorted(faults.items())),
+        "resumes": resumes, "pass": all(v["pass"] for v in verdicts.values()),
+        "invariants": {k: v["pass"] for k, v in verdicts.items()},
+        "accuracy": history.accuracy, "reference_accuracy": history.reference_accuracy,
+        "reference": ("given" if a.reference_accuracy is not None else "fault-free run" if a.baseline == "run"
+                      else "base"),
+        "tolerance": a.tolerance, "lost_s": lost,
+        "groups": {"acked_stored": len(history.stored), "served": sum(len(t["served"]) for t in takes),
+                   "dropped_stale": sum(len(t["dropped"]) for t in takes), "waiting": len(history.waiting)},
+        "published": len(history.published), "run_dir": str(run_dir) if a.keep else None,
+        "details": {"invariants": verdicts, "fault_log": nemesis.faults},
+    }
+
+
+def _staleness(run_dir: Path) -> int:
+    """buffer.max_staleness of the run, from its resolved config.yaml."""
+    return int(yaml.safe_load((run_dir / "config.yaml").read_text())["buffer"]["max_staleness"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--minutes", type=float, default=None, help="how long faults are injected (default 60; 4 with --short)")
+    ap.add_argument("--seed", type=int, default=0, help="the nemesis's and the run's seed")
+    ap.add_argument("--short", action="store_true", help="the slow test's mode: ≤ 5 minutes")
+    ap.add_argument("--config", default="ops/configs/default.yaml")
+    ap.add_argument("--steps", type=int, default=0, help="learner.total_steps (default: minutes × 60 / --step-s)")
+    ap.add_argument("--step-s", type=float, default=4.0, help="expected seconds per learner step, to size --steps")
+    ap.add_argument("--interval-s", type=float, default=0.0, help="mean seconds between faults (default: ~50 in the window)")
+    ap.add_argument("--faults", default="", help=f"comma-separated fault kinds to pick from (default all: {','.join(KINDS)})")
+    ap.add_argument("--baseline", choices=("run", "base"), default=None, help="the reference accuracy's source")
+    ap.add_argument("--reference-accuracy", type=float, default=None, help="a known fault-free final accuracy")
+    ap.add_argument("--tolerance", type=float, default=0.05, help="accuracy may be this far below the reference")
+    ap.add_argument("--max-resumes", type=int, default=20)
+    ap.add_argument("--root", default="", help="run root (default: a temporary directory, removed at the end)")
+    ap.add_argument("--keep", action="store_true", help="keep the run root (then reported, not removed)")
+    ap.add_argument("--out", default="", help="write the full record (every fault, every invariant's counts) here")
+    ap.add_argument("overrides", nargs="*", help="config overrides key=value for both runs")
+    a = settings(ap.parse_args(argv))
+    if unknown := sorted(set(filter(None, a.faults.split(","))) - set(KINDS)):
+        ap.error(f"unknown fault kind(s) {unknown}; choose from {list(KINDS)}")
+    record = chaos(a)
+    if a.out:
+        Path(a.out).write_text(json.dumps(record, indent=1) + "\n")
+    line = {k: v for k, v in record.items() if k != "details"}
+    print(json.dumps(line), flush=True)
+    return 0 if record["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

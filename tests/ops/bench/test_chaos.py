@@ -1,0 +1,55 @@
+"""ops/bench/chaos.py: the short mode end to end (slow), and its pieces that need no run (fast)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ops.bench.chaos import ROOT, main, settings, step_gaps_lost
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    base = {"short": False, "minutes": None, "steps": 0, "step_s": 4.0, "interval_s": 0.0, "baseline": None}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_short_mode_fits_five_minutes_of_faults_and_the_full_mode_about_fifty() -> None:
+    a = settings(_args(short=True))
+    assert (a.minutes, a.steps, a.interval_s, a.baseline) == (4.0, 24, 15.0, "base")
+    a = settings(_args())
+    assert (a.minutes, a.steps, a.interval_s, a.baseline) == (60.0, 900, 72.0, "run")
+
+
+def test_time_lost_is_the_step_gaps_beyond_twice_the_median(tmp_path: Path) -> None:
+    times = [0, 1, 2, 3, 13, 14, 15]  # one 10 s gap: 9 s more than the 1 s median
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"kind": "learner_step", "weight_version": i + 1, "time": t}) + "\n" for i, t in enumerate(times)))
+    assert step_gaps_lost(tmp_path) == 9.0
+
+
+def test_an_unknown_fault_kind_is_refused_naming_the_kinds(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--faults", "kill_buffer,flood"])
+    assert e.value.code == 2 and "unknown fault kind(s) ['flood']" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_short_chaos_run_passes_every_invariant_with_at_least_three_faults(tmp_path: Path) -> None:
+    """≤ 5 minutes of the default workload under the nemesis (4-6 min on 2 shared cores)."""
+    out = tmp_path / "chaos.json"
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-m", "ops.bench.chaos", "--short", "--seed", "3", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    line = json.loads(p.stdout.strip().splitlines()[-1])
+    print(f"CHAOS {time.time() - t0:.0f} s " + json.dumps(line), flush=True)
+    record = json.loads(out.read_text())
+    assert p.returncode == 0 and line["pass"], json.dumps(record["details"], indent=1)[-6000:] + p.stderr[-3000:]
+    assert line["faults_total"] >= 3, record["details"]["fault_log"]
+    assert all(line["invariants"].values()) and len(line["invariants"]) == 8
+    assert line["rc"] == 0 and line["groups"]["served"] > 0
