@@ -370,4 +370,4 @@ def load(path: Path, learner: Any) -> int:
     return learner.version
 
 
-__all__ = ["complete_checkpoints"]
+__all__ = ["complete_checkpoints", "newest_intact"]
