@@ -13,6 +13,7 @@ from common.config import Config, ConfigError, load_config
 from common.metrics import Metrics
 from common.modeling import build_char_tokenizer
 from learner.endpoints import Endpoints, _Later
+from tests.polling import wait_for
 from tests.ports import free_port
 
 
@@ -41,8 +42,20 @@ def test_a_store_address_that_may_not_listen_fails_at_once_and_unbinds(tmp_path:
     with pytest.raises(ConfigError, match="learner.push_master_address"):
         Endpoints(cfg, Metrics("learner"))
     sock = zmq.Context.instance().socket(zmq.PUB)
+
+    def bound() -> bool:
+        try:
+            sock.bind(f"tcp://127.0.0.1:{port}")
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE:
+                raise
+            return False
+        return True
+
     try:
-        sock.bind(f"tcp://127.0.0.1:{port}")  # the publisher made first was closed on the way out
+        # The publisher made first was closed on the way out; ZeroMQ releases a closed socket's port in its I/O
+        # thread, a moment later, so the port is asked for until then (a publisher left open keeps it for good).
+        wait_for(bound, 10, "the publisher's port to be released")
     finally:
         sock.close(linger=0)
 
