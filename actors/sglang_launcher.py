@@ -42,6 +42,9 @@ def write_admin_key_config(key_file: str) -> Path:
         raise ConfigError(f"engine.admin_api_key_file: cannot read {key_file}: {ex}") from ex
     if not key:
         raise ConfigError(f"engine.admin_api_key_file: {key_file} is empty")
+    if key.startswith("-"):  # SGLang turns --config into command-line arguments: argparse reads it as a flag
+        raise ConfigError(f"engine.admin_api_key_file: the key in {key_file} starts with '-', which SGLang's "
+                          "--config passes on as a flag, not a value; use a key that does not (e.g. `openssl rand -hex 32`)")
     out = admin_key_config_path(key_file)
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)

@@ -52,7 +52,7 @@ def write_admin_key(root: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32) + "\n")
+        f.write(secrets.token_hex(32) + "\n")  # hex: a urlsafe key may start with '-', which SGLang refuses
     return path
 
 

@@ -124,6 +124,10 @@ def test_admin_key_reaches_sglang_through_a_private_config_file(tmp_path) -> Non
     key_file.write_text("")
     with pytest.raises(ConfigError, match="is empty"):
         write_admin_key_config(str(key_file))
+    # SGLang 0.5.23 makes "--admin-api-key -7TKa..." of such a key, and its argparse stops on "expected one argument"
+    key_file.write_text("-7TKa9ZfJtQWzlpB7Vcv\n")
+    with pytest.raises(ConfigError, match="starts with '-'"):
+        write_admin_key_config(str(key_file))
 
 
 def test_cpu_form_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
