@@ -375,10 +375,17 @@ class RolloutWorker:
 
 def run_worker(cfg: Config, actor_id: int) -> int:
     try:
-        return asyncio.run(RolloutWorker(cfg, actor_id).run())
+        worker = RolloutWorker(cfg, actor_id)
+        rc = asyncio.run(worker.run())
     except WorkerError as e:
         log.error("actor %d: %s", actor_id, e)
         return 1
+    # After the engine has stopped (so that the launcher's stop grace can only cut this wait short): the
+    # groups scored since the last scrape set the reward and throughput gauges, which Grafana would never see.
+    if worker.metrics.stay_for_last_scrape(cfg.metrics.final_scrape_wait_s) is False:
+        log.warning("actor %d: no Prometheus scrape within metrics.final_scrape_wait_s=%.0f s of stopping",
+                    actor_id, cfg.metrics.final_scrape_wait_s)
+    return rc
 
 
 __all__ = ["RolloutWorker", "WorkerError", "run_worker"]

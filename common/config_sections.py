@@ -343,7 +343,7 @@ class MetricsConfig:
     prometheus: bool = f(True, "serve Prometheus /metrics in every process")
     plots: bool = f(True, "write PNG plots to <run dir>/plots at the end")
     launcher_port: int = f(9400, "ops/launch.sh /metrics port (component restarts)")
-    final_scrape_wait_s: float = f(20.0, "a scraped learner waits up to this long for one last scrape before exiting (0 = never)")
+    final_scrape_wait_s: float = f(20.0, "a scraped learner or actor waits up to this long for one last scrape before exiting (0 = never)")
     trackers: list[str] = f([], "experiment trackers fed every metrics.jsonl record by learner rank 0: any of tensorboard (<run dir>/tensorboard), wandb (<run dir>/wandb)")
     wandb_mode: str = f("offline", "metrics.trackers wandb: offline (written under the run dir, no network, no API key; wandb sync uploads it later) | online")
     wandb_project: str = f("vapo", "metrics.trackers wandb: the W&B project")

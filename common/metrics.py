@@ -302,6 +302,17 @@ class Metrics:
                 self._scraped.wait(left)
         return True
 
+    def stay_for_last_scrape(self, timeout_s: float) -> bool | None:
+        """Before a process exits: wait up to ``timeout_s`` for one more scrape (``wait_for_scrape`` from now),
+        but only where someone has scraped it; ``None`` when nobody ever did or ``timeout_s`` is 0.
+
+        Pull-based monitoring never sees values set after its last scrape, so without this the final
+        step's figures, or a short-lived process's only ones, never reach Grafana.
+        """
+        if self.last_scrape <= 0 or timeout_s <= 0:
+            return None
+        return self.wait_for_scrape(time.time(), timeout_s)
+
 
 class _ThenNotify:
     """A WSGI response body that calls ``done`` when the server closes it: after the last byte is written."""

@@ -342,10 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         if endpoints is not None:
             endpoints.close()  # a no-op after run(): it closed them
         shutdown_distributed()
-    if metrics.last_scrape > 0 and cfg.metrics.final_scrape_wait_s > 0:
-        # Pull-based monitoring never sees values set after its last scrape: stay for one more, so that
-        # the final step (and a short run's only steps) reach Grafana. Only when someone is scraping.
-        if not metrics.wait_for_scrape(time.time(), cfg.metrics.final_scrape_wait_s):
-            log.warning("no Prometheus scrape within metrics.final_scrape_wait_s=%.0f s of the last step",
-                        cfg.metrics.final_scrape_wait_s)
+    if metrics.stay_for_last_scrape(cfg.metrics.final_scrape_wait_s) is False:
+        log.warning("no Prometheus scrape within metrics.final_scrape_wait_s=%.0f s of the last step",
+                    cfg.metrics.final_scrape_wait_s)
     return 0

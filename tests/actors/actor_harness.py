@@ -52,6 +52,8 @@ class Stack:
             f"learner.publish_addr={self.publish}", f"learner.query_addr={self.query}",
             "learner.batch_groups=1000", "engine.base_port=0", "engine.threads=1", "engine.batch_wait_ms=5",
             "actors.metrics_base_port=0", "task.max_digits=3", "actors.weight_poll_s=1.0",
+            # These tests scrape an actor, then stop it: without this it would wait for one more scrape.
+            "metrics.final_scrape_wait_s=0",
         ] + list(extra or [])
         self.procs: list[subprocess.Popen] = []
 

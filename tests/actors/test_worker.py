@@ -88,6 +88,44 @@ def test_groups_have_g_samples_engine_logprobs_and_verifier_rewards(stack, tiny_
     assert any(len({tuple(x.output_ids.tolist()) for x in g.samples}) > 1 for g in groups)
 
 
+def test_a_scraped_worker_stays_for_one_last_scrape_after_it_stops(stack) -> None:
+    # Prometheus pulls: a group scored after the last scrape sets the reward gauges, and a worker that exited
+    # at once on SIGTERM would take them with it (a short run's Grafana panel stayed empty). A scraped worker
+    # stops its engine, then waits for one more scrape, and that scrape ends the wait.
+    s = stack("actors.group_size=2", "actors.max_new_tokens=8", "metrics.final_scrape_wait_s=120")
+    s.start_buffer()
+    with contextlib.closing(WeightPublisher(s.publish, s.query)):
+        p = s.start_actors("--actor-id", "0")
+        port = read_tagged(p, "ACTOR READY", 120, s.tmp / "actors.log")["metrics_port"]
+        wait_for(lambda: (metric(scrape(port), "vapo_actor_groups_sent_total", actor="0") or 0) >= 1, 60,
+                 "a scored group")
+        p.send_signal(signal.SIGTERM)
+        read_tagged(p, "ACTOR DONE", 60, s.tmp / "actors.log")  # its engine has stopped
+        with pytest.raises(subprocess.TimeoutExpired):  # waiting for the scrape (up to 120 s), not gone
+            p.wait(timeout=5)
+        bodies = []
+        t0 = time.monotonic()
+        while p.poll() is None and time.monotonic() - t0 < 60:  # scrape back to back, as Prometheus would
+            with contextlib.suppress(OSError):
+                bodies.append(scrape(port))
+        assert p.wait(timeout=5) == 0  # a scrape ended the wait, well before final_scrape_wait_s
+    # The exit may cut a scrape that began after the one it waited for: look for the whole one.
+    assert any("vapo_actor_source_reward_mean{" in b and (metric(b, "vapo_actor_groups_sent_total", actor="0") or 0) >= 1
+               for b in bodies), [len(b) for b in bodies]
+
+
+def test_an_unscraped_worker_exits_at_once_when_stopped(stack) -> None:
+    s = stack("actors.group_size=2", "actors.max_new_tokens=8", "metrics.final_scrape_wait_s=120")
+    s.start_buffer()
+    with contextlib.closing(WeightPublisher(s.publish, s.query)):
+        p = s.start_actors("--actor-id", "0")
+        read_tagged(p, "ACTOR READY", 120, s.tmp / "actors.log")
+        wait_for(lambda: s.cursor(0)["next"] >= 1, 60, "a prompt done")
+        p.send_signal(signal.SIGTERM)
+        read_tagged(p, "ACTOR DONE", 60, s.tmp / "actors.log")
+        assert p.wait(timeout=60) == 0  # well under the 120 s it would wait if it had ever been scraped
+
+
 @pytest.mark.parametrize("policy", ["abort", pytest.param("wait", marks=pytest.mark.slow)])
 def test_weight_update_reaches_every_worker_and_bad_checksum_is_refused(stack, tmp_path: Path, tiny_model_dir: Path,
                                                                         policy: str) -> None:

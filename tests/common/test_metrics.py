@@ -65,6 +65,33 @@ def test_wait_for_scrape_returns_once_an_http_scrape_comes_after_the_mark() -> N
     assert m.wait_for_scrape(mark, timeout_s=0) is True  # already satisfied: no wait
 
 
+def test_stay_for_last_scrape_waits_only_where_someone_scrapes() -> None:
+    import time
+
+    m = Metrics("actor")
+    port = m.serve(0)
+    t0 = time.monotonic()
+    assert m.stay_for_last_scrape(30) is None  # never scraped: nobody to wait for, returns at once
+    assert time.monotonic() - t0 < 5
+    urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    wait_for(lambda: m.last_scrape > 0, 10, "the scrape to be noted")
+    assert m.stay_for_last_scrape(0) is None  # switched off
+    assert m.stay_for_last_scrape(0.05) is False  # scraped before, but not since: bounded
+    done = threading.Event()
+
+    def scrape_until_done() -> None:  # as Prometheus does: one scrape may begin before the wait's mark
+        while not done.is_set():
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+
+    t = threading.Thread(target=scrape_until_done)
+    t.start()
+    try:
+        assert m.stay_for_last_scrape(10) is True
+    finally:
+        done.set()
+        t.join(timeout=10)
+
+
 def test_a_process_that_exits_right_after_the_final_scrape_has_sent_it() -> None:
     # The learner calls wait_for_scrape and exits: if the wait returned when the values were collected
     # rather than when the response was written, the exit would cut the response and Prometheus would
