@@ -1,8 +1,12 @@
 """Chaos run: the default workload under a seeded nemesis of random faults, then invariants on its history.
 
-    .venv/bin/python -m ops.bench.chaos [--minutes 60] [--seed 0] [--short] [--config ops/configs/default.yaml]
+    .venv/bin/python -m ops.bench.chaos [--minutes 60] [--seed 0] [--short] [--cluster] [--config FILE]
         [--steps N] [--interval-s S] [--faults KIND,...] [--baseline run|base] [--reference-accuracy A] [--tolerance T]
         [--out FILE] [--keep] [key=value ...]
+
+With ``--cluster`` the run is the rehearsal's ssh route on its four hosts (``ops.chaos.cluster``: network
+namespaces, root, the rehearsal's packages; ``--config`` defaults to ops/configs/rehearsal.yaml), and the
+nemesis adds ``host_down`` and ``partition`` (and leaves out ``slow_metrics``). Otherwise:
 
 Runs ``python -m ops.launch`` (the launcher ``ops/launch.sh`` execs, with its environment, without
 ``ops/setup.sh``) on ``--config`` under a temporary ``run.root``, with fresh ports, ``buffer.record_served=true``
@@ -48,35 +52,43 @@ import yaml
 
 from common import lifeline
 from common.ports import free_port
+from ops.chaos.cluster import CONFIG as CLUSTER_CONFIG
+from ops.chaos.cluster import KINDS as CLUSTER_KINDS
+from ops.chaos.cluster import OVERRIDES as CLUSTER_OVERRIDES
+from ops.chaos.cluster import ClusterView
 from ops.chaos.history import check, read_history
-from ops.chaos.nemesis import KINDS, Nemesis, Target
+from ops.chaos.nemesis import HOST_FAULTS, KINDS, Nemesis, Target
 from ops.chaos.procs import mentioning, port_free
+from ops.rehearsal.cluster import Cluster, missing_prerequisites
+from ops.rehearsal.main import prepare
 from ops.report import load_records
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "chaos"
 GONE_WAIT_S = 20.0
+ALL_KINDS = (*KINDS, *HOST_FAULTS)
 HEAL_STEPS = 5  # no fault in the last versions (~20-50 s: an actor restart fits): the final heal
 
 
 class Launch:
-    """One launcher process; its output goes to a file and is kept for the record."""
+    """One launcher process (here, or on a cluster's head host); its output goes to a file, kept for the record."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, cluster: ClusterView | None = None) -> None:
+        # ops/launch.sh's environment, as it would export it.
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                    OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
                    TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR",
                                                        str(Path.home() / ".cache/vapo/torch_extensions")))
-        self.log = log.open("ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "ops.launch", *args], cwd=ROOT, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                     **lifeline.popen_kwargs(env))
+        if cluster is not None:
+            self.proc = cluster.start(args, log, lifeline.popen_kwargs(cluster.cluster.env(**env)))
+            return
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "ops.launch", *args], cwd=ROOT, stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         **lifeline.popen_kwargs(env))
 
     def wait(self, timeout_s: float) -> int:
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        finally:
-            self.log.close()
+        return self.proc.wait(timeout=timeout_s)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -97,16 +109,17 @@ def port_args() -> tuple[list[str], list[int], list[int]]:
 
 
 def run_once(args: list[str], run_dir: Path, deadline: float, nemesis: Nemesis | None,
-             metrics_ports: list[int], max_resumes: int) -> tuple[int, int]:
+             metrics_ports: list[int], max_resumes: int, cluster: ClusterView | None = None) -> tuple[int, int]:
     """Launch, and resume after every stop, until the run finishes, resumes run out or the deadline.
 
     Returns (last exit code, resumes). The nemesis, if any, is pointed at each launcher while it runs.
     """
     resumes, rc = 0, 1
     while True:
-        launch = Launch((["--resume"] if resumes else []) + args, run_dir.parent / f"{run_dir.name}-launcher.log")
+        launch = Launch((["--resume"] if resumes else []) + args, run_dir.parent / f"{run_dir.name}-launcher.log",
+                        cluster)
         if nemesis is not None:
-            nemesis.target = Target(launch.proc.pid, run_dir, metrics_ports)
+            nemesis.target = Target(launch.proc.pid, run_dir, metrics_ports, cluster=cluster)
         try:
             rc = launch.wait(max(1.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
@@ -143,11 +156,12 @@ def leftovers(run_dir: Path, ports: list[int]) -> list[str]:
         time.sleep(0.5)
 
 
-def baseline_accuracy(common_args: list[str], root: Path, deadline: float) -> float | None:
+def baseline_accuracy(common_args: list[str], root: Path, deadline: float,
+                      cluster: ClusterView | None = None) -> float | None:
     """The same config and seed without faults: its final held-out accuracy."""
-    overrides, _, _ = port_args()
+    overrides = port_args()[0] if cluster is None else []
     run_dir = root / "baseline"
-    rc, _ = run_once([*common_args, f"run.name={run_dir.name}", *overrides], run_dir, deadline, None, [], 0)
+    rc, _ = run_once([*common_args, f"run.name={run_dir.name}", *overrides], run_dir, deadline, None, [], 0, cluster)
     summary = run_dir / "summary.json"
     if rc != 0 or not summary.is_file():
         return None
@@ -165,43 +179,48 @@ def settings(a: argparse.Namespace) -> argparse.Namespace:
     a.steps = a.steps or max(10, int(a.minutes * 60 / a.step_s))
     a.interval_s = a.interval_s or max(5.0, a.minutes * 60 / 50)  # ~50 faults in the window
     a.baseline = a.baseline or "run"
+    a.config = a.config or (CLUSTER_CONFIG if a.cluster else "ops/configs/default.yaml")
     return a
 
 
-def chaos(a: argparse.Namespace) -> dict[str, Any]:
-    """The whole chaos run; returns its full record (the JSON line's fields and the details)."""
+def chaos(a: argparse.Namespace, cluster: ClusterView | None = None) -> dict[str, Any]:
+    """The whole chaos run (on ``cluster``'s hosts when given); returns its full record (the JSON line's
+    fields and the details)."""
     root = Path(a.root) if a.root else Path(tempfile.mkdtemp(prefix="vapo-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
     run_dir = root / NAME
     common_args = [a.config, f"run.root={root}", f"run.seed={a.seed}", f"learner.total_steps={a.steps}",
                    "buffer.record_served=true", "engine.max_restarts=1000", "learner.checkpoint_every=5",
-                   *a.overrides]
+                   *([*CLUSTER_OVERRIDES, f"buffer.local_root={root / 'local'}"] if cluster else []), *a.overrides]
+    # Across several hosts the buffer lives under buffer.local_root (host 0's disk), not in the run directory.
+    buffer_dir = root / "local" / NAME / "buffer" if cluster else run_dir / "buffer"
     t0 = time.time()
     hard_deadline = t0 + a.minutes * 60 * 4 + 900  # a wedged run ends as a failure, not a hang
     reference = a.reference_accuracy
     if reference is None and a.baseline == "run":
-        reference = baseline_accuracy(common_args, root, hard_deadline)
+        reference = baseline_accuracy(common_args, root, hard_deadline, cluster)
     t_chaos = time.time()
-    overrides, ports, metrics_ports = port_args()
+    # A cluster run's addresses are the rehearsal config's, inside its hosts' namespaces.
+    overrides, ports, metrics_ports = port_args() if cluster is None else ([], [], [])
     nemesis = Nemesis(seed=a.seed, interval_s=a.interval_s, t0=t_chaos, until=t_chaos + a.minutes * 60,
-                      kinds=tuple(a.faults.split(",")) if a.faults else KINDS, heal_at=a.steps - HEAL_STEPS)
+                      kinds=kinds_of(a), heal_at=a.steps - HEAL_STEPS)
     thread = threading.Thread(target=nemesis.run, daemon=True)
     thread.start()
     try:
         rc, resumes = run_once([*common_args, f"run.name={NAME}", *overrides], run_dir, hard_deadline, nemesis,
-                               metrics_ports, a.max_resumes)
+                               metrics_ports, a.max_resumes, cluster)
     finally:
         nemesis.stop.set()
         thread.join(30)
         nemesis.wait_undone()
     wall = time.time() - t_chaos
-    left = leftovers(run_dir, ports)
-    if not (run_dir / "buffer" / "data.mdb").is_file():  # the launch failed before the run began
+    left = leftovers(run_dir, ports) + (cluster.leftovers() if cluster is not None else [])
+    if not (buffer_dir / "data.mdb").is_file():  # the launch failed before the run began
         log = (root / f"{NAME}-launcher.log").read_text(errors="replace")[-3000:]
         if not a.keep:
             shutil.rmtree(root, ignore_errors=True)
         raise SystemExit(f"the chaos run never started (launcher exit {rc}):\n{log}")
-    history = read_history(run_dir, run_dir / "buffer", max_staleness=_staleness(run_dir), total_steps=a.steps)
+    history = read_history(run_dir, buffer_dir, max_staleness=_staleness(run_dir), total_steps=a.steps)
     if a.reference_accuracy is not None or a.baseline == "run":
         history.reference_accuracy = reference  # None when the baseline run failed: the check fails
     history.tolerance = a.tolerance
@@ -212,10 +231,11 @@ def chaos(a: argparse.Namespace) -> dict[str, Any]:
             left.append(f"temporary root {root} not removed")
     history.leftovers = left
     verdicts = check(history)
-    faults = Counter(f["kind"] for f in nemesis.faults if f["kind"] in KINDS)
+    faults = Counter(f["kind"] for f in nemesis.faults if f["kind"] in ALL_KINDS)
     takes = history.takes
     return {
         "kind": "chaos", "seed": a.seed, "minutes": a.minutes, "config": a.config, "total_steps": a.steps,
+        "hosts": len(cluster.cluster.hosts) if cluster is not None else 1,
         "rc": rc, "wall_s": round(wall, 1), "faults_total": sum(faults.values()), "faults": dict(sorted(faults.items())),
         "resumes": resumes, "pass": all(v["pass"] for v in verdicts.values()),
         "invariants": {k: v["pass"] for k, v in verdicts.items()},
@@ -230,6 +250,11 @@ def chaos(a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def kinds_of(a: argparse.Namespace) -> tuple[str, ...]:
+    """The fault kinds the nemesis picks from: ``--faults``, else all that the mode can take."""
+    return tuple(a.faults.split(",")) if a.faults else CLUSTER_KINDS if a.cluster else KINDS
+
+
 def _staleness(run_dir: Path) -> int:
     """buffer.max_staleness of the run, from its resolved config.yaml."""
     return int(yaml.safe_load((run_dir / "config.yaml").read_text())["buffer"]["max_staleness"])
@@ -240,11 +265,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=None, help="how long faults are injected (default 60; 4 with --short)")
     ap.add_argument("--seed", type=int, default=0, help="the nemesis's and the run's seed")
     ap.add_argument("--short", action="store_true", help="the slow test's mode: ≤ 5 minutes")
-    ap.add_argument("--config", default="ops/configs/default.yaml")
+    ap.add_argument("--config", default="", help=f"default ops/configs/default.yaml; {CLUSTER_CONFIG} with --cluster")
+    ap.add_argument("--cluster", action="store_true",
+                    help="on the rehearsal's four hosts (network namespaces; root and its Debian packages), "
+                         "with host faults: " + ",".join(HOST_FAULTS))
     ap.add_argument("--steps", type=int, default=0, help="learner.total_steps (default: minutes × 60 / --step-s)")
     ap.add_argument("--step-s", type=float, default=4.0, help="expected seconds per learner step, to size --steps")
     ap.add_argument("--interval-s", type=float, default=0.0, help="mean seconds between faults (default: ~50 in the window)")
-    ap.add_argument("--faults", default="", help=f"comma-separated fault kinds to pick from (default all: {','.join(KINDS)})")
+    ap.add_argument("--faults", default="", help="comma-separated fault kinds to pick from (default all that the mode "
+                    f"can take: {','.join(KINDS)}; with --cluster {','.join(CLUSTER_KINDS)})")
     ap.add_argument("--baseline", choices=("run", "base"), default=None, help="the reference accuracy's source")
     ap.add_argument("--reference-accuracy", type=float, default=None, help="a known fault-free final accuracy")
     ap.add_argument("--tolerance", type=float, default=0.05, help="accuracy may be this far below the reference")
@@ -254,9 +283,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="write the full record (every fault, every invariant's counts) here")
     ap.add_argument("overrides", nargs="*", help="config overrides key=value for both runs")
     a = settings(ap.parse_args(argv))
-    if unknown := sorted(set(filter(None, a.faults.split(","))) - set(KINDS)):
-        ap.error(f"unknown fault kind(s) {unknown}; choose from {list(KINDS)}")
-    record = chaos(a)
+    allowed = CLUSTER_KINDS if a.cluster else KINDS
+    if unknown := sorted(set(filter(None, a.faults.split(","))) - set(allowed)):
+        ap.error(f"unknown fault kind(s) {unknown} {'on a cluster' if a.cluster else 'here'}; choose from {list(allowed)}")
+    if not a.cluster:
+        record = chaos(a)
+    elif why := missing_prerequisites():
+        print(json.dumps({"kind": "chaos", "pass": False, "skipped": why}), flush=True)
+        return 3
+    else:
+        with Cluster(keep=ROOT / "runs/_rehearsal/logs" / f"chaos-daemons-{time.strftime('%Y%m%d-%H%M%S')}") as c:
+            prepare("rollout_server")  # the rehearsal config's keys, with the machine's rehearsal lock held
+            record = chaos(a, ClusterView(c))
     if a.out:
         Path(a.out).write_text(json.dumps(record, indent=1) + "\n")
     line = {k: v for k, v in record.items() if k != "details"}

@@ -15,6 +15,9 @@ can do without root:
   root): LMDB's writes past it fail with EFBIG as on a full disk (the buffer reports ``file_too_large``
   storage errors and refuses groups; Python ignores SIGXFSZ), then restored.
 
+- ``host_down``, ``partition`` (a cluster run only, ``ops.chaos.cluster``): every process of a host killed
+  and the host back later; a host's link down and up.
+
 Faults with a duration overlap the faults picked after them (one of each kind at a time). With ``heal_at``
 the faults end once that version is published (a final heal: those in force are undone at once), so that
 "every engine ends on the final version" tests convergence, not a fault that happened to hit the last push.
@@ -33,18 +36,31 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from learner.checkpoint import complete_checkpoints
 from learner.weights import complete_versions
 from ops.chaos.procs import alive, components
 
 KINDS = ("kill_buffer", "kill_actor", "kill_engine", "kill_learner", "stop_engine", "slow_metrics", "disk_full")
-# How often each kind is picked: a learner kill costs a whole restart, so it comes least often.
+# How often each kind is picked: a learner kill costs a whole restart, so it comes least often (the cluster's
+# host faults, ops.chaos.cluster, are picked only in a cluster run).
 WEIGHTS = {"kill_buffer": 2, "kill_actor": 2, "kill_engine": 2, "kill_learner": 1, "stop_engine": 2,
-           "slow_metrics": 2, "disk_full": 2}
+           "slow_metrics": 2, "disk_full": 2, "host_down": 2, "partition": 2}
+HOST_FAULTS = ("host_down", "partition")
 BUFFER_KILLS_PER_START = 3  # the launcher restarts a dead buffer 3 times per start (common/placement.py)
 FSIZE_FULL = 8 << 10  # LMDB's two meta pages: every data page written past them fails
+
+
+class Hosts(Protocol):
+    """A cluster run's hosts as the nemesis uses them (``ops.chaos.cluster.ClusterView``)."""
+
+    def components(self) -> dict[str, list[int]]: ...
+    def engine_hosts(self) -> list[str]: ...
+    def host_for(self, fault: str, rng: random.Random, checkpointed: bool) -> str | None: ...
+    def host_down(self, host: str) -> int: ...
+    def host_up(self, host: str) -> None: ...
+    def link(self, host: str, up: bool) -> None: ...
 
 
 @dataclass
@@ -55,6 +71,10 @@ class Target:
     run_dir: Path
     metrics_ports: list[int]
     buffer_kills: int = 0  # in this launcher start
+    cluster: Hosts | None = None  # a cluster run: processes on every host, and host faults
+
+    def components(self) -> dict[str, list[int]]:
+        return self.cluster.components() if self.cluster is not None else components(self.launcher)
 
 
 @dataclass
@@ -93,7 +113,7 @@ class Nemesis:
         self.stop.set()
 
     def _possible(self, fault: str, t: Target) -> bool:
-        comps = components(t.launcher)
+        comps = t.components()
         # Faults hit a running pipeline: a launcher still starting its children (or a learner before its
         # first published version) would fail its start, which tests the start, not the run.
         if not {"buffer", "learner", "actor", "engine"} <= set(comps) or not complete_versions(t.run_dir / "weights"):
@@ -106,6 +126,8 @@ class Nemesis:
             return t.buffer_kills < BUFFER_KILLS_PER_START
         if fault == "kill_learner":
             return bool(complete_checkpoints(t.run_dir / "checkpoints"))
+        if fault in HOST_FAULTS:
+            return t.cluster is not None and bool(t.cluster.engine_hosts())
         return True
 
     def record(self, kind: str, **detail: Any) -> dict[str, Any]:
@@ -116,7 +138,10 @@ class Nemesis:
         return entry
 
     def _apply(self, fault: str, t: Target, rng: random.Random) -> None:
-        comps = components(t.launcher)
+        if fault in HOST_FAULTS and t.cluster is not None:
+            self._host_fault(fault, t, t.cluster, rng)
+            return
+        comps = t.components()
         need = "engine" if fault == "stop_engine" else "buffer" if fault == "disk_full" else fault.removeprefix("kill_")
         if fault != "slow_metrics" and not comps.get(need):
             return  # gone since it was picked (a restart in progress): pick again next turn
@@ -134,7 +159,7 @@ class Nemesis:
             self.record(fault, pid=pid, duration_s=duration)
         elif fault == "disk_full":
             pid, duration = rng.choice(sorted(comps["buffer"])), round(duration * 2.5, 1)  # long enough for writes
-            port = t.metrics_ports[0]  # the buffer's
+            port = t.metrics_ports[0] if t.metrics_ports else None  # the buffer's (a cluster's is in its namespace)
             old, before = _limit_fsize(pid, FSIZE_FULL), _storage_errors(port)
             entry = self.record(fault, pid=pid, duration_s=duration, fsize_bytes=FSIZE_FULL)
 
@@ -149,6 +174,22 @@ class Nemesis:
                 threading.Thread(target=_slow_client, args=(port, done), daemon=True).start()
             self._later(fault, duration, done.set)
             self.record(fault, ports=len(t.metrics_ports), duration_s=duration)
+
+    def _host_fault(self, fault: str, t: Target, cluster: Hosts, rng: random.Random) -> None:
+        """A host down (every process killed) or cut off (its link down) for a while, then back."""
+        host = cluster.host_for(fault, rng, checkpointed=bool(complete_checkpoints(t.run_dir / "checkpoints")))
+        if host is None:
+            return
+        if fault == "host_down":
+            duration = round(rng.uniform(15.0, 40.0), 1)  # past the launcher's first probes
+            killed = cluster.host_down(host)
+            self._later(fault, duration, lambda: cluster.host_up(host))
+            self.record(fault, host=host, processes=killed, duration_s=duration)
+        else:
+            duration = round(rng.uniform(5.0, 20.0), 1)
+            cluster.link(host, up=False)
+            self._later(fault, duration, lambda: cluster.link(host, up=True))
+            self.record(fault, host=host, duration_s=duration)
 
     def _later(self, kind: str, after_s: float, undo: Callable[[], Any]) -> None:
         """Mark ``kind`` busy and undo it after ``after_s`` (or at once when the nemesis stops)."""
@@ -186,8 +227,10 @@ def _limit_fsize(pid: int, soft: int) -> int:
         return resource.RLIM_INFINITY
 
 
-def _storage_errors(port: int) -> int:
+def _storage_errors(port: int | None) -> int:
     """The buffer's ``vapo_buffer_storage_errors_total`` over every reason (0 when it does not answer)."""
+    if port is None:
+        return 0
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:  # loopback only
             text = r.read().decode()

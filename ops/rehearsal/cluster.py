@@ -290,10 +290,11 @@ class Cluster:
             self._lock_fd = -1
             raise ClusterUnavailable(f"another rehearsal holds {LOCK_FILE} (one at a time per machine)") from None
 
-    def restart_host(self, host: str) -> None:
-        """A killed host back up: its sshd and slurmd again (the namespace and its address never left)."""
+    def restart_host(self, host: str, own: frozenset[int] = frozenset()) -> None:
+        """A killed host back up: its sshd and slurmd again (the namespace and its address never left).
+        ``own``: children a Popen object of the caller waits for (never reaped here)."""
         self.daemons = [d for d in self.daemons if d.poll() is None]
-        reap({d.pid for d in self.daemons})
+        reap({d.pid for d in self.daemons} | own)
         self._start_init(host)
         self._start(host, ["/usr/sbin/sshd", "-D", "-f", str(self.tmp / "ssh" / f"sshd-{host}.conf"), "-E",
                            str(self.tmp / "logs" / f"sshd-{host}.log")])
