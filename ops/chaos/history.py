@@ -34,7 +34,8 @@ from ops.report import load_records
 Key = tuple[int, int]  # a stored group: (weight_version, seq)
 
 _SERVING = re.compile(r"serving weights v(\d+)|\"weight_version\": (\d+)")
-_REPUBLISH = re.compile(r"^(\S+ \S+) .*republishing the checkpoint's weights as v(\d+)")
+# Rank 0's line only (it alone publishes; every rank logs the same), behind pdsh's "<host>: " on several hosts.
+_REPUBLISH = re.compile(r"^(?:\S+: )?(\d{4}-\d\d-\d\d \S+) learner\[0\] .*republishing the checkpoint's weights as v(\d+)")
 
 
 @dataclass

@@ -110,6 +110,11 @@ def test_read_history_from_a_buffer_and_a_run_directory(tmp_path: Path) -> None:
         f"{stamp} learner[0] WARNING weights v2 exist beyond checkpoint v1; republishing the "
         "checkpoint's weights as v3\n")
     assert published_versions(run) == [1, 2, 3, 4]  # the republished v3 between the steps, by time
+    # Across hosts pdsh puts "<host>: " before each line, and every rank logs the republish: rank 0's counts, once.
+    (run / "logs" / "learner.log").write_text("".join(
+        f"h{r}: {stamp} learner[{r}] WARNING weights v2 exist beyond checkpoint v1; republishing the "
+        "checkpoint's weights as v3\n" for r in (0, 1)))
+    assert published_versions(run) == [1, 2, 3, 4]
     (run / "logs" / "actor-0.log").write_text("actor 0: serving weights v2 (0.1 s after publish)\n"
                                               'ACTOR DONE {"weight_version": 4}\n')
     (run / "learner_done.json").write_text("{}")
