@@ -4,9 +4,9 @@
         [--steps N] [--interval-s S] [--faults KIND,...] [--baseline run|base] [--reference-accuracy A] [--tolerance T]
         [--out FILE] [--keep] [key=value ...]
 
-With ``--cluster`` the run is the rehearsal's ssh route on its four hosts (``ops.chaos.cluster``: network
-namespaces, root, the rehearsal's packages; ``--config`` defaults to ops/configs/rehearsal.yaml), and the
-nemesis adds ``host_down`` and ``partition`` (and leaves out ``slow_metrics``). Otherwise:
+With ``--cluster`` the run is the default workload on the rehearsal's ssh route, on its four hosts
+(``ops.chaos.cluster``: network namespaces, root, the rehearsal's packages; ``--config`` defaults to
+ops/configs/rehearsal.yaml, with the default config's learning settings laid over it), and the nemesis adds ``host_down`` and ``partition`` (and leaves out ``slow_metrics``). Otherwise:
 
 Runs ``python -m ops.launch`` (the launcher ``ops/launch.sh`` execs, with its environment, without
 ``ops/setup.sh``) on ``--config`` under a temporary ``run.root``, with fresh ports, ``buffer.record_served=true``
@@ -55,7 +55,7 @@ from common.ports import free_port
 from ops.chaos.cluster import CONFIG as CLUSTER_CONFIG
 from ops.chaos.cluster import KINDS as CLUSTER_KINDS
 from ops.chaos.cluster import OVERRIDES as CLUSTER_OVERRIDES
-from ops.chaos.cluster import ClusterView
+from ops.chaos.cluster import ClusterView, workload_overrides
 from ops.chaos.history import check, read_history
 from ops.chaos.nemesis import HOST_FAULTS, KINDS, Nemesis, Target
 from ops.chaos.procs import mentioning, port_free
@@ -67,6 +67,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NAME = "chaos"
 GONE_WAIT_S = 20.0
 ALL_KINDS = (*KINDS, *HOST_FAULTS)
+CLUSTER_STEP_S = 8.0  # the default workload on the cluster: ZeRO-3 over two ranks, two engines, 2 shared cores
 HEAL_STEPS = 5  # no fault in the last versions (~20-50 s: an actor restart fits): the final heal
 
 
@@ -169,10 +170,11 @@ def baseline_accuracy(common_args: list[str], root: Path, deadline: float,
 
 
 def settings(a: argparse.Namespace) -> argparse.Namespace:
-    """Fill the defaults that depend on --short."""
+    """Fill the defaults that depend on --short and --cluster."""
+    a.step_s = a.step_s or (CLUSTER_STEP_S if a.cluster else 4.0)
     if a.short:
         a.minutes = 4.0 if a.minutes is None else a.minutes
-        a.steps = a.steps or 24
+        a.steps = a.steps or (int(a.minutes * 60 / a.step_s) if a.cluster else 24)
         a.interval_s = a.interval_s or 15.0
         a.baseline = a.baseline or "base"
     a.minutes = 60.0 if a.minutes is None else a.minutes
@@ -191,7 +193,8 @@ def chaos(a: argparse.Namespace, cluster: ClusterView | None = None) -> dict[str
     run_dir = root / NAME
     common_args = [a.config, f"run.root={root}", f"run.seed={a.seed}", f"learner.total_steps={a.steps}",
                    "buffer.record_served=true", "engine.max_restarts=1000", "learner.checkpoint_every=5",
-                   *([*CLUSTER_OVERRIDES, f"buffer.local_root={root / 'local'}"] if cluster else []), *a.overrides]
+                   *([*CLUSTER_OVERRIDES, *workload_overrides(), f"buffer.local_root={root / 'local'}"] if cluster else []),
+                   *a.overrides]
     # Across several hosts the buffer lives under buffer.local_root (host 0's disk), not in the run directory.
     buffer_dir = root / "local" / NAME / "buffer" if cluster else run_dir / "buffer"
     t0 = time.time()
@@ -270,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="on the rehearsal's four hosts (network namespaces; root and its Debian packages), "
                          "with host faults: " + ",".join(HOST_FAULTS))
     ap.add_argument("--steps", type=int, default=0, help="learner.total_steps (default: minutes × 60 / --step-s)")
-    ap.add_argument("--step-s", type=float, default=4.0, help="expected seconds per learner step, to size --steps")
+    ap.add_argument("--step-s", type=float, default=0.0,
+                    help=f"expected seconds per learner step, to size --steps (default 4; {CLUSTER_STEP_S:g} with --cluster)")
     ap.add_argument("--interval-s", type=float, default=0.0, help="mean seconds between faults (default: ~50 in the window)")
     ap.add_argument("--faults", default="", help="comma-separated fault kinds to pick from (default all that the mode "
                     f"can take: {','.join(KINDS)}; with --cluster {','.join(CLUSTER_KINDS)})")

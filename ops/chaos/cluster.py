@@ -18,12 +18,15 @@ their targets on every host (the root namespace sees each host's processes); the
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from common.config import load_config
 from ops.chaos.nemesis import HOST_FAULTS
 from ops.chaos.procs import cmdline, kind
 from ops.rehearsal.cluster import Cluster
@@ -35,12 +38,34 @@ CONFIG = "ops/configs/rehearsal.yaml"
 KINDS = ("kill_buffer", "kill_actor", "kill_engine", "kill_learner", "stop_engine", "disk_full", *HOST_FAULTS)
 HEAD = "h0"  # the launcher's host: losing it is losing the run, which the rehearsal's kill stage covers
 LEARNER_HOST = "h1"
+WORKLOAD = "ops/configs/default.yaml"
 # The ssh route's process-group timeout: a partitioned learner rank fails within seconds, not the default 30 min.
 OVERRIDES = ["learner.dist_timeout_s=10"]
+# What the cluster's topology sets, kept from its config when the default workload's settings are laid over it
+# (the rehearsal's own learning settings test the path and do not learn: its held-out accuracy falls over
+# 240 fault-free steps, so accuracy against the base would measure the config, not the faults).
+TOPOLOGY = ("run.", "placement.", "engine.", "metrics.", "buffer.curve.", "buffer.ingest_addr", "buffer.serve_addr",
+            "learner.publish_addr", "learner.query_addr", "learner.push_addr", "learner.eval_engine_url",
+            "learner.zero_stage", "learner.total_steps", "learner.checkpoint_every", "actors.num_actors",
+            "actors.metrics_base_port")
 # An ssh client's command line names the remote command, and nsenter's (how a command enters a host) the one it
 # runs: neither is that component.
 CLIENTS = ("ssh", "pdsh", "sshd", "nsenter")
 GUARD = "-m common.remote "  # the guard a remote process runs under names it too: not that component either
+
+
+def workload_overrides() -> list[str]:
+    """``key=value`` for every setting in which the default workload differs from the cluster's config, but for
+    the topology's: the default run (which learns) on the rehearsal's hosts."""
+    def flat(obj: Any, prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            out.update(flat(v, f"{prefix}{f.name}.") if dataclasses.is_dataclass(v) else {f"{prefix}{f.name}": v})
+        return out
+    ours, theirs = flat(load_config(ROOT / CONFIG)), flat(load_config(ROOT / WORKLOAD))
+    return [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in theirs.items()
+            if v != ours.get(k) and not k.startswith(TOPOLOGY)]
 
 
 class ClusterView:
@@ -96,4 +121,4 @@ class ClusterView:
         return [f"{h}: {cmd}" for h, cmds in leftovers(self.cluster).items() for cmd in cmds]
 
 
-__all__ = ["CONFIG", "KINDS", "OVERRIDES", "ClusterView"]
+__all__ = ["CONFIG", "KINDS", "OVERRIDES", "ClusterView", "workload_overrides"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -12,10 +13,12 @@ from pathlib import Path
 import pytest
 
 from ops.bench.chaos import ROOT, main, settings, step_gaps_lost
+from ops.rehearsal.cluster import missing_prerequisites
 
 
 def _args(**kw: object) -> argparse.Namespace:
-    base = {"short": False, "minutes": None, "steps": 0, "step_s": 4.0, "interval_s": 0.0, "baseline": None}
+    base = {"short": False, "minutes": None, "steps": 0, "step_s": 0.0, "interval_s": 0.0, "baseline": None,
+            "cluster": False, "config": ""}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -24,6 +27,13 @@ def test_short_mode_fits_five_minutes_of_faults_and_the_full_mode_about_fifty() 
     assert (a.minutes, a.steps, a.interval_s, a.baseline) == (4.0, 24, 15.0, "base")
     a = settings(_args())
     assert (a.minutes, a.steps, a.interval_s, a.baseline) == (60.0, 900, 72.0, "run")
+    assert a.config == "ops/configs/default.yaml"
+
+
+def test_a_cluster_run_sizes_its_steps_for_the_cluster_and_takes_the_rehearsals_topology() -> None:
+    a = settings(_args(short=True, cluster=True))
+    assert (a.minutes, a.steps, a.config) == (4.0, 30, "ops/configs/rehearsal.yaml")  # 4 min at 8 s a step
+    assert settings(_args(cluster=True)).steps == 450
 
 
 def test_time_lost_is_the_step_gaps_beyond_twice_the_median(tmp_path: Path) -> None:
@@ -37,6 +47,12 @@ def test_an_unknown_fault_kind_is_refused_naming_the_kinds(capsys: pytest.Captur
     with pytest.raises(SystemExit) as e:
         main(["--faults", "kill_buffer,flood"])
     assert e.value.code == 2 and "unknown fault kind(s) ['flood']" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # its ports are inside the hosts' namespaces
+        main(["--cluster", "--faults", "slow_metrics"])
+    assert e.value.code == 2 and "['slow_metrics'] on a cluster" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a host fault needs the hosts
+        main(["--faults", "partition"])
+    assert e.value.code == 2 and "['partition'] here" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -53,3 +69,16 @@ def test_short_chaos_run_passes_every_invariant_with_at_least_three_faults(tmp_p
     assert line["faults_total"] >= 3, record["details"]["fault_log"]
     assert all(line["invariants"].values()) and len(line["invariants"]) == 8
     assert line["rc"] == 0 and line["groups"]["served"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or bool(missing_prerequisites()), reason="needs root and the rehearsal's packages")
+def test_short_chaos_run_on_the_rehearsal_cluster_passes_every_invariant() -> None:
+    """≤ 5 minutes of faults on four hosts (network namespaces), host faults among them (5-7 min here)."""
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-m", "ops.bench.chaos", "--cluster", "--short", "--seed", "0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    line = json.loads(p.stdout.strip().splitlines()[-1])
+    print(f"CHAOS CLUSTER {time.time() - t0:.0f} s " + json.dumps(line), flush=True)
+    assert p.returncode == 0 and line["pass"], json.dumps(line) + p.stderr[-3000:]
+    assert line["hosts"] == 4 and line["faults_total"] >= 3 and len(line["invariants"]) == 8
