@@ -10,7 +10,9 @@ A process started over ssh runs under a guard (``main`` here) that watches its s
 channel: the launcher writes a heartbeat byte every ``placement.ssh_alive_interval_s`` and closes it to stop
 the process. The guard stops its process (SIGTERM, SIGKILL after ``GRACE_S``) on end of file (the launcher
 stopped, died, or its ssh client was killed) or when no byte came for ``interval × ssh_alive_count_max``
-seconds (the link is gone, however the remote sshd is configured). On the launcher's side ssh's own
+seconds (the link is gone, however the remote sshd is configured). Once its process has ended, however it
+ended, the guard also stops what is left of that process's group: a DeepSpeed runner killed outright leaves its
+pdsh, whose ssh sessions would keep the remote learner ranks, and their ports, alive. On the launcher's side ssh's own
 keep-alive (ServerAliveInterval × ServerAliveCountMax) ends the ssh client with exit code 255 within the
 same bound, which the launcher reads as a lost host. Learner ranks on other hosts start through DeepSpeed's
 pdsh launcher, which gives them no stdin: their ssh gets a terminal (``-tt``), so the kernel sends them
@@ -143,10 +145,30 @@ def _stop(child: subprocess.Popen, grace_s: float) -> int:
         except (ProcessLookupError, PermissionError):
             pass
         try:
-            return _code(child.wait(timeout=grace_s))
+            rc = _code(child.wait(timeout=grace_s))
         except subprocess.TimeoutExpired:
             continue
+        _end_group(child.pid, grace_s)  # a member slower than the child to take the SIGTERM
+        return rc
     return _code(child.wait())
+
+
+def _end_group(pgid: int, grace_s: float) -> None:
+    """Stop what is left of the child's process group once the child has exited (SIGTERM, then SIGKILL after
+    ``grace_s``): a killed DeepSpeed runner leaves its pdsh, whose ssh sessions keep the remote ranks alive
+    until their collectives time out, holding their ports (and GPUs) from the next start."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            return  # the group is empty
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.05)  # polling for the group to empty, with a deadline
 
 
 def _deaf_to_srun_stop(kw: dict[str, Any]) -> dict[str, Any]:
@@ -200,6 +222,7 @@ def guard(argv: list[str], timeout_s: float, grace_s: float = GRACE_S, stdin_fd:
                   file=sys.stderr, flush=True)
             return _stop(child, grace_s)
         eof.wait(0.2)  # wakes at once on end of file; otherwise re-checks the child and the deadline
+    _end_group(child.pid, grace_s)  # the child is gone, its group may not be: nothing outlives the guard
     return _code(child.returncode)
 
 

@@ -89,6 +89,24 @@ def test_guard_passes_the_exit_code_through_and_kills_a_stubborn_child(tmp_path:
     assert g.wait(timeout=10) == 128 + 9 and not _alive(int(pid_file.read_text()))
 
 
+def test_guard_ends_what_its_child_leaves_in_its_process_group(tmp_path: Path) -> None:
+    # A DeepSpeed runner killed outright leaves its pdsh, whose ssh sessions keep the remote learner ranks (and
+    # their ports) alive: when the child ends however it ends, the rest of its group goes too.
+    left = tmp_path / "left.pid"
+    spawn = (f"p = __import__('subprocess').Popen([sys.executable, '-c', 'import signal, time; "
+             f"signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)']); "
+             f"open({str(left)!r}, 'w').write(str(p.pid))")
+    g, _ = _guarded(tmp_path, 30, "os._exit(3)", setup=spawn)
+    assert g.wait(timeout=20) == 3  # the child's code passes through
+    assert not _alive(int(left.read_text()))  # the grandchild, deaf to SIGTERM, was killed
+    (tmp_path / "child.pid").unlink()
+    left.unlink()
+    g, _ = _guarded(tmp_path, 30, "time.sleep(600)", setup=spawn)
+    assert g.stdin is not None
+    g.stdin.close()  # the link ends: the child stops at once, its grandchild ignores the SIGTERM
+    assert g.wait(timeout=20) == 128 + 15 and not _alive(int(left.read_text()))
+
+
 PROBE = ("import json, os, signal, sys, tempfile, time; d = tempfile.gettempdir(); open(os.path.join(d, 'sock'), 'w');"
          "open(sys.argv[1] + '.part', 'w').write(json.dumps({'tmp': d, 'inductor': os.environ.get("
          "'TORCHINDUCTOR_CACHE_DIR'), 'pid': os.getpid(), "
