@@ -215,7 +215,7 @@ def chaos(a: argparse.Namespace, cluster: ClusterView | None = None) -> dict[str
     finally:
         nemesis.stop.set()
         thread.join(30)
-        nemesis.wait_undone()
+        nemesis.wait_undone(90.0 if cluster is not None else 30.0)  # a host back up waits for its sshd and Slurm
     wall = time.time() - t_chaos
     left = leftovers(run_dir, ports) + (cluster.leftovers() if cluster is not None else [])
     if not (buffer_dir / "data.mdb").is_file():  # the launch failed before the run began
