@@ -9,6 +9,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.ports import port_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,6 +25,7 @@ def _set_file(path: Path, rows: list[tuple[str, str | None]]) -> Path:
     return path
 
 
+@pytest.mark.slow  # a launched run (~16 s); the smoke run in tests/ops/test_launch.py carries two evaluation sets by default
 def test_two_eval_sets_are_reported_apart_in_the_records_and_the_summary(tmp_path: Path) -> None:
     sums = _set_file(tmp_path / "sums.jsonl", [("3+4", "one_digit"), ("5+2", "one_digit"), ("12+34", "two_digit"),
                                                 ("51+8", "two_digit"), ("27+45", "two_digit")])

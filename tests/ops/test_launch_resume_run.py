@@ -119,6 +119,7 @@ def test_a_killed_learner_is_resumed_and_the_run_finishes(tmp_path: Path) -> Non
         launch.kill_now()
 
 
+@pytest.mark.slow  # a launched run killed twice (~27 s); test_without_auto_resume_the_stop_is_as_before stays in the default suite
 def test_a_second_kill_past_the_resumes_stops_at_once(tmp_path: Path) -> None:
     launch = Launch(tmp_path, "--auto-resume", "1", "learner.total_steps=40")
     try:

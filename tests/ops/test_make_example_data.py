@@ -71,6 +71,7 @@ def test_the_example_files_load_as_the_page_says(tmp_path: Path) -> None:
 
 
 # One launched run (~1 minute on 2 cores): the README-level promise of docs/DATA.md's worked example.
+@pytest.mark.slow  # a launched run (~22 s); the dataset, reward and evaluation-set pieces are tested in tests/common/tasks and tests/learner
 def test_the_worked_example_trains_on_parquet_scored_by_the_reward_file_with_two_eval_sets(tmp_path: Path) -> None:
     data = tmp_path / "data"
     write_example(data, rows=64, max_digits=3, seed=0)

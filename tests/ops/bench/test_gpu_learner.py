@@ -27,6 +27,7 @@ def _run(*args: str, timeout: float = 300) -> tuple[int, dict[str, Any]]:
     return p.returncode, json.loads(lines[0])
 
 
+@pytest.mark.slow  # two CPU dry runs of a ZeRO-3 learner (~12 s)
 def test_cpu_dry_runs_both_layouts_on_one_zero3_learner() -> None:
     rc, out = _run("--cpu-dry")
     assert rc == 0 and out["ok"], out

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[3]
 BATCH = 4
 
 
+@pytest.mark.slow  # a launched benchmark run (~20 s); the drain itself is tested in tests/actors
 def test_tiny_run_drains_on_disk_updates_and_not_in_place() -> None:
     out = update_stall.main(["--batch", str(BATCH), "--updates", "2", "--interval-s", "2", "--warmup-s", "1",
                          "--reps", "1", "--min-tokens", "30", "--max-tokens", "300"])

@@ -71,6 +71,7 @@ def check_line(line: dict[str, Any], engine: str) -> None:
     assert row["first_push_blocked_s"] > 0 and row["group_init_s"] >= 0
 
 
+@pytest.mark.slow  # the benchmark's quick run with engines (~14 s); the pushes are tested in tests/actors/test_weight_push.py
 def test_quick_mode_with_rollout_server_engines(tmp_path: Path) -> None:
     check_line(run_quick("rollout_server", tmp_path), "rollout_server")
 

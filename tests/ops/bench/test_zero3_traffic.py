@@ -18,6 +18,7 @@ from ops.bench.zero3_traffic import summary
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.slow  # the benchmark's quick run (~16 s); tests/learner/test_zero_trace.py holds the trace in the default suite
 def test_quick_line_adds_up_and_meets_both_goals() -> None:
     p = subprocess.run([sys.executable, "-m", "ops.bench.zero3_traffic", "--quick"], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)

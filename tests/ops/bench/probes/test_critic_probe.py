@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from common.config import load_config
 from common.tasks import get_task
 from common.tasks.addition import teacher_response
@@ -42,6 +44,7 @@ def _run(args: list[str]) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # trains or scores a critic in a subprocess (~7 s)
 def test_train_mode_reports_an_ev_curve_and_plots_values(tiny_model_dir: Path, tmp_path: Path) -> None:
     cache = tmp_path / "groups.bin"
     out = _run(["--model", str(tiny_model_dir), "--train-groups", "4", "--fresh-groups", "3", "--steps", "2",
@@ -56,6 +59,7 @@ def test_train_mode_reports_an_ev_curve_and_plots_values(tiny_model_dir: Path, t
     assert cache.stat().st_size > 0  # sampled groups stored for the next probe
 
 
+@pytest.mark.slow  # trains or scores a critic in a subprocess (~7 s)
 def test_critic_mode_scores_a_saved_critic_on_unseen_prompts(tiny_model_dir: Path, tmp_path: Path) -> None:
     from learner.dist import setup_distributed
     from learner.models import build_critic, save_critic

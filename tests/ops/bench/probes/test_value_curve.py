@@ -44,6 +44,7 @@ def test_newest_version_is_numeric_not_lexical(vc: ModuleType, tmp_path: Path) -
         vc.newest(tmp_path / "v2")
 
 
+@pytest.mark.slow  # a probe's CLI in subprocesses (~12 s)
 def test_cli_refuses_what_it_cannot_probe(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "ops.bench.probes.value_curve", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True)
