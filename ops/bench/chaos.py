@@ -14,7 +14,7 @@ Runs ``python -m ops.launch`` (the launcher ``ops/launch.sh`` execs, with its en
 ``learner.total_steps`` scaled to outlast ``--minutes`` (``--steps``, else minutes × 60 / ``--step-s``).
 Meanwhile the nemesis (``ops.chaos.nemesis``; ``--faults`` narrows the kinds: SIGKILL of the buffer, an
 actor, an engine, the learner; SIGSTOP/SIGCONT of an engine; slow /metrics clients; the buffer's file size limit as a full disk) picks a
-fault every ``--interval-s`` (± half) for ``--minutes`` or until 5 versions before the last (the final
+fault every ``--interval-s`` (± half) for ``--minutes`` or until 5 versions (10 with ``--cluster``) before the last (the final
 heal: faults in force are undone, so every engine can converge on the final version); weight pushes, checkpoints (every 5 steps) and
 evaluations go on. A stopped run (a learner kill) is resumed with ``--resume`` (at most ``--max-resumes``).
 Then ``ops.chaos.history`` checks the history: no acknowledged group lost or served twice, every served group
@@ -69,6 +69,9 @@ GONE_WAIT_S = 20.0
 ALL_KINDS = (*KINDS, *HOST_FAULTS)
 CLUSTER_STEP_S = 8.0  # the default workload on the cluster: ZeRO-3 over two ranks, two engines, 2 shared cores
 HEAL_STEPS = 5  # no fault in the last versions (~20-50 s: an actor restart fits): the final heal
+# On the cluster a host brought back must first be found by the launcher's probe (backoff up to ~30 s), then
+# start its engine and load the newest weights: 5 versions (~30 s there) ended a run before it served again.
+CLUSTER_HEAL_STEPS = 10
 
 
 class Launch:
@@ -206,7 +209,7 @@ def chaos(a: argparse.Namespace, cluster: ClusterView | None = None) -> dict[str
     # A cluster run's addresses are the rehearsal config's, inside its hosts' namespaces.
     overrides, ports, metrics_ports = port_args() if cluster is None else ([], [], [])
     nemesis = Nemesis(seed=a.seed, interval_s=a.interval_s, t0=t_chaos, until=t_chaos + a.minutes * 60,
-                      kinds=kinds_of(a), heal_at=a.steps - HEAL_STEPS)
+                      kinds=kinds_of(a), heal_at=a.steps - (CLUSTER_HEAL_STEPS if cluster else HEAL_STEPS))
     thread = threading.Thread(target=nemesis.run, daemon=True)
     thread.start()
     try:
