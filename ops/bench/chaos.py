@@ -1,7 +1,7 @@
 """Chaos run: the default workload under a seeded nemesis of random faults, then invariants on its history.
 
     .venv/bin/python -m ops.bench.chaos [--minutes 60] [--seed 0] [--short] [--cluster] [--config FILE]
-        [--steps N] [--interval-s S] [--faults KIND,...] [--baseline run|base] [--reference-accuracy A] [--tolerance T]
+        [--steps N] [--interval-s S] [--faults KIND,...] [--baseline run|alongside|base] [--reference-accuracy A] [--tolerance T]
         [--out FILE] [--keep] [key=value ...]
 
 With ``--cluster`` the run is the default workload on the rehearsal's ssh route, on its four hosts
@@ -23,7 +23,8 @@ run at ``learner.total_steps``, held-out accuracy at least the reference minus `
 behind (no process naming the run directory, every port free, the temporary root removed).
 
 The reference accuracy: ``--baseline run`` (the default without ``--short``) runs the same config and seed
-without faults first; ``--baseline base`` (the default with ``--short``) uses the run's own base accuracy
+without faults first; ``--baseline alongside`` runs it at the same time, sharing the machine (about half the
+wall time); ``--baseline base`` (the default with ``--short``) uses the run's own base accuracy
 (no collapse: a looser check); ``--reference-accuracy`` gives a known fault-free figure. ``--short`` is the
 ≤ 5 minute mode of the slow test: 4 minutes of faults every 15 s on 24 steps of the default config.
 
@@ -45,6 +46,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +174,27 @@ def baseline_accuracy(common_args: list[str], root: Path, deadline: float,
     return json.loads(summary.read_text()).get("final_accuracy")
 
 
+def start_reference(a: argparse.Namespace, common_args: list[str], root: Path, deadline: float,
+                    cluster: ClusterView | None) -> Callable[[], float | None]:
+    """Start finding the reference accuracy; the returned call gives it (waiting for a baseline alongside)."""
+    if a.reference_accuracy is not None or a.baseline == "base":
+        return lambda: a.reference_accuracy
+    if a.baseline == "run":
+        accuracy = baseline_accuracy(common_args, root, deadline, cluster)
+        return lambda: accuracy
+    # Alongside: the same config and seed, fault-free, sharing the machine with the chaos run: about half the
+    # wall time of "run", and both runs see the same load but for the faults.
+    found: list[float | None] = []
+    thread = threading.Thread(daemon=True, target=lambda: found.append(
+        baseline_accuracy(common_args, root, deadline, cluster)))
+    thread.start()
+
+    def wait() -> float | None:
+        thread.join(max(1.0, deadline - time.time()))
+        return found[0] if found else None
+    return wait
+
+
 def settings(a: argparse.Namespace) -> argparse.Namespace:
     """Fill the defaults that depend on --short and --cluster."""
     a.step_s = a.step_s or (CLUSTER_STEP_S if a.cluster else 4.0)
@@ -202,9 +225,7 @@ def chaos(a: argparse.Namespace, cluster: ClusterView | None = None) -> dict[str
     buffer_dir = root / "local" / NAME / "buffer" if cluster else run_dir / "buffer"
     t0 = time.time()
     hard_deadline = t0 + a.minutes * 60 * 4 + 900  # a wedged run ends as a failure, not a hang
-    reference = a.reference_accuracy
-    if reference is None and a.baseline == "run":
-        reference = baseline_accuracy(common_args, root, hard_deadline, cluster)
+    reference = start_reference(a, common_args, root, hard_deadline, cluster)
     t_chaos = time.time()
     # A cluster run's addresses are the rehearsal config's, inside its hosts' namespaces.
     overrides, ports, metrics_ports = port_args() if cluster is None else ([], [], [])
@@ -227,8 +248,8 @@ def chaos(a: argparse.Namespace, cluster: ClusterView | None = None) -> dict[str
             shutil.rmtree(root, ignore_errors=True)
         raise SystemExit(f"the chaos run never started (launcher exit {rc}):\n{log}")
     history = read_history(run_dir, buffer_dir, max_staleness=_staleness(run_dir), total_steps=a.steps)
-    if a.reference_accuracy is not None or a.baseline == "run":
-        history.reference_accuracy = reference  # None when the baseline run failed: the check fails
+    if a.reference_accuracy is not None or a.baseline in ("run", "alongside"):
+        history.reference_accuracy = reference()  # None when the baseline run failed: the check fails
     history.tolerance = a.tolerance
     lost = step_gaps_lost(run_dir)
     if not a.keep:
@@ -247,7 +268,7 @@ def chaos(a: argparse.Namespace, cluster: ClusterView | None = None) -> dict[str
         "invariants": {k: v["pass"] for k, v in verdicts.items()},
         "accuracy": history.accuracy, "reference_accuracy": history.reference_accuracy,
         "reference": ("given" if a.reference_accuracy is not None else "fault-free run" if a.baseline == "run"
-                      else "base"),
+                      else "fault-free run alongside" if a.baseline == "alongside" else "base"),
         "tolerance": a.tolerance, "lost_s": lost,
         "groups": {"acked_stored": len(history.stored), "served": sum(len(t["served"]) for t in takes),
                    "dropped_stale": sum(len(t["dropped"]) for t in takes), "waiting": len(history.waiting)},
@@ -281,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval-s", type=float, default=0.0, help="mean seconds between faults (default: ~50 in the window)")
     ap.add_argument("--faults", default="", help="comma-separated fault kinds to pick from (default all that the mode "
                     f"can take: {','.join(KINDS)}; with --cluster {','.join(CLUSTER_KINDS)})")
-    ap.add_argument("--baseline", choices=("run", "base"), default=None, help="the reference accuracy's source")
+    ap.add_argument("--baseline", choices=("run", "alongside", "base"), default=None,
+                    help="the reference accuracy's source: a fault-free run of the same seed first (run), at the "
+                         "same time on the same machine (alongside), or the run's own base accuracy (base)")
     ap.add_argument("--reference-accuracy", type=float, default=None, help="a known fault-free final accuracy")
     ap.add_argument("--tolerance", type=float, default=0.05, help="accuracy may be this far below the reference")
     ap.add_argument("--max-resumes", type=int, default=20)
@@ -290,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="write the full record (every fault, every invariant's counts) here")
     ap.add_argument("overrides", nargs="*", help="config overrides key=value for both runs")
     a = settings(ap.parse_args(argv))
+    if a.cluster and a.baseline == "alongside":
+        ap.error("--baseline alongside needs a second cluster; on --cluster use run, base or --reference-accuracy")
     allowed = CLUSTER_KINDS if a.cluster else KINDS
     if unknown := sorted(set(filter(None, a.faults.split(","))) - set(allowed)):
         ap.error(f"unknown fault kind(s) {unknown} {'on a cluster' if a.cluster else 'here'}; choose from {list(allowed)}")
