@@ -22,6 +22,11 @@ within the staleness bound, published versions strictly increasing, every engine
 run at ``learner.total_steps``, held-out accuracy at least the reference minus ``--tolerance``, nothing left
 behind (no process naming the run directory, every port free, the temporary root removed).
 
+With ``--config ops/configs/sglang-cpu.yaml`` (or ``engine.kind=sglang``) the engine is a live SGLang server, the
+launcher's child: ``kill_engine`` and ``stop_engine`` hit its HTTP server process (its scheduler and detokenizer
+die with it), the launcher restarts it and the actor waits for it and re-syncs its weights; ``--steps`` is sized
+at 12 s a step; without SGLang in the venv (``ops/setup.sh --sglang``) it prints a ``skipped`` line and exits 3.
+
 The reference accuracy: ``--baseline run`` (the default without ``--short``) runs the same config and seed
 without faults first; ``--baseline alongside`` runs it at the same time, sharing the machine (about half the
 wall time); ``--baseline base`` (the default with ``--short``) uses the run's own base accuracy
@@ -53,6 +58,7 @@ from typing import Any
 import yaml
 
 from common import lifeline
+from common.config import ConfigError, load_config_args
 from common.ports import free_port
 from ops.chaos.cluster import CONFIG as CLUSTER_CONFIG
 from ops.chaos.cluster import KINDS as CLUSTER_KINDS
@@ -61,6 +67,7 @@ from ops.chaos.cluster import ClusterView, workload_overrides
 from ops.chaos.history import check, read_history
 from ops.chaos.nemesis import HOST_FAULTS, KINDS, Nemesis, Target
 from ops.chaos.procs import mentioning, port_free
+from ops.launch_engines import missing_modules
 from ops.rehearsal.cluster import Cluster, missing_prerequisites
 from ops.rehearsal.main import prepare
 from ops.report import load_records
@@ -70,6 +77,7 @@ NAME = "chaos"
 GONE_WAIT_S = 20.0
 ALL_KINDS = (*KINDS, *HOST_FAULTS)
 CLUSTER_STEP_S = 8.0  # the default workload on the cluster: ZeRO-3 over two ranks, two engines, 2 shared cores
+SGLANG_STEP_S = 12.0  # the default workload on a live SGLang engine (ops/configs/sglang-cpu.yaml), 2 shared cores
 HEAL_STEPS = 5  # no fault in the last versions (~20-50 s: an actor restart fits): the final heal
 # On the cluster a host brought back must first be found by the launcher's probe (backoff up to ~30 s), then
 # start its engine and load the newest weights: 5 versions (~30 s there) ended a run before it served again.
@@ -197,7 +205,8 @@ def start_reference(a: argparse.Namespace, common_args: list[str], root: Path, d
 
 def settings(a: argparse.Namespace) -> argparse.Namespace:
     """Fill the defaults that depend on --short and --cluster."""
-    a.step_s = a.step_s or (CLUSTER_STEP_S if a.cluster else 4.0)
+    a.config = a.config or (CLUSTER_CONFIG if a.cluster else "ops/configs/default.yaml")
+    a.step_s = a.step_s or (CLUSTER_STEP_S if a.cluster else SGLANG_STEP_S if engine_kind(a) == "sglang" else 4.0)
     if a.short:
         a.minutes = 4.0 if a.minutes is None else a.minutes
         a.steps = a.steps or (int(a.minutes * 60 / a.step_s) if a.cluster else 24)
@@ -207,8 +216,12 @@ def settings(a: argparse.Namespace) -> argparse.Namespace:
     a.steps = a.steps or max(10, int(a.minutes * 60 / a.step_s))
     a.interval_s = a.interval_s or max(5.0, a.minutes * 60 / 50)  # ~50 faults in the window
     a.baseline = a.baseline or "run"
-    a.config = a.config or (CLUSTER_CONFIG if a.cluster else "ops/configs/default.yaml")
     return a
+
+
+def engine_kind(a: argparse.Namespace) -> str:
+    """engine.kind of the run's config with its overrides (sglang: live SGLang engines, the launcher's children)."""
+    return load_config_args([str(ROOT / a.config), *getattr(a, "overrides", [])]).engine.kind
 
 
 def chaos(a: argparse.Namespace, cluster: ClusterView | None = None) -> dict[str, Any]:
@@ -312,12 +325,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the run root (then reported, not removed)")
     ap.add_argument("--out", default="", help="write the full record (every fault, every invariant's counts) here")
     ap.add_argument("overrides", nargs="*", help="config overrides key=value for both runs")
-    a = settings(ap.parse_args(argv))
+    try:
+        a = settings(ap.parse_args(argv))
+    except ConfigError as e:
+        ap.error(str(e))
     if a.cluster and a.baseline == "alongside":
         ap.error("--baseline alongside needs a second cluster; on --cluster use run, base or --reference-accuracy")
     allowed = CLUSTER_KINDS if a.cluster else KINDS
     if unknown := sorted(set(filter(None, a.faults.split(","))) - set(allowed)):
         ap.error(f"unknown fault kind(s) {unknown} {'on a cluster' if a.cluster else 'here'}; choose from {list(allowed)}")
+    if a.cluster and engine_kind(a) == "sglang":
+        ap.error("--cluster runs rollout_server engines (ops/rehearse.sh --engine sglang runs live SGLang engines "
+                 "on the hosts one fault at a time); live SGLang under the nemesis: --config ops/configs/sglang-cpu.yaml")
+    if engine_kind(a) == "sglang" and (missing := missing_modules(sys.executable)):
+        print(json.dumps({"kind": "chaos", "pass": False,
+                          "skipped": f"engine.kind=sglang: {sys.executable} has no {', '.join(missing)} "
+                                     "(ops/setup.sh --sglang)"}), flush=True)
+        return 3
     if not a.cluster:
         record = chaos(a)
     elif why := missing_prerequisites():

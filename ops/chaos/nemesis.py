@@ -7,8 +7,9 @@ can do without root:
 - ``kill_buffer``, ``kill_actor``, ``kill_engine``, ``kill_learner``: SIGKILL of that component (the
   launcher restarts the buffer at most 3 times per start, so at most 3 per start here; a learner kill
   stops the run, and the chaos run resumes it with ``--resume``; only after a checkpoint exists);
-- ``stop_engine``: SIGSTOP of a rollout_server engine for a few seconds, then SIGCONT (its actor may find
-  it unhealthy and restart it meanwhile);
+- ``stop_engine``: SIGSTOP of an engine for a few seconds, then SIGCONT (its actor may find a rollout_server
+  unhealthy and restart it meanwhile; an SGLang engine's stopped HTTP server holds its tokenizer manager, so
+  its requests wait, and its actor waits for it);
 - ``slow_metrics``: for a while, clients that open every ``/metrics`` port and send their request one byte
   a second, and a scraper that reads the answer one byte a second;
 - ``disk_full``: the buffer process's soft ``RLIMIT_FSIZE`` lowered to 8 KiB for a while (``prlimit``, no

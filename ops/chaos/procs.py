@@ -11,8 +11,10 @@ import socket
 from pathlib import Path
 
 # (text in the command line, component), first match wins: an actor's rollout_server runs `-m actors.rollout_server`.
-KINDS = (("actors.rollout_server", "engine"), ("-m buffer ", "buffer"), ("learner.sft", "bootstrap"),
-         ("-m learner", "learner"), ("-m actors ", "actor"), ("deepspeed", "learner"))
+# An SGLang engine (the launcher's child) is its HTTP server process, `-m sglang.launch_server`: its scheduler and
+# detokenizer are spawned (`sglang::scheduler` once titled) and die with it (SGLang sets their parent-death signal).
+KINDS = (("actors.rollout_server", "engine"), ("-m sglang.launch_server", "engine"), ("-m buffer ", "buffer"),
+         ("learner.sft", "bootstrap"), ("-m learner", "learner"), ("-m actors ", "actor"), ("deepspeed", "learner"))
 
 
 def _stat(pid: int) -> tuple[str, int] | None:
@@ -70,10 +72,22 @@ def components(launcher: int) -> dict[str, list[int]]:
     return out
 
 
+def environment(pid: int) -> bytes:
+    """The process's environment as /proc holds it (NUL-separated), empty when it is gone or not ours to read."""
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return b""
+
+
 def mentioning(text: str) -> list[str]:
-    """Live processes (other than this one) whose command line contains ``text``: a run's leftovers."""
+    """Live processes (other than this one) whose command line or environment contains ``text``: a run's
+    leftovers. The environment catches what names the run only there: an SGLang engine's spawned scheduler
+    and detokenizer carry the run's ``TMPDIR`` (``tmp/vapo-engine-<i>``), not its path on their command line."""
+    needle = text.encode()
     return [f"{p}: {cmdline(int(p))}" for p in os.listdir("/proc")
-            if p.isdigit() and int(p) != os.getpid() and alive(int(p)) and text in cmdline(int(p))]
+            if p.isdigit() and int(p) != os.getpid() and alive(int(p))
+            and (text in cmdline(int(p)) or needle in environment(int(p)))]
 
 
 def port_free(port: int) -> bool:

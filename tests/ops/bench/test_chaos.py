@@ -7,18 +7,20 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from ops.bench.chaos import ROOT, main, settings, step_gaps_lost
+from ops.bench import chaos as chaos_mod
+from ops.bench.chaos import ROOT, main, settings, start_reference, step_gaps_lost
 from ops.rehearsal.cluster import missing_prerequisites
 
 
 def _args(**kw: object) -> argparse.Namespace:
     base = {"short": False, "minutes": None, "steps": 0, "step_s": 0.0, "interval_s": 0.0, "baseline": None,
-            "cluster": False, "config": ""}
+            "cluster": False, "config": "", "overrides": []}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -34,6 +36,46 @@ def test_a_cluster_run_sizes_its_steps_for_the_cluster_and_takes_the_rehearsals_
     a = settings(_args(short=True, cluster=True))
     assert (a.minutes, a.steps, a.config) == (4.0, 30, "ops/configs/rehearsal.yaml")  # 4 min at 8 s a step
     assert settings(_args(cluster=True)).steps == 450
+
+
+def test_live_sglang_engines_size_the_steps_at_twelve_seconds() -> None:
+    a = settings(_args(config="ops/configs/sglang-cpu.yaml"))
+    assert (a.step_s, a.steps, a.interval_s) == (12.0, 300, 72.0)
+    assert settings(_args(overrides=["engine.kind=sglang"])).steps == 300
+    assert settings(_args(short=True, config="ops/configs/sglang-cpu.yaml")).steps == 24
+
+
+def test_a_missing_sglang_install_is_a_skipped_line_not_a_failed_run(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(chaos_mod, "missing_modules", lambda python: ["sglang", "sgl_kernel"])
+    assert main(["--short", "--config", "ops/configs/sglang-cpu.yaml"]) == 3
+    line = json.loads(capsys.readouterr().out)
+    assert line["pass"] is False and "has no sglang, sgl_kernel (ops/setup.sh --sglang)" in line["skipped"]
+
+
+def test_the_baseline_alongside_runs_while_the_chaos_run_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    started, release = threading.Event(), threading.Event()
+
+    def baseline(*_: object) -> float:
+        started.set()
+        release.wait(30)
+        return 0.7
+    monkeypatch.setattr(chaos_mod, "baseline_accuracy", baseline)
+    reference = start_reference(_args(baseline="alongside", reference_accuracy=None), [], Path("."), time.time() + 60,
+                                None)
+    assert started.wait(30)  # under way once start_reference returned: the chaos run starts beside it
+    release.set()
+    assert reference() == 0.7
+    given = start_reference(_args(baseline="run", reference_accuracy=0.5), [], Path("."), 0.0, None)
+    assert given() == 0.5  # a known figure: no baseline run at all
+
+
+def test_options_the_cluster_cannot_take_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, why in ((["--cluster", "--baseline", "alongside"], "needs a second cluster"),
+                      (["--cluster", "engine.kind=sglang"], "--cluster runs rollout_server engines")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and why in capsys.readouterr().err
 
 
 def test_time_lost_is_the_step_gaps_beyond_twice_the_median(tmp_path: Path) -> None:
@@ -82,3 +124,20 @@ def test_short_chaos_run_on_the_rehearsal_cluster_passes_every_invariant() -> No
     print(f"CHAOS CLUSTER {time.time() - t0:.0f} s " + json.dumps(line), flush=True)
     assert p.returncode == 0 and line["pass"], json.dumps(line) + p.stderr[-3000:]
     assert line["hosts"] == 4 and line["faults_total"] >= 3 and len(line["invariants"]) == 8
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_short_chaos_run_on_a_live_sglang_engine_passes_every_invariant(tmp_path: Path) -> None:
+    """≤ 5 minutes of engine faults (SIGKILL, SIGSTOP of its HTTP server) on the default workload served by the
+    real SGLang server (6-10 min here); the other kinds hit what rollout_server runs also have."""
+    out = tmp_path / "chaos.json"
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-m", "ops.bench.chaos", "--short", "--seed", "1", "--config",
+                        "ops/configs/sglang-cpu.yaml", "--faults", "kill_engine,stop_engine", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=2400)
+    line = json.loads(p.stdout.strip().splitlines()[-1])
+    print(f"CHAOS SGLANG {time.time() - t0:.0f} s " + json.dumps(line), flush=True)
+    record = json.loads(out.read_text())
+    assert p.returncode == 0 and line["pass"], json.dumps(record["details"], indent=1)[-6000:] + p.stderr[-3000:]
+    assert line["faults_total"] >= 3 and set(line["faults"]) <= {"kill_engine", "stop_engine"}, record["details"]
