@@ -38,6 +38,7 @@ class Child:
     output: OutputTail | None = None  # its output on the way to its log, the last lines kept in memory
 
     def start(self) -> None:
+        self.end_group()  # a restart: what the last process left behind goes first
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         try:
             with open(self.log_path, "ab") as log:
@@ -78,6 +79,14 @@ class Child:
             os.killpg(self.proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def end_group(self) -> None:
+        """SIGKILL what is left of the last process's group once that process has exited. An SGLang server
+        killed during its start leaves its spawned scheduler and detokenizer (and their resource tracker) behind:
+        they set their parent-death signal only after their imports, and live on as orphans in its group; the
+        end of the run kills only the current process's group."""
+        if self.proc is not None and self.proc.poll() is not None:
+            self.signal(signal.SIGKILL)
 
     def ask_to_stop(self) -> None:
         """The orderly stop: end of its ssh link (or the pdsh guard's stdin), else its stop signal."""

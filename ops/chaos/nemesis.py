@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 from learner.checkpoint import complete_checkpoints
 from learner.weights import complete_versions
-from ops.chaos.procs import alive, components
+from ops.chaos.procs import alive, components, listening
 
 KINDS = ("kill_buffer", "kill_actor", "kill_engine", "kill_learner", "stop_engine", "slow_metrics", "disk_full")
 # How often each kind is picked: a learner kill costs a whole restart, so it comes least often (the cluster's
@@ -75,7 +75,12 @@ class Target:
     cluster: Hosts | None = None  # a cluster run: processes on every host, and host faults
 
     def components(self) -> dict[str, list[int]]:
-        return self.cluster.components() if self.cluster is not None else components(self.launcher)
+        """The run's processes by component; an engine only once it serves (its HTTP port listening): a live
+        SGLang server takes ~40-70 s to start here, so faults every 15 s would hit nothing but starts."""
+        comps = self.cluster.components() if self.cluster is not None else components(self.launcher)
+        if "engine" in comps:
+            comps["engine"] = [pid for pid in comps["engine"] if listening(pid)]
+        return comps
 
 
 @dataclass

@@ -80,6 +80,32 @@ def environment(pid: int) -> bytes:
         return b""
 
 
+def listening(pid: int) -> bool:
+    """Whether the process holds a listening TCP socket (an engine's HTTP server bound: it has started), read
+    from its own network namespace's table."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    inodes = set()
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        # Columns: sl local_address rem_address st ... inode (10th); st 0A is LISTEN.
+        if any(len(f := row.split()) > 9 and f[3] == "0A" and f[9] in inodes for row in rows):
+            return True
+    return False
+
+
 def mentioning(text: str) -> list[str]:
     """Live processes (other than this one) whose command line or environment contains ``text``: a run's
     leftovers. The environment catches what names the run only there: an SGLang engine's spawned scheduler

@@ -69,6 +69,26 @@ def test_a_kill_reaches_every_process_of_the_group(tmp_path: Path) -> None:
     c.signal(signal.SIGKILL)  # an exited group: nothing to signal, no error
 
 
+def test_a_restart_first_ends_what_the_dead_process_left_in_its_group(tmp_path: Path) -> None:
+    """The leader dies alone (an SGLang server SIGKILLed during its start): its orphan, still in the group,
+    goes when the child is restarted, and the new process is left alone."""
+    pidfile = tmp_path / "orphan"
+    c = Child("engine-0", ["sh", "-c", f"sleep 60 & echo $! > {pidfile}; wait"], tmp_path / "e.log")
+    c.start()
+    wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), 10, "the orphan-to-be to start")
+    orphan = int(pidfile.read_text())
+    assert c.proc is not None
+    os.kill(c.proc.pid, signal.SIGKILL)  # the leader only, not its group
+    wait_for(lambda: c.returncode is not None, 10, "the leader to die")
+    assert not _gone(orphan)  # what the launcher found before this fix: left running, forgotten at the restart
+    pidfile.unlink()
+    c.start()
+    wait_for(lambda: _gone(orphan), 10, "the orphan to be killed")
+    wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), 10, "the new process's own child")
+    assert c.alive() and not _gone(int(pidfile.read_text()))
+    c.signal(signal.SIGKILL)
+
+
 def test_a_child_behind_ssh_gets_heartbeats_and_stops_at_the_end_of_its_link(tmp_path: Path) -> None:
     c = Child("actor-1", [sys.executable, "-c", LINK_READER], tmp_path / "actor-1.log", via="ssh", host="h1")
     c.start()

@@ -17,18 +17,21 @@ from ops.chaos.procs import alive, components, state
 from tests.polling import wait_for
 
 SLEEP = f"{sys.executable} -c 'import time; time.sleep(120)'"
+# An engine that serves: its HTTP port bound and listening (a starting one is no fault's target).
+SERVE = (f"{sys.executable} -c 'import socket, time; s = socket.socket(); s.bind((\"127.0.0.1\", 0)); s.listen(); "
+         "time.sleep(120)'")
 
 
 @pytest.fixture
 def fake_run(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     """A shell standing in for the launcher, with a buffer, learner, actor and engine that only sleep."""
-    children = " & ".join(f"{SLEEP} {args}" for args in ("-m buffer x", "-m learner x", "-m actors x",
-                                                          "-m actors.rollout_server x"))
-    launcher = subprocess.Popen(["bash", "-c", f"{children} & wait"], start_new_session=True)
+    children = " & ".join(f"{SLEEP} {args}" for args in ("-m buffer x", "-m learner x", "-m actors x"))
+    launcher = subprocess.Popen(["bash", "-c", f"{children} & {SERVE} -m actors.rollout_server x & wait"],
+                                start_new_session=True)
     (tmp_path / "weights" / "v1").mkdir(parents=True)
     (tmp_path / "weights" / "v1" / "STABLE").write_text("")  # a published version: the nemesis may start
     try:
-        wait_for(lambda: len(components(launcher.pid)) == 4, 20, "the fake components")
+        wait_for(lambda: len(Target(launcher.pid, tmp_path, []).components()) == 4, 20, "the fake components, serving")
         yield launcher, tmp_path
     finally:
         for pids in components(launcher.pid).values():
@@ -57,6 +60,30 @@ def test_a_kill_hits_its_component_and_is_recorded(fake_run: tuple[subprocess.Po
     assert n.faults[0]["kind"] == "kill_buffer" and n.faults[0]["pid"] == buffer
     wait_for(lambda: not alive(buffer), 10, "the buffer to die")
     assert all(alive(p) for k, ps in components(launcher.pid).items() for p in ps if k != "buffer")
+
+
+def test_an_engine_still_starting_is_no_target(tmp_path: Path) -> None:
+    """A live SGLang server takes ~40-70 s to bind its port here: until it listens no engine fault hits it."""
+    children = " & ".join(f"{SLEEP} {args}" for args in ("-m buffer x", "-m learner x", "-m actors x",
+                                                          "-m sglang.launch_server --port 1"))
+    launcher = subprocess.Popen(["bash", "-c", f"{children} & wait"], start_new_session=True)
+    (tmp_path / "weights" / "v1").mkdir(parents=True)
+    (tmp_path / "weights" / "v1" / "STABLE").write_text("")
+    try:
+        wait_for(lambda: len(components(launcher.pid)) == 4, 20, "the fake components")
+        (engine,) = components(launcher.pid)["engine"]
+        assert Target(launcher.pid, tmp_path, []).components()["engine"] == []
+        n, thread = _nemesis("kill_engine", launcher.pid, tmp_path)
+        time.sleep(0.5)  # several turns of the nemesis: it must pick nothing (a negative: nothing to poll for)
+        n.stop.set()
+        thread.join(10)
+        assert n.faults == [] and alive(engine)
+    finally:
+        for pids in components(launcher.pid).values():
+            for p in pids:
+                subprocess.run(["kill", "-9", str(p)], check=False)
+        launcher.kill()
+        launcher.wait()
 
 
 def test_no_learner_kill_before_a_checkpoint(fake_run: tuple[subprocess.Popen[bytes], Path]) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.chaos.procs import alive, components, kind, mentioning
+from ops.chaos.procs import alive, components, kind, listening, mentioning
 
 SLEEP = "import sys, time; sys.stdin.read()"  # lives until the test closes its stdin
 
@@ -54,3 +54,19 @@ def test_a_process_naming_the_run_only_in_its_environment_is_left_behind(
     spawn[0].kill()
     spawn[0].wait()
     assert not alive(pid) and [int(e.split(":")[0]) for e in mentioning(str(run_dir))] == [named]
+
+
+def test_a_process_listens_once_its_server_socket_is_bound(spawn: list[subprocess.Popen[bytes]]) -> None:
+    """An engine is a fault's target only once it serves: before its bind and listen it is still starting."""
+    code = ("import socket, sys\ns = socket.socket()\nprint('up', flush=True)\nsys.stdin.readline()\n"
+            "s.bind(('127.0.0.1', 0)); s.listen()\nprint('listening', flush=True)\nsys.stdin.read()\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    spawn.append(p)
+    assert p.stdout is not None and p.stdin is not None
+    assert p.stdout.readline() == b"up\n"
+    assert not listening(p.pid)  # a socket, not yet listening
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    assert p.stdout.readline() == b"listening\n"
+    assert listening(p.pid)
+    assert not listening(2 ** 22 + 1)  # no such process
