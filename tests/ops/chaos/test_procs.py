@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ops.chaos.procs import alive, components, kind, listening, mentioning
+from ops.chaos.procs import alive, cmdline, components, kind, listening, mentioning
+from tests.polling import wait_for
 
 SLEEP = "import sys, time; sys.stdin.read()"  # lives until the test closes its stdin
 
@@ -28,6 +29,8 @@ def _start(procs: list[subprocess.Popen[bytes]], *argv: str, env: dict[str, str]
     p = subprocess.Popen([sys.executable, "-c", SLEEP, *argv], stdin=subprocess.PIPE,
                          env=None if env is None else dict(os.environ, **env))
     procs.append(p)
+    # Between fork and exec /proc shows the parent's command line (pytest's): wait for the child's own.
+    wait_for(lambda: SLEEP in cmdline(p.pid), 10, "the child to exec")
     return p.pid
 
 
