@@ -3,6 +3,7 @@ launcher; what it hits, what it records, and that a stopped engine is continued 
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -22,23 +23,30 @@ SERVE = (f"{sys.executable} -c 'import socket, time; s = socket.socket(); s.bind
          "time.sleep(120)'")
 
 
-@pytest.fixture
-def fake_run(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
-    """A shell standing in for the launcher, with a buffer, learner, actor and engine that only sleep."""
+@contextlib.contextmanager
+def _stand_in(run_dir: Path, engine: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A shell standing in for the launcher, with a buffer, learner and actor that only sleep, and ``engine``."""
     children = " & ".join(f"{SLEEP} {args}" for args in ("-m buffer x", "-m learner x", "-m actors x"))
-    launcher = subprocess.Popen(["bash", "-c", f"{children} & {SERVE} -m actors.rollout_server x & wait"],
-                                start_new_session=True)
-    (tmp_path / "weights" / "v1").mkdir(parents=True)
-    (tmp_path / "weights" / "v1" / "STABLE").write_text("")  # a published version: the nemesis may start
+    launcher = subprocess.Popen(["bash", "-c", f"{children} & {engine} & wait"], start_new_session=True)
+    (run_dir / "weights" / "v1").mkdir(parents=True)
+    (run_dir / "weights" / "v1" / "STABLE").write_text("")  # a published version: the nemesis may start
     try:
-        wait_for(lambda: len(Target(launcher.pid, tmp_path, []).components()) == 4, 20, "the fake components, serving")
-        yield launcher, tmp_path
+        wait_for(lambda: len(components(launcher.pid)) == 4, 20, "the fake components")
+        yield launcher
     finally:
         for pids in components(launcher.pid).values():
             for p in pids:
                 subprocess.run(["kill", "-9", str(p)], check=False)
         launcher.kill()
         launcher.wait()
+
+
+@pytest.fixture
+def fake_run(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """The stand-in with an engine that serves."""
+    with _stand_in(tmp_path, f"{SERVE} -m actors.rollout_server x") as launcher:
+        wait_for(lambda: Target(launcher.pid, tmp_path, []).components()["engine"], 20, "the engine to listen")
+        yield launcher, tmp_path
 
 
 def _nemesis(kind: str, launcher: int, run_dir: Path) -> tuple[Nemesis, threading.Thread]:
@@ -64,13 +72,7 @@ def test_a_kill_hits_its_component_and_is_recorded(fake_run: tuple[subprocess.Po
 
 def test_an_engine_still_starting_is_no_target(tmp_path: Path) -> None:
     """A live SGLang server takes ~40-70 s to bind its port here: until it listens no engine fault hits it."""
-    children = " & ".join(f"{SLEEP} {args}" for args in ("-m buffer x", "-m learner x", "-m actors x",
-                                                          "-m sglang.launch_server --port 1"))
-    launcher = subprocess.Popen(["bash", "-c", f"{children} & wait"], start_new_session=True)
-    (tmp_path / "weights" / "v1").mkdir(parents=True)
-    (tmp_path / "weights" / "v1" / "STABLE").write_text("")
-    try:
-        wait_for(lambda: len(components(launcher.pid)) == 4, 20, "the fake components")
+    with _stand_in(tmp_path, f"{SLEEP} -m sglang.launch_server --port 1") as launcher:
         (engine,) = components(launcher.pid)["engine"]
         assert Target(launcher.pid, tmp_path, []).components()["engine"] == []
         n, thread = _nemesis("kill_engine", launcher.pid, tmp_path)
@@ -78,12 +80,6 @@ def test_an_engine_still_starting_is_no_target(tmp_path: Path) -> None:
         n.stop.set()
         thread.join(10)
         assert n.faults == [] and alive(engine)
-    finally:
-        for pids in components(launcher.pid).values():
-            for p in pids:
-                subprocess.run(["kill", "-9", str(p)], check=False)
-        launcher.kill()
-        launcher.wait()
 
 
 def test_no_learner_kill_before_a_checkpoint(fake_run: tuple[subprocess.Popen[bytes], Path]) -> None:
