@@ -5,12 +5,15 @@ SGLang engines (``engine.kind = sglang``, on GPUs or on CPU) are the launcher's 
 engines are their actors' children; external ones are given. Each SGLang engine started here keeps its
 temporary files (ZeroMQ ipc sockets, the Prometheus multiprocess directory: ``common.sglang_args``) in
 ``<run dir>/tmp/vapo-engine-<i>/`` (``engine_tmp_dir``), which the launcher removes after the engines stop; a
-killed launcher leaves them in the run directory, not in the machine's temporary directory.
+killed launcher leaves them in the run directory, not in the machine's temporary directory, and the run's next
+start ends the engine processes still running with that ``TMPDIR`` (``end_processes_in``) before it empties it.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -41,9 +44,41 @@ def engine_tmp_dir(run_dir: Path, name: str) -> tuple[Path, str]:
         tmp = Path(tempfile.mkdtemp(prefix=f"vapo-{name}-"))
         return tmp, (f"{name}: temporary files in {tmp}: {d} is too long a directory for SGLang's socket paths "
                      f"({UNIX_SOCKET_PATH_MAX} bytes)")
+    note = ""
+    if ended := end_processes_in(d):
+        note = (f"{name}: ended {len(ended)} process(es) left by this run's previous launcher, whose engine they "
+                f"were part of (pids {', '.join(map(str, ended))}; TMPDIR {d})")
     shutil.rmtree(d, ignore_errors=True)  # a killed launcher's leftovers of the same run
     d.mkdir(parents=True)
-    return d, ""
+    return d, note
+
+
+def end_processes_in(tmp: Path) -> list[int]:
+    """SIGKILL every live process whose ``TMPDIR`` is ``tmp`` (Linux; elsewhere none); returns their pids.
+
+    An SGLang server's spawned scheduler and detokenizer set their parent-death signal only once their imports
+    are done (~10 s): a launcher killed while an engine starts leaves them running, and on a GPU a scheduler
+    goes on to load the model and hold its memory. Their ``TMPDIR``, this run's engine directory, names them
+    as this run's; the next start of the run (``--resume``, an automatic resume) ends them."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return []
+    wanted = {f"TMPDIR={tmp}".encode(), f"TMPDIR={tmp.resolve()}".encode()}
+    ended = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            env = (entry / "environ").read_bytes()
+        except OSError:
+            continue  # gone, or not ours to read
+        if wanted.intersection(env.split(b"\0")):
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+                ended.append(int(entry.name))
+            except OSError:
+                pass
+    return sorted(ended)
 
 
 def missing_modules(python: str, modules: tuple[str, ...] = SGLANG_MODULES) -> list[str]:

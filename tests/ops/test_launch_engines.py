@@ -5,6 +5,9 @@ tests/ops/test_sglang_cpu_launch.py's and tests/actors/test_sglang_live.py's), a
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -13,6 +16,7 @@ import yaml
 from common.config import load_config, save_config
 from ops import launch
 from ops.launch_engines import SGLANG_SOCKET_NAME_LEN, UNIX_SOCKET_PATH_MAX, engine_tmp_dir
+from tests.polling import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,6 +28,30 @@ def test_an_engines_temporary_directory_is_in_the_run_directory_and_starts_empty
     d, note = engine_tmp_dir(run_dir, "engine-1")
     assert d == run_dir / "tmp" / "vapo-engine-1" and note == ""
     assert d.is_dir() and list(d.iterdir()) == []
+
+
+def test_the_next_start_ends_what_a_killed_launchers_engine_left_running(tmp_path: Path) -> None:
+    """Stand-ins for an SGLang scheduler orphaned during its start (the run's engine TMPDIR in its environment):
+    ended, and named, when the run starts again; another engine's and another run's processes are left alone."""
+    run_dir = tmp_path / "r"
+    mine, other_engine, other_run = (
+        subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                         env=dict(os.environ, TMPDIR=str(d)))
+        for d in (run_dir / "tmp" / "vapo-engine-0", run_dir / "tmp" / "vapo-engine-1",
+                  tmp_path / "r2" / "tmp" / "vapo-engine-0"))
+    try:
+        # Between fork and exec /proc shows this process's environment: wait for the child's own.
+        wait_for(lambda: all(b"TMPDIR=" + str(tmp_path).encode() in Path(f"/proc/{p.pid}/environ").read_bytes()
+                             for p in (mine, other_engine, other_run)), 10, "the stand-ins to exec")
+        d, note = engine_tmp_dir(run_dir, "engine-0")
+        assert mine.wait(10) == -signal.SIGKILL
+        assert "ended 1 process(es)" in note and f"pids {mine.pid};" in note
+        assert other_engine.poll() is None and other_run.poll() is None
+        assert engine_tmp_dir(run_dir, "engine-0")[1] == ""  # nothing left: nothing said
+    finally:
+        for p in (mine, other_engine, other_run):
+            p.kill()
+            p.wait()
 
 
 def test_a_run_directory_too_deep_for_a_socket_path_gets_one_in_the_system_temporary_directory(tmp_path: Path) -> None:
