@@ -110,9 +110,24 @@ class Launch:
             self.proc.wait()
 
 
+_HANDED_OUT: set[int] = set()  # every port this process gave a run: a port free now is not reserved
+_HANDED_LOCK = threading.Lock()
+
+
+def _distinct_free_port() -> int:
+    """A free port never handed out before here: two runs at once (``--baseline alongside``) draw their ports
+    before either binds them, and the kernel may give the same free port twice (it did: the baseline's engine
+    took the chaos run's learner /metrics port, and every resume of the chaos learner failed to bind it)."""
+    with _HANDED_LOCK:
+        while (port := free_port()) in _HANDED_OUT:
+            pass
+        _HANDED_OUT.add(port)
+        return port
+
+
 def port_args() -> tuple[list[str], list[int], list[int]]:
     """Overrides giving every socket its own free port; all ports; the /metrics ports (one actor each)."""
-    p = [free_port() for _ in range(10)]
+    p = [_distinct_free_port() for _ in range(10)]
     overrides = [
         f"buffer.ingest_addr=tcp://127.0.0.1:{p[0]}", f"buffer.serve_addr=tcp://127.0.0.1:{p[1]}",
         f"learner.publish_addr=tcp://127.0.0.1:{p[2]}", f"learner.query_addr=tcp://127.0.0.1:{p[3]}",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ops.bench import chaos as chaos_mod
-from ops.bench.chaos import ROOT, main, settings, start_reference, step_gaps_lost
+from ops.bench.chaos import ROOT, main, port_args, settings, start_reference, step_gaps_lost
 from ops.rehearsal.cluster import missing_prerequisites
 
 
@@ -68,6 +68,15 @@ def test_the_baseline_alongside_runs_while_the_chaos_run_does(monkeypatch: pytes
     assert reference() == 0.7
     given = start_reference(_args(baseline="run", reference_accuracy=0.5), [], Path("."), 0.0, None)
     assert given() == 0.5  # a known figure: no baseline run at all
+
+
+def test_two_runs_ports_never_collide(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel may hand out the same free port twice before anything binds it: the runs' sets stay apart."""
+    given = iter([41000, 41001, 41000, 41002, 41001, 41003, *range(41004, 41030)])
+    monkeypatch.setattr(chaos_mod, "free_port", lambda: next(given))
+    monkeypatch.setattr(chaos_mod, "_HANDED_OUT", set())
+    first, second = port_args()[1], port_args()[1]
+    assert len(set(first) | set(second)) == 20 and first[:3] == [41000, 41001, 41002]
 
 
 def test_options_the_cluster_cannot_take_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
