@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -82,6 +83,7 @@ HEAL_STEPS = 5  # no fault in the last versions (~20-50 s: an actor restart fits
 # On the cluster a host brought back must first be found by the launcher's probe (backoff up to ~30 s), then
 # start its engine and load the newest weights: 5 versions (~30 s there) ended a run before it served again.
 CLUSTER_HEAL_STEPS = 10
+STOP_GRACE_S = 30.0  # a launcher's orderly stop takes its 6 s grace and the report; then SIGKILL
 
 
 class Launch:
@@ -95,19 +97,38 @@ class Launch:
                                                        str(Path.home() / ".cache/vapo/torch_extensions")))
         if cluster is not None:
             self.proc = cluster.start(args, log, lifeline.popen_kwargs(cluster.cluster.env(**env)))
-            return
-        with log.open("ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "ops.launch", *args], cwd=ROOT, stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True,
-                                         **lifeline.popen_kwargs(env))
+        else:
+            with log.open("ab") as out:
+                self.proc = subprocess.Popen([sys.executable, "-m", "ops.launch", *args], cwd=ROOT, stdout=out,
+                                             stderr=subprocess.STDOUT, start_new_session=True,
+                                             **lifeline.popen_kwargs(env))
+        with _LIVE_LOCK:
+            LIVE.add(self)
 
     def wait(self, timeout_s: float) -> int:
         return self.proc.wait(timeout=timeout_s)
 
-    def kill(self) -> None:
+    def stop(self) -> None:
+        """The launcher's orderly stop (SIGTERM: its children in order, then every process group), SIGKILL
+        after ``STOP_GRACE_S``. A SIGKILL alone, or the lifeline's, would leave what its children cannot clean up
+        themselves: an SGLang engine starting has spawned processes that do not yet die with it."""
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.terminate()
+            try:
+                self.proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        with _LIVE_LOCK:
+            LIVE.discard(self)
+
+
+LIVE: set[Launch] = set()  # the launchers running now (the chaos run's, and a baseline's alongside)
+_LIVE_LOCK = threading.Lock()
+
+
+def _interrupt(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 _HANDED_OUT: set[int] = set()  # every port this process gave a run: a port free now is not reserved
@@ -156,7 +177,7 @@ def run_once(args: list[str], run_dir: Path, deadline: float, nemesis: Nemesis |
         finally:
             if nemesis is not None:
                 nemesis.target = None
-            launch.kill()
+            launch.stop()
         if rc == 0 or rc == 124 or resumes >= max_resumes or not (run_dir / "config.yaml").is_file():
             return rc, resumes
         resumes += 1
@@ -357,6 +378,23 @@ def main(argv: list[str] | None = None) -> int:
                           "skipped": f"engine.kind=sglang: {sys.executable} has no {', '.join(missing)} "
                                      "(ops/setup.sh --sglang)"}), flush=True)
         return 3
+    # Ctrl-C or SIGTERM (also when SIGINT arrived ignored, as a script's `cmd &` has it): every launcher
+    # stops in order, as ops/launch.sh's own stop does, instead of dying with this process.
+    before = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _run(a)
+    except KeyboardInterrupt:
+        for launch in list(LIVE):
+            launch.stop()
+        print(json.dumps({"kind": "chaos", "pass": False, "interrupted": True}), flush=True)
+        return 130
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _run(a: argparse.Namespace) -> int:
+    """The run of ``main``'s arguments: one JSON line, the record to ``--out``; the exit code."""
     if not a.cluster:
         record = chaos(a)
     elif why := missing_prerequisites():

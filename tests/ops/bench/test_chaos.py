@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -13,9 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from common import lifeline
 from ops.bench import chaos as chaos_mod
 from ops.bench.chaos import ROOT, main, port_args, settings, start_reference, step_gaps_lost
+from ops.chaos.procs import mentioning
 from ops.rehearsal.cluster import missing_prerequisites
+from tests.polling import wait_for
 
 
 def _args(**kw: object) -> argparse.Namespace:
@@ -104,6 +108,27 @@ def test_an_unknown_fault_kind_is_refused_naming_the_kinds(capsys: pytest.Captur
     with pytest.raises(SystemExit) as e:  # a host fault needs the hosts
         main(["--faults", "partition"])
     assert e.value.code == 2 and "['partition'] here" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_an_interrupted_chaos_run_stops_its_launchers_in_order(tmp_path: Path) -> None:
+    """SIGTERM (or Ctrl-C) while the run and its baseline alongside are up: both launchers stop in order,
+    nothing of either run is left, and the line says it was interrupted (1-2 min here)."""
+    root = tmp_path / "root"
+    p = subprocess.Popen([sys.executable, "-m", "ops.bench.chaos", "--short", "--baseline", "alongside",
+                          "--root", str(root), "--keep"], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                         **lifeline.popen_kwargs())
+    try:
+        logs = [root / "chaos-launcher.log", root / "baseline-launcher.log"]
+        wait_for(lambda: all(f.is_file() and "learner started" in f.read_text() for f in logs), 600,
+                 "both runs' learners to start")
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and json.loads(out.strip().splitlines()[-1])["interrupted"] is True
+    assert mentioning(str(root)) == []
+    assert all("interrupted: stopping every component" in f.read_text() for f in logs)  # in order, not killed
 
 
 @pytest.mark.slow
