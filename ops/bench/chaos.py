@@ -78,6 +78,7 @@ NAME = "chaos"
 GONE_WAIT_S = 20.0
 ALL_KINDS = (*KINDS, *HOST_FAULTS)
 CLUSTER_STEP_S = 8.0  # the default workload on the cluster: ZeRO-3 over two ranks, two engines, 2 shared cores
+SGLANG_MIN_INTERVAL_S = 30.0
 SGLANG_STEP_S = 12.0  # the default workload on a live SGLang engine (ops/configs/sglang-cpu.yaml), 2 shared cores
 HEAL_STEPS = 5  # no fault in the last versions (~20-50 s: an actor restart fits): the final heal
 # On the cluster a host brought back must first be found by the launcher's probe (backoff up to ~30 s), then
@@ -242,7 +243,8 @@ def start_reference(a: argparse.Namespace, common_args: list[str], root: Path, d
 def settings(a: argparse.Namespace) -> argparse.Namespace:
     """Fill the defaults that depend on --short and --cluster."""
     a.config = a.config or (CLUSTER_CONFIG if a.cluster else "ops/configs/default.yaml")
-    a.step_s = a.step_s or (CLUSTER_STEP_S if a.cluster else SGLANG_STEP_S if engine_kind(a) == "sglang" else 4.0)
+    sglang = not a.cluster and engine_kind(a) == "sglang"
+    a.step_s = a.step_s or (CLUSTER_STEP_S if a.cluster else SGLANG_STEP_S if sglang else 4.0)
     if a.short:
         a.minutes = 4.0 if a.minutes is None else a.minutes
         a.steps = a.steps or (int(a.minutes * 60 / a.step_s) if a.cluster else 24)
@@ -250,7 +252,9 @@ def settings(a: argparse.Namespace) -> argparse.Namespace:
         a.baseline = a.baseline or "base"
     a.minutes = 60.0 if a.minutes is None else a.minutes
     a.steps = a.steps or max(10, int(a.minutes * 60 / a.step_s))
-    a.interval_s = a.interval_s or max(5.0, a.minutes * 60 / 50)  # ~50 faults in the window
+    # ~50 faults in the window; on live SGLang at least 30 s apart: a killed actor's or engine's return there
+    # takes 20-70 s, and faults every 10 s (an 8-minute window) let a run make 3 steps in 6 minutes.
+    a.interval_s = a.interval_s or max(SGLANG_MIN_INTERVAL_S if sglang else 5.0, a.minutes * 60 / 50)
     a.baseline = a.baseline or "run"
     return a
 

@@ -42,11 +42,14 @@ def test_a_cluster_run_sizes_its_steps_for_the_cluster_and_takes_the_rehearsals_
     assert settings(_args(cluster=True)).steps == 450
 
 
-def test_live_sglang_engines_size_the_steps_at_twelve_seconds() -> None:
+def test_live_sglang_engines_size_the_steps_at_twelve_seconds_and_space_the_faults() -> None:
     a = settings(_args(config="ops/configs/sglang-cpu.yaml"))
     assert (a.step_s, a.steps, a.interval_s) == (12.0, 300, 72.0)
     assert settings(_args(overrides=["engine.kind=sglang"])).steps == 300
     assert settings(_args(short=True, config="ops/configs/sglang-cpu.yaml")).steps == 24
+    # Faults at least 30 s apart there: an actor's or engine's return takes 20-70 s.
+    assert settings(_args(minutes=8.0, config="ops/configs/sglang-cpu.yaml")).interval_s == 30.0
+    assert settings(_args(minutes=8.0)).interval_s == 9.6
 
 
 def test_a_missing_sglang_install_is_a_skipped_line_not_a_failed_run(
