@@ -78,6 +78,9 @@ NAME = "chaos"
 GONE_WAIT_S = 20.0
 ALL_KINDS = (*KINDS, *HOST_FAULTS)
 CLUSTER_STEP_S = 8.0  # the default workload on the cluster: ZeRO-3 over two ranks, two engines, 2 shared cores
+# The default workload under faults: 3.3-3.9 s a step here with a fault-free run beside it, ~1 s of each lost
+# to the faults; 4 s sized 800 steps for 60 minutes, and that run would have ended before its window.
+DEFAULT_STEP_S = 3.0
 SGLANG_MIN_INTERVAL_S = 30.0
 SGLANG_STEP_S = 12.0  # the default workload on a live SGLang engine (ops/configs/sglang-cpu.yaml), 2 shared cores
 HEAL_STEPS = 5  # no fault in the last versions (~20-50 s: an actor restart fits): the final heal
@@ -244,7 +247,7 @@ def settings(a: argparse.Namespace) -> argparse.Namespace:
     """Fill the defaults that depend on --short and --cluster."""
     a.config = a.config or (CLUSTER_CONFIG if a.cluster else "ops/configs/default.yaml")
     sglang = not a.cluster and engine_kind(a) == "sglang"
-    a.step_s = a.step_s or (CLUSTER_STEP_S if a.cluster else SGLANG_STEP_S if sglang else 4.0)
+    a.step_s = a.step_s or (CLUSTER_STEP_S if a.cluster else SGLANG_STEP_S if sglang else DEFAULT_STEP_S)
     if a.short:
         a.minutes = 4.0 if a.minutes is None else a.minutes
         a.steps = a.steps or (int(a.minutes * 60 / a.step_s) if a.cluster else 24)
@@ -351,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
                          "with host faults: " + ",".join(HOST_FAULTS))
     ap.add_argument("--steps", type=int, default=0, help="learner.total_steps (default: minutes × 60 / --step-s)")
     ap.add_argument("--step-s", type=float, default=0.0,
-                    help=f"expected seconds per learner step, to size --steps (default 4; {CLUSTER_STEP_S:g} with --cluster)")
+                    help=f"expected seconds per learner step, to size --steps (default {DEFAULT_STEP_S:g}; "
+                         f"{CLUSTER_STEP_S:g} with --cluster, {SGLANG_STEP_S:g} on live SGLang)")
     ap.add_argument("--interval-s", type=float, default=0.0, help="mean seconds between faults (default: ~50 in the window)")
     ap.add_argument("--faults", default="", help="comma-separated fault kinds to pick from (default all that the mode "
                     f"can take: {','.join(KINDS)}; with --cluster {','.join(CLUSTER_KINDS)})")

@@ -32,7 +32,7 @@ def test_short_mode_fits_five_minutes_of_faults_and_the_full_mode_about_fifty() 
     a = settings(_args(short=True))
     assert (a.minutes, a.steps, a.interval_s, a.baseline) == (4.0, 24, 15.0, "base")
     a = settings(_args())
-    assert (a.minutes, a.steps, a.interval_s, a.baseline) == (60.0, 900, 72.0, "run")
+    assert (a.minutes, a.steps, a.interval_s, a.baseline) == (60.0, 1200, 72.0, "run")  # 3 s a step
     assert a.config == "ops/configs/default.yaml"
 
 
