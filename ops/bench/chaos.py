@@ -135,24 +135,9 @@ def _interrupt(_signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-_HANDED_OUT: set[int] = set()  # every port this process gave a run: a port free now is not reserved
-_HANDED_LOCK = threading.Lock()
-
-
-def _distinct_free_port() -> int:
-    """A free port never handed out before here: two runs at once (``--baseline alongside``) draw their ports
-    before either binds them, and the kernel may give the same free port twice (it did: the baseline's engine
-    took the chaos run's learner /metrics port, and every resume of the chaos learner failed to bind it)."""
-    with _HANDED_LOCK:
-        while (port := free_port()) in _HANDED_OUT:
-            pass
-        _HANDED_OUT.add(port)
-        return port
-
-
 def port_args() -> tuple[list[str], list[int], list[int]]:
     """Overrides giving every socket its own free port; all ports; the /metrics ports (one actor each)."""
-    p = [_distinct_free_port() for _ in range(10)]
+    p = [free_port() for _ in range(10)]
     overrides = [
         f"buffer.ingest_addr=tcp://127.0.0.1:{p[0]}", f"buffer.serve_addr=tcp://127.0.0.1:{p[1]}",
         f"learner.publish_addr=tcp://127.0.0.1:{p[2]}", f"learner.query_addr=tcp://127.0.0.1:{p[3]}",
@@ -223,10 +208,13 @@ def baseline_accuracy(common_args: list[str], root: Path, deadline: float,
 
 
 def start_reference(a: argparse.Namespace, common_args: list[str], root: Path, deadline: float,
-                    cluster: ClusterView | None) -> Callable[[], float | None]:
-    """Start finding the reference accuracy; the returned call gives it (waiting for a baseline alongside)."""
-    if a.reference_accuracy is not None or a.baseline == "base":
+                    cluster: ClusterView | None) -> Callable[[], float | None] | None:
+    """Start finding the reference accuracy; the returned call gives it (waiting for a baseline alongside).
+    None with ``--baseline base``: the history's own base accuracy is the reference."""
+    if a.reference_accuracy is not None:
         return lambda: a.reference_accuracy
+    if a.baseline == "base":
+        return None
     if a.baseline == "run":
         accuracy = baseline_accuracy(common_args, root, deadline, cluster)
         return lambda: accuracy
@@ -246,7 +234,8 @@ def start_reference(a: argparse.Namespace, common_args: list[str], root: Path, d
 def settings(a: argparse.Namespace) -> argparse.Namespace:
     """Fill the defaults that depend on --short and --cluster."""
     a.config = a.config or (CLUSTER_CONFIG if a.cluster else "ops/configs/default.yaml")
-    sglang = not a.cluster and engine_kind(a) == "sglang"
+    a.engine_kind = engine_kind(a)
+    sglang = not a.cluster and a.engine_kind == "sglang"
     a.step_s = a.step_s or (CLUSTER_STEP_S if a.cluster else SGLANG_STEP_S if sglang else DEFAULT_STEP_S)
     if a.short:
         a.minutes = 4.0 if a.minutes is None else a.minutes
@@ -264,7 +253,7 @@ def settings(a: argparse.Namespace) -> argparse.Namespace:
 
 def engine_kind(a: argparse.Namespace) -> str:
     """engine.kind of the run's config with its overrides (sglang: live SGLang engines, the launcher's children)."""
-    return load_config_args([str(ROOT / a.config), *getattr(a, "overrides", [])]).engine.kind
+    return load_config_args([str(ROOT / a.config), *a.overrides]).engine.kind
 
 
 def chaos(a: argparse.Namespace, cluster: ClusterView | None = None) -> dict[str, Any]:
@@ -304,7 +293,7 @@ def chaos(a: argparse.Namespace, cluster: ClusterView | None = None) -> dict[str
             shutil.rmtree(root, ignore_errors=True)
         raise SystemExit(f"the chaos run never started (launcher exit {rc}):\n{log}")
     history = read_history(run_dir, buffer_dir, max_staleness=_staleness(run_dir), total_steps=a.steps)
-    if a.reference_accuracy is not None or a.baseline in ("run", "alongside"):
+    if reference is not None:
         history.reference_accuracy = reference()  # None when the baseline run failed: the check fails
     history.tolerance = a.tolerance
     lost = step_gaps_lost(run_dir)
@@ -378,10 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     allowed = CLUSTER_KINDS if a.cluster else KINDS
     if unknown := sorted(set(filter(None, a.faults.split(","))) - set(allowed)):
         ap.error(f"unknown fault kind(s) {unknown} {'on a cluster' if a.cluster else 'here'}; choose from {list(allowed)}")
-    if a.cluster and engine_kind(a) == "sglang":
+    if a.cluster and a.engine_kind == "sglang":
         ap.error("--cluster runs rollout_server engines (ops/rehearse.sh --engine sglang runs live SGLang engines "
                  "on the hosts one fault at a time); live SGLang under the nemesis: --config ops/configs/sglang-cpu.yaml")
-    if engine_kind(a) == "sglang" and (missing := missing_modules(sys.executable)):
+    if a.engine_kind == "sglang" and (missing := missing_modules(sys.executable)):
         print(json.dumps({"kind": "chaos", "pass": False,
                           "skipped": f"engine.kind=sglang: {sys.executable} has no {', '.join(missing)} "
                                      "(ops/setup.sh --sglang)"}), flush=True)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 # (text in the command line, component), first match wins: an actor's rollout_server runs `-m actors.rollout_server`.
 # An SGLang engine (the launcher's child) is its HTTP server process, `-m sglang.launch_server`: its scheduler and
-# detokenizer are spawned (`sglang::scheduler` once titled) and die with it (SGLang sets their parent-death signal).
+# detokenizer are spawned (`sglang::scheduler` once titled) and die with it once their imports have set their
+# parent-death signal (before that, the launcher ends them: ops.launch_child, ops.launch_engines).
 KINDS = (("actors.rollout_server", "engine"), ("-m sglang.launch_server", "engine"), ("-m buffer ", "buffer"),
          ("learner.sft", "bootstrap"), ("-m learner", "learner"), ("-m actors ", "actor"), ("deepspeed", "learner"))
 

@@ -49,9 +49,9 @@ def fake_run(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
         yield launcher, tmp_path
 
 
-def _nemesis(kind: str, launcher: int, run_dir: Path) -> tuple[Nemesis, threading.Thread]:
+def _nemesis(kind: str, launcher: int, run_dir: Path, *more: str) -> tuple[Nemesis, threading.Thread]:
     now = time.time()
-    n = Nemesis(seed=0, interval_s=0.05, t0=now, until=now + 60, kinds=(kind,))
+    n = Nemesis(seed=0, interval_s=0.05, t0=now, until=now + 60, kinds=(kind, *more))
     n.target = Target(launcher, run_dir, [])
     thread = threading.Thread(target=n.run, daemon=True)
     thread.start()
@@ -75,11 +75,12 @@ def test_an_engine_still_starting_is_no_target(tmp_path: Path) -> None:
     with _stand_in(tmp_path, f"{SLEEP} -m sglang.launch_server --port 1") as launcher:
         (engine,) = components(launcher.pid)["engine"]
         assert Target(launcher.pid, tmp_path, []).components()["engine"] == []
-        n, thread = _nemesis("kill_engine", launcher.pid, tmp_path)
-        time.sleep(0.5)  # several turns of the nemesis: it must pick nothing (a negative: nothing to poll for)
+        # Seed 0 picks the second of two kinds: without the gate the engine would be hit first.
+        n, thread = _nemesis("kill_actor", launcher.pid, tmp_path, "kill_engine")
+        wait_for(lambda: n.faults, 20, "a fault")  # the one it can pick: the actor
         n.stop.set()
         thread.join(10)
-        assert n.faults == [] and alive(engine)
+        assert n.faults[0]["kind"] == "kill_actor" and alive(engine)
 
 
 def test_no_learner_kill_before_a_checkpoint(fake_run: tuple[subprocess.Popen[bytes], Path]) -> None:
