@@ -41,6 +41,13 @@ class Study:
     runs: dict[str, list[AxisRun]]  # each arm's runs with evaluations
     notes: Path | None = None  # the hand-written reading, put above the tables when the file is there
     made: list[dict[str, Any]] = field(default_factory=list)  # per ledger line: run, commit, dirty
+    opt_in: list[str] = field(default_factory=list)  # arms run only when named, read beside the study's
+    opt_in_runs: int = 0  # their runs in all
+    opt_in_hours: float = 0.0  # the recorded opt-in runs' wall time
+
+    @property
+    def every_arm(self) -> list[str]:
+        return [*self.arms, *self.opt_in]
 
 
 def _ms(xs: list[float]) -> str:
@@ -134,7 +141,7 @@ def plot(study: Study, out_dir: Path) -> list[Path]:
     runs = study.runs
     for g in study.groups:
         for alpha in (f"a{a:g}" for a in study.alphas):
-            arms = [a for a in study.arms if a.startswith(f"g{g}_") and (a.endswith(f"_{alpha}") or "_dapo" in a)]
+            arms = [a for a in study.every_arm if a.startswith(f"g{g}_") and (a.endswith(f"_{alpha}") or "_dapo" in a)]
             arms = [a for a in arms if runs.get(a)]
             if all("_dapo" in a for a in arms):
                 continue  # no critic arm at this α yet (DAPO's arms, which have no α, are drawn beside each α's)
@@ -186,6 +193,18 @@ def _notes(summary: dict[str, Any], study: Study) -> list[str]:
     return [value_parts_claims.fill(study.notes.read_text(), summary).rstrip("\n"), ""]
 
 
+def _opt_in(summary: dict[str, Any], study: Study) -> list[str]:
+    """What the opt-in arms add, once any has a run: how many of their runs are in, and how they are read."""
+    if not summary.get("opt_in_runs"):
+        return []
+    return [f"**Opt-in arms so far: {summary['opt_in_runs']} of {study.opt_in_runs} runs** "
+            f"({study.opt_in_hours:.1f} h; run only when named): a critic trained as the paper trains one, its "
+            "surprise features from the behaviour log-probs or from a frozen base LM head, and the group's "
+            "leave-one-out baseline. They are read at the study's equal budgets (set by the study's arms alone, so "
+            "they move none of its figures) and at each pair's own; an arm with fewer than all its seeds is not a "
+            "finding.", ""]
+
+
 HOW_TO_READ = (
     "the accuracy there is interpolated between the evaluations either side. Policy passes are learner "
     "passes less the critic's: what the actor's updates cost, and all an oracle critic would cost (the "
@@ -210,10 +229,11 @@ def section(summary: dict[str, Any], study: Study, plots: list[Path], out: Path)
              f"**Runs so far: {summary['runs']} of {study.total_runs}** ({study.hours:.1f} h of runs; CPUs: "
              f"{', '.join(summary['machines']) or 'none'}). "
              + ("Every cell has its seeds." if complete else f"Partial: {_complete_arms(summary, study)}"), "",
+             *_opt_in(summary, study),
              *_notes(summary, study),
              f"Equal budget: per G, the largest amount of each axis every run of that G reached, critic passes among "
              f"the runs that train a critic ({_budgets(summary)}); " + HOW_TO_READ, "",
-             "### Arms", "", *arm_table(summary, study.arms), "",
+             "### Arms", "", *arm_table(summary, study.every_arm), "",
              "### Differences (seed-blocked), at each G's equal budget", "", *difference_table(summary), "",
              "### The same differences at the pair's own budget", "",
              "Read where both arms of the pair reached (the largest amount of each axis every run of the two arms "
@@ -231,7 +251,7 @@ def section(summary: dict[str, Any], study: Study, plots: list[Path], out: Path)
              "pretraining and the means over the RL steps; lines written before these readings were kept have "
              f"none: n counts the runs that have them. The EV at each evaluation's step (`critic_at_eval`) is kept "
              f"by lines recorded since it was added: {_with_ev_per_eval(study.made)} of {len(study.made)} here.", "",
-             *critic_table(summary, study.arms), "",
+             *critic_table(summary, study.every_arm), "",
              "### Provenance", "", "The commits the runs ran from (`commit` and `dirty` of each ledger line).", "",
              *provenance(study.made), ""]
     lines += [f"![{p.stem}]({p.relative_to(out.parent).as_posix()})" for p in plots]

@@ -24,6 +24,9 @@ Opt-in (run only when named: ``--only vp_g2_paper_behaviour_a1 ...``; ``--estima
 trained as the paper trains one (``PAPER_CRITIC``) with its surprise features from the behaviour log-probs
 (``paper_behaviour``) or a frozen base model (``paper_frozen``) at G = 2 and 16, and the group's leave-one-out
 baseline (``loo``, ``algo.baseline=group_loo``) at G = 16; each at α = 1 and α = 0.05 (``critic_training_arms``).
+The summary reads them beside the study, against shipped VAPO and DAPO with the NLL (``OPT_IN_DIFFERENCES``), at
+the study's equal budgets (which its own arms alone set, so an opt-in run moves none of the study's figures) and
+at each pair's own; the ledger keeps their lines as it keeps the study's (``value_parts_ledger``).
 
 Three seeds per arm (``SEEDS``), each arm its own. 26 arms x 3 seeds = 78 runs. Wall time on this machine
 (2 cores, quiet; ``estimate_run_minutes``), the medians of the first 22 runs (G = 2, ``docs/results/
@@ -69,21 +72,25 @@ reference critic's on the RL batches; the ledger keeps no EV per evaluation).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from common.provenance import of_run
-from ops.bench import measure
 from ops.bench.reports import paired, value_parts_report
 from ops.bench.reports.compute_axes import AXES, AxisRun, accuracy_at, load_axis_run
 from ops.bench.reports.run_records import port_overrides
+from ops.bench.suites import value_parts_ledger
 from ops.bench.suites.long_suite import DAPO
+from ops.bench.suites.value_parts_ledger import (
+    AXES_VERSION,
+    CRITIC_READINGS,
+    critic_readings,
+    pretraining_counted_once,
+)
 from ops.bench.suites.value_study_suite import group_overrides
 
 REPO = Path(__file__).resolve().parents[3]
@@ -98,8 +105,6 @@ SHARED = ("learner.eval_every=5",)
 RUN_MIN = 11.0             # a critic arm on long.yaml, 40 steps, evaluated every 5: median of 13 G = 2 runs
 DAPO_SHARE = 0.87          # DAPO against that: the median of 6 (its filter's dropped groups are regenerated)
 NOFILTER_SHARE = 0.58      # DAPO without the filter against that: the median of 3
-CRITIC_READINGS = ("pretrain_ev", "rl_ev", "oracle_ev")  # what a run's ledger line keeps of its critic
-AXES_VERSION = 2           # ledger lines since gen_tokens counts value pretraining's groups once (compute_axes)
 CRITIC_ARMS: dict[str, tuple[str, ...]] = {
     "vapo": (),
     "vapo_nonll": ("nll.coef=0",),
@@ -134,6 +139,16 @@ DIFFERENCES = (("vapo", "dapo", "as shipped"), ("vapo_nonll", "dapo", "the criti
                ("oracle", "dapo_nll", "the reference critic against none, both with the NLL"),
                ("trainable", "vapo", "a critic that can learn"),
                ("backbone", "vapo", "the backbone at the actor's lr, its head's as shipped"))
+# The opt-in arms against shipped VAPO and against DAPO with the NLL (the best critic-free arm per update),
+# where both have runs; read at the study's budgets (set by its own arms alone) and at the pair's own.
+OPT_IN_DIFFERENCES = (
+    ("paper_behaviour", "vapo", "the paper's critic training, surprise from the behaviour log-probs"),
+    ("paper_behaviour", "dapo_nll", "that critic against none, both with the NLL"),
+    ("paper_frozen", "vapo", "the paper's critic training, surprise from a frozen base LM head"),
+    ("paper_frozen", "dapo_nll", "that critic against none, both with the NLL"),
+    ("loo", "vapo", "the group's leave-one-out baseline, the critic for credit within a response"),
+    ("loo", "dapo_nll", "that baseline against no critic, both with the NLL"))
+WITH_ALPHA = frozenset((*CRITIC_ARMS, *CRITIC_TRAINING_ARMS))  # arms that read a critic, so have an α
 # Every axis a run is read on: compute_axes' and policy passes (learner passes less the critic's).
 READ_AXES = (*AXES, "policy_passes")
 
@@ -154,8 +169,8 @@ def arms() -> dict[str, tuple[str, ...]]:
 
 
 def critic_training_arms() -> dict[str, tuple[str, ...]]:
-    """``CRITIC_TRAINING_ARMS`` by regime (``g<G>_<arm>_a<α>``), α = 1 first: the arms item 4 of the study's
-    follow-up runs (α = 0.05 only for the best of them)."""
+    """``CRITIC_TRAINING_ARMS`` by regime (``g<G>_<arm>_a<α>``), α = 1 first: the follow-up's arms, run at
+    α = 0.05 only for the best of them."""
     return {f"g{g}_{arm}_a{a:g}": (*SHARED, *group_overrides(g), f"algo.alpha={a}", *ov)
             for a in ALPHAS for arm, (gs, ov) in CRITIC_TRAINING_ARMS.items() for g in gs}
 
@@ -167,9 +182,14 @@ def name(arm: str) -> str:
 OPT_IN = frozenset(name(a) for a in critic_training_arms())
 
 
+def all_arms() -> dict[str, tuple[str, ...]]:
+    """The study's arms, then the opt-in ones: every arm a run or a ledger line can belong to."""
+    return {**arms(), **critic_training_arms()}
+
+
 def experiments(Experiment: Any) -> list[Any]:
     return [Experiment(name(a), "value_parts", f"{a} on long.yaml", CONFIG, ov, seeds=SEEDS, steps=STEPS)
-            for a, ov in {**arms(), **critic_training_arms()}.items()]
+            for a, ov in all_arms().items()]
 
 
 def estimate_run_minutes(run: str) -> float:
@@ -197,11 +217,7 @@ def diff(a: list[float], b: list[float]) -> dict[str, float] | None:
 def read_ledger(ledger: Path | None = None) -> dict[str, dict[str, Any]]:
     """The recorded runs by name (a later line of the same run replaces an earlier one). ``None``: ``LEDGER``,
     looked up on each call (a default bound at import would ignore a test's or a tool's own ledger)."""
-    ledger = LEDGER if ledger is None else ledger
-    if not ledger.exists():
-        return {}
-    rows = (json.loads(line) for line in ledger.read_text().splitlines() if line.strip())
-    return {row["run"]: row for row in rows}
+    return value_parts_ledger.read(LEDGER if ledger is None else ledger)
 
 
 def recorded_names(ledger: Path | None = None) -> set[str]:
@@ -209,59 +225,12 @@ def recorded_names(ledger: Path | None = None) -> set[str]:
     return set(read_ledger(ledger))
 
 
-def critic_readings(d: Path) -> dict[str, float | None]:
-    """Run directory ``d``'s critic (``CRITIC_READINGS``): the held-out EV value pretraining ended with (the
-    best, which it keeps), and the mean over the RL steps of the critic's EV on the trained batches and, under
-    ``algo.critic=oracle``, of the oracle's on the same batches. None where the run has none (DAPO)."""
-    pretrain, rl, oracle = None, [], []
-    for line in (d / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line) if line.strip() else {}
-        if rec.get("kind") == "value_pretrain":
-            pretrain = rec.get("best_explained_variance", pretrain)
-        elif rec.get("kind") == "learner_step":
-            rl += [rec["value_explained_variance"]] if "value_explained_variance" in rec else []
-            oracle += [rec["oracle_explained_variance"]] if "oracle_explained_variance" in rec else []
-    return {"pretrain_ev": pretrain, "rl_ev": statistics.fmean(rl) if rl else None,
-            "oracle_ev": statistics.fmean(oracle) if oracle else None}
-
-
-def critic_at_evaluations(d: Path, steps: list[int]) -> list[dict[str, Any]]:
-    """Run directory ``d``'s critic EV and reference (oracle) EV on the RL batch of each step in ``steps`` (its
-    evaluations' steps), None where that step reported none: how the critic's fit moves with training, which
-    the means of ``critic_readings`` hide."""
-    at: dict[int, dict[str, Any]] = {}
-    for line in (d / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line) if line.strip() else {}
-        if rec.get("kind") == "learner_step" and rec.get("step") in steps:
-            at[rec["step"]] = {"rl_ev": rec.get("value_explained_variance"),
-                               "oracle_ev": rec.get("oracle_explained_variance")}
-    return [{"step": s, **at.get(s, {"rl_ev": None, "oracle_ev": None})} for s in steps]
-
-
 def record(root: Path, run: str, seconds: float, ledger: Path | None = None) -> dict[str, Any] | None:
     """Keep finished run ``run``'s readings in the ledger (its line replaced if it was there); None, and
     nothing written, for a run without ``summary.json`` or without evaluations beyond the base one."""
-    d = root / run
-    axis_run = load_axis_run(d) if (d / "summary.json").exists() else None
-    if axis_run is None or len(axis_run.points) < 2:
-        return None
-    made_by = of_run(d) or {}  # the run's own header: the commit and machine it ran on, its starting load
-    cpu = made_by.get("cpu") or {}
-    row = {"run": run, "final_accuracy": axis_run.points[-1]["acc"],
-           "points": [{k: round(v, 6) for k, v in p.items()} for p in axis_run.points], "seconds": round(seconds, 1),
-           "commit": (made_by.get("commit") or {}).get("sha"), "dirty": (made_by.get("commit") or {}).get("dirty"),
-           "cpu": cpu.get("model", "unknown"), "simd": cpu.get("torch_capability"), "cpus": cpu.get("logical_cpus"),
-           "load_at_start": made_by.get("load_1m"), "load_at_end": measure.load()[0], "date": time.strftime("%Y-%m-%d"),
-           "critic": critic_readings(d),
-           "critic_at_eval": critic_at_evaluations(d, [int(p["step"]) for p in axis_run.points[1:]]),
-           "axes_version": AXES_VERSION}
-    ledger = LEDGER if ledger is None else ledger
-    rows = read_ledger(ledger)
-    rows[run] = row
-    ledger.parent.mkdir(parents=True, exist_ok=True)
-    tmp = ledger.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in sorted(rows.values(), key=lambda r: r["run"])))
-    tmp.replace(ledger)  # a crash mid-write leaves the old ledger, never half of one
+    row = value_parts_ledger.run_row(root / run, run, seconds)
+    if row is not None:
+        value_parts_ledger.write_row(LEDGER if ledger is None else ledger, row)
     return row
 
 
@@ -277,7 +246,7 @@ def runs_by_arm(root: Path, ledger: Path | None = None) -> tuple[dict[str, list[
     kept = read_ledger(ledger)
     runs: dict[str, list[AxisRun]] = {}
     machines: dict[str, str] = {}
-    for arm in arms():
+    for arm in all_arms():
         for s in SEEDS:
             run = f"{name(arm)}-s{s}"
             r = load_axis_run(root / run) if (root / run / "summary.json").exists() else None  # finished only
@@ -293,20 +262,6 @@ def runs_by_arm(root: Path, ledger: Path | None = None) -> tuple[dict[str, list[
     return runs, machines
 
 
-def pretraining_counted_once(points: list[dict[str, float]]) -> list[dict[str, float]]:
-    """The points of a ledger line recorded before ``AXES_VERSION`` 2, whose generated tokens counted value
-    pretraining's ``vp`` samples twice: once at the first step's length (``gen_tokens`` at step 0) and again
-    among the generated samples scaled to the trained ones' length. With ``s`` the samples axis (``vp`` +
-    trained + filtered) the recorded ``gen = gen_0 + L·s`` (L: tokens per trained sample), so the right one is
-    ``gen_0 + L·(s − vp)``; exact when no group was dropped stale (otherwise short by stale · vp / s samples'
-    tokens). A run without value pretraining (``vp`` = 0) is unchanged."""
-    vp, gen_0 = points[0]["samples"], points[0]["gen_tokens"]
-    if vp <= 0:
-        return points
-    return [points[0]] + [{**p, "gen_tokens": gen_0 + (p["gen_tokens"] - gen_0) * (p["samples"] - vp) / p["samples"]}
-                          for p in points[1:]]
-
-
 def with_policy_passes(run: AxisRun) -> AxisRun:
     """``run`` with each evaluation's policy passes: its learner passes less the critic's."""
     return AxisRun(run.name, [{**p, "policy_passes": p["learner_passes"] - p["critic_passes"]} for p in run.points])
@@ -317,7 +272,7 @@ def critic_by_arm(root: Path, ledger: Path | None = None) -> dict[str, dict[str,
     wins over its ledger line; ledger lines from before the readings were kept have none)."""
     kept = read_ledger(ledger)
     out: dict[str, dict[str, list[float]]] = {}
-    for arm in arms():
+    for arm in all_arms():
         for s in SEEDS:
             run = f"{name(arm)}-s{s}"
             d = root / run
@@ -330,14 +285,19 @@ def critic_by_arm(root: Path, ledger: Path | None = None) -> dict[str, dict[str,
 
 def summary(root: Path, load_run: Any = None, ledger: Path | None = None) -> dict[str, Any]:
     """Per arm: final accuracy per seed and at equal budget per axis; per regime the differences (docstring).
-    Reads the runs under ``root`` and those the ledger holds."""
+    Reads the runs under ``root`` and those the ledger holds. The budgets are the study's arms' alone, so that
+    an opt-in arm's runs, read there, move none of the study's figures (``runs``: the study's runs;
+    ``opt_in_runs``: the others)."""
     runs, machines = runs_by_arm(root, ledger)
     cpus = {arm: {machines[r.name] for r in rs} for arm, rs in runs.items()}
-    out: dict[str, Any] = {"estimate_minutes": round(total_minutes()), "runs": sum(map(len, runs.values())),
+    study = arms()
+    out: dict[str, Any] = {"estimate_minutes": round(total_minutes()),
+                           "runs": sum(len(rs) for arm, rs in runs.items() if arm in study),
+                           "opt_in_runs": sum(len(rs) for arm, rs in runs.items() if arm not in study),
                            "machines": sorted(set(machines.values())), "budgets": {}, "arms": {}, "differences": {},
                            "critic": critic_by_arm(root, ledger)}
     for g in GROUPS:
-        in_g = [r for arm, rs in runs.items() if arm.startswith(f"g{g}_") for r in rs]
+        in_g = [r for arm, rs in runs.items() if arm.startswith(f"g{g}_") and arm in study for r in rs]
         # an axis a run has none of (DAPO's critic passes) is not a budget: it is read only for runs that have it
         budgets = {axis: min((r.points[-1][axis] for r in in_g if r.points[-1][axis] > 0), default=0.0)
                    for axis in READ_AXES}
@@ -352,18 +312,18 @@ def summary(root: Path, load_run: Any = None, ledger: Path | None = None) -> dic
             out["arms"][arm] = row
     for g in GROUPS:
         for i, alpha in enumerate(f"a{x:g}" for x in ALPHAS):
-            for a, b, what in DIFFERENCES:
-                with_alpha = a in CRITIC_ARMS or b in CRITIC_ARMS
+            for a, b, what in (*DIFFERENCES, *OPT_IN_DIFFERENCES):
+                with_alpha = a in WITH_ALPHA or b in WITH_ALPHA
                 if not with_alpha and i > 0:
                     continue  # a pair of DAPO arms has no α: once per G
-                an, bn = (f"g{g}_{x}_{alpha}" if x in CRITIC_ARMS else f"g{g}_{x}" for x in (a, b))
+                an, bn = (f"g{g}_{x}_{alpha}" if x in WITH_ALPHA else f"g{g}_{x}" for x in (a, b))
                 ra, rb = out["arms"].get(an), out["arms"].get(bn)
                 if ra is not None and rb is not None:
                     out["differences"][f"g{g} {alpha}: {a} − {b}" if with_alpha else f"g{g}: {a} − {b}"] = {
                         "what": what, "cpus": sorted(cpus[an] | cpus[bn]), "final": diff(ra["final"], rb["final"]),
                         **{f"at_equal_{ax}": diff(ra[f"at_equal_{ax}"], rb[f"at_equal_{ax}"]) for ax in READ_AXES},
                         **seed_blocked(runs[an], runs[bn], out["budgets"][g])}
-    out["cross_g"] = cross_g(runs)
+    out["cross_g"] = cross_g(runs, study)
     return out
 
 
@@ -390,10 +350,10 @@ def seed_blocked(ra: list[AxisRun], rb: list[AxisRun], budgets: dict[str, float]
             "own_budgets": own}
 
 
-def cross_g(runs: dict[str, list[AxisRun]]) -> dict[str, Any]:
-    """Every arm at each G read at one budget of generated tokens, the largest every run of the study reached:
-    ``budget`` and per arm (its name without ``g<G>_``) and G its accuracy by seed."""
-    every = [r for rs in runs.values() for r in rs]
+def cross_g(runs: dict[str, list[AxisRun]], study: dict[str, tuple[str, ...]]) -> dict[str, Any]:
+    """Every arm at each G read at one budget of generated tokens, the largest every run of the study's arms
+    (``study``) reached: ``budget`` and per arm (its name without ``g<G>_``) and G its accuracy by seed."""
+    every = [r for arm, rs in runs.items() if arm in study for r in rs]
     budget = min((r.points[-1]["gen_tokens"] for r in every), default=0.0)
     arms_: dict[str, dict[int, dict[int, float]]] = {}
     for arm, rs in runs.items():
@@ -405,9 +365,12 @@ def cross_g(runs: dict[str, list[AxisRun]]) -> dict[str, Any]:
 def report(root: Path, summary: dict[str, Any], out: Path) -> None:
     """The suite's section of ``out`` (docs/RESULTS.md) and its plots: value_parts_report."""
     kept = read_ledger(LEDGER)
+    hours = {opt: sum(r.get("seconds", 0.0) for r in kept.values() if (r["run"].rsplit("-s", 1)[0] in OPT_IN) == opt) / 3600
+             for opt in (False, True)}
     value_parts_report.write(out, summary, value_parts_report.Study(
-        arms=list(arms()), groups=GROUPS, alphas=ALPHAS, total_runs=len(arms()) * len(SEEDS),
-        hours=sum(r.get("seconds", 0.0) for r in kept.values()) / 3600, source=str(LEDGER.relative_to(REPO) if LEDGER.is_relative_to(REPO) else LEDGER),
+        arms=list(arms()), groups=GROUPS, alphas=ALPHAS, total_runs=len(arms()) * len(SEEDS), hours=hours[False],
+        opt_in=list(critic_training_arms()), opt_in_runs=len(critic_training_arms()) * len(SEEDS),
+        opt_in_hours=hours[True], source=str(LEDGER.relative_to(REPO) if LEDGER.is_relative_to(REPO) else LEDGER),
         task=CONFIG, steps=STEPS, runs=runs_by_arm(root, LEDGER)[0], notes=NOTES,
         made=[{k: r.get(k) for k in ("run", "commit", "dirty", "critic_at_eval")} for r in kept.values()]))
 

@@ -99,3 +99,20 @@ def test_provenance_lists_each_commit_and_the_runs_started_with_uncommitted_chan
     lines = report.provenance(made)
     assert "| `c0ffee1234` | 2 | 1: vp_a-s1 |" in lines and "| `beef` | 1 | 0 |" in lines
     assert lines[-1] == "1 ledger lines do not say whether their tree was clean."
+
+
+def test_opt_in_runs_are_counted_apart_and_get_their_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One study run and one opt-in run: the study counts 1 of its 78, the opt-in arms 1 of their 30, with
+    their own row, difference against VAPO (0.75 − 0.6 on seed 0) and plot line."""
+    monkeypatch.setattr(vp, "LEDGER", tmp_path / "kept.jsonl")
+    monkeypatch.setattr(vp, "NOTES", tmp_path / "no-notes.md")
+    runs = tmp_path / "runs"
+    _run(runs, "g2_vapo_a1", 0, [0.4, 0.5, 0.6])
+    _run(runs, "g2_paper_frozen_a1", 0, [0.4, 0.55, 0.75])
+    out = tmp_path / "RESULTS.md"
+    vp.report(runs, vp.summary(runs), out)
+    text = out.read_text()
+    assert "**Runs so far: 1 of 78**" in text and "**Opt-in arms so far: 1 of 30 runs**" in text
+    assert "| g2_paper_frozen_a1 | 0.750 (1) |" in text
+    assert "| g2 a1: paper_frozen − vapo | the paper's critic training, surprise from a frozen base LM head | +0.150 (one seed) |" in text
+    assert "| paper_frozen_a1 | 0.750 (1) | — | — |" in text  # across G: no G = 16 run yet

@@ -207,3 +207,27 @@ def test_the_critic_training_arms_load_run_only_when_named_and_are_estimated(cap
     assert vp.estimate_run_minutes(vp.name("g2_paper_behaviour_a1")) == vp.RUN_MIN * vp.PAPER_SHARE
     assert vp.main(["--estimate"]) == 0
     assert "opt-in (--only): 10 critic-training arms x 3 seeds" in capsys.readouterr().out
+
+
+def test_an_opt_in_arm_is_read_beside_the_study_and_moves_none_of_its_figures(tmp_path: Path) -> None:
+    """Shipped VAPO (2 steps, 512 samples) ends at 0.6 and 0.8; the paper-trained critic ran 1 step (256
+    samples), reaching 0.7 and 0.75. The study's budget stays VAPO's 512 samples (VAPO read there: its
+    finals), where the opt-in arm has no reading; at the pair's own 256 samples VAPO reads 0.5 and 0.6, so the
+    per-seed differences are 0.2 and 0.15: +0.175 ± sd(0.2, 0.15)/√2 = 0.025, df 1, t = 7, p = 1 − 2·atan(7)/π
+    = 0.090. At the end 0.1 and −0.05: +0.025 ± 0.075."""
+    _run(tmp_path, "g2_vapo_a1", 0, [0.4, 0.5, 0.6])
+    _run(tmp_path, "g2_vapo_a1", 1, [0.4, 0.6, 0.8])
+    _run(tmp_path, "g2_paper_behaviour_a1", 0, [0.4, 0.7])
+    _run(tmp_path, "g2_paper_behaviour_a1", 1, [0.4, 0.75])
+    out = vp.summary(tmp_path, ledger=tmp_path / "none.jsonl")
+    assert out["runs"] == 2 and out["opt_in_runs"] == 2
+    assert out["budgets"][2]["samples"] == 512 and out["arms"]["g2_vapo_a1"]["at_equal_samples"] == [0.6, 0.8]
+    assert out["arms"]["g2_paper_behaviour_a1"]["at_equal_samples"] == []
+    d = out["differences"]["g2 a1: paper_behaviour − vapo"]
+    assert d["paired"]["at_equal_samples"] is None and d["own_budgets"]["samples"] == 256
+    own = d["own"]["at_equal_samples"]
+    assert own["diff"] == pytest.approx(0.175) and own["se"] == pytest.approx(0.025) and own["df"] == 1
+    assert own["p"] == pytest.approx(1 - 2 * math.atan(7) / math.pi, abs=1e-6)
+    assert d["paired"]["final"]["diff"] == pytest.approx(0.025) and d["paired"]["final"]["se"] == pytest.approx(0.075)
+    assert "g2 a1: paper_behaviour − dapo_nll" not in out["differences"]  # no DAPO + NLL run here
+    assert out["cross_g"]["budget"] == out["budgets"][2]["gen_tokens"]  # set by VAPO's runs alone
