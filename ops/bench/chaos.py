@@ -260,6 +260,7 @@ def chaos(a: argparse.Namespace, cluster: ClusterView | None = None) -> dict[str
     """The whole chaos run (on ``cluster``'s hosts when given); returns its full record (the JSON line's
     fields and the details)."""
     root = Path(a.root) if a.root else Path(tempfile.mkdtemp(prefix="vapo-chaos-"))
+    a.root = str(root)  # an interrupted run's line names it (main)
     root.mkdir(parents=True, exist_ok=True)
     run_dir = root / NAME
     common_args = [a.config, f"run.root={root}", f"run.seed={a.seed}", f"learner.total_steps={a.steps}",
@@ -383,7 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         for launch in list(LIVE):
             launch.stop()
-        print(json.dumps({"kind": "chaos", "pass": False, "interrupted": True}), flush=True)
+        # An interrupted run's logs and history are what its user reads next: kept, and named.
+        print(json.dumps({"kind": "chaos", "pass": False, "interrupted": True, "root": a.root or None,
+                          "kept": "the run root, with its logs and history; remove it when read"}), flush=True)
         return 130
     finally:
         for sig, handler in before.items():

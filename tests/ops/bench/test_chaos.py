@@ -108,10 +108,11 @@ def test_an_unknown_fault_kind_is_refused_naming_the_kinds(capsys: pytest.Captur
 @pytest.mark.slow
 def test_an_interrupted_chaos_run_stops_its_launchers_in_order(tmp_path: Path) -> None:
     """SIGTERM (or Ctrl-C) while the run and its baseline alongside are up: both launchers stop in order,
-    nothing of either run is left, and the line says it was interrupted (1-2 min here)."""
+    no process of either run is left, and the line says it was interrupted and names the root it kept (without
+    --keep: an interrupted run's logs are what its user reads next) (1-2 min here)."""
     root = tmp_path / "root"
     p = subprocess.Popen([sys.executable, "-m", "ops.bench.chaos", "--short", "--baseline", "alongside",
-                          "--root", str(root), "--keep"], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                          "--root", str(root)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                          **lifeline.popen_kwargs())
     try:
         logs = [root / "chaos-launcher.log", root / "baseline-launcher.log"]
@@ -121,7 +122,8 @@ def test_an_interrupted_chaos_run_stops_its_launchers_in_order(tmp_path: Path) -
         out, _ = p.communicate(timeout=120)
     finally:
         p.kill()
-    assert p.returncode == 130 and json.loads(out.strip().splitlines()[-1])["interrupted"] is True
+    line = json.loads(out.strip().splitlines()[-1])
+    assert p.returncode == 130 and line["interrupted"] is True and line["root"] == str(root)
     assert mentioning(str(root)) == []
     assert all("interrupted: stopping every component" in f.read_text() for f in logs)  # in order, not killed
 
