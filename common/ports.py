@@ -1,5 +1,5 @@
-"""A free local TCP port, for processes started on ports of their own (benchmarks, tests) so they never collide
-with a run on the default ports."""
+"""A free local TCP port, and every port of one launch on fresh ones, for processes started on ports of their
+own (benchmarks, tests) so they never collide with a run on the default ports or with each other."""
 
 from __future__ import annotations
 
@@ -22,3 +22,21 @@ def free_port() -> int:
             if port not in _HANDED_OUT:
                 _HANDED_OUT.add(port)
                 return port
+
+
+# Every socket and /metrics server one launch on one host binds, by config key (a test holds this to the config:
+# a new listening key must be added here). Not here: placement.master_port, the rendezvous of a learner on several
+# hosts (one host's ranks meet in a file), and learner.push_master_port, whose default 0 is a free port already.
+LAUNCH_LISTENS = ("buffer.ingest_addr", "buffer.serve_addr", "learner.publish_addr", "learner.query_addr",
+                  "learner.push_addr", "buffer.metrics_port", "learner.metrics_port", "actors.metrics_base_port",
+                  "metrics.launcher_port", "engine.base_port")
+
+
+def fresh_ports() -> dict[str, int]:
+    """Each of ``LAUNCH_LISTENS`` on a port of its own (``free_port``): config key -> port."""
+    return {key: free_port() for key in LAUNCH_LISTENS}
+
+
+def as_overrides(ports: dict[str, int]) -> list[str]:
+    """``key=value`` overrides for ``ports``: a ``*_addr`` key gets tcp://127.0.0.1:<port>."""
+    return [f"{key}=tcp://127.0.0.1:{port}" if key.endswith("_addr") else f"{key}={port}" for key, port in ports.items()]

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from common.ports import free_port
+from common.ports import as_overrides, free_port, fresh_ports
+
+__all__ = ["free_port", "port_overrides"]  # free_port: for the tests that import it from here
 
 
 def port_overrides() -> list[str]:
     """Config overrides that give every socket and /metrics server of one launch its own fresh port."""
-    p = [free_port() for _ in range(10)]
-    return [
-        f"buffer.ingest_addr=tcp://127.0.0.1:{p[0]}", f"buffer.serve_addr=tcp://127.0.0.1:{p[1]}",
-        f"learner.publish_addr=tcp://127.0.0.1:{p[2]}", f"learner.query_addr=tcp://127.0.0.1:{p[3]}",
-        f"buffer.metrics_port={p[4]}", f"learner.metrics_port={p[5]}", f"actors.metrics_base_port={p[6]}",
-        f"metrics.launcher_port={p[7]}", f"engine.base_port={p[8]}", f"learner.push_addr=tcp://127.0.0.1:{p[9]}",
-    ]
+    return as_overrides(fresh_ports())

@@ -60,7 +60,7 @@ import yaml
 
 from common import lifeline
 from common.config import ConfigError, load_config_args
-from common.ports import free_port
+from common.ports import as_overrides, fresh_ports
 from ops.chaos.cluster import CONFIG as CLUSTER_CONFIG
 from ops.chaos.cluster import KINDS as CLUSTER_KINDS
 from ops.chaos.cluster import OVERRIDES as CLUSTER_OVERRIDES
@@ -137,14 +137,10 @@ def _interrupt(_signum: int, _frame: Any) -> None:
 
 def port_args() -> tuple[list[str], list[int], list[int]]:
     """Overrides giving every socket its own free port; all ports; the /metrics ports (one actor each)."""
-    p = [free_port() for _ in range(10)]
-    overrides = [
-        f"buffer.ingest_addr=tcp://127.0.0.1:{p[0]}", f"buffer.serve_addr=tcp://127.0.0.1:{p[1]}",
-        f"learner.publish_addr=tcp://127.0.0.1:{p[2]}", f"learner.query_addr=tcp://127.0.0.1:{p[3]}",
-        f"buffer.metrics_port={p[4]}", f"learner.metrics_port={p[5]}", f"actors.metrics_base_port={p[6]}",
-        f"metrics.launcher_port={p[7]}", f"engine.base_port={p[8]}", f"learner.push_addr=tcp://127.0.0.1:{p[9]}",
-    ]
-    return overrides, p, [p[4], p[5], p[6], p[7]]
+    ports = fresh_ports()
+    metrics = [ports[k] for k in ("buffer.metrics_port", "learner.metrics_port", "actors.metrics_base_port",
+                                  "metrics.launcher_port")]
+    return as_overrides(ports), list(ports.values()), metrics
 
 
 def run_once(args: list[str], run_dir: Path, deadline: float, nemesis: Nemesis | None,

@@ -31,7 +31,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.ports import as_overrides, fresh_ports
 from ops.bench.measure import load, machine
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,19 +47,9 @@ SCENARIOS = ("engine", "actor", "buffer", "learner", "launcher")
 RUN_TIMEOUT_S = 600.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def port_overrides() -> list[str]:
     """Every socket and /metrics server of one launch on a fresh port (a benchmark may run beside tests)."""
-    p = [free_port() for _ in range(10)]
-    return [f"buffer.ingest_addr=tcp://127.0.0.1:{p[0]}", f"buffer.serve_addr=tcp://127.0.0.1:{p[1]}",
-            f"learner.publish_addr=tcp://127.0.0.1:{p[2]}", f"learner.query_addr=tcp://127.0.0.1:{p[3]}",
-            f"buffer.metrics_port={p[4]}", f"learner.metrics_port={p[5]}", f"actors.metrics_base_port={p[6]}",
-            f"metrics.launcher_port={p[7]}", f"engine.base_port={p[8]}", f"learner.push_addr=tcp://127.0.0.1:{p[9]}"]
+    return as_overrides(fresh_ports())
 
 
 def processes() -> dict[int, tuple[int, str]]:

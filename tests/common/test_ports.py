@@ -7,6 +7,7 @@ import socket
 import pytest
 
 from common import ports
+from common.config import describe, load_config
 from common.ports import free_port
 
 
@@ -38,3 +39,18 @@ def test_a_port_the_kernel_gives_twice_is_handed_out_once(monkeypatch: pytest.Mo
     monkeypatch.setattr(ports.socket, "socket", Socket)
     monkeypatch.setattr(ports, "_HANDED_OUT", set())
     assert [free_port(), free_port(), free_port()] == [41000, 41001, 41002]
+
+
+def test_a_launch_on_fresh_ports_moves_every_address_and_port_the_config_has_for_one_host() -> None:
+    """Every config key a launch binds on one host (an address or a port with a default to collide on) is in
+    LAUNCH_LISTENS, so a run on fresh ports shares none with a run on the defaults (learner.push_master_port's
+    default 0 is a free port already)."""
+    several_hosts = {"placement.master_port"}  # torch.distributed's rendezvous on host 0; one host's ranks meet in a file
+    binds = {key for key, _tp, default, _doc in describe()
+             if key.endswith(("_addr", "_port")) and default and key not in several_hosts}
+    assert binds == set(ports.LAUNCH_LISTENS)
+    fresh = ports.fresh_ports()
+    assert len(set(fresh.values())) == len(fresh) == len(ports.LAUNCH_LISTENS)
+    overrides = ports.as_overrides({"buffer.ingest_addr": 41000, "buffer.metrics_port": 41001})
+    assert overrides == ["buffer.ingest_addr=tcp://127.0.0.1:41000", "buffer.metrics_port=41001"]
+    assert load_config(None, ports.as_overrides(fresh)).buffer.metrics_port == fresh["buffer.metrics_port"]
