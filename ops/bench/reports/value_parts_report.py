@@ -116,6 +116,20 @@ def cross_g_table(summary: dict[str, Any], groups: tuple[int, ...]) -> list[str]
     return lines
 
 
+def verdict_table(summary: dict[str, Any], groups: tuple[int, ...]) -> list[str]:
+    """Per opt-in arm and α: its difference from shipped VAPO at the end at each G, and whether it clears the
+    bar for the default (beats VAPO with p < 0.05 at every G)."""
+    verdict = summary.get("default_verdict", {})
+    if not verdict:
+        return ["No opt-in arm has runs yet."]
+    lines = ["| arm, α | " + " | ".join(f"− vapo at G = {g}" for g in groups) + " | beats VAPO at every G |",
+             "|---|" + "---|" * (len(groups) + 1)]
+    for key, v in verdict.items():
+        lines.append(f"| {key} | " + " | ".join(paired.fmt(v["by_g"].get(g)) for g in groups)
+                     + f" | {'yes' if v['beats_at_every_g'] else 'no'} |")
+    return lines
+
+
 def provenance(made: list[dict[str, Any]]) -> list[str]:
     """The commits the runs ran from (runs each) and the runs that started with uncommitted changes."""
     by_commit: dict[str, list[dict[str, Any]]] = {}
@@ -252,6 +266,10 @@ def section(summary: dict[str, Any], study: Study, plots: list[Path], out: Path)
              f"none: n counts the runs that have them. The EV at each evaluation's step (`critic_at_eval`) is kept "
              f"by lines recorded since it was added: {_with_ev_per_eval(study.made)} of {len(study.made)} here.", "",
              *critic_table(summary, study.every_arm), "",
+             "### The default, by the evidence", "",
+             "An opt-in arm becomes `long.yaml`'s (and `default.yaml`'s) default only if it beats shipped VAPO per "
+             "policy update (at the end: every arm makes as many updates) with p < 0.05 at both group sizes.", "",
+             *verdict_table(summary, study.groups), "",
              "### Provenance", "", "The commits the runs ran from (`commit` and `dirty` of each ledger line).", "",
              *provenance(study.made), ""]
     lines += [f"![{p.stem}]({p.relative_to(out.parent).as_posix()})" for p in plots]

@@ -324,6 +324,25 @@ def summary(root: Path, load_run: Any = None, ledger: Path | None = None) -> dic
                         **{f"at_equal_{ax}": diff(ra[f"at_equal_{ax}"], rb[f"at_equal_{ax}"]) for ax in READ_AXES},
                         **seed_blocked(runs[an], runs[bn], out["budgets"][g])}
     out["cross_g"] = cross_g(runs, study)
+    out["default_verdict"] = default_verdict(out)
+    return out
+
+
+def default_verdict(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per opt-in arm and α: its seed-blocked difference from shipped VAPO at the end of each G's runs (every
+    arm makes the same number of policy updates), and whether it beats VAPO per update at every G of the
+    study (mean > 0 with p < 0.05, every seed in at each): the bar for becoming ``long.yaml``'s default. An
+    arm that runs at one G only (``loo``) cannot pass it."""
+    out: dict[str, dict[str, Any]] = {}
+    for arm in CRITIC_TRAINING_ARMS:
+        for alpha in (f"a{x:g}" for x in ALPHAS):
+            by_g = {g: summary["differences"].get(f"g{g} {alpha}: {arm} − vapo", {}).get("paired", {}).get("final")
+                    for g in GROUPS}
+            if not any(by_g.values()):
+                continue
+            beats = all(d is not None and len(d["seeds"]) == len(SEEDS) and d["diff"] > 0 and d["p"] is not None
+                        and d["p"] < 0.05 for d in by_g.values())
+            out[f"{arm} {alpha}"] = {"by_g": by_g, "beats_at_every_g": beats}
     return out
 
 

@@ -116,3 +116,4 @@ def test_opt_in_runs_are_counted_apart_and_get_their_rows(tmp_path: Path, monkey
     assert "| g2_paper_frozen_a1 | 0.750 (1) |" in text
     assert "| g2 a1: paper_frozen − vapo | the paper's critic training, surprise from a frozen base LM head | +0.150 (one seed) |" in text
     assert "| paper_frozen_a1 | 0.750 (1) | — | — |" in text  # across G: no G = 16 run yet
+    assert "| paper_frozen a1 | +0.150 (one seed) | — | no |" in text  # one seed at one G: not the default

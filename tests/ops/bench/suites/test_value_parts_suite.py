@@ -231,3 +231,22 @@ def test_an_opt_in_arm_is_read_beside_the_study_and_moves_none_of_its_figures(tm
     assert d["paired"]["final"]["diff"] == pytest.approx(0.025) and d["paired"]["final"]["se"] == pytest.approx(0.075)
     assert "g2 a1: paper_behaviour − dapo_nll" not in out["differences"]  # no DAPO + NLL run here
     assert out["cross_g"]["budget"] == out["budgets"][2]["gen_tokens"]  # set by VAPO's runs alone
+
+
+@pytest.mark.parametrize(("g16_gains", "beats"), [((0.1, 0.12, 0.11), True), ((0.1, -0.05, 0.02), False),
+                                                  ((0.1, 0.12), False)])
+def test_an_opt_in_arm_clears_the_bar_for_the_default_only_if_it_beats_vapo_at_every_group_size(
+        tmp_path: Path, g16_gains: tuple[float, ...], beats: bool) -> None:
+    """At G = 2 the paper-trained critic ends 0.1, 0.12, 0.11 above VAPO on seeds 0-2 (mean 0.11, se 0.01/√3,
+    t 19, df 2: p 0.003). It clears the bar when G = 16 is as clear; not when G = 16's gains are 0.1, −0.05,
+    0.02 (t 0.54, p 0.64), nor with a seed of G = 16 still missing, however clear the two it has."""
+    for g, gains in ((2, (0.1, 0.12, 0.11)), (16, g16_gains)):
+        for seed in range(3):
+            _run(tmp_path, f"g{g}_vapo_a1", seed, [0.3, 0.4, 0.5])
+        for seed, gain in enumerate(gains):
+            _run(tmp_path, f"g{g}_paper_behaviour_a1", seed, [0.3, 0.4, 0.5 + gain])
+    verdict = vp.summary(tmp_path, ledger=tmp_path / "none.jsonl")["default_verdict"]
+    assert list(verdict) == ["paper_behaviour a1"]
+    g2 = verdict["paper_behaviour a1"]["by_g"][2]
+    assert g2["diff"] == pytest.approx(0.11) and g2["p"] == pytest.approx(0.0027, abs=2e-4)
+    assert verdict["paper_behaviour a1"]["beats_at_every_g"] is beats
