@@ -129,7 +129,7 @@ CRITIC_TRAINING_ARMS: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {  # 
     "paper_frozen": (GROUPS, (*PAPER_CRITIC, "learner.value_head_surprise_source=frozen_base")),
     "loo": ((16,), ("algo.baseline=group_loo",)),
 }
-PAPER_SHARE = 1.3          # a guess until measured: value pretraining up to 50 steps, 8x the critic's optimizer steps
+PAPER_SHARE = 1.1          # paper_behaviour's median run (733 s of 703-862, 6 runs, Xeon) against RUN_MIN
 # (a, b, what a − b measures); a critic arm and "dapo*" are matched within the regime (G, α).
 DIFFERENCES = (("vapo", "dapo", "as shipped"), ("vapo_nonll", "dapo", "the critic alone (no NLL in either)"),
                ("vapo", "dapo_nll", "both with the NLL"), ("dapo", "dapo_nofilter", "DAPO's filter"),

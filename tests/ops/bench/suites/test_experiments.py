@@ -101,6 +101,7 @@ def test_a_suite_states_its_estimate_before_its_first_run(exp: ModuleType, tmp_p
         return 1  # a failure: the runner stops there
 
     monkeypatch.setattr(exp, "run_suite", fake_run_suite)
+    monkeypatch.setattr(vp, "LEDGER", tmp_path / "none.jsonl")  # none recorded, whatever the committed ledger holds
     only = [vp.name("g2_paper_behaviour_a1"), vp.name("g16_loo_a1")]
     args = argparse.Namespace(only=only, seeds=None, list=False, report_only=False, max_runs=4, jobs=1,
                               out="unused.md")
