@@ -47,11 +47,6 @@ SCENARIOS = ("engine", "actor", "buffer", "learner", "launcher")
 RUN_TIMEOUT_S = 600.0
 
 
-def port_overrides() -> list[str]:
-    """Every socket and /metrics server of one launch on a fresh port (a benchmark may run beside tests)."""
-    return as_overrides(fresh_ports())
-
-
 def processes() -> dict[int, tuple[int, str]]:
     """pid -> (parent pid, command line) of every process of this machine."""
     out = {}
@@ -99,7 +94,7 @@ def step_times(run_dir: Path) -> list[tuple[int, float]]:
 
 def launch(root: Path, name: str, overrides: list[str], resume: bool = False) -> subprocess.Popen:
     argv = [str(REPO / "ops/launch.sh"), "ops/configs/smoke.yaml", f"run.root={root}", f"run.name={name}",
-            *port_overrides(), *overrides, *(["--resume"] if resume else [])]
+            *as_overrides(fresh_ports()), *overrides, *(["--resume"] if resume else [])]
     log = open(root / f"{name}{'-resume' if resume else ''}.out", "w")  # the child owns it
     return subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 

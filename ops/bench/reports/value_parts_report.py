@@ -42,7 +42,7 @@ class Study:
     notes: Path | None = None  # the hand-written reading, put above the tables when the file is there
     made: list[dict[str, Any]] = field(default_factory=list)  # per ledger line: run, commit, dirty
     opt_in: list[str] = field(default_factory=list)  # arms run only when named, read beside the study's
-    opt_in_runs: int = 0  # their runs in all
+    opt_in_total: int = 0  # their runs in all (summary's opt_in_runs: those done so far)
     opt_in_hours: float = 0.0  # the recorded opt-in runs' wall time
 
     @property
@@ -211,7 +211,7 @@ def _opt_in(summary: dict[str, Any], study: Study) -> list[str]:
     """What the opt-in arms add, once any has a run: how many of their runs are in, and how they are read."""
     if not summary.get("opt_in_runs"):
         return []
-    return [f"**Opt-in arms so far: {summary['opt_in_runs']} of {study.opt_in_runs} runs** "
+    return [f"**Opt-in arms so far: {summary['opt_in_runs']} of {study.opt_in_total} runs** "
             f"({study.opt_in_hours:.1f} h; run only when named): a critic trained as the paper trains one, its "
             "surprise features from the behaviour log-probs or from a frozen base LM head, and the group's "
             "leave-one-out baseline. They are read at the study's equal budgets (set by the study's arms alone, so "

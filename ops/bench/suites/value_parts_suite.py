@@ -388,7 +388,7 @@ def report(root: Path, summary: dict[str, Any], out: Path) -> None:
              for opt in (False, True)}
     value_parts_report.write(out, summary, value_parts_report.Study(
         arms=list(arms()), groups=GROUPS, alphas=ALPHAS, total_runs=len(arms()) * len(SEEDS), hours=hours[False],
-        opt_in=list(critic_training_arms()), opt_in_runs=len(critic_training_arms()) * len(SEEDS),
+        opt_in=list(critic_training_arms()), opt_in_total=len(critic_training_arms()) * len(SEEDS),
         opt_in_hours=hours[True], source=str(LEDGER.relative_to(REPO) if LEDGER.is_relative_to(REPO) else LEDGER),
         task=CONFIG, steps=STEPS, runs=runs_by_arm(root, LEDGER)[0], notes=NOTES,
         made=[{k: r.get(k) for k in ("run", "commit", "dirty", "critic_at_eval")} for r in kept.values()]))
