@@ -2,22 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
-from learner.dist import shutdown_distributed
-
 ROOT = Path(__file__).resolve().parents[3]
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group_left() -> Iterator[None]:
-    """A learner built in this process binds torch's default process group, which outlives the test; left in
-    place, a later test that makes its own default group (tests/common/test_weight_group.py) fails."""
-    yield
-    shutdown_distributed()
 
 
 def test_bf16_engine_mismatches_an_fp32_learner_and_an_fp32_engine_does_not(tiny_model_dir: Path) -> None:
