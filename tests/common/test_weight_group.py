@@ -35,14 +35,21 @@ CUDA0 = torch.device("cuda", 0)
 @pytest.fixture
 def bound_default_group() -> Iterator[Any]:
     """A default group bound to a device, as ``learner.dist`` binds a CUDA learner's (torch accepts the
-    binding on a CPU build: it is a plain field until a collective runs)."""
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    binding on a CPU build: it is a plain field until a collective runs). A learner built in-process by an
+    earlier test leaves its default group up (DeepSpeed keeps a handle to it): that one is bound for the test
+    and given its old binding back, rather than failing on a second ``init_process_group``."""
+    ours = not torch.distributed.is_initialized()
+    if ours:
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     default = c10d._get_default_group()
+    before = default.bound_device_id
     default.bound_device_id = CUDA0
     try:
         yield default
     finally:
-        torch.distributed.destroy_process_group()
+        default.bound_device_id = before
+        if ours:
+            torch.distributed.destroy_process_group()
 
 
 class FakeNcclGroup:
