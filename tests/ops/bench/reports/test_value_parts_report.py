@@ -112,7 +112,7 @@ def test_opt_in_runs_are_counted_apart_and_get_their_rows(tmp_path: Path, monkey
     out = tmp_path / "RESULTS.md"
     vp.report(runs, vp.summary(runs), out)
     text = out.read_text()
-    assert "**Runs so far: 1 of 78**" in text and "**Opt-in arms so far: 1 of 30 runs**" in text
+    assert "**Runs so far: 1 of 78**" in text and "**Opt-in arms so far: 1 of 42 runs**" in text
     assert "| g2_paper_frozen_a1 | 0.750 (1) |" in text
     assert "| g2 a1: paper_frozen − vapo | the paper's critic training, surprise from a frozen base LM head | +0.150 (one seed) |" in text
     assert "| paper_frozen_a1 | 0.750 (1) | — | — |" in text  # across G: no G = 16 run yet

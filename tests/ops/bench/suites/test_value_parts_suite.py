@@ -193,7 +193,7 @@ def test_the_driver_skips_recorded_runs_starts_at_most_max_runs_and_records_each
 def test_the_critic_training_arms_load_run_only_when_named_and_are_estimated(capsys) -> None:
     extra = vp.critic_training_arms()
     assert set(extra) == {f"g{g}_{a}_a{al:g}" for al in vp.ALPHAS for g in vp.GROUPS
-                          for a in ("paper_behaviour", "paper_frozen")} | {f"g16_loo_a{al:g}" for al in vp.ALPHAS}
+                          for a in ("paper_behaviour", "paper_frozen", "paper_clip")} | {f"g16_loo_a{al:g}" for al in vp.ALPHAS}
     assert list(extra)[:5] == ["g2_paper_behaviour_a1", "g16_paper_behaviour_a1", "g2_paper_frozen_a1",
                                "g16_paper_frozen_a1", "g16_loo_a1"]  # α = 1 first
     assert vp.OPT_IN == {vp.name(a) for a in extra} and not set(extra) & set(vp.arms())
@@ -201,12 +201,15 @@ def test_the_critic_training_arms_load_run_only_when_named_and_are_estimated(cap
     assert paper.learner.critic_lr == 2 * paper.learner.actor_lr and paper.learner.critic_updates == 16
     assert paper.learner.critic_lr * paper.learner.value_head_lr_scale == pytest.approx(1e-2)
     assert not paper.value_pretrain.allow_untrained_critic and paper.value_pretrain.pool_groups == 128
-    assert paper.learner.value_head_surprise_source == "frozen_base"
+    assert paper.learner.value_head_surprise_source == "frozen_base" and paper.algo.value_clip == 0.0
+    clipped = load_config(str(ROOT / vp.CONFIG), list(extra["g16_paper_clip_a1"]))
+    assert clipped.algo.value_clip == 0.2 and clipped.learner.value_head_surprise_source == "behaviour"
+    assert clipped.learner.critic_updates == 16 and clipped.actors.group_size == 16
     loo = load_config(str(ROOT / vp.CONFIG), list(extra["g16_loo_a1"]))
     assert loo.algo.baseline == "group_loo" and loo.actors.group_size == 16
     assert vp.estimate_run_minutes(vp.name("g2_paper_behaviour_a1")) == vp.RUN_MIN * vp.PAPER_SHARE
     assert vp.main(["--estimate"]) == 0
-    assert "opt-in (--only): 10 critic-training arms x 3 seeds" in capsys.readouterr().out
+    assert "opt-in (--only): 14 critic-training arms x 3 seeds" in capsys.readouterr().out
 
 
 def test_an_opt_in_arm_is_read_beside_the_study_and_moves_none_of_its_figures(tmp_path: Path) -> None:
