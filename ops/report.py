@@ -185,8 +185,7 @@ def plot(run_dir: Path) -> list[Path]:
             xs, ys = series(records, "tokens_per_second")
             label = "trained tokens / s"
         save(name, xs, ys, label)
-    pts = [(s, eval_acc(e)) for s, e in eval_points(records)]
-    pts = [(s, a) for s, a in pts if a is not None]
+    pts = [(s, a) for s, e in eval_points(records) if (a := eval_acc(e)) is not None]
     save("heldout_accuracy", [s for s, _ in pts], [a for _, a in pts], "held-out avg@k accuracy")
     sets = [(s, e) for s, e in eval_points(records) if isinstance(e.get("sets"), dict)]
     if sets:  # task.eval_sets: avg@k of every set, one line each

@@ -27,7 +27,7 @@ class Run:
     name: str
     group_size: int
     bootstrap_seconds: float | None
-    points: list[dict[str, float]] = field(default_factory=list)  # one per eval: step, samples, gen, t, acc
+    points: list[dict[str, Any]] = field(default_factory=list)  # one per eval: step, samples, gen, t, acc (gen, len may be None)
     steps: list[dict[str, Any]] = field(default_factory=list)
     pretrain_ev: float | None = None
     pretrain_samples: int = 0
@@ -38,11 +38,11 @@ class Run:
     def base(self) -> float:
         return self.points[0]["acc"]
 
-    def at_step(self, step: int) -> dict[str, float] | None:
+    def at_step(self, step: int) -> dict[str, Any] | None:
         return next((p for p in self.points if p["step"] == step), None)
 
-    def final(self, step: int | None = None) -> dict[str, float]:
-        return self.at_step(step) if step is not None and self.at_step(step) else self.points[-1]
+    def final(self, step: int | None = None) -> dict[str, Any]:
+        return (self.at_step(step) if step is not None else None) or self.points[-1]
 
     def crossing(self, target: float, key: str) -> float | None:
         """``key`` (``cost`` samples or ``t`` seconds) at which held-out accuracy first reaches ``target``, linearly
@@ -180,8 +180,7 @@ def plot_curves(path: Path, series: dict[str, list[Run]], xkey: str, xlabel: str
         steps = sorted({p["step"] for p in runs[0].points if upto_step is None or p["step"] <= upto_step})
         xs, ys, lo, hi = [], [], [], []
         for s in steps:
-            pts = [r.at_step(s) for r in runs]
-            pts = [p for p in pts if p is not None]
+            pts = [p for r in runs if (p := r.at_step(s)) is not None]
             if len(pts) != len(runs):
                 continue
             xs.append(statistics.fmean(p[xkey] for p in pts) / (1000 if xkey in ("cost", "samples") else 1))

@@ -211,7 +211,7 @@ def total_minutes() -> float:
     return sum(estimate_run_minutes(name(a)) for a in arms()) * len(SEEDS)
 
 
-def diff(a: list[float], b: list[float]) -> dict[str, float] | None:
+def diff(a: list[float], b: list[float]) -> dict[str, Any] | None:
     """mean(a) − mean(b) and the σ of that difference, sqrt(sd_a²/n_a + sd_b²/n_b) (sd 0 for one seed)."""
     if not a or not b:
         return None
@@ -284,8 +284,8 @@ def critic_by_arm(root: Path, ledger: Path | None = None) -> dict[str, dict[str,
             d = root / run
             got = critic_readings(d) if (d / "summary.json").exists() else kept.get(run, {}).get("critic") or {}
             for k in CRITIC_READINGS:
-                if got.get(k) is not None:
-                    out.setdefault(arm, {}).setdefault(k, []).append(got[k])
+                if (v := got.get(k)) is not None:
+                    out.setdefault(arm, {}).setdefault(k, []).append(v)
     return out
 
 
