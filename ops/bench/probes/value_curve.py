@@ -36,7 +36,7 @@ import os
 import random
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsFloat
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -142,7 +142,8 @@ def measure(cfg: Config, run_dir: Path, bucket: str, k: int, seed: int) -> tuple
     ids = [encode_prompt(tok, p) for p in prompts]
     out = generate(policy, ids, k, cfg.actors.max_new_tokens, cfg.actors.temperature, [tok.eos_token_id],
                    batch_size=256, seed=seed)
-    groups, rows = [], []
+    groups: list[protocol.SampleGroup] = []
+    rows: list[dict[str, Any]] = []  # one JSON-like record per response, as measure returns them
     for p, pid, resp in zip(prompts, ids, out, strict=True):
         samples = []
         for r in resp:
@@ -201,7 +202,7 @@ def measure(cfg: Config, run_dir: Path, bucket: str, k: int, seed: int) -> tuple
     return report, rows
 
 
-def _r(x: float) -> float:
+def _r(x: SupportsFloat) -> float:
     return round(float(x), 4)
 
 
