@@ -9,7 +9,17 @@ from pathlib import Path
 
 from common.provenance import machines_line
 from ops.bench.reports import value_parts_report, value_study_report
-from ops.bench.reports.run_records import TARGET, Run, fmt, fmt_k, keep_block, load_run, mean_std, plot_curves
+from ops.bench.reports.run_records import (
+    TARGET,
+    Run,
+    fmt,
+    fmt_k,
+    keep_block,
+    load_run,
+    mean_if_all,
+    mean_std,
+    plot_curves,
+)
 from ops.bench.suites import long_suite
 from ops.bench.suites.default_suite import (
     BY_NAME,
@@ -97,9 +107,9 @@ def _baseline_row(name: str, rs: list[Run]) -> str:
     tcross = [r.crossing(TARGET, "t") for r in rs]
     reached = [c for c in cross if c is not None]
     cm = statistics.fmean(reached) if len(reached) == len(rs) else None
-    tm = statistics.fmean(tcross) if all(t is not None for t in tcross) else None
+    tm = mean_if_all(tcross)
     scross = [r.crossing(TARGET, "samples") for r in rs]
-    sm = statistics.fmean(scross) if all(c is not None for c in scross) else None
+    sm = mean_if_all(scross)
     thr = statistics.fmean(r.throughput(FULL_STEPS) for r in rs)
     return (f"| {BY_NAME[name].label} | {len(rs)} | {m:.3f} ± {sd:.3f} ({min(finals):.3f}–{max(finals):.3f}) "
             f"| {statistics.fmean(r.final(FULL_STEPS)['greedy'] for r in rs):.3f} "
@@ -140,7 +150,7 @@ def _ablations_section(runs: dict[str, list[Run]], figdir: Path) -> list[str]:
     vm, vsd = mean_std(vapo_short)
     lines = [f"## Ablations (1 seed each, marked; {SHORT_STEPS} steps = 10,240 samples)", "",
              f"Reference: VAPO at step {SHORT_STEPS}, {len(vr)} seeds: **{vm:.3f} ± {vsd:.3f}**; samples paid to "
-             f"{TARGET:.2f}: {fmt_k(statistics.fmean(vcross) if vr and all(c is not None for c in vcross) else None)} "
+             f"{TARGET:.2f}: {fmt_k(mean_if_all(vcross) if vr else None)} "
              f"(value pretraining included). Single-seed differences within ~2 sd ({2 * vsd:.3f}) are noise.", "",
              f"| variant | seed | avg@8 at {SHORT_STEPS} steps | Δ vs VAPO mean | samples to {TARGET:.2f} | EV (mean over steps) |",
              "|---|---|---|---|---|---|"]
@@ -186,7 +196,7 @@ def _staleness_row(k: str, rs: list[Run], sync_thr: float | None) -> str:
     st = statistics.fmean(statistics.fmean(s["staleness"] or 0.0 for s in r.steps if s["step"] <= SHORT_STEPS)
                           for r in rs)
     tc = [r.crossing(TARGET, "t") for r in rs]
-    tcm = statistics.fmean(tc) if all(t is not None for t in tc) else None
+    tcm = mean_if_all(tc)
     acc = mean_std([r.final(SHORT_STEPS)["acc"] for r in rs])
     shares = [x for x in (r.stale_share(SHORT_STEPS) for r in rs) if x is not None]
     drop = f"{100 * statistics.fmean(shares):.0f}%" + (f" ({len(shares)} of {len(rs)} runs)" if len(shares) < len(rs) else "") if shares else "—"

@@ -158,6 +158,13 @@ def mean_std(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
+def mean_if_all(xs: list[float | None]) -> float | None:
+    """The mean of ``xs`` when none is None (every run reached the mark), else None; like fmean, it raises on no
+    ``xs`` (the callers only ask with runs in hand)."""
+    known = [x for x in xs if x is not None]
+    return statistics.fmean(known) if len(known) == len(xs) else None
+
+
 def fmt(x: float | None, nd: int = 3) -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
 

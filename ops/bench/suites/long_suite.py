@@ -34,7 +34,7 @@ import yaml
 
 from common.provenance import machines_line
 from ops.bench.reports import run_records
-from ops.bench.reports.run_records import Run, fmt, fmt_k, load_run, mean_std, plot_curves
+from ops.bench.reports.run_records import Run, fmt, fmt_k, load_run, mean_if_all, mean_std, plot_curves
 from ops.bench.suites.default_suite import EARLIER
 
 REPO = Path(__file__).resolve().parents[3]
@@ -283,7 +283,7 @@ def _comparison_row(label: str, rs: list[tuple[Path, Run]]) -> str:
     buckets = " / ".join(fmt(mean_std([x for x in (_bucket_acc(e, b) for e in last) if x is not None])[0])
                          for b in ("short", "medium", "long"))
     cross = [r.crossing(TARGET, "cost") for _, r in rs]
-    cm = statistics.fmean(cross) if all(c is not None for c in cross) else None  # type: ignore[arg-type]
+    cm = mean_if_all(cross)
     evs = [s["ev"] for _, r in rs for s in r.steps if s["ev"] is not None]
     return (f"| {label} | {len(rs)} | {m:.3f} ± {sd:.3f} ({min(finals):.3f}–{max(finals):.3f}) "
             f"| {statistics.fmean(r.points[-1]['greedy'] for _, r in rs):.3f} | {buckets} "

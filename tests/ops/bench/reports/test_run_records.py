@@ -10,6 +10,7 @@ from types import ModuleType
 import pytest
 import yaml
 
+from ops.bench.reports import run_records
 from tests.ops.bench.bench_fixtures import load_experiments, make_run
 
 
@@ -63,3 +64,8 @@ def test_wall_from_launch_adds_no_bootstrap_for_a_shipped_base(exp: ModuleType, 
     info.write_text(json.dumps({"bootstrap": {"sft_seconds": 300.0}}))
     run = exp.load_run(tmp_path / "vapo-s0")
     assert run.bootstrap_seconds is None and run.launch_to[2] == pytest.approx(73.0)
+
+
+def test_mean_if_all_needs_every_run_to_reach_the_mark() -> None:
+    assert run_records.mean_if_all([1000.0, 3000.0]) == 2000.0
+    assert run_records.mean_if_all([1000.0, None]) is None
