@@ -96,7 +96,7 @@ PYTHONS = ("3.10", "3.11", "3.12", "3.13")
 # pip matches a wheel's platform tag only against those it is given, not the older manylinux tags they include
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_5_x86_64",
              "manylinux1_x86_64")
-SIZES = {
+SIZES: dict[str, dict[str, Any]] = {  # HF config.json fields: Qwen2Config's keywords, count_parameters' input
     "1.5b": {"hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
              "intermediate_size": 8960, "vocab_size": 151936, "tie_word_embeddings": True},
     "7b": {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
@@ -153,7 +153,10 @@ def make_model(out: Path, size: str, device: str) -> dict[str, Any]:
     tok = build_char_tokenizer()
     shape = {**SIZES[size]}
     shape["vocab_size"] = shape["vocab_size"] or len(tok)
-    cfg = Qwen2Config(**shape, max_position_embeddings=32768, rope_theta=1e6, pad_token_id=0, bos_token_id=1,
+    # transformers 5 takes rope_theta only through **kwargs (its typed fields leave it out); the older
+    # transformers on the GPU machines need it by this name
+    legacy: dict[str, Any] = {"rope_theta": 1e6}
+    cfg = Qwen2Config(**shape, max_position_embeddings=32768, **legacy, pad_token_id=0, bos_token_id=1,
                       eos_token_id=2)
     torch.manual_seed(0)
     with torch.device(device):  # random init where it is fast (1.5B on the CPU: minutes), in the saved dtype
