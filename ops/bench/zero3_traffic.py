@@ -45,7 +45,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 REPO = Path(__file__).resolve().parents[2]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -58,6 +58,9 @@ from common.config import load_config  # noqa: E402
 from common.modeling import build_char_tokenizer, save_hf  # noqa: E402
 from common.ports import free_port  # noqa: E402
 from ops.bench.measure import Run, combined_verdict, summarise  # noqa: E402
+
+if TYPE_CHECKING:  # the annotation only: the learner is imported in the ranks, where install patches it
+    from learner.step_stats import Phases
 
 GOAL_RATIO = 1.1  # bytes all-gathered per step / the floor
 GOAL_INVALIDATIONS = 0  # after the warm-up step
@@ -153,9 +156,10 @@ class Traffic:
         pp.Init._all_gather = all_gather
         Coordinator._invalidate_trace = invalidate_trace
         Coordinator.fetch_sub_module = fetch_sub_module
-        learner.train.Phases = self._phases_class(learner.train.Phases)
+        # Rebinding the class name is the point of the patch; mypy refuses any assignment to a class name.
+        learner.train.Phases = self._phases_class(learner.train.Phases)  # type: ignore[misc]
 
-    def _phases_class(self, base: type) -> type:
+    def _phases_class(self, base: type[Phases]) -> type[Phases]:
         traffic = self
 
         class TrackedPhases(base):  # type: ignore[misc,valid-type]
@@ -292,8 +296,8 @@ def summary(per_rank: list[dict[str, Any]], shape: dict[str, int], steps: int, r
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
-        model, out, quick, vocab, steps = [a for a in argv[1:] if not a.startswith("--local")]
-        child(model, out, quick == "1", int(vocab), int(steps))
+        model, out, quick, vocab, n_steps = [a for a in argv[1:] if not a.startswith("--local")]
+        child(model, out, quick == "1", int(vocab), int(n_steps))
         return 0
     ap = argparse.ArgumentParser(prog="python -m ops.bench.zero3_traffic", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 steps of 2 groups (1 warm-up, 1 measured)")
