@@ -81,7 +81,8 @@ async def send_all(s: AsyncGroupSender, watch: AckWatch, groups: list[Any], wind
 
     sends = asyncio.gather(*(one(x) for x in groups))
     refused = asyncio.ensure_future(watch.refused.wait())
-    await asyncio.wait({sends, refused}, return_when=asyncio.FIRST_COMPLETED)
+    racers: set[asyncio.Future[Any]] = {sends, refused}  # results of two types: Future is invariant in them
+    await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
     refused.cancel()
     if watch.error:
         sends.cancel()
