@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -135,7 +136,7 @@ class RawLMDB:
             self.env = None
             shutil.rmtree(self.path, ignore_errors=True)
 
-    def _write(self, fn: Callable[[Any], None]) -> None:
+    def _write(self, fn: Callable[[Any], object]) -> None:
         while True:
             try:
                 with self.env.begin(write=True) as txn:
@@ -143,6 +144,10 @@ class RawLMDB:
                 return
             except lmdb.MapFullError:
                 self.env.set_mapsize(self.env.info()["map_size"] * 2)
+
+    def _put(self, first: int, frames: list[bytes], txn: Any) -> None:
+        for j, f in enumerate(frames):
+            txn.put(KEY.pack(0, first + j, 16), f, db=self.db)
 
     def put_all(self, r: int) -> Timed:
         """The last call's entries deleted (untimed), then every frame of ``call`` put once (timed)."""
@@ -153,8 +158,7 @@ class RawLMDB:
         cpu0, t0 = time.process_time(), time.perf_counter()
         frames, b, base = self.call, self.commit_batch, self.written
         for i in range(0, len(frames), b):
-            self._write(lambda txn, i=i: [txn.put(KEY.pack(0, base + i + j, 16), f, db=self.db)
-                                          for j, f in enumerate(frames[i:i + b])])
+            self._write(functools.partial(self._put, base + i, frames[i:i + b]))
         t1 = time.perf_counter()
         self.written, self.held = base + len(frames), len(frames)
         self.cpu_s[r] = self.cpu_s.get(r, 0.0) + time.process_time() - cpu0
