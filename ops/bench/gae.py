@@ -62,6 +62,12 @@ def call(fn: Callable[[], object]) -> Callable[[int], Timed]:
     return once
 
 
+def parse_shape(s: str) -> tuple[int, int]:
+    """``--shapes``' ``BxT`` as (B, T)."""
+    b, t = s.split("x")
+    return int(b), int(t)
+
+
 def bench_shape(B: int, T: int, rounds: int, min_round_s: float, alpha: float) -> dict:
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, T + 1, (B,), generator=g)
@@ -113,7 +119,7 @@ def main() -> int:
             setattr(args, k, v)
     run = Run(quick=args.quick)
     torch.set_num_threads(args.threads)
-    results = [bench_shape(*map(int, s.split("x")), args.rounds, args.min_round_s, args.alpha)
+    results = [bench_shape(*parse_shape(s), args.rounds, args.min_round_s, args.alpha)
                for s in args.shapes.split(",")]
     verdicts = [r[k]["verdict"] for r in results for k in ("speedup_vs_loop", "ours_over_copy")]
     print(json.dumps({"bench": "gae", "verdict": combined_verdict(verdicts), "goal": f"speedup_vs_loop >= {LOOP_GOAL:g}, "

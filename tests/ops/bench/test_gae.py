@@ -3,6 +3,7 @@ JSON line with the fields every ratio benchmark shares (ops/bench/measure.py), b
 
 from __future__ import annotations
 
+from ops.bench.gae import parse_shape
 from tests.ops.bench.quick_fixtures import check_ratio, run_quick
 
 
@@ -14,3 +15,7 @@ def test_gae_quick() -> None:
     check_ratio(shape["speedup_vs_loop"], "speedup_vs_loop", ">= 5")
     check_ratio(shape["ours_over_copy"], "ours_over_copy", "<= 3")
     assert shape["max_abs_err_vs_loop"] < 1e-4  # both sides computed the same advantages
+
+
+def test_shapes_are_batch_by_length() -> None:
+    assert parse_shape("1024x4096") == (1024, 4096)
