@@ -110,7 +110,8 @@ def main() -> int:
         mdir, mdesc = model_dir(Path(tmp))
         cfg = load_config(None, [f"model.path={mdir}", f"learner.batch_groups={args.groups}",
                                  "metrics.prometheus=false", *args.overrides])
-        vocab = load_policy_module(mdir).config.vocab_size
+        hf_config: Any = load_policy_module(mdir).config  # nn.Module's __getattr__ types it as Tensor | Module
+        vocab: int = hf_config.vocab_size
         batches = [synth_groups(args.groups, args.group_size, vocab, seed=100 + i, prompt_len=(8, 20),
                                 resp_len=(10, cfg.actors.max_new_tokens), max_new_tokens=cfg.actors.max_new_tokens)
                    for i in range(args.steps + 1)]

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -68,7 +69,7 @@ def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
             for _ in range(n)]
 
 
-def start_server(path: Path, args: argparse.Namespace) -> tuple[object, str]:
+def start_server(path: Path, args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, "-m", "actors.rollout_server", "--model-path", str(path), "--port", "0",
            "--threads", str(args.threads), "--max-batch-size", str(args.max_batch_size), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
@@ -102,7 +103,7 @@ async def run_clients(url: str, batches: list[list[list[int]]], samples: int, ma
 
 
 def run_hf(path: Path, batches: list[list[list[int]]], samples: int, max_new: int) -> tuple[float, float, int]:
-    model = load_model(path).eval()
+    model: Any = load_model(path).eval()  # nn.Module's __getattr__ types an HF model's generate as Tensor | Module
     gen_kwargs = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new,
                       min_new_tokens=max_new, num_return_sequences=samples, pad_token_id=0, eos_token_id=None)
 
