@@ -73,7 +73,8 @@ def read_line(p: subprocess.Popen, prefix: str, timeout_s: float) -> str:
             line, buf = buf.decode(), b""
             if line.startswith(prefix):
                 return line
-    raise RuntimeError(f"no {prefix!r} line from {' '.join(map(str, p.args))} (rc={p.poll()})")
+    cmd = p.args if isinstance(p.args, list | tuple) else [p.args]  # Popen also takes one program, unsplit
+    raise RuntimeError(f"no {prefix!r} line from {' '.join(map(str, cmd))} (rc={p.poll()})")
 
 
 def read_tagged(p: subprocess.Popen, tag: str, timeout_s: float) -> dict[str, Any]:
