@@ -189,8 +189,8 @@ def run_actor_values(root: Path, args: argparse.Namespace, module: Any = actor_v
     of the report (``--out``) from the summary (refused when ``REPORT_FROM_RUNS`` and none of its runs under
     ``root`` finished). A module's ``OPT_IN`` arms run only when named with --only."""
     phased = getattr(module, "PHASED", False)
-    opt_in = getattr(module, "OPT_IN", frozenset())
-    recorded = getattr(module, "recorded_names", set)()  # done on an earlier checkout (value_parts' ledger)
+    opt_in: frozenset[str] = getattr(module, "OPT_IN", frozenset())
+    recorded: set[str] = getattr(module, "recorded_names", set)()  # done on an earlier checkout (value_parts' ledger)
 
     def state(e: Experiment, s: int) -> str:
         st = status(root, e, s)
