@@ -23,12 +23,11 @@ from typing import Any, TypeVar
 import aiohttp
 import torch
 
-from actors.rollout_server.dist_update import param_digest
 from actors.rollout_server.process import ADMIN_KEY_ENV
-from common.generation.weights import read_state_dict
 from common.sglang_client import GenerateOutput, SGLangClient
 from common.weight_bucket import Group, master_store, new_group
 from ops.bench import measure
+from ops.rehearsal.push import param_digest_of
 from ops.sglang_cpu.live import REPO, LiveSGLang
 
 ENGINES = 2
@@ -117,7 +116,7 @@ class RolloutServerEngines:
     async def check(self, pushed: Path, disk: Path, version: int) -> tuple[bool, Any]:
         """(every engine serves the bytes of both disk copies, engine 0's served state)."""
         got = await self._digests()
-        want = [await asyncio.to_thread(lambda p=p: param_digest(read_state_dict(p).items())) for p in (pushed, disk)]
+        want = [await asyncio.to_thread(param_digest_of, p) for p in (pushed, disk)]
         return all(g == want[0] for g in got) and want[0] == want[1], got[0]
 
     async def close(self) -> None:
