@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cluster and a.baseline == "alongside":
         ap.error("--baseline alongside needs a second cluster; on --cluster use run, base or --reference-accuracy")
     allowed = CLUSTER_KINDS if a.cluster else KINDS
-    if unknown := sorted(set(filter(None, a.faults.split(","))) - set(allowed)):
+    if unknown := sorted({f for f in a.faults.split(",") if f} - set(allowed)):
         ap.error(f"unknown fault kind(s) {unknown} {'on a cluster' if a.cluster else 'here'}; choose from {list(allowed)}")
     if a.cluster and a.engine_kind == "sglang":
         ap.error("--cluster runs rollout_server engines (ops/rehearse.sh --engine sglang runs live SGLang engines "
