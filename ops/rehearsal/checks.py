@@ -112,8 +112,9 @@ def engine_tmpdirs(c: Cluster) -> dict[str, list[str]]:
 def digest_poller(c: Cluster, engine: str) -> DigestPoller:
     """Polls the engines' weights while a run goes on: rollout_server's ``/weights_digest``, SGLang's
     ``/weights_checker`` checksum (``rehearsal.sglang``)."""
-    query = {"query": sglang.QUERY} if engine == "sglang" else {}
-    return DigestPoller(c, lambda: engines_now(c, engine), **query)
+    if engine == "sglang":
+        return DigestPoller(c, lambda: engines_now(c, engine), query=sglang.QUERY)
+    return DigestPoller(c, lambda: engines_now(c, engine))
 
 
 def disk_digest(engine: str) -> Callable[[Path], str]:
@@ -409,8 +410,9 @@ def run_all(c: Cluster, stamp: str, logs: Path, skip: set[str], extra: list[str]
     top-level figures of the runs' shape come from the ssh route, else from the push run."""
     out: dict[str, Any] = {}
     left = 0
-    stages = {"ssh": functools.partial(ssh_route, digests=push, engine=engine), "plan": plan_checks,
-              "slurm": slurm_route, "kill": kill_and_resume, **({"push": functools.partial(push_route, engine=engine)} if push else {})}
+    stages: dict[str, Callable[[Cluster, str, Path, list[str]], dict[str, Any]]] = {
+        "ssh": functools.partial(ssh_route, digests=push, engine=engine), "plan": plan_checks,
+        "slurm": slurm_route, "kill": kill_and_resume, **({"push": functools.partial(push_route, engine=engine)} if push else {})}
     for stage, fn in stages.items():
         if stage in skip:
             continue
