@@ -45,7 +45,7 @@ def become_subreaper() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 
 
-def reap(own: set[int] = frozenset()) -> int:
+def reap(own: set[int] | frozenset[int] = frozenset()) -> int:
     """Wait for every exited child adopted as subreaper (not ``own``: Popen objects wait for those).
     Returns how many were reaped."""
     me, n = str(os.getpid()), 0

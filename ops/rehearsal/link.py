@@ -41,7 +41,7 @@ class Link:
 def parse_link(spec: str) -> Link:
     """``RATE[,DELAY]`` in tc's units (``1gbit``, ``100mbit``, ``2ms``); ValueError naming what is wrong."""
     rate, _, delay = spec.strip().lower().partition(",")
-    if not _RATE.match(rate) or float(_RATE.match(rate).group(1)) <= 0:
+    if not (m := _RATE.match(rate)) or float(m.group(1)) <= 0:
         raise ValueError(f"--link {spec!r}: the rate must be a number and a tc unit (bit kbit mbit gbit bps kbps mbps gbps)")
     if delay and not _DELAY.match(delay):
         raise ValueError(f"--link {spec!r}: the delay must be a number and us, ms or s")
