@@ -188,13 +188,13 @@ def test_critic_updates_set_apart_from_the_actors(tiny_model_dir: Path) -> None:
 
 def test_value_clipping_bites_across_the_critics_own_mini_batches(tiny_model_dir: Path) -> None:
     """The paper-trained critic with its value loss clipped (the value_parts ``paper_clip`` arm): K_v = 4 critic
-    updates a step at a high lr, surprise from the behaviour log-probs. After the first mini-batch the values
+    updates a step at a high lr, surprise from a frozen copy of the base model. After the first mini-batch the values
     have moved off the value pass's, so a clip of 1e-4 around them holds some tokens (fraction > 0); with no
     clip none is counted, and the critic still trains."""
 
     def last(*extra: str) -> dict[str, float]:
         learner = Learner(make_cfg(tiny_model_dir, "learner.critic_updates=4", "learner.critic_lr=1e-2",
-                                   "learner.value_head_surprise_source=behaviour", *extra), None)
+                                   "learner.value_head_surprise_source=frozen_base", *extra), None)
         learner.step(synth_groups(4, 4, VOCAB, seed=34))
         return learner.last
 

@@ -203,7 +203,7 @@ def test_the_critic_training_arms_load_run_only_when_named_and_are_estimated(cap
     assert not paper.value_pretrain.allow_untrained_critic and paper.value_pretrain.pool_groups == 128
     assert paper.learner.value_head_surprise_source == "frozen_base" and paper.algo.value_clip == 0.0
     clipped = load_config(str(ROOT / vp.CONFIG), list(extra["g16_paper_clip_a1"]))
-    assert clipped.algo.value_clip == 0.2 and clipped.learner.value_head_surprise_source == "behaviour"
+    assert clipped.algo.value_clip == 0.2 and clipped.learner.value_head_surprise_source == "frozen_base"
     assert clipped.learner.critic_updates == 16 and clipped.actors.group_size == 16
     loo = load_config(str(ROOT / vp.CONFIG), list(extra["g16_loo_a1"]))
     assert loo.algo.baseline == "group_loo" and loo.actors.group_size == 16
