@@ -60,7 +60,7 @@ from common.ports import free_port  # noqa: E402
 from ops.bench.measure import Run, combined_verdict, summarise  # noqa: E402
 
 if TYPE_CHECKING:  # the annotation only: the learner is imported in the ranks, where install patches it
-    from learner.step_stats import Phases
+    from learner.train import Phases
 
 GOAL_RATIO = 1.1  # bytes all-gathered per step / the floor
 GOAL_INVALIDATIONS = 0  # after the warm-up step
