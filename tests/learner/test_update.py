@@ -190,7 +190,7 @@ def test_value_clipping_bites_across_the_critics_own_mini_batches(tiny_model_dir
     """The paper-trained critic with its value loss clipped (the value_parts ``paper_clip`` arm): K_v = 4 critic
     updates a step at a high lr, surprise from a frozen copy of the base model. After the first mini-batch the values
     have moved off the value pass's, so a clip of 1e-4 around them holds some tokens (fraction > 0); with no
-    clip none is counted, and the critic still trains."""
+    clip none is counted, and the clipped loss stays a finite, positive number."""
 
     def last(*extra: str) -> dict[str, float]:
         learner = Learner(make_cfg(tiny_model_dir, "learner.critic_updates=4", "learner.critic_lr=1e-2",

@@ -125,14 +125,15 @@ PAPER_CRITIC = ("learner.critic_lr=2e-4",  # 2 x long.yaml's actor lr (paper.yam
                 "learner.critic_updates=16", "learner.value_head_lr_scale=50",  # the surprise MLP stays at 1e-2
                 "value_pretrain.lr=2e-4", "value_pretrain.steps=50", "value_pretrain.patience=5",
                 "value_pretrain.pool_groups=128", "value_pretrain.allow_untrained_critic=false")
+PAPER_FROZEN = (*PAPER_CRITIC, "learner.value_head_surprise_source=frozen_base")  # the variant that cleared the bar
 CRITIC_TRAINING_ARMS: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {  # arm: (group sizes, overrides)
     "paper_behaviour": (GROUPS, (*PAPER_CRITIC, "learner.value_head_surprise_source=behaviour")),
-    "paper_frozen": (GROUPS, (*PAPER_CRITIC, "learner.value_head_surprise_source=frozen_base")),
+    "paper_frozen": (GROUPS, PAPER_FROZEN),
     "loo": ((16,), ("algo.baseline=group_loo",)),
     # PPO's clipped value loss on the frozen-base critic (the variant that beat shipped VAPO at both G, α = 1): with
     # K_v = 16 updates a step at 2 x the actor's lr, clipping each value to 0.2 (a fifth of the 0-1 reward) around
     # its pre-update value is what would hold a fast critic back
-    "paper_clip": (GROUPS, (*PAPER_CRITIC, "learner.value_head_surprise_source=frozen_base", "algo.value_clip=0.2")),
+    "paper_clip": (GROUPS, (*PAPER_FROZEN, "algo.value_clip=0.2")),
 }
 PAPER_SHARE = 1.1          # paper_behaviour's median run (733 s of 703-862, 6 runs, Xeon) against RUN_MIN
 # (a, b, what a − b measures); a critic arm and "dapo*" are matched within the regime (G, α).
