@@ -11,8 +11,8 @@ training pool and a disjoint fresh set, and reads on the fresh set:
   pool), the ceiling of a critic that cannot foresee a slip;
 - ``steps_only``: the same oracle blind to mistakes (it knows only the step count: p^(step count) throughout);
 - each trainable critic, trained like value pretraining (``critic_probe.train_variant``, λ = 1 targets) for
-  ``--steps`` updates: ``near_frozen`` (the config as given: long.yaml's backbone lr 1e-5 with the surprise
-  head), ``actor_lr`` and ``actor_lr_plain`` (backbone at the actor's lr, surprise head on / off), and with
+  ``--steps`` updates: ``near_frozen`` (the critic long.yaml shipped before the paper-trained one: backbone
+  lr 1e-5 with the surprise head), ``actor_lr`` and ``actor_lr_plain`` (backbone at the actor's lr, surprise head on / off), and with
   ``--grown DIR`` (a ``python -m learner.grow`` copy of the base) ``grown`` (that critic at the actor's lr, its
   inserted blocks at 10x: ``learner.critic_grown_lr_scale``).
 
@@ -43,16 +43,18 @@ from learner.losses import explained_variance
 from learner.oracle import ChainOracle
 from learner.value_pretrain import value_targets
 from ops.bench.probes.critic_probe import sample_groups, train_variant
+from ops.bench.suites.default_suite import SHIPPED_CRITIC
 
 log = logging.getLogger("critic_ceiling")
 REPO = Path(__file__).resolve().parents[3]
 
 
 def variants(cfg: Config, grown: str | None) -> dict[str, list[str]]:
-    """The trainable critics compared, as config overrides on top of the given config."""
-    lr = max(cfg.learner.actor_lr, cfg.learner.critic_lr)
-    at_actor = [f"learner.critic_lr={lr}", f"value_pretrain.lr={lr}"]
-    out = {"near_frozen": [], "actor_lr": [*at_actor, "learner.value_head_surprise=true"],
+    """The trainable critics compared, as config overrides on top of the given config: each starts from the
+    critic long.yaml shipped when this probe was measured (``SHIPPED_CRITIC``), so its figures still read."""
+    lr = cfg.learner.actor_lr
+    at_actor = [*SHIPPED_CRITIC, f"learner.critic_lr={lr}", f"value_pretrain.lr={lr}"]
+    out = {"near_frozen": list(SHIPPED_CRITIC), "actor_lr": [*at_actor, "learner.value_head_surprise=true"],
            "actor_lr_plain": [*at_actor, "learner.value_head_surprise=false"]}
     if grown:
         out["grown"] = [*at_actor, f"model.critic_path={grown}", "learner.critic_grown_lr_scale=10"]

@@ -84,7 +84,7 @@ def run_one(root: Path, e: Experiment, seed: int, slot: int, log: Any) -> tuple[
         d.rename(aside)
         log(f"{name}: moved a partial run without a checkpoint to {aside.name}")
     cmd = [str(REPO / "ops" / "launch.sh"), str(REPO / e.config), f"run.root={root}", f"run.name={name}",
-           f"run.seed={seed}", f"learner.total_steps={e.steps}", *e.overrides, *port_overrides(slot)]
+           f"run.seed={seed}", f"learner.total_steps={e.steps}", *e.launch_overrides, *port_overrides(slot)]
     if st == "resumable":
         cmd.append("--resume")
     t0 = time.monotonic()
@@ -250,7 +250,7 @@ def run_default(root: Path, args: argparse.Namespace) -> int:
     if args.list:
         for e, s in todo:
             print(f"{run_name(e, s):24s} {status(root, e, s):10s} {e.steps:3d} steps  {e.label}\n"
-                  f"{'':24s} ops/launch.sh {e.config} run.seed={s} learner.total_steps={e.steps} {' '.join(e.overrides)}")
+                  f"{'':24s} ops/launch.sh {e.config} run.seed={s} learner.total_steps={e.steps} {' '.join(e.launch_overrides)}")
         return 0
     failures = 0
     if not args.report_only:

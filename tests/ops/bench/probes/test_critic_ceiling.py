@@ -58,8 +58,10 @@ def test_the_oracle_explains_what_the_step_count_alone_cannot() -> None:
 def test_variants_train_at_the_actors_lr_and_the_grown_one_is_optional() -> None:
     cfg = load_config(str(ROOT / "ops/configs/long.yaml"), [])
     v = variants(cfg, None)
-    assert set(v) == {"near_frozen", "actor_lr", "actor_lr_plain"} and v["near_frozen"] == []
-    assert f"learner.critic_lr={cfg.learner.actor_lr}" in v["actor_lr"]
+    assert set(v) == {"near_frozen", "actor_lr", "actor_lr_plain"}
+    near_frozen = load_config(str(ROOT / "ops/configs/long.yaml"), v["near_frozen"])
+    assert (near_frozen.learner.critic_lr, near_frozen.learner.value_head_surprise_source) == (1e-5, "critic_head")
+    assert v["actor_lr"][-3:-1] == [f"learner.critic_lr={cfg.learner.actor_lr}", f"value_pretrain.lr={cfg.learner.actor_lr}"]
     assert "learner.value_head_surprise=false" in v["actor_lr_plain"]
     assert "learner.critic_grown_lr_scale=10" in variants(cfg, "runs/bases/x2")["grown"]
 

@@ -25,7 +25,7 @@ def test_actor_values_suite_resolves_and_summarises(exp: ModuleType, tmp_path: P
     suite = exp.actor_values_suite.experiments(exp.Experiment)
     assert len(suite) == 6 and all(e.seeds == (0, 1) and e.steps == 40 for e in suite)
     for e in suite[:4]:
-        cfg = load_config(ROOT / e.config, [*e.overrides, f"learner.total_steps={e.steps}"])
+        cfg = load_config(ROOT / e.config, [*e.launch_overrides, f"learner.total_steps={e.steps}"])
         assert cfg.algo.actor_values == e.name.split("_", 2)[2]
     reference = load_config(ROOT / "ops/configs/default.yaml", [])
     for e, (key, off) in zip(suite[4:], (("clip_ratio_c", 0.0), ("truncated", "keep")), strict=True):

@@ -28,6 +28,13 @@ def test_every_experiment_resolves_and_slots_have_distinct_ports(exp: ModuleType
         assert len(p) == 9 and not p & seen
         seen |= p
     for e in exp.SUITE:  # every override is a real, valid config key
-        cfg = load_config(ROOT / e.config, [*e.overrides, f"learner.total_steps={e.steps}"])
+        cfg = load_config(ROOT / e.config, [*e.launch_overrides, f"learner.total_steps={e.steps}"])
         assert cfg.learner.total_steps == e.steps
     assert load_config(ROOT / "ops/configs/default.yaml", list(exp.BY_NAME["no_group_sampling"].overrides)).actors.group_size == 1
+    # The suites' runs keep the critic their records were measured on, whatever default.yaml ships now.
+    vapo = load_config(ROOT / "ops/configs/default.yaml", list(exp.BY_NAME["vapo"].launch_overrides))
+    assert (vapo.learner.critic_lr, vapo.learner.value_head_lr_scale, vapo.learner.critic_updates,
+            vapo.learner.critic_warmup_steps, vapo.learner.value_head_surprise_source) == (1e-5, 1000, 0, 0, "critic_head")
+    assert (vapo.value_pretrain.lr, vapo.value_pretrain.steps, vapo.value_pretrain.pool_groups,
+            vapo.value_pretrain.allow_untrained_critic) == (1e-5, 10, 0, True)
+    assert exp.BY_NAME["dapo"].launch_overrides == ()  # dapo.yaml has no critic to pin

@@ -10,6 +10,7 @@ from types import ModuleType
 
 import pytest
 
+from ops.bench.suites.default_suite import SHIPPED_CRITIC
 from tests.ops.bench.bench_fixtures import ROOT, load_experiments, make_run
 
 
@@ -60,7 +61,8 @@ def test_cli_list(tmp_path: Path) -> None:
                           "--only", "vapo"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
     assert [ln.split()[:2] for ln in out[::2]] == [["vapo-s0", "done"], ["vapo-s1", "todo"], ["vapo-s2", "todo"]]
     # Every run is a plain launch a user can repeat.
-    assert out[3].split() == ["ops/launch.sh", "ops/configs/default.yaml", "run.seed=1", "learner.total_steps=60"]
+    assert out[3].split() == ["ops/launch.sh", "ops/configs/default.yaml", "run.seed=1", "learner.total_steps=60",
+                              *SHIPPED_CRITIC]
     bad = subprocess.run([sys.executable, "-m", "ops.bench.suites.experiments", "--only", "nope", "--list"],
                          cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown experiment" in bad.stderr

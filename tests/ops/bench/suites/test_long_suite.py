@@ -51,15 +51,15 @@ def test_long_suite_picks_alpha_on_training_reward_and_keeps_the_default_tables(
     assert "long_vapo_plain" not in {e.name for e in ls.experiments(exp.Experiment, None)}  # needs the picked α
     suite = {e.name: e for e in ls.experiments(exp.Experiment, 0.2)}
     assert suite["long_vapo_a0.2"].seeds == (0, 1, 2) and suite["long_vapo_a1"].seeds == (0,)
-    plain = load_config(ROOT / ls.CONFIG, list(suite["long_vapo_plain"].overrides))
+    plain = load_config(ROOT / ls.CONFIG, list(suite["long_vapo_plain"].launch_overrides))
     assert plain.algo.alpha == 0.2 and not plain.learner.value_head_surprise and plain.algo.advantage == "gae"
     assert plain.value_pretrain.steps == 10  # long.yaml's pretraining; only the second follow-up changes it
-    pt = load_config(ROOT / ls.CONFIG, list(suite["long_vapo_plain_pt50"].overrides))
+    pt = load_config(ROOT / ls.CONFIG, list(suite["long_vapo_plain_pt50"].launch_overrides))
     assert (pt.algo.alpha, pt.learner.value_head_surprise, pt.value_pretrain.steps, pt.value_pretrain.lr) == (0.2, False, 50, 5e-4)
     assert pt.value_pretrain.patience >= pt.value_pretrain.steps and pt.learner.critic_lr == plain.learner.critic_lr
     assert list(suite)[-1] == "long_vapo_plain_pt50"  # the costliest run goes last
     for e in suite.values():  # every baseline override is a real key of long.yaml's tree
-        cfg = load_config(ROOT / e.config, [*e.overrides, f"learner.total_steps={e.steps}"])
+        cfg = load_config(ROOT / e.config, [*e.launch_overrides, f"learner.total_steps={e.steps}"])
         assert cfg.task.name == "chain"
     dapo = load_config(ROOT / ls.CONFIG, list(suite["long_dapo"].overrides))
     assert dapo.algo.advantage == "grpo" and dapo.buffer.filter_uniform_groups and not dapo.value_pretrain.enabled

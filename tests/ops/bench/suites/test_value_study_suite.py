@@ -38,7 +38,7 @@ def test_value_study_cells_resolve_at_equal_samples(exp: ModuleType) -> None:
     vs = exp.value_study_suite
     suite = vs.experiments(exp.Experiment)
     assert len(suite) == len({e.name for e in suite}) == 18 and all(e.seeds == (0,) and e.steps == 40 for e in suite)
-    cfgs = {e.name: load_config(ROOT / e.config, [*e.overrides, f"learner.total_steps={e.steps}"]) for e in suite}
+    cfgs = {e.name: load_config(ROOT / e.config, [*e.launch_overrides, f"learner.total_steps={e.steps}"]) for e in suite}
     for name, cfg in cfgs.items():
         g = cfg.actors.group_size
         assert cfg.task.name == "chain" and g * cfg.learner.batch_groups == 256 and g * cfg.actors.prompts_in_flight == 128
