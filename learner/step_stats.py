@@ -24,7 +24,7 @@ from typing import Any
 from torch import Tensor
 
 from common.config import Config
-from common.device_peak import learner_peak
+from common.device_peak import learner_peak, raised_cpu_peak
 from common.gpu_memory import read_model_config
 from common.metrics import Metrics
 from learner.batch import Batch
@@ -115,6 +115,7 @@ class Throughput:
         elif cfg.algo.advantage == "gae" and critic_hf is None:
             log.warning("the critic's phases count no model FLOPs: no config.json for the critic under %s",
                         critic_path or critic_base(cfg))
+        self.hidden, self.precision = hidden, lc.precision
         self.peak, self.peak_source = (learner_peak(lc.peak_tflops, cfg.run.device, lc.precision, hidden)
                                        if self.policy is not None else (None, "unknown"))
         if self.policy is not None and self.peak is None:
@@ -129,7 +130,13 @@ class Throughput:
                                  self.surprise, rows))
         busy = s["step_seconds"] - s["phase_seconds"].get("fetch", 0.0)
         out = throughput(work, s["phase_seconds"], busy, s["tokens_per_second"], self.world, self.peak)
-        if self.peak_source == "measured" and "mfu" in out:
+        if self.peak_source == "measured" and self.peak and "mfu" in out:
+            reached = max(out["tflops_per_rank"], *out["phase_tflops_per_rank"].values())
+            if reached > self.peak:
+                low, self.peak = self.peak, raised_cpu_peak(self.peak, reached, self.hidden, self.precision)
+                log.info("the CPU matmul ceiling timed at start (%.4g TFLOP/s) was low: a step reached %.4g; "
+                         "timed again, MFU is now against %.4g", low, reached, self.peak)
+                out = throughput(work, s["phase_seconds"], busy, s["tokens_per_second"], self.world, self.peak)
             out["peak_tflops_measured"] = self.peak
         return out
 

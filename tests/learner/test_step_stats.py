@@ -1,15 +1,20 @@
 """learner.step_stats: per-token staleness of a batch, throughput and MFU by hand, and the step's statistics
-exported as the learner's metrics (a step without rows of its own version keeps the last mismatch measurement)."""
+exported as the learner's metrics (a step without rows of its own version keeps the last mismatch measurement),
+and a CPU ceiling timed low raised by the step that beats it."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from common.metrics import Metrics
 from learner.step_stats import Phases, export_step, throughput, token_staleness
+from learner.synthetic import synth_groups
+from learner.train import Learner
+from tests.learner.train_fixtures import VOCAB, make_cfg
 
 
 def test_token_staleness_counts_real_tokens_from_the_weights_being_updated() -> None:
@@ -83,3 +88,15 @@ def test_export_sets_the_throughput_gauges_per_phase_and_for_the_step() -> None:
     assert get("vapo_learner_phase_tokens_per_second", {"phase": "actor_update"}) == 100.0
     assert get("vapo_learner_tokens_per_second_per_rank") == 20.0
     assert get("vapo_learner_mfu", {"phase": "fetch"}) is None  # no model ran there
+
+
+def test_mfu_stays_within_one_when_the_cpu_ceiling_was_timed_low(tiny_model_dir: Path) -> None:
+    """A learner whose CPU ceiling was timed while something else held the cores: its first step beats it,
+    the ceiling is timed again, and the MFU it reports (the step's, each phase's) stays <= 1."""
+    learner = Learner(make_cfg(tiny_model_dir), None)
+    assert learner.throughput.peak_source == "measured"
+    learner.throughput.peak = 1e-12
+    learner.step(synth_groups(4, 4, VOCAB, seed=31, resp_len=(1, 40), max_new_tokens=40))
+    s = learner.last
+    assert 0 < s["mfu"] <= 1 and s["phase_mfu"] and max(s["phase_mfu"].values()) <= 1
+    assert learner.throughput.peak == s["peak_tflops_measured"] == s["peak_tflops"] > 1e-12
