@@ -1,4 +1,4 @@
-"""The launcher's progress lines: one per learner step (with ``engines 1/2`` while fewer engines than planned
+"""The launcher's progress lines: one per learner step (its ETA at the pace of the last 10 steps; ``engines 1/2`` while fewer engines than planned
 are alive; ``MFU -`` when the learner reports none: an unknown GPU without ``learner.peak_tflops``),
 value-pretraining step and evaluation (one part per set with ``task.eval_sets``), read from ``<run dir>/metrics.jsonl`` as the learner appends to it
 (``ops/launch.py``)."""
@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 from common.provenance import describe
 from learner.eval_record import eval_line
+
+
+ETA_WINDOW = 10  # steps whose pace the ETA extrapolates
 
 
 def say(msg: str) -> None:
@@ -25,12 +29,24 @@ class Progress:
         self.path = path
         self.offset = 0
         self.total = total_steps
-        self.t0 = time.time()
         self.records: list[dict[str, Any]] = []
         self.last_eval: float | None = None
         self.base_eval: float | None = None
         self.last_time: float | None = None
         self.engines: tuple[int, int] | None = None  # (alive, planned), set by the launcher's supervision
+        self.recent: deque[tuple[float, int]] = deque(maxlen=ETA_WINDOW)  # (time, step) of the last steps
+
+    def eta(self, r: dict[str, Any], step: int) -> str:
+        """The time to ``total`` at the pace of the last ``ETA_WINDOW`` steps, read from the records' own times
+        (a launcher that resumes a run reads its earlier steps again, and the pace includes time lost to a
+        stop); ``-`` until two steps have times."""
+        if isinstance(r.get("time"), int | float):
+            self.recent.append((float(r["time"]), step))
+        if len(self.recent) < 2 or self.recent[-1][1] <= self.recent[0][1]:
+            return "-"
+        (t_a, s_a), (t_b, s_b) = self.recent[0], self.recent[-1]
+        eta = (t_b - t_a) / (s_b - s_a) * max(self.total - step, 0)
+        return f"{int(eta // 60)}m{int(eta % 60):02d}s"
 
     def poll(self) -> list[dict[str, Any]]:
         if not self.path.exists():
@@ -65,13 +81,11 @@ class Progress:
                 f"{_fmt(r.get('explained_variance'))}  loss {_fmt(r.get('loss'), 4)}")
         elif kind == "learner_step":
             step = int(r.get("weight_version", r.get("step", 0)))
-            elapsed = time.time() - self.t0
-            eta = elapsed / max(step, 1) * max(self.total - step, 0)
             say(
                 f"step {step}/{self.total}  reward {_fmt(r.get('reward_mean'))}"
                 f"  ev {_fmt(r.get('value_explained_variance'))}  staleness {_fmt(r.get('staleness_mean'), 2)}"
                 f"  samples/s {_fmt(r.get('samples_per_second'), 1)}  len {_fmt(r.get('response_length_mean'), 1)}"
-                f"  MFU {_percent(r.get('mfu'))}  ETA {int(eta // 60)}m{int(eta % 60):02d}s{self.degraded()}"
+                f"  MFU {_percent(r.get('mfu'))}  ETA {self.eta(r, step)}{self.degraded()}"
             )
         if isinstance(ev, dict):
             acc = ev.get("avg_at_k")
