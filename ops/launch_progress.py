@@ -14,7 +14,6 @@ from typing import Any
 from common.provenance import describe
 from learner.eval_record import eval_line
 
-
 ETA_WINDOW = 10  # steps whose pace the ETA extrapolates
 
 
