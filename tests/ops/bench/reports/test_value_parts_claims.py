@@ -41,8 +41,9 @@ bar set for a new default (with the behaviour log-probs instead, {{d|g2 a1: pape
 {{d|g16 a1: paper_behaviour − vapo|final}}). It still does not beat DAPO + NLL per update
 ({{d|g2 a1: paper_frozen − dapo_nll|final}} at G = 2, {{d|g16 a1: paper_frozen − dapo_nll|final}} at G = 16), and
 its sixteen critic updates per step cost it on the learner ({{d|g16 a1: paper_frozen − vapo|learner}} against
-shipped VAPO at equal learner token passes, G = 16). The shipped configs keep the shipped critic until the switch
-and its cost on the default launch are measured. None of this measures the paper's setting (a 32B model, long
+shipped VAPO at equal learner token passes, G = 16). On the default launch it ties the shipped critic and takes
+about a third longer (the runs: [docs/CRITIC.md](docs/CRITIC.md)); the shipped configs keep the shipped critic until
+the switch lands. None of this measures the paper's setting (a 32B model, long
 chains of thought).
 """
 
