@@ -132,10 +132,10 @@ class Throughput:
         out = throughput(work, s["phase_seconds"], busy, s["tokens_per_second"], self.world, self.peak)
         if self.peak_source == "measured" and self.peak and "mfu" in out:
             reached = max(out["tflops_per_rank"], *out["phase_tflops_per_rank"].values())
-            if reached > self.peak:
-                low, self.peak = self.peak, raised_cpu_peak(self.peak, reached, self.hidden, self.precision)
-                log.info("the CPU matmul ceiling timed at start (%.4g TFLOP/s) was low: a step reached %.4g; "
-                         "timed again, MFU is now against %.4g", low, reached, self.peak)
+            low, self.peak = self.peak, raised_cpu_peak(self.peak, reached, self.hidden, self.precision)
+            if self.peak != low:
+                log.info("the CPU matmul ceiling (%.4g TFLOP/s) was timed low: a step reached %.4g; timed again, "
+                         "MFU is now against %.4g", low, reached, self.peak)
                 out = throughput(work, s["phase_seconds"], busy, s["tokens_per_second"], self.world, self.peak)
             out["peak_tflops_measured"] = self.peak
         return out

@@ -1,7 +1,7 @@
-"""The launcher's progress lines: one per learner step (its ETA at the pace of the last 10 steps; ``engines 1/2`` while fewer engines than planned
-are alive; ``MFU -`` when the learner reports none: an unknown GPU without ``learner.peak_tflops``),
-value-pretraining step and evaluation (one part per set with ``task.eval_sets``), read from ``<run dir>/metrics.jsonl`` as the learner appends to it
-(``ops/launch.py``)."""
+"""The launcher's progress lines: one per learner step (its ETA at the pace of the last 10 steps;
+``engines 1/2`` while fewer engines than planned are alive; ``MFU -`` when the learner reports none: an
+unknown GPU without ``learner.peak_tflops``), value-pretraining step and evaluation (one part per set with
+``task.eval_sets``), read from ``<run dir>/metrics.jsonl`` as the learner appends to it (``ops/launch.py``)."""
 
 from __future__ import annotations
 

@@ -50,4 +50,3 @@ def test_a_step_faster_than_the_cpu_ceiling_has_it_timed_again_and_never_below_t
     assert raised_cpu_peak(2.0, 1.5, 48, "fp32") == 2.0  # within the ceiling: kept, nothing timed
     assert raised_cpu_peak(1e-9, 50.0, 48, "fp32") == 50.0  # beyond any CPU's fp32 matmul: the step's own figure
     assert raised_cpu_peak(1e-9, 2e-9, 48, "fp32") > 1e-6  # timed again: a real ceiling, not the low one
-

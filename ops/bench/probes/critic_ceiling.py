@@ -12,9 +12,9 @@ training pool and a disjoint fresh set, and reads on the fresh set:
 - ``steps_only``: the same oracle blind to mistakes (it knows only the step count: p^(step count) throughout);
 - each trainable critic, trained like value pretraining (``critic_probe.train_variant``, λ = 1 targets) for
   ``--steps`` updates: ``near_frozen`` (the critic long.yaml shipped before the paper-trained one: backbone
-  lr 1e-5 with the surprise head), ``actor_lr`` and ``actor_lr_plain`` (backbone at the actor's lr, surprise head on / off), and with
-  ``--grown DIR`` (a ``python -m learner.grow`` copy of the base) ``grown`` (that critic at the actor's lr, its
-  inserted blocks at 10x: ``learner.critic_grown_lr_scale``).
+  lr 1e-5 with the surprise head), ``actor_lr`` and ``actor_lr_plain`` (backbone at the actor's lr, surprise
+  head on / off), and with ``--grown DIR`` (a ``python -m learner.grow`` copy of the base) ``grown`` (that
+  critic at the actor's lr, its inserted blocks at 10x: ``learner.critic_grown_lr_scale``).
 
 Prints one JSON line: the oracle's and each variant's fresh EV (final and best), and each variant's share of
 the oracle's EV. The EV is per token, of the Monte-Carlo return (the final reward), as value pretraining
