@@ -217,7 +217,7 @@ class LearnerConfig:
     critic_lr: float = f(2e-4, "critic learning rate")
     warmup_steps: int = f(0, "linear lr warmup (optimizer steps) for the policy")
     critic_warmup_steps: int = f(0, "linear lr warmup (optimizer steps) for the critic")
-    critic_updates: int = f(0, "K_v: critic optimizer steps (mini-batches) per epoch of a step, set apart from the actor's (0 = learner.mini_batches; the paper: 16; one-rank learner only)")
+    critic_updates: int = f(0, "K_v: critic optimizer steps (mini-batches) per epoch of a step, set apart from the actor's (0 = learner.mini_batches; the paper: 16)")
     weight_decay: float = f(0.0, "AdamW weight decay")
     grad_clip: float = f(1.0, "gradient norm clip (0 = off)")
     zero_stage: int = f(0, "DeepSpeed ZeRO stage 0-3")

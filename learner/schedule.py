@@ -47,13 +47,10 @@ def critic_minibatch_rows(actor: list[Tensor], n_rows: int, critic_updates: int,
                           version: int) -> list[Tensor]:
     """The critic's mini-batches (learner.critic_updates, K_v): the actor's own list when ``critic_updates`` is 0,
     else the step's permutation cut into ``critic_updates`` chunks, one critic optimizer step each per epoch.
-
-    One rank only: the deal of rows to ranks follows the mini-batches, and the value pass and the EV read the
-    actor's deal (``learner.train``)."""
+    Their rows are dealt to the ranks apart from the actor's, so with several ranks the pre-update values are
+    summed over the ranks before the critic trains (``learner.train``)."""
     if critic_updates <= 0:
         return actor
-    if world_size() > 1:
-        raise ValueError("learner.critic_updates > 0 is implemented for a one-rank learner only")
     return minibatch_rows(n_rows, critic_updates, seed, version)
 
 

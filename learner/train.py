@@ -60,7 +60,7 @@ from learner.advantages import (
 from learner.batch import Batch, collate_samples, collate_scored, concat
 from learner.compute import PHASE_PASSES, step_token_passes
 from learner.data import DataSource, fetch, row_limits
-from learner.dist import global_explained_variance, global_whiten, setup_distributed
+from learner.dist import all_reduce_sum, global_explained_variance, global_whiten, setup_distributed
 from learner.forwards import compute_logprobs, compute_values
 from learner.losses import behaviour_weight
 from learner.mismatch import proximal_mismatch
@@ -80,6 +80,8 @@ class StepData:
     batch: Batch
     minibatches: list[Tensor]  # row indices of each mini-batch (the same on every rank)
     mine: Tensor  # the rows this rank trains on (and needs values and advantages for)
+    critic_minibatches: list[Tensor]  # the critic's (learner.critic_updates, K_v): ``minibatches`` itself when 0
+    critic_mine: Tensor  # the rows this rank trains the critic on
     limits: MicroLimits
     rewards: Tensor  # [B, T] the score on each row's last real token, 0 on replayed positives
     lam: Tensor  # [B] λ_actor per row (length-adaptive or constant)
@@ -196,7 +198,11 @@ class Learner:
         minibatches = minibatch_rows(batch.size, cfg.learner.mini_batches, cfg.run.seed, self.version)
         lam = (length_adaptive_lambda(batch.lengths, ac.alpha) if ac.length_adaptive
                else torch.full((batch.size,), ac.lambda_actor))
-        return StepData(batch=batch, minibatches=minibatches, mine=my_rows(minibatches, batch, limits), limits=limits,
+        critic_mbs = critic_minibatch_rows(minibatches, batch.size, cfg.learner.critic_updates, cfg.run.seed,
+                                           self.version)
+        mine = my_rows(minibatches, batch, limits)
+        return StepData(batch=batch, minibatches=minibatches, mine=mine, critic_minibatches=critic_mbs,
+                        critic_mine=mine if critic_mbs is minibatches else my_rows(critic_mbs, batch, limits), limits=limits,
                         rewards=terminal_rewards(batch.scores, batch.mask) * batch.ppo_mask, lam=lam,
                         staleness=(self.version - batch.weight_version[~batch.is_replay]).clamp(min=0))
 
@@ -216,6 +222,10 @@ class Learner:
         ac, b = self.cfg.algo, d.batch
         old_values = (compute_values(self.critic, b, rows=d.minibatches, limits=d.limits) if self.value_pass
                       else torch.zeros(b.mask.shape))
+        if self.value_pass and d.critic_minibatches is not d.minibatches:
+            # K_v deals the rows to the ranks apart from the actor's deal, so a rank trains the critic on rows whose
+            # values another rank computed: every rank takes every row's (each row's are non-zero on one rank).
+            old_values = all_reduce_sum(old_values).to(old_values.dtype)
         if ac.decoupled_gae:
             _, returns = decoupled_gae(d.rewards, old_values, b.ppo_mask, ac.gamma, ac.lambda_actor, ac.lambda_critic)
         else:  # ablation: the critic regresses on the actor's λ-returns, A^λ + V
@@ -226,17 +236,18 @@ class Learner:
 
     def update_critic(self, d: StepData, *, returns: Tensor, old_values: Tensor) -> dict[str, float]:
         seen = None if self.value_pass else torch.zeros(d.batch.mask.shape)
-        mbs = critic_minibatch_rows(d.minibatches, d.batch.size, self.cfg.learner.critic_updates, self.cfg.run.seed,
-                                    self.version)
-        stats = critic_update(self.critic, d.batch, minibatches=mbs, returns=returns, old_values=old_values,
+        stats = critic_update(self.critic, d.batch, minibatches=d.critic_minibatches, returns=returns, old_values=old_values,
                               epochs=self.cfg.learner.ppo_epochs, limits=d.limits, value_clip=self.cfg.algo.value_clip,
                               record=seen)
         if seen is not None:
-            stats.update(self.value_stats(d, values=seen, returns=returns))
+            stats.update(self.value_stats(d, values=seen, returns=returns, rows=d.critic_mine))
         return stats
 
-    def value_stats(self, d: StepData, *, values: Tensor, returns: Tensor) -> dict[str, float]:
-        ev, mean = global_explained_variance(values[d.mine], returns[d.mine], d.batch.ppo_mask[d.mine])
+    def value_stats(self, d: StepData, *, values: Tensor, returns: Tensor,
+                    rows: Tensor | None = None) -> dict[str, float]:
+        """Explained variance and mean of ``values`` over ``rows`` of every rank (default: the actor's deal)."""
+        mine = d.mine if rows is None else rows
+        ev, mean = global_explained_variance(values[mine], returns[mine], d.batch.ppo_mask[mine])
         return {"value_explained_variance": ev, "value_mean": mean}
 
     def gae_advantages(self, d: StepData, *, values: Tensor) -> Tensor:
