@@ -141,6 +141,10 @@ def _learner_algo_checks(cfg: Config) -> list[Check]:
          "oracle needs task.name=chain (the only task whose state the oracle reads) and algo.advantage=gae"),
         ("algo.oracle_line_accuracy", 0 <= cfg.algo.oracle_line_accuracy <= 1, "must be in [0, 1] (0 = each batch's own)"),
         ("learner.critic_updates", cfg.learner.critic_updates >= 0, "must be >= 0 (0 = learner.mini_batches)"),
+        ("learner.value_head_surprise_source", not (cfg.learner.value_head_surprise and cfg.learner.zero_stage == 3
+                                                    and cfg.learner.value_head_surprise_source == "frozen_base"),
+         "frozen_base keeps a whole frozen copy of the base model on every rank: not with learner.zero_stage=3 "
+         "(behaviour reads the same features' source from the samples)"),
         ("algo.baseline", cfg.algo.baseline == "critic" or cfg.algo.advantage == "gae", "group_loo needs algo.advantage=gae"),
         ("value_pretrain.pool_groups", cfg.value_pretrain.pool_groups == 0
          or cfg.value_pretrain.pool_groups >= cfg.value_pretrain.batch_groups, "must be 0 or >= value_pretrain.batch_groups"),

@@ -43,7 +43,10 @@ def overrides(a: argparse.Namespace, ranks: int = 1) -> list[str]:
         placement = [f"placement.gpus_per_host={max(ranks, 1)}", "placement.engine_gpus=0",
                      f"placement.learner_gpus=0-{ranks - 1}" if ranks > 1 else "placement.learner_gpus=0",
                      "placement.share_gpus=true"]
-    multi = ["learner.zero_stage=3", "learner.eval_via=engine"] if ranks > 1 else []
+    # ZeRO-3 refuses a whole frozen base model per rank: the default critic reads its surprise features from the
+    # behaviour log-probs there.
+    multi = (["learner.zero_stage=3", "learner.eval_via=engine", "learner.value_head_surprise_source=behaviour"]
+             if ranks > 1 else [])
     return [
         f"run.root={a.root}", f"run.name={name}", f"run.device={a.device}", f"run.seed={a.seed}",
         f"model.path={a.root}/_base/{base}", *placement, *multi, f"model.dtype={'bfloat16' if a.device == 'cuda' else 'float32'}",
@@ -53,6 +56,7 @@ def overrides(a: argparse.Namespace, ranks: int = 1) -> list[str]:
         f"model.bootstrap.seconds={a.sft_seconds}", "model.bootstrap.eval_k=2",
         f"learner.total_steps={a.steps}", f"learner.eval_every={a.steps}", "learner.checkpoint_every=0",
         f"learner.precision={'bf16' if a.device == 'cuda' else 'fp32'}", f"value_pretrain.steps={a.value_steps}",
+        "value_pretrain.allow_untrained_critic=true",  # a check of the path: its short pretraining need not converge
         *a.extra,
     ]
 

@@ -64,6 +64,10 @@ def workload_overrides() -> list[str]:
             out.update(flat(v, f"{prefix}{f.name}.") if dataclasses.is_dataclass(v) else {f"{prefix}{f.name}": v})
         return out
     ours, theirs = flat(load_config(ROOT / CONFIG)), flat(load_config(ROOT / WORKLOAD))
+    if ours["learner.zero_stage"] == 3 and theirs["learner.value_head_surprise_source"] == "frozen_base":
+        # A frozen base model is a whole copy on every rank, which the cluster's ZeRO-3 learner refuses: the
+        # paper-trained critic reads its surprise features from the samples' behaviour log-probs instead.
+        theirs["learner.value_head_surprise_source"] = "behaviour"
     return [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in theirs.items()
             if v != ours.get(k) and not k.startswith(TOPOLOGY)]
 

@@ -54,6 +54,8 @@ def test_yaml_then_overrides(tmp_path: Path) -> None:
         (["actors.temperature=0.7"], "actors.temperature: 0.7 needs engine.logprobs=scaled"),
         (["algo.critic=oracle"], "algo.critic: oracle needs task.name=chain"),
         (["algo.critic=psychic"], "algo.critic: 'psychic' is not one of"),
+        (["learner.value_head_surprise=true", "learner.value_head_surprise_source=frozen_base", "learner.zero_stage=3"],
+         "learner.value_head_surprise_source: frozen_base keeps a whole frozen copy"),
     ],
 )
 def test_errors_name_the_key(overrides: list[str], needle: str) -> None:

@@ -268,7 +268,9 @@ def section(summary: dict[str, Any], study: Study, plots: list[Path], out: Path)
              *critic_table(summary, study.every_arm), "",
              "### The default, by the evidence", "",
              "An opt-in arm becomes `long.yaml`'s (and `default.yaml`'s) default only if it beats shipped VAPO per "
-             "policy update (at the end: every arm makes as many updates) with p < 0.05 at both group sizes.", "",
+             "policy update (at the end: every arm makes as many updates) with p < 0.05 at both group sizes. "
+             "`paper_frozen` did, and is their default since; the study's `vapo` arm keeps the near-frozen critic "
+             "it was measured with (`SHIPPED_CRITIC`).", "",
              *verdict_table(summary, study.groups), "",
              "### Provenance", "", "The commits the runs ran from (`commit` and `dirty` of each ledger line).", "",
              *provenance(study.made), ""]

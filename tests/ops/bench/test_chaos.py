@@ -15,8 +15,12 @@ from pathlib import Path
 import pytest
 
 from common import lifeline
+from common.config import ConfigError, load_config
 from ops.bench import chaos as chaos_mod
 from ops.bench.chaos import ROOT, main, settings, start_reference, step_gaps_lost
+from ops.chaos.cluster import CONFIG as CLUSTER_CONFIG
+from ops.chaos.cluster import OVERRIDES as CLUSTER_OVERRIDES
+from ops.chaos.cluster import workload_overrides
 from ops.chaos.procs import mentioning
 from ops.rehearsal.cluster import missing_prerequisites
 from tests.polling import wait_for
@@ -40,6 +44,20 @@ def test_a_cluster_run_sizes_its_steps_for_the_cluster_and_takes_the_rehearsals_
     a = settings(_args(short=True, cluster=True))
     assert (a.minutes, a.steps, a.config) == (4.0, 30, "ops/configs/rehearsal.yaml")  # 4 min at 8 s a step
     assert settings(_args(cluster=True)).steps == 450
+
+
+def test_the_cluster_runs_the_default_critic_in_the_form_its_zero3_learner_can_hold() -> None:
+    """The default critic's frozen base model is a whole copy per rank, which ZeRO-3 refuses: laid over the
+    rehearsal's ZeRO-3 learner, the default workload reads its surprise features from the behaviour log-probs,
+    and keeps the rest of its critic (K_v, lr, value pretraining)."""
+    default = load_config(ROOT / "ops/configs/default.yaml")
+    assert default.learner.value_head_surprise_source == "frozen_base"
+    with pytest.raises(ConfigError, match="frozen_base keeps a whole frozen copy"):
+        load_config(ROOT / CLUSTER_CONFIG, ["learner.value_head_surprise=true", "learner.value_head_surprise_source=frozen_base"])
+    cfg = load_config(ROOT / CLUSTER_CONFIG, [*CLUSTER_OVERRIDES, *workload_overrides()])
+    assert (cfg.learner.zero_stage, cfg.learner.value_head_surprise_source) == (3, "behaviour")
+    assert (cfg.learner.critic_updates, cfg.learner.critic_lr, cfg.value_pretrain.pool_groups) == (
+        default.learner.critic_updates, default.learner.critic_lr, default.value_pretrain.pool_groups)
 
 
 def test_live_sglang_engines_size_the_steps_at_twelve_seconds_and_space_the_faults() -> None:

@@ -23,28 +23,29 @@ REPO = Path(__file__).resolve().parents[4]
 
 README_VALUE = """\
 On the CPU miniatures (policies under a million parameters, synthetic tasks, 3 seeds per arm:
-[docs/RESULTS.md](docs/RESULTS.md)) VAPO learns, but its value model does not clearly pay. With groups of
-two samples, at equal generated tokens, VAPO − DAPO is {{d|g2 a1: vapo − dapo|gen}} points of held-out
-accuracy (seed-blocked: the mean per-seed difference ± its standard error, paired t), but that is almost all
-the cost of DAPO's filter, which discards the groups whose two samples agree and regenerates them: against
-DAPO without the filter it is {{d|g2 a1: vapo − dapo_nofilter|gen}}, and for the critic alone (VAPO without
-its NLL) {{d|g2 a1: vapo_nonll − dapo_nofilter|gen}}. Per policy update, on the learner and at equal wall
-time VAPO trails or ties DAPO at G = 2 and G = 16, and across group sizes, on the same {{xgbudget}} generated
-tokens, DAPO + NLL at G = 16 reaches {{xg|dapo_nll|16}} against G = 2 VAPO's {{xg|vapo_a1|2}}. A hand-made,
-task-aware reference critic (`algo.critic=oracle`; not a ceiling: it assumes one slip rate for every line)
-puts VAPO {{drange|oracle − dapo_nll|final}} points ahead of DAPO + NLL per update, clearly only at G = 2,
-α = 0.05: {{d|g2 a0.05: oracle − dapo_nll|final}}. The shipped critic is also not trained the way the paper
-trains one ([docs/CRITIC.md](docs/CRITIC.md)). Trained that way, with its surprise features read from a frozen
-copy of the base model (`paper_frozen`), it beats shipped VAPO per update at both group sizes,
-{{d|g2 a1: paper_frozen − vapo|final}} points at G = 2 and {{d|g16 a1: paper_frozen − vapo|final}} at G = 16: the
-bar set for a new default (with the behaviour log-probs instead, {{d|g2 a1: paper_behaviour − vapo|final}} and
-{{d|g16 a1: paper_behaviour − vapo|final}}). It still does not beat DAPO + NLL per update
-({{d|g2 a1: paper_frozen − dapo_nll|final}} at G = 2, {{d|g16 a1: paper_frozen − dapo_nll|final}} at G = 16), and
-its sixteen critic updates per step cost it on the learner ({{d|g16 a1: paper_frozen − vapo|learner}} against
-shipped VAPO at equal learner token passes, G = 16). On the default launch it ties the shipped critic and takes
-about a third longer (the runs: [docs/CRITIC.md](docs/CRITIC.md)); the shipped configs keep the shipped critic until
-the switch lands. None of this measures the paper's setting (a 32B model, long
-chains of thought).
+[docs/RESULTS.md](docs/RESULTS.md)) VAPO learns, but its value model does not clearly pay. With groups of two
+samples, at equal generated tokens, VAPO − DAPO is {{d|g2 a1: vapo − dapo|gen}} points of held-out accuracy
+(seed-blocked: the mean per-seed difference ± its standard error, paired t), but that is almost all the cost of
+DAPO's filter, which discards the groups whose two samples agree and regenerates them: against DAPO without the
+filter it is {{d|g2 a1: vapo − dapo_nofilter|gen}}, and for the critic alone (VAPO without its NLL)
+{{d|g2 a1: vapo_nonll − dapo_nofilter|gen}}. Per policy update, on the learner and at equal wall time VAPO
+trails or ties DAPO at G = 2 and G = 16, and across group sizes, on the same {{xgbudget}} generated tokens, DAPO
++ NLL at G = 16 reaches {{xg|dapo_nll|16}} against G = 2 VAPO's {{xg|vapo_a1|2}}. A hand-made, task-aware
+reference critic (`algo.critic=oracle`; not a ceiling: it assumes one slip rate for every line) puts VAPO
+{{drange|oracle − dapo_nll|final}} points ahead of DAPO + NLL per update, clearly only at G = 2, α = 0.05:
+{{d|g2 a0.05: oracle − dapo_nll|final}}. The critic the study measured (the one shipped before the change below)
+is not trained the way the paper trains one ([docs/CRITIC.md](docs/CRITIC.md)). Trained that way, with its
+surprise features read from a frozen copy of the base model (`paper_frozen`), it beats the study's VAPO per
+update at both group sizes, {{d|g2 a1: paper_frozen − vapo|final}} points at G = 2 and
+{{d|g16 a1: paper_frozen − vapo|final}} at G = 16: the bar set for a new default (with the behaviour log-probs
+instead, {{d|g2 a1: paper_behaviour − vapo|final}} and {{d|g16 a1: paper_behaviour − vapo|final}}). It still
+does not beat DAPO + NLL per update ({{d|g2 a1: paper_frozen − dapo_nll|final}} at G = 2,
+{{d|g16 a1: paper_frozen − dapo_nll|final}} at G = 16), and its sixteen critic updates per step cost it on the
+learner ({{d|g16 a1: paper_frozen − vapo|learner}} against the study's VAPO at equal learner token passes,
+G = 16). It is now the critic of `default.yaml` and `long.yaml` (the study's runs keep the one they measured);
+on the default launch it ties the critic shipped before it and takes about a third longer (the runs:
+[docs/CRITIC.md](docs/CRITIC.md)). None of this measures the paper's setting (a 32B model, long chains of
+thought).
 """
 
 CRITIC_VALUE_PARTS = """\
@@ -60,7 +61,7 @@ actor barely reads the critic, the faster critics lose their EV as well (RL EV {
 G = 2, {{ev|g16_backbone_a1|rl_ev}} and {{ev|g16_trainable_a1|rl_ev}} at G = 16). A likely reason, not measured
 by these runs: the surprise MLP reads the latest token's log-prob from the critic's own tied LM head, and a
 backbone trained faster moves that head and erases the feature; before RL, in the pilot above, the faster
-backbone helped. The shipped near-frozen backbone stays. On the RL batches it explains
+backbone helped. The near-frozen backbone stayed, until the paper-trained critic below. On the RL batches it explains
 {{ev|g16_oracle_a1|rl_ev}} of the return's variance per token against the reference critic's
 {{ev|g16_oracle_a1|oracle_ev}} at G = 16 (α = 1) and {{ev|g2_oracle_a0.05|rl_ev}} against
 {{ev|g2_oracle_a0.05|oracle_ev}} at G = 2 (α = 0.05). The reference critic's values add

@@ -30,7 +30,7 @@ def test_every_experiment_resolves_and_slots_have_distinct_ports(exp: ModuleType
     for e in exp.SUITE:  # every override is a real, valid config key
         cfg = load_config(ROOT / e.config, [*e.launch_overrides, f"learner.total_steps={e.steps}"])
         assert cfg.learner.total_steps == e.steps
-    assert load_config(ROOT / "ops/configs/default.yaml", list(exp.BY_NAME["no_group_sampling"].overrides)).actors.group_size == 1
+    assert load_config(ROOT / "ops/configs/default.yaml", list(exp.BY_NAME["no_group_sampling"].launch_overrides)).actors.group_size == 1
     # The suites' runs keep the critic their records were measured on, whatever default.yaml ships now.
     vapo = load_config(ROOT / "ops/configs/default.yaml", list(exp.BY_NAME["vapo"].launch_overrides))
     assert (vapo.learner.critic_lr, vapo.learner.value_head_lr_scale, vapo.learner.critic_updates,
