@@ -38,7 +38,7 @@ class Experiment:
 
 SEEDS3 = (0, 1, 2)
 SUITE: tuple[Experiment, ...] = (
-    Experiment("vapo", "baselines", "VAPO (default)", seeds=SEEDS3),
+    Experiment("vapo", "baselines", "VAPO (near-frozen critic)", seeds=SEEDS3),
     Experiment("stale0", "staleness", "VAPO, synchronous (buffer.max_staleness=0)",
                overrides=("buffer.max_staleness=0",), steps=SHORT_STEPS),
     Experiment("stale2", "staleness", "VAPO, buffer.max_staleness=2",

@@ -31,7 +31,7 @@ def test_report_tables_and_plots(exp: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "docs" / "RESULTS.md"
     text = exp.write_report(root, out, notes)
     assert out.read_text() == text and "## Reading\nhand-written" in text
-    assert "| VAPO (default) | 3 | 0.750 ± 0.050 (0.700–0.800) |" in text
+    assert "| VAPO (near-frozen critic) | 3 | 0.750 ± 0.050 (0.700–0.800) |" in text
     assert "| GRPO | 1 | 0.650 ± 0.000 (0.650–0.650) |" in text and "not reached" in text
     assert "| DAPO | 0 | not run yet |" in text
     assert "**0.700 ± 0.000**" in text  # VAPO at step 40 over 3 seeds
