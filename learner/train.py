@@ -201,8 +201,9 @@ class Learner:
         critic_mbs = critic_minibatch_rows(minibatches, batch.size, cfg.learner.critic_updates, cfg.run.seed,
                                            self.version)
         mine = my_rows(minibatches, batch, limits)
+        critic_mine = my_rows(critic_mbs, batch, limits) if cfg.learner.critic_updates > 0 else mine
         return StepData(batch=batch, minibatches=minibatches, mine=mine, critic_minibatches=critic_mbs,
-                        critic_mine=mine if critic_mbs is minibatches else my_rows(critic_mbs, batch, limits), limits=limits,
+                        critic_mine=critic_mine, limits=limits,
                         rewards=terminal_rewards(batch.scores, batch.mask) * batch.ppo_mask, lam=lam,
                         staleness=(self.version - batch.weight_version[~batch.is_replay]).clamp(min=0))
 
@@ -222,7 +223,7 @@ class Learner:
         ac, b = self.cfg.algo, d.batch
         old_values = (compute_values(self.critic, b, rows=d.minibatches, limits=d.limits) if self.value_pass
                       else torch.zeros(b.mask.shape))
-        if self.value_pass and d.critic_minibatches is not d.minibatches:
+        if self.value_pass and self.cfg.learner.critic_updates > 0:
             # K_v deals the rows to the ranks apart from the actor's deal, so a rank trains the critic on rows whose
             # values another rank computed: every rank takes every row's (each row's are non-zero on one rank).
             old_values = all_reduce_sum(old_values).to(old_values.dtype)
