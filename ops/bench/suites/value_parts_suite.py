@@ -35,25 +35,22 @@ value_parts_runs.jsonl``): a run that trains or reads a critic ~11 min (10.6-13.
 (9.4-9.9 min: the groups its filter drops are regenerated), DAPO without the filter 0.58 (6.2-6.4 min);
 ~271 min per seed, **~13.5 h** in all, if G = 16 costs what G = 2 does; loaded cores make every run slower.
 
-Pilot (``--pilot g16_oracle_a1 --steps 4``, seed 0, 2 cores under load ~6 from other jobs): 511 s end to end
-(10 value-pretraining steps, 4 RL steps of 256 samples, 3 evaluations); held-out avg@8 0.213 -> 0.303; the
-oracle's EV on the RL batches 0.41 / 0.26 / 0.45 against the trained critic's 0.27 / 0.10 / 0.21 (steps
-1-3); ``python -m ops.bench.reports.compute_axes`` reads its five axes.
+Pilot (``--pilot g16_oracle_a1 --steps 4``, seed 0, 2 cores under load ~6): 511 s end to end (10 value-pretraining
+steps, 4 RL steps of 256 samples, 3 evaluations); avg@8 0.213 -> 0.303; the oracle's EV on the RL batches 0.41 /
+0.26 / 0.45, the trained critic's 0.27 / 0.10 / 0.21 (steps 1-3).
 
 **A study longer than a machine's lease.** Run directories stay on the machine that made them, so each run
 that finishes is also kept, as one line of its readings (every evaluation on every axis, the final accuracy,
 its seconds, the commit and CPU it ran on, the load at its start and end, its critic's explained variance:
 ``critic_readings``, and at each evaluation's step: ``critic_at_evaluations``; lines written before those were
-kept have none), in
-``docs/results/value_parts_runs.jsonl``: committed, it
-lets the next checkout, on this machine or another, go on from there (a recorded run counts as done) and
-the summary read every run so far. ``--max-runs N`` starts at most N runs, to fit a session:
+kept have none), in ``docs/results/value_parts_runs.jsonl``: committed, it lets the next checkout, on this
+machine or another, go on from there (a recorded run counts as done) and the summary read every run so far.
+``--max-runs N`` starts at most N runs, to fit a session:
 
     .venv/bin/python -m ops.bench.suites.experiments --suite value_parts --max-runs 6
 
 Runs recorded on different CPUs are comparable on every axis but wall time; the summary lists the CPUs
-(``machines``), and each difference the CPUs its two arms' runs ran on (``cpus``), so that a wall-time
-difference across them (marked in the report) is not taken for a method's.
+(``machines``), and each difference its two arms' (``cpus``): a wall-time difference across them is marked.
 
 The summary (one JSON line, ``summary``): per arm the final held-out avg@8 (each seed, mean, sd), the
 accuracy at equal budget on every compute axis of ``ops.bench.reports.compute_axes`` (samples, generated tokens,
@@ -61,13 +58,14 @@ learner and critic token passes, wall time; the budget is the largest every run 
 passes among the runs that train a critic, and only those runs are read on that axis) and on policy passes
 (learner passes less the critic's: what the actor's updates cost, and all an oracle critic would cost, since
 the oracle arm trains a critic only to measure it), and per regime (G, α)
-the differences that separate the parts (a pair of DAPO arms, which have no α, once per G): ``DIFFERENCES``,
+the differences that separate the parts (a pair of DAPO arms, which have no α, once per G): ``DIFFERENCES``
+(and per G what α = 0.05 does to an arm against α = 1: ``ALPHA_DIFFERENCES``),
 each with the Welch σ of the difference of two means (sqrt(sd_a²/n_a + sd_b²/n_b)) and, since every arm runs the
 same seeds, seed-blocked (``paired``: the per-seed differences' mean, standard error, df and paired-t p) at the
 regime's equal budgets and at the pair's own (``own``, the largest both arms' runs reached: ``own_budgets``);
 every arm across G at one budget of generated tokens (``cross_g``); and per arm its critic's explained variance
 (``critic``: the best held-out EV of value pretraining, and the means over the RL steps of the critic's and the
-reference critic's on the RL batches; the ledger keeps no EV per evaluation).
+reference critic's on the RL batches).
 """
 
 from __future__ import annotations
@@ -156,6 +154,8 @@ OPT_IN_DIFFERENCES = (
     ("loo", "dapo_nll", "that baseline against no critic, both with the NLL"),
     ("paper_clip", "vapo", "the paper's critic (frozen base) with its value loss clipped at 0.2"),
     ("paper_clip", "paper_frozen", "what value clipping does to that critic"))
+# One arm at α = 0.05 against itself at α = 1 (the first of the two ALPHAS), read per G.
+ALPHA_DIFFERENCES = (("vapo", "the paper's α, shipped critic"), ("paper_frozen", "the paper's α, paper-trained critic"))
 WITH_ALPHA = frozenset((*CRITIC_ARMS, *CRITIC_TRAINING_ARMS))  # arms that read a critic, so have an α
 # Every axis a run is read on: compute_axes' and policy passes (learner passes less the critic's).
 READ_AXES = (*AXES, "policy_passes")
@@ -325,15 +325,25 @@ def summary(root: Path, load_run: Any = None, ledger: Path | None = None) -> dic
                 if not with_alpha and i > 0:
                     continue  # a pair of DAPO arms has no α: once per G
                 an, bn = (f"g{g}_{x}_{alpha}" if x in WITH_ALPHA else f"g{g}_{x}" for x in (a, b))
-                ra, rb = out["arms"].get(an), out["arms"].get(bn)
-                if ra is not None and rb is not None:
-                    out["differences"][f"g{g} {alpha}: {a} − {b}" if with_alpha else f"g{g}: {a} − {b}"] = {
-                        "what": what, "cpus": sorted(cpus[an] | cpus[bn]), "final": diff(ra["final"], rb["final"]),
-                        **{f"at_equal_{ax}": diff(ra[f"at_equal_{ax}"], rb[f"at_equal_{ax}"]) for ax in READ_AXES},
-                        **seed_blocked(runs[an], runs[bn], out["budgets"][g])}
+                _difference(out, runs, cpus, (an, bn, g, what),
+                            f"g{g} {alpha}: {a} − {b}" if with_alpha else f"g{g}: {a} − {b}")
+        for arm, what in ALPHA_DIFFERENCES:  # an arm at the paper's α against itself at α = 1, same seeds
+            _difference(out, runs, cpus, (f"g{g}_{arm}_a0.05", f"g{g}_{arm}_a1", g, what), f"g{g}: {arm} a0.05 − a1")
     out["cross_g"] = cross_g(runs, study)
     out["default_verdict"] = default_verdict(out)
     return out
+
+
+def _difference(out: dict[str, Any], runs: dict[str, list[AxisRun]], cpus: dict[str, set[str]],
+                pair: tuple[str, str, int, str], key: str) -> None:
+    """``out["differences"][key]``: arm a − arm b (``pair``: names, G, what it measures) where both have runs."""
+    an, bn, g, what = pair
+    ra, rb = out["arms"].get(an), out["arms"].get(bn)
+    if ra is not None and rb is not None:
+        out["differences"][key] = {
+            "what": what, "cpus": sorted(cpus[an] | cpus[bn]), "final": diff(ra["final"], rb["final"]),
+            **{f"at_equal_{ax}": diff(ra[f"at_equal_{ax}"], rb[f"at_equal_{ax}"]) for ax in READ_AXES},
+            **seed_blocked(runs[an], runs[bn], out["budgets"][g])}
 
 
 def default_verdict(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:

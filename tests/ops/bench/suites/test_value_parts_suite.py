@@ -238,6 +238,20 @@ def test_an_opt_in_arm_is_read_beside_the_study_and_moves_none_of_its_figures(tm
     assert out["cross_g"]["budget"] == out["budgets"][2]["gen_tokens"]  # set by VAPO's runs alone
 
 
+def test_an_arm_at_the_papers_alpha_is_read_against_itself_at_alpha_one_on_the_same_seeds(tmp_path: Path) -> None:
+    """The paper-trained critic at α = 0.05 ends 0.02 and 0.04 above itself at α = 1 on seeds 0 and 1: +0.03 ± 0.01
+    (sd of 0.02, 0.04 is √2·0.01, over √2), df 1. Shipped VAPO has no α = 0.05 run, so it has no such row, and
+    no row pairs a run at one α with another arm's at the other."""
+    for seed, (a1, a005) in enumerate(((0.5, 0.52), (0.6, 0.64))):
+        _run(tmp_path, "g2_paper_frozen_a1", seed, [0.3, 0.4, a1])
+        _run(tmp_path, "g2_paper_frozen_a0.05", seed, [0.3, 0.4, a005])
+        _run(tmp_path, "g2_vapo_a1", seed, [0.3, 0.4, 0.45])
+    out = vp.summary(tmp_path, ledger=tmp_path / "none.jsonl")
+    d = out["differences"]["g2: paper_frozen a0.05 − a1"]["paired"]["final"]
+    assert d["diff"] == pytest.approx(0.03) and d["se"] == pytest.approx(0.01) and d["df"] == 1
+    assert [k for k in out["differences"] if "a0.05" in k] == ["g2: paper_frozen a0.05 − a1"]
+
+
 @pytest.mark.parametrize(("g16_gains", "beats"), [((0.1, 0.12, 0.11), True), ((0.1, -0.05, 0.02), False),
                                                   ((0.1, 0.12), False)])
 def test_an_opt_in_arm_clears_the_bar_for_the_default_only_if_it_beats_vapo_at_every_group_size(
