@@ -214,7 +214,9 @@ def _opt_in(summary: dict[str, Any], study: Study) -> list[str]:
     return [f"**Opt-in arms so far: {summary['opt_in_runs']} of {study.opt_in_total} runs** "
             f"({study.opt_in_hours:.1f} h; run only when named): a critic trained as the paper trains one, its "
             "surprise features from the behaviour log-probs or from a frozen base LM head, the second also with its "
-            "value loss clipped, and the group's leave-one-out baseline. They are read at the study's equal budgets (set by the study's arms alone, so "
+            "value loss clipped, and the group's leave-one-out baseline; α = 0.05 is run only for the arm that cleared "
+            "the bar for the default (`paper_frozen`), so the other arms' α = 0.05 runs stay unrun by design. "
+            "They are read at the study's equal budgets (set by the study's arms alone, so "
             "they move none of its figures) and at each pair's own; an arm with fewer than all its seeds is not a "
             "finding.", ""]
 
