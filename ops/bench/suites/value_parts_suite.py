@@ -154,7 +154,7 @@ OPT_IN_DIFFERENCES = (
     ("loo", "dapo_nll", "that baseline against no critic, both with the NLL"),
     ("paper_clip", "vapo", "the paper's critic (frozen base) with its value loss clipped at 0.2"),
     ("paper_clip", "paper_frozen", "what value clipping does to that critic"))
-# One arm at α = 0.05 against itself at α = 1 (the first of the two ALPHAS), read per G.
+# One arm at the paper's α (0.05) against itself at α = 1, on the same seeds, per G (keys "g<G>: <arm> a0.05 − a1").
 ALPHA_DIFFERENCES = (("vapo", "the paper's α, shipped critic"), ("paper_frozen", "the paper's α, paper-trained critic"))
 WITH_ALPHA = frozenset((*CRITIC_ARMS, *CRITIC_TRAINING_ARMS))  # arms that read a critic, so have an α
 # Every axis a run is read on: compute_axes' and policy passes (learner passes less the critic's).
